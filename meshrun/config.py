@@ -1,0 +1,324 @@
+"""Typed, frozen configs: one small dataclass per component, loaded from YAML + `section.key=value`.
+
+Each component gets only its own section (layers get `ModelConfig`, the mesh builder `MeshConfig`).
+Every error is a `ConfigError` naming the field, the value seen and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshrun.errors import ConfigError
+
+AXES = ("data", "pipe", "expert", "tensor")
+DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Parallel degrees. One of them may be -1: it takes the devices left over."""
+
+    data: int = -1
+    pipe: int = 1
+    expert: int = 1
+    tensor: int = 1
+    order: tuple[str, ...] = DEFAULT_ORDER  # outer -> inner; `tensor` innermost keeps TP on NVLink
+    hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
+    allow_cross_host_tensor: bool = False
+
+    def __post_init__(self):
+        for ax in AXES:
+            v = getattr(self, ax)
+            if v == 0 or v < -1:
+                raise ConfigError(f"mesh.{ax}", v, "use a positive degree, or -1 to take the devices left over",
+                                  "degree must be >= 1 or -1")
+        fill = [ax for ax in AXES if getattr(self, ax) == -1]
+        if len(fill) > 1:
+            raise ConfigError("mesh", {a: -1 for a in fill}, "set at most one axis to -1", "two axes are -1")
+        if sorted(self.order) != sorted(AXES):
+            raise ConfigError("mesh.order", list(self.order), f"list each of {list(AXES)} exactly once",
+                              "order must be a permutation of the mesh axes")
+        if self.hosts < 0:
+            raise ConfigError("mesh.hosts", self.hosts, "use 0 (one host per process) or a positive count")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer (Llama-style by default); MoE when n_experts > 0."""
+
+    vocab: int = 256
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    d_ff: int = 128
+    max_seq_len: int = 128
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    mlp: str = "swiglu"  # swiglu (Llama: 3 matrices) | gelu (GPT-3: 2 matrices, d_ff = 4*d_model)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
+    remat: str = "none"  # none | full | selective
+    sequence_parallel: bool = False
+    n_experts: int = 0  # 0: dense model
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+
+    def __post_init__(self):
+        for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"model.{f}", getattr(self, f), "use a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", self.n_kv_heads,
+                              f"choose a divisor of model.n_heads={self.n_heads}", "n_heads not divisible")
+        for f in ("dtype", "param_dtype"):
+            if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"model.{f}", getattr(self, f), "use float32, bfloat16 or float16")
+        _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
+        _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
+        _choice("model.remat", self.remat, ("none", "full", "selective"))
+        if self.n_experts < 0:
+            raise ConfigError("model.n_experts", self.n_experts, "use 0 (dense) or a positive expert count")
+        if self.n_experts:
+            if not 1 <= self.top_k <= self.n_experts:
+                raise ConfigError("model.top_k", self.top_k, f"use 1 <= top_k <= n_experts={self.n_experts}")
+            if self.moe_every < 1 or self.n_layers % self.moe_every:
+                raise ConfigError("model.moe_every", self.moe_every,
+                                  f"use a divisor of model.n_layers={self.n_layers}")
+            if self.capacity_factor <= 0:
+                raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    microbatches: int = 1  # m: number of microbatches per step (>= 4*pipe recommended)
+    virtual: int = 1  # v: virtual chunks per stage (interleaved)
+
+    def __post_init__(self):
+        _choice("pipeline.schedule", self.schedule, ("gpipe", "1f1b", "interleaved"))
+        if self.microbatches < 1:
+            raise ConfigError("pipeline.microbatches", self.microbatches, "use a positive count")
+        if self.virtual < 1:
+            raise ConfigError("pipeline.virtual", self.virtual, "use a positive count")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    global_batch: int = 16
+    seq_len: int = 64
+    zero: int = 0  # ZeRO stage 0..3
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 1
+    run_dir: str = "runs/default"
+    profile: bool = False
+
+    def __post_init__(self):
+        for f in ("steps", "global_batch", "seq_len", "log_every"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"train.{f}", getattr(self, f), "use a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
+        if self.lr <= 0:
+            raise ConfigError("train.lr", self.lr, "use a positive learning rate")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "text"  # synthetic | text | tokens
+    glob: str = ""  # text: files to read; empty = the Python standard library's own .py sources
+    path: str = ""  # tokens: flat uint16/uint32 .bin file
+    token_dtype: str = "uint16"
+    seed: int = 0
+
+    def __post_init__(self):
+        _choice("data.kind", self.kind, ("synthetic", "text", "tokens"))
+        _choice("data.token_dtype", self.token_dtype, ("uint16", "uint32"))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # save every N steps (0: only at the end)
+    keep: int = 2
+    async_save: bool = True
+    resume: bool = True
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError("checkpoint.every", self.every, "use 0 (only at the end) or a positive step count")
+        if self.keep < 1:
+            raise ConfigError("checkpoint.keep", self.keep, "keep at least 1 checkpoint")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, f"use one of {list(allowed)}")
+
+
+# ---------------------------------------------------------------- generic loading
+
+
+def _suggest(key: str, options) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {sorted(options)}"
+
+
+def _coerce(name: str, tp, value):
+    """Check/convert one value against a field's type hint."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(name, args[0], value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(name, value, "use true or false", "not a boolean")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(name, value, "use a whole number, e.g. 2", "not an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, value, "use a number, e.g. 0.5", "not a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(name, value, "use a string", "not a string")
+        return str(value)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, value, "use a list, e.g. [a, b] or a,b", "not a list")
+        (inner, *_rest) = typing.get_args(tp)
+        return tuple(_coerce(name, inner, v) for v in value)
+    raise TypeError(f"unsupported config type {tp} for {name}")
+
+
+def from_dict(cls, data: dict[str, Any] | None, prefix: str = ""):
+    """Build dataclass `cls` from a (nested) dict, checking keys and types."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(full, value, _suggest(key, names), "unknown key")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(full, value, f"give a mapping of {tp.__name__} keys", "not a section")
+            kwargs[key] = from_dict(tp, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, tp, value)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg)
+
+    def fix(d):
+        return {k: (fix(v) if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+    return fix(out)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`section.key=value` strings -> nested dict (values parsed as YAML scalars)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, item, "write overrides as section.key=value, e.g. mesh.tensor=2",
+                              "not a key=value override")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(key, raw, "do not set a section and one of its keys together")
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", str(path), "give the path of an existing YAML file", "no such file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", str(path), f"fix the YAML syntax ({e})", "not valid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(path), "the top level must be a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), cls=RunConfig):
+    """YAML file (optional) + overrides -> validated config of type `cls`."""
+    data = load_yaml(path) if path else {}
+    return from_dict(cls, merge(data, parse_overrides(list(overrides))))
+
+
+def load_section(cls, overrides: list[str], section: str):
+    """Only `section.*` overrides -> `cls` (e.g. MeshConfig for `meshrun mesh`)."""
+    tree = parse_overrides(list(overrides))
+    for k, v in tree.items():
+        if k != section:
+            raise ConfigError(k, v, f"only {section}.KEY=VALUE overrides apply here", "unknown section")
+    return from_dict(cls, tree.get(section, {}), f"{section}.")
