@@ -38,14 +38,22 @@ class MeshConfig:
         for ax in AXES:
             v = getattr(self, ax)
             if v == 0 or v < -1:
-                raise ConfigError(f"mesh.{ax}", v, "use a positive degree, or -1 to take the devices left over",
-                                  "degree must be >= 1 or -1")
+                raise ConfigError(
+                    f"mesh.{ax}",
+                    v,
+                    "use a positive degree, or -1 to take the devices left over",
+                    "degree must be >= 1 or -1",
+                )
         fill = [ax for ax in AXES if getattr(self, ax) == -1]
         if len(fill) > 1:
             raise ConfigError("mesh", {a: -1 for a in fill}, "set at most one axis to -1", "two axes are -1")
         if sorted(self.order) != sorted(AXES):
-            raise ConfigError("mesh.order", list(self.order), f"list each of {list(AXES)} exactly once",
-                              "order must be a permutation of the mesh axes")
+            raise ConfigError(
+                "mesh.order",
+                list(self.order),
+                f"list each of {list(AXES)} exactly once",
+                "order must be a permutation of the mesh axes",
+            )
         if self.hosts < 0:
             raise ConfigError("mesh.hosts", self.hosts, "use 0 (one host per process) or a positive count")
 
@@ -84,8 +92,12 @@ class ModelConfig:
             if getattr(self, f) < 1:
                 raise ConfigError(f"model.{f}", getattr(self, f), "use a positive integer")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError("model.n_kv_heads", self.n_kv_heads,
-                              f"choose a divisor of model.n_heads={self.n_heads}", "n_heads not divisible")
+            raise ConfigError(
+                "model.n_kv_heads",
+                self.n_kv_heads,
+                f"choose a divisor of model.n_heads={self.n_heads}",
+                "n_heads not divisible",
+            )
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{f}", getattr(self, f), "use float32, bfloat16 or float16")
@@ -98,8 +110,7 @@ class ModelConfig:
             if not 1 <= self.top_k <= self.n_experts:
                 raise ConfigError("model.top_k", self.top_k, f"use 1 <= top_k <= n_experts={self.n_experts}")
             if self.moe_every < 1 or self.n_layers % self.moe_every:
-                raise ConfigError("model.moe_every", self.moe_every,
-                                  f"use a divisor of model.n_layers={self.n_layers}")
+                raise ConfigError("model.moe_every", self.moe_every, f"use a divisor of model.n_layers={self.n_layers}")
             if self.capacity_factor <= 0:
                 raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
 
@@ -272,8 +283,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(item, item, "write overrides as section.key=value, e.g. mesh.tensor=2",
-                              "not a key=value override")
+            raise ConfigError(
+                item, item, "write overrides as section.key=value, e.g. mesh.tensor=2", "not a key=value override"
+            )
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw != "" else ""

@@ -1,0 +1,177 @@
+"""Logical axis names -> mesh axes. The only module (with configs) that names mesh axes.
+
+Two small tables (Levanter-style): PARAM_RULES for weights, COMPUTE_RULES for activations.
+ZeRO is a table swap (Rajbhandari et al. 2020): stage 1 shards optimizer state over the dense
+data-parallel group ('data','expert'), stage 2 also gradients, stage 3 also parameters (FSDP).
+A mesh axis may appear once per PartitionSpec: a later dimension drops axes an earlier one used
+(e.g. expert weights [expert, embed, mlp] under ZeRO-3 shard `embed` over 'data' only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = dict[str, tuple[str, ...]]
+
+DP_AXES = ("data", "expert")  # dense layers' data-parallel group: expert parallelism folds into DP
+
+# Weights. Megatron TP: q/k/v, gate, up column-parallel (heads/mlp), out/down row-parallel; vocab-parallel.
+PARAM_RULES: Rules = {
+    "layers": ("pipe",),
+    "vocab": ("tensor",),
+    "embed": (),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "expert": ("expert",),
+    "norm": (),
+}
+
+# Activations.
+COMPUTE_RULES: Rules = {
+    "batch": DP_AXES,
+    "length": (),
+    "embed": (),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "vocab": ("tensor",),
+    "expert": ("expert",),
+    "layers": (),
+}
+
+ZERO_PARTS = ("params", "grads", "opt")
+
+
+def param_rules(zero: int = 0, part: str = "params") -> Rules:
+    """Rules for `part` in ('params', 'grads', 'opt') at ZeRO stage `zero`."""
+    if part not in ZERO_PARTS:
+        raise ValueError(f"part must be one of {ZERO_PARTS}, got {part!r}")
+    sharded_from = {"opt": 1, "grads": 2, "params": 3}[part]
+    rules = dict(PARAM_RULES)
+    if zero >= sharded_from:
+        rules["embed"] = DP_AXES  # FSDP: every weight has an `embed` dimension
+    return rules
+
+
+def compute_rules(sequence_parallel: bool = False) -> Rules:
+    """Activation rules; sequence parallelism shards `length` over `tensor` between blocks."""
+    rules = dict(COMPUTE_RULES)
+    if sequence_parallel:
+        rules["length"] = ("tensor",)
+    return rules
+
+
+def logical_to_spec(
+    names: Sequence[str | None], rules: Rules, mesh: Mesh | None = None, shape: Sequence[int] | None = None
+) -> PartitionSpec:
+    """Map logical dimension names to a PartitionSpec. Axes absent from `mesh`, of size 1,
+    already used by an earlier dimension, or not dividing `shape` are dropped."""
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(names):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        axes = []
+        for ax in rules[name]:
+            if ax in used or (mesh is not None and mesh.shape.get(ax, 1) == 1):
+                continue
+            if mesh is not None and shape is not None:
+                size = mesh.shape[ax] * _prod(mesh.shape[a] for a in axes)
+                if shape[i] % size:
+                    continue
+            axes.append(ax)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def logical_names(var: Any) -> tuple[str | None, ...] | None:
+    """Logical names declared on an NNX Variable (`out_sharding=` / `nnx.with_partitioning`)."""
+    names = getattr(var, "out_sharding", None)
+    if names is None:
+        names = getattr(var, "sharding_names", None)
+    return tuple(names) if names is not None else None
+
+
+def tree_specs(state: Any, rules: Rules, mesh: Mesh | None = None) -> Any:
+    """NNX State (Variables with logical names) -> same tree of PartitionSpecs."""
+    from flax import nnx
+
+    def one(var):
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        names = logical_names(var) or ()
+        names = tuple(names) + (None,) * (value.ndim - len(names))
+        return logical_to_spec(names, rules, mesh, value.shape)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def tree_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NNX State -> tree of NamedShardings (use with jax.device_put or jit out_shardings)."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), tree_specs(state, rules, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+# ---------------------------------------------------------------- activation constraints
+
+_CTX: contextvars.ContextVar[tuple[Mesh | None, Rules, frozenset[str]]] = contextvars.ContextVar(
+    "meshrun_rules", default=(None, COMPUTE_RULES, frozenset())
+)
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh | None, rules: Rules | None = None, manual: Sequence[str] = ()) -> Iterator[None]:
+    """Activate `rules` for `constrain`. Inside a shard_map, list its manual axes in `manual`:
+    they are dropped from constraints (those dimensions are already local)."""
+    token = _CTX.set((mesh, dict(rules or COMPUTE_RULES), frozenset(manual)))
+    try:
+        yield
+    finally:
+        _CTX.reset(token)
+
+
+def current_rules() -> tuple[Mesh | None, Rules, frozenset[str]]:
+    return _CTX.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names; a no-op when no mesh is active (one device)."""
+    mesh, rules, manual = _CTX.get()
+    if mesh is None or mesh.size == 1:
+        return x
+    rules = {k: tuple(a for a in v if a not in manual) for k, v in rules.items()}
+    spec = logical_to_spec(names, rules, mesh, x.shape)
+    if manual:
+        # Inside shard_map the context mesh is abstract with manual axes; a bare spec binds to it.
+        return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def axis_size(name: str) -> int:
+    """Size of the mesh axes behind logical name `name` in the active rules (1 without a mesh)."""
+    mesh, rules, _ = _CTX.get()
+    if mesh is None:
+        return 1
+    return _prod(mesh.shape.get(a, 1) for a in rules.get(name, ()))
