@@ -1,0 +1,184 @@
+"""Collectives in compiled HLO: op, bytes, and the mesh axes they run over.
+
+`jax.jit(f).lower(*args).compile().as_text()` lists every collective after SPMD partitioning.
+Replica groups hold partition ids (positions in `mesh.devices.flat`); the axes whose coordinate
+varies inside a group are the axes the collective runs over. XLA combines collectives into tuples
+(`(f32[..], f32[..]) all-reduce(`): each tuple counts once, its bytes are the sum of its parts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_LINE = re.compile(
+    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(OPS) + r")(?:-start)?\("
+)
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str
+    bytes: int  # result bytes on one device (tuple parts summed)
+    axes: tuple[str, ...]  # mesh axes the collective spans ( () if unknown / trivial )
+    parts: int  # number of arrays (tuple size)
+    in_loop: bool  # inside a while-loop body computation
+
+
+def _shape_bytes(shape: str) -> tuple[int, int]:
+    total, n = 0, 0
+    for dt, dims in _ARRAY.findall(shape):
+        if dt not in _DTYPE_BYTES:
+            continue
+        size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += size * _DTYPE_BYTES[dt]
+        n += 1
+    return total, n
+
+
+def _iota_groups(text: str) -> list[list[int]] | None:
+    # replica_groups=[G,S]<=[d0,d1,...]T(perm)  (iota form)
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    if not m:
+        return None
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+
+
+def _mesh_groups(text: str) -> list[list[int]] | None:
+    # replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]((?:, device_ids=[^{]*)?) \{([^}]*)\}", text)
+    if not m:
+        return None
+    pairs = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names, dims = [p[0] for p in pairs], [int(p[1]) for p in pairs]
+    n = int(np.prod(dims))
+    dev = np.arange(n)
+    iota = re.search(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", m.group(2))
+    explicit = re.search(r"device_ids=\{([0-9,]+)\}", m.group(2))
+    if explicit:
+        dev = np.array([int(x) for x in explicit.group(1).split(",")])
+    elif iota:
+        dev = np.arange(n).reshape([int(x) for x in iota.group(1).split(",")])
+        if iota.group(2):
+            dev = dev.transpose([int(x) for x in iota.group(2).split(",")])
+        dev = dev.reshape(-1)
+    listed = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+    ids = np.moveaxis(dev.reshape(dims), listed, list(range(len(dims) - len(listed), len(dims))))
+    size = int(np.prod([dims[k] for k in listed])) if listed else 1
+    return ids.reshape(-1, size).tolist()
+
+
+def _groups(line: str) -> list[list[int]]:
+    meshg = _mesh_groups(line)
+    if meshg is not None:
+        return meshg
+    iota = _iota_groups(line)
+    if iota is not None:
+        return iota
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}", line)
+    if not m:
+        return []
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+
+
+def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
+    if not mesh_shape or not groups:
+        return ()
+    names, dims = list(mesh_shape), list(mesh_shape.values())
+    varying: set[str] = set()
+    for g in groups:
+        if len(g) < 2:
+            continue
+        coords = np.array(np.unravel_index(np.array(g), dims)).T
+        for k, name in enumerate(names):
+            if len(set(coords[:, k])) > 1:
+                varying.add(name)
+    return tuple(n for n in names if n in varying)
+
+
+def _computations(text: str) -> dict[str, str]:
+    comps, name, buf = {}, None, []
+    for line in text.splitlines():
+        head = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name, buf = head.group(1), []
+            comps[name] = buf
+        elif name is not None:
+            buf.append(line)
+    return {k: "\n".join(v) for k, v in comps.items()}
+
+
+def _in_loop(comps: dict[str, str]) -> set[str]:
+    """Computations run inside a while loop: loop bodies and everything they call, transitively."""
+    todo = [b for body in comps.values() for b in re.findall(r"\bbody=%?([\w.\-]+)", body)]
+    seen: set[str] = set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        todo.extend(r for r in re.findall(r"%([\w.\-]+)", comps[c]) if r in comps)
+    return seen
+
+
+def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list[Collective]:
+    """Every collective in compiled HLO text. `mesh_shape`: ordered {axis: size} (dict(mesh.shape))."""
+    comps = _computations(hlo_text)
+    looped = _in_loop(comps)
+    out = []
+    for name, body in comps.items():
+        for line in body.splitlines():
+            m = _LINE.search(line)
+            if not m:
+                continue
+            nbytes, parts = _shape_bytes(m.group("shape"))
+            axes = _axes_of(_groups(line), mesh_shape)
+            out.append(Collective(m.group("op"), nbytes, axes, parts, name in looped))
+    return out
+
+
+def summarize(colls: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
+    """(op, axes) -> {'count', 'bytes'}."""
+    agg: dict = {}
+    for c in colls:
+        d = agg.setdefault((c.op, c.axes), Counter())
+        d["count"] += 1
+        d["bytes"] += c.bytes
+    return {k: dict(v) for k, v in agg.items()}
+
+
+def bytes_per_axis(colls: list[Collective]) -> dict[str, int]:
+    """Total collective result bytes attributed to each mesh axis (a multi-axis op counts for each)."""
+    out: Counter = Counter()
+    for c in colls:
+        for a in c.axes:
+            out[a] += c.bytes
+    return dict(out)
