@@ -1,0 +1,411 @@
+"""Pipeline schedules as data: pure-Python tables, dependency checks and bubble math (no JAX).
+
+Two views of one schedule, both lists of ticks, each a list of `p` per-stage cells:
+
+* per-op timeline (`gpipe`, `one_f_one_b`, `interleaved`, `zb_h1`, `build`): a cell is one `Task` or
+  None (idle). Every op takes one tick; an op's inputs were produced at an earlier tick. This is the
+  view for charts and bubble math.
+* lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`: at most one forward and one backward
+  per stage per tick, as an SPMD executor runs them (one `ppermute` per direction per tick). A value
+  sent at tick t is usable from tick t+1. Within a tick a stage runs `fwd` before `bwd`, so the last
+  virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused).
+
+Virtual stages (Megatron interleaving): model chunk c of stage s holds virtual stage k = c*p + s of
+V = v*p; chunk 0 on every stage for GPipe and 1F1B. F(mb, k) needs F(mb, k-1); B(mb, k) needs
+B(mb, k+1) and F(mb, k); W(mb, k) (zero-bubble weight grad) needs B(mb, k).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from meshrun.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # 'F' forward, 'B' backward (input grad, plus weight grad unless split), 'W' weight grad
+    mb: int
+    chunk: int = 0
+
+    def label(self, v: int = 1) -> str:
+        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if v > 1 else "")
+
+
+class Step(NamedTuple):
+    """One lockstep cell: the forward and the backward a stage runs in one tick (fwd first)."""
+
+    fwd: Task | None
+    bwd: Task | None
+
+
+class BufferSizes(NamedTuple):
+    residuals: int  # (mb, chunk) pairs whose F ran and whose B/W has not finished (= max_in_flight)
+    fwd_inbox: int  # received activations held past their arrival tick before their F consumes them
+    bwd_inbox: int  # received gradients held past their arrival tick before their B consumes them
+
+
+class ScheduleError(ValueError):
+    """A table that breaks the schedule rules (missing/duplicate op, dependency out of order)."""
+
+
+# ---------------------------------------------------------------- validation of arguments
+
+
+def _check_args(name: str, p: int, m: int, v: int) -> None:
+    if not isinstance(p, int) or p < 1:
+        raise ConfigError("mesh.pipe", p, "use a positive number of pipeline stages")
+    if not isinstance(m, int) or m < 1:
+        raise ConfigError("pipeline.microbatches", m, "use a positive number of microbatches")
+    if not isinstance(v, int) or v < 1:
+        raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
+    if name != "interleaved" and v != 1:
+        raise ConfigError("pipeline.virtual", v, "use --schedule interleaved, or virtual=1", f"{name} has 1 chunk")
+    if name in ("1f1b", "zb-h1") and m < p:
+        raise ConfigError(
+            "pipeline.microbatches",
+            m,
+            f"use at least pipe={p} microbatches (>= {4 * p} recommended)",
+            "1F1B needs m >= p",
+        )
+    if name == "interleaved" and m % p:
+        raise ConfigError(
+            "pipeline.microbatches",
+            m,
+            f"use a multiple of pipe={p}, e.g. {max(p, m - m % p)} or {m + p - m % p}",
+            "interleaved 1F1B needs m % p == 0",
+        )
+
+
+# ---------------------------------------------------------------- per-stage op orders
+
+
+def _gpipe_orders(p: int, m: int) -> list[list[Task]]:
+    return [[Task("F", i) for i in range(m)] + [Task("B", i) for i in range(m)] for _ in range(p)]
+
+
+def _1f1b_orders(p: int, m: int) -> list[list[Task]]:
+    orders = []
+    for s in range(p):
+        w = min(p - 1 - s, m)  # warm-up forwards (PipeDream-flush / Megatron non-interleaved)
+        o = [Task("F", i) for i in range(w)]
+        for i in range(m - w):
+            o += [Task("F", w + i), Task("B", i)]
+        orders.append(o + [Task("B", i) for i in range(m - w, m)])
+    return orders
+
+
+def _interleaved_orders(p: int, m: int, v: int) -> list[list[Task]]:
+    # Megatron-LM interleaved 1F1B (Narayanan et al. 2021): microbatches go in groups of p; within a
+    # group each chunk runs all p microbatches before the next chunk; backward visits chunks in reverse.
+    n = v * m
+
+    def task(kind: str, j: int) -> Task:
+        c = (j // p) % v
+        return Task(kind, (j // (p * v)) * p + j % p, c if kind == "F" else v - 1 - c)
+
+    orders = []
+    for s in range(p):
+        w = min(2 * (p - 1 - s) + (v - 1) * p, n)
+        o = [task("F", j) for j in range(w)]
+        for j in range(n - w):
+            o += [task("F", w + j), task("B", j)]
+        orders.append(o + [task("B", j) for j in range(n - w, n)])
+    return orders
+
+
+def _deps(t: Task, s: int, p: int, v: int) -> list[tuple[str, int, int]]:
+    """Keys (kind, mb, virtual stage) of the ops `t` on stage `s` needs."""
+    k = t.chunk * p + s
+    if t.kind == "F":
+        return [("F", t.mb, k - 1)] if k > 0 else []
+    if t.kind == "B":
+        return [("F", t.mb, k)] + ([("B", t.mb, k + 1)] if k < v * p - 1 else [])
+    return [("B", t.mb, k)]
+
+
+def _place(orders: list[list[Task]], p: int, v: int) -> list[list[Task | None]]:
+    """Per-op timeline: each stage runs its order as soon as the inputs exist (one op per tick)."""
+    done: dict[tuple[str, int, int], int] = {}
+    ptr, table = [0] * p, []
+    while any(ptr[s] < len(orders[s]) for s in range(p)):
+        t, row = len(table), [None] * p
+        for s in range(p):
+            if ptr[s] < len(orders[s]):
+                op = orders[s][ptr[s]]
+                if all(done.get(d, t) < t for d in _deps(op, s, p, v)):
+                    row[s] = op
+        if not any(row):
+            raise ScheduleError(f"deadlock at tick {t}: next ops {[o[q] for o, q in zip(orders, ptr) if q < len(o)]}")
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, op.mb, op.chunk * p + s)] = t
+                ptr[s] += 1
+        table.append(row)
+    return table
+
+
+# ---------------------------------------------------------------- builders
+
+
+def gpipe(p: int, m: int) -> list[list[Task | None]]:
+    _check_args("gpipe", p, m, 1)
+    return _place(_gpipe_orders(p, m), p, 1)
+
+
+def one_f_one_b(p: int, m: int) -> list[list[Task | None]]:
+    _check_args("1f1b", p, m, 1)
+    return _place(_1f1b_orders(p, m), p, 1)
+
+
+def interleaved(p: int, m: int, v: int) -> list[list[Task | None]]:
+    _check_args("interleaved", p, m, v)
+    return _place(_interleaved_orders(p, m, v), p, v)
+
+
+def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
+    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved', 'zb-h1')."""
+    if schedule_name not in SCHEDULES:
+        raise ConfigError("pipeline.schedule", schedule_name, f"use one of {', '.join(SCHEDULES)}", "unknown schedule")
+    if schedule_name == "interleaved":
+        return interleaved(p, m, v)
+    _check_args(schedule_name, p, m, v)
+    if schedule_name == "gpipe":
+        return gpipe(p, m)
+    return one_f_one_b(p, m)
+
+
+# ---------------------------------------------------------------- lockstep view
+
+
+def _stage_orders(table) -> list[list[tuple[int, Task]]]:
+    """(tick, task) per stage in execution order; a lockstep cell runs fwd before bwd."""
+    p = len(table[0]) if table else 0
+    out: list[list[tuple[int, Task]]] = [[] for _ in range(p)]
+    for t, row in enumerate(table):
+        for s, cell in enumerate(row):
+            for op in cell if isinstance(cell, tuple) else (cell,):
+                if op is not None:
+                    out[s].append((t, op))
+    return out
+
+
+def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
+    """Lockstep view of a per-op timeline: per tick and stage a `Step(fwd, bwd)`.
+
+    Each stage keeps the order of its forwards and of its backwards from `table`, and a backward
+    never overtakes a forward that precedes it in `table` (so GPipe keeps its flush); otherwise
+    every op runs at the first tick whose inputs exist: F(mb, k) one tick after F(mb, k-1),
+    B(mb, k) one tick after B(mb, k+1) and no earlier than F(mb, k) (same tick only in fwd-then-bwd
+    order, i.e. at the last virtual stage). 1F1B becomes m + 2(p-1) ticks with stage s holding at
+    most 2(p-1-s)+1 microbatches; interleaved becomes v*m + (v+1)*p - 2 ticks.
+    """
+    p = len(table[0])
+    v = 1 + max(op.chunk for row in table for op in row if op is not None)
+    fq: list[list[Task]] = [[] for _ in range(p)]
+    bq: list[list[tuple[Task, int]]] = [[] for _ in range(p)]  # (B task, forwards that precede it)
+    for s, ops in enumerate(_stage_orders(table)):
+        for _, op in ops:
+            if op.kind == "W":
+                raise ScheduleError("lockstep view of split backward (W) tables is not supported")
+            (fq[s].append(op) if op.kind == "F" else bq[s].append((op, len(fq[s]))))
+    done: dict[tuple[str, int, int], int] = {}
+    fi, bi, out = [0] * p, [0] * p, []
+    while any(fi[s] < len(fq[s]) or bi[s] < len(bq[s]) for s in range(p)):
+        t, row = len(out), []
+        for s in range(p):
+            f = fq[s][fi[s]] if fi[s] < len(fq[s]) else None
+            if f is not None and not all(done.get(d, t) < t for d in _deps(f, s, p, v)):
+                f = None
+            nf = fi[s] + (f is not None)
+            b, need = bq[s][bi[s]] if bi[s] < len(bq[s]) else (None, 0)
+            if b is not None:
+                same = f is not None and f.mb == b.mb and f.chunk == b.chunk
+                ok = need <= nf and all(done.get(d, t) < t or (same and d[0] == "F") for d in _deps(b, s, p, v))
+                b = b if ok else None
+            row.append(Step(f, b))
+        if not any(c.fwd or c.bwd for c in row):
+            raise ScheduleError(f"lockstep deadlock at tick {t}")
+        for s, c in enumerate(row):
+            for op in c:
+                if op is not None:
+                    done[(op.kind, op.mb, op.chunk * p + s)] = t
+            fi[s] += c.fwd is not None
+            bi[s] += c.bwd is not None
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- checks and buffer sizes
+
+
+def check(table, p: int, m: int, v: int = 1) -> None:
+    """Raise ScheduleError unless every (mb, virtual stage) has exactly one F and one B (and at most
+    one W, after its B) and all dependencies hold. Accepts per-op and lockstep tables."""
+    when: dict[tuple[str, int, int], tuple[int, int]] = {}  # key -> (tick, position within the tick)
+    for t, row in enumerate(table):
+        if len(row) != p:
+            raise ScheduleError(f"tick {t} has {len(row)} stages, expected p={p}")
+        for s, cell in enumerate(row):
+            lock = isinstance(cell, tuple)
+            if lock and (len(cell) != 2 or any(o is not None and o.kind != k for o, k in zip(cell, "FB"))):
+                raise ScheduleError(f"tick {t} stage {s}: lockstep cell must be (F or None, B or None), got {cell}")
+            for pos, op in enumerate(cell if lock else (cell,)):
+                if op is None:
+                    continue
+                if op.kind not in "FBW" or not (0 <= op.mb < m and 0 <= op.chunk < v):
+                    raise ScheduleError(f"tick {t} stage {s}: task {op} out of range (m={m}, v={v})")
+                key = (op.kind, op.mb, op.chunk * p + s)
+                if key in when:
+                    raise ScheduleError(f"{op} on stage {s} appears twice (ticks {when[key][0]} and {t})")
+                when[key] = (t, pos)
+    for mb in range(m):
+        for k in range(v * p):
+            for kind in "FB":
+                if (kind, mb, k) not in when:
+                    raise ScheduleError(f"missing {kind} of microbatch {mb} at virtual stage {k}")
+    for (kind, mb, k), (t, pos) in when.items():
+        for d in _deps(Task(kind, mb, k // p), k % p, p, v):
+            dt = when.get(d)
+            same_cell_ok = dt is not None and d[2] == k and dt == (t, 0) and pos == 1  # fwd before bwd
+            if dt is None or not (dt[0] < t or same_cell_ok):
+                raise ScheduleError(f"{kind}{mb} at virtual stage {k} (tick {t}) runs before its input {d} ({dt})")
+
+
+def _residual_intervals(table, stage: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(mb, chunk) -> (tick of F, tick of the last of B/W) on one stage."""
+    iv: dict[tuple[int, int], list[int]] = {}
+    for t, op in _stage_orders(table)[stage]:
+        key = (op.mb, op.chunk)
+        if op.kind == "F":
+            iv[key] = [t, t]
+        else:
+            iv[key][1] = max(iv[key][1], t)
+    return {k: (a, b) for k, (a, b) in iv.items()}
+
+
+def _max_overlap(intervals) -> int:
+    """Most closed intervals [a, b] covering one tick."""
+    ev = sorted([(a, 0) for a, _ in intervals] + [(b, 1) for _, b in intervals])  # starts before ends
+    cur = best = 0
+    for _, end in ev:
+        cur += -1 if end else 1
+        best = max(best, cur)
+    return best
+
+
+def max_in_flight(table, stage: int) -> int:
+    """Most (mb, chunk) pairs on `stage` whose F has run and whose B (or W) has not finished, i.e.
+    max over ticks t of #{F tick <= t <= last backward tick}: the residual slots a stage needs when
+    it writes a slot in F and frees it after B (fwd runs before bwd within a lockstep tick)."""
+    return _max_overlap(_residual_intervals(table, stage).values())
+
+
+def residual_slots(table, stage: int) -> dict[tuple[int, int], int]:
+    """A slot in [0, max_in_flight) per (mb, chunk) such that no two live residuals share one."""
+    free: list[int] = []
+    busy: list[tuple[int, int]] = []  # (last tick, slot)
+    out, n = {}, 0
+    for key, (a, b) in sorted(_residual_intervals(table, stage).items(), key=lambda kv: kv[1]):
+        while busy and busy[0][0] < a:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        slot = heapq.heappop(free) if free else n
+        n = max(n, slot + 1)
+        out[key] = slot
+        heapq.heappush(busy, (b, slot))
+    return out
+
+
+def buffer_sizes(table, stage: int) -> BufferSizes:
+    """Fixed buffer sizes for `stage`. Inbox slots count values that arrive (one tick after the
+    producer's op) before the tick that consumes them; a value consumed in its arrival tick needs
+    none (it is read straight from the ppermute result)."""
+    p = len(table[0])
+    when: dict[tuple[str, int, int], int] = {}
+    for s, ops in enumerate(_stage_orders(table)):
+        for t, op in ops:
+            when[(op.kind, op.mb, op.chunk * p + s)] = t
+    v = 1 + max(k for _, _, k in when) // p
+    fin, bin_ = [], []
+    for t, op in _stage_orders(table)[stage]:
+        k = op.chunk * p + stage
+        if op.kind == "F" and k > 0:
+            fin.append((when[("F", op.mb, k - 1)] + 1, t - 1))
+        elif op.kind == "B" and k < v * p - 1:
+            bin_.append((when[("B", op.mb, k + 1)] + 1, t - 1))
+    held = lambda iv: _max_overlap([(a, b) for a, b in iv if a <= b])
+    return BufferSizes(max_in_flight(table, stage), held(fin), held(bin_))
+
+
+def lockstep_arrays(lock: list[list[Step]]) -> dict[str, list[list[int]]]:
+    """Integer arrays [tick][stage] for an executor: f_mb, f_chunk, f_slot, b_mb, b_chunk, b_slot
+    (-1 where idle). Slots index each stage's residual buffer (see `residual_slots`)."""
+    p = len(lock[0])
+    slots = [residual_slots(lock, s) for s in range(p)]
+    out: dict[str, list[list[int]]] = {k: [] for k in ("f_mb", "f_chunk", "f_slot", "b_mb", "b_chunk", "b_slot")}
+    for row in lock:
+        for pre, idx in (("f", 0), ("b", 1)):
+            ops = [c[idx] for c in row]
+            out[f"{pre}_mb"].append([-1 if o is None else o.mb for o in ops])
+            out[f"{pre}_chunk"].append([-1 if o is None else o.chunk for o in ops])
+            out[f"{pre}_slot"].append([-1 if o is None else slots[s][(o.mb, o.chunk)] for s, o in enumerate(ops)])
+    return out
+
+
+# ---------------------------------------------------------------- bubble math
+
+
+def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float = 0.0) -> list[float]:
+    """Idle / makespan per stage when each stage runs its ops in table order as soon as their inputs
+    are done, with costs f (forward), b (backward, default 2f) and w (weight grad of split backward;
+    in unsplit tables B carries it). Zero communication latency."""
+    b = 2.0 * f if b is None else b
+    cost = {"F": f, "B": b, "W": w}
+    p = len(table[0])
+    v = 1 + max(op.chunk for ops in _stage_orders(table) for _, op in ops)
+    free, busy, fin = [0.0] * p, [0.0] * p, {}
+    for t, row in enumerate(table):  # ticks are a topological order, so one pass suffices
+        for s, cell in enumerate(row):
+            for op in cell if isinstance(cell, tuple) else (cell,):
+                if op is None:
+                    continue
+                start = max([free[s]] + [fin[d] for d in _deps(op, s, p, v)])
+                free[s] = fin[(op.kind, op.mb, op.chunk * p + s)] = start + cost[op.kind]
+                busy[s] += cost[op.kind]
+    span = max(free)
+    return [(span - x) / span for x in busy]
+
+
+def bubble_fraction(table, f: float = 1.0, b: float | None = None, w: float = 0.0) -> float:
+    """Mean over stages of idle time / makespan (see `stage_bubbles`)."""
+    per = stage_bubbles(table, f, b, w)
+    return sum(per) / len(per)
+
+
+def bubble_closed_form(name: str, p: int, m: int, v: int = 1) -> float:
+    """(p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan 2021)."""
+    if name not in ("gpipe", "1f1b", "interleaved"):
+        raise ConfigError("pipeline.schedule", name, "use gpipe, 1f1b or interleaved", "no closed form")
+    _check_args(name, p, m, v)
+    return (p - 1) / (v * m + p - 1)
+
+
+def render(table, v: int = 1) -> str:
+    """Text chart: rows = stages, columns = ticks; '.' idle; lockstep cells as 'F3+B1'."""
+
+    def lab(cell) -> str:
+        if isinstance(cell, tuple):
+            parts = [o.label(v) for o in cell if o is not None]
+            return "+".join(parts) if parts else "."
+        return "." if cell is None else cell.label(v)
+
+    cells = [[lab(c) for c in row] for row in table]
+    wd = max([len(x) for row in cells for x in row] + [len(str(len(table) - 1))])
+    p = len(table[0]) if table else 0
+    head = "tick    " + " ".join(f"{t:>{wd}}" for t in range(len(table)))
+    rows = [f"stage {s:<2}" + " ".join(f"{row[s]:>{wd}}" for row in cells) for s in range(p)]
+    return "\n".join([head] + rows)
