@@ -368,7 +368,7 @@ def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float = 0.0)
     p = len(table[0])
     v = 1 + max(op.chunk for ops in _stage_orders(table) for _, op in ops)
     free, busy, fin = [0.0] * p, [0.0] * p, {}
-    for t, row in enumerate(table):  # ticks are a topological order, so one pass suffices
+    for row in table:  # ticks are a topological order, so one pass suffices
         for s, cell in enumerate(row):
             for op in cell if isinstance(cell, tuple) else (cell,):
                 if op is None:

@@ -1,0 +1,90 @@
+"""`meshrun schedule`: print a pipeline schedule as a text chart (or JSON, or a PNG) with its bubble."""
+
+from __future__ import annotations
+
+import json
+
+from meshrun.errors import ConfigError
+from meshrun.pipeline import schedules as S
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("schedule", help="show a pipeline schedule table and its bubble fraction")
+    p.add_argument("--pipe", type=int, required=True, metavar="P", help="pipeline stages p")
+    p.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches m per step")
+    p.add_argument("--schedule", default="1f1b", choices=S.SCHEDULES)
+    p.add_argument("--virtual", type=int, default=1, metavar="V", help="virtual chunks per stage (interleaved)")
+    p.add_argument("--lockstep", action="store_true", help="show the lockstep (fwd, bwd) per tick view")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--png", default=None, metavar="FILE", help="draw the per-op timeline (needs matplotlib)")
+    p.set_defaults(func=run_schedule)
+
+
+def _label(op, v: int):
+    return None if op is None else op.label(v)
+
+
+def run_schedule(args) -> int:
+    p, m, v = args.pipe, args.microbatches, args.virtual
+    table = S.build(args.schedule, p, m, v)
+    bubble = S.bubble_fraction(table, f=1.0, b=2.0)
+    shown = S.lockstep(table) if args.lockstep else table
+    in_flight = [S.max_in_flight(shown, s) for s in range(p)]
+    if args.png:
+        draw_png(table, v, args.png, f"{args.schedule} p={p} m={m} v={v}: bubble {bubble:.1%} (b = 2f)")
+    if args.json:
+        cells = [
+            [[_label(c.fwd, v), _label(c.bwd, v)] if args.lockstep else _label(c, v) for c in row] for row in shown
+        ]
+        out = {
+            "ticks": len(shown),
+            "bubble_fraction": bubble,
+            "table": cells,
+            "schedule": args.schedule,
+            "pipe": p,
+            "microbatches": m,
+            "virtual": v,
+            "lockstep": bool(args.lockstep),
+            "bubble_closed_form": S.bubble_closed_form(args.schedule, p, m, v),
+            "max_in_flight": in_flight,
+        }
+        print(json.dumps(out))
+        return 0
+    view = "lockstep (fwd+bwd per tick)" if args.lockstep else "per-op timeline"
+    print(f"schedule {args.schedule}  p={p}  m={m}  v={v}  {view}: {len(shown)} ticks")
+    print(S.render(shown, v))
+    closed = S.bubble_closed_form(args.schedule, p, m, v)
+    print(f"bubble fraction (backward = 2 x forward): {bubble:.4f}  closed form {closed:.4f}")
+    print(f"max in-flight microbatch chunks per stage: {in_flight}")
+    return 0
+
+
+def draw_png(table, v: int, path: str, title: str) -> None:
+    """Gantt chart of the per-op timeline: forward blue, backward orange, unit width per tick."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError("--png", path, "pip install meshrun[plot]", "matplotlib is not installed") from e
+    p = len(table[0])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(table)), 0.5 * p + 1.2))
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            alpha = 1.0 - 0.5 * op.chunk / max(v - 1, 1)
+            ax.barh(s, 1, left=t, color=colors[op.kind], alpha=alpha, edgecolor="black", linewidth=0.3)
+            ax.text(t + 0.5, s, op.label(v), ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("tick")
+    ax.set_title(title)
+    try:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    except OSError as e:
+        raise ConfigError("--png", path, "use a writable file path", f"cannot write the PNG ({e.strerror})") from e
+    finally:
+        plt.close(fig)
