@@ -79,6 +79,7 @@ def draw_png(table, v: int, path: str, title: str) -> None:
             ax.barh(s, 1, left=t, color=colors[op.kind], alpha=alpha, edgecolor="black", linewidth=0.3)
             ax.text(t + 0.5, s, op.label(v), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.set_xlim(0, len(table))
     ax.invert_yaxis()
     ax.set_xlabel("tick")
     ax.set_title(title)

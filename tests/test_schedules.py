@@ -1,0 +1,365 @@
+"""Pipeline schedule tables (pure Python): structure, dependencies, lockstep view, buffers, bubble math, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from fractions import Fraction
+
+import pytest
+
+from meshrun.errors import ConfigError
+from meshrun.pipeline import schedules as S
+from meshrun.pipeline.schedules import ScheduleError, Step, Task
+
+CASES = (
+    [("gpipe", p, m, 1) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8, 13)]
+    + [("1f1b", p, m, 1) for p in (1, 2, 3, 4, 6) for m in (p, p + 1, 2 * p, 4 * p + 3)]
+    + [("interleaved", p, m, v) for p in (1, 2, 3, 4) for m in (p, 2 * p, 4 * p) for v in (1, 2, 3, 4)]
+)
+
+
+def _where(table, p):
+    """(kind, mb, virtual stage) -> tick, for per-op or lockstep tables."""
+    out = {}
+    for t, row in enumerate(table):
+        for s, cell in enumerate(row):
+            for op in cell if isinstance(cell, tuple) else (cell,):
+                if op is not None:
+                    out[(op.kind, op.mb, op.chunk * p + s)] = t
+    return out
+
+
+# ------------------------------------------------------------------ structure and validation
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_builder_passes_check_in_both_views(name, p, m, v):
+    table = S.build(name, p, m, v)
+    assert all(len(row) == p for row in table)
+    S.check(table, p, m, v)
+    lock = S.lockstep(table)
+    assert all(isinstance(c, Step) for row in lock for c in row)
+    S.check(lock, p, m, v)
+    ops = [op for row in table for op in row if op is not None]
+    assert len(ops) == 2 * m * v * p  # one F and one B per (mb, virtual stage)
+    assert sum(op is not None for row in lock for c in row for op in c) == 2 * m * v * p
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 3), (4, 8), (5, 7)])
+def test_per_op_tick_counts_gpipe_and_1f1b(p, m):
+    # With unit-cost ops, GPipe and 1F1B both end after 2(m+p-1) ticks.
+    assert len(S.gpipe(p, m)) == 2 * (m + p - 1)
+    assert len(S.one_f_one_b(p, m)) == 2 * (m + p - 1)
+
+
+def test_1f1b_table_matches_known_chart():
+    t = S.one_f_one_b(2, 3)
+    rows = [" ".join("." if c is None else c.label() for c in col) for col in zip(*t)]
+    assert rows == ["F0 F1 . B0 F2 B1 . B2", ". F0 B0 F1 B1 F2 B2 ."]
+
+
+def test_interleaved_chunk_placement_and_order():
+    p, m, v = 2, 4, 2
+    t = S.interleaved(p, m, v)
+    stage0_fwd = [op for op in (row[0] for row in t) if op is not None and op.kind == "F"]
+    # Megatron order: groups of p microbatches, all chunks of a group before the next group.
+    assert [(o.mb, o.chunk) for o in stage0_fwd] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    stage0_bwd = [op for op in (row[0] for row in t) if op is not None and op.kind == "B"]
+    assert [(o.mb, o.chunk) for o in stage0_bwd] == [(0, 1), (1, 1), (0, 0), (1, 0), (2, 1), (3, 1), (2, 0), (3, 0)]
+    when = _where(t, p)
+    # virtual stage k = c*p + s: stage 0 chunk 1 (k=2) consumes stage 1 chunk 0 (k=1)
+    assert when[("F", 0, 2)] > when[("F", 0, 1)] > when[("F", 0, 0)]
+
+
+def _replace(table, tick, stage, new):
+    out = [list(row) for row in table]
+    out[tick][stage] = new
+    return out
+
+
+def test_check_rejects_corrupted_tables():
+    p, m = 3, 4
+    good = S.one_f_one_b(p, m)
+    S.check(good, p, m)
+    when = _where(good, p)
+    # 1. a missing op
+    t0 = when[("B", 2, 1)]
+    with pytest.raises(ScheduleError, match="missing B of microbatch 2 at virtual stage 1"):
+        S.check(_replace(good, t0, 1, None), p, m)
+    # 2. a duplicated op (F1 on stage 0 also placed in an idle slot later)
+    idle = next(t for t, row in enumerate(good) if row[0] is None and t > when[("F", 1, 0)])
+    with pytest.raises(ScheduleError, match="twice"):
+        S.check(_replace(good, idle, 0, Task("F", 1)), p, m)
+    # 3. dependency broken: swap two ticks of the last stage so B0 runs before F0
+    tf, tb = when[("F", 0, 2)], when[("B", 0, 2)]
+    bad = _replace(_replace(good, tf, 2, good[tb][2]), tb, 2, good[tf][2])
+    with pytest.raises(ScheduleError, match="runs before its input"):
+        S.check(bad, p, m)
+    # 4. B on stage 0 in the same tick as B on stage 1 (needs an earlier tick)
+    tb1, tb0 = when[("B", 3, 1)], when[("B", 3, 0)]
+    bad = _replace(_replace(good, tb0, 0, None), tb1, 0, Task("B", 3))
+    assert good[tb1][0] is None  # the slot we used was idle, so only the dependency is wrong
+    with pytest.raises(ScheduleError, match="runs before its input"):
+        S.check(bad, p, m)
+    # 5. out of range microbatch / chunk, wrong width
+    with pytest.raises(ScheduleError, match="out of range"):
+        S.check(_replace(good, idle, 0, Task("F", m)), p, m)
+    with pytest.raises(ScheduleError, match="out of range"):
+        S.check(_replace(good, idle, 0, Task("F", 0, chunk=1)), p, m)
+    with pytest.raises(ScheduleError, match="stages"):
+        S.check([row[:2] for row in good], p, m)
+
+
+def test_check_rejects_corrupted_lockstep_tables():
+    p, m = 3, 5
+    lock = S.lockstep(S.one_f_one_b(p, m))
+    S.check(lock, p, m)
+    when = _where(lock, p)
+    # same-tick F then B is allowed only in that order inside one cell: flip the last stage's cell
+    t = when[("F", 2, 2)]
+    assert when[("B", 2, 2)] == t
+    flipped = _replace(lock, t, 2, Step(lock[t][2].bwd, lock[t][2].fwd))
+    with pytest.raises(ScheduleError, match="lockstep cell"):
+        S.check(flipped, p, m)
+    # move the last stage's B0 one tick before its F0
+    t0 = when[("F", 0, 2)]
+    assert lock[t0 - 1][2] == Step(None, None)
+    bad = _replace(_replace(lock, t0, 2, Step(lock[t0][2].fwd, None)), t0 - 1, 2, Step(None, Task("B", 0)))
+    with pytest.raises(ScheduleError, match="runs before its input"):
+        S.check(bad, p, m)
+    # F of stage 1 in the same tick as F of stage 0 (activation arrives only the next tick)
+    t1 = when[("F", 0, 1)]
+    assert lock[t1 - 1][1] == Step(None, None) and when[("F", 0, 0)] == t1 - 1
+    bad = _replace(_replace(lock, t1, 1, Step(None, lock[t1][1].bwd)), t1 - 1, 1, Step(Task("F", 0), None))
+    with pytest.raises(ScheduleError, match="runs before its input"):
+        S.check(bad, p, m)
+
+
+# ------------------------------------------------------------------ lockstep view
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 64])
+def test_lockstep_1f1b_exact_ticks_and_in_flight_bound(p, m):
+    if m < p:
+        pytest.skip("1F1B needs m >= p")
+    lock = S.lockstep(S.one_f_one_b(p, m))
+    assert len(lock) == m + 2 * (p - 1)
+    when = _where(lock, p)
+    for mb in range(m):
+        for s in range(p):
+            assert when[("F", mb, s)] == mb + s
+            assert when[("B", mb, s)] == mb + 2 * (p - 1) - s  # last stage: same tick as its F
+    for s in range(p):
+        # Bound 2(p-1-s)+1 does not depend on m (only caps it when m is smaller).
+        assert S.max_in_flight(lock, s) == min(m, 2 * (p - 1 - s) + 1)
+        assert S.buffer_sizes(lock, s) == (min(m, 2 * (p - 1 - s) + 1), 0, 0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 6), (4, 8), (4, 40)])
+def test_per_op_in_flight_gpipe_vs_1f1b(p, m):
+    for s in range(p):
+        assert S.max_in_flight(S.gpipe(p, m), s) == m  # grows with m
+        assert S.max_in_flight(S.one_f_one_b(p, m), s) == p - s  # PipeDream-flush bound
+        assert S.max_in_flight(S.lockstep(S.gpipe(p, m)), s) == m
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_lockstep_interleaved_ticks_and_buffers(p, v, k):
+    m = k * p
+    lock = S.lockstep(S.interleaved(p, m, v))
+    assert len(lock) == v * m + (v + 1) * p - 2
+    for s in range(p):
+        bound = 2 * (p - 1 - s) + 1 + (v - 1) * p
+        assert S.buffer_sizes(lock, s) == (bound, 0, 0)  # independent of m; no inbox needed
+
+
+def test_per_op_interleaved_needs_inbox_slots():
+    t = S.interleaved(4, 8, 2)
+    sizes = [S.buffer_sizes(t, s) for s in range(4)]
+    assert [b.residuals for b in sizes] == [S.max_in_flight(t, s) for s in range(4)]
+    assert max(b.fwd_inbox for b in sizes) >= 1 and max(b.bwd_inbox for b in sizes) >= 1
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 11, 1), ("interleaved", 3, 9, 3), ("gpipe", 3, 5, 1)])
+def test_residual_slots_and_arrays(name, p, m, v):
+    lock = S.lockstep(S.build(name, p, m, v))
+    arr = S.lockstep_arrays(lock)
+    assert set(arr) == {"f_mb", "f_chunk", "f_slot", "b_mb", "b_chunk", "b_slot"}
+    assert all(len(a) == len(lock) and all(len(r) == p for r in a) for a in arr.values())
+    for s in range(p):
+        n = S.max_in_flight(lock, s)
+        slots = S.residual_slots(lock, s)
+        assert sorted(set(slots.values())) == list(range(n))
+        live: dict[int, tuple[int, int]] = {}  # slot -> (mb, chunk), replayed tick by tick, fwd first
+        for t, row in enumerate(lock):
+            f, b = row[s]
+            if f is not None:
+                assert arr["f_slot"][t][s] not in live
+                live[arr["f_slot"][t][s]] = (f.mb, f.chunk)
+                assert (arr["f_mb"][t][s], arr["f_chunk"][t][s]) == (f.mb, f.chunk)
+            else:
+                assert arr["f_mb"][t][s] == arr["f_slot"][t][s] == -1
+            if b is not None:
+                assert live.pop(arr["b_slot"][t][s]) == (b.mb, b.chunk)
+            else:
+                assert arr["b_mb"][t][s] == arr["b_slot"][t][s] == -1
+        assert not live
+
+
+# ------------------------------------------------------------------ bubble math
+
+
+BUBBLE_CASES = (
+    [("gpipe", p, m, 1) for p, m in [(1, 4), (2, 1), (2, 4), (4, 4), (4, 16), (8, 32), (5, 7)]]
+    + [("1f1b", p, m, 1) for p, m in [(1, 4), (2, 2), (2, 5), (4, 4), (4, 16), (8, 32), (5, 7)]]
+    + [("interleaved", p, m, v) for p, m, v in [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 16, 4), (3, 9, 3)]]
+)
+
+
+@pytest.mark.parametrize("name,p,m,v", BUBBLE_CASES)
+@pytest.mark.parametrize("b_over_f", [1.0, 2.0])
+def test_bubble_from_table_matches_closed_form(name, p, m, v, b_over_f):
+    table = S.build(name, p, m, v)
+    closed = S.bubble_closed_form(name, p, m, v)
+    assert closed == float(Fraction(p - 1, v * m + p - 1))
+    for f in (1.0, 0.25):
+        per = S.stage_bubbles(table, f=f, b=b_over_f * f)
+        assert per == pytest.approx([closed] * p, rel=1e-12, abs=1e-15)
+        assert S.bubble_fraction(table, f=f, b=b_over_f * f) == pytest.approx(closed, rel=1e-12, abs=1e-15)
+    assert S.bubble_fraction(table) == pytest.approx(closed, rel=1e-12, abs=1e-15)  # default b = 2f
+
+
+def test_bubble_depends_on_table_order():
+    # GPipe p=2 m=2 but the last stage runs B1 before B0: stage 0's B0 waits for the last op of
+    # stage 1. Hand timeline with f=1, b=2: stage 1 B1 [3,5] B0 [5,7]; stage 0 B0 [7,9] B1 [9,11].
+    F, B = (lambda i: Task("F", i)), (lambda i: Task("B", i))
+    bad = [[F(0), None], [F(1), F(0)], [None, F(1)], [None, B(1)], [None, B(0)], [B(0), None], [B(1), None]]
+    t = S.gpipe(2, 2)
+    assert len(t) == 6 and t[3] == [None, B(0)]
+    S.check(bad, 2, 2)
+    assert S.stage_bubbles(bad, f=1.0, b=2.0) == pytest.approx([5 / 11, 5 / 11], rel=1e-12)
+    assert S.bubble_fraction(t, f=1.0, b=2.0) == pytest.approx(1 / 3, rel=1e-12)
+
+
+def test_bubble_closed_form_values_from_the_design():
+    assert S.bubble_closed_form("1f1b", 24, 24) == pytest.approx(23 / 47)
+    assert S.bubble_closed_form("gpipe", 24, 8) == pytest.approx(23 / 31)  # seed: PP=24, m=8 -> ~74%
+    assert S.bubble_closed_form("1f1b", 16, 64) == pytest.approx(15 / 79)  # m = 4p -> ~19%
+    assert S.bubble_closed_form("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda: S.one_f_one_b(4, 3), "pipeline.microbatches"),
+        (lambda: S.interleaved(4, 6, 2), "pipeline.microbatches"),
+        (lambda: S.interleaved(2, 4, 0), "pipeline.virtual"),
+        (lambda: S.build("1f1b", 2, 4, 2), "pipeline.virtual"),
+        (lambda: S.build("pipedream", 2, 4), "pipeline.schedule"),
+        (lambda: S.gpipe(0, 4), "mesh.pipe"),
+        (lambda: S.gpipe(2, 0), "pipeline.microbatches"),
+        (lambda: S.bubble_closed_form("zb", 2, 4), "pipeline.schedule"),
+    ],
+)
+def test_bad_arguments_raise_config_error(call, field):
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert e.value.field == field
+    assert "got" in str(e.value) and "use" in str(e.value)
+
+
+def test_task_is_frozen_and_labels():
+    t = Task("F", 3, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.mb = 4
+    assert (t.label(), t.label(2), Task("B", 3).label()) == ("F3", "F3c1", "B3")
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def _main():
+    cli = pytest.importorskip("meshrun.cli")
+    if not hasattr(cli, "main"):
+        pytest.skip("meshrun.cli.main not available")
+    return cli.main
+
+
+def test_cli_json_per_op(capsys):
+    main = _main()
+    assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ticks"] == 22 == len(out["table"])
+    assert out["bubble_fraction"] == pytest.approx(3 / 11, rel=1e-12)
+    assert out["table"][0] == ["F0", None, None, None]
+    assert out["table"][4] == [None, None, None, "B0"]
+    cells = [c for row in out["table"] for c in row if c is not None]
+    assert len(cells) == 2 * 8 * 4 and all(isinstance(c, str) for c in cells)
+
+
+def test_cli_json_interleaved_and_lockstep(capsys):
+    main = _main()
+    argv = ["schedule", "--pipe", "2", "--microbatches", "4", "--schedule", "interleaved", "--virtual", "2"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_fraction"] == pytest.approx(1 / 9, rel=1e-12)
+    assert out["table"][0] == ["F0c0", None] and out["table"][2][0] == "F0c1"
+    assert main(argv + ["--json", "--lockstep"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ticks"] == 2 * 4 + 3 * 2 - 2
+    assert out["table"][3][1] == ["F0c1", "B0c1"]  # last virtual stage: F then B in one tick
+    assert out["bubble_fraction"] == pytest.approx(1 / 9, rel=1e-12)
+
+
+def test_cli_text_chart(capsys):
+    main = _main()
+    assert main(["schedule", "--pipe", "2", "--microbatches", "3"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    stage_rows = [ln.split()[2:] for ln in lines if ln.startswith("stage ")]
+    assert stage_rows == [
+        ["F0", "F1", ".", "B0", "F2", "B1", ".", "B2"],
+        [".", "F0", "B0", "F1", "B1", "F2", "B2", "."],
+    ]
+    assert "bubble fraction (backward = 2 x forward): 0.2500" in out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--pipe", "4", "--microbatches", "2"], "pipeline.microbatches"),
+        (["--pipe", "4", "--microbatches", "6", "--schedule", "interleaved", "--virtual", "2"], "m % p == 0"),
+        (["--pipe", "0", "--microbatches", "2", "--schedule", "gpipe"], "mesh.pipe"),
+        (["--pipe", "2", "--microbatches", "4", "--virtual", "2"], "pipeline.virtual"),
+    ],
+)
+def test_cli_bad_input_exit_2(capsys, argv, needle):
+    main = _main()
+    assert main(["schedule", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_cli_png_without_matplotlib(capsys, monkeypatch, tmp_path):
+    main = _main()
+    for mod in [k for k in sys.modules if k == "matplotlib" or k.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert main(["schedule", "--pipe", "2", "--microbatches", "2", "--png", str(tmp_path / "s.png")]) == 2
+    assert "pip install meshrun[plot]" in capsys.readouterr().err
+
+
+def test_cli_png_with_matplotlib(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    main = _main()
+    path = tmp_path / "s.png"
+    argv = ["schedule", "--pipe", "2", "--microbatches", "4", "--schedule", "interleaved", "--virtual", "2"]
+    assert main(argv + ["--png", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
