@@ -108,9 +108,8 @@ def _prod(xs) -> int:
 
 def logical_names(var: Any) -> tuple[str | None, ...] | None:
     """Logical names declared on an NNX Variable (`out_sharding=` / `nnx.with_partitioning`)."""
-    names = getattr(var, "out_sharding", None)
-    if names is None:
-        names = getattr(var, "sharding_names", None)
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+    names = meta.get("out_sharding", meta.get("sharding_names"))
     return tuple(names) if names is not None else None
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Bootstrap with nothing but Python 3.11+: `python3 tasks.py run` (tiny training run on 8 simulated
+CPU devices) and `python3 tasks.py test` (lint + test suite). Each creates/uses `.venv` here."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+
+
+def sh(*cmd: str | Path) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    rc = subprocess.call([str(c) for c in cmd], cwd=ROOT)
+    if rc:
+        sys.exit(rc)
+
+
+def ensure_env(extra: str) -> None:
+    if sys.version_info < (3, 11):
+        sys.exit(f"meshrun needs Python >= 3.11, this is {sys.version.split()[0]}")
+    if not PY.exists():
+        venv.create(VENV, with_pip=True)
+    stamp = VENV / f".installed-{extra or 'base'}"
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        sh(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
+        sh(PY, "-m", "pip", "install", "-q", "-e", f".[{extra}]" if extra else ".")
+        stamp.write_text(digest)
+
+
+def main() -> None:
+    what = sys.argv[1] if len(sys.argv) > 1 else "help"
+    args = sys.argv[2:]
+    if what == "run":
+        ensure_env("")
+        sh(BIN / "meshrun", "train", "configs/tiny_cpu.yaml", *args)
+    elif what == "test":
+        ensure_env("test")
+        sh(PY, "-m", "ruff", "check", "meshrun", "models", "tests", "bench", "tasks.py")
+        sh(PY, "-m", "pytest", *args)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
