@@ -23,7 +23,7 @@ def sh(*cmd: str | Path) -> None:
 
 
 def ensure_env(extra: str) -> None:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - tasks.py may be started by an older python3
         sys.exit(f"meshrun needs Python >= 3.11, this is {sys.version.split()[0]}")
     if not PY.exists():
         venv.create(VENV, with_pip=True)

@@ -11,5 +11,5 @@ def test_readme_python_example(capsys):
     exec(compile(blocks[0], "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "tensor groups: [0,1] [2,3] [4,5] [6,7]" in out
-    assert "PartitionSpec('pipe', 'data', 'tensor')" in out
+    assert "P('pipe', 'data', 'tensor') (2, 32, 128)" in out
     assert "(2, 32, 128)" in out
