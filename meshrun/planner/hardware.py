@@ -1,0 +1,96 @@
+"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE`, e.g. `a100-80g:128x8`).
+
+All figures are datasheet numbers in SI units (bytes, bytes/s, FLOP/s). Memory sizes are taken as
+decimal GB (80 GB -> 80e9 bytes), which is slightly conservative for the A100/H100 (their HBM is
+80 GiB). Bandwidths are per direction where noted: NVIDIA quotes NVLink as the bidirectional total.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from meshrun.errors import ConfigError
+
+GB = 1e9
+
+# Fraction of a link's bandwidth that NCCL collectives reach in practice (nccl-tests bus bandwidth on
+# DGX A100/H100 is ~75-85% of the link rate for large messages).
+COMM_EFFICIENCY = 0.8
+# Fixed cost per collective / p2p message (launch + latency), seconds.
+COMM_LATENCY_S = 10e-6
+# Fraction of HBM a training process may plan to use: the rest is the CUDA context, NCCL buffers,
+# cuBLAS/cuDNN workspaces and allocator fragmentation.
+USABLE_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense bf16 tensor-core FLOP/s
+    memory_bytes: float  # HBM capacity
+    hbm_bw: float  # HBM bandwidth, bytes/s
+    nvlink_bw: float  # NVLink per GPU, bidirectional total, bytes/s
+    nic_bw: float  # inter-node network per GPU (one NIC per GPU), one direction, bytes/s
+
+    @property
+    def nvlink_uni_bw(self) -> float:
+        """One direction of NVLink: what a ring collective step can use."""
+        return self.nvlink_bw / 2
+
+
+GPUS: dict[str, GPU] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4): 312 TFLOP/s bf16 dense; 40 GB HBM2 1,555 GB/s;
+    # 80 GB HBM2e 2,039 GB/s; NVLink 3 600 GB/s. DGX A100: 8x ConnectX-6 HDR 200 Gb/s = 25 GB/s per GPU.
+    "a100-40g": GPU("a100-40g", 312e12, 40 * GB, 1555 * GB, 600 * GB, 200e9 / 8),
+    "a100-80g": GPU("a100-80g", 312e12, 80 * GB, 2039 * GB, 600 * GB, 200e9 / 8),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense (1,979 with sparsity); 80 GB HBM3 3.35 TB/s;
+    # NVLink 4 900 GB/s. DGX H100: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU.
+    "h100-80g": GPU("h100-80g", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8),
+    # NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense); 141 GB HBM3e 4.8 TB/s;
+    # NVLink 900 GB/s. DGX/HGX H200: 8x NDR 400 Gb/s = 50 GB/s per GPU.
+    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def n_devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu.memory_bytes * USABLE_MEMORY_FRACTION
+
+    def group_bw(self, span: int) -> float:
+        """Achievable per-GPU bandwidth (one direction) of a collective over `span` neighbouring devices:
+        NVLink inside one node, the per-GPU NIC once the group leaves the node."""
+        link = self.gpu.nvlink_uni_bw if span <= self.gpus_per_node else self.gpu.nic_bw
+        return link * COMM_EFFICIENCY
+
+    def __str__(self) -> str:
+        return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}"
+
+
+_CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
+    """`a100-80g:128x8` -> Cluster(A100 80GB, 128 nodes, 8 GPUs per node)."""
+    known = ", ".join(GPUS)
+    m = _CLUSTER_RE.match(str(text))
+    if not m:
+        raise ConfigError(
+            field, text, f"write GPU:NODESxGPUS_PER_NODE, e.g. a100-80g:128x8 (GPUs: {known})", "malformed cluster"
+        )
+    name, nodes, per_node = m.group(1).lower(), int(m.group(2)), int(m.group(3))
+    if name not in GPUS:
+        raise ConfigError(field, text, f"use one of the known GPUs: {known}", f"unknown GPU '{name}'")
+    if nodes < 1 or per_node < 1:
+        raise ConfigError(field, text, "use at least 1 node and 1 GPU per node", "empty cluster")
+    return Cluster(GPUS[name], nodes, per_node)

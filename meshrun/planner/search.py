@@ -1,0 +1,260 @@
+"""Rules, evaluation of one layout, search over layouts, and the efficiency calibration.
+
+Rules come from the seed article (DESIGN section 6), each as a string with the number behind it.
+Hard rules (divisibility, memory, TP across nodes) remove a layout from the search; soft ones
+(bubble from m < 4p, DP sync longer than compute) are reported but the layout still ranks by time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
+from meshrun.planner import cost
+from meshrun.planner.cost import Plan
+from meshrun.planner.hardware import GB, Cluster, parse_cluster
+
+REMATS = ("none", "selective", "full")
+MAX_MICRO_BATCH = 16
+
+
+@dataclass
+class Result:
+    plan: Plan
+    memory: dict
+    time: dict
+    tflops_per_device: float
+    mfu: float
+    violations: list[str] = field(default_factory=list)
+    hard: bool = False  # a hard rule is broken: the layout cannot run as given
+
+    @property
+    def step_time(self) -> float:
+        return self.time["total"]
+
+    def to_dict(self) -> dict:
+        out = asdict(self.plan)
+        out.update(
+            memory_gb=round(self.memory["total"] / GB, 3),
+            step_time_s=round(self.step_time, 4),
+            tflops_per_device=round(self.tflops_per_device, 2),
+            mfu=round(self.mfu, 4),
+            bubble_fraction=round(self.time["bubble_fraction"], 4),
+            violations=list(self.violations),
+            memory_parts_gb={k: round(v / GB, 3) for k, v in self.memory.items() if k not in ("stage",)},
+            time_parts_s={k: round(v, 4) for k, v in self.time.items() if k != "bubble_fraction"},
+        )
+        out["memory_parts_gb"]["params_per_device"] = round(self.memory["params_per_device"] / 1e9, 4)
+        return out
+
+
+def structural_violations(model: ModelConfig, plan: Plan, cluster: Cluster, global_batch: int) -> list[str]:
+    """Degrees that don't divide heads, kv heads, layers, experts, devices or the global batch."""
+    t, p, e, v = plan.tensor, plan.pipe, plan.expert, plan.virtual
+    out = []
+    for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
+        if n % t:
+            out.append(f"model.{name}={n} is not divisible by tensor={t}")
+    if model.n_layers % (p * v):
+        out.append(f"model.n_layers={model.n_layers} is not divisible by pipe*virtual={p * v}")
+    if e > 1 and not model.is_moe:
+        out.append(f"expert={e} > 1 on a dense model (n_experts=0)")
+    elif model.is_moe and model.n_experts % e:
+        out.append(f"model.n_experts={model.n_experts} is not divisible by expert={e}")
+    if plan.n_devices != cluster.n_devices:
+        out.append(f"tensor*pipe*data*expert = {plan.n_devices} != {cluster.n_devices} devices of {cluster}")
+    if plan.global_batch != global_batch:
+        out.append(
+            f"global batch {global_batch} != micro_batch_size*microbatches*data*expert = "
+            f"{plan.micro_batch_size}*{plan.microbatches}*{plan.data}*{e} = {plan.global_batch}"
+        )
+    if v > 1 and p == 1:
+        out.append(f"virtual={v} needs pipe > 1")
+    if plan.schedule == "interleaved" and plan.microbatches % p:
+        out.append(f"microbatches={plan.microbatches} is not divisible by pipe={p} (interleaved 1F1B needs it)")
+    if t > cluster.gpus_per_node:
+        g = cluster.gpu
+        out.append(
+            f"tensor={t} > {cluster.gpus_per_node} GPUs per node: tensor all-reduces would cross nodes at "
+            f"{g.nic_bw / GB:.0f} GB/s per GPU instead of NVLink {g.nvlink_uni_bw / GB:.0f} GB/s"
+        )
+    return out
+
+
+def evaluate(
+    model: ModelConfig,
+    plan: Plan,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    *,
+    efficiency: float = cost.GEMM_EFFICIENCY,
+    dropout: bool = False,
+) -> Result:
+    """Memory, time, throughput and rule violations of one layout."""
+    hard = structural_violations(model, plan, cluster, global_batch)
+    mem = cost.predict_memory(
+        model,
+        tensor=plan.tensor,
+        pipe=plan.pipe,
+        data=plan.data,
+        expert=plan.expert,
+        microbatches=plan.microbatches,
+        micro_batch_size=plan.micro_batch_size,
+        seq_len=seq_len,
+        zero=plan.zero,
+        remat=plan.remat,
+        sequence_parallel=plan.sequence_parallel,
+        schedule=plan.schedule,
+        virtual=plan.virtual,
+        dropout=dropout,
+    )
+    tm = cost.predict_time(model, plan, cluster, seq_len, efficiency=efficiency)
+    if mem["total"] > cluster.usable_memory:
+        hard.append(
+            f"memory {mem['total'] / GB:.1f} GB > {cluster.usable_memory / GB:.1f} GB usable on {cluster.gpu.name} "
+            f"({cluster.gpu.memory_bytes / GB:.0f} GB)"
+        )
+    soft = []
+    if plan.pipe > 1 and plan.microbatches < 4 * plan.pipe:
+        soft.append(
+            f"microbatches={plan.microbatches} < 4*pipe={4 * plan.pipe}: pipeline bubble {tm['bubble_fraction']:.1%}"
+        )
+    if tm["dp_sync_full"] > tm["compute"]:
+        soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.2f} s > compute {tm['compute']:.2f} s")
+    n = cluster.n_devices
+    hw = cost.hardware_flops(model, global_batch, seq_len, plan.remat)
+    mf = cost.model_flops(model, global_batch, seq_len)
+    return Result(
+        plan=plan,
+        memory=mem,
+        time=tm,
+        tflops_per_device=hw / (tm["total"] * n) / 1e12,
+        mfu=mf / (tm["total"] * cluster.gpu.peak_flops * n),
+        violations=hard + soft,
+        hard=bool(hard),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(model: ModelConfig, cluster: Cluster, global_batch: int):
+    """Layouts that use every device, keep TP inside a node and divide heads, layers, experts, batch."""
+    n, gpn, L = cluster.n_devices, cluster.gpus_per_node, model.n_layers
+    tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
+    tensors = [t for t in tensors if model.d_ff % t == 0]
+    experts = _divisors(model.n_experts) if model.is_moe else [1]
+    for t in tensors:
+        for e in experts:
+            for p in _divisors(L):
+                if n % (t * e * p):
+                    continue
+                d = n // (t * e * p)
+                per_rank, rem = divmod(global_batch, d * e)
+                if rem:
+                    continue
+                for b in (k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH):
+                    m = per_rank // b
+                    vs = [1] + [v for v in (2, 4, 8) if p > 1 and (L // p) % v == 0 and m % p == 0]
+                    for v in vs:
+                        for zero in range(4) if d * e > 1 else (0,):
+                            for remat in REMATS:
+                                for sp in (False, True) if t > 1 else (False,):
+                                    yield Plan(t, p, d, e, v, m, b, zero, remat, sp,
+                                               "interleaved" if v > 1 else "1f1b")  # fmt: skip
+
+
+def search(
+    model: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    *,
+    top: int = 5,
+    efficiency: float = cost.GEMM_EFFICIENCY,
+    name: str = "model",
+) -> list[Result]:
+    """The `top` fastest layouts that fit in memory, best first. Raises ConfigError when none fits."""
+    fitting, smallest, n_seen = [], None, 0
+    for plan in candidates(model, cluster, global_batch):
+        n_seen += 1
+        r = evaluate(model, plan, cluster, global_batch, seq_len, efficiency=efficiency)
+        if r.hard:
+            if smallest is None or r.memory["total"] < smallest.memory["total"]:
+                smallest = r
+            continue
+        fitting.append(r)
+    if not n_seen:
+        raise ConfigError(
+            "--global-batch",
+            global_batch,
+            f"use a multiple of the data-parallel degrees possible on {cluster.n_devices} devices "
+            f"(e.g. {cluster.n_devices})",
+            "no layout divides the global batch",
+        )
+    if not fitting:
+        p = smallest.plan
+        raise ConfigError(
+            "--model",
+            name,
+            f"it needs at least {smallest.memory['total'] / GB:.1f} GB per device (tensor={p.tensor} pipe={p.pipe} "
+            f"data={p.data} zero={p.zero} remat={p.remat}) but {cluster.gpu.name} offers "
+            f"{cluster.usable_memory / GB:.1f} GB usable; use more GPUs or GPUs with more memory",
+            f"fits on no layout of {cluster}",
+        )
+    fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
+    return fitting[:top]
+
+
+# ----------------------------------------------------------------------------- calibration
+
+# Narayanan et al. 2021 (Megatron PTD-P), Table 1, the rows with TP=8 and PP>1:
+# (params B, heads, hidden, layers, TP, PP, GPUs, global batch, measured TFLOP/s per GPU).
+# All: seq 2048, vocab 51200, A100 80GB (Selene, 8x HDR per node), full activation recomputation.
+# Assumed (not in the table): micro-batch size 1, plain 1F1B schedule, no ZeRO, no sequence parallelism.
+MEGATRON_TABLE1 = (
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138.0),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140.0),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148.0),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155.0),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163.0),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163.0),
+)
+
+
+def gpt_config(heads: int, hidden: int, layers: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:
+    """GPT-3-style model of Megatron's tables: gelu MLP with ffn 4h, MHA, tied embeddings, bf16."""
+    return ModelConfig(
+        vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads,
+        d_ff=4 * hidden, max_seq_len=seq, dtype="bfloat16", param_dtype="bfloat16", mlp="gelu",
+        tie_embeddings=True, remat="full",
+    )  # fmt: skip
+
+
+def table1_predictions(efficiency: float) -> list[tuple[float, float, float]]:
+    """(params B, predicted, measured TFLOP/s per GPU) for each calibration row."""
+    out = []
+    for size, heads, hidden, layers, t, p, gpus, batch, measured in MEGATRON_TABLE1:
+        d = gpus // (t * p)
+        plan = Plan(tensor=t, pipe=p, data=d, microbatches=batch // d, micro_batch_size=1, remat="full")
+        cluster = parse_cluster(f"a100-80g:{gpus // 8}x8")
+        r = evaluate(gpt_config(heads, hidden, layers), plan, cluster, batch, 2048, efficiency=efficiency)
+        out.append((size, r.tflops_per_device, measured))
+    return out
+
+
+def fit_efficiency() -> float:
+    """Least squares in log space of predicted vs measured TFLOP/s over MEGATRON_TABLE1, to 3 decimals."""
+    import math
+
+    def loss(e: float) -> float:
+        return sum(math.log(pr / me) ** 2 for _, pr, me in table1_predictions(e))
+
+    lo, hi = 0.2, 1.0
+    for _ in range(40):  # golden-section search; the loss is unimodal in e
+        a, b = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
+        lo, hi = (lo, b) if loss(a) < loss(b) else (a, hi)
+    return round((lo + hi) / 2, 3)
