@@ -2,7 +2,7 @@
 
 Two views of one schedule, both lists of ticks, each a list of `p` per-stage cells:
 
-* per-op timeline (`gpipe`, `one_f_one_b`, `interleaved`, `zb_h1`, `build`): a cell is one `Task` or
+* per-op timeline (`gpipe`, `one_f_one_b`, `interleaved`, `build`): a cell is one `Task` or
   None (idle). Every op takes one tick; an op's inputs were produced at an earlier tick. This is the
   view for charts and bubble math.
 * lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`: at most one forward and one backward
@@ -168,7 +168,7 @@ def interleaved(p: int, m: int, v: int) -> list[list[Task | None]]:
 
 
 def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
-    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved', 'zb-h1')."""
+    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved')."""
     if schedule_name not in SCHEDULES:
         raise ConfigError("pipeline.schedule", schedule_name, f"use one of {', '.join(SCHEDULES)}", "unknown schedule")
     if schedule_name == "interleaved":
