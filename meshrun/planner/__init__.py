@@ -1,0 +1,36 @@
+"""Planner: hardware specs, memory + FLOPs + comm + bubble cost model, layout search, seed rules.
+
+Pure Python (no JAX): `meshrun plan` answers "what TP/PP/DP/EP should I use?" before anyone pays for GPUs.
+"""
+
+from meshrun.planner.cost import (
+    GEMM_EFFICIENCY,
+    Plan,
+    Precision,
+    hardware_flops,
+    model_flops,
+    param_counts,
+    precision_of,
+    predict_memory,
+    predict_time,
+)
+from meshrun.planner.hardware import GPUS, Cluster, parse_cluster
+from meshrun.planner.search import Result, evaluate, search
+
+__all__ = [
+    "GEMM_EFFICIENCY",
+    "GPUS",
+    "Cluster",
+    "Plan",
+    "Precision",
+    "Result",
+    "evaluate",
+    "hardware_flops",
+    "model_flops",
+    "param_counts",
+    "parse_cluster",
+    "precision_of",
+    "predict_memory",
+    "predict_time",
+    "search",
+]
