@@ -15,7 +15,9 @@ from meshrun.planner.cost import (
     predict_time,
 )
 from meshrun.planner.hardware import GPUS, Cluster, parse_cluster
-from meshrun.planner.search import Result, evaluate, search
+from meshrun.planner.search import Result, evaluate
+
+# `meshrun.planner.search` stays the module (search.search(...) ranks layouts); it is not shadowed here.
 
 __all__ = [
     "GEMM_EFFICIENCY",
@@ -32,5 +34,4 @@ __all__ = [
     "precision_of",
     "predict_memory",
     "predict_time",
-    "search",
 ]
