@@ -1,0 +1,231 @@
+"""TrainState and the jitted 3D (+EP) train step.
+
+One step: forward, loss, grads (accumulated over microbatches), ONE data-parallel reduction,
+optax update. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is
+one psum (ZeRO-0) or psum_scatter (ZeRO-1/2/3, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshrun_models as models
+from meshrun.config import RunConfig
+from meshrun.errors import ConfigError
+from meshrun.sharding import DP_AXES, compute_rules, param_rules, tree_specs, use_rules
+
+MANUAL = ("pipe", "data", "expert")  # shard_map manual axes; 'tensor' stays auto (GSPMD)
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar
+    rng: jax.Array  # uint32[2] PRNG key data (dropout-free models keep it for extensions)
+
+
+@dataclass(frozen=True)
+class StepFns:
+    """What `make_train_step` returns: the jitted step plus the layouts a loop needs."""
+
+    step: Any  # (state, tokens, labels) -> (state, metrics)
+    init: Any  # () -> TrainState, jitted with out_shardings
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
+
+
+def lr_schedule(cfg: RunConfig) -> optax.Schedule:
+    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio·lr at train.steps."""
+    t = cfg.train
+    return optax.warmup_cosine_decay_schedule(
+        0.0, t.lr, max(t.warmup_steps, 1), max(t.steps, t.warmup_steps + 1), t.lr * t.min_lr_ratio
+    )
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping."""
+    t = cfg.train
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(lr_schedule(cfg), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay),
+    )
+
+
+def dp_degree(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["expert"]
+
+
+def validate(cfg: RunConfig, mesh: Mesh) -> None:
+    """Cross-component checks: batch divisibility, model vs mesh."""
+    t, m = cfg.train, cfg.pipeline.microbatches
+    dp = dp_degree(mesh)
+    if t.global_batch % (m * dp):
+        raise ConfigError(
+            "train.global_batch", t.global_batch,
+            f"use a multiple of pipeline.microbatches ({m}) x data-parallel degree ({dp}) = {m * dp}",
+            "global batch not divisible by microbatches x data-parallel degree",
+        )
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
+    models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
+
+
+def _local(spec: P, axes=MANUAL) -> P:
+    """Keep only shard_map-manual axes of a spec (in_specs may name only manual axes)."""
+
+    def keep(entry):
+        if entry is None:
+            return None
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in names if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(keep(e) for e in spec))
+
+
+def _dims_with(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
+    """(dim, manual DP axes on it) for every dim of `spec` that names one of `axes`."""
+    out = []
+    for d, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        hit = tuple(a for a in names if a in axes)
+        if hit:
+            out.append((d, hit))
+    return out
+
+
+def gather_params(params, specs):
+    """ZeRO-3: all-gather each parameter's data-parallel shards (inside shard_map)."""
+
+    def one(x, spec):
+        for d, axes in _dims_with(spec, DP_AXES):
+            x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+        return x
+
+    return jax.tree.map(one, params, specs)
+
+
+def reduce_grads(grads, base_specs, grad_specs, mesh: Mesh):
+    """The one data-parallel reduction per step: psum, or psum_scatter onto the ZeRO grad layout.
+    A weight already split over a DP axis (experts over 'expert') is reduced over the others only."""
+    live = tuple(a for a in DP_AXES if mesh.shape[a] > 1)
+
+    def one(g, base, target):
+        used = {a for _, axes in _dims_with(base, DP_AXES) for a in axes}
+        red = tuple(a for a in live if a not in used)
+        scatter = [(d, tuple(a for a in axes if a in red)) for d, axes in _dims_with(target, DP_AXES)]
+        scatter = [(d, axes) for d, axes in scatter if axes]
+        done = set()
+        for d, axes in scatter:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+            done.update(axes)
+        rest = tuple(a for a in red if a not in done)
+        return jax.lax.psum(g, rest) if rest else g
+
+    return jax.tree.map(one, grads, base_specs, grad_specs)
+
+
+def _specs(params, zero: int, part: str, mesh: Mesh):
+    return tree_specs(params, param_rules(zero, part), mesh)
+
+
+def accumulate_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
+    """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
+    reduction after the loop. Returns (loss, grads in the ZeRO grad layout, aux)."""
+    zero, m = cfg.train.zero, cfg.pipeline.microbatches
+    base = _specs(params, 0, "params", mesh)
+    pspec = _specs(params, zero, "params", mesh)
+    gspec = _specs(params, zero, "grads", mesh)
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    local = lambda t: jax.tree.map(_local, t, is_leaf=is_p)  # noqa: E731
+    rules = compute_rules(cfg.model.sequence_parallel)
+    n_shards = m * dp_degree(mesh)
+
+    def body(params, tokens, labels):
+        with use_rules(mesh, rules, manual=MANUAL):
+            full = gather_params(params, local(pspec)) if zero >= 3 else params
+            b = tokens.shape[0] // m
+            tok = tokens.reshape(m, b, -1)
+            lab = labels.reshape(m, b, -1)
+            grad_fn = jax.value_and_grad(lambda p, x, y: models.loss_fn(p, x, y, cfg.model), has_aux=True)
+
+            def micro(carry, xy):
+                (loss, aux), g = grad_fn(full, *xy)
+                gsum, lsum, asum = carry
+                return (jax.tree.map(jnp.add, gsum, g), lsum + loss, jax.tree.map(jnp.add, asum, aux)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, full)
+            aux0 = jax.eval_shape(lambda: models.loss_fn(full, tok[0], lab[0], cfg.model)[1])
+            aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0)
+            (gsum, lsum, asum), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), aux0), (tok, lab))
+            grads = reduce_grads(gsum, local(base), local(gspec), mesh)
+            grads = jax.tree.map(lambda g: g / n_shards, grads)
+            live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
+            loss = jax.lax.psum(lsum, live) / n_shards if live else lsum / n_shards
+            aux = jax.tree.map(lambda a: (jax.lax.psum(a, live) if live else a) / n_shards, asum)
+            return loss, grads, aux
+
+    batch_spec = P(DP_AXES)
+    fn = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(local(pspec), batch_spec, batch_spec),
+        out_specs=(P(), local(gspec), P()),
+        axis_names=set(MANUAL), check_vma=False,
+    )
+    return fn(params, tokens, labels)
+
+
+def loss_and_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
+    if mesh.shape["pipe"] > 1:
+        from meshrun.pipeline.executor import pipeline_loss_and_grads
+
+        return pipeline_loss_and_grads(params, tokens, labels, cfg.model, cfg.pipeline, mesh, zero=cfg.train.zero)
+    return accumulate_grads(params, tokens, labels, cfg, mesh)
+
+
+def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
+    """Jitted train step with explicit in/out shardings and donated state."""
+    validate(cfg, mesh)
+    tx = make_optimizer(cfg)
+    zero = cfg.train.zero
+
+    def init_state() -> TrainState:
+        params = models.init_params(cfg.model, cfg.train.seed)
+        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jax.random.key_data(
+            jax.random.key(cfg.train.seed)))
+
+    abstract = jax.eval_shape(init_state)
+    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    param_sh = jax.tree.map(sh, _specs(abstract.params, zero, "params", mesh), is_leaf=is_p)
+    opt_param_sh = jax.tree.map(sh, _specs(abstract.params, zero, "opt", mesh), is_leaf=is_p)
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, abstract.opt_state, opt_param_sh,
+        transform_non_params=lambda _: sh(P()), is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    state_sh = TrainState(param_sh, opt_sh, sh(P()), sh(P()))
+    batch_sh = sh(P(DP_AXES))
+    init = jax.jit(init_state, out_shardings=state_sh)
+
+    def train_step(state: TrainState, tokens, labels):
+        loss, grads, aux = loss_and_grads(state.params, tokens, labels, cfg, mesh)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        return TrainState(params, opt_state, state.step + 1, state.rng), metrics
+
+    step = jax.jit(train_step, in_shardings=(state_sh, batch_sh, batch_sh),
+                   out_shardings=(state_sh, None), donate_argnums=(0,))
+    abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
+    return StepFns(step, init, state_sh, batch_sh, abstract_sh)
