@@ -165,6 +165,8 @@ def test_fp32_cpu_mode_bytes_per_param():
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
     assert mem["total"] == pytest.approx(sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "logits")))
     assert mem["logits"] == 64 * 2 * tiny.vocab * (4 + 4) + 4 * 64 * 2 * tiny.d_model
+    acc = cost.predict_memory(tiny, micro_batch_size=2, microbatches=4, seq_len=64, remat="none", accum_copy=True)
+    assert acc["grads"] == 8 * psi
 
 
 def test_moe_expert_params_divided_by_ep():

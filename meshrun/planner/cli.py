@@ -147,24 +147,24 @@ def run_plan(args) -> int:
 
 def format_table(name: str, n_params: float, cluster: Cluster, batch: int, seq: int, results: list[Result]) -> str:
     lines = [
-        f"{name} ({n_params / 1e9:.1f}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
+        f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
         f"({cluster.usable_memory / GB:.0f} GB usable each), global batch {batch} x seq {seq}",
         "",
         f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} {'remat':>9} "
-        f"{'SP':>3} {'mem GB':>7} {'step s':>8} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
+        f"{'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
     ]
     for i, r in enumerate(results, 1):
         p = r.plan
         lines.append(
             f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {p.virtual:>2} {p.microbatches:>5} "
             f"{p.micro_batch_size:>3} {p.zero:>4} {p.remat:>9} {'y' if p.sequence_parallel else 'n':>3} "
-            f"{r.memory['total'] / GB:>7.1f} {r.step_time:>8.3f} {r.tflops_per_device:>7.1f} {r.mfu:>6.1%} "
+            f"{r.memory['total'] / GB:>7.3g} {r.step_time:>9.4g} {r.tflops_per_device:>7.1f} {r.mfu:>6.1%} "
             f"{r.time['bubble_fraction']:>6.1%}"
         )
         lines += [f"   ! {v}" for v in r.violations]
     best = results[0]
-    mem = ", ".join(f"{k} {best.memory[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "activations", "logits"))
+    mem = ", ".join(f"{k} {best.memory[k] / GB:.3g}" for k in ("params", "grads", "optimizer", "activations", "logits"))
     parts = ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm", "bubble", "dp_sync", "optimizer")
-    tm = ", ".join(f"{k} {best.time[k]:.3f}" for k in parts if best.time[k] > 0)
+    tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time[k] > 0)
     lines += ["", f"#1 memory (GB, stage {best.memory['stage']}): {mem}", f"#1 time (s): {tm}"]
     return "\n".join(lines)

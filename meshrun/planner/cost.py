@@ -213,10 +213,13 @@ def predict_memory(
     act_bytes: float | None = None,
     dropout: bool = False,
     flash: bool | None = None,
+    accum_copy: bool = False,
 ) -> dict[str, float]:
     """Per-device bytes on the fullest pipeline stage: params, grads, optimizer, activations, logits, total.
     Byte sizes default to `precision_of(model)` (from model.param_dtype / model.dtype); remat,
-    sequence_parallel and flash (attention_impl == 'cudnn') default to the model config."""
+    sequence_parallel and flash (attention_impl == 'cudnn') default to the model config.
+    accum_copy: with m > 1, one more full-size gradient per device (JAX accumulating each micro-batch's
+    fresh gradient pytree into a carry, where Megatron accumulates in place)."""
     prec = precision_of(model)
     pb = prec.param if param_bytes is None else param_bytes
     gb = prec.grad if grad_bytes is None else grad_bytes
@@ -260,6 +263,8 @@ def predict_memory(
         eshard = {0: (1, 1, 1), 1: (1, 1, expert_dp), 2: (1, expert_dp, expert_dp), 3: (expert_dp,) * 3}[zero]
         params = pb * (dense / shard[0] + experts / eshard[0])
         grads = gb * (dense / shard[1] + experts / eshard[1])
+        if accum_copy and microbatches > 1:
+            grads += gb * (dense + experts)
         opt = ob * (dense / shard[2] + experts / eshard[2])
         if zero == 3:  # gathered weights of the layer in use and the prefetched next one
             params += 2 * pb * (layer_params(model, n_moe > 0) / t)

@@ -16,6 +16,7 @@ from meshrun.planner.cost import Plan
 from meshrun.planner.hardware import GB, Cluster, parse_cluster
 
 REMATS = ("none", "selective", "full")
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "total")
 MAX_MICRO_BATCH = 16
 
 
@@ -42,10 +43,11 @@ class Result:
             mfu=round(self.mfu, 4),
             bubble_fraction=round(self.time["bubble_fraction"], 4),
             violations=list(self.violations),
-            memory_parts_gb={k: round(v / GB, 3) for k, v in self.memory.items() if k not in ("stage",)},
+            memory_parts_gb={k: round(self.memory[k] / GB, 3) for k in MEMORY_PARTS},
+            memory_stage=self.memory["stage"],
+            params_per_device=int(self.memory["params_per_device"]),
             time_parts_s={k: round(v, 4) for k, v in self.time.items() if k != "bubble_fraction"},
         )
-        out["memory_parts_gb"]["params_per_device"] = round(self.memory["params_per_device"] / 1e9, 4)
         return out
 
 
@@ -122,7 +124,7 @@ def evaluate(
             f"microbatches={plan.microbatches} < 4*pipe={4 * plan.pipe}: pipeline bubble {tm['bubble_fraction']:.1%}"
         )
     if tm["dp_sync_full"] > tm["compute"]:
-        soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.2f} s > compute {tm['compute']:.2f} s")
+        soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
     n = cluster.n_devices
     hw = cost.hardware_flops(model, global_batch, seq_len, plan.remat)
     mf = cost.model_flops(model, global_batch, seq_len)
