@@ -1,0 +1,226 @@
+"""Checkpoints with orbax: async save, keep-N, restore onto any mesh (resharding), SIGTERM handling.
+
+Layout: RUN_DIR/checkpoints/STEP/{state, meta}. `state` is the training-state pytree (orbax
+StandardSave: every process writes its own shards, OCDBT); `meta` is a JSON dict (model config etc.)
+written with every checkpoint and compared with the current config before restoring.
+Restoring is layout-independent: the target's shardings decide how the arrays are read back, so a
+run saved on (data 2, pipe 2, tensor 2) resumes on (data 8) or (pipe 4, tensor 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from meshrun.config import CheckpointConfig
+from meshrun.errors import ConfigError
+
+STATE, META = "state", "meta"
+
+
+def check_run_dir_writable(run_dir: str | Path) -> None:
+    """Create `run_dir` and write a probe file in it, or raise ConfigError naming train.run_dir."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            "train.run_dir",
+            str(run_dir),
+            "choose a directory you can create and write, e.g. train.run_dir=runs/NAME",
+            f"cannot create or write it ({e.strerror or e})",
+        ) from None
+
+
+def _json_roundtrip(x: Any) -> Any:
+    return json.loads(json.dumps(x))  # tuples -> lists, as the saved copy reads back
+
+
+def _path_key(path) -> str:
+    """Tree path as 'a.b.0', independent of the container types (dict, nnx.State, list)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _abstract(x: Any) -> Any:
+    """Array leaf -> ShapeDtypeStruct with its sharding (what StandardRestore reads into)."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
+
+
+class Checkpointer:
+    """Save/restore the training state under RUN_DIR/checkpoints (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, *, meta: dict[str, Any]):
+        check_run_dir_writable(run_dir)
+        self.run_dir, self.cfg = str(run_dir), cfg
+        self.meta = _json_roundtrip(meta)  # fails here, not in a background thread, if not JSON-able
+        self.directory = Path(os.path.abspath(run_dir)) / "checkpoints"
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._started: set[int] = set()  # steps saved by this object (an async one may not be listed yet)
+
+    # ------------------------------------------------------------------ steps
+
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints, oldest first. Orbax lists only finalized steps (an interrupted save
+        leaves a STEP.orbax-checkpoint-tmp-* directory that it skips); a step directory that also
+        lacks the state or meta item is skipped too."""
+        self.manager.reload()
+        return sorted(
+            s for s in self.manager.all_steps() if all((self.directory / str(s) / i).is_dir() for i in (STATE, META))
+        )
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        return self.cfg.every > 0 and step % self.cfg.every == 0
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: Any, force: bool = False) -> bool:
+        """Save when `should_save(step)` or `force` (the last step, preemption); async when configured.
+        Returns whether a save started. Arrays are copied to host before this returns, so the caller
+        may donate `state` to the next step."""
+        if not (force or self.should_save(step)) or step in self._started or step in self.manager.all_steps():
+            return False
+        self._started.add(step)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(self.meta)})
+        return bool(self.manager.save(step, args=args, force=True))
+
+    def wait(self) -> None:
+        """Block until the pending async save is on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore
+
+    def saved_meta(self, step: int) -> dict[str, Any]:
+        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    def check_compatible(self, step: int, target: Any) -> None:
+        """ConfigError when the saved model config or the saved array shapes differ from the current ones."""
+        saved = self.saved_meta(step).get("model")
+        current = self.meta.get("model")
+        if saved is not None and current is not None and saved != current:
+            keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+            fields = [f"model.{k}" for k in keys]
+            was = ", ".join(f"model.{k}={saved.get(k)!r}" for k in keys)
+            now = ", ".join(repr(current.get(k)) for k in keys)
+            raise ConfigError(
+                ", ".join(fields),
+                now if len(keys) > 1 else current.get(keys[0]),
+                "use a new train.run_dir or matching model settings",
+                f"checkpoint in {self.run_dir} was written for {was}, config has {now}",
+            )
+        try:
+            tree = self.manager.item_metadata(step)[STATE]
+        except Exception:  # noqa: BLE001 - metadata is a courtesy check; orbax reports what it can't read
+            return
+        tree = getattr(tree, "tree", tree)
+        saved_shapes = {
+            _path_key(p): tuple(m.shape)
+            for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(m, "shape")
+        }
+        want = {_path_key(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+        fix = "use a new train.run_dir or the settings the checkpoint was written with"
+        missing = sorted(set(want) - set(saved_shapes))
+        if missing and set(saved_shapes):
+            raise ConfigError(
+                "train.run_dir", self.run_dir, fix, f"checkpoint step {step} has no {missing[:3]} (the state needs it)"
+            )
+        for k, shape in want.items():
+            if k in saved_shapes and saved_shapes[k] != shape:
+                raise ConfigError(
+                    "train.run_dir",
+                    self.run_dir,
+                    fix,
+                    f"checkpoint step {step} holds {k} with shape {saved_shapes[k]}, the state needs {shape}",
+                )
+
+    def restore(self, step: int, target: Any) -> Any:
+        """Restore step `step` into the layout of `target`: a pytree of jax.ShapeDtypeStruct with
+        shardings, or of arrays (their shardings are used). Any mesh works (resharding)."""
+        self.check_compatible(step, target)
+        abstract = jax.tree.map(_abstract, target)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
+        return self.manager.restore(step, args=args)[STATE]
+
+
+class PreemptionFlag:
+    """Sets a flag on SIGTERM (cluster preemption, `scancel`) instead of dying. The train loop checks
+    `should_stop()` at each step boundary, saves a checkpoint and exits 0. `close()` restores the
+    previous handlers. Installed only from the main thread (Python allows signal handlers nowhere else)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self._event = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in signals:
+                self._previous[s] = signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = signum
+        self._event.set()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def should_stop(self) -> bool:
+        """True when any process got the signal. Multi-process: an all-gather, so every process must
+        call it at the same step (the scheduler may signal hosts at slightly different times)."""
+        if jax.process_count() == 1:
+            return self.is_set()
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([self.is_set()], np.int32))
+        return bool(np.asarray(flags).any())
+
+    def close(self) -> None:
+        for s, prev in self._previous.items():
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def __enter__(self) -> PreemptionFlag:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
