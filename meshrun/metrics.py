@@ -107,7 +107,7 @@ class MetricsLogger:
         self.total_steps, self.quiet = total_steps, quiet
         self.stream = stream if stream is not None else sys.stderr
         self.active = jax.process_index() == 0
-        self._file = self._tb = None
+        self._file = self._tb = self.path = None
         self._t0 = self._step0 = None
         self._bar_open = False
         if not self.active:
