@@ -1,1 +1,64 @@
-"""Flax NNX transformer layers naming logical axes only (import as `meshrun_models`)."""
+"""Flax NNX transformer naming logical axes only (import as `meshrun_models`).
+
+Functional API (what the train step and the pipeline executor call)::
+
+    graphdef, params = init_params(cfg, rng_seed)        # params: nnx.State of nnx.Param
+    # params keys: 'embed' {'embedding' [V,D] ('vocab','embed')}, 'layers' (every leaf has the leading
+    # stacked 'layers' axis), 'final_norm' {'scale' [D] ('norm',)}, 'head' {'kernel' [D,V] ('embed','vocab')}
+    # ('head' absent when cfg.tie_embeddings). Shardings: meshrun.sharding.tree_shardings(params, mesh, rules).
+    x_BxLxD = embed(params, tokens_BxL, cfg)
+    x_BxLxD, aux = apply_layers(jax.tree.map(lambda w: w[a:b], params['layers']), x_BxLxD, cfg, layer_offset=a)
+    loss_sum, n_tokens = head_loss(params, x_BxLxD, labels_BxL, cfg)   # sums; labels < 0 are ignored
+    loss = total_loss(loss_sum, n_tokens, aux, n_sequences, cfg)        # after summing over microbatches
+    loss, metrics = loss_fn(params, tokens_BxL, labels_BxL, cfg)       # the whole thing, one batch
+
+`aux` = {'moe_aux_loss', 'moe_z_loss', 'dropped_tokens'}: float32 sums over the given units' MoE
+layers and over sequences (zeros for dense). loss = loss_sum/n_tokens + aux_loss_coef * moe_aux /
+(n_sequences * n_moe_layers) + z_loss_coef * moe_z / (n_sequences * n_moe_layers): add up
+loss_sum, n_tokens and aux over microbatches (and over pipeline stages), call total_loss once with
+the global number of sequences, and the result equals loss_fn on the whole batch.
+
+Stacked units: a dense model has n_layers units; an MoE model with moe_every=k has n_layers/k
+units, each k-1 dense blocks (params['layers']['dense'], axes ['layers', None, ...]) then one MoE
+block (params['layers']['moe']). All functions accept nnx.State or plain dicts of arrays, and run
+under `meshrun.sharding.use_rules(mesh, compute_rules(sp))` (activation constraints) or without a mesh.
+"""
+
+from flax import nnx
+
+# Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
+nnx.use_eager_sharding(False)
+
+from meshrun_models.moe import capacity, moe_ffn, route  # noqa: E402
+from meshrun_models.transformer import (  # noqa: E402
+    Transformer,
+    abstract_params,
+    apply_layers,
+    embed,
+    head_loss,
+    init_params,
+    logits,
+    loss_fn,
+    n_moe_layers,
+    n_units,
+    total_loss,
+    validate_model_for_mesh,
+)
+
+__all__ = [
+    "Transformer",
+    "abstract_params",
+    "apply_layers",
+    "capacity",
+    "embed",
+    "head_loss",
+    "init_params",
+    "logits",
+    "loss_fn",
+    "moe_ffn",
+    "n_moe_layers",
+    "n_units",
+    "route",
+    "total_loss",
+    "validate_model_for_mesh",
+]

@@ -1,0 +1,51 @@
+"""Causal grouped-query self-attention with RoPE (Llama), Megatron tensor parallel.
+
+q/k/v are column-parallel (heads / kv_heads sharded), the output projection row-parallel; the
+attention core itself is local to each head shard. Shape letters as in `layers.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from meshrun_models.layers import Lead, dtype_of, normal_param, rope
+
+from meshrun.config import ModelConfig
+from meshrun.sharding import constrain
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
+        d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q = normal_param(rngs.params(), (d, h, dh), ("embed", "heads", "head_dim"), lead, cfg)
+        self.k = normal_param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), lead, cfg)
+        self.v = normal_param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), lead, cfg)
+        self.o = normal_param(rngs.params(), (h, dh, d), ("heads", "head_dim", "embed"), lead, cfg)
+
+
+def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Self-attention on normed input (full length). Returns the row-parallel output before the
+    residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter)."""
+    dt = dtype_of(cfg.dtype)
+    n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    # Megatron's fused GQA layout [D, K, G+2, Dh] built on the fly: query head n = kv*G + g uses kv
+    # head kv (jax.nn.dot_product_attention's grouping), so sharding K shards all three alike and
+    # one einsum gives one input-gradient all-reduce in backward instead of three.
+    wq_DxKxGxDh = p["q"].reshape(cfg.d_model, n_kv, g, dh)
+    w = jnp.concatenate([wq_DxKxGxDh, p["k"][:, :, None], p["v"][:, :, None]], axis=2).astype(dt)
+    qkv = jnp.einsum("bld,dkgh->blkgh", h_BxLxD, w)
+    qkv = checkpoint_name(constrain(qkv, ("batch", None, "kv_heads", None, "head_dim")), "qkv")
+    b, length = qkv.shape[:2]
+    q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
+    k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, cfg.rope_theta), ("batch", None, "heads", "head_dim"))
+    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, cfg.rope_theta), ("batch", None, "kv_heads", "head_dim"))
+    o_BxLxHxDh = jax.nn.dot_product_attention(
+        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, is_causal=True, implementation=cfg.attention_impl
+    )
+    o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
+    return jnp.einsum("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt))

@@ -1,0 +1,140 @@
+"""Parameter helpers and the small pure layers: RMSNorm, RoPE, dense MLP, vocab-parallel embedding and loss.
+
+Shape letters: B batch, L length, D d_model, F d_ff, V vocab, H query heads, K kv heads, G = H/K,
+Dh head_dim, E experts, C expert capacity, S tokens per routing group.
+
+Parameters are created already stacked: `lead` is a tuple of `(size, logical_name)` prefixes, e.g.
+`((n_units, 'layers'),)`, so every stacked leaf carries the right logical name on every dimension
+(nnx.vmap's PARTITION_NAME only adds one named axis; nested stacks need a `None` axis too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshrun.config import ModelConfig
+from meshrun.sharding import constrain
+
+Lead = tuple[tuple[int, str | None], ...]
+
+# Activation names used by the `selective` remat policy (saved; everything else is recomputed).
+SAVED_NAMES = ("qkv", "attn_out", "resid_mid", "mlp_hidden")
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def normal_param(key, shape: Sequence[int], names: Sequence[str | None], lead: Lead, cfg: ModelConfig, std=None):
+    """Stacked normal(0, std) weight with logical names `lead names + names`."""
+    lead_shape = tuple(s for s, _ in lead)
+    std = cfg.init_std if std is None else std
+    value = std * jax.random.normal(key, lead_shape + tuple(shape), dtype_of(cfg.param_dtype))
+    return nnx.Param(value, out_sharding=tuple(n for _, n in lead) + tuple(names))
+
+
+def ones_param(shape: Sequence[int], names: Sequence[str | None], lead: Lead, cfg: ModelConfig):
+    lead_shape = tuple(s for s, _ in lead)
+    value = jnp.ones(lead_shape + tuple(shape), dtype_of(cfg.param_dtype))
+    return nnx.Param(value, out_sharding=tuple(n for _, n in lead) + tuple(names))
+
+
+def arrays(tree: Any) -> Any:
+    """nnx.State / dict of nnx.Param -> plain nested dict of arrays (differentiable, no copies)."""
+    if isinstance(tree, nnx.Variable):
+        return tree.get_value()
+    if isinstance(tree, Mapping):
+        return {k: arrays(v) for k, v in tree.items()}
+    return tree
+
+
+# ---------------------------------------------------------------- modules (parameter containers)
+
+
+class RMSNorm(nnx.Module):
+    """Scale named ('norm',): never sharded, not even by ZeRO-3 (a d_model vector is too small to split)."""
+
+    def __init__(self, cfg: ModelConfig, lead: Lead = ()):
+        self.scale = ones_param((cfg.d_model,), ("norm",), lead, cfg)
+
+
+class MLP(nnx.Module):
+    """SwiGLU (gate, up, down; Llama) or GELU (up, down; GPT). Column-parallel in, row-parallel out."""
+
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        if cfg.mlp == "swiglu":
+            self.gate = normal_param(rngs.params(), (d, f), ("embed", "mlp"), lead, cfg)
+        self.up = normal_param(rngs.params(), (d, f), ("embed", "mlp"), lead, cfg)
+        self.down = normal_param(rngs.params(), (f, d), ("mlp", "embed"), lead, cfg)
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in the input dtype."""
+    x = x_BxLxD.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (y * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxHxDh: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX), positions 0..L-1."""
+    _, length, _, dh = x_BxLxHxDh.shape
+    half = dh // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang_LxHalf = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(ang_LxHalf)[None, :, None, :], jnp.sin(ang_LxHalf)[None, :, None, :]
+    x = x_BxLxHxDh.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxDh.dtype)
+
+
+def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dense MLP on normed input (full length). Returns the row-parallel output *before* the
+    residual-stream constraint, so the caller's constraint decides all-reduce vs reduce-scatter."""
+    dt = dtype_of(cfg.dtype)
+    if cfg.mlp == "swiglu":
+        # gate and up in one einsum: one input-gradient all-reduce in backward instead of two.
+        w_Dx2xF = jnp.stack([p["gate"], p["up"]], axis=1).astype(dt)
+        gu = jnp.einsum("bld,dtf->bltf", h_BxLxD, w_Dx2xF)
+        gu = checkpoint_name(constrain(gu, ("batch", None, None, "mlp")), "mlp_hidden")
+        a_BxLxF = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+    else:
+        u = jnp.einsum("bld,df->blf", h_BxLxD, p["up"].astype(dt))
+        u = checkpoint_name(constrain(u, ("batch", None, "mlp")), "mlp_hidden")
+        a_BxLxF = jax.nn.gelu(u)
+    out = jnp.einsum("blf,fd->bld", a_BxLxF, p["down"].astype(dt))
+    return out
+
+
+def embed_lookup(table_VxD: jax.Array, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Vocab-parallel embedding (Megatron): the table stays sharded on 'vocab'; XLA's SPMD gather
+    partitioner looks up locally with masked indices and all-reduces the b·s·d result."""
+    x = jnp.take(table_VxD, tokens_BxL, axis=0, mode="clip").astype(dtype_of(cfg.dtype))
+    return constrain(x, ("batch", "length", "embed"))
+
+
+def vocab_parallel_xent(logits_BxLxV: jax.Array, labels_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy over tokens with label >= 0, and that token count (both float32).
+
+    Logits stay sharded on 'vocab': max, sum-exp and the label logit are reductions over the vocab
+    axis, which GSPMD lowers to all-reduces of b·s scalars (Megatron's vocab-parallel loss); the
+    label logit is picked with an iota comparison, never a gather of the full row.
+    """
+    logits = constrain(logits_BxLxV.astype(jnp.float32), ("batch", None, "vocab"))
+    m_BxL = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    lse_BxL = jnp.log(jnp.sum(jnp.exp(logits - m_BxL[..., None]), axis=-1)) + m_BxL
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    label_logit_BxL = jnp.sum(jnp.where(vocab_ids == labels_BxL[..., None], logits, 0.0), axis=-1)
+    valid = labels_BxL >= 0
+    loss_sum = jnp.sum(jnp.where(valid, lse_BxL - label_logit_BxL, 0.0))
+    return loss_sum, jnp.sum(valid).astype(jnp.float32)

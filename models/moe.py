@@ -1,0 +1,144 @@
+"""Mixture-of-experts FFN: top-k router, capacity with token dropping, expert parallelism by all-to-all.
+
+Routing groups are sequences: each of the B sequences is one group of S = L tokens (GShard's
+groups), so capacity, drops and the auxiliary losses do not depend on the mesh or the microbatch
+split. Per group and expert the buffer holds C = ceil(capacity_factor * S * top_k / E) tokens; a
+token's j-th choice is queued after every token's (j-1)-th choice (GShard priority), and
+assignments past C are dropped (the token keeps its residual; its other choices still count).
+
+Expert parallelism (Lepikhin et al. 2020, GShard): inside a shard_map manual over ('data',
+'expert') -- auto over 'tensor' -- each device routes its own sequences, `all_to_all` over
+'expert' sends every expert's buffer to the device that holds that expert, the experts run (their
+'mlp' dimension still tensor-parallel under GSPMD), and a second all_to_all brings results home.
+Expert weights never move. With 'expert' already manual in the caller (a pipeline executor), the
+same local code runs directly; without a mesh it runs with no communication.
+
+Statistics per layer, summed over groups: `moe_aux_loss` = sum_g E * sum_e f_ge * P_ge (Switch
+Transformer load balancing, f = fraction of the group's S*k assignments sent to e, P = mean router
+probability; 1.0 per group when balanced), `moe_z_loss` = sum_g mean_s logsumexp(logits_s)^2
+(ST-MoE router z-loss), `dropped_tokens` = number of (token, choice) assignments dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from meshrun_models.layers import Lead, dtype_of, normal_param
+
+from meshrun.config import ModelConfig
+from meshrun.sharding import constrain, current_rules, use_rules
+
+STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens")
+MOE_AXES = ("data", "expert")  # manual in the MoE shard_map: tokens are routed where they live
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
+        d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+        self.router = normal_param(rngs.params(), (d, e), ("embed", None), lead, cfg)
+        if cfg.mlp == "swiglu":
+            self.gate = normal_param(rngs.params(), (e, d, f), ("expert", "embed", "mlp"), lead, cfg)
+        self.up = normal_param(rngs.params(), (e, d, f), ("expert", "embed", "mlp"), lead, cfg)
+        self.down = normal_param(rngs.params(), (e, f, d), ("expert", "mlp", "embed"), lead, cfg)
+
+
+def capacity(cfg: ModelConfig, tokens_per_group: int) -> int:
+    """Expert buffer slots per group: ceil(capacity_factor * S * k / E) (at least 1)."""
+    return max(1, math.ceil(cfg.capacity_factor * tokens_per_group * cfg.top_k / cfg.n_experts))
+
+
+def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int):
+    """Top-k routing with capacity. Returns dispatch and combine [G,S,E,C] (float32) and stats."""
+    g, s, e = logits_GxSxE.shape
+    k = cfg.top_k
+    logits = logits_GxSxE.astype(jnp.float32)
+    probs_GxSxE = jax.nn.softmax(logits, axis=-1)
+    top_p_GxSxk, top_i_GxSxk = jax.lax.top_k(probs_GxSxE, k)
+    gates_GxSxk = top_p_GxSxk / jnp.sum(top_p_GxSxk, -1, keepdims=True) if k > 1 else top_p_GxSxk
+    choice_GxSxkxE = jax.nn.one_hot(top_i_GxSxk, e, dtype=jnp.float32)
+    # Position in the expert's buffer, choice-major: all first choices queue before second choices.
+    queue_GxkSxE = choice_GxSxkxE.transpose(0, 2, 1, 3).reshape(g, k * s, e)
+    pos_GxkSxE = jnp.cumsum(queue_GxkSxE, axis=1) - 1.0
+    pos_GxSxk = jnp.sum(pos_GxkSxE.reshape(g, k, s, e).transpose(0, 2, 1, 3) * choice_GxSxkxE, axis=-1)
+    keep_GxSxk = (pos_GxSxk < cap).astype(jnp.float32)
+    slot_GxSxkxC = jax.nn.one_hot(pos_GxSxk.astype(jnp.int32), cap, dtype=jnp.float32) * keep_GxSxk[..., None]
+    dispatch = jnp.einsum("gske,gskc->gsec", choice_GxSxkxE, slot_GxSxkxC)
+    combine = jnp.einsum("gske,gskc,gsk->gsec", choice_GxSxkxE, slot_GxSxkxC, gates_GxSxk)
+    frac_GxE = jnp.sum(choice_GxSxkxE, axis=(1, 2)) / (s * k)
+    mean_p_GxE = jnp.mean(probs_GxSxE, axis=1)
+    stats = {
+        "moe_aux_loss": e * jnp.sum(jax.lax.stop_gradient(frac_GxE) * mean_p_GxE),
+        "moe_z_loss": jnp.sum(jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=1)),
+        "dropped_tokens": jax.lax.stop_gradient(jnp.sum(1.0 - keep_GxSxk)),
+    }
+    return jax.lax.stop_gradient(dispatch), combine, stats
+
+
+def experts(p: Mapping[str, jax.Array], x_ExNxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Each expert's FFN on its buffer; 'mlp' column/row-parallel over tensor as in the dense MLP."""
+    dt = dtype_of(cfg.dtype)
+    if cfg.mlp == "swiglu":
+        w_ExDx2xF = jnp.stack([p["gate"], p["up"]], axis=2).astype(dt)
+        gu = constrain(jnp.einsum("end,edtf->entf", x_ExNxD, w_ExDx2xF), ("expert", None, None, "mlp"))
+        a_ExNxF = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+    else:
+        u = constrain(jnp.einsum("end,edf->enf", x_ExNxD, p["up"].astype(dt)), ("expert", None, "mlp"))
+        a_ExNxF = jax.nn.gelu(u)
+    return jnp.einsum("enf,efd->end", a_ExNxF, p["down"].astype(dt))
+
+
+def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+    """Route local groups, all_to_all over `axis` (None: no communication), run the local experts."""
+    g, s, d = h_GxSxD.shape
+    cap = capacity(cfg, s)
+    logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
+    dispatch_GxSxExC, combine_GxSxExC, stats = route(logits, cfg, cap)
+    dt = h_GxSxD.dtype
+    x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), h_GxSxD)
+    if axis is not None:  # [E, G, C, D] -> [E/ep, G*ep, C, D]: buffers go to their expert's device
+        x_ExGxCxD = jax.lax.all_to_all(x_ExGxCxD, axis, split_axis=0, concat_axis=1, tiled=True)
+    e_loc, n = x_ExGxCxD.shape[:2]
+    y = experts(p, x_ExGxCxD.reshape(e_loc, n * cap, d), cfg).reshape(e_loc, n, cap, d)
+    if axis is not None:  # and back: [E/ep, G*ep, C, D] -> [E, G, C, D]
+        y = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
+    out_GxSxD = jnp.einsum("gsec,egcd->gsd", combine_GxSxExC.astype(dt), y)
+    return out_GxSxD, stats
+
+
+def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig):
+    """MoE FFN on normed, full-length input. Returns (out_BxLxD, stats summed over this call's groups).
+
+    Inside a caller's shard_map with 'expert' manual, stats are the local shard's sums (reduce them
+    like the loss sum); otherwise they are global sums.
+    """
+    mesh, rules, manual = current_rules()
+    if mesh is None or mesh.size == 1:
+        return moe_local(p, h_BxLxD, cfg, None)
+    ep_axis = "expert" if mesh.shape.get("expert", 1) > 1 else None
+    if "expert" in manual:
+        return moe_local(p, h_BxLxD, cfg, ep_axis)
+    new = tuple(a for a in MOE_AXES if a in mesh.axis_names and a not in manual)
+    batch_axes = tuple(a for a in rules.get("batch", ()) if a in new)
+    expert_spec = P("expert") if "expert" in new else P()
+    w_specs = {k: (P() if k == "router" else expert_spec) for k in p}
+
+    def body(p_local, h_local):
+        with use_rules(mesh, rules, manual=tuple(manual) + new):
+            out, stats = moe_local(p_local, h_local, cfg, ep_axis)
+        if batch_axes:
+            stats = jax.lax.psum(stats, batch_axes)
+        return out, stats
+
+    fn = jax.shard_map(
+        body,
+        mesh=None if manual else mesh,
+        in_specs=(w_specs, P(batch_axes)),
+        out_specs=(P(batch_axes), {k: P() for k in STATS}),
+        axis_names=set(new),
+    )
+    return fn(dict(p), h_BxLxD)

@@ -1,0 +1,257 @@
+"""Decoder-only transformer: NNX parameter containers and the functional API used by train/pipeline.
+
+Stacked unit: a dense model stacks its n_layers blocks on a leading 'layers' axis. An MoE model with
+moe_every = k stacks n_layers / k *groups*; a group is k-1 dense blocks (params['layers']['dense'],
+leading axes ['layers', None]) followed by one MoE block (params['layers']['moe']). Units are applied
+with one `lax.scan`, so compile time does not grow with depth and a pipeline can slice the stack.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from meshrun_models.attention import Attention, attention
+from meshrun_models.layers import (
+    MLP,
+    SAVED_NAMES,
+    Lead,
+    RMSNorm,
+    arrays,
+    embed_lookup,
+    mlp,
+    normal_param,
+    rms_norm,
+    vocab_parallel_xent,
+)
+from meshrun_models.moe import STATS, MoE, moe_ffn
+
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
+from meshrun.sharding import constrain
+
+RESID = ("batch", "length", "embed")  # the residual stream between blocks ('length' sharded under SP)
+FULL = ("batch", None, "embed")  # inside a block: full sequence (an all-gather under SP)
+
+
+def n_units(cfg: ModelConfig) -> int:
+    """Entries on the 'layers' axis: n_layers (dense) or n_layers / moe_every (MoE groups)."""
+    return cfg.n_layers // cfg.moe_every if cfg.is_moe else cfg.n_layers
+
+
+def n_moe_layers(cfg: ModelConfig) -> int:
+    return n_units(cfg) if cfg.is_moe else 0
+
+
+class Block(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is an MLP or an MoE."""
+
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, moe: bool, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, lead)
+        self.attn = Attention(cfg, lead, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, lead)
+        if moe:
+            self.moe = MoE(cfg, lead, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, lead, rngs=rngs)
+
+
+class MoEGroup(nnx.Module):
+    def __init__(self, cfg: ModelConfig, units: int, *, rngs: nnx.Rngs):
+        if cfg.moe_every > 1:
+            self.dense = Block(cfg, ((units, "layers"), (cfg.moe_every - 1, None)), moe=False, rngs=rngs)
+        self.moe = Block(cfg, ((units, "layers"),), moe=True, rngs=rngs)
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = normal_param(rngs.params(), (cfg.vocab, cfg.d_model), ("vocab", "embed"), (), cfg)
+
+
+class Head(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.kernel = normal_param(rngs.params(), (cfg.d_model, cfg.vocab), ("embed", "vocab"), (), cfg)
+
+
+class Transformer(nnx.Module):
+    """Params: embed, layers (stacked), final_norm, head (absent when tie_embeddings)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        units = n_units(cfg)
+        self.embed = Embed(cfg, rngs=rngs)
+        if cfg.is_moe:
+            self.layers = MoEGroup(cfg, units, rngs=rngs)
+        else:
+            self.layers = Block(cfg, ((units, "layers"),), moe=False, rngs=rngs)
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.head = Head(cfg, rngs=rngs)
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        p = nnx.state(self, nnx.Param)
+        x, _ = apply_layers(p["layers"], embed(p, tokens_BxL, self.cfg), self.cfg)
+        return logits(p, x, self.cfg)
+
+
+# ---------------------------------------------------------------- functional API
+
+
+def init_params(cfg: ModelConfig, rng_seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params): params is an nnx.State of nnx.Param (logical names on every leaf).
+    Values depend only on (cfg, rng_seed), never on the mesh."""
+    model = Transformer(cfg, rngs=nnx.Rngs(rng_seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def abstract_params(cfg: ModelConfig) -> nnx.State:
+    """Shapes/dtypes/logical names without allocating (for shardings and memory estimates)."""
+    return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def embed(params: Any, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token ids -> residual stream x_BxLxD (vocab-parallel lookup), in cfg.dtype."""
+    return embed_lookup(arrays(params["embed"]["embedding"]), tokens_BxL, cfg)
+
+
+def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool):
+    h = constrain(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), FULL)
+    x = x_BxLxD + constrain(attention(p["attn"], h, cfg), RESID)
+    x = checkpoint_name(x, "resid_mid")
+    h = constrain(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), FULL)
+    if moe:
+        y, stats = moe_ffn(p["moe"], h, cfg)
+    else:
+        y, stats = mlp(p["mlp"], h, cfg), {k: jnp.zeros((), jnp.float32) for k in STATS}
+    return constrain(x + constrain(y, RESID), RESID), stats
+
+
+def _unit(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig):
+    if not cfg.is_moe:
+        return _block(p, x_BxLxD, cfg, moe=False)
+    for i in range(cfg.moe_every - 1):
+        x_BxLxD, _ = _block(jax.tree.map(lambda w, i=i: w[i], p["dense"]), x_BxLxD, cfg, moe=False)
+    return _block(p["moe"], x_BxLxD, cfg, moe=True)
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "full":  # Chen et al. 2016: keep only the unit input, recompute everything
+        return jax.checkpoint(fn, prevent_cse=False)
+    # selective (Korthikanti et al. 2022): keep matmul outputs, recompute the attention core's
+    # softmax and the element-wise ops.
+    return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES))
+
+
+def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, *, layer_offset: int = 0):
+    """Run stacked units [a, b) (any contiguous slice of params['layers'] along axis 0).
+
+    Returns (x_BxLxD, aux) with aux = {moe_aux_loss, moe_z_loss, dropped_tokens}: float32 sums over
+    these units' MoE layers and over the batch's sequences (zeros for a dense model). `layer_offset`
+    (the absolute index of the first unit) is accepted for callers' bookkeeping; units are
+    homogeneous, so the math does not depend on it.
+    """
+    del layer_offset
+    p = arrays(layer_params)
+    unit = _remat(functools.partial(_unit, cfg=cfg), cfg.remat)
+
+    def step(carry, p_unit):
+        x, aux = carry
+        x, stats = unit(p_unit, x)
+        return (x, {k: aux[k] + stats[k] for k in STATS}), None
+
+    x = constrain(x_BxLxD, RESID)
+    aux0 = {k: jnp.zeros((), jnp.float32) for k in STATS}
+    (x, aux), _ = jax.lax.scan(step, (x, aux0), p)
+    return x, aux
+
+
+def logits(params: Any, x_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm + output projection; logits_BxLxV stay sharded on 'vocab'."""
+    p = arrays(params)
+    h = constrain(rms_norm(x_BxLxD, p["final_norm"]["scale"], cfg.norm_eps), FULL)
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.tie_embeddings:
+        out = jnp.einsum("bld,vd->blv", h, p["embed"]["embedding"].astype(dt))
+    else:
+        out = jnp.einsum("bld,dv->blv", h, p["head"]["kernel"].astype(dt))
+    return constrain(out, ("batch", None, "vocab"))
+
+
+def head_loss(params: Any, x_BxLxD: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig):
+    """(loss_sum, n_tokens): summed vocab-parallel cross-entropy over labels >= 0 (negative labels
+    are ignored) and their count, both float32 -- sums, so microbatches accumulate exactly."""
+    return vocab_parallel_xent(logits(params, x_BxLxD, cfg), labels_BxL)
+
+
+def total_loss(loss_sum, n_tokens, aux: Mapping[str, jax.Array], n_sequences: int, cfg: ModelConfig):
+    """Combine sums (possibly accumulated over microbatches) into the training loss:
+    loss_sum/n_tokens + aux_loss_coef*moe_aux/(n_seq*n_moe) + z_loss_coef*moe_z/(n_seq*n_moe),
+    i.e. the router losses are averaged over MoE layers and over sequences (routing groups)."""
+    loss = loss_sum / n_tokens
+    if cfg.is_moe:
+        denom = n_sequences * n_moe_layers(cfg)
+        loss = loss + cfg.aux_loss_coef * aux["moe_aux_loss"] / denom + cfg.z_loss_coef * aux["moe_z_loss"] / denom
+    return loss
+
+
+def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig):
+    """Full-batch loss = total_loss(head_loss(...), apply_layers aux). Returns (loss, aux) with aux =
+    {ce_loss, moe_aux_loss, moe_z_loss (both averaged per layer and sequence), dropped_tokens, n_tokens}."""
+    x = embed(params, tokens_BxL, cfg)
+    x, sums = apply_layers(params["layers"], x, cfg)
+    loss_sum, n_tok = head_loss(params, x, labels_BxL, cfg)
+    b = tokens_BxL.shape[0]
+    loss = total_loss(loss_sum, n_tok, sums, b, cfg)
+    denom = b * max(n_moe_layers(cfg), 1)
+    aux = {
+        "ce_loss": loss_sum / n_tok,
+        "moe_aux_loss": sums["moe_aux_loss"] / denom,
+        "moe_z_loss": sums["moe_z_loss"] / denom,
+        "dropped_tokens": sums["dropped_tokens"],
+        "n_tokens": n_tok,
+    }
+    return loss, aux
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> None:
+    """ConfigError when the model cannot be split over the mesh (pipeline divisibility is the pipeline's job)."""
+    t = int(mesh_shape.get("tensor", 1))
+    ep = int(mesh_shape.get("expert", 1))
+    for field, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff)):
+        if n % t:
+            raise ConfigError(
+                f"model.{field}",
+                n,
+                f"use a multiple of mesh.tensor={t}, or a tensor degree that divides {n}",
+                f"{field} not divisible by the tensor-parallel degree",
+            )
+    if cfg.vocab % t:
+        padded = -(-cfg.vocab // t) * t
+        raise ConfigError(
+            "model.vocab",
+            cfg.vocab,
+            f"pad the vocabulary to a multiple of mesh.tensor={t} (e.g. {padded}) for the vocab-parallel "
+            "embedding and loss",
+            "vocab not divisible by the tensor-parallel degree",
+        )
+    if cfg.is_moe:
+        if cfg.top_k > cfg.n_experts:
+            raise ConfigError("model.top_k", cfg.top_k, f"use 1 <= top_k <= n_experts={cfg.n_experts}")
+        if cfg.n_experts % ep:
+            raise ConfigError(
+                "model.n_experts",
+                cfg.n_experts,
+                f"use a multiple of mesh.expert={ep}, or an expert degree that divides {cfg.n_experts}",
+                "experts not divisible by the expert-parallel degree",
+            )
