@@ -136,45 +136,63 @@ def reduce_grads(grads, base_specs, grad_specs, mesh: Mesh):
     return jax.tree.map(one, grads, base_specs, grad_specs)
 
 
-def _specs(params, zero: int, part: str, mesh: Mesh):
-    return tree_specs(params, param_rules(zero, part), mesh)
+def pure(tree):
+    """nnx.State / Variables -> nested dicts of plain leaves (what jit, optax and orbax see)."""
+    from flax import nnx
+
+    if isinstance(tree, nnx.Variable):
+        return tree.get_value()
+    if isinstance(tree, (nnx.State, dict)):
+        return {k: pure(v) for k, v in tree.items()}
+    return tree
+
+
+def param_specs(cfg: RunConfig, zero: int, part: str, mesh: Mesh):
+    """PartitionSpecs (plain nested dicts) of the model's parameters for ZeRO `part`."""
+    return pure(tree_specs(models.abstract_params(cfg.model), param_rules(zero, part), mesh))
+
+
+def microbatch_loss(params, tokens, labels, n_tokens, n_sequences, cfg: RunConfig):
+    """One microbatch's share of the global loss: sums normalised by the GLOBAL token/sequence
+    counts, so that the sum over microbatches and data shards is exactly the full-batch loss."""
+    x = models.embed(params, tokens, cfg.model)
+    x, sums = models.apply_layers(params["layers"], x, cfg.model)
+    loss_sum, _ = models.head_loss(params, x, labels, cfg.model)
+    return models.total_loss(loss_sum, n_tokens, sums, n_sequences, cfg.model), {"ce_sum": loss_sum, **sums}
 
 
 def accumulate_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
     """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
-    reduction after the loop. Returns (loss, grads in the ZeRO grad layout, aux)."""
+    reduction after the loop. Returns (loss, grads in the ZeRO grad layout, metrics)."""
     zero, m = cfg.train.zero, cfg.pipeline.microbatches
-    base = _specs(params, 0, "params", mesh)
-    pspec = _specs(params, zero, "params", mesh)
-    gspec = _specs(params, zero, "grads", mesh)
+    base, pspec, gspec = (param_specs(cfg, z, part, mesh) for z, part in ((0, "params"), (zero, "params"),
+                                                                           (zero, "grads")))
     is_p = lambda x: isinstance(x, P)  # noqa: E731
     local = lambda t: jax.tree.map(_local, t, is_leaf=is_p)  # noqa: E731
     rules = compute_rules(cfg.model.sequence_parallel)
-    n_shards = m * dp_degree(mesh)
+    live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
+    psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
 
     def body(params, tokens, labels):
         with use_rules(mesh, rules, manual=MANUAL):
             full = gather_params(params, local(pspec)) if zero >= 3 else params
+            n_tok = psum(jnp.sum(labels >= 0).astype(jnp.float32))
+            n_seq = tokens.shape[0] * dp_degree(mesh)
             b = tokens.shape[0] // m
-            tok = tokens.reshape(m, b, -1)
-            lab = labels.reshape(m, b, -1)
-            grad_fn = jax.value_and_grad(lambda p, x, y: models.loss_fn(p, x, y, cfg.model), has_aux=True)
+            tok, lab = tokens.reshape(m, b, -1), labels.reshape(m, b, -1)
+            grad_fn = jax.value_and_grad(
+                lambda p, x, y: microbatch_loss(p, x, y, n_tok, n_seq, cfg), has_aux=True)
 
             def micro(carry, xy):
-                (loss, aux), g = grad_fn(full, *xy)
-                gsum, lsum, asum = carry
-                return (jax.tree.map(jnp.add, gsum, g), lsum + loss, jax.tree.map(jnp.add, asum, aux)), None
+                (loss, parts), g = grad_fn(full, *xy)
+                return jax.tree.map(jnp.add, carry, (g, loss, parts)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, full)
-            aux0 = jax.eval_shape(lambda: models.loss_fn(full, tok[0], lab[0], cfg.model)[1])
-            aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0)
-            (gsum, lsum, asum), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), aux0), (tok, lab))
+            shapes = jax.eval_shape(grad_fn, full, tok[0], lab[0])
+            (parts_shape, grads_shape) = shapes[0][1], shapes[1]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, jnp.float32(0), parts_shape))
+            (gsum, loss, parts), _ = jax.lax.scan(micro, zeros, (tok, lab))
             grads = reduce_grads(gsum, local(base), local(gspec), mesh)
-            grads = jax.tree.map(lambda g: g / n_shards, grads)
-            live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
-            loss = jax.lax.psum(lsum, live) / n_shards if live else lsum / n_shards
-            aux = jax.tree.map(lambda a: (jax.lax.psum(a, live) if live else a) / n_shards, asum)
-            return loss, grads, aux
+            return psum(loss), grads, summarize_parts(psum(parts), n_tok, n_seq, cfg)
 
     batch_spec = P(DP_AXES)
     fn = jax.shard_map(
@@ -184,6 +202,16 @@ def accumulate_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
         axis_names=set(MANUAL), check_vma=False,
     )
     return fn(params, tokens, labels)
+
+
+def summarize_parts(parts, n_tokens, n_sequences, cfg: RunConfig) -> dict:
+    """Globally summed loss parts -> logged metrics (router losses per MoE layer and sequence)."""
+    out = {"ce_loss": parts["ce_sum"] / n_tokens}
+    if cfg.model.is_moe:
+        denom = n_sequences * models.n_moe_layers(cfg.model)
+        out |= {"moe_aux_loss": parts["moe_aux_loss"] / denom, "moe_z_loss": parts["moe_z_loss"] / denom,
+                "dropped_tokens": parts["dropped_tokens"]}
+    return out
 
 
 def loss_and_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
@@ -201,15 +229,15 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     zero = cfg.train.zero
 
     def init_state() -> TrainState:
-        params = models.init_params(cfg.model, cfg.train.seed)
+        params = pure(models.init_params(cfg.model, cfg.train.seed)[1])
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jax.random.key_data(
             jax.random.key(cfg.train.seed)))
 
     abstract = jax.eval_shape(init_state)
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_p = lambda x: isinstance(x, P)  # noqa: E731
-    param_sh = jax.tree.map(sh, _specs(abstract.params, zero, "params", mesh), is_leaf=is_p)
-    opt_param_sh = jax.tree.map(sh, _specs(abstract.params, zero, "opt", mesh), is_leaf=is_p)
+    param_sh = jax.tree.map(sh, param_specs(cfg, zero, "params", mesh), is_leaf=is_p)
+    opt_param_sh = jax.tree.map(sh, param_specs(cfg, zero, "opt", mesh), is_leaf=is_p)
     opt_sh = optax.tree_map_params(
         tx, lambda _, s: s, abstract.opt_state, opt_param_sh,
         transform_non_params=lambda _: sh(P()), is_leaf=lambda x: isinstance(x, NamedSharding),
