@@ -1,0 +1,97 @@
+"""Per-stage building blocks of the pipeline executor: residual split, layer layout, spec helpers.
+
+Residuals. `jax.vjp(f, params, x)` returns a pytree whose leaves are everything the backward
+needs: values computed from the activation `x` AND the weights themselves (dx = dy @ W^T needs W).
+Keeping whole weights per in-flight microbatch would multiply weight memory by the slot count, so
+`activation_residuals` walks the traced jaxpr and marks which leaves depend on `x`. Only those go
+into the fixed-size buffer; the backward re-traces `jax.vjp` on a dummy input to rebuild the
+weight-only leaves (XLA removes the dead dummy forward: the audit in tests/test_pipeline.py
+checks that no extra collectives stay in the tick loop).
+
+Layer layout. The stacked `layers` axis of length L is sharded over 'pipe'. Virtual stage
+k = c*p + s (chunk c of stage s) runs layers [k*L/(v*p), (k+1)*L/(v*p)). `to_pipeline_layout`
+reorders the stacked axis [v, p, Lc] -> [p, v, Lc] so that a contiguous P('pipe') shard holds a
+device's v chunks; for v = 1 it is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec as P
+
+
+def activation_residuals(fn: Callable, params, x) -> tuple[tuple[bool, ...], list]:
+    """For the leaves of `jax.vjp(fn, params, x)[1]`: (True where the leaf depends on `x`, avals).
+
+    Conservative: an equation with any dependent input makes all its outputs dependent."""
+
+    def leaves(p, a):
+        return jax.tree.leaves(jax.vjp(fn, p, a)[1])
+
+    closed = jax.make_jaxpr(leaves)(params, x)
+    jaxpr = closed.jaxpr
+    n_p = len(jax.tree.leaves(params))
+    dep = set(jaxpr.invars[n_p:])
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    mask = tuple(isinstance(v, jex_core.Var) and v in dep for v in jaxpr.outvars)
+    return mask, list(closed.out_avals)
+
+
+def to_pipeline_layout(layers, p: int, v: int):
+    """Stacked layer tree in model order -> pipeline order ([v, p, Lc] -> [p, v, Lc] on axis 0)."""
+    if v == 1:
+        return layers
+
+    def one(a):
+        lc = a.shape[0] // (v * p)
+        return a.reshape(v, p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+    return jax.tree.map(one, layers)
+
+
+def from_pipeline_layout(layers, p: int, v: int):
+    """Inverse of `to_pipeline_layout`."""
+    if v == 1:
+        return layers
+
+    def one(a):
+        lc = a.shape[0] // (v * p)
+        return a.reshape(p, v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+    return jax.tree.map(one, layers)
+
+
+def dim_axes(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    """PartitionSpec -> per-dimension tuple of mesh axes (padded to `ndim`)."""
+    out = []
+    for i in range(ndim):
+        e = spec[i] if i < len(spec) else None
+        out.append(() if e is None else (e,) if isinstance(e, str) else tuple(e))
+    return out
+
+
+def restrict(spec: P, ndim: int, axes: Sequence[str]) -> P:
+    """Keep only `axes` in `spec` (shard_map in_specs may name only its manual axes)."""
+    dims = [tuple(a for a in d if a in axes) for d in dim_axes(spec, ndim)]
+    return P(*[None if not d else d[0] if len(d) == 1 else d for d in dims])
+
+
+def gather_dims(storage: P, compute: P, ndim: int, axes: Sequence[str]) -> list[tuple[int, tuple[str, ...]]]:
+    """(dim, axes) that `storage` shards over `axes` and `compute` does not: all-gather them (ZeRO-3)
+    before use, or reduce-scatter a gradient onto them (ZeRO-2/3)."""
+    out = []
+    for d, (s, c) in enumerate(zip(dim_axes(storage, ndim), dim_axes(compute, ndim))):
+        extra = tuple(a for a in s if a in axes and a not in c)
+        if extra:
+            out.append((d, extra))
+    return out
+
+
+def zeros_like_tree(tree, fill: float = 0.0):
+    return jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
