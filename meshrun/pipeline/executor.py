@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -219,6 +219,7 @@ class Pipeline:
         if layout not in ("model", "pipeline"):
             raise ConfigError("layout", layout, "use 'model' or 'pipeline'")
         self.cfg, self.pcfg, self.mesh, self.names, self.zero = cfg, pcfg, mesh, names, zero
+        self._custom_fns = fns is not None
         self.fns = fns or model_fns(cfg)
         self.residuals, self.layout, self.nan_bubbles = residuals, layout, nan_bubbles
         self.p = int(mesh.shape.get("pipe", 1))
@@ -256,7 +257,13 @@ class Pipeline:
                 self.names = self.names.to_pure_dict()
             return params.to_pure_dict()
         if self.names is None:
-            raise ConfigError("names", None, "pass the logical axis names of a plain-dict params tree")
+            if self._custom_fns:
+                raise ConfigError("names", None, "pass the logical axis names of a plain-dict params tree")
+            import meshrun_models as mm
+
+            state = mm.abstract_params(self.cfg)
+            names = jax.tree.map(logical_names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            self.names = names.to_pure_dict()
         return dict(params)
 
     def __call__(self, params, tokens, labels):
@@ -338,8 +345,9 @@ class Pipeline:
         full = lambda shape, dt: jnp.full(shape, fill, dt)
 
         # Total tokens first (labels only; the head matmul on zeros is dead code XLA removes).
-        n_local = fns.head_loss(other, jnp.zeros((m * x_aval.shape[0], *x_aval.shape[1:]), x_aval.dtype),
-                                lab.reshape(-1, *lab.shape[2:]))[1]
+        n_local = fns.head_loss(
+            other, jnp.zeros((m * x_aval.shape[0], *x_aval.shape[1:]), x_aval.dtype), lab.reshape(-1, *lab.shape[2:])
+        )[1]
         n_tok = lax.psum(jnp.asarray(n_local, jnp.float32), dp_axes)
 
         (_, aux_aval) = jax.eval_shape(stage_fn, chunk(0), x_zero)

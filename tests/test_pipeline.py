@@ -1,0 +1,398 @@
+"""Pipeline executor on 8 simulated CPU devices (float32).
+
+Parity: loss and every gradient equal the single-device reference (rtol 1e-5) for GPipe, 1F1B and
+interleaved 1F1B, p in {2, 4}, m in {p, 2p, 4p}, with data / tensor / expert parallelism inside the
+stages, ZeRO-2/3 and recompute. A tiny stacked tanh-MLP ("toy", vocab-parallel head, an aux sum)
+covers the wide matrix because it compiles in seconds; the meshrun_models transformer (dense and
+MoE) covers the key layouts. Also: NaN-filled bubbles never leak, 1F1B temp memory does not grow
+with m, collective-permute bytes per step equal the schedule's, the data-parallel reduction runs
+once after the tick loop, and bad input raises ConfigError.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import meshrun_models as mm
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshrun import hlo
+from meshrun.config import ModelConfig, PipelineConfig
+from meshrun.errors import ConfigError
+from meshrun.mesh import build_mesh
+from meshrun.pipeline import schedules
+from meshrun.pipeline.executor import Pipeline, StageFns
+from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
+from meshrun.sharding import constrain
+
+RTOL = 1e-5
+
+# ---------------------------------------------------------------- toy model (stand-in stage function)
+
+V, D, F, L, S = 32, 16, 32, 8, 8
+TOY_NAMES = {
+    "embed": ("vocab", "embed"),
+    "head": ("embed", "vocab"),
+    "layers": {"w1": ("layers", "embed", "mlp"), "w2": ("layers", "mlp", "embed")},
+}
+
+
+def toy_embed(prm, tok):
+    return constrain(prm["embed"][tok], ("batch", "length", "embed"))
+
+
+def toy_layers(lp, x):
+    def body(x, w):
+        h = constrain(jnp.tanh(jnp.einsum("bsd,df->bsf", x, w["w1"])), ("batch", "length", "mlp"))
+        x = x + jnp.einsum("bsf,fd->bsd", h, w["w2"])
+        return x, jnp.sum(jnp.mean(x**2, axis=(1, 2)))  # per-sequence sums: exact over any split
+
+    x, sq = jax.lax.scan(body, x, lp)
+    return x, {"sq": jnp.sum(sq)}
+
+
+def toy_head(prm, x, lab):
+    logits = constrain(jnp.einsum("bsd,dv->bsv", x, prm["head"]), ("batch", "length", "vocab"))
+    mask = lab >= 0
+    tgt = jnp.take_along_axis(logits, jnp.maximum(lab, 0)[..., None], -1)[..., 0]
+    xent = jax.nn.logsumexp(logits, -1) - tgt
+    return jnp.sum(jnp.where(mask, xent, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+
+TOY = StageFns(toy_embed, toy_layers, toy_head, aux_weights=lambda n_seq: {"sq": 0.1 / n_seq})
+
+
+def toy_loss(prm, tok, lab):
+    x, aux = toy_layers(prm["layers"], toy_embed(prm, tok))
+    ls, n = toy_head(prm, x, lab)
+    return ls / n + 0.1 * aux["sq"] / tok.shape[0], aux
+
+
+@functools.cache
+def toy_params():
+    k = jax.random.split(jax.random.key(0), 4)
+    return {
+        "embed": jax.random.normal(k[0], (V, D)) * 0.5,
+        "head": jax.random.normal(k[1], (D, V)) * 0.3,
+        "layers": {"w1": jax.random.normal(k[2], (L, D, F)) * 0.3, "w2": jax.random.normal(k[3], (L, F, D)) * 0.3},
+    }
+
+
+@functools.cache
+def batch(b: int, vocab: int, seed: int = 1):
+    tok = jax.random.randint(jax.random.key(seed), (b, S), 0, vocab)
+    lab = jax.random.randint(jax.random.key(seed + 1), (b, S), 0, vocab)
+    return tok, lab.at[0, :3].set(-1)  # ignored labels: n_tokens must come from the labels
+
+
+@functools.cache
+def toy_ref(b: int):
+    tok, lab = batch(b, V)
+    (loss, aux), g = jax.jit(jax.value_and_grad(toy_loss, has_aux=True))(toy_params(), tok, lab)
+    return float(loss), g, aux
+
+
+@functools.cache
+def mesh_of(pipe, data, expert, tensor):
+    return build_mesh(pipe=pipe, data=data, expert=expert, tensor=tensor)
+
+
+@functools.cache
+def toy_compiled(dims, schedule, m, v, b, **kw):
+    """(pipeline, compiled step, args) for the toy model; cached so tests share compiles."""
+    kw = dict(kw)
+    layout = kw.get("layout", "model")
+    pl = Pipeline(
+        ModelConfig(),
+        PipelineConfig(schedule=schedule, microbatches=m, virtual=v),
+        mesh_of(*dims),
+        TOY_NAMES,
+        fns=TOY,
+        **kw,
+    )
+    params = toy_params()
+    if layout == "pipeline":
+        params = {**params, "layers": to_pipeline_layout(params["layers"], pl.p, v)}
+    args = (params, *batch(b, V))
+    return pl, pl.lower(*args).compile(), args
+
+
+def assert_tree_close(got, ref):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.max(np.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+# ---------------------------------------------------------------- parity (toy)
+
+# (mesh pipe, data, expert, tensor), schedule, m, v, global batch, options. Batches match the memory
+# and HLO tests' (1 sequence per microbatch and shard) where they can, so those reuse these compiles.
+TOY_CASES = {
+    "p2d2t2-1f1b-m4": ((2, 2, 1, 2), "1f1b", 4, 1, 8, ()),
+    "p2d2t2-gpipe-m16": ((2, 2, 1, 2), "gpipe", 16, 1, 32, ()),
+    "p2d2t2-interleaved-m8": ((2, 2, 1, 2), "interleaved", 8, 2, 32, ()),
+    "p4t2-1f1b-m8": ((4, 1, 1, 2), "1f1b", 8, 1, 8, ()),
+    "p4t2-1f1b-m32": ((4, 1, 1, 2), "1f1b", 32, 1, 32, ()),
+    "p4t2-gpipe-m8": ((4, 1, 1, 2), "gpipe", 8, 1, 8, ()),
+    "p4t2-interleaved-m4": ((4, 1, 1, 2), "interleaved", 4, 2, 8, ()),
+    "p2d4-1f1b-m2": ((2, 4, 1, 1), "1f1b", 2, 1, 8, ()),
+    "p4d2-1f1b-m16": ((4, 2, 1, 1), "1f1b", 16, 1, 32, ()),
+    "p2d2t2-1f1b-m4-zero2": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("zero", 2),)),
+    "p2d2t2-1f1b-m4-zero3": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("zero", 3),)),
+    "p2d2t2-1f1b-m4-recompute": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("residuals", "recompute"),)),
+    "p2d2t2-interleaved-m4-pipeline-layout": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("layout", "pipeline"),)),
+}
+
+
+@pytest.mark.parametrize("case", list(TOY_CASES))
+def test_toy_parity(case):
+    dims, schedule, m, v, b, kw = TOY_CASES[case]
+    pl, compiled, args = toy_compiled(dims, schedule, m, v, b=b, **dict(kw))
+    loss, grads, aux = compiled(*args)
+    ref_loss, ref_grads, ref_aux = toy_ref(b)
+    # Layer grads stay stage-sharded and tensor-parallel; ZeRO-2/3 shard them over data on 'embed'.
+    spec = grads["layers"]["w1"].sharding.spec
+    want = P("pipe", "data" if pl.zero >= 2 else None, "tensor" if dims[3] > 1 else None)
+    assert tuple(spec) + (None,) * (3 - len(spec)) == tuple(want), spec
+    if pl.layout == "pipeline":
+        grads = {**grads, "layers": from_pipeline_layout(grads["layers"], pl.p, v)}
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
+    np.testing.assert_allclose(float(aux["sq"]), float(ref_aux["sq"]), rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+
+
+def test_pipeline_layout_moves_no_weights_across_pipe():
+    """Interleaved with model-order params permutes layers over 'pipe' (all-to-all) each step;
+    params stored in pipeline order do not."""
+    dims = (2, 2, 1, 2)
+    ops = {}
+    for layout, (pl, c, _) in {
+        "model": toy_compiled(dims, "interleaved", 8, 2, b=32),
+        "pipeline": toy_compiled(dims, "interleaved", 4, 2, b=8, layout="pipeline"),
+    }.items():
+        ops[layout] = {(x.op, x.axes) for x in hlo.collectives(c.as_text(), dict(pl.mesh.shape))}
+    assert ("all-to-all", ("pipe",)) in ops["model"]
+    assert not any("pipe" in axes for op, axes in ops["pipeline"] if op in ("all-to-all", "all-gather"))
+
+
+# ---------------------------------------------------------------- parity (meshrun_models transformer)
+
+DENSE = ModelConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=16)
+MOE = ModelConfig(
+    vocab=64,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=64,
+    max_seq_len=16,
+    n_experts=4,
+    top_k=2,
+    moe_every=2,
+)  # 2 stacked units (dense block + MoE block each); default capacity 1.25 drops some tokens
+
+
+@functools.cache
+def model_ref(cfg: ModelConfig, b: int):
+    _, params = mm.init_params(cfg, 0)
+    tok, lab = batch(b, cfg.vocab, seed=3)
+    fn = jax.jit(jax.value_and_grad(lambda p, t, y: mm.loss_fn(p, t, y, cfg), has_aux=True))
+    (loss, aux), g = fn(params, tok, lab)
+    return params, (tok, lab), float(loss), g.to_pure_dict(), aux
+
+
+MODEL_CASES = {
+    "dense-p2d2t2-1f1b-m4-state": (DENSE, (2, 2, 1, 2), "1f1b", 4, 1, True),
+    "dense-p2d2t2-interleaved-m4-dict": (DENSE, (2, 2, 1, 2), "interleaved", 4, 2, False),
+    "dense-p4t2-gpipe-m8-dict": (DENSE, (4, 1, 1, 2), "gpipe", 8, 1, False),
+    "moe-p2e2t2-1f1b-m4-state": (MOE, (2, 1, 2, 2), "1f1b", 4, 1, True),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_model_parity(case):
+    cfg, dims, schedule, m, v, as_state = MODEL_CASES[case]
+    params, (tok, lab), ref_loss, ref_grads, ref_aux = model_ref(cfg, 16)
+    pl = Pipeline(cfg, PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims))
+    loss, grads, aux = pl(params if as_state else params.to_pure_dict(), tok, lab)
+    if as_state:
+        assert type(grads) is type(params)
+        grads = grads.to_pure_dict()
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
+    for k in ("ce_loss", "moe_aux_loss", "moe_z_loss", "dropped_tokens", "n_tokens"):
+        np.testing.assert_allclose(float(aux[k]), float(ref_aux[k]), rtol=RTOL, atol=1e-7, err_msg=k)
+    assert_tree_close(grads, ref_grads)
+    if cfg.is_moe:
+        assert float(ref_aux["dropped_tokens"]) > 0  # the capacity path is exercised
+        assert float(ref_aux["moe_aux_loss"]) > 0
+
+
+# ---------------------------------------------------------------- bubbles never leak
+
+
+@pytest.mark.parametrize(
+    "dims,schedule,m,v",
+    [((4, 1, 1, 2), "1f1b", 8, 1), ((2, 2, 1, 2), "interleaved", 4, 2), ((2, 2, 1, 2), "gpipe", 4, 1)],
+)
+def test_nan_bubbles_do_not_leak(dims, schedule, m, v):
+    pl, compiled, args = toy_compiled(dims, schedule, m, v, b=32, nan_bubbles=True)
+    assert re.search(r"f32\[\]\s+constant\(nan\)", compiled.as_text())  # the NaN fill is really there
+    loss, grads, _ = compiled(*args)
+    assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    ref_loss, ref_grads, _ = toy_ref(32)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+
+
+# ---------------------------------------------------------------- memory and collectives
+
+
+def temp_bytes(dims, schedule, m, **kw):
+    dp = dims[1] * dims[2]
+    _, c, _ = toy_compiled(dims, schedule, m, 1, b=m * dp, **kw)  # microbatch of 1 sequence per shard
+    return c.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("dims", [(2, 2, 1, 2), (4, 1, 1, 2)])
+def test_1f1b_temp_memory_does_not_grow_with_m(dims):
+    p = dims[0]
+    small, large = temp_bytes(dims, "1f1b", 2 * p), temp_bytes(dims, "1f1b", 8 * p)
+    print(f"1F1B p={p}: temp {small} B at m={2 * p}, {large} B at m={8 * p}")
+    assert large <= 1.15 * small
+    # The measure can tell: GPipe keeps all m microbatches' residuals.
+    g_small, g_large = temp_bytes(dims, "gpipe", 2 * p), temp_bytes(dims, "gpipe", 8 * p)
+    assert g_large > 2 * g_small
+    # Residual slots = max in-flight per stage: min(m, 2p-1) for lockstep 1F1B, m for GPipe.
+    for m in (2 * p, 8 * p):
+        assert toy_compiled(dims, "1f1b", m, 1, b=m * dims[1] * dims[2])[0].plan.slots == min(m, 2 * p - 1)
+
+
+def _trip_multipliers(text: str) -> dict[str, int]:
+    """Computation name -> how many times it runs per step (product of enclosing known trip counts)."""
+    comps = hlo._computations(text)
+    parent: dict[str, tuple[str, int]] = {}
+    for name, body in comps.items():
+        for line in body.splitlines():
+            w = re.search(r"\bwhile\(.*?condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+            if w:
+                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                parent[w.group(2)] = (name, int(n.group(1)))
+                parent[w.group(1)] = (name, int(n.group(1)) + 1)
+                continue
+            for r in re.findall(r"%([\w.\-]+)", line):
+                if r in comps and r != name:
+                    parent.setdefault(r, (name, 1))
+
+    @functools.cache
+    def mult(c: str) -> int:
+        return parent[c][1] * mult(parent[c][0]) if c in parent else 1
+
+    return {c: mult(c) for c in comps}
+
+
+def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:
+    """(collective, runs per step) for every collective in compiled HLO text."""
+    mults = _trip_multipliers(text)
+    out = []
+    for name, body in hlo._computations(text).items():
+        for c in hlo.collectives(f"ENTRY %{name} {{\n{body}\n}}", dict(mesh.shape)):
+            out.append((c, mults[name]))
+    return out
+
+
+def expected_sends(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
+    """Per step (forward, backward) activation transfers implied by the lockstep table: every tick
+    moves one microbatch activation across each stage boundary forward (one gradient backward) when
+    its run of same-kind ticks (forward-only / both / backward-only) feeds a consumer next tick."""
+    lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    kind = ["".join(k for k, ops in (("F", [c.fwd for c in r]), ("B", [c.bwd for c in r])) if any(ops)) for r in lock]
+    need_f = [any(c.fwd and c.fwd.chunk * p + s > 0 for s, c in enumerate(r)) for r in lock[1:]] + [False]
+    need_b = [any(c.bwd and c.bwd.chunk * p + s < v * p - 1 for s, c in enumerate(r)) for r in lock[1:]] + [False]
+    runs, t0 = [], 0
+    for t in range(1, len(lock) + 1):
+        if t == len(lock) or kind[t] != kind[t0]:
+            runs.append((t0, t))
+            t0 = t
+    f = sum(t1 - t0 for t0, t1 in runs if any(need_f[t0:t1]))
+    b = sum(t1 - t0 for t0, t1 in runs if any(need_b[t0:t1]))
+    return f, b
+
+
+@pytest.mark.parametrize("dims", [(2, 2, 1, 2), (4, 1, 1, 2)])
+def test_hlo_permute_bytes_and_single_dp_reduction(dims):
+    p, dp = dims[0], dims[1] * dims[2]
+    act = 1 * S * D * 4  # one microbatch activation (1 sequence per shard) b*s*h*4 bytes
+    dp_ops = {}
+    for m in (2 * p, 8 * p):
+        pl, c, _ = toy_compiled(dims, "1f1b", m, 1, b=m * dp)
+        ex = executed(c.as_text(), pl.mesh)
+        perms = [(x, k) for x, k in ex if x.op == "collective-permute"]
+        assert perms and all(x.axes == ("pipe",) and x.bytes == act * x.parts for x, k in perms)
+        f, b = expected_sends("1f1b", p, m)
+        if p > 2:  # warm-up p-1 + steady m ticks; the cool-down's p-1 ticks send gradients
+            assert (f, b) == (m + p - 1, m + p - 1)
+        got = sum(x.bytes * k for x, k in perms)
+        print(f"1F1B p={p} m={m}: collective-permute {got} B/step, expected ({f}+{b})*{act}")
+        assert got == (f + b) * act
+        # Data-parallel gradient reduction: outside the loop, same count whatever m is.
+        dp_colls = [x for x, _ in ex if "data" in x.axes and x.op in ("all-reduce", "reduce-scatter")]
+        assert not [x for x in dp_colls if x.in_loop]
+        dp_ops[m] = sorted((x.op, x.axes, x.bytes) for x in dp_colls)
+    assert dp_ops[2 * p] == dp_ops[8 * p]
+
+
+def test_stored_residuals_save_one_tensor_all_reduce_per_layer():
+    """Keeping vjp residuals: 1 TP all-reduce per layer forward, 1 backward (toy MLP); recomputing
+    the forward in the backward adds one per layer per backward tick. Weight-only residuals are
+    rebuilt by a dead dummy forward that XLA removes (else it would add all-reduces too)."""
+    dims, m = (2, 2, 1, 2), 4
+    count = {}
+    for res in ("store", "recompute"):
+        pl, c, _ = toy_compiled(dims, "1f1b", m, 1, b=m * 2, **({} if res == "store" else {"residuals": res}))
+        count[res] = sum(k for x, k in executed(c.as_text(), pl.mesh) if x.op == "all-reduce" and x.axes == ("tensor",))
+    layers_per_stage = L // dims[0]
+    backward_ticks = sum(t1 - t0 for kind, t0, t1, _, _ in pl.plan.phases if "B" in kind)
+    assert count["recompute"] - count["store"] == layers_per_stage * backward_ticks
+
+
+def test_zero2_reduce_scatters_once():
+    pl, c, _ = toy_compiled((2, 2, 1, 2), "1f1b", 4, 1, b=8, zero=2)
+    colls = hlo.collectives(c.as_text(), dict(pl.mesh.shape))
+    rs = [x for x in colls if x.op == "reduce-scatter" and "data" in x.axes]
+    assert rs and not any(x.in_loop for x in rs)
+    assert not any(x.in_loop and "data" in x.axes for x in colls)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_config_errors():
+    mesh4 = mesh_of(4, 1, 1, 2)
+    mesh2 = mesh_of(2, 2, 1, 2)
+    mk = lambda mesh, **pc: Pipeline(ModelConfig(), PipelineConfig(**pc), mesh, TOY_NAMES, fns=TOY)
+    with pytest.raises(ConfigError, match="m >= p") as e:
+        mk(mesh4, schedule="1f1b", microbatches=2)
+    assert e.value.field == "pipeline.microbatches"
+    with pytest.raises(ConfigError, match="m % p") as e:
+        mk(mesh4, schedule="interleaved", microbatches=6, virtual=2)
+    assert e.value.field == "pipeline.microbatches"
+    with pytest.raises(ConfigError) as e:
+        mk(mesh2, schedule="1f1b", microbatches=4, virtual=2)
+    assert e.value.field == "pipeline.virtual"
+    tok, lab = batch(32, V)
+    six = {**toy_params(), "layers": jax.tree.map(lambda a: a[:6], toy_params()["layers"])}
+    with pytest.raises(ConfigError, match="stacked layers") as e:
+        mk(mesh4, schedule="1f1b", microbatches=4)(six, tok, lab)
+    assert e.value.field == "model.n_layers"
+    with pytest.raises(ConfigError, match="stacked layers"):  # 8 layers, 2 stages x 8 chunks
+        mk(mesh2, schedule="interleaved", microbatches=8, virtual=8)(toy_params(), tok, lab)
+    with pytest.raises(ConfigError, match="global batch") as e:  # 12 rows, m=4 x data 2
+        mk(mesh2, schedule="1f1b", microbatches=4)(toy_params(), tok[:12], lab[:12])
+    assert e.value.field == "train.global_batch"
