@@ -167,8 +167,15 @@ def plan(
 
 
 def _port_free(port: int) -> str | None:
-    """None when process 0 can bind `port` on all interfaces (as jax's coordinator does), else why."""
-    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    """None when process 0 can bind `port` where jax's coordinator will (all interfaces, or
+    JAX_COORDINATOR_BIND_ADDRESS), else why. jax segfaults on a port in use, hence this check."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if bind:
+        host, port = parse_coordinator(bind, "JAX_COORDINATOR_BIND_ADDRESS")
+        targets = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+    else:
+        targets = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    for family, addr in targets:
         try:
             s = socket.socket(family, socket.SOCK_STREAM)
         except OSError:
