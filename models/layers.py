@@ -120,6 +120,9 @@ def embed_lookup(table_VxD: jax.Array, tokens_BxL: jax.Array, cfg: ModelConfig) 
     """Vocab-parallel embedding (Megatron): the table stays sharded on 'vocab'; XLA's SPMD gather
     partitioner looks up locally with masked indices and all-reduces the b·s·d result."""
     x = jnp.take(table_VxD, tokens_BxL, axis=0, mode="clip").astype(dtype_of(cfg.dtype))
+    # Full length first: under sequence parallelism the backward then all-gathers dx (b·s·d) and
+    # scatter-adds locally, instead of all-reducing a whole V×D table gradient.
+    x = constrain(x, ("batch", None, "embed"))
     return constrain(x, ("batch", "length", "embed"))
 
 

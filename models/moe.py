@@ -122,7 +122,16 @@ def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig):
     ep_axis = "expert" if mesh.shape.get("expert", 1) > 1 else None
     if "expert" in manual:
         return moe_local(p, h_BxLxD, cfg, ep_axis)
-    new = tuple(a for a in MOE_AXES if a in mesh.axis_names and a not in manual)
+    new = tuple(a for a in MOE_AXES if mesh.shape.get(a, 1) > 1 and a not in manual)
+    if not new:  # nothing sharded that is not already local
+        return moe_local(p, h_BxLxD, cfg, None)
+    if ep_axis and any(a in manual for a in rules.get("batch", ())):
+        # A nested shard_map manual over 'expert' under a caller manual over 'data' lowers in forward
+        # but its backward fails in Shardy (manual axis 'expert' after free axis 'data' in one dimension).
+        raise ValueError(
+            f"MoE with expert parallelism inside a shard_map manual over {sorted(manual)}: make 'expert' "
+            "manual in that shard_map too (then the MoE runs its all_to_all directly)"
+        )
     batch_axes = tuple(a for a in rules.get("batch", ()) if a in new)
     expert_spec = P("expert") if "expert" in new else P()
     w_specs = {k: (P() if k == "router" else expert_spec) for k in p}

@@ -150,6 +150,18 @@ def _remat(fn, policy: str):
     return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES))
 
 
+def _vma(x: jax.Array) -> frozenset:
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10; older jax: ShapedArray.vma
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _varying(z: jax.Array, vma: frozenset) -> jax.Array:
+    """Inside a caller's shard_map the scan carry must vary over the same manual axes as x."""
+    missing = tuple(sorted(vma - _vma(z)))
+    return jax.lax.pcast(z, missing, to="varying") if missing else z
+
+
 def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, *, layer_offset: int = 0):
     """Run stacked units [a, b) (any contiguous slice of params['layers'] along axis 0).
 
@@ -162,13 +174,15 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, *, lay
     p = arrays(layer_params)
     unit = _remat(functools.partial(_unit, cfg=cfg), cfg.remat)
 
+    x = constrain(x_BxLxD, RESID)
+    vma = _vma(x)
+
     def step(carry, p_unit):
         x, aux = carry
         x, stats = unit(p_unit, x)
-        return (x, {k: aux[k] + stats[k] for k in STATS}), None
+        return (x, {k: aux[k] + _varying(stats[k], vma) for k in STATS}), None
 
-    x = constrain(x_BxLxD, RESID)
-    aux0 = {k: jnp.zeros((), jnp.float32) for k in STATS}
+    aux0 = {k: _varying(jnp.zeros((), jnp.float32), vma) for k in STATS}
     (x, aux), _ = jax.lax.scan(step, (x, aux0), p)
     return x, aux
 

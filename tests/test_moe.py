@@ -1,0 +1,235 @@
+"""MoE: routing/capacity vs a numpy reference, expert-parallel parity, all-to-all-only HLO, caller shard_map."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from meshrun_models import apply_layers, capacity, init_params, loss_fn, moe_ffn
+from meshrun_models.layers import arrays
+from test_models import ATOL, RTOL, assert_same, batch, loss_and_grads, mesh_of
+
+from meshrun.config import ModelConfig
+from meshrun.hlo import collectives
+from meshrun.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
+
+# Groups of (1 dense + 1 MoE), top-2 with capacity factor 1.0: tokens do get dropped.
+MOE = ModelConfig(
+    vocab=64,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=64,
+    max_seq_len=16,
+    n_experts=4,
+    top_k=2,
+    capacity_factor=1.0,
+    moe_every=2,
+)
+# Switch-style: every layer MoE, top-1.
+SWITCH = dataclasses.replace(MOE, n_layers=2, moe_every=1, top_k=1, capacity_factor=1.25)
+
+
+@pytest.fixture(scope="module")
+def moe_ref():
+    _, params = init_params(MOE, 0)
+    tok, lab = batch(MOE)
+    return params, tok, lab, loss_and_grads(MOE, params, tok, lab)
+
+
+def test_reference_reports_drops(moe_ref):
+    (loss, aux), _ = moe_ref[3]
+    assert float(aux["dropped_tokens"]) > 0
+    assert 0.9 < float(aux["moe_aux_loss"]) < 1.5  # ~1 when balanced (Switch normalisation)
+    np.testing.assert_allclose(loss, aux["ce_loss"] + 0.01 * aux["moe_aux_loss"] + 0.001 * aux["moe_z_loss"], rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    "shape,changes",
+    [
+        ((2, 2, 2), {}),
+        ((1, 2, 4), {}),
+        ((1, 2, 4), {"sequence_parallel": True}),
+        ((2, 2, 2), {"remat": "full"}),
+        ((4, 2, 1), {"remat": "selective"}),
+    ],
+)
+def test_moe_parity(moe_ref, shape, changes):
+    params, tok, lab, ref = moe_ref
+    assert_same(ref, loss_and_grads(dataclasses.replace(MOE, **changes), params, tok, lab, mesh_of(*shape)))
+
+
+def test_switch_parity():
+    _, params = init_params(SWITCH, 1)
+    tok, lab = batch(SWITCH, seed=2)
+    assert_same(loss_and_grads(SWITCH, params, tok, lab), loss_and_grads(SWITCH, params, tok, lab, mesh_of(1, 2, 4)))
+
+
+# ---------------------------------------------------------------- routing vs numpy
+
+
+def numpy_moe(p, h, cfg):
+    """Loop over experts in float64: top-k, GShard priority (choice-major), capacity, renormalised gates."""
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    h = np.asarray(h, np.float64)
+    g, s, _ = h.shape
+    k, e, cap = cfg.top_k, cfg.n_experts, capacity(cfg, s)
+    logits = h @ p["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1)[..., :k]
+    gates = np.take_along_axis(probs, top, -1)
+    gates = gates / gates.sum(-1, keepdims=True) if k > 1 else gates
+    weight = np.zeros((g, s, e))
+    dropped = 0
+    for gi in range(g):
+        fill = np.zeros(e, int)
+        for j in range(k):
+            for si in range(s):
+                ex = top[gi, si, j]
+                if fill[ex] < cap:
+                    fill[ex] += 1
+                    weight[gi, si, ex] += gates[gi, si, j]
+                else:
+                    dropped += 1
+    out = np.zeros_like(h)
+    for ex in range(e):
+        gate = h @ p["gate"][ex]
+        a = gate / (1 + np.exp(-gate)) * (h @ p["up"][ex])
+        out += weight[..., ex : ex + 1] * (a @ p["down"][ex])
+    frac = np.stack([(top == ex).sum((1, 2)) / (s * k) for ex in range(e)], -1)
+    aux = e * np.sum(frac * probs.mean(1))
+    lse = np.log(np.exp(logits).sum(-1))
+    return out, {"dropped_tokens": dropped, "moe_aux_loss": aux, "moe_z_loss": np.sum(np.mean(lse**2, 1))}
+
+
+@pytest.mark.parametrize("cf,expect_drops", [(2.0, False), (0.5, True)])
+def test_moe_layer_matches_expert_loop(cf, expect_drops):
+    """cf = E/k: capacity = S, nothing can drop; cf = 0.5: exact drop count and the dropped
+    assignments are missing from the output."""
+    cfg = dataclasses.replace(MOE, capacity_factor=cf, init_std=0.2)
+    _, params = init_params(cfg, 4)
+    p = jax.tree.map(lambda w: w[0], arrays(params["layers"]["moe"]["moe"]))
+    h = jax.random.normal(jax.random.key(5), (4, 16, cfg.d_model))
+    out, stats = jax.jit(lambda p, h: moe_ffn(p, h, cfg))(p, h)
+    ref, ref_stats = numpy_moe(p, h, cfg)
+    assert (ref_stats["dropped_tokens"] > 0) == expect_drops
+    assert float(stats["dropped_tokens"]) == ref_stats["dropped_tokens"]
+    np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
+    for k in ("moe_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose(stats[k], ref_stats[k], rtol=RTOL, err_msg=k)
+
+
+# ---------------------------------------------------------------- compiled HLO: all-to-all, no weight movement
+
+
+def test_hlo_expert_parallel_moves_tokens_not_weights():
+    """(data 2, expert 4), Switch model: per MoE layer one all_to_all there and one back (forward),
+    the same two in backward, all over 'expert'; no all-gather anywhere; expert-weight gradients
+    are reduced over 'data' only (their data-parallel replicas), never over 'expert'."""
+    cfg, b = SWITCH, 8
+    mesh = mesh_of(2, 1, 4)
+    _, params = init_params(cfg, 0)
+    tok, lab = batch(cfg, b=b)
+    placed = jax.device_put(params, tree_shardings(params, mesh, param_rules(0)))
+    with use_rules(mesh, compute_rules(False)):
+        fwd = jax.jit(lambda p: loss_fn(p, tok, lab, cfg)[0]).lower(placed).compile().as_text()
+        both = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, tok, lab, cfg)[0])).lower(placed).compile().as_text()
+    cap = capacity(cfg, 16)
+    local_groups = b // 8  # batch over data x expert
+    a2a_bytes = cfg.n_experts * local_groups * cap * cfg.d_model * 4  # [E, G, C, D] f32, either direction
+    expert_w_bytes = 3 * (cfg.n_experts // 4) * cfg.d_model * cfg.d_ff * 4  # local gate+up+down
+    dense_bytes = 4 * (2 * cfg.d_model * cfg.n_heads * cfg.head_dim + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim)
+    dense_bytes += 4 * (2 * cfg.d_model + cfg.d_model * cfg.n_experts)  # norms + router
+
+    f = collectives(fwd, dict(mesh.shape))
+    assert (
+        sorted((c.op, c.axes, c.bytes, c.in_loop) for c in f if c.op != "all-reduce")
+        == [("all-to-all", ("expert",), a2a_bytes, True)] * 2
+    )
+    # forward all-reduces: aux + z-loss sums (2 scalars; the drop count is dead here) per layer, the loss sum
+    assert sorted((c.axes, c.bytes, c.in_loop) for c in f if c.op == "all-reduce") == [
+        (("data", "expert"), 4, False),
+        (("data", "expert"), 8, True),
+    ]
+
+    c = collectives(both, dict(mesh.shape))
+    assert not [x for x in c if x.op in ("all-gather", "reduce-scatter", "collective-permute")]
+    a2a = [(x.axes, x.bytes, x.in_loop) for x in c if x.op == "all-to-all"]
+    assert a2a == [(("expert",), a2a_bytes, True)] * 4
+    loop_ar = sorted((x.axes, x.bytes) for x in c if x.op == "all-reduce" and x.in_loop)
+    # per layer: aux+z sums (fwd), expert-weight grads over 'data', dense grads over the DP group (data, expert)
+    assert loop_ar == sorted([(("data", "expert"), 8), (("data",), expert_w_bytes), (("data", "expert"), dense_bytes)])
+
+
+# ---------------------------------------------------------------- inside a caller's shard_map (pipeline executors)
+
+
+def _manual_specs(specs, manual):
+    def one(spec):
+        dims = []
+        for d in spec:
+            axes = tuple(a for a in (d if isinstance(d, tuple) else (d,)) if a in manual) if d is not None else ()
+            dims.append(axes[0] if len(axes) == 1 else (axes or None))
+        return P(*dims)
+
+    return jax.tree.map(one, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def test_apply_layers_inside_caller_shard_map(moe_ref):
+    """A caller manual over ('data','expert') (as a pipeline executor is) gets the direct all_to_all
+    path: same outputs and gradients as one device; aux comes back as local sums (psum them)."""
+    params = moe_ref[0]
+    mesh = mesh_of(2, 2, 2)
+    manual = ("data", "expert")
+    x = jax.random.normal(jax.random.key(2), (8, 16, MOE.d_model))
+    layers = jax.device_put(params["layers"], tree_shardings(params["layers"], mesh, param_rules(0)))
+    in_specs = _manual_specs(tree_specs(params["layers"], param_rules(0), mesh), manual)
+
+    def body(lp, xl):
+        with use_rules(mesh, compute_rules(False), manual=manual):
+            y, aux = apply_layers(lp, xl, MOE)
+        return y, jax.lax.psum(aux, manual)
+
+    sm = jax.shard_map(
+        body, mesh=mesh, in_specs=(in_specs, P(manual)), out_specs=(P(manual), P()), axis_names=set(manual)
+    )
+
+    def objective(run):
+        def f(lp, x):
+            y, aux = run(lp, x)
+            return jnp.mean(y**2) + aux["moe_aux_loss"] + aux["moe_z_loss"], aux
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+    ref = objective(lambda lp, x: apply_layers(lp, x, MOE))(params["layers"], x)
+    with use_rules(mesh, compute_rules(False)):
+        got = objective(sm)(layers, x)
+    (v0, a0), g0 = ref
+    (v1, a1), g1 = got
+    np.testing.assert_allclose(v1, v0, rtol=RTOL)
+    assert float(a1["dropped_tokens"]) == float(a0["dropped_tokens"]) > 0
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+
+    # Only 'data' manual: a nested expert shard_map cannot be differentiated (Shardy), so it is refused.
+    only_data = jax.shard_map(
+        lambda lp, xl: _in_rules(mesh, ("data",), lambda: apply_layers(lp, xl, MOE)[0]),
+        mesh=mesh,
+        in_specs=(_manual_specs(tree_specs(params["layers"], param_rules(0), mesh), ("data",)), P("data")),
+        out_specs=P("data"),
+        axis_names={"data"},
+    )
+    with use_rules(mesh, compute_rules(False)), pytest.raises(ValueError, match="make 'expert' manual"):
+        jax.jit(only_data)(layers, x)
+
+
+def _in_rules(mesh, manual, fn):
+    with use_rules(mesh, compute_rules(False), manual=manual):
+        return fn()
