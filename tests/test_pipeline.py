@@ -27,7 +27,7 @@ from meshrun.errors import ConfigError
 from meshrun.mesh import build_mesh
 from meshrun.pipeline import schedules
 from meshrun.pipeline.executor import Pipeline, StageFns
-from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
+from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
 from meshrun.sharding import constrain
 
 RTOL = 1e-5
@@ -232,6 +232,19 @@ def test_model_parity(case):
     if cfg.is_moe:
         assert float(ref_aux["dropped_tokens"]) > 0  # the capacity path is exercised
         assert float(ref_aux["moe_aux_loss"]) > 0
+
+
+def test_residual_buffer_holds_activations_not_weights():
+    """The vjp pytree of a stage also holds its weights (dx = dy @ W^T needs W); only leaves that
+    depend on the activation go into the per-microbatch buffer (through the model's layer scan)."""
+    lp = jax.tree.map(lambda a: a[:2], mm.init_params(DENSE, 0)[1].to_pure_dict()["layers"])
+    x = jnp.zeros((3, S, DENSE.d_model))  # batch 3: no weight dimension is 3
+    mask, avals = activation_residuals(lambda p, a: mm.apply_layers(p, a, DENSE), lp, x)
+    stored = [a for a, d in zip(avals, mask) if d]
+    rebuilt = [a for a, d in zip(avals, mask) if not d]
+    assert stored and all(3 in a.shape for a in stored)
+    weight_elems = sum(a.size for a in jax.tree.leaves(lp))
+    assert sum(a.size for a in rebuilt) >= weight_elems // 2  # the stacked q/k/v/o, gate/up/down
 
 
 # ---------------------------------------------------------------- bubbles never leak

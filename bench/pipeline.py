@@ -1,0 +1,140 @@
+"""Pipeline schedules side by side on 8 simulated CPU devices (a script, not a test).
+
+    python bench/pipeline.py [--pipes 2 4] [--ms 2 8] [--tensor 2] [--repeats 3]
+
+Per row: schedule, p, m, v, bubble from the schedule table (F = 1, B = 2), residual slots, compiled
+per-device temp memory, collective-permute bytes per step over 'pipe', and the step time over the
+non-pipelined step (same model, same global batch, data x tensor parallel on the same 8 devices).
+`--ms` are multiples of p. Microbatch size is fixed (1 sequence per data shard), so the global batch
+grows with m: 1F1B temp memory should stay flat, GPipe's grows with m. On simulated devices the
+time ratio mostly shows bubble and per-tick overhead on 2 CPU cores, not real parallel speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+
+from meshrun.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import meshrun_models as mm  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from meshrun import hlo  # noqa: E402
+from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
+from meshrun.mesh import build_mesh  # noqa: E402
+from meshrun.pipeline.executor import Pipeline  # noqa: E402
+from meshrun.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
+
+SEQ = 32
+CFG = ModelConfig(vocab=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, max_seq_len=SEQ)
+
+
+def timeit(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def permute_bytes(text: str, mesh) -> int:
+    """collective-permute bytes per step, counting each while loop's known trip count."""
+    comps = hlo._computations(text)
+    parent = {}
+    for name, body in comps.items():
+        for line in body.splitlines():
+            w = re.search(r"\bwhile\(.*?body=%?([\w.\-]+)", line)
+            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            if w:
+                parent[w.group(1)] = (name, int(n.group(1)) if n else 1)
+                continue
+            for r in re.findall(r"%([\w.\-]+)", line):
+                if r in comps and r != name:
+                    parent.setdefault(r, (name, 1))
+
+    def mult(c, depth=0):
+        return parent[c][1] * mult(parent[c][0], depth + 1) if c in parent and depth < 50 else 1
+
+    total = 0
+    for name, body in comps.items():
+        for c in hlo.collectives(f"ENTRY %{name} {{\n{body}\n}}", dict(mesh.shape)):
+            if c.op == "collective-permute":
+                total += c.bytes * mult(name)
+    return total
+
+
+def baseline(mesh, params, tok, lab, repeats):
+    """Non-pipelined step: value_and_grad of the model's loss_fn, GSPMD data x tensor parallel."""
+    shard = tree_shardings(params, mesh, param_rules(0))
+    shard = shard.to_pure_dict() if hasattr(shard, "to_pure_dict") else shard
+    params = jax.device_put(params.to_pure_dict(), shard)
+    bs = NamedSharding(mesh, P(("data", "expert")))
+
+    def step(p, t, y):
+        with use_rules(mesh, compute_rules()):
+            return jax.value_and_grad(lambda q: mm.loss_fn(q, t, y, CFG)[0])(p)
+
+    fn = jax.jit(step, in_shardings=(shard, bs, bs))
+    return timeit(fn, (params, tok, lab), repeats)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pipes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ms", type=int, nargs="+", default=[2, 8], help="m as multiples of p")
+    ap.add_argument("--tensor", type=int, default=2)
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    _, params = mm.init_params(CFG, 0)
+    devs = f"{jax.device_count()} {jax.devices()[0].platform} devices"
+    print(f"model: d_model={CFG.d_model} layers={CFG.n_layers} seq={SEQ}; {devs}")
+    head = f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble':>8}{'slots':>6}{'temp KiB':>10}{'permute KiB':>12}"
+    head += f"{'step s':>8}{'ratio':>7}"
+    print(head)
+    for p in a.pipes:
+        data = 8 // (p * a.tensor)
+        mesh = build_mesh(pipe=p, data=data, tensor=a.tensor)
+        flat = build_mesh(pipe=1, data=8 // a.tensor, tensor=a.tensor)
+        for k in a.ms:
+            m = k * p
+            gb = m * data
+            key = jax.random.key(m)
+            tok = jax.random.randint(key, (gb, SEQ), 0, CFG.vocab)
+            lab = jnp.roll(tok, -1, axis=1)
+            if gb % (8 // a.tensor):
+                print(f"# skip baseline m={m}: batch {gb} not divisible by {8 // a.tensor}")
+                base = float("nan")
+            else:
+                base = baseline(flat, params, tok, lab, a.repeats)
+            for sched in a.schedules:
+                v = 2 if sched == "interleaved" else 1
+                if CFG.n_layers % (p * v):
+                    continue
+                pl = Pipeline(CFG, PipelineConfig(schedule=sched, microbatches=m, virtual=v), mesh)
+                pure = params.to_pure_dict()
+                compiled = pl.lower(pure, tok, lab).compile()
+                temp = compiled.memory_analysis().temp_size_in_bytes
+                pb = permute_bytes(compiled.as_text(), mesh)
+                t = timeit(compiled, (pure, tok, lab), a.repeats)
+                print(
+                    f"{sched:<12}{p:>3}{m:>4}{v:>3}{pl.plan.bubble:>8.3f}{pl.plan.slots:>6}{temp / 1024:>10.1f}"
+                    f"{pb / 1024:>12.1f}{t:>8.3f}{t / base:>7.2f}",
+                    flush=True,
+                )
+    print(f"# baseline: non-pipelined data={8 // a.tensor} x tensor={a.tensor} step on the same devices")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
