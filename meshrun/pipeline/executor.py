@@ -12,12 +12,14 @@ How a step runs (see DESIGN §5):
   by tick (scan xs) and stage (`lax.axis_index('pipe')`). Ticks are grouped into phases of the same
   kind (forward only / both / backward only), one `lax.scan` each, so a warm-up tick costs one
   forward and a cool-down tick one backward: 1F1B costs (p-1)·F + m·(F+B) + (p-1)·B, bubble
-  (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks.
+  (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks. A phase sends activations
+  (gradients) iff some tick of it feeds a forward (backward) next tick: `Plan.permutes()`.
 * Activations move with `ppermute` over 'pipe' (forward s -> s+1, gradients s -> s-1; interleaved
   wraps around: the last stage's chunk c feeds stage 0's chunk c+1).
 * Backward is an explicit per-stage `jax.vjp`. Residuals (default) : the activation-dependent leaves
   of the vjp pytree go into a fixed buffer of `slots` = max over stages of `max_in_flight` (+1 trash
-  slot that idle ticks write to); weight-only leaves are rebuilt in the backward (`stage.py`). For
+  slot that idle ticks write to); weight-only leaves (found by tracing dependence through the
+  model's layer scan) are rebuilt in the backward by a dummy forward XLA removes (`stage.py`). For
   1F1B the lockstep table keeps at most min(m, 2(p-1-s)+1) microbatches in flight on stage s, so the
   buffer has min(m, 2p-1) slots whatever m is. `residuals='recompute'` keeps only the stage input
   and re-runs the forward in the backward (one more TP all-reduce per layer; less memory).
@@ -25,9 +27,10 @@ How a step runs (see DESIGN §5):
   arguments; embedding all M up front would hold M activations). Head + loss run on the last
   virtual stage right after its forward (`lax.cond`, so other stages skip the vocab matmul); only
   the head's input gradient dL/dx (B·S·D) is kept, never the logits.
-* Loss = sum(loss_sum) / sum(n_tokens) + sum_k w_k · aux_k, aux_k averaged over microbatches and
-  data-parallel shards, as `StageFns` defines it; the total token count is known before the loop
-  (it depends only on labels), so each head backward uses the exact cotangent 1/N.
+* Loss = sum(loss_sum) / sum(n_tokens) + sum_k w_k · sum(aux_k), sums over microbatches, stages and
+  data-parallel shards, w = `StageFns.aux_weights(global batch rows)` (the model's `total_loss`);
+  the token count depends only on labels, so it is known before the loop and each head backward
+  uses the exact cotangent 1/N (aux cotangents are w_k).
 * Parameters: `params['layers']` leaves are stacked [L, ...] in model order and sharded P('pipe', ...).
   For interleaved (v > 1) the executor permutes them to pipeline order ([v, p, Lc] -> [p, v, Lc],
   `stage.to_pipeline_layout`) inside the step, which moves weights across 'pipe' once per step;
