@@ -114,7 +114,7 @@ def plan(
     local = _int(ENV_LOCAL_DEVICES, env[ENV_LOCAL_DEVICES], 1) if env.get(ENV_LOCAL_DEVICES) else None
     sched = _scheduler(env)
     if num_processes is not None and num_processes < 1:
-        raise ConfigError(ENV_NUM_PROCESSES, num_processes, "use 1 or more processes")
+        raise ConfigError(ENV_NUM_PROCESSES, num_processes, "use 1 or more processes", "must be >= 1")
     if sched and num_processes is not None and num_processes != sched[1]:
         raise ConfigError(
             ENV_NUM_PROCESSES,
