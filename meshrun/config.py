@@ -145,6 +145,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 1
@@ -232,6 +233,11 @@ def _coerce(name: str, tp, value):
             raise ConfigError(name, value, "use a whole number, e.g. 2", "not an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(name, value, "use a number, e.g. 0.5", "not a number")
         return float(value)

@@ -33,9 +33,9 @@ _DTYPE_BYTES = {
     "c128": 16,
 }
 _LINE = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(OPS) + r")(?:-start)?\("
-)
+)  # tuple shapes may hold /*index=5*/
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 

@@ -27,8 +27,9 @@ def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     return {"model": to_dict(cfg.model)}
 
 
-def run(cfg: RunConfig, *, devices: list | None = None, quiet: bool = False,
-        stop_after: int | None = None) -> dict[str, Any]:
+def run(
+    cfg: RunConfig, *, devices: list | None = None, quiet: bool = False, stop_after: int | None = None
+) -> dict[str, Any]:
     """Train `cfg.train.steps` steps (resuming from the newest complete checkpoint in run_dir).
     `stop_after`: stop (without the final save) once this many steps ran in this call (tests)."""
     t = cfg.train
@@ -60,16 +61,26 @@ def run(cfg: RunConfig, *, devices: list | None = None, quiet: bool = False,
                 if not math.isfinite(loss):
                     raise TrainingError(
                         f"loss is {loss} at step {step + 1}; stopped without saving. The last good checkpoint "
-                        f"(step {ckpt.latest_step()}) in {t.run_dir} is intact; lower train.lr or check the data")
+                        f"(step {ckpt.latest_step()}) in {t.run_dir} is intact; lower train.lr or check the data"
+                    )
                 first_loss = loss if first_loss is None else first_loss
                 ran += 1
                 if ran > 1:  # the first step includes compilation
                     timed_s, timed_steps = timed_s + dt, timed_steps + 1
                 tps = t.global_batch * t.seq_len / dt
                 tflops = flops / dt / mesh.size / 1e12
-                logger.log(step + 1, {**metrics, "lr": _lr(cfg, step), "step_time_s": dt, "tokens_per_s": tps,
-                                      "tflops_per_device": tflops, "bubble_fraction": bubble,
-                                      **({"mfu": tflops * 1e12 / peak} if peak else {})})
+                logger.log(
+                    step + 1,
+                    {
+                        **metrics,
+                        "lr": _lr(cfg, step),
+                        "step_time_s": dt,
+                        "tokens_per_s": tps,
+                        "tflops_per_device": tflops,
+                        "bubble_fraction": bubble,
+                        **({"mfu": tflops * 1e12 / peak} if peak else {}),
+                    },
+                )
                 if stop_after is not None and ran >= stop_after:
                     ckpt.wait()
                     break
@@ -85,8 +96,14 @@ def run(cfg: RunConfig, *, devices: list | None = None, quiet: bool = False,
         logger.close()
         flag.close()
     tps = t.global_batch * t.seq_len * timed_steps / timed_s if timed_s else 0.0
-    return {"step": start + ran, "loss": loss, "first_loss": first_loss, "tokens_per_s": tps,
-            "run_dir": t.run_dir, "preempted": flag.is_set()}
+    return {
+        "step": start + ran,
+        "loss": loss,
+        "first_loss": first_loss,
+        "tokens_per_s": tps,
+        "run_dir": t.run_dir,
+        "preempted": flag.is_set(),
+    }
 
 
 def _lr(cfg: RunConfig, step: int) -> float:

@@ -2,7 +2,9 @@
 
 Two small tables (Levanter-style): PARAM_RULES for weights, COMPUTE_RULES for activations.
 ZeRO is a table swap (Rajbhandari et al. 2020): stage 1 shards optimizer state over the dense
-data-parallel group ('data','expert'), stage 2 also gradients, stage 3 also parameters (FSDP).
+data-parallel group ('data','expert') and reduce-scatters the gradients onto it, stage 3 also
+shards parameters (FSDP). Stage 2 equals stage 1 here: gradients are accumulated locally over the
+microbatches and reduced once per step, so no stage keeps full reduced gradients.
 A mesh axis may appear once per PartitionSpec: a later dimension drops axes an earlier one used
 (e.g. expert weights [expert, embed, mlp] under ZeRO-3 shard `embed` over 'data' only).
 """
@@ -55,7 +57,9 @@ def param_rules(zero: int = 0, part: str = "params") -> Rules:
     """Rules for `part` in ('params', 'grads', 'opt') at ZeRO stage `zero`."""
     if part not in ZERO_PARTS:
         raise ValueError(f"part must be one of {ZERO_PARTS}, got {part!r}")
-    sharded_from = {"opt": 1, "grads": 2, "params": 3}[part]
+    # Gradients leave the step reduce-scattered from stage 1 on (Megatron's distributed optimizer):
+    # each rank updates only its optimizer shard, so it needs only that shard of the reduced grads.
+    sharded_from = {"opt": 1, "grads": 1, "params": 3}[part]
     rules = dict(PARAM_RULES)
     if zero >= sharded_from:
         rules["embed"] = DP_AXES  # FSDP: every weight has an `embed` dimension

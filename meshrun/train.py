@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import meshrun_models as models
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import meshrun_models as models
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.sharding import DP_AXES, compute_rules, param_rules, tree_specs, use_rules
@@ -58,7 +58,7 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     t = cfg.train
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(lr_schedule(cfg), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay),
+        optax.adamw(lr_schedule(cfg), b1=t.beta1, b2=t.beta2, eps=t.adam_eps, weight_decay=t.weight_decay),
     )
 
 
@@ -72,7 +72,8 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
     dp = dp_degree(mesh)
     if t.global_batch % (m * dp):
         raise ConfigError(
-            "train.global_batch", t.global_batch,
+            "train.global_batch",
+            t.global_batch,
             f"use a multiple of pipeline.microbatches ({m}) x data-parallel degree ({dp}) = {m * dp}",
             "global batch not divisible by microbatches x data-parallel degree",
         )
@@ -105,35 +106,96 @@ def _dims_with(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
-def gather_params(params, specs):
-    """ZeRO-3: all-gather each parameter's data-parallel shards (inside shard_map)."""
+def gather_params(params, specs, base_specs, mesh: Mesh):
+    """ZeRO-3: all-gather every parameter's data-parallel shards once per step, before the loop, in
+    a shard_map manual over every axis (so local tensor shards are gathered as they are)."""
 
-    def one(x, spec):
-        for d, axes in _dims_with(spec, DP_AXES):
-            x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
-        return x
+    def body(params):
+        def one(x, spec, base):
+            kept = dict(_dims_with(base, DP_AXES))  # e.g. experts split over 'expert' stay split
+            for d, axes in _dims_with(spec, DP_AXES):
+                if axes := tuple(a for a in axes if a not in kept.get(d, ())):
+                    x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+            return x
 
-    return jax.tree.map(one, params, specs)
+        return jax.tree.map(one, params, specs, base_specs, is_leaf=lambda x: isinstance(x, jax.Array))
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=base_specs, check_vma=False)(params)
 
 
-def reduce_grads(grads, base_specs, grad_specs, mesh: Mesh):
-    """The one data-parallel reduction per step: psum, or psum_scatter onto the ZeRO grad layout.
-    A weight already split over a DP axis (experts over 'expert') is reduced over the others only."""
-    live = tuple(a for a in DP_AXES if mesh.shape[a] > 1)
+def reduction_axes(base: P, mesh: Mesh) -> tuple[str, ...]:
+    """DP axes a gradient is summed over: all live ones, except those the weight is already split
+    over (experts over 'expert' are reduced over 'data' only)."""
+    used = {a for _, axes in _dims_with(base, DP_AXES) for a in axes}
+    return tuple(a for a in DP_AXES if mesh.shape[a] > 1 and a not in used)
+
+
+def _deferred(base: P, target: P, mesh: Mesh) -> bool:
+    """ZeRO >= 1 leaves whose reduced gradient is scattered over a DP axis."""
+    red = reduction_axes(base, mesh)
+    return any(a in red for _, axes in _dims_with(target, DP_AXES) for a in axes)
+
+
+def reduce_grads_local(grads, base_specs, grad_specs, mesh: Mesh):
+    """Inside the DP-manual shard_map, after the accumulation loop: psum what stays replicated;
+    leaves that ZeRO scatters leave as per-rank partial sums [1, ...] (see `finish_reduction`)."""
 
     def one(g, base, target):
-        used = {a for _, axes in _dims_with(base, DP_AXES) for a in axes}
-        red = tuple(a for a in live if a not in used)
-        scatter = [(d, tuple(a for a in axes if a in red)) for d, axes in _dims_with(target, DP_AXES)]
-        scatter = [(d, axes) for d, axes in scatter if axes]
-        done = set()
-        for d, axes in scatter:
-            g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-            done.update(axes)
-        rest = tuple(a for a in red if a not in done)
-        return jax.lax.psum(g, rest) if rest else g
+        if _deferred(base, target, mesh):
+            return g[None]
+        red = reduction_axes(base, mesh)
+        return jax.lax.psum(g, red) if red else g
 
     return jax.tree.map(one, grads, base_specs, grad_specs)
+
+
+def partial_specs(base_specs, grad_specs, mesh: Mesh):
+    """shard_map out_specs for `reduce_grads_local`'s output (manual axes only)."""
+
+    def one(base, target):
+        if _deferred(base, target, mesh):
+            return P(reduction_axes(base, mesh), *_local(base))
+        return _local(target)
+
+    return jax.tree.map(one, base_specs, grad_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def finish_reduction(grads, base_specs, grad_specs, mesh: Mesh):
+    """Sum the per-rank partials onto the ZeRO layout with one reduce-scatter per leaf, in a
+    shard_map manual over every axis: local tensor shards are reduce-scattered as they are (a
+    psum_scatter inside the tensor-auto accumulation shard_map made XLA all-gather the tensor
+    shards first, and a GSPMD sum gave a full all-reduce)."""
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    flat_g, tree = jax.tree.flatten(grads)
+    flat_b = jax.tree.leaves(base_specs, is_leaf=is_p)
+    flat_t = jax.tree.leaves(grad_specs, is_leaf=is_p)
+    idx = [i for i, (b, t) in enumerate(zip(flat_b, flat_t)) if _deferred(b, t, mesh)]
+    if not idx:
+        return grads
+
+    def body(*gs):
+        out = []
+        for g, i in zip(gs, idx):
+            g = g[0]
+            red = reduction_axes(flat_b[i], mesh)
+            for d, axes in _dims_with(flat_t[i], DP_AXES):
+                if axes := tuple(a for a in axes if a in red):
+                    g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+                    red = tuple(a for a in red if a not in axes)
+            out.append(jax.lax.psum(g, red) if red else g)
+        return tuple(out)
+
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(P(reduction_axes(flat_b[i], mesh), *flat_b[i]) for i in idx),
+        out_specs=tuple(flat_t[i] for i in idx),
+        check_vma=False,
+    )
+    reduced = fn(*(flat_g[i] for i in idx))
+    for i, g in zip(idx, reduced):
+        flat_g[i] = g
+    return jax.tree.unflatten(tree, flat_g)
 
 
 def pure(tree):
@@ -165,23 +227,26 @@ def accumulate_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
     """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
     reduction after the loop. Returns (loss, grads in the ZeRO grad layout, metrics)."""
     zero, m = cfg.train.zero, cfg.pipeline.microbatches
-    base, pspec, gspec = (param_specs(cfg, z, part, mesh) for z, part in ((0, "params"), (zero, "params"),
-                                                                           (zero, "grads")))
+    base, pspec, gspec = (
+        param_specs(cfg, z, part, mesh) for z, part in ((0, "params"), (zero, "params"), (zero, "grads"))
+    )
     is_p = lambda x: isinstance(x, P)  # noqa: E731
     local = lambda t: jax.tree.map(_local, t, is_leaf=is_p)  # noqa: E731
     rules = compute_rules(cfg.model.sequence_parallel)
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
     psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
 
+    if zero >= 3:
+        params, pspec = gather_params(params, pspec, base, mesh), base
+
     def body(params, tokens, labels):
         with use_rules(mesh, rules, manual=MANUAL):
-            full = gather_params(params, local(pspec)) if zero >= 3 else params
+            full = params
             n_tok = psum(jnp.sum(labels >= 0).astype(jnp.float32))
             n_seq = tokens.shape[0] * dp_degree(mesh)
             b = tokens.shape[0] // m
             tok, lab = tokens.reshape(m, b, -1), labels.reshape(m, b, -1)
-            grad_fn = jax.value_and_grad(
-                lambda p, x, y: microbatch_loss(p, x, y, n_tok, n_seq, cfg), has_aux=True)
+            grad_fn = jax.value_and_grad(lambda p, x, y: microbatch_loss(p, x, y, n_tok, n_seq, cfg), has_aux=True)
 
             def micro(carry, xy):
                 (loss, parts), g = grad_fn(full, *xy)
@@ -191,17 +256,20 @@ def accumulate_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
             (parts_shape, grads_shape) = shapes[0][1], shapes[1]
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, jnp.float32(0), parts_shape))
             (gsum, loss, parts), _ = jax.lax.scan(micro, zeros, (tok, lab))
-            grads = reduce_grads(gsum, local(base), local(gspec), mesh)
+            grads = reduce_grads_local(gsum, local(base), local(gspec), mesh)
             return psum(loss), grads, summarize_parts(psum(parts), n_tok, n_seq, cfg)
 
     batch_spec = P(DP_AXES)
     fn = jax.shard_map(
-        body, mesh=mesh,
+        body,
+        mesh=mesh,
         in_specs=(local(pspec), batch_spec, batch_spec),
-        out_specs=(P(), local(gspec), P()),
-        axis_names=set(MANUAL), check_vma=False,
+        out_specs=(P(), partial_specs(base, gspec, mesh), P()),
+        axis_names=set(MANUAL),
+        check_vma=False,
     )
-    return fn(params, tokens, labels)
+    loss, grads, metrics = fn(params, tokens, labels)
+    return loss, finish_reduction(grads, base, gspec, mesh), metrics
 
 
 def summarize_parts(parts, n_tokens, n_sequences, cfg: RunConfig) -> dict:
@@ -209,8 +277,11 @@ def summarize_parts(parts, n_tokens, n_sequences, cfg: RunConfig) -> dict:
     out = {"ce_loss": parts["ce_sum"] / n_tokens}
     if cfg.model.is_moe:
         denom = n_sequences * models.n_moe_layers(cfg.model)
-        out |= {"moe_aux_loss": parts["moe_aux_loss"] / denom, "moe_z_loss": parts["moe_z_loss"] / denom,
-                "dropped_tokens": parts["dropped_tokens"]}
+        out |= {
+            "moe_aux_loss": parts["moe_aux_loss"] / denom,
+            "moe_z_loss": parts["moe_z_loss"] / denom,
+            "dropped_tokens": parts["dropped_tokens"],
+        }
     return out
 
 
@@ -230,8 +301,9 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
 
     def init_state() -> TrainState:
         params = pure(models.init_params(cfg.model, cfg.train.seed)[1])
-        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jax.random.key_data(
-            jax.random.key(cfg.train.seed)))
+        return TrainState(
+            params, tx.init(params), jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(cfg.train.seed))
+        )
 
     abstract = jax.eval_shape(init_state)
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
@@ -239,8 +311,12 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     param_sh = jax.tree.map(sh, param_specs(cfg, zero, "params", mesh), is_leaf=is_p)
     opt_param_sh = jax.tree.map(sh, param_specs(cfg, zero, "opt", mesh), is_leaf=is_p)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, s: s, abstract.opt_state, opt_param_sh,
-        transform_non_params=lambda _: sh(P()), is_leaf=lambda x: isinstance(x, NamedSharding),
+        tx,
+        lambda _, s: s,
+        abstract.opt_state,
+        opt_param_sh,
+        transform_non_params=lambda _: sh(P()),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
     )
     state_sh = TrainState(param_sh, opt_sh, sh(P()), sh(P()))
     batch_sh = sh(P(DP_AXES))
@@ -250,10 +326,11 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         loss, grads, aux = loss_and_grads(state.params, tokens, labels, cfg, mesh)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
-    step = jax.jit(train_step, in_shardings=(state_sh, batch_sh, batch_sh),
-                   out_shardings=(state_sh, None), donate_argnums=(0,))
+    step = jax.jit(
+        train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
+    )
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
     return StepFns(step, init, state_sh, batch_sh, abstract_sh)

@@ -19,8 +19,12 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (the main job)")
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    p.add_argument("--devices", type=int, default=0,
-                   help="simulated CPU devices (default: the mesh's device count when it has no -1 axis, else 8)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="simulated CPU devices (default: the mesh's device count when it has no -1 axis, else 8)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 

@@ -13,8 +13,15 @@ RUN_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # Shrinks a GPU template to something that compiles on 8 CPU devices while keeping its structure
 # (its schedule, ZeRO stage, MoE routing, remat policy, dtypes).
 TINY = [
-    "model.vocab=256", "model.d_model=32", "model.n_heads=4", "model.head_dim=8", "model.d_ff=64",
-    "model.max_seq_len=16", "train.seq_len=16", "model.attention_impl=xla", "data.kind=synthetic",
+    "model.vocab=256",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.head_dim=8",
+    "model.d_ff=64",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+    "model.attention_impl=xla",
+    "data.kind=synthetic",
 ]
 
 
@@ -29,9 +36,15 @@ def tiny_mesh(cfg: RunConfig) -> list[str]:
     kv = 4 if cfg.model.n_kv_heads == cfg.model.n_heads else 2
     experts = [f"model.n_experts={2 * expert}"] if cfg.model.n_experts else []
     return [
-        f"mesh.pipe={pipe}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", f"mesh.data={data}",
-        f"pipeline.microbatches={m}", f"train.global_batch={m * data * expert}", f"model.n_layers={layers}",
-        f"model.n_kv_heads={kv}", *experts,
+        f"mesh.pipe={pipe}",
+        f"mesh.expert={expert}",
+        f"mesh.tensor={tensor}",
+        f"mesh.data={data}",
+        f"pipeline.microbatches={m}",
+        f"train.global_batch={m * data * expert}",
+        f"model.n_layers={layers}",
+        f"model.n_kv_heads={kv}",
+        *experts,
     ]
 
 
