@@ -32,6 +32,7 @@ from meshrun import hlo  # noqa: E402
 from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
 from meshrun.mesh import build_mesh  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
+from meshrun.pipeline.stage import to_pipeline_layout  # noqa: E402
 from meshrun.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 
 SEQ = 32
@@ -122,8 +123,11 @@ def main(argv=None) -> None:
                 v = 2 if sched == "interleaved" else 1
                 if CFG.n_layers % (p * v):
                     continue
-                pl = Pipeline(CFG, PipelineConfig(schedule=sched, microbatches=m, virtual=v), mesh)
+                # Interleaved: params stored in pipeline order, so no weights cross 'pipe' per step.
+                pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
+                pl = Pipeline(CFG, pc, mesh, layout="pipeline")
                 pure = params.to_pure_dict()
+                pure["layers"] = to_pipeline_layout(pure["layers"], p, v)
                 compiled = pl.lower(pure, tok, lab).compile()
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)
