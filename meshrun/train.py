@@ -209,6 +209,18 @@ def pure(tree):
     return tree
 
 
+def param_names(cfg: RunConfig):
+    """Logical axis names of every parameter (plain nested dicts of tuples)."""
+    from flax import nnx
+
+    from meshrun.sharding import logical_names
+
+    names = jax.tree.map(
+        logical_names, models.abstract_params(cfg.model), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return pure(names)
+
+
 def param_specs(cfg: RunConfig, zero: int, part: str, mesh: Mesh):
     """PartitionSpecs (plain nested dicts) of the model's parameters for ZeRO `part`."""
     return pure(tree_specs(models.abstract_params(cfg.model), param_rules(zero, part), mesh))
@@ -289,7 +301,9 @@ def loss_and_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
     if mesh.shape["pipe"] > 1:
         from meshrun.pipeline.executor import pipeline_loss_and_grads
 
-        return pipeline_loss_and_grads(params, tokens, labels, cfg.model, cfg.pipeline, mesh, zero=cfg.train.zero)
+        return pipeline_loss_and_grads(
+            params, tokens, labels, cfg.model, cfg.pipeline, mesh, zero=cfg.train.zero, names=param_names(cfg)
+        )
     return accumulate_grads(params, tokens, labels, cfg, mesh)
 
 
