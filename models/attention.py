@@ -27,6 +27,13 @@ class Attention(nnx.Module):
         self.o = normal_param(rngs.params(), (h, dh, d), ("heads", "head_dim", "embed"), lead, cfg)
 
 
+def _impl(name: str) -> str | None:
+    """'cudnn' (flash attention) needs a GPU; elsewhere jax picks (XLA), so GPU configs run on CPU unchanged."""
+    if name == "cudnn" and jax.default_backend() != "gpu":
+        return None
+    return name
+
+
 def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Self-attention on normed input (full length). Returns the row-parallel output before the
     residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter)."""
@@ -45,7 +52,7 @@ def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) 
     q_BxLxHxDh = constrain(rope(q_BxLxHxDh, cfg.rope_theta), ("batch", None, "heads", "head_dim"))
     k_BxLxKxDh = constrain(rope(k_BxLxKxDh, cfg.rope_theta), ("batch", None, "kv_heads", "head_dim"))
     o_BxLxHxDh = jax.nn.dot_product_attention(
-        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, is_causal=True, implementation=cfg.attention_impl
+        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, is_causal=True, implementation=_impl(cfg.attention_impl)
     )
     o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
     return jnp.einsum("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt))

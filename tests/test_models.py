@@ -156,6 +156,30 @@ def test_nnx_module_logits_match_functional(dense):
     np.testing.assert_allclose(jnp.sum(ce), s, rtol=RTOL)
 
 
+def test_remat_policies_cut_activation_memory():
+    """Compiled temp bytes of loss+grads on one device: none > selective (attention core recomputed) > full."""
+    cfg = dataclasses.replace(DENSE, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64)
+    _, params = init_params(cfg, 0)
+    tok = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.vocab)
+    temp = {}
+    for policy in ("none", "selective", "full"):
+        c = dataclasses.replace(cfg, remat=policy)
+        step = jax.jit(jax.value_and_grad(lambda p, c=c: loss_fn(p, tok, tok, c)[0]))
+        temp[policy] = step.lower(params).compile().memory_analysis().temp_size_in_bytes
+    assert temp["none"] > 1.5 * temp["selective"] > 1.5 * temp["full"], temp
+
+
+def test_bfloat16_compute_and_cudnn_config_run_on_cpu(dense):
+    """bf16 activations with f32 params (and attention_impl=cudnn, which falls back off-GPU) give a loss
+    within bf16 rounding of the f32 one; params and grads stay f32."""
+    params, tok, lab, ((ref, _), _) = dense
+    cfg = dataclasses.replace(DENSE, dtype="bfloat16", attention_impl="cudnn")
+    (loss, _), grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, tok, lab, cfg), has_aux=True))(params)
+    assert loss.dtype == jnp.float32 and abs(float(loss) - float(ref)) < 2e-2  # bf16 has 8 mantissa bits
+    assert float(loss) != float(ref)  # the compute dtype really changed
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
+
+
 # ---------------------------------------------------------------- golden PartitionSpecs
 
 MOE_CFG = ModelConfig(
