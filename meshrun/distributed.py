@@ -262,6 +262,21 @@ def _handshake(client, p: Plan, local: int, nproc: int) -> None:
         )
 
 
+def _already_initialized() -> dict:
+    import jax
+    from jax._src import distributed as _dist
+
+    return {
+        "mode": "initialized",
+        "process_id": jax.process_index(),
+        "num_processes": jax.process_count(),
+        "coordinator": _dist.global_state.coordinator_address,
+        "host": socket.gethostname(),
+        "local_devices": jax.local_device_count(),
+        "global_devices": jax.device_count(),
+    }
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -274,6 +289,8 @@ def initialize(
 
     Call before any jax computation. `timeout_s` bounds start-up (all processes must join);
     `heartbeat_s` is how long a silent peer may stay silent before the job is terminated."""
+    if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
+        return _already_initialized()  # a second call (tests, notebooks): report, do not restart
     p = plan(coordinator, num_processes, process_id)
     if p.local_devices:
         simulate_cpu_devices(p.local_devices)

@@ -150,6 +150,7 @@ PSUM_WORKER = """
 import json
 from meshrun.distributed import initialize
 info = initialize(timeout_s=60, heartbeat_s=10)
+again = initialize()  # a second call reports the running job instead of failing
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshrun.config import MeshConfig
@@ -163,8 +164,9 @@ total = f(x)
 g = jax.shard_map(lambda v: jax.lax.psum(v, "tensor"), mesh=mesh, in_specs=P(axes), out_specs=P(axes))
 tensor_sum = jax.jit(g)(x)
 mine = {int(s.index[0].start): float(s.data[0]) for s in tensor_sum.addressable_shards}
-print(json.dumps({"info": info, "sum": float(total[0]), "tensor_sums": mine, "mesh": describe_dict(mesh),
-                  "text": describe(mesh), "process_of": {str(d.id): d.process_index for d in jax.devices()}}))
+print(json.dumps({"info": info, "again": again, "sum": float(total[0]), "tensor_sums": mine,
+                  "mesh": describe_dict(mesh), "text": describe(mesh),
+                  "process_of": {str(d.id): d.process_index for d in jax.devices()}}))
 """
 
 
@@ -194,6 +196,13 @@ def test_psum_across_two_processes(procs, tmp_path, via):
         info = out["info"]
         assert (info["mode"], info["process_id"], info["num_processes"]) == (via if via != "env" else "explicit", i, 2)
         assert (info["local_devices"], info["global_devices"]) == (4, 8)
+        again = out["again"]
+        assert (again["mode"], again["process_id"], again["num_processes"], again["global_devices"]) == (
+            "initialized",
+            i,
+            2,
+            8,
+        )
         assert re.search(rf"^meshrun: process {i}/2 host=\S+ local_devices=4 \(cpu\) global_devices=8 "
                          rf"coordinator=\S+:{port} via=", log, re.M)  # fmt: skip
         assert out["sum"] == 36.0
