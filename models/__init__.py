@@ -18,6 +18,19 @@ layers and over sequences (zeros for dense). loss = loss_sum/n_tokens + aux_loss
 loss_sum, n_tokens and aux over microbatches (and over pipeline stages), call total_loss once with
 the global number of sequences, and the result equals loss_fn on the whole batch.
 
+Inside a caller's shard_map (a pipeline executor): list its manual axes in `use_rules(..., manual=...)`;
+with 'expert' manual too, the MoE layers run their all_to_all directly and `aux` holds the local
+shard's sums (psum them like loss_sum). A caller manual over 'data' but not 'expert' is refused
+(the nested expert shard_map does not differentiate under Shardy).
+
+Sharding: params carry logical names only (norm scales are ('norm',) so ZeRO-3 never splits them;
+router ('embed', None); experts ('expert','embed','mlp') / ('expert','mlp','embed')). Activations:
+residual stream ('batch','length','embed') -- 'length' over tensor with compute_rules(True), i.e.
+sequence parallelism -- and full length inside blocks; logits ('batch', None, 'vocab'). Per layer
+under TP: 2 all-reduces of b·s·h forward, 2 backward (q/k/v and gate/up are fused at run time).
+Remat (cfg.remat): none | full (jax.checkpoint of the whole unit) | selective (saves the names in
+layers.SAVED_NAMES, recomputes the attention core). attention_impl='cudnn' falls back to XLA off-GPU.
+
 Stacked units: a dense model has n_layers units; an MoE model with moe_every=k has n_layers/k
 units, each k-1 dense blocks (params['layers']['dense'], axes ['layers', None, ...]) then one MoE
 block (params['layers']['moe']). All functions accept nnx.State or plain dicts of arrays, and run

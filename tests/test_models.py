@@ -38,11 +38,11 @@ def batch(cfg: ModelConfig, b: int = B, seed: int = 1):
     return tok, jnp.roll(tok, -1, axis=1)
 
 
-def loss_and_grads(cfg, params, tok, lab, mesh=None):
+def loss_and_grads(cfg, params, tok, lab, mesh=None, zero=0):
     fn = jax.value_and_grad(lambda p: loss_fn(p, tok, lab, cfg), has_aux=True)
     if mesh is None:
         return jax.jit(fn)(params)
-    placed = jax.device_put(params, tree_shardings(params, mesh, param_rules(0)))
+    placed = jax.device_put(params, tree_shardings(params, mesh, param_rules(zero)))
     with use_rules(mesh, compute_rules(cfg.sequence_parallel)):
         return jax.jit(fn)(placed)
 
@@ -178,6 +178,44 @@ def test_bfloat16_compute_and_cudnn_config_run_on_cpu(dense):
     assert loss.dtype == jnp.float32 and abs(float(loss) - float(ref)) < 2e-2  # bf16 has 8 mantissa bits
     assert float(loss) != float(ref)  # the compute dtype really changed
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
+
+
+def test_attention_matches_numpy_gqa_rope():
+    """The fused-qkv GQA attention equals a float64 numpy version: RoPE (rotate-half), query head n
+    uses kv head n // G, causal softmax, output projection."""
+    from meshrun_models.attention import attention
+    from meshrun_models.layers import arrays
+
+    cfg = dataclasses.replace(DENSE, n_heads=4, n_kv_heads=2, head_dim=8, init_std=0.3)
+    _, params = init_params(cfg, 2)
+    p = jax.tree.map(lambda w: w[0], arrays(params["layers"]["attn"]))
+    h = jax.random.normal(jax.random.key(3), (2, L, cfg.d_model))
+    got = jax.jit(lambda p, h: attention(p, h, cfg))(p, h)
+
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    hn = np.asarray(h, np.float64)
+    half = cfg.head_dim // 2
+    ang = np.arange(L)[:, None] * cfg.rope_theta ** (-np.arange(half) / half)
+    cos, sin = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+
+    def rot(x):
+        return np.concatenate(
+            [x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1
+        )
+
+    q = rot(np.einsum("bld,dhk->blhk", hn, p["q"]))
+    k = rot(np.einsum("bld,dhk->blhk", hn, p["k"]))
+    v = np.einsum("bld,dhk->blhk", hn, p["v"])
+    g = cfg.n_heads // cfg.n_kv_heads
+    out = np.zeros_like(q)
+    for n in range(cfg.n_heads):
+        s = np.einsum("bqk,bsk->bqs", q[:, :, n], k[:, :, n // g]) / np.sqrt(cfg.head_dim)
+        s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[:, :, n] = np.einsum("bqs,bsk->bqk", w / w.sum(-1, keepdims=True), v[:, :, n // g])
+    ref = np.einsum("blhk,hkd->bld", out, p["o"])
+    # float32 vs a float64 reference: absolute slack of 1e-6 of the output's scale (max |ref| ~ 6)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL * np.abs(ref).max())
 
 
 # ---------------------------------------------------------------- golden PartitionSpecs

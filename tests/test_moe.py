@@ -56,12 +56,15 @@ def test_reference_reports_drops(moe_ref):
         ((2, 2, 2), {}),
         ((1, 2, 4), {}),
         ((1, 2, 4), {"sequence_parallel": True, "remat": "full"}),
-        ((2, 2, 2), {"remat": "selective"}),
+        ((2, 2, 2), {"remat": "selective", "zero": 3}),  # params FSDP-sharded (ZeRO-3) too
     ],
 )
 def test_moe_parity(moe_ref, shape, changes):
     params, tok, lab, ref = moe_ref
-    assert_same(ref, loss_and_grads(dataclasses.replace(MOE, **changes), params, tok, lab, mesh_of(*shape)))
+    changes = dict(changes)
+    zero = changes.pop("zero", 0)
+    got = loss_and_grads(dataclasses.replace(MOE, **changes), params, tok, lab, mesh_of(*shape), zero=zero)
+    assert_same(ref, got)
 
 
 # ---------------------------------------------------------------- routing vs numpy
