@@ -11,7 +11,9 @@ from meshrun.planner.cost import (
     model_flops,
     param_counts,
     precision_of,
+    predict_collective_bytes,
     predict_memory,
+    predict_memory_jax,
     predict_time,
 )
 from meshrun.planner.hardware import GPUS, Cluster, parse_cluster
@@ -32,6 +34,8 @@ __all__ = [
     "param_counts",
     "parse_cluster",
     "precision_of",
+    "predict_collective_bytes",
     "predict_memory",
+    "predict_memory_jax",
     "predict_time",
 ]
