@@ -84,9 +84,9 @@ def run(
                 if stop_after is not None and ran >= stop_after:
                     ckpt.wait()
                     break
-                if flag.is_set() or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-                    ckpt.save(step + 1, state)
-                if flag.is_set():
+                stop = flag.should_stop()  # agreed by all processes, so they save and leave at the same step
+                ckpt.save(step + 1, state, force=stop)  # every N steps (checkpoint.every), or now
+                if stop:
                     break
             else:
                 ckpt.save(t.steps, state, force=True)

@@ -1,0 +1,217 @@
+"""`meshrun train`: resume after SIGKILL, restore onto other meshes, bad input, NaN stop."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshrun.cli import main
+from meshrun.config import load_config
+from meshrun.loop import run
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "train.seq_len=16",
+    "model.max_seq_len=16",
+    "data.kind=synthetic",
+    "train.global_batch=16",
+    "train.warmup_steps=1",
+    "checkpoint.async_save=false",
+]
+
+
+def losses(run_dir) -> dict[int, float]:
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]  # a resumed run logs the steps after its checkpoint again
+    return out
+
+
+def test_sigkill_then_restart_continues_with_the_same_losses(tmp_path):
+    over = [*SMALL, "mesh.pipe=1", "mesh.data=4", "train.steps=6", "checkpoint.every=2"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    run(load_config(ROOT / "configs/tiny_cpu.yaml", [*over, f"train.run_dir={ref_dir}"]), quiet=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrun.cli",
+        "train",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        *over,
+        f"train.run_dir={run_dir}",
+        "--quiet",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if (run_dir / "checkpoints" / "4").exists() or len(
+                losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+            ) >= 5:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "run finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = max(losses(run_dir))
+    assert killed_at < 6
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 6
+    ref, got = losses(ref_dir), losses(run_dir)
+    assert sorted(got) == list(range(1, 7))
+    for step, loss in got.items():
+        assert loss == pytest.approx(ref[step], rel=1e-6), step
+
+
+@pytest.mark.parametrize(
+    "new_mesh",
+    [
+        ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=2"],
+        ["mesh.data=1", "mesh.pipe=4", "mesh.tensor=2"],
+    ],
+    ids=["data8", "pipe4_tensor2"],
+)
+def test_checkpoint_restores_onto_another_mesh(tmp_path, new_mesh):
+    """Saved on (data2, pipe2, tensor2) at step 2; continuing on another layout gives step 3's loss."""
+    over = [*SMALL, "checkpoint.every=2"]
+    base = tmp_path / "base"
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.steps=3", f"train.run_dir={base}"])
+    first = run(cfg, quiet=True, stop_after=2)  # checkpoint at step 2, then stop
+    assert first["step"] == 2
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved)
+    ref = run(cfg, quiet=True)  # the same layout continues
+    cont = run(
+        load_config(ROOT / "configs/tiny_cpu.yaml", [*over, *new_mesh, "train.steps=3", f"train.run_dir={moved}"]),
+        quiet=True,
+    )
+    assert cont["step"] == 3 and ref["step"] == 3
+    assert cont["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+
+
+def _snapshot(d: Path) -> dict[str, float]:
+    return {str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "over, words",
+    [
+        (["data.kind=tokens", "data.path=missing.bin"], "data.path"),
+        (["data.kind=text", "data.glob=nothing/**/*.txt"], "data.glob"),
+        (["train.global_batch=12"], "train.global_batch"),
+        (["train.run_dir=RUNFILE/sub"], "train.run_dir"),
+        (["model.n_heads=3", "model.n_kv_heads=3"], "model.n_heads"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, over, words):
+    (tmp_path / "RUNFILE").write_text("a file, not a directory")
+    over = [o.replace("RUNFILE", str(tmp_path / "RUNFILE")) for o in over]
+    rc = main(
+        ["train", str(ROOT / "configs/tiny_cpu.yaml"), *SMALL, f"train.run_dir={tmp_path / 'r'}", *over, "--quiet"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert words in err and "Traceback" not in err
+
+
+def test_incompatible_checkpoint_is_refused_and_kept(tmp_path, capsys):
+    over = ["--quiet", *SMALL, "mesh.pipe=1", "mesh.data=4", "train.steps=1", f"train.run_dir={tmp_path}"]
+    assert main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over]) == 0
+    before = _snapshot(tmp_path / "checkpoints")
+    capsys.readouterr()
+    rc = main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over, "model.d_model=32", "train.steps=2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.d_model" in err and "Traceback" not in err
+    assert _snapshot(tmp_path / "checkpoints") == before
+
+
+def test_nan_loss_stops_with_last_good_checkpoint_intact(tmp_path, capsys):
+    over = [
+        *SMALL,
+        "mesh.pipe=1",
+        "mesh.data=4",
+        "train.steps=6",
+        "checkpoint.every=1",
+        "train.lr=1e30",
+        "train.warmup_steps=1",
+        f"train.run_dir={tmp_path}",
+    ]
+    rc = main(["train", "--quiet", str(ROOT / "configs/tiny_cpu.yaml"), *over])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert "loss is nan" in err.lower() or "loss is inf" in err.lower()
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    bad = max(losses(tmp_path)) + 1 if (tmp_path / "metrics.jsonl").exists() else 1
+    assert steps and max(steps) < bad  # nothing saved at or after the bad step
+    from meshrun.checkpoint import Checkpointer
+    from meshrun.config import CheckpointConfig
+
+    assert Checkpointer(str(tmp_path), CheckpointConfig(), meta={}).latest_step() == max(steps)
+
+
+def test_cli_main_job_prints_json_last_line(tmp_path):
+    env = {**os.environ}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshrun.cli",
+            "train",
+            str(ROOT / "configs/tiny_cpu.yaml"),
+            *SMALL,
+            "train.steps=3",
+            f"train.run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(last) == {"step", "loss", "first_loss", "tokens_per_s", "run_dir"}
+    assert last["step"] == 3 and last["tokens_per_s"] > 0
+    assert "step 3/3" in done.stderr  # progress
+
+
+def test_sigterm_saves_at_the_next_step_boundary_and_exits_0(tmp_path):
+    over = [*SMALL, "mesh.pipe=1", "mesh.data=4", "train.steps=200", "checkpoint.every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrun.cli",
+        "train",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        *over,
+        f"train.run_dir={tmp_path}",
+        "--quiet",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if (tmp_path / "metrics.jsonl").exists() and len(losses(tmp_path)) >= 2:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    last = json.loads(out.strip().splitlines()[-1])
+    assert 2 <= last["step"] < 200
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [last["step"]]
