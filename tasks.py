@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def main() -> None:
     args = sys.argv[2:]
     if what == "run":
         ensure_env("")
+        if not any(a.startswith("train.run_dir=") for a in args):  # a fresh run each time, not a resume
+            args = [*args, f"train.run_dir=runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}"]
         sh(BIN / "meshrun", "train", "configs/tiny_cpu.yaml", *args)
     elif what == "test":
         ensure_env("test")

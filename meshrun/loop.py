@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -41,6 +42,12 @@ def run(
     start = ckpt.latest_step() if cfg.checkpoint.resume else None
     state = ckpt.restore(start, fns.abstract_state) if start is not None else fns.init()
     start = start or 0
+    if start >= t.steps:
+        print(
+            f"meshrun: {t.run_dir} already holds a checkpoint at step {start} >= train.steps={t.steps}; "
+            "nothing to train (raise train.steps or use a new train.run_dir)",
+            file=sys.stderr,
+        )
 
     flops = model_flops_per_step(cfg.model, t.global_batch, t.seq_len)
     peak = peak_flops(jax.devices()[0])

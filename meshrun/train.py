@@ -23,8 +23,7 @@ from jax.sharding import PartitionSpec as P
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.sharding import DP_AXES, compute_rules, param_rules, tree_specs, use_rules
-
-MANUAL = ("pipe", "data", "expert")  # shard_map manual axes; 'tensor' stays auto (GSPMD)
+from meshrun.zero import MANUAL, finish_reduction, gather_params, local_spec, partial_specs, reduce_grads_local
 
 
 class TrainState(NamedTuple):
@@ -82,122 +81,6 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
     models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
 
 
-def _local(spec: P, axes=MANUAL) -> P:
-    """Keep only shard_map-manual axes of a spec (in_specs may name only manual axes)."""
-
-    def keep(entry):
-        if entry is None:
-            return None
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(a for a in names if a in axes)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    return P(*(keep(e) for e in spec))
-
-
-def _dims_with(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
-    """(dim, manual DP axes on it) for every dim of `spec` that names one of `axes`."""
-    out = []
-    for d, entry in enumerate(spec):
-        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        hit = tuple(a for a in names if a in axes)
-        if hit:
-            out.append((d, hit))
-    return out
-
-
-def gather_params(params, specs, base_specs, mesh: Mesh):
-    """ZeRO-3: all-gather every parameter's data-parallel shards once per step, before the loop, in
-    a shard_map manual over every axis (so local tensor shards are gathered as they are)."""
-
-    def body(params):
-        def one(x, spec, base):
-            kept = dict(_dims_with(base, DP_AXES))  # e.g. experts split over 'expert' stay split
-            for d, axes in _dims_with(spec, DP_AXES):
-                if axes := tuple(a for a in axes if a not in kept.get(d, ())):
-                    x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
-            return x
-
-        return jax.tree.map(one, params, specs, base_specs, is_leaf=lambda x: isinstance(x, jax.Array))
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=base_specs, check_vma=False)(params)
-
-
-def reduction_axes(base: P, mesh: Mesh) -> tuple[str, ...]:
-    """DP axes a gradient is summed over: all live ones, except those the weight is already split
-    over (experts over 'expert' are reduced over 'data' only)."""
-    used = {a for _, axes in _dims_with(base, DP_AXES) for a in axes}
-    return tuple(a for a in DP_AXES if mesh.shape[a] > 1 and a not in used)
-
-
-def _deferred(base: P, target: P, mesh: Mesh) -> bool:
-    """ZeRO >= 1 leaves whose reduced gradient is scattered over a DP axis."""
-    red = reduction_axes(base, mesh)
-    return any(a in red for _, axes in _dims_with(target, DP_AXES) for a in axes)
-
-
-def reduce_grads_local(grads, base_specs, grad_specs, mesh: Mesh):
-    """Inside the DP-manual shard_map, after the accumulation loop: psum what stays replicated;
-    leaves that ZeRO scatters leave as per-rank partial sums [1, ...] (see `finish_reduction`)."""
-
-    def one(g, base, target):
-        if _deferred(base, target, mesh):
-            return g[None]
-        red = reduction_axes(base, mesh)
-        return jax.lax.psum(g, red) if red else g
-
-    return jax.tree.map(one, grads, base_specs, grad_specs)
-
-
-def partial_specs(base_specs, grad_specs, mesh: Mesh):
-    """shard_map out_specs for `reduce_grads_local`'s output (manual axes only)."""
-
-    def one(base, target):
-        if _deferred(base, target, mesh):
-            return P(reduction_axes(base, mesh), *_local(base))
-        return _local(target)
-
-    return jax.tree.map(one, base_specs, grad_specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def finish_reduction(grads, base_specs, grad_specs, mesh: Mesh):
-    """Sum the per-rank partials onto the ZeRO layout with one reduce-scatter per leaf, in a
-    shard_map manual over every axis: local tensor shards are reduce-scattered as they are (a
-    psum_scatter inside the tensor-auto accumulation shard_map made XLA all-gather the tensor
-    shards first, and a GSPMD sum gave a full all-reduce)."""
-    is_p = lambda x: isinstance(x, P)  # noqa: E731
-    flat_g, tree = jax.tree.flatten(grads)
-    flat_b = jax.tree.leaves(base_specs, is_leaf=is_p)
-    flat_t = jax.tree.leaves(grad_specs, is_leaf=is_p)
-    idx = [i for i, (b, t) in enumerate(zip(flat_b, flat_t)) if _deferred(b, t, mesh)]
-    if not idx:
-        return grads
-
-    def body(*gs):
-        out = []
-        for g, i in zip(gs, idx):
-            g = g[0]
-            red = reduction_axes(flat_b[i], mesh)
-            for d, axes in _dims_with(flat_t[i], DP_AXES):
-                if axes := tuple(a for a in axes if a in red):
-                    g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-                    red = tuple(a for a in red if a not in axes)
-            out.append(jax.lax.psum(g, red) if red else g)
-        return tuple(out)
-
-    fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=tuple(P(reduction_axes(flat_b[i], mesh), *flat_b[i]) for i in idx),
-        out_specs=tuple(flat_t[i] for i in idx),
-        check_vma=False,
-    )
-    reduced = fn(*(flat_g[i] for i in idx))
-    for i, g in zip(idx, reduced):
-        flat_g[i] = g
-    return jax.tree.unflatten(tree, flat_g)
-
-
 def pure(tree):
     """nnx.State / Variables -> nested dicts of plain leaves (what jit, optax and orbax see)."""
     from flax import nnx
@@ -243,7 +126,7 @@ def accumulate_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
         param_specs(cfg, z, part, mesh) for z, part in ((0, "params"), (zero, "params"), (zero, "grads"))
     )
     is_p = lambda x: isinstance(x, P)  # noqa: E731
-    local = lambda t: jax.tree.map(_local, t, is_leaf=is_p)  # noqa: E731
+    local = lambda t: jax.tree.map(local_spec, t, is_leaf=is_p)  # noqa: E731
     rules = compute_rules(cfg.model.sequence_parallel)
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
     psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731

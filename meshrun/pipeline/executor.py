@@ -57,11 +57,11 @@ from meshrun.pipeline import schedules
 from meshrun.pipeline.stage import (
     activation_residuals,
     from_pipeline_layout,
-    gather_dims,
     restrict,
     to_pipeline_layout,
 )
 from meshrun.sharding import DP_AXES, compute_rules, logical_names, logical_to_spec, param_rules, use_rules
+from meshrun.zero import finish_reduction, gather_params, partial_specs, reduce_grads_local
 
 MANUAL = ("pipe", "data", "expert")
 
@@ -293,11 +293,13 @@ class Pipeline:
         store, comp, gspec = _specs(self.names, params, mesh, self.zero)
         wsc = lambda t, s: jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), t, s)
         params = wsc(params, store)
+        if self.zero >= 3:  # all-gather the data-sharded weight dims once per step, before the loop
+            params = gather_params(params, store, comp, mesh)
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         if self.layout == "model":
-            layers = wsc(to_pipeline_layout(layers, self.p, plan.v), store["layers"])
+            layers = wsc(to_pipeline_layout(layers, self.p, plan.v), comp["layers"])
         split = lambda t: (t["layers"], {k: a for k, a in t.items() if k != "layers"})
-        (s_l, s_o), (c_l, c_o), (g_l, g_o) = split(store), split(comp), split(gspec)
+        (c_l, c_o), (g_l, g_o) = split(comp), split(gspec)
         tok = tokens.reshape(m, tokens.shape[0] // m, *tokens.shape[1:])
         lab = labels.reshape(m, labels.shape[0] // m, *labels.shape[1:])
         bspec = P(None, DP_AXES)
@@ -305,39 +307,31 @@ class Pipeline:
         lab = lax.with_sharding_constraint(lab, NamedSharding(mesh, bspec))
         nd = lambda t: jax.tree.map(lambda a: a.ndim, t)
         man = lambda specs, t: jax.tree.map(lambda sp, d: restrict(sp, d, MANUAL), specs, nd(t))
-        in_specs = (man(s_l, layers), man(s_o, other), bspec, bspec)
-        out_specs = (P(), man(g_l, layers), man(g_o, other), P())
-        body = functools.partial(self._body, gathers=(s_l, c_l, s_o, c_o), scatters=(g_l, c_l, g_o, c_o))
+        in_specs = (man(c_l, layers), man(c_o, other), bspec, bspec)
+        out_specs = (P(), partial_specs(c_l, g_l, mesh), partial_specs(c_o, g_o, mesh), P())
+        body = functools.partial(self._body, scatters=(g_l, c_l, g_o, c_o))
         f = jax.shard_map(
             body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(MANUAL), check_vma=False
         )
         loss, gl, go, aux = f(layers, other, tok, lab)
+        # ZeRO >= 1: reduce-scatter the per-rank partial sums (meshrun.zero; one collective per leaf)
+        gl, go = finish_reduction(gl, c_l, g_l, mesh), finish_reduction(go, c_o, g_o, mesh)
         if self.layout == "model":
             gl = from_pipeline_layout(gl, self.p, plan.v)
         grads = wsc({**go, "layers": gl}, gspec)
         return loss, grads, aux
 
-    def _body(self, layers, other, tok, lab, *, gathers, scatters):
+    def _body(self, layers, other, tok, lab, *, scatters):
         with use_rules(self.mesh, compute_rules(self.cfg.sequence_parallel), manual=MANUAL):
-            return self._pipeline(layers, other, tok, lab, gathers, scatters)
+            return self._pipeline(layers, other, tok, lab, scatters)
 
-    def _pipeline(self, layers, other, tok, lab, gathers, scatters):
+    def _pipeline(self, layers, other, tok, lab, scatters):
         fns, plan = self.fns, self.plan
         p, v, m, V = self.p, plan.v, plan.m, self.p * plan.v
         dp_axes = tuple(a for a in DP_AXES if a in self.mesh.shape)
         stage = lax.axis_index("pipe")
         fill = jnp.nan if self.nan_bubbles else 0.0
 
-        # ZeRO-3: gather the data-sharded weight dims once per step, before the tick loop.
-        s_l, c_l, s_o, c_o = gathers
-
-        def gather(a, s, c):
-            for d, axes in gather_dims(s, c, a.ndim, dp_axes):
-                a = lax.all_gather(a, axes, axis=d, tiled=True)
-            return a
-
-        layers = jax.tree.map(gather, layers, s_l, c_l)
-        other = jax.tree.map(gather, other, s_o, c_o)
         lc = jax.tree.leaves(layers)[0].shape[0] // v
         layers_v = jax.tree.map(lambda a: a.reshape(v, lc, *a.shape[1:]), layers)
         chunk = lambda c: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), layers_v)
@@ -466,19 +460,12 @@ class Pipeline:
             xs = {k: jnp.asarray(a[t0:t1]) for k, a in plan.tables.items()}
             carry, _ = lax.scan(tick(kind, send_f, send_b), carry, xs)
 
-        # One data-parallel reduction per step, after the loop (ZeRO-2/3: reduce-scatter).
+        # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
+        # scatters leave as per-rank partial sums for `finish_reduction` (meshrun/zero.py).
         g_l, cg_l, g_o, cg_o = scatters
-
-        def reduce(g, gs, cs, extra):
-            axes = extra + tuple(a for a in dp_axes if a not in {x for d in _axes(cs) for x in d})
-            for d, ax in gather_dims(gs, cs, g.ndim, dp_axes):
-                g = lax.psum_scatter(g, ax, scatter_dimension=d, tiled=True)
-                axes = tuple(a for a in axes if a not in ax)
-            return lax.psum(g, axes) if axes else g
-
         gl = jax.tree.map(lambda a: a.reshape(v * lc, *a.shape[2:]), carry["g_layers"])
-        gl = jax.tree.map(lambda g, gs, cs: reduce(g, gs, cs, ()), gl, g_l, cg_l)
-        go = jax.tree.map(lambda g, gs, cs: reduce(g, gs, cs, ("pipe",)), carry["g_other"], g_o, cg_o)
+        gl = reduce_grads_local(gl, cg_l, g_l, self.mesh)
+        go = reduce_grads_local(carry["g_other"], cg_o, g_o, self.mesh, extra=("pipe",))
         loss_sum = lax.psum(carry["loss"], MANUAL)
         sums = lax.psum(carry["aux"], MANUAL)
         if fns.finish is not None:
