@@ -183,3 +183,15 @@ def test_loop_resumes_and_loss_falls(tmp_path):
     for r in resumed:
         assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
     assert full["loss"] < full["first_loss"]
+
+
+def test_pipelined_zero3_gathers_and_scatters_local_tensor_shards_once():
+    """(data2, pipe2, tensor2), ZeRO-3: weights are all-gathered over 'data' once before the tick
+    loop and gradients reduce-scattered once after it, each on the local tensor shard: no tensor
+    all-gather anywhere and no data-parallel collective in the loop."""
+    compiled, mesh = _compiled(["train.zero=3"])
+    colls = hlo.collectives(compiled.as_text(), dict(mesh.shape))
+    assert [c for c in colls if c.in_loop and "data" in c.axes] == []
+    assert [c for c in colls if c.op == "all-gather" and "tensor" in c.axes] == []
+    gathered, scattered = _bytes(colls, "all-gather"), _bytes(colls, "reduce-scatter")
+    assert gathered > 0 and scattered * 2 == gathered  # dp=2: each rank receives half of what it gathers
