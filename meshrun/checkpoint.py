@@ -10,6 +10,7 @@ run saved on (data 2, pipe 2, tensor 2) resumes on (data 8) or (pipe 4, tensor 2
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import tempfile
@@ -125,7 +126,14 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
 
     def saved_meta(self, step: int) -> dict[str, Any]:
-        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        # Restoring one item of a composite makes orbax log that the other ("state") was skipped.
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        absl_log.setLevel(logging.ERROR)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        finally:
+            absl_log.setLevel(level)
 
     def check_compatible(self, step: int, target: Any) -> None:
         """ConfigError when the saved model config or the saved array shapes differ from the current ones."""
