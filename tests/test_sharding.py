@@ -37,27 +37,39 @@ def _specs(mesh, zero, part):
     return {k: v for k, v in nnx.to_flat_state(tree_specs(st, param_rules(zero, part), mesh))}
 
 
-GOLDEN_PDT = {  # mesh pipe=2 data=2 tensor=2
-    (0, "params"): {
-        "embed": P("tensor"),
-        "q": P("pipe", None, "tensor"),
-        "down": P("pipe", "tensor"),
-        "norm": P("pipe"),
-        "experts": P("pipe", None, None, "tensor"),
-        "bias": P(),
-    },
-    (3, "params"): {
-        "embed": P("tensor", "data"),
-        "q": P("pipe", "data", "tensor"),
-        "down": P("pipe", "tensor", "data"),
-        "norm": P("pipe"),
-        "experts": P("pipe", None, "data", "tensor"),
-        "bias": P(),
-    },
+_DP_REPLICATED = {  # mesh pipe=2 data=2 tensor=2: layers over pipe, Megatron TP over tensor
+    "embed": P("tensor"),
+    "q": P("pipe", None, "tensor"),
+    "down": P("pipe", "tensor"),
+    "norm": P("pipe"),
+    "experts": P("pipe", None, None, "tensor"),
+    "bias": P(),
+}
+_DP_SHARDED = {  # + the `embed` dim over the data-parallel group (norm scales are never split)
+    "embed": P("tensor", "data"),
+    "q": P("pipe", "data", "tensor"),
+    "down": P("pipe", "tensor", "data"),
+    "norm": P("pipe"),
+    "experts": P("pipe", None, "data", "tensor"),
+    "bias": P(),
+}
+GOLDEN_PDT = {
+    (0, "params"): _DP_REPLICATED,
+    (0, "grads"): _DP_REPLICATED,
+    (0, "opt"): _DP_REPLICATED,
+    (1, "params"): _DP_REPLICATED,
+    (1, "grads"): _DP_SHARDED,
+    (1, "opt"): _DP_SHARDED,
+    (2, "params"): _DP_REPLICATED,
+    (2, "grads"): _DP_SHARDED,
+    (2, "opt"): _DP_SHARDED,
+    (3, "params"): _DP_SHARDED,
+    (3, "grads"): _DP_SHARDED,
+    (3, "opt"): _DP_SHARDED,
 }
 
 
-@pytest.mark.parametrize("zero, part", [(0, "params"), (3, "params")])
+@pytest.mark.parametrize("zero, part", sorted(GOLDEN_PDT))
 def test_golden_specs_pipe_data_tensor(zero, part):
     mesh = build_mesh(MeshConfig(pipe=2, data=2, tensor=2))
     got = {k[0]: v.get_value() if hasattr(v, "get_value") else v for k, v in _specs(mesh, zero, part).items()}
