@@ -40,7 +40,7 @@ def run(
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
     ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
     start = ckpt.latest_step() if cfg.checkpoint.resume else None
-    state = ckpt.restore(start, fns.abstract_state) if start is not None else fns.init()
+    state = fns.to_run(ckpt.restore(start, fns.abstract_state)) if start is not None else fns.init()
     start = start or 0
     if start >= t.steps:
         print(
@@ -92,11 +92,12 @@ def run(
                     ckpt.wait()
                     break
                 stop = flag.should_stop()  # agreed by all processes, so they save and leave at the same step
-                ckpt.save(step + 1, state, force=stop)  # every N steps (checkpoint.every), or now
+                if stop or ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
+                    ckpt.save(step + 1, fns.to_model(state), force=stop)
                 if stop:
                     break
             else:
-                ckpt.save(t.steps, state, force=True)
+                ckpt.save(t.steps, fns.to_model(state), force=True)
         ckpt.wait()
     finally:
         ckpt.close()

@@ -42,6 +42,8 @@ class StepFns:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
+    to_run: Any  # model-order state (checkpoints) -> the layout the step runs on
+    to_model: Any  # inverse (identity unless interleaved: layers stored in pipeline order)
 
 
 def lr_schedule(cfg: RunConfig) -> optax.Schedule:
@@ -184,10 +186,35 @@ def loss_and_grads(params, tokens, labels, cfg: RunConfig, mesh: Mesh):
     if mesh.shape["pipe"] > 1:
         from meshrun.pipeline.executor import pipeline_loss_and_grads
 
+        layout = "pipeline" if interleaved(cfg, mesh) else "model"
         return pipeline_loss_and_grads(
-            params, tokens, labels, cfg.model, cfg.pipeline, mesh, zero=cfg.train.zero, names=param_names(cfg)
+            params,
+            tokens,
+            labels,
+            cfg.model,
+            cfg.pipeline,
+            mesh,
+            zero=cfg.train.zero,
+            names=param_names(cfg),
+            layout=layout,
         )
     return accumulate_grads(params, tokens, labels, cfg, mesh)
+
+
+def interleaved(cfg: RunConfig, mesh: Mesh) -> bool:
+    """Interleaved 1F1B: stage s holds the non-contiguous chunks s, p+s, 2p+s, ... of the layers."""
+    return mesh.shape["pipe"] > 1 and cfg.pipeline.schedule == "interleaved" and cfg.pipeline.virtual > 1
+
+
+def relayout(state: TrainState, tx, fn, p: int, v: int) -> TrainState:
+    """Apply a layer-order permutation `fn` to params['layers'] and the matching optimizer leaves.
+    Training runs with the layers in pipeline order so that each stage's chunks are local (no weight
+    moves per step); checkpoints keep model order, so they restore into any layout."""
+    flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
+    one = lambda x, is_layer: fn({"x": x}, p, v)["x"] if is_layer else x  # noqa: E731
+    params = {**state.params, "layers": fn(state.params["layers"], p, v)}
+    opt = optax.tree_map_params(tx, one, state.opt_state, flags)
+    return state._replace(params=params, opt_state=opt)
 
 
 def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
@@ -217,7 +244,16 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     )
     state_sh = TrainState(param_sh, opt_sh, sh(P()), sh(P()))
     batch_sh = sh(P(DP_AXES))
-    init = jax.jit(init_state, out_shardings=state_sh)
+    if interleaved(cfg, mesh):
+        from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
+
+        p, v = mesh.shape["pipe"], cfg.pipeline.virtual
+        to_run = jax.jit(lambda st: relayout(st, tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+        to_model = jax.jit(lambda st: relayout(st, tx, from_pipeline_layout, p, v), out_shardings=state_sh)
+        init = jax.jit(lambda: relayout(init_state(), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+    else:
+        to_run = to_model = lambda st: st  # noqa: E731
+        init = jax.jit(init_state, out_shardings=state_sh)
 
     def train_step(state: TrainState, tokens, labels):
         loss, grads, aux = loss_and_grads(state.params, tokens, labels, cfg, mesh)
@@ -230,4 +266,4 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return StepFns(step, init, state_sh, batch_sh, abstract_sh)
+    return StepFns(step, init, state_sh, batch_sh, abstract_sh, to_run, to_model)
