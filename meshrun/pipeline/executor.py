@@ -300,8 +300,10 @@ class Pipeline:
             layers = wsc(to_pipeline_layout(layers, self.p, plan.v), comp["layers"])
         split = lambda t: (t["layers"], {k: a for k, a in t.items() if k != "layers"})
         (c_l, c_o), (g_l, g_o) = split(comp), split(gspec)
-        tok = tokens.reshape(m, tokens.shape[0] // m, *tokens.shape[1:])
-        lab = labels.reshape(m, labels.shape[0] // m, *labels.shape[1:])
+        # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
+        # microbatches without moving token ids between devices (row order does not change the sums).
+        tok = tokens.reshape(tokens.shape[0] // m, m, *tokens.shape[1:]).swapaxes(0, 1)
+        lab = labels.reshape(labels.shape[0] // m, m, *labels.shape[1:]).swapaxes(0, 1)
         bspec = P(None, DP_AXES)
         tok = lax.with_sharding_constraint(tok, NamedSharding(mesh, bspec))
         lab = lax.with_sharding_constraint(lab, NamedSharding(mesh, bspec))
