@@ -4,7 +4,7 @@ A dry run before anyone pays for GPUs (STYLE rule 11; MaxText train_compile.py):
 with abstract state and a ShapeDtypeStruct batch on simulated CPU devices of the config's mesh and
 compiled, and the planner's prediction is printed beside what XLA reports:
 
-* memory per device: predicted parts (`planner.cost.predict_memory_jax`, the model of meshrun's own
+* memory per device: predicted parts (`planner.compiled.predict_memory_jax`, the model of meshrun's own
   step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
   total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp).
 * collectives per step: result bytes on one device per mesh axis (`meshrun.hlo`; an op over several
@@ -69,18 +69,19 @@ def layout(cfg, mesh_shape: dict[str, int]) -> dict:
 
 def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives."""
+    from meshrun.planner import compiled as step_model
     from meshrun.planner import cost
 
     kw = layout(cfg, mesh_shape)
     sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
-    mem = cost.predict_memory_jax(cfg.model, **kw, **sched)
+    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched)
     megatron = cost.predict_memory(cfg.model, **kw, **sched)
     permutes = None
     if kw["pipe"] > 1:
         from meshrun.pipeline.executor import make_plan  # the executor's phases: ticks that send
 
         permutes = make_plan(cfg.pipeline, kw["pipe"]).permutes()
-    comm = cost.predict_collective_bytes(cfg.model, **kw, permutes=permutes)
+    comm = step_model.predict_collective_bytes(cfg.model, **kw, permutes=permutes)
     keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total")
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},

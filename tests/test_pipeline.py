@@ -26,8 +26,8 @@ from meshrun.config import ModelConfig, PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.mesh import build_mesh
 from meshrun.pipeline import schedules
-from meshrun.pipeline.executor import Pipeline, StageFns
-from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
+from meshrun.pipeline.executor import Pipeline
+from meshrun.pipeline.stage import StageFns, activation_residuals, from_pipeline_layout, to_pipeline_layout
 from meshrun.sharding import constrain
 
 RTOL = 1e-5

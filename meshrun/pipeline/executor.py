@@ -40,7 +40,7 @@ How a step runs (see DESIGN §5):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +55,10 @@ from meshrun.config import ModelConfig, PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.pipeline import schedules
 from meshrun.pipeline.stage import (
+    StageFns,
     activation_residuals,
     from_pipeline_layout,
+    model_fns,
     restrict,
     to_pipeline_layout,
 )
@@ -64,58 +66,6 @@ from meshrun.sharding import DP_AXES, compute_rules, logical_names, logical_to_s
 from meshrun.zero import finish_reduction, gather_params, partial_specs, reduce_grads_local
 
 MANUAL = ("pipe", "data", "expert")
-
-
-def _no_aux(n_sequences: int) -> dict[str, float]:
-    return {}
-
-
-@dataclass(frozen=True)
-class StageFns:
-    """The functional model API the executor drives (closed over the model config).
-
-    embed(params, tokens_BxS) -> x_BxSxD; apply_layers(layer_params, x) -> (x, aux dict of float32
-    SUMS) on a contiguous slice of params['layers']; head_loss(params, x, labels) -> (loss_sum,
-    n_tokens). The loss is linear in the sums: sum(loss_sum)/sum(n_tokens) + sum_k w_k * sum(aux_k)
-    with w = aux_weights(n_sequences) (global batch rows); `finish(loss_sum, n_tokens, aux_sums,
-    n_sequences) -> (loss, metrics)` reports it (default: that formula, metrics = the sums)."""
-
-    embed: Callable
-    apply_layers: Callable
-    head_loss: Callable
-    aux_weights: Callable[[int], Mapping[str, float]] = _no_aux
-    finish: Callable | None = None
-
-
-def model_fns(cfg: ModelConfig) -> StageFns:
-    """StageFns of the meshrun_models transformer; loss and metrics exactly as its `loss_fn`."""
-    import meshrun_models as mm
-
-    n_moe = mm.n_moe_layers(cfg)
-
-    def aux_weights(n_seq: int) -> dict[str, float]:
-        if not cfg.is_moe:
-            return {}
-        return {"moe_aux_loss": cfg.aux_loss_coef / (n_seq * n_moe), "moe_z_loss": cfg.z_loss_coef / (n_seq * n_moe)}
-
-    def finish(loss_sum, n_tok, sums, n_seq):
-        denom = n_seq * max(n_moe, 1)
-        metrics = {
-            "ce_loss": loss_sum / n_tok,
-            "moe_aux_loss": sums["moe_aux_loss"] / denom,
-            "moe_z_loss": sums["moe_z_loss"] / denom,
-            "dropped_tokens": sums["dropped_tokens"],
-            "n_tokens": n_tok,
-        }
-        return mm.total_loss(loss_sum, n_tok, sums, n_seq, cfg), metrics
-
-    return StageFns(
-        embed=lambda prm, tok: mm.embed(prm, tok, cfg),
-        apply_layers=lambda lp, x: mm.apply_layers(lp, x, cfg),
-        head_loss=lambda prm, x, lab: mm.head_loss(prm, x, lab, cfg),
-        aux_weights=aux_weights,
-        finish=finish,
-    )
 
 
 def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:

@@ -3,6 +3,7 @@
 Pure Python (no JAX): `meshrun plan` answers "what TP/PP/DP/EP should I use?" before anyone pays for GPUs.
 """
 
+from meshrun.planner.compiled import predict_collective_bytes, predict_memory_jax
 from meshrun.planner.cost import (
     GEMM_EFFICIENCY,
     Plan,
@@ -11,9 +12,7 @@ from meshrun.planner.cost import (
     model_flops,
     param_counts,
     precision_of,
-    predict_collective_bytes,
     predict_memory,
-    predict_memory_jax,
     predict_time,
 )
 from meshrun.planner.hardware import GPUS, Cluster, parse_cluster

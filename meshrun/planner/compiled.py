@@ -1,0 +1,212 @@
+"""Memory and collective model of meshrun's OWN compiled step (what `meshrun explain` compares with
+XLA's `memory_analysis()` and HLO on simulated devices), beside the Megatron-style model in cost.py.
+
+It counts what the jitted JAX step really holds (fp32 or mixed-precision params, gradient
+accumulator and fresh gradients, Adam m/v, the residuals JAX saves per layer, the pipeline
+executor's residual slots, one microbatch's logits) and the bytes each mesh axis moves per step.
+Some per-layer counts were read off the tiny configs' buffer assignments; they say so where used.
+"""
+
+from __future__ import annotations
+
+from meshrun.config import ModelConfig
+from meshrun.planner.cost import n_moe_layers, param_counts, precision_of
+
+
+def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe=False) -> float:
+    """Bytes JAX autodiff keeps for one layer's backward in meshrun's model (no remat), per micro-batch
+    and device: counted with `jax.ad_checkpoint.print_saved_residuals` on `meshrun_models.apply_layers`
+    (and seen as the [L, ...] stacked buffers in XLA's buffer assignment). More than Korthikanti's
+    Megatron count, because JAX saves every elementwise intermediate it differentiates through:
+    6 b·s·h (layer input, two RMSNorm products, residual mid-point), q + 4 kv (roped q, k, v and the
+    fused k/v) split over TP, 6 b·s·d_ff (gate/up pair, silu/gelu intermediates and product, for
+    swiglu and tanh-gelu alike), 2 b·a·s² (scores and probabilities; flash keeps the fp32 lse and out).
+    MoE FFN: the 6 d_ff tensors (split over TP) for the k·cf routed copies of each token, 7 h-wide
+    routed buffers (dispatch/combine einsums and both all_to_alls' inputs and outputs, replicated
+    over TP: 7 under EP x TP in XLA's buffer assignment of tiny_moe_cpu, 2 on one device), plus the
+    fp32 dispatch/combine tensors [b, s, E, C] with E·C = cf·k·s."""
+    sb, h = s * b, m.d_model
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    core = 4.0 * b * m.n_heads * s * 2 if flash else 2.0 * act * b * m.n_heads * s * s
+    attn = act * sb * (q + 4 * kv) + core
+    if moe:
+        routed = m.top_k * m.capacity_factor
+        ffn = act * sb * routed * 6 * m.d_ff + 2 * 4.0 * sb * routed * s
+        attn += 7 * act * sb * routed * h * t  # not split over TP (divided by t below)
+    else:
+        ffn = act * sb * 6 * m.d_ff
+    return 6 * act * sb * h + (attn + ffn) / t
+
+
+def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
+    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage."""
+    from meshrun.pipeline import schedules  # pure Python
+
+    lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    return max(schedules.max_in_flight(lock, s) for s in range(p))
+
+
+def predict_memory_jax(
+    model: ModelConfig,
+    *,
+    tensor: int = 1,
+    pipe: int = 1,
+    data: int = 1,
+    expert: int = 1,
+    microbatches: int = 1,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    zero: int = 0,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+) -> dict[str, float]:
+    """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
+    argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
+    * SPMD: every pipeline stage holds the embedding, head and final norm (replicated over 'pipe').
+    * grads: the microbatch-loop carry plus the fresh microbatch gradient (2x when m > 1).
+    * optimizer: Adam m and v in the param dtype, plus one param-sized temporary of the update
+      (clipped gradients / updates; params, m and v are donated and updated in place).
+    * activations: `jax_layer_residual_bytes` per layer; without a pipeline one micro-batch's worth
+      (the loop runs value_and_grad per micro-batch); with one, the executor's fixed residual buffer
+      of `slots + 1` chunks (+1 trash slot) plus the chunk being produced or consumed; plus the
+      loop-invariant causal-mask residual (f32 + bool [b, a, s, s]) of each layer of a unit.
+    * logits: a micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel.
+    Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
+    (b·s·h, /t with sequence parallelism) plus one layer's residuals while its backward runs;
+    selective drops the s x s attention core."""
+    prec = precision_of(model)
+    pb, ab = prec.param, prec.act
+    s = seq_len or model.max_seq_len
+    t, p, b, h = tensor, pipe, micro_batch_size, model.d_model
+    v = virtual if schedule == "interleaved" else 1
+    flash = model.attention_impl == "cudnn"
+    counts = param_counts(model)
+    n_moe = n_moe_layers(model)
+    norms = 2 * h * model.n_layers  # RMSNorm scales are replicated over TP
+    dense = (counts["layers"] - norms) / p / t + norms / p + (counts["embedding"] + counts["head"]) / t + h
+    experts = counts["experts"] / p / (t * expert)
+    dense_dp, expert_dp = data * expert, data
+    shard = {0: (1, 1, 1), 1: (1, 1, dense_dp), 2: (1, dense_dp, dense_dp), 3: (dense_dp,) * 3}[zero]
+    eshard = {0: (1, 1, 1), 1: (1, 1, expert_dp), 2: (1, expert_dp, expert_dp), 3: (expert_dp,) * 3}[zero]
+    params = pb * (dense / shard[0] + experts / eshard[0])
+    grads = pb * (dense / shard[1] + experts / eshard[1])
+    if microbatches > 1:
+        grads += pb * (dense + experts)
+    opt = 2 * pb * (dense / shard[2] + experts / eshard[2]) + pb * (dense + experts)
+    if zero == 3:  # all weights gathered before the loop (`train.gather_params`)
+        params += pb * (dense + experts)
+
+    moe_frac = n_moe / model.n_layers
+    dense_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash)
+    moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if n_moe else 0.0
+    per_layer = (1 - moe_frac) * dense_res + moe_frac * moe_res
+    working = 0.0
+    if model.remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
+        per_layer, working = ab * s * b * h / (t if model.sequence_parallel else 1), max(dense_res, moe_res)
+    elif model.remat == "selective" and not flash:  # the s x s attention core is recomputed
+        per_layer -= 2.0 * ab * b * model.n_heads * s * s / t
+    stage_layers = model.n_layers / p
+    if p > 1:
+        chunk = stage_layers / v
+        slots = _pipeline_slots(schedule, p, microbatches, v)
+        acts = (slots + 2) * chunk * per_layer + working
+    else:
+        acts = stage_layers * per_layer + working
+    if not flash and model.remat == "none":
+        unit = model.moe_every if model.is_moe else 1
+        acts += unit * b * model.n_heads * s * s / t * (ab + 1)
+    logits = s * b * model.vocab / t * (ab + 4 + 4 + 1)
+    total = params + grads + opt + acts + logits
+    state = params + 2 * pb * (dense / shard[2] + experts / eshard[2])  # the step's arguments
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": opt,
+        "activations": acts,
+        "logits": logits,
+        "total": total,
+        "argument": state,
+        "temp": total - state,
+        "stage": 0,
+        "params_per_device": dense + experts,
+    }
+
+
+# ----------------------------------------------------------------------------- collective bytes
+
+
+def predict_collective_bytes(
+    model: ModelConfig,
+    *,
+    tensor: int = 1,
+    pipe: int = 1,
+    data: int = 1,
+    expert: int = 1,
+    microbatches: int = 1,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    zero: int = 0,
+    permutes: tuple[int, int] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Per-step collective bytes on one device of meshrun's step, as `meshrun.hlo` counts them
+    (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
+    Per micro-batch and stage layer, TP all-reduces b·s·h twice forward (attention and MLP outputs)
+    and twice backward (their input gradients); the vocab-parallel embedding adds one forward and
+    the head one backward (b·s·h). In MoE layers the FFN pair runs on the k·cf routed copies
+    (b·s·k·cf·h: expert output forward, expert input gradient backward). EP: dispatch + combine
+    all_to_all forward and backward of the k·cf routed copies (b·s·k·cf·h). Pipe: one ppermute of
+    b·s·h per sending tick and direction (`permutes`: pass the executor's `Plan.permutes()`; the
+    default, every lockstep tick both ways, is an upper bound) and the all-reduce of the
+    embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0 all-reduces the gradients
+    (dense over data x expert, experts over data); ZeRO-1/2 reduce-scatter them and all-gather
+    the updated params; ZeRO-3 all-gathers the params before the loop and reduce-scatters."""
+    prec = precision_of(model)
+    s = seq_len or model.max_seq_len
+    t, p, e, m, b, h = tensor, pipe, expert, microbatches, micro_batch_size, model.d_model
+    act = prec.act * b * s * h
+    layers = model.n_layers / p
+    moe_layers = n_moe_layers(model) / p
+    out: dict[str, float] = {}
+    count: dict[str, float] = {}
+
+    def add(op: str, axes: tuple[str, ...], nbytes: float, n: float = 1.0) -> None:
+        if nbytes <= 0 or n <= 0:
+            return
+        for a in axes:
+            out[a] = out.get(a, 0.0) + n * nbytes
+        count[op] = count.get(op, 0.0) + n
+
+    routed = act * model.top_k * model.capacity_factor
+    if t > 1:
+        add("all-reduce", ("tensor",), act, m * (4 * layers - 2 * moe_layers + 2))
+        add("all-reduce", ("tensor",), routed, m * 2 * moe_layers)
+    if e > 1 and moe_layers:
+        add("all-to-all", ("expert",), routed, 4 * m * moe_layers)
+    counts = param_counts(model)
+    pb = prec.grad
+    norms = 2 * h * model.n_layers
+    layer_g = pb * ((counts["layers"] - norms) / p / t + norms / p)
+    edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
+    expert_g = pb * counts["experts"] / p / (t * e)
+    if p > 1:
+        if permutes is None:
+            from meshrun.pipeline import schedules
+
+            n = len(schedules.lockstep(schedules.build("1f1b", p, m)))
+            permutes = (n, n)
+        add("collective-permute", ("pipe",), act, sum(permutes))
+        add("all-reduce", ("pipe", *(a for a, k in (("data", data), ("expert", e)) if k > 1)), edge_g)
+        edge_g = 0.0
+    dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
+    groups = [(layer_g + edge_g, dense_axes, data * e)]
+    if expert_g:
+        groups.append((expert_g, ("data",) if data > 1 else (), data))
+    for nbytes, axes, dp in groups:
+        if not axes:
+            continue
+        if zero == 0:
+            add("all-reduce", axes, nbytes)
+        else:
+            add("reduce-scatter", axes, nbytes / dp)
+            add("all-gather", axes, nbytes)
+    return {"bytes": out, "count": count}
