@@ -19,6 +19,7 @@ import meshrun_models as models
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshrun_models.layers import arrays as pure  # nnx.State / Variables -> nested dicts of leaves
 
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
@@ -81,17 +82,6 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
     models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
-
-
-def pure(tree):
-    """nnx.State / Variables -> nested dicts of plain leaves (what jit, optax and orbax see)."""
-    from flax import nnx
-
-    if isinstance(tree, nnx.Variable):
-        return tree.get_value()
-    if isinstance(tree, (nnx.State, dict)):
-        return {k: pure(v) for k, v in tree.items()}
-    return tree
 
 
 def param_names(cfg: RunConfig):
