@@ -63,9 +63,7 @@ from meshrun.pipeline.stage import (
     to_pipeline_layout,
 )
 from meshrun.sharding import DP_AXES, compute_rules, logical_names, logical_to_spec, param_rules, use_rules
-from meshrun.zero import finish_reduction, gather_params, partial_specs, reduce_grads_local
-
-MANUAL = ("pipe", "data", "expert")
+from meshrun.zero import MANUAL, finish_reduction, gather_params, partial_specs, reduce_grads_local
 
 
 def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
@@ -326,13 +324,18 @@ class Pipeline:
         take = lambda buf, i: lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
         zeros_other = lambda: jax.tree.map(jnp.zeros_like, other)
 
+        def cell(row, kind):
+            """This stage's forward ('f') or backward ('b') task of a tick: idle cells (mb = -1) run on
+            microbatch/chunk 0 into the trash slot and are masked out."""
+            mb_raw = row[f"{kind}_mb"][stage]
+            valid = mb_raw >= 0
+            mb, ch = jnp.maximum(mb_raw, 0), jnp.maximum(row[f"{kind}_chunk"][stage], 0)
+            slot = jnp.where(valid, row[f"{kind}_slot"][stage], nslot - 1)
+            k = ch * p + stage  # virtual stage
+            return valid, mb, ch, slot, valid & (k == 0), valid & (k == V - 1)
+
         def forward(c, row):
-            f_mb, f_c = row["f_mb"][stage], row["f_chunk"][stage]
-            valid = f_mb >= 0
-            mb, ch = jnp.maximum(f_mb, 0), jnp.maximum(f_c, 0)
-            slot = jnp.where(valid, row["f_slot"][stage], nslot - 1)
-            k = ch * p + stage
-            first, last = valid & (k == 0), valid & (k == V - 1)
+            valid, mb, ch, slot, first, last = cell(row, "f")
             x = lax.cond(first, lambda: fns.embed(other, take(tok, mb)).astype(x_aval.dtype), lambda: c["x_in"])
             x = jnp.where(valid, x, fill)
             (y, aux), vjp = jax.vjp(stage_fn, chunk(ch), x)
@@ -357,12 +360,7 @@ class Pipeline:
             return c, y, dy
 
         def backward(c, row, dy_head):
-            b_mb, b_c = row["b_mb"][stage], row["b_chunk"][stage]
-            valid = b_mb >= 0
-            mb, ch = jnp.maximum(b_mb, 0), jnp.maximum(b_c, 0)
-            slot = jnp.where(valid, row["b_slot"][stage], nslot - 1)
-            k = ch * p + stage
-            first, last = valid & (k == 0), valid & (k == V - 1)
+            valid, mb, ch, slot, first, last = cell(row, "b")
             if not plan.fused_head:
                 dy_head = take(c["dy"], slot)
             dy = jnp.where(last, dy_head, c["g_in"])
