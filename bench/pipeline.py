@@ -125,7 +125,7 @@ def main(argv=None) -> None:
                     continue
                 # Interleaved: params stored in pipeline order, so no weights cross 'pipe' per step.
                 pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
-                pl = Pipeline(CFG, pc, mesh, layout="pipeline")
+                pl = Pipeline(mm.model_fns(CFG), pc, mesh, layout="pipeline")
                 pure = params.to_pure_dict()
                 pure["layers"] = to_pipeline_layout(pure["layers"], p, v)
                 compiled = pl.lower(pure, tok, lab).compile()
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
                 pb = permute_bytes(compiled.as_text(), mesh)
                 t = timeit(compiled, (pure, tok, lab), a.repeats)
                 print(
-                    f"{sched:<12}{p:>3}{m:>4}{v:>3}{pl.plan.bubble:>8.3f}{pl.plan.slots:>6}{temp / 1024:>10.1f}"
+                    f"{sched:<12}{p:>3}{m:>4}{v:>3}{pl.program.bubble:>8.3f}{pl.program.slots:>6}{temp / 1024:>10.1f}"
                     f"{pb / 1024:>12.1f}{t:>8.3f}{t / base:>7.2f}",
                     flush=True,
                 )

@@ -78,9 +78,9 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     megatron = cost.predict_memory(cfg.model, **kw, **sched)
     permutes = None
     if kw["pipe"] > 1:
-        from meshrun.pipeline.executor import make_plan  # the executor's phases: ticks that send
+        from meshrun.pipeline.executor import tick_program  # the executor's phases: ticks that send
 
-        permutes = make_plan(cfg.pipeline, kw["pipe"]).permutes()
+        permutes = tick_program(cfg.pipeline, kw["pipe"]).permutes()
     comm = step_model.predict_collective_bytes(cfg.model, **kw, permutes=permutes)
     keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total")
     return {

@@ -1,4 +1,7 @@
-"""Logical axis names -> mesh axes. The only module (with configs) that names mesh axes.
+"""Logical axis names -> mesh axes, and the PartitionSpec helpers every other module uses.
+
+Mesh axis names are defined here (and in `config.AXES`/configs); other modules name the axes they
+run collectives over through the constants below (`DP_AXES`, `MANUAL`).
 
 Two small tables (Levanter-style): PARAM_RULES for weights, COMPUTE_RULES for activations.
 ZeRO is a table swap (Rajbhandari et al. 2020): stage 1 shards optimizer state over the dense
@@ -22,6 +25,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = dict[str, tuple[str, ...]]
 
 DP_AXES = ("data", "expert")  # dense layers' data-parallel group: expert parallelism folds into DP
+# Manual axes of the step's shard_maps (the microbatch loop and the pipeline's tick loop): each device
+# runs its own pipeline stage and data shard; 'tensor' stays auto (GSPMD shards the weights inside).
+MANUAL = ("pipe", *DP_AXES)
 
 # Weights. Megatron TP: q/k/v, gate, up column-parallel (heads/mlp), out/down row-parallel; vocab-parallel.
 PARAM_RULES: Rules = {
@@ -117,6 +123,30 @@ def logical_names(var: Any) -> tuple[str | None, ...] | None:
     return tuple(names) if names is not None else None
 
 
+def is_names(x: Any) -> bool:
+    """A leaf of a logical-names tree: a tuple of axis names / None."""
+    return isinstance(x, tuple) and all(isinstance(n, str | type(None)) for n in x)
+
+
+def names_to_specs(names: Any, shapes: Any, rules: Rules, mesh: Mesh | None = None) -> Any:
+    """Tree of logical-name tuples + same tree of arrays/ShapeDtypeStructs -> tree of PartitionSpecs
+    (names shorter than the array are padded with None)."""
+
+    def one(nm, a):
+        nm = tuple(nm or ()) + (None,) * (len(a.shape) - len(nm or ()))
+        return logical_to_spec(nm, rules, mesh, a.shape)
+
+    return jax.tree.map(one, names, shapes, is_leaf=lambda x: x is None or is_names(x))
+
+
+def state_names(state: Any) -> Any:
+    """NNX State (Variables with logical names) -> plain nested dict of logical-name tuples."""
+    from flax import nnx
+
+    tree = jax.tree.map(lambda v: logical_names(v) or (), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return tree.to_pure_dict() if hasattr(tree, "to_pure_dict") else tree
+
+
 def tree_specs(state: Any, rules: Rules, mesh: Mesh | None = None) -> Any:
     """NNX State (Variables with logical names) -> same tree of PartitionSpecs."""
     from flax import nnx
@@ -135,6 +165,34 @@ def tree_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s), tree_specs(state, rules, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+# ---------------------------------------------------------------- PartitionSpec helpers
+
+
+def spec_dims(spec: PartitionSpec, ndim: int | None = None) -> list[tuple[str, ...]]:
+    """PartitionSpec -> per-dimension tuple of mesh axes (padded with () to `ndim`)."""
+    n = len(spec) if ndim is None else max(ndim, len(spec))
+    out = []
+    for i in range(n):
+        e = spec[i] if i < len(spec) else None
+        out.append(() if e is None else (e,) if isinstance(e, str) else tuple(e))
+    return out
+
+
+def restrict_spec(spec: PartitionSpec, axes: Sequence[str] = MANUAL) -> PartitionSpec:
+    """Keep only `axes` in `spec` (a shard_map's in/out specs may name only its manual axes)."""
+    dims = [tuple(a for a in d if a in axes) for d in spec_dims(spec)]
+    return PartitionSpec(*[None if not d else d[0] if len(d) == 1 else d for d in dims])
+
+
+def dims_with(spec: PartitionSpec, axes: Sequence[str]) -> list[tuple[int, tuple[str, ...]]]:
+    """(dim, the axes of `axes` on it) for every dimension of `spec` that names one of `axes`."""
+    return [(d, hit) for d, names in enumerate(spec_dims(spec)) if (hit := tuple(a for a in names if a in axes))]
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 # ---------------------------------------------------------------- activation constraints
@@ -170,11 +228,3 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         # Inside shard_map the context mesh is abstract with manual axes; a bare spec binds to it.
         return jax.lax.with_sharding_constraint(x, spec)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def axis_size(name: str) -> int:
-    """Size of the mesh axes behind logical name `name` in the active rules (1 without a mesh)."""
-    mesh, rules, _ = _CTX.get()
-    if mesh is None:
-        return 1
-    return _prod(mesh.shape.get(a, 1) for a in rules.get(name, ()))

@@ -7,10 +7,11 @@ Functional API (what the train step and the pipeline executor call)::
     # stacked 'layers' axis), 'final_norm' {'scale' [D] ('norm',)}, 'head' {'kernel' [D,V] ('embed','vocab')}
     # ('head' absent when cfg.tie_embeddings). Shardings: meshrun.sharding.tree_shardings(params, mesh, rules).
     x_BxLxD = embed(params, tokens_BxL, cfg)
-    x_BxLxD, aux = apply_layers(jax.tree.map(lambda w: w[a:b], params['layers']), x_BxLxD, cfg, layer_offset=a)
+    x_BxLxD, aux = apply_layers(jax.tree.map(lambda w: w[a:b], params['layers']), x_BxLxD, cfg)
     loss_sum, n_tokens = head_loss(params, x_BxLxD, labels_BxL, cfg)   # sums; labels < 0 are ignored
     loss = total_loss(loss_sum, n_tokens, aux, n_sequences, cfg)        # after summing over microbatches
     loss, metrics = loss_fn(params, tokens_BxL, labels_BxL, cfg)       # the whole thing, one batch
+    fns = model_fns(cfg)   # the same functions as a meshrun.model_api.ModelFns (what train/pipeline drive)
 
 `aux` = {'moe_aux_loss', 'moe_z_loss', 'dropped_tokens'}: float32 sums over the given units' MoE
 layers and over sequences (zeros for dense). loss = loss_sum/n_tokens + aux_loss_coef * moe_aux /
@@ -42,6 +43,7 @@ from flax import nnx
 # Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
 nnx.use_eager_sharding(False)
 
+from meshrun_models.api import model_fns  # noqa: E402
 from meshrun_models.moe import capacity, moe_ffn, route  # noqa: E402
 from meshrun_models.transformer import (  # noqa: E402
     Transformer,
@@ -68,6 +70,7 @@ __all__ = [
     "init_params",
     "logits",
     "loss_fn",
+    "model_fns",
     "moe_ffn",
     "n_moe_layers",
     "n_units",

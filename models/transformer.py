@@ -31,6 +31,7 @@ from meshrun_models.layers import (
 )
 from meshrun_models.moe import STATS, MoE, moe_ffn
 
+from meshrun import model_api
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.sharding import constrain
@@ -162,15 +163,13 @@ def _varying(z: jax.Array, vma: frozenset) -> jax.Array:
     return jax.lax.pcast(z, missing, to="varying") if missing else z
 
 
-def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, *, layer_offset: int = 0):
-    """Run stacked units [a, b) (any contiguous slice of params['layers'] along axis 0).
+def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig):
+    """Run stacked units [a, b) (any contiguous slice of params['layers'] along axis 0; units are
+    homogeneous, so the math does not depend on where the slice starts).
 
     Returns (x_BxLxD, aux) with aux = {moe_aux_loss, moe_z_loss, dropped_tokens}: float32 sums over
-    these units' MoE layers and over the batch's sequences (zeros for a dense model). `layer_offset`
-    (the absolute index of the first unit) is accepted for callers' bookkeeping; units are
-    homogeneous, so the math does not depend on it.
+    these units' MoE layers and over the batch's sequences (zeros for a dense model).
     """
-    del layer_offset
     p = arrays(layer_params)
     unit = _remat(functools.partial(_unit, cfg=cfg), cfg.remat)
 
@@ -209,30 +208,18 @@ def total_loss(loss_sum, n_tokens, aux: Mapping[str, jax.Array], n_sequences: in
     """Combine sums (possibly accumulated over microbatches) into the training loss:
     loss_sum/n_tokens + aux_loss_coef*moe_aux/(n_seq*n_moe) + z_loss_coef*moe_z/(n_seq*n_moe),
     i.e. the router losses are averaged over MoE layers and over sequences (routing groups)."""
-    loss = loss_sum / n_tokens
-    if cfg.is_moe:
-        denom = n_sequences * n_moe_layers(cfg)
-        loss = loss + cfg.aux_loss_coef * aux["moe_aux_loss"] / denom + cfg.z_loss_coef * aux["moe_z_loss"] / denom
-    return loss
+    from meshrun_models.api import model_fns
+
+    return model_api.loss_share(model_fns(cfg), loss_sum, aux, n_tokens, n_sequences)
 
 
 def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig):
-    """Full-batch loss = total_loss(head_loss(...), apply_layers aux). Returns (loss, aux) with aux =
-    {ce_loss, moe_aux_loss, moe_z_loss (both averaged per layer and sequence), dropped_tokens, n_tokens}."""
-    x = embed(params, tokens_BxL, cfg)
-    x, sums = apply_layers(params["layers"], x, cfg)
-    loss_sum, n_tok = head_loss(params, x, labels_BxL, cfg)
-    b = tokens_BxL.shape[0]
-    loss = total_loss(loss_sum, n_tok, sums, b, cfg)
-    denom = b * max(n_moe_layers(cfg), 1)
-    aux = {
-        "ce_loss": loss_sum / n_tok,
-        "moe_aux_loss": sums["moe_aux_loss"] / denom,
-        "moe_z_loss": sums["moe_z_loss"] / denom,
-        "dropped_tokens": sums["dropped_tokens"],
-        "n_tokens": n_tok,
-    }
-    return loss, aux
+    """Full-batch (loss, metrics) on one device, through the same `ModelFns` the train step drives:
+    metrics = {ce_loss, n_tokens} and, for MoE, {moe_aux_loss, moe_z_loss (per layer and sequence),
+    dropped_tokens}."""
+    from meshrun_models.api import model_fns
+
+    return model_api.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL)
 
 
 # ---------------------------------------------------------------- validation

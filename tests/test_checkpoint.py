@@ -109,7 +109,7 @@ def test_restore_onto_another_mesh(tmp_path, mesh_a, mesh_kw, specs):
     with Checkpointer(tmp_path, CheckpointConfig(), meta=META) as ck:
         got = ck.restore(ck.latest_step(), target)
     _assert_tree_equal(got, saved)
-    for g, t in zip(jax.tree.leaves(got), jax.tree.leaves(target)):
+    for g, t in zip(jax.tree.leaves(got), jax.tree.leaves(target), strict=True):
         assert g.sharding == t.sharding  # laid out as asked, not as saved
     assert got["params"]["w_DxF"].sharding.mesh.shape == dict(mesh.shape)
 

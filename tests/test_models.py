@@ -56,7 +56,7 @@ def assert_same(ref, got):
     flat0, tree0 = jax.tree_util.tree_flatten_with_path(g0)
     flat1, tree1 = jax.tree_util.tree_flatten_with_path(g1)
     assert tree0 == tree1
-    for (path, a), (_, b) in zip(flat0, flat1):
+    for (path, a), (_, b) in zip(flat0, flat1, strict=True):
         np.testing.assert_allclose(
             np.asarray(b), np.asarray(a), rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path)
         )
@@ -120,23 +120,34 @@ def test_gpt_style_tied_parity():
     assert_same(loss_and_grads(cfg, params, tok, lab), loss_and_grads(cfg, params, tok, lab, mesh_of(2, 4, 1)))
 
 
-def test_functional_pieces_compose(dense):
-    """embed -> apply_layers on two slices -> head_loss summed over two microbatches == loss_fn."""
-    params, tok, lab, ((loss, _), _) = dense
+@pytest.mark.parametrize("moe", [False, True])
+def test_functional_pieces_compose(dense, moe):
+    """embed -> apply_layers on two slices -> head_loss, sums (loss, tokens AND aux) added over two
+    microbatches -> total_loss == loss_fn on the whole batch. With MoE the aux sums are non-zero, so
+    an aux term dropped from any slice or microbatch changes the loss."""
+    cfg = dataclasses.replace(DENSE, n_experts=4, top_k=2, moe_every=1, aux_loss_coef=0.5) if moe else DENSE
+    params = init_params(cfg, 0)[1] if moe else dense[0]
+    tok, lab = batch(cfg)
+    loss = loss_fn(params, tok, lab, cfg)[0] if moe else dense[3][0][0]
 
     def piecewise(p):
         sums, ntok, aux = 0.0, 0.0, None
         for mb in range(2):
             t, y = tok[mb * 4 : (mb + 1) * 4], lab[mb * 4 : (mb + 1) * 4]
-            x = embed(p, t, DENSE)
-            x, a1 = apply_layers(jax.tree.map(lambda w: w[:1], p["layers"]), x, DENSE, layer_offset=0)
-            x, a2 = apply_layers(jax.tree.map(lambda w: w[1:], p["layers"]), x, DENSE, layer_offset=1)
-            s, n = head_loss(p, x, y, DENSE)
+            x = embed(p, t, cfg)
+            x, a1 = apply_layers(jax.tree.map(lambda w: w[:1], p["layers"]), x, cfg)
+            x, a2 = apply_layers(jax.tree.map(lambda w: w[1:], p["layers"]), x, cfg)
+            s, n = head_loss(p, x, y, cfg)
             sums, ntok = sums + s, ntok + n
-            aux = jax.tree.map(lambda u, v: u + v, a1, a2) if aux is None else aux
-        return total_loss(sums, ntok, aux, B, DENSE)
+            both = jax.tree.map(lambda u, v: u + v, a1, a2)
+            aux = both if aux is None else jax.tree.map(lambda u, v: u + v, aux, both)
+        if moe:
+            assert float(aux["moe_aux_loss"]) > 0
+        return total_loss(sums, ntok, aux, B, cfg)
 
-    np.testing.assert_allclose(jax.jit(piecewise)(params), loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(piecewise(params), loss, rtol=RTOL, atol=ATOL)
+    if moe:
+        return
     # ignored labels (< 0) drop out of both the sum and the count
     s, n = jax.jit(
         lambda p: head_loss(p, apply_layers(p["layers"], embed(p, tok, DENSE), DENSE)[0], lab.at[:, -4:].set(-1), DENSE)

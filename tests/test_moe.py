@@ -215,7 +215,7 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
     (v1, a1), g1 = got
     np.testing.assert_allclose(v1, v0, rtol=RTOL)
     assert float(a1["dropped_tokens"]) == float(a0["dropped_tokens"]) > 0
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
 
     # Only 'data' manual: a nested expert shard_map cannot be differentiated (Shardy), so it is refused.

@@ -25,9 +25,10 @@ from meshrun import hlo
 from meshrun.config import ModelConfig, PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.mesh import build_mesh
+from meshrun.model_api import ModelFns
 from meshrun.pipeline import schedules
 from meshrun.pipeline.executor import Pipeline
-from meshrun.pipeline.stage import StageFns, activation_residuals, from_pipeline_layout, to_pipeline_layout
+from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
 from meshrun.sharding import constrain
 
 RTOL = 1e-5
@@ -64,7 +65,7 @@ def toy_head(prm, x, lab):
     return jnp.sum(jnp.where(mask, xent, 0.0)), jnp.sum(mask).astype(jnp.float32)
 
 
-TOY = StageFns(toy_embed, toy_layers, toy_head, aux_weights=lambda n_seq: {"sq": 0.1 / n_seq})
+TOY = ModelFns(toy_embed, toy_layers, toy_head, aux_weights=lambda n_seq: {"sq": 0.1 / n_seq}, param_names=TOY_NAMES)
 
 
 def toy_loss(prm, tok, lab):
@@ -107,14 +108,7 @@ def toy_compiled(dims, schedule, m, v, b, **kw):
     """(pipeline, compiled step, args) for the toy model; cached so tests share compiles."""
     kw = dict(kw)
     layout = kw.get("layout", "model")
-    pl = Pipeline(
-        ModelConfig(),
-        PipelineConfig(schedule=schedule, microbatches=m, virtual=v),
-        mesh_of(*dims),
-        TOY_NAMES,
-        fns=TOY,
-        **kw,
-    )
+    pl = Pipeline(TOY, PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims), **kw)
     params = toy_params()
     if layout == "pipeline":
         params = {**params, "layers": to_pipeline_layout(params["layers"], pl.p, v)}
@@ -158,7 +152,7 @@ def test_toy_parity(case):
     ref_loss, ref_grads, ref_aux = toy_ref(b)
     # Layer grads stay stage-sharded and tensor-parallel; ZeRO-2/3 shard them over data on 'embed'.
     spec = grads["layers"]["w1"].sharding.spec
-    want = P("pipe", "data" if pl.zero >= 2 else None, "tensor" if dims[3] > 1 else None)
+    want = P("pipe", "data" if pl.zero_stage >= 2 else None, "tensor" if dims[3] > 1 else None)
     assert tuple(spec) + (None,) * (3 - len(spec)) == tuple(want), spec
     if pl.layout == "pipeline":
         grads = {**grads, "layers": from_pipeline_layout(grads["layers"], pl.p, v)}
@@ -199,6 +193,9 @@ MOE = ModelConfig(
 )  # 2 stacked units (dense block + MoE block each); default capacity 1.25 drops some tokens
 
 
+MOE_KEYS = {"moe_aux_loss", "moe_z_loss", "dropped_tokens"}
+
+
 @functools.cache
 def model_ref(cfg: ModelConfig, b: int):
     _, params = mm.init_params(cfg, 0)
@@ -220,13 +217,14 @@ MODEL_CASES = {
 def test_model_parity(case):
     cfg, dims, schedule, m, v, as_state = MODEL_CASES[case]
     params, (tok, lab), ref_loss, ref_grads, ref_aux = model_ref(cfg, 16)
-    pl = Pipeline(cfg, PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims))
+    pl = Pipeline(mm.model_fns(cfg), PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims))
     loss, grads, aux = pl(params if as_state else params.to_pure_dict(), tok, lab)
     if as_state:
         assert type(grads) is type(params)
         grads = grads.to_pure_dict()
     np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
-    for k in ("ce_loss", "moe_aux_loss", "moe_z_loss", "dropped_tokens", "n_tokens"):
+    assert set(aux) == set(ref_aux) == {"ce_loss", "n_tokens"} | (MOE_KEYS if cfg.is_moe else set())
+    for k in ref_aux:
         np.testing.assert_allclose(float(aux[k]), float(ref_aux[k]), rtol=RTOL, atol=1e-7, err_msg=k)
     assert_tree_close(grads, ref_grads)
     if cfg.is_moe:
@@ -284,7 +282,7 @@ def test_1f1b_temp_memory_does_not_grow_with_m(dims):
     assert g_large > 2 * g_small
     # Residual slots = max in-flight per stage: min(m, 2p-1) for lockstep 1F1B, m for GPipe.
     for m in (2 * p, 8 * p):
-        assert toy_compiled(dims, "1f1b", m, 1, b=m * dims[1] * dims[2])[0].plan.slots == min(m, 2 * p - 1)
+        assert toy_compiled(dims, "1f1b", m, 1, b=m * dims[1] * dims[2])[0].program.slots == min(m, 2 * p - 1)
 
 
 def _trip_multipliers(text: str) -> dict[str, int]:
@@ -371,7 +369,7 @@ def test_stored_residuals_save_one_tensor_all_reduce_per_layer():
         pl, c, _ = toy_compiled(dims, "1f1b", m, 1, b=m * 2, **({} if res == "store" else {"residuals": res}))
         count[res] = sum(k for x, k in executed(c.as_text(), pl.mesh) if x.op == "all-reduce" and x.axes == ("tensor",))
     layers_per_stage = L // dims[0]
-    backward_ticks = sum(t1 - t0 for kind, t0, t1, _, _ in pl.plan.phases if "B" in kind)
+    backward_ticks = sum(t1 - t0 for kind, t0, t1, _, _ in pl.program.phases if "B" in kind)
     assert count["recompute"] - count["store"] == layers_per_stage * backward_ticks
 
 
@@ -389,7 +387,7 @@ def test_zero2_reduce_scatters_once():
 def test_config_errors():
     mesh4 = mesh_of(4, 1, 1, 2)
     mesh2 = mesh_of(2, 2, 1, 2)
-    mk = lambda mesh, **pc: Pipeline(ModelConfig(), PipelineConfig(**pc), mesh, TOY_NAMES, fns=TOY)
+    mk = lambda mesh, **pc: Pipeline(TOY, PipelineConfig(**pc), mesh)
     with pytest.raises(ConfigError, match="m >= p") as e:
         mk(mesh4, schedule="1f1b", microbatches=2)
     assert e.value.field == "pipeline.microbatches"

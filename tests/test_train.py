@@ -1,6 +1,7 @@
 """Train step: parity with one device across layouts and ZeRO stages, HLO audit, memory, loop."""
 
 import json
+import math
 
 import jax
 import numpy as np
@@ -60,7 +61,8 @@ def reference(config, over=()):
 def assert_same(got, ref):
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     flat_got, flat_ref = jax.tree.leaves_with_path(got[1]), jax.tree.leaves(ref[1])
-    for (path, g), r in zip(flat_got, flat_ref):
+    assert jax.tree.structure(got[1]) == jax.tree.structure(ref[1])
+    for (path, g), r in zip(flat_got, flat_ref, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
@@ -97,34 +99,66 @@ def test_moe_data_expert_tensor_matches_one_device():
     assert_same(got, reference("tiny_moe_cpu.yaml"))
 
 
-def first_grads(cfg, n_devices=8):
-    from meshrun.train import loss_and_grads
-
-    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:n_devices])
+def first_grads(cfg):
+    """(loss, grads, metrics) of the step's own loss-and-grads on the first batch, and that batch."""
+    sizes = [getattr(cfg.mesh, a) for a in ("data", "pipe", "expert", "tensor")]
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[: 8 if -1 in sizes else math.prod(sizes)])
     fns = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     tok, lab = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
-    loss, grads, _ = jax.jit(lambda p, t, y: loss_and_grads(p, t, y, cfg, mesh))(fns.init().params, tok, lab)
-    return float(loss), jax.device_get(grads)
+    loss, grads, metrics = jax.jit(fns.loss_and_grads)(fns.init().params, tok, lab)
+    return float(loss), jax.device_get(grads), jax.device_get(metrics), (np.asarray(tok), np.asarray(lab))
+
+
+def full_batch_reference(cfg, tok, lab):
+    """Plain `jax.value_and_grad` of the model's loss on the whole batch, one device, no microbatches."""
+    import meshrun_models as mm
+
+    params = jax.device_put(mm.layers.arrays(mm.init_params(cfg.model, cfg.train.seed)[1]), jax.devices()[0])
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: mm.loss_fn(p, tok, lab, cfg.model), has_aux=True))(
+        params
+    )
+    return float(loss), jax.device_get(grads), jax.device_get(metrics)
 
 
 @pytest.mark.parametrize(
     "config, over",
     [
+        ("tiny_cpu.yaml", [*ONE_DEVICE, "pipeline.microbatches=4"]),
         ("tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=4", "train.zero=2"]),
+        ("tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=2"]),
         ("tiny_cpu.yaml", ["train.zero=3"]),
         ("tiny_moe_cpu.yaml", []),
+        ("tiny_moe_cpu.yaml", [*ONE_DEVICE, "pipeline.microbatches=2"]),
     ],
 )
-def test_gradients_match_one_device(config, over):
-    """Loss and every gradient (default optimizer settings irrelevant here) equal one device."""
+def test_gradients_match_full_batch_value_and_grad(config, over):
+    """Loss, metrics and every gradient of the step's accumulation (microbatch scan or pipeline, any
+    layout) equal a plain full-batch `jax.value_and_grad` of the model loss on one device."""
     base = [x for x in SMALL if "adam_eps" not in x]
-    loss, grads = first_grads(load_config(f"configs/{config}", [*base, *over]))
-    ref_loss, ref = first_grads(load_config(f"configs/{config}", [*base, *over, *ONE_DEVICE]), 1)
+    cfg = load_config(f"configs/{config}", [*base, *over])
+    loss, grads, metrics, (tok, lab) = first_grads(cfg)
+    ref_loss, ref, ref_metrics = full_batch_reference(cfg, tok, lab)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
-    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref)):
+    assert set(metrics) == set(ref_metrics)
+    for k in ref_metrics:
+        np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref)
+    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref), strict=True):
         scale = float(np.abs(r).max())
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "tiny_moe_cpu.yaml"])
+def test_metric_keys_do_not_depend_on_the_layout(config):
+    """The scan path (pipe=1) and the pipeline log the same metrics: the model's `finish`."""
+    base = [x for x in SMALL if "adam_eps" not in x]
+    keys = {}
+    for name, over in {"pipe1": ["mesh.pipe=1", "mesh.data=-1"], "pipe2": ["mesh.pipe=2", "mesh.data=-1"]}.items():
+        cfg = load_config(f"configs/{config}", [*base, *over, "mesh.expert=1", "mesh.tensor=2"])
+        keys[name] = set(first_grads(cfg)[2])
+    moe = {"moe_aux_loss", "moe_z_loss", "dropped_tokens"} if "moe" in config else set()
+    assert keys["pipe1"] == keys["pipe2"] == {"ce_loss", "n_tokens"} | moe
 
 
 def _compiled(over, config="tiny_cpu.yaml"):

@@ -108,7 +108,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, new_mesh):
     # Loss alone cannot catch a layer-order mix-up (near-identity residual blocks almost commute):
     # the step-3 checkpoints must hold the same weights, layer by layer, in model order.
     a, b = _saved_params(cfg, base, 3), _saved_params(cfg, moved, 3)
-    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b), strict=True):
         rel = np.linalg.norm(np.asarray(x) - np.asarray(y)) / np.linalg.norm(np.asarray(y))
         assert rel < 1e-4, (jax.tree_util.keystr(path), rel)
 

@@ -2,18 +2,18 @@
 
 Shape legend: M microbatches, B local microbatch rows, S sequence, D model width, Lc layers per chunk.
 
-How a step runs (see DESIGN §5):
+How a step runs:
 * `jax.shard_map` is manual over 'pipe' AND the dense data-parallel axes ('data', 'expert'); 'tensor'
   stays auto (GSPMD shards the weights inside a stage; the model's `constrain` calls run under
   `use_rules(..., manual=MANUAL)`). With only 'pipe' manual, GSPMD put the data-parallel gradient
-  all-reduce inside the tick loop; here it is one psum (ZeRO-2/3: psum_scatter) after the loop.
+  all-reduce inside the tick loop; here it is one psum (ZeRO >= 1: psum_scatter) after the loop.
 * The schedule is data: `schedules.lockstep(build(...))` gives per tick and stage at most one forward
   and one backward (`Task(kind, mb, chunk)`) plus a residual slot; the executor indexes those tables
   by tick (scan xs) and stage (`lax.axis_index('pipe')`). Ticks are grouped into phases of the same
   kind (forward only / both / backward only), one `lax.scan` each, so a warm-up tick costs one
   forward and a cool-down tick one backward: 1F1B costs (p-1)·F + m·(F+B) + (p-1)·B, bubble
   (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks. A phase sends activations
-  (gradients) iff some tick of it feeds a forward (backward) next tick: `Plan.permutes()`.
+  (gradients) iff some tick of it feeds a forward (backward) next tick: `TickProgram.permutes()`.
 * Activations move with `ppermute` over 'pipe' (forward s -> s+1, gradients s -> s-1; interleaved
   wraps around: the last stage's chunk c feeds stage 0's chunk c+1).
 * Backward is an explicit per-stage `jax.vjp`. Residuals (default) : the activation-dependent leaves
@@ -28,7 +28,7 @@ How a step runs (see DESIGN §5):
   virtual stage right after its forward (`lax.cond`, so other stages skip the vocab matmul); only
   the head's input gradient dL/dx (B·S·D) is kept, never the logits.
 * Loss = sum(loss_sum) / sum(n_tokens) + sum_k w_k · sum(aux_k), sums over microbatches, stages and
-  data-parallel shards, w = `StageFns.aux_weights(global batch rows)` (the model's `total_loss`);
+  data-parallel shards, w = `ModelFns.aux_weights(global batch rows)` (`model_api.finish`);
   the token count depends only on labels, so it is known before the loop and each head backward
   uses the exact cotangent 1/N (aux cotangents are w_k).
 * Parameters: `params['layers']` leaves are stacked [L, ...] in model order and sharded P('pipe', ...).
@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,19 +50,14 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshrun.config import ModelConfig, PipelineConfig
+from meshrun import model_api
+from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
+from meshrun.model_api import ModelFns
 from meshrun.pipeline import schedules
-from meshrun.pipeline.stage import (
-    StageFns,
-    activation_residuals,
-    from_pipeline_layout,
-    model_fns,
-    restrict,
-    to_pipeline_layout,
-)
-from meshrun.sharding import DP_AXES, compute_rules, logical_names, logical_to_spec, param_rules, use_rules
-from meshrun.zero import MANUAL, finish_reduction, gather_params, partial_specs, reduce_grads_local
+from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
+from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.zero import ZeroLayout
 
 
 def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
@@ -88,8 +82,9 @@ def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Everything static about one pipelined step (from the schedule table)."""
+class TickProgram:
+    """Everything static about one pipelined step, read off the schedule table: per-tick task
+    tables, phases of same-kind ticks, residual slots."""
 
     schedule: str
     p: int
@@ -113,7 +108,7 @@ class Plan:
         return f, b
 
 
-def make_plan(pcfg: PipelineConfig, p: int) -> Plan:
+def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
     if pcfg.schedule != "interleaved" and pcfg.virtual != 1:
         raise ConfigError("pipeline.virtual", pcfg.virtual, "use schedule=interleaved, or virtual=1")
@@ -127,40 +122,38 @@ def make_plan(pcfg: PipelineConfig, p: int) -> Plan:
         or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
         for row in lock
     )
-    return Plan(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
+    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
 
 
-def _specs(names, params, mesh: Mesh, zero: int):
-    """Per leaf: (storage spec, compute spec, grad spec) over the whole mesh."""
-
-    def one(nm, a, rules):
-        nm = tuple(nm) + (None,) * (a.ndim - len(nm))
-        return logical_to_spec(nm, rules, mesh, a.shape)
-
-    is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str | type(None)) for n in x)
-    mk = lambda rules: jax.tree.map(lambda nm, a: one(nm, a, rules), names, params, is_leaf=is_names)
-    return mk(param_rules(zero, "params")), mk(param_rules(0, "params")), mk(param_rules(zero, "grads"))
+def check_layer_split(n_stacked: int, p: int, v: int) -> None:
+    """Every stage holds v chunks of the same number of stacked layers (units)."""
+    if n_stacked % (p * v):
+        raise ConfigError(
+            "model.n_layers",
+            n_stacked,
+            f"use a multiple of pipe*virtual={p * v} stacked layers (MoE: layer groups of moe_every)",
+            f"{n_stacked} stacked layers do not split into {p} stages x {v} chunks",
+        )
 
 
 class Pipeline:
-    """A jitted pipelined loss-and-grads step: `Pipeline(...)(params, tokens, labels) -> (loss, grads, aux)`.
+    """A pipelined loss-and-grads step of a `ModelFns` model:
+    `Pipeline(fns, pcfg, mesh)(params, tokens, labels) -> (loss, grads, metrics)` (jitted), or
+    `loss_and_grads(...)` to trace it inside a caller's jit (the train step).
 
-    params: nnx.State (logical names read from its Params) or a nested dict of arrays with `names`, the
-    same tree of logical-axis-name tuples. 'layers' leaves are stacked [L, ...] in model order (unless
-    layout='pipeline'); the other leaves (embedding, final norm, head) are replicated over 'pipe'.
-    tokens, labels: [global batch, S] int. grads come back as the same container type, in the same
-    layout, with the ZeRO grad sharding (stage >= 2: sharded over ('data', 'expert') on 'embed').
-    aux: the model's metrics (`StageFns.finish`), equal to its single-device `loss_fn` aux."""
+    params: nnx.State or a nested dict of arrays; its logical axis names come from `fns.param_names`.
+    'layers' leaves are stacked [L, ...] in model order (unless layout='pipeline'); the other leaves
+    (embedding, final norm, head) are replicated over 'pipe'. tokens, labels: [global batch, S] int.
+    grads come back as the same container type, in the same layout, in the ZeRO grad layout
+    (`zero`: a stage, or the step's `ZeroLayout`). metrics: `model_api.finish`, as on one device."""
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        fns: ModelFns,
         pcfg: PipelineConfig,
         mesh: Mesh,
-        names=None,
         *,
-        zero: int = 0,
-        fns: StageFns | None = None,
+        zero: int | ZeroLayout = 0,
         residuals: str = "store",
         layout: str = "model",
         nan_bubbles: bool = False,
@@ -169,28 +162,20 @@ class Pipeline:
             raise ConfigError("residuals", residuals, "use 'store' or 'recompute'")
         if layout not in ("model", "pipeline"):
             raise ConfigError("layout", layout, "use 'model' or 'pipeline'")
-        self.cfg, self.pcfg, self.mesh, self.names, self.zero = cfg, pcfg, mesh, names, zero
-        self._custom_fns = fns is not None
-        self.fns = fns or model_fns(cfg)
+        self.fns, self.pcfg, self.mesh = fns, pcfg, mesh
+        self.zero = zero if isinstance(zero, ZeroLayout) else None
+        self.zero_stage = zero.stage if isinstance(zero, ZeroLayout) else int(zero)
         self.residuals, self.layout, self.nan_bubbles = residuals, layout, nan_bubbles
         self.p = int(mesh.shape.get("pipe", 1))
         self.dp = int(np.prod([mesh.shape.get(a, 1) for a in DP_AXES]))
-        self.plan = make_plan(pcfg, self.p)
-        self._jit = jax.jit(self._step)
+        self.program = tick_program(pcfg, self.p)
+        self._jit = jax.jit(self.loss_and_grads)
 
-    # ------------------------------------------------------------ checks
+    # ------------------------------------------------------------ checks and containers
 
     def check(self, params, tokens) -> None:
-        pv = self.p * self.plan.v
-        n = jax.tree.leaves(params["layers"])[0].shape[0]
-        if n % pv:
-            raise ConfigError(
-                "model.n_layers",
-                n,
-                f"use a multiple of pipe*virtual={pv} stacked layers",
-                f"{n} stacked layers do not split into {self.p} stages x {self.plan.v} chunks",
-            )
-        gb, m = tokens.shape[0], self.plan.m
+        check_layer_split(jax.tree.leaves(params["layers"])[0].shape[0], self.p, self.program.v)
+        gb, m = tokens.shape[0], self.program.m
         if gb % (m * self.dp):
             raise ConfigError(
                 "train.global_batch",
@@ -199,205 +184,217 @@ class Pipeline:
                 "global batch does not split into microbatches x data-parallel shards",
             )
 
-    def _canon(self, params):
-        from flax import nnx
-
-        if isinstance(params, nnx.State):
-            if self.names is None:
-                self.names = jax.tree.map(logical_names, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-                self.names = self.names.to_pure_dict()
-            return params.to_pure_dict()
-        if self.names is None:
-            if self._custom_fns:
-                raise ConfigError("names", None, "pass the logical axis names of a plain-dict params tree")
-            import meshrun_models as mm
-
-            state = mm.abstract_params(self.cfg)
-            names = jax.tree.map(logical_names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-            self.names = names.to_pure_dict()
-        return dict(params)
+    def _layout_for(self, params) -> ZeroLayout:
+        if self.zero is None:
+            if self.fns.param_names is None:
+                raise ConfigError("ModelFns.param_names", None, "give the logical axis names of the params tree")
+            self.zero = ZeroLayout.build(self.fns.param_names, params, self.mesh, self.zero_stage)
+        return self.zero
 
     def __call__(self, params, tokens, labels):
         from flax import nnx
 
-        pure = self._canon(params)
-        self.check(pure, tokens)
-        loss, grads, aux = self._jit(pure, tokens, labels)
+        arrays = params.to_pure_dict() if isinstance(params, nnx.State) else dict(params)
+        self.check(arrays, tokens)
+        self._layout_for(arrays)
+        loss, grads, metrics = self._jit(arrays, tokens, labels)
         if isinstance(params, nnx.State):
             out = jax.tree.map(lambda a: a, params)
             nnx.replace_by_pure_dict(out, grads)
             grads = out
-        return loss, grads, aux
+        return loss, grads, metrics
 
     def lower(self, params, tokens, labels):
-        pure = self._canon(params)
-        self.check(pure, tokens)
-        return self._jit.lower(pure, tokens, labels)
+        from flax import nnx
+
+        arrays = params.to_pure_dict() if isinstance(params, nnx.State) else dict(params)
+        self.check(arrays, tokens)
+        self._layout_for(arrays)
+        return self._jit.lower(arrays, tokens, labels)
 
     # ------------------------------------------------------------ the step
 
-    def _step(self, params, tokens, labels):
-        mesh, plan, m = self.mesh, self.plan, self.plan.m
-        store, comp, gspec = _specs(self.names, params, mesh, self.zero)
+    def loss_and_grads(self, params, tokens, labels):
+        """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit."""
+        mesh, prog, m = self.mesh, self.program, self.program.m
+        zl = self._layout_for(params)
         wsc = lambda t, s: jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), t, s)
-        params = wsc(params, store)
-        if self.zero >= 3:  # all-gather the data-sharded weight dims once per step, before the loop
-            params = gather_params(params, store, comp, mesh)
+        params = zl.gather(wsc(params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
+        zl_l, zl_o = zl.sub("layers"), zl.without("layers")
         if self.layout == "model":
-            layers = wsc(to_pipeline_layout(layers, self.p, plan.v), comp["layers"])
-        split = lambda t: (t["layers"], {k: a for k, a in t.items() if k != "layers"})
-        (c_l, c_o), (g_l, g_o) = split(comp), split(gspec)
+            layers = wsc(to_pipeline_layout(layers, self.p, prog.v), zl_l.compute)
         # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
         # microbatches without moving token ids between devices (row order does not change the sums).
-        tok = tokens.reshape(tokens.shape[0] // m, m, *tokens.shape[1:]).swapaxes(0, 1)
-        lab = labels.reshape(labels.shape[0] // m, m, *labels.shape[1:]).swapaxes(0, 1)
         bspec = P(None, DP_AXES)
-        tok = lax.with_sharding_constraint(tok, NamedSharding(mesh, bspec))
-        lab = lax.with_sharding_constraint(lab, NamedSharding(mesh, bspec))
-        nd = lambda t: jax.tree.map(lambda a: a.ndim, t)
-        man = lambda specs, t: jax.tree.map(lambda sp, d: restrict(sp, d, MANUAL), specs, nd(t))
-        in_specs = (man(c_l, layers), man(c_o, other), bspec, bspec)
-        out_specs = (P(), partial_specs(c_l, g_l, mesh), partial_specs(c_o, g_o, mesh), P())
-        body = functools.partial(self._body, scatters=(g_l, c_l, g_o, c_o))
+        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
+        tok, lab = (lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in (tokens, labels))
         f = jax.shard_map(
-            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(MANUAL), check_vma=False
+            functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
+            mesh=mesh,
+            in_specs=(zl_l.local_compute(), zl_o.local_compute(), bspec, bspec),
+            out_specs=(P(), zl_l.partial_specs(), zl_o.partial_specs(), P()),
+            axis_names=set(MANUAL),
+            check_vma=False,
         )
-        loss, gl, go, aux = f(layers, other, tok, lab)
-        # ZeRO >= 1: reduce-scatter the per-rank partial sums (meshrun.zero; one collective per leaf)
-        gl, go = finish_reduction(gl, c_l, g_l, mesh), finish_reduction(go, c_o, g_o, mesh)
+        loss, gl, go, metrics = f(layers, other, tok, lab)
+        gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
         if self.layout == "model":
-            gl = from_pipeline_layout(gl, self.p, plan.v)
-        grads = wsc({**go, "layers": gl}, gspec)
-        return loss, grads, aux
+            gl = from_pipeline_layout(gl, self.p, prog.v)
+        return loss, wsc({**go, "layers": gl}, zl.grads), metrics
 
-    def _body(self, layers, other, tok, lab, *, scatters):
-        with use_rules(self.mesh, compute_rules(self.cfg.sequence_parallel), manual=MANUAL):
-            return self._pipeline(layers, other, tok, lab, scatters)
+    def _body(self, layers, other, tok, lab, *, zl_l: ZeroLayout, zl_o: ZeroLayout):
+        with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
+            run = _StageRun(self, layers, other, tok, lab)
+            carry = run.ticks()
+            # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
+            # scatters leave as per-rank partial sums for `ZeroLayout.finish`.
+            gl = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_layers"])
+            gl = zl_l.reduce_local(gl)
+            go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
+            loss, metrics = model_api.finish(
+                self.fns, lax.psum(carry["loss"], MANUAL), run.n_tok, lax.psum(carry["aux"], MANUAL), run.n_seq
+            )
+            return loss, gl, go, metrics
 
-    def _pipeline(self, layers, other, tok, lab, scatters):
-        fns, plan = self.fns, self.plan
-        p, v, m, V = self.p, plan.v, plan.m, self.p * plan.v
-        dp_axes = tuple(a for a in DP_AXES if a in self.mesh.shape)
-        stage = lax.axis_index("pipe")
-        fill = jnp.nan if self.nan_bubbles else 0.0
 
-        lc = jax.tree.leaves(layers)[0].shape[0] // v
-        layers_v = jax.tree.map(lambda a: a.reshape(v, lc, *a.shape[1:]), layers)
-        chunk = lambda c: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), layers_v)
-        stage_fn = fns.apply_layers
+class _StageRun:
+    """One device's view of the tick loop inside the shard_map: its stage's chunks, the microbatches
+    of its data shard, the carry (activations in flight, residual buffer, gradient sums)."""
 
-        x_aval = jax.eval_shape(fns.embed, other, tok[0])
-        x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
-        full = lambda shape, dt: jnp.full(shape, fill, dt)
+    def __init__(self, pl: Pipeline, layers, other, tok, lab):
+        prog = pl.program
+        self.pl, self.fns, self.prog, self.other, self.tok, self.lab = pl, pl.fns, prog, other, tok, lab
+        self.p, self.v, self.m = pl.p, prog.v, prog.m
+        self.stage = lax.axis_index("pipe")
+        self.fill = jnp.nan if pl.nan_bubbles else 0.0
+        lc = jax.tree.leaves(layers)[0].shape[0] // self.v
+        self.layers_v = jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
+        self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
+        self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
         # Total tokens first (labels only; the head matmul on zeros is dead code XLA removes).
-        n_local = fns.head_loss(
-            other, jnp.zeros((m * x_aval.shape[0], *x_aval.shape[1:]), x_aval.dtype), lab.reshape(-1, *lab.shape[2:])
-        )[1]
-        n_tok = lax.psum(jnp.asarray(n_local, jnp.float32), dp_axes)
+        flat = jnp.zeros((self.m * self.x_aval.shape[0], *self.x_aval.shape[1:]), self.x_aval.dtype)
+        n_local = self.fns.head_loss(other, flat, lab.reshape(-1, *lab.shape[2:]))[1]
+        self.n_tok = lax.psum(jnp.asarray(n_local, jnp.float32), tuple(a for a in DP_AXES if a in pl.mesh.shape))
+        self.n_seq = self.m * tok.shape[1] * pl.dp
 
-        (_, aux_aval) = jax.eval_shape(stage_fn, chunk(0), x_zero)
-        n_seq = m * tok.shape[1] * self.dp
-        weights = dict(fns.aux_weights(n_seq))
-        aux_w = {k: float(weights.get(k, 0.0)) for k in aux_aval}
-        aux_cot = {k: jnp.asarray(aux_w[k], aux_aval[k].dtype) for k in aux_aval}
-        if self.residuals == "store":
-            mask, res_avals = activation_residuals(stage_fn, chunk(0), x_zero)
-            res_avals = [a for a, d in zip(res_avals, mask) if d]
+        _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)
+        weights = dict(self.fns.aux_weights(self.n_seq))
+        self.aux_cot = {k: jnp.asarray(float(weights.get(k, 0.0)), a.dtype) for k, a in self.aux_aval.items()}
+        if pl.residuals == "store":
+            self.mask, avals = activation_residuals(self.fns.apply_layers, self.chunk(0), self.x_zero)
+            self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
-            mask, res_avals = None, [x_aval]
-        nslot = plan.slots + 1  # the last slot takes idle ticks' writes
+            self.mask, self.res_avals = None, [self.x_aval]
+        self.nslot = prog.slots + 1  # the last slot takes idle ticks' writes
+
+    # ------------------------------------------------------------ helpers
+
+    def chunk(self, c):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers_v)
+
+    def full(self, shape, dtype):
+        return jnp.full(shape, self.fill, dtype)
+
+    def zeros_other(self):
+        return jax.tree.map(jnp.zeros_like, self.other)
+
+    def init_carry(self) -> dict:
+        xs = self.x_aval
         carry = {
-            "x_in": full(x_aval.shape, x_aval.dtype),
-            "g_in": full(x_aval.shape, x_aval.dtype),
-            "res": [full((nslot, *a.shape), a.dtype) for a in res_avals],
-            "g_layers": jax.tree.map(jnp.zeros_like, layers_v),
-            "g_other": jax.tree.map(jnp.zeros_like, other),
+            "x_in": self.full(xs.shape, xs.dtype),
+            "g_in": self.full(xs.shape, xs.dtype),
+            "res": [self.full((self.nslot, *a.shape), a.dtype) for a in self.res_avals],
+            "g_layers": jax.tree.map(jnp.zeros_like, self.layers_v),
+            "g_other": self.zeros_other(),
             "loss": jnp.zeros((), jnp.float32),
-            "aux": {k: jnp.zeros((), a.dtype) for k, a in aux_aval.items()},
+            "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
         }
-        if not plan.fused_head:
-            carry["dy"] = full((nslot, *x_aval.shape), x_aval.dtype)
+        if not self.prog.fused_head:
+            carry["dy"] = self.full((self.nslot, *xs.shape), xs.dtype)
+        return carry
 
-        put = lambda buf, i, x: lax.dynamic_update_index_in_dim(buf, x, i, 0)
-        take = lambda buf, i: lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-        zeros_other = lambda: jax.tree.map(jnp.zeros_like, other)
+    def cell(self, row, kind):
+        """This stage's forward ('f') or backward ('b') task of a tick: idle cells (mb = -1) run on
+        microbatch/chunk 0 into the trash slot and are masked out."""
+        mb_raw = row[f"{kind}_mb"][self.stage]
+        valid = mb_raw >= 0
+        mb, ch = jnp.maximum(mb_raw, 0), jnp.maximum(row[f"{kind}_chunk"][self.stage], 0)
+        slot = jnp.where(valid, row[f"{kind}_slot"][self.stage], self.nslot - 1)
+        k = ch * self.p + self.stage  # virtual stage
+        return valid, mb, ch, slot, valid & (k == 0), valid & (k == self.v * self.p - 1)
 
-        def cell(row, kind):
-            """This stage's forward ('f') or backward ('b') task of a tick: idle cells (mb = -1) run on
-            microbatch/chunk 0 into the trash slot and are masked out."""
-            mb_raw = row[f"{kind}_mb"][stage]
-            valid = mb_raw >= 0
-            mb, ch = jnp.maximum(mb_raw, 0), jnp.maximum(row[f"{kind}_chunk"][stage], 0)
-            slot = jnp.where(valid, row[f"{kind}_slot"][stage], nslot - 1)
-            k = ch * p + stage  # virtual stage
-            return valid, mb, ch, slot, valid & (k == 0), valid & (k == V - 1)
+    # ------------------------------------------------------------ one forward / one backward
 
-        def forward(c, row):
-            valid, mb, ch, slot, first, last = cell(row, "f")
-            x = lax.cond(first, lambda: fns.embed(other, take(tok, mb)).astype(x_aval.dtype), lambda: c["x_in"])
-            x = jnp.where(valid, x, fill)
-            (y, aux), vjp = jax.vjp(stage_fn, chunk(ch), x)
-            if self.residuals == "store":
-                keep = [r for r, d in zip(jax.tree.leaves(vjp), mask) if d]
-            else:
-                keep = [x]
-            c = dict(c, res=[put(b, slot, r) for b, r in zip(c["res"], keep)])
-            c["aux"] = {k_: c["aux"][k_] + jnp.where(valid, aux[k_], 0) for k_ in c["aux"]}
+    def forward(self, c, row):
+        fns, xs = self.fns, self.x_aval
+        valid, mb, ch, slot, first, last = self.cell(row, "f")
+        x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: c["x_in"])
+        x = jnp.where(valid, x, self.fill)
+        (y, aux), vjp = jax.vjp(fns.apply_layers, self.chunk(ch), x)
+        keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d] if self.mask is not None else [x]
+        c = dict(c, res=[_put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)])
+        c["aux"] = {k: c["aux"][k] + jnp.where(valid, aux[k], 0) for k in c["aux"]}
 
-            def head():
-                hl = lambda o, a: fns.head_loss(o, a, take(lab, mb))
-                ls, hvjp, _ = jax.vjp(hl, other, y, has_aux=True)
-                d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / n_tok.astype(ls.dtype))
-                return ls.astype(jnp.float32), d_o, dy.astype(x_aval.dtype)
+        def head():
+            hl = lambda o, a: fns.head_loss(o, a, _take(self.lab, mb))  # noqa: E731
+            ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
+            d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
+            return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
 
-            ls, d_o, dy = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), zeros_other(), x_zero))
-            c["loss"] = c["loss"] + ls
-            c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
-            if not plan.fused_head:
-                c["dy"] = put(c["dy"], slot, dy)
-            return c, y, dy
+        ls, d_o, dy = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), self.zeros_other(), self.x_zero))
+        c["loss"] = c["loss"] + ls
+        c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
+        if not self.prog.fused_head:
+            c["dy"] = _put(c["dy"], slot, dy)
+        return c, y, dy
 
-        def backward(c, row, dy_head):
-            valid, mb, ch, slot, first, last = cell(row, "b")
-            if not plan.fused_head:
-                dy_head = take(c["dy"], slot)
-            dy = jnp.where(last, dy_head, c["g_in"])
-            dy = jnp.where(valid, dy, fill)
-            saved = [take(b, slot) for b in c["res"]]
-            if self.residuals == "store":
-                _, tmpl = jax.vjp(stage_fn, chunk(ch), x_zero)
-                leaves, tdef = jax.tree.flatten(tmpl)
-                it = iter(saved)
-                leaves = [next(it) if d else lf for lf, d in zip(leaves, mask)]
-                vjp = jax.tree.unflatten(tdef, leaves)
-            else:
-                _, vjp = jax.vjp(stage_fn, chunk(ch), saved[0])
-            d_p, dx = vjp((dy, aux_cot))
-            c = dict(c)
-            c["g_layers"] = jax.tree.map(
-                lambda g, d: put(g, ch, take(g, ch) + jnp.where(valid, d, 0).astype(g.dtype)), c["g_layers"], d_p
-            )
+    def backward(self, c, row, dy_head):
+        fns = self.fns
+        valid, mb, ch, slot, first, last = self.cell(row, "b")
+        if not self.prog.fused_head:
+            dy_head = _take(c["dy"], slot)
+        dy = jnp.where(last, dy_head, c["g_in"])
+        dy = jnp.where(valid, dy, self.fill)
+        saved = [_take(b, slot) for b in c["res"]]
+        if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
+            _, tmpl = jax.vjp(fns.apply_layers, self.chunk(ch), self.x_zero)
+            leaves, tdef = jax.tree.flatten(tmpl)
+            it = iter(saved)
+            vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
+        else:
+            _, vjp = jax.vjp(fns.apply_layers, self.chunk(ch), saved[0])
+        d_p, dx = vjp((dy, self.aux_cot))
+        c = dict(c)
+        c["g_layers"] = jax.tree.map(
+            lambda g, d: _put(g, ch, _take(g, ch) + jnp.where(valid, d, 0).astype(g.dtype)), c["g_layers"], d_p
+        )
 
-            def embed_grad():
-                _, evjp = jax.vjp(lambda o: fns.embed(o, take(tok, mb)), other)
-                return evjp(dx.astype(x_aval.dtype))[0]
+        def embed_grad():
+            _, evjp = jax.vjp(lambda o: fns.embed(o, _take(self.tok, mb)), self.other)
+            return evjp(dx.astype(self.x_aval.dtype))[0]
 
-            d_o = lax.cond(first, embed_grad, zeros_other)
-            c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
-            return c, dx
+        d_o = lax.cond(first, embed_grad, self.zeros_other)
+        c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
+        return c, dx
 
-        fwd_perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-        bwd_perm = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]
+    # ------------------------------------------------------------ the tick loop
+
+    def ticks(self) -> dict:
+        """Run every phase of the program (one `lax.scan` per run of same-kind ticks)."""
+        p, v = self.p, self.v
+        n = p if v > 1 else p - 1  # interleaved wraps: the last stage's chunk c feeds stage 0's chunk c+1
+        fwd_perm = [(i, (i + 1) % p) for i in range(n)]
+        bwd_perm = [((i + 1) % p, i) for i in range(n)]
 
         def tick(kind, send_f, send_b):
             def body(c, row):
-                dy = x_zero
+                dy = self.x_zero
                 if "F" in kind:
-                    c, y, dy = forward(c, row)
+                    c, y, dy = self.forward(c, row)
                 if "B" in kind:
-                    c, dx = backward(c, row, dy)
+                    c, dx = self.backward(c, row, dy)
                 if send_f:
                     c["x_in"] = lax.ppermute(y, "pipe", fwd_perm)
                 if send_b:
@@ -406,39 +403,16 @@ class Pipeline:
 
             return body
 
-        for kind, t0, t1, send_f, send_b in plan.phases:
-            xs = {k: jnp.asarray(a[t0:t1]) for k, a in plan.tables.items()}
+        carry = self.init_carry()
+        for kind, t0, t1, send_f, send_b in self.prog.phases:
+            xs = {k: jnp.asarray(a[t0:t1]) for k, a in self.prog.tables.items()}
             carry, _ = lax.scan(tick(kind, send_f, send_b), carry, xs)
-
-        # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
-        # scatters leave as per-rank partial sums for `finish_reduction` (meshrun/zero.py).
-        g_l, cg_l, g_o, cg_o = scatters
-        gl = jax.tree.map(lambda a: a.reshape(v * lc, *a.shape[2:]), carry["g_layers"])
-        gl = reduce_grads_local(gl, cg_l, g_l, self.mesh)
-        go = reduce_grads_local(carry["g_other"], cg_o, g_o, self.mesh, extra=("pipe",))
-        loss_sum = lax.psum(carry["loss"], MANUAL)
-        sums = lax.psum(carry["aux"], MANUAL)
-        if fns.finish is not None:
-            loss, metrics = fns.finish(loss_sum, n_tok, sums, n_seq)
-        else:
-            loss = loss_sum / n_tok + sum((aux_w[k] * sums[k] for k in sums), jnp.zeros((), jnp.float32))
-            metrics = sums
-        return loss, gl, go, metrics
+        return carry
 
 
-def _axes(spec: P) -> list[tuple[str, ...]]:
-    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+def _put(buf, i, x):
+    return lax.dynamic_update_index_in_dim(buf, x, i, 0)
 
 
-_CACHE: dict[Any, Pipeline] = {}
-
-
-def pipeline_loss_and_grads(
-    params, tokens, labels, cfg: ModelConfig, pcfg: PipelineConfig, mesh: Mesh, *, zero: int = 0, names=None, **kw
-):
-    """(loss, grads, aux) of one pipelined step of the meshrun_models transformer (or `fns=`);
-    builds and caches one jitted `Pipeline` per configuration."""
-    key = (cfg, pcfg, mesh, zero, repr(names), tuple(sorted((k, repr(v)) for k, v in kw.items())))
-    if key not in _CACHE:
-        _CACHE[key] = Pipeline(cfg, pcfg, mesh, names, zero=zero, **kw)
-    return _CACHE[key](params, tokens, labels)
+def _take(buf, i):
+    return lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)

@@ -1,4 +1,4 @@
-"""Per-stage building blocks of the pipeline executor: residual split, layer layout, spec helpers.
+"""Per-stage building blocks of the pipeline executor: residual split and layer layout.
 
 Residuals. `jax.vjp(f, params, x)` returns a pytree whose leaves are everything the backward
 needs: values computed from the activation `x` AND the weights themselves (dx = dy @ W^T needs W).
@@ -16,15 +16,10 @@ device's v chunks; for v = 1 it is the identity.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex_core
-from jax.sharding import PartitionSpec as P
-
-from meshrun.config import ModelConfig
 
 
 def activation_residuals(fn: Callable, params, x) -> tuple[tuple[bool, ...], list]:
@@ -118,88 +113,3 @@ def from_pipeline_layout(layers, p: int, v: int):
         return a.reshape(p, v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
 
     return jax.tree.map(one, layers)
-
-
-def dim_axes(spec: P, ndim: int) -> list[tuple[str, ...]]:
-    """PartitionSpec -> per-dimension tuple of mesh axes (padded to `ndim`)."""
-    out = []
-    for i in range(ndim):
-        e = spec[i] if i < len(spec) else None
-        out.append(() if e is None else (e,) if isinstance(e, str) else tuple(e))
-    return out
-
-
-def restrict(spec: P, ndim: int, axes: Sequence[str]) -> P:
-    """Keep only `axes` in `spec` (shard_map in_specs may name only its manual axes)."""
-    dims = [tuple(a for a in d if a in axes) for d in dim_axes(spec, ndim)]
-    return P(*[None if not d else d[0] if len(d) == 1 else d for d in dims])
-
-
-def gather_dims(storage: P, compute: P, ndim: int, axes: Sequence[str]) -> list[tuple[int, tuple[str, ...]]]:
-    """(dim, axes) that `storage` shards over `axes` and `compute` does not: all-gather them (ZeRO-3)
-    before use, or reduce-scatter a gradient onto them (ZeRO-2/3)."""
-    out = []
-    for d, (s, c) in enumerate(zip(dim_axes(storage, ndim), dim_axes(compute, ndim))):
-        extra = tuple(a for a in s if a in axes and a not in c)
-        if extra:
-            out.append((d, extra))
-    return out
-
-
-def zeros_like_tree(tree, fill: float = 0.0):
-    return jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
-
-
-# ---------------------------------------------------------------- the model interface
-
-
-def _no_aux(n_sequences: int) -> dict[str, float]:
-    return {}
-
-
-@dataclass(frozen=True)
-class StageFns:
-    """The functional model API the executor drives (closed over the model config).
-
-    embed(params, tokens_BxS) -> x_BxSxD; apply_layers(layer_params, x) -> (x, aux dict of float32
-    SUMS) on a contiguous slice of params['layers']; head_loss(params, x, labels) -> (loss_sum,
-    n_tokens). The loss is linear in the sums: sum(loss_sum)/sum(n_tokens) + sum_k w_k * sum(aux_k)
-    with w = aux_weights(n_sequences) (global batch rows); `finish(loss_sum, n_tokens, aux_sums,
-    n_sequences) -> (loss, metrics)` reports it (default: that formula, metrics = the sums)."""
-
-    embed: Callable
-    apply_layers: Callable
-    head_loss: Callable
-    aux_weights: Callable[[int], Mapping[str, float]] = _no_aux
-    finish: Callable | None = None
-
-
-def model_fns(cfg: ModelConfig) -> StageFns:
-    """StageFns of the meshrun_models transformer; loss and metrics exactly as its `loss_fn`."""
-    import meshrun_models as mm
-
-    n_moe = mm.n_moe_layers(cfg)
-
-    def aux_weights(n_seq: int) -> dict[str, float]:
-        if not cfg.is_moe:
-            return {}
-        return {"moe_aux_loss": cfg.aux_loss_coef / (n_seq * n_moe), "moe_z_loss": cfg.z_loss_coef / (n_seq * n_moe)}
-
-    def finish(loss_sum, n_tok, sums, n_seq):
-        denom = n_seq * max(n_moe, 1)
-        metrics = {
-            "ce_loss": loss_sum / n_tok,
-            "moe_aux_loss": sums["moe_aux_loss"] / denom,
-            "moe_z_loss": sums["moe_z_loss"] / denom,
-            "dropped_tokens": sums["dropped_tokens"],
-            "n_tokens": n_tok,
-        }
-        return mm.total_loss(loss_sum, n_tok, sums, n_seq, cfg), metrics
-
-    return StageFns(
-        embed=lambda prm, tok: mm.embed(prm, tok, cfg),
-        apply_layers=lambda lp, x: mm.apply_layers(lp, x, cfg),
-        head_loss=lambda prm, x, lab: mm.head_loss(prm, x, lab, cfg),
-        aux_weights=aux_weights,
-        finish=finish,
-    )

@@ -1,0 +1,78 @@
+"""The one interface between meshrun and a model: `ModelFns`, pure functions over plain dicts of arrays.
+
+Both training paths drive a model only through it: the microbatch scan (`train.accumulate_grads`,
+mesh.pipe = 1) and the pipeline executor (mesh.pipe > 1), so a model written against it trains on
+any layout, and the logged metrics are the same whatever the layout.
+
+    x_BxSxD = embed(params, tokens_BxS)
+    x_BxSxD, aux = apply_layers(layer_params, x_BxSxD)   # a contiguous slice of params['layers']
+    loss_sum, n_tokens = head_loss(params, x_BxSxD, labels_BxS)
+
+`aux` holds float32 SUMS over the given layers and sequences (e.g. MoE router losses). The loss is
+linear in the sums, so it is exact over any split into microbatches, stages and data shards:
+
+    loss = sum(loss_sum) / sum(n_tokens) + sum_k aux_weights(n_sequences)[k] * sum(aux[k])
+
+with `n_sequences` the global batch rows. `finish` turns the global sums into (loss, metrics); a
+model's `metrics` hook chooses what is logged (default: ce_loss, n_tokens and the aux sums).
+`param_names` is the tree of logical-axis-name tuples of the parameters (what `sharding.py` maps to
+mesh axes); `sequence_parallel` asks for the residual stream sharded over 'tensor' between blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def _no_aux(n_sequences: int) -> dict[str, float]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ModelFns:
+    """A model as meshrun drives it (closed over the model's own config)."""
+
+    embed: Callable  # (params, tokens_BxS) -> x_BxSxD
+    apply_layers: Callable  # (layer_params, x_BxSxD) -> (x_BxSxD, {name: float32 sum})
+    head_loss: Callable  # (params, x_BxSxD, labels_BxS) -> (loss_sum, n_tokens)
+    aux_weights: Callable[[int], Mapping[str, float]] = _no_aux  # n_sequences -> {aux name: weight}
+    metrics: Callable | None = None  # (loss_sum, n_tokens, aux_sums, n_sequences) -> {name: scalar}
+    param_names: Any = None  # tree of logical-axis-name tuples, same structure as params
+    sequence_parallel: bool = False
+
+
+def loss_share(fns: ModelFns, loss_sum, aux: Mapping[str, Any], n_tokens, n_sequences: int):
+    """The part of the loss that `loss_sum` and `aux` (sums over some microbatch/stage/shard)
+    contribute, given the GLOBAL token and sequence counts: summing shares gives the loss."""
+    weights = fns.aux_weights(n_sequences)
+    out = loss_sum / n_tokens
+    for k, w in weights.items():
+        out = out + w * aux[k]
+    return out
+
+
+def finish(fns: ModelFns, loss_sum, n_tokens, aux: Mapping[str, Any], n_sequences: int):
+    """Global sums -> (loss, metrics). The one place the loss and the logged metrics are formed."""
+    loss = loss_share(fns, loss_sum, aux, n_tokens, n_sequences)
+    if fns.metrics is not None:
+        metrics = dict(fns.metrics(loss_sum, n_tokens, aux, n_sequences))
+    else:
+        metrics = {"ce_loss": loss_sum / n_tokens, "n_tokens": n_tokens, **aux}
+    return loss, metrics
+
+
+def forward_sums(fns: ModelFns, params, tokens_BxS, labels_BxS):
+    """One batch through the whole model: (loss_sum, n_tokens, aux sums)."""
+    x, aux = fns.apply_layers(params["layers"], fns.embed(params, tokens_BxS))
+    loss_sum, n_tokens = fns.head_loss(params, x, labels_BxS)
+    return loss_sum, jnp.asarray(n_tokens, jnp.float32), aux
+
+
+def loss_fn(fns: ModelFns, params, tokens_BxS, labels_BxS):
+    """Full-batch (loss, metrics) on one device: the reference every layout must reproduce."""
+    loss_sum, n_tokens, aux = forward_sums(fns, params, tokens_BxS, labels_BxS)
+    return finish(fns, loss_sum, n_tokens, aux, tokens_BxS.shape[0])

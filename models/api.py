@@ -1,0 +1,42 @@
+"""The meshrun_models transformer as a `meshrun.model_api.ModelFns` (what train and pipeline drive)."""
+
+from __future__ import annotations
+
+import functools
+
+from meshrun.config import ModelConfig
+from meshrun.model_api import ModelFns
+from meshrun.sharding import state_names
+
+
+@functools.cache
+def model_fns(cfg: ModelConfig) -> ModelFns:
+    """ModelFns of the transformer: router losses averaged over MoE layers and sequences."""
+    from meshrun_models.transformer import abstract_params, apply_layers, embed, head_loss, n_moe_layers
+
+    n_moe = n_moe_layers(cfg)
+
+    def aux_weights(n_seq: int) -> dict[str, float]:
+        if not cfg.is_moe:
+            return {}
+        return {"moe_aux_loss": cfg.aux_loss_coef / (n_seq * n_moe), "moe_z_loss": cfg.z_loss_coef / (n_seq * n_moe)}
+
+    def metrics(loss_sum, n_tok, sums, n_seq):
+        out = {"ce_loss": loss_sum / n_tok, "n_tokens": n_tok}
+        if cfg.is_moe:
+            out |= {
+                "moe_aux_loss": sums["moe_aux_loss"] / (n_seq * n_moe),
+                "moe_z_loss": sums["moe_z_loss"] / (n_seq * n_moe),
+                "dropped_tokens": sums["dropped_tokens"],
+            }
+        return out
+
+    return ModelFns(
+        embed=lambda prm, tok: embed(prm, tok, cfg),
+        apply_layers=lambda lp, x: apply_layers(lp, x, cfg),
+        head_loss=lambda prm, x, lab: head_loss(prm, x, lab, cfg),
+        aux_weights=aux_weights,
+        metrics=metrics,
+        param_names=state_names(abstract_params(cfg)),
+        sequence_parallel=cfg.sequence_parallel,
+    )
