@@ -249,7 +249,9 @@ class Pipeline:
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroLayout.finish`.
-            gl = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_layers"])
+            gl = carry["g_layers"]
+            if run.v > 1:
+                gl = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gl)
             gl = zl_l.reduce_local(gl)
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
             loss, metrics = model_api.finish(
@@ -269,7 +271,9 @@ class _StageRun:
         self.stage = lax.axis_index("pipe")
         self.fill = jnp.nan if pl.nan_bubbles else 0.0
         lc = jax.tree.leaves(layers)[0].shape[0] // self.v
-        self.layers_v = jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
+        # v = 1: the stage's layers are used as they are (a dynamic chunk index would copy every
+        # weight, and its gradient accumulator, on every tick).
+        self.layers_v = layers if self.v == 1 else jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
         self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
@@ -292,7 +296,14 @@ class _StageRun:
     # ------------------------------------------------------------ helpers
 
     def chunk(self, c):
+        if self.v == 1:
+            return self.layers_v
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers_v)
+
+    def add_grads(self, g_layers, d_p, ch):
+        if self.v == 1:
+            return jax.tree.map(lambda g, d: g + d.astype(g.dtype), g_layers, d_p)
+        return jax.tree.map(lambda g, d: _put(g, ch, _take(g, ch) + d.astype(g.dtype)), g_layers, d_p)
 
     def full(self, shape, dtype):
         return jnp.full(shape, self.fill, dtype)
@@ -328,22 +339,44 @@ class _StageRun:
     # ------------------------------------------------------------ one forward / one backward
 
     def forward(self, c, row):
+        """This tick's forward on this stage. Idle stages skip the compute (`lax.cond` on a predicate
+        shared by the whole tensor/expert group, so collectives inside stay matched) and write fill
+        values into the trash slot."""
         fns, xs = self.fns, self.x_aval
         valid, mb, ch, slot, first, last = self.cell(row, "f")
-        x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: c["x_in"])
-        x = jnp.where(valid, x, self.fill)
-        (y, aux), vjp = jax.vjp(fns.apply_layers, self.chunk(ch), x)
-        keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d] if self.mask is not None else [x]
+        x_in = c["x_in"]
+
+        def run():
+            x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
+            (y, aux), vjp = jax.vjp(fns.apply_layers, self.chunk(ch), x)
+            keep = [x]
+            if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
+                keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
+
+            def head():
+                hl = lambda o, a: fns.head_loss(o, a, _take(self.lab, mb))  # noqa: E731
+                ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
+                d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
+                return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
+
+            head_out = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), self.zeros_other(), self.x_zero))
+            return (y, keep, aux, *head_out)
+
+        def idle():
+            aux = {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
+            keep = [self.full(a.shape, a.dtype) for a in self.res_avals]
+            return (
+                self.full(xs.shape, xs.dtype),
+                keep,
+                aux,
+                jnp.zeros((), jnp.float32),
+                self.zeros_other(),
+                self.x_zero,
+            )
+
+        y, keep, aux, ls, d_o, dy = lax.cond(valid, run, idle)
         c = dict(c, res=[_put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)])
-        c["aux"] = {k: c["aux"][k] + jnp.where(valid, aux[k], 0) for k in c["aux"]}
-
-        def head():
-            hl = lambda o, a: fns.head_loss(o, a, _take(self.lab, mb))  # noqa: E731
-            ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
-            d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
-            return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
-
-        ls, d_o, dy = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), self.zeros_other(), self.x_zero))
+        c["aux"] = {k: c["aux"][k] + aux[k] for k in c["aux"]}
         c["loss"] = c["loss"] + ls
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         if not self.prog.fused_head:
@@ -351,31 +384,38 @@ class _StageRun:
         return c, y, dy
 
     def backward(self, c, row, dy_head):
+        """This tick's backward on this stage (skipped when idle, as the forward)."""
         fns = self.fns
         valid, mb, ch, slot, first, last = self.cell(row, "b")
         if not self.prog.fused_head:
             dy_head = _take(c["dy"], slot)
         dy = jnp.where(last, dy_head, c["g_in"])
-        dy = jnp.where(valid, dy, self.fill)
         saved = [_take(b, slot) for b in c["res"]]
-        if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
-            _, tmpl = jax.vjp(fns.apply_layers, self.chunk(ch), self.x_zero)
-            leaves, tdef = jax.tree.flatten(tmpl)
-            it = iter(saved)
-            vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
-        else:
-            _, vjp = jax.vjp(fns.apply_layers, self.chunk(ch), saved[0])
-        d_p, dx = vjp((dy, self.aux_cot))
+        chunk_aval = jax.eval_shape(lambda: self.chunk(ch))
+
+        def run():
+            if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
+                _, tmpl = jax.vjp(fns.apply_layers, self.chunk(ch), self.x_zero)
+                leaves, tdef = jax.tree.flatten(tmpl)
+                it = iter(saved)
+                vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
+            else:
+                _, vjp = jax.vjp(fns.apply_layers, self.chunk(ch), saved[0])
+            d_p, dx = vjp((dy, self.aux_cot))
+
+            def embed_grad():
+                _, evjp = jax.vjp(lambda o: fns.embed(o, _take(self.tok, mb)), self.other)
+                return evjp(dx.astype(self.x_aval.dtype))[0]
+
+            return d_p, dx, lax.cond(first, embed_grad, self.zeros_other)
+
+        def idle():
+            d_p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)
+            return d_p, self.full(self.x_aval.shape, self.x_aval.dtype), self.zeros_other()
+
+        d_p, dx, d_o = lax.cond(valid, run, idle)
         c = dict(c)
-        c["g_layers"] = jax.tree.map(
-            lambda g, d: _put(g, ch, _take(g, ch) + jnp.where(valid, d, 0).astype(g.dtype)), c["g_layers"], d_p
-        )
-
-        def embed_grad():
-            _, evjp = jax.vjp(lambda o: fns.embed(o, _take(self.tok, mb)), self.other)
-            return evjp(dx.astype(self.x_aval.dtype))[0]
-
-        d_o = lax.cond(first, embed_grad, self.zeros_other)
+        c["g_layers"] = self.add_grads(c["g_layers"], d_p, ch)
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         return c, dx
 
