@@ -118,6 +118,16 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
+    @property
+    def n_units(self) -> int:
+        """Entries on the stacked 'layers' axis: n_layers (dense), or n_layers / moe_every (MoE: groups
+        of moe_every - 1 dense blocks and one MoE block)."""
+        return self.n_layers // self.moe_every if self.is_moe else self.n_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_units if self.is_moe else 0
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
