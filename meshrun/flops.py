@@ -4,7 +4,7 @@ One home for the counts the planner's cost model and the training metrics (MFU) 
 Letters: B global batch (sequences), s sequence length, h d_model, L layers, V vocab, a heads.
 FLOPs: 2 per multiply-add; the backward costs twice the forward (Kaplan et al. 2020; PaLM,
 Chowdhery et al. 2022, appendix B). For GPT (gelu, d_ff = 4h, full MHA) the model FLOPs equal
-Megatron-LM's 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) (Narayanan et al. 2021, eq. 3 without recompute).
+Megatron-LM's 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) (Narayanan et al. 2021, section 5.1).
 """
 
 from __future__ import annotations
