@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from meshrun.errors import ConfigError
+from meshrun.pipeline.schedules import SCHEDULES
 
 AXES = ("data", "pipe", "expert", "tensor")
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
@@ -136,7 +137,7 @@ class PipelineConfig:
     virtual: int = 1  # v: virtual chunks per stage (interleaved)
 
     def __post_init__(self):
-        _choice("pipeline.schedule", self.schedule, ("gpipe", "1f1b", "interleaved"))
+        _choice("pipeline.schedule", self.schedule, SCHEDULES)
         if self.microbatches < 1:
             raise ConfigError("pipeline.microbatches", self.microbatches, "use a positive count")
         if self.virtual < 1:
