@@ -13,7 +13,6 @@ time ratio mostly shows bubble and per-tick overhead on 2 CPU cores, not real pa
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -51,28 +50,8 @@ def timeit(fn, args, repeats: int) -> float:
 
 def permute_bytes(text: str, mesh) -> int:
     """collective-permute bytes per step, counting each while loop's known trip count."""
-    comps = hlo._computations(text)
-    parent = {}
-    for name, body in comps.items():
-        for line in body.splitlines():
-            w = re.search(r"\bwhile\(.*?body=%?([\w.\-]+)", line)
-            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            if w:
-                parent[w.group(1)] = (name, int(n.group(1)) if n else 1)
-                continue
-            for r in re.findall(r"%([\w.\-]+)", line):
-                if r in comps and r != name:
-                    parent.setdefault(r, (name, 1))
-
-    def mult(c, depth=0):
-        return parent[c][1] * mult(parent[c][0], depth + 1) if c in parent and depth < 50 else 1
-
-    total = 0
-    for name, body in comps.items():
-        for c in hlo.collectives(f"ENTRY %{name} {{\n{body}\n}}", dict(mesh.shape)):
-            if c.op == "collective-permute":
-                total += c.bytes * mult(name)
-    return total
+    colls = hlo.collectives(text, dict(mesh.shape))
+    return sum(c.bytes * c.per_step for c in colls if c.op == "collective-permute")
 
 
 def baseline(mesh, params, tok, lab, repeats):

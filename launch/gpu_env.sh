@@ -4,7 +4,7 @@
 # export first wins. Flag names are checked against the installed jaxlib by tests/test_distributed.py
 # (XLA aborts on an unknown flag in XLA_FLAGS: flags are renamed/removed between releases).
 # Starting points from the JAX GPU performance guide and NVIDIA's JAX-Toolbox; measure before
-# keeping one (`meshrun bench`, step time in metrics.jsonl).
+# keeping one (the step time in metrics.jsonl).
 
 _meshrun_xla_flags=(
   # Schedule async collectives to overlap with compute (TP all-reduce, DP reduce-scatter, PP

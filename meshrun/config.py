@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from meshrun.errors import ConfigError
+from meshrun.pipeline.schedules import SCHEDULES
 
 AXES = ("data", "pipe", "expert", "tensor")
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
@@ -118,6 +119,16 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
+    @property
+    def n_units(self) -> int:
+        """Entries on the stacked 'layers' axis: n_layers (dense), or n_layers / moe_every (MoE: groups
+        of moe_every - 1 dense blocks and one MoE block)."""
+        return self.n_layers // self.moe_every if self.is_moe else self.n_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_units if self.is_moe else 0
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -126,7 +137,7 @@ class PipelineConfig:
     virtual: int = 1  # v: virtual chunks per stage (interleaved)
 
     def __post_init__(self):
-        _choice("pipeline.schedule", self.schedule, ("gpipe", "1f1b", "interleaved"))
+        _choice("pipeline.schedule", self.schedule, SCHEDULES)
         if self.microbatches < 1:
             raise ConfigError("pipeline.microbatches", self.microbatches, "use a positive count")
         if self.virtual < 1:

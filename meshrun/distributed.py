@@ -42,8 +42,9 @@ _GRACE_S = 10  # jax's own start-up deadline comes this much after ours, so our 
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How this process joins the job (pure data, decided before jax is imported)."""
+class JoinSettings:
+    """How this process joins the job: the resolved process-group settings (pure data, decided
+    before jax is imported)."""
 
     mode: str  # single | explicit | slurm | ompi
     coordinator: str | None = None
@@ -103,7 +104,7 @@ def plan(
     num_processes: int | None = None,
     process_id: int | None = None,
     env: Mapping[str, str] | None = None,
-) -> Plan:
+) -> JoinSettings:
     """Decide how to start (see the module docstring); every inconsistency is a ConfigError."""
     env = os.environ if env is None else env
     coordinator = coordinator or env.get(ENV_COORDINATOR) or None
@@ -124,7 +125,7 @@ def plan(
         )
     if coordinator is None and num_processes is None and process_id is None:
         if sched is None:
-            return Plan("single", local_devices=local)
+            return JoinSettings("single", local_devices=local)
         name, size, rank, per_node = sched
         if name == "ompi" and "OMPI_MCA_orte_hnp_uri" not in env:
             raise ConfigError(
@@ -134,7 +135,7 @@ def plan(
                 "this Open MPI (5.x) does not export OMPI_MCA_orte_hnp_uri, jax cannot find the coordinator",
             )
         # One task per node owns all of the node's GPUs; jax would otherwise give it only GPU LOCALID.
-        return Plan(name, None, size, rank, local, [] if per_node == 1 else None)
+        return JoinSettings(name, None, size, rank, local, [] if per_node == 1 else None)
     # explicit
     if num_processes is None and sched:
         num_processes = sched[1]
@@ -156,11 +157,11 @@ def plan(
             f"out of range for {num_processes} processes",
         )
     if num_processes == 1:
-        return Plan("single", coordinator, 1, 0, local)
+        return JoinSettings("single", coordinator, 1, 0, local)
     if coordinator is None:
         raise ConfigError(ENV_COORDINATOR, None, "set HOST:PORT of process 0, e.g. 127.0.0.1:61234")
     parse_coordinator(coordinator)
-    return Plan("explicit", coordinator, num_processes, process_id, local)
+    return JoinSettings("explicit", coordinator, num_processes, process_id, local)
 
 
 # ------------------------------------------------------------------ network pre-flight
@@ -222,15 +223,15 @@ def _env_seconds(name: str, value: float | None, default: float) -> float:
     return float(_int(name, raw, 1)) if raw else default
 
 
-def _watchdog(plan_: Plan, wait_s: float, timeout_s: float, done: threading.Event) -> None:
+def _watchdog(p: JoinSettings, wait_s: float, timeout_s: float, done: threading.Event) -> None:
     """jax aborts the process (no Python exception) when start-up fails: say why first, then exit."""
     if done.wait(wait_s):
         return
-    where = plan_.coordinator or f"the {plan_.mode} coordinator"
+    where = p.coordinator or f"the {p.mode} coordinator"
     print(
-        f"meshrun: error: process {plan_.process_id} of {plan_.num_processes}: start-up timed out after "
+        f"meshrun: error: process {p.process_id} of {p.num_processes}: start-up timed out after "
         f"{timeout_s:g} s waiting for all processes to join the coordinator at {where}; check that every "
-        f"process runs with the same process count ({plan_.num_processes}) and a distinct process id, and "
+        f"process runs with the same process count ({p.num_processes}) and a distinct process id, and "
         f"that none of them failed (see its log); raise {ENV_INIT_TIMEOUT} if nodes start slowly",
         file=sys.stderr,
         flush=True,
@@ -238,7 +239,7 @@ def _watchdog(plan_: Plan, wait_s: float, timeout_s: float, done: threading.Even
     os._exit(EXIT_STARTUP_FAILED)
 
 
-def _handshake(client, p: Plan, local: int, nproc: int) -> None:
+def _handshake(client, p: JoinSettings, local: int, nproc: int) -> None:
     """Every process publishes what it was told; all of them compare and fail together."""
     mine = f"{p.num_processes},{local}"
     client.key_value_set(f"meshrun/startup/{p.process_id}", mine)
@@ -277,6 +278,81 @@ def _already_initialized() -> dict:
     }
 
 
+def _preflight(p: JoinSettings, timeout_s: float, deadline: float) -> None:
+    """Explicit settings: process 0 checks that it can bind the coordinator port, every other
+    process that the coordinator answers before `deadline` (jax would abort or hang instead)."""
+    host, port = parse_coordinator(p.coordinator)
+    if p.process_id == 0:
+        why = _port_free(port)
+        if why:
+            raise ConfigError(
+                ENV_COORDINATOR,
+                p.coordinator,
+                "choose a free port (launch/local.sh picks one) or stop the old job",
+                why,
+            )
+        return
+    why = _wait_reachable(host, port, deadline)
+    if why:
+        raise ConfigError(
+            ENV_COORDINATOR,
+            p.coordinator,
+            "start process 0 there, or give the address process 0 listens on",
+            f"process {p.process_id} cannot reach the coordinator within {timeout_s:g} s ({why})",
+        )
+
+
+def _join(p: JoinSettings, deadline: float, timeout_s: float, heartbeat_s: float) -> JoinSettings:
+    """jax.distributed.initialize under the start-up watchdog, then the handshake. Returns the
+    settings as joined: under SLURM / Open MPI jax's cluster detection found the coordinator, count and id."""
+    import jax
+    from jax._src import distributed as _dist
+
+    done = threading.Event()
+    left = max(1.0, deadline - time.monotonic())
+    threading.Thread(target=_watchdog, args=(p, left, timeout_s, done), daemon=True, name="meshrun-startup").start()
+    kwargs = dict(
+        initialization_timeout=int(left + _GRACE_S),
+        heartbeat_timeout_seconds=int(heartbeat_s),
+        shutdown_timeout_seconds=int(timeout_s),
+        local_device_ids=p.local_device_ids,
+    )
+    if p.mode == "explicit":
+        kwargs["cluster_detection_method"] = "deactivate"  # do not let SLURM vars pick one GPU per task
+        jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, **kwargs)
+    else:
+        jax.distributed.initialize(**kwargs)
+    try:
+        state = _dist.global_state
+        if p.mode != "explicit":
+            coordinator, n, i = state.coordinator_address, jax.process_count(), jax.process_index()
+            p = JoinSettings(p.mode, coordinator, n, i, p.local_devices, p.local_device_ids)
+        _handshake(state.client, p, jax.local_device_count(), jax.process_count())
+    finally:
+        done.set()
+    return p
+
+
+def _check_joined(p: JoinSettings) -> None:
+    """The job jax joined is the one this process was told about."""
+    import jax
+
+    if jax.process_count() != p.num_processes:  # the coordinator runs a job of another size
+        raise ConfigError(
+            ENV_NUM_PROCESSES,
+            p.num_processes,
+            f"use {jax.process_count()}",
+            f"the coordinator at {p.coordinator} runs {jax.process_count()} processes",
+        )
+    if p.local_devices and jax.local_device_count() != p.local_devices:
+        raise ConfigError(
+            ENV_LOCAL_DEVICES,
+            p.local_devices,
+            f"jax sees {jax.local_device_count()} local devices",
+            "set it before jax is imported (or leave it unset)",
+        )
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -307,75 +383,12 @@ def initialize(
     heartbeat_s = _env_seconds(ENV_HEARTBEAT, heartbeat_s, DEFAULT_HEARTBEAT_S)
     deadline = time.monotonic() + timeout_s
     if p.mode == "explicit":
-        host, port = parse_coordinator(p.coordinator)
-        if p.process_id == 0:
-            why = _port_free(port)
-            if why:
-                raise ConfigError(
-                    ENV_COORDINATOR,
-                    p.coordinator,
-                    "choose a free port (launch/local.sh picks one) or stop the old job",
-                    why,
-                )
-        else:
-            why = _wait_reachable(host, port, deadline)
-            if why:
-                raise ConfigError(
-                    ENV_COORDINATOR,
-                    p.coordinator,
-                    "start process 0 there, or give the address process 0 listens on",
-                    f"process {p.process_id} cannot reach the coordinator within {timeout_s:g} s ({why})",
-                )
+        _preflight(p, timeout_s, deadline)
+    p = _join(p, deadline, timeout_s, heartbeat_s)
+    _check_joined(p)
 
     import jax
 
-    done = threading.Event()
-    left = max(1.0, deadline - time.monotonic())
-    threading.Thread(target=_watchdog, args=(p, left, timeout_s, done), daemon=True, name="meshrun-startup").start()
-    kwargs = dict(
-        initialization_timeout=int(left + _GRACE_S),
-        heartbeat_timeout_seconds=int(heartbeat_s),
-        shutdown_timeout_seconds=int(timeout_s),
-        local_device_ids=p.local_device_ids,
-    )
-    if p.mode == "explicit":
-        kwargs["cluster_detection_method"] = "deactivate"  # do not let SLURM vars pick one GPU per task
-        jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, **kwargs)
-    else:
-        jax.distributed.initialize(**kwargs)
-    try:
-        from jax._src import distributed as _dist
-
-        state = _dist.global_state
-        p = (
-            Plan(
-                p.mode,
-                state.coordinator_address,
-                jax.process_count(),
-                jax.process_index(),
-                p.local_devices,
-                p.local_device_ids,
-            )
-            if p.mode != "explicit"
-            else p
-        )
-        _handshake(state.client, p, jax.local_device_count(), jax.process_count())
-    finally:
-        done.set()
-    if jax.process_count() != p.num_processes:  # the coordinator runs a job of another size
-        raise ConfigError(
-            ENV_NUM_PROCESSES,
-            p.num_processes,
-            f"use {jax.process_count()}",
-            f"the coordinator at {p.coordinator} runs {jax.process_count()} processes",
-        )
-    if p.local_devices and jax.local_device_count() != p.local_devices:
-        raise ConfigError(
-            ENV_LOCAL_DEVICES,
-            p.local_devices,
-            f"jax sees {jax.local_device_count()} local devices",
-            "set it before jax is imported (or leave it unset)",
-        )
     info.update(
         mode=p.mode,
         coordinator=p.coordinator,

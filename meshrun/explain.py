@@ -1,17 +1,18 @@
 """`meshrun explain CONFIG [section.key=value ...] [--json]`: compile the train step, never run it.
 
-A dry run before anyone pays for GPUs (STYLE rule 11; MaxText train_compile.py): the step is lowered
-with abstract state and a ShapeDtypeStruct batch on simulated CPU devices of the config's mesh and
-compiled, and the planner's prediction is printed beside what XLA reports:
+A dry run before anyone pays for GPUs: the step is lowered with abstract state and a
+ShapeDtypeStruct batch on simulated CPU devices of the config's mesh and compiled, and the
+planner's prediction is printed beside what XLA reports:
 
-* memory per device: predicted parts (`planner.compiled.predict_memory_jax`, the model of meshrun's own
-  step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
+* memory per device: predicted parts (`planner.step_model.predict_memory_jax`, the model of meshrun's
+  own step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
   total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp).
 * collectives per step: result bytes on one device per mesh axis (`meshrun.hlo`; an op over several
   axes counts for each), and counts by op. A collective inside a while loop appears once in the HLO
   text but runs once per iteration: compiled numbers multiply each by the known trip counts of the
-  loops around it (layer scan, microbatch scan, pipeline tick phases); `static` counts each once.
-  Collectives inside `lax.cond` branches (pipeline embedding / head) count as if taken.
+  loops around it (`hlo.Collective.per_step`: layer scan, microbatch scan, pipeline tick phases);
+  `static` counts each once. Collectives inside `lax.cond` branches (pipeline embedding / head)
+  count as if taken, on every tick that runs the branch's conditional.
 
 Meshes of more than MAX_SIMULATED devices (GPT-3 175B: 1024) are not compiled: XLA's SPMD partitioner
 on that many simulated CPU devices takes far too long on a small host. There the prediction is
@@ -29,10 +30,10 @@ import re
 import sys
 from collections import defaultdict
 
+from meshrun.config import AXES
 from meshrun.errors import ConfigError
 
 MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
-AXES = ("data", "pipe", "expert", "tensor")
 
 
 def register(sub) -> None:
@@ -69,8 +70,7 @@ def layout(cfg, mesh_shape: dict[str, int]) -> dict:
 
 def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives."""
-    from meshrun.planner import compiled as step_model
-    from meshrun.planner import cost
+    from meshrun.planner import cost, step_model
 
     kw = layout(cfg, mesh_shape)
     sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
@@ -81,7 +81,7 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
         from meshrun.pipeline.executor import tick_program  # the executor's phases: ticks that send
 
         permutes = tick_program(cfg.pipeline, kw["pipe"]).permutes()
-    comm = step_model.predict_collective_bytes(cfg.model, **kw, permutes=permutes)
+    comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes)
     keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total")
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
@@ -93,63 +93,18 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
 # ----------------------------------------------------------------------------- compiled step
 
 
-def trip_multiplicity(hlo_text: str) -> dict[str, int]:
-    """How many times each computation runs per step: products of the known trip counts of the
-    while loops around it (conditional branches count once, as if taken)."""
-    from meshrun import hlo
-
-    comps = hlo._computations(hlo_text)
-    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo_text, re.M)
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for name, body in comps.items():
-        for line in body.splitlines():
-            w = re.search(r"\bbody=%?([\w.\-]+)", line)
-            if w and " while(" in line:
-                n = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', line)
-                calls[name].append((w.group(1), int(n.group(1)) if n else 1))
-                continue
-            for ref in re.findall(r"(?:to_apply|calls|branch_computations|true_computation|false_computation)="
-                                  r"\{?([^}\s]+(?:,\s*%[\w.\-]+)*)", line):  # fmt: skip
-                for c in re.findall(r"%?([\w.\-]+)", ref):
-                    if c in comps:
-                        calls[name].append((c, 1))
-    mult: dict[str, int] = defaultdict(int)
-
-    def visit(c: str, k: int, depth: int = 0) -> None:
-        if depth > 64:
-            return
-        mult[c] += k
-        for callee, n in calls.get(c, ()):
-            visit(callee, k * n, depth + 1)
-
-    if entry:
-        visit(entry.group(1), 1)
-    return dict(mult)
-
-
 def compiled_collectives(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
     """Per-step and static collective bytes per axis and counts by op, from compiled HLO text."""
     from meshrun import hlo
 
-    mult = trip_multiplicity(hlo_text)
     per_axis, static_axis = defaultdict(int), defaultdict(int)
     per_op, static_op = defaultdict(int), defaultdict(int)
-    for name, body in hlo._computations(hlo_text).items():
-        k = mult.get(name, 0)
-        for line in body.splitlines():
-            mt = hlo._LINE.search(line)
-            if not mt:
-                continue
-            nbytes, _ = hlo._shape_bytes(mt.group("shape"))
-            axes = hlo._axes_of(hlo._groups(line), mesh_shape)
-            op = mt.group("op")
-            static_op[op] += 1
-            per_op[op] += k
-            for a in axes:
-                static_axis[a] += nbytes
-                per_axis[a] += k * nbytes
-    # Cross-check against meshrun.hlo's own parse (same collectives, counted once each).
-    assert sum(static_op.values()) == len(hlo.collectives(hlo_text, mesh_shape))
+    for c in hlo.collectives(hlo_text, mesh_shape):
+        static_op[c.op] += 1
+        per_op[c.op] += c.per_step
+        for a in c.axes:
+            static_axis[a] += c.bytes
+            per_axis[a] += c.per_step * c.bytes
     return {"bytes": dict(per_axis), "counts": dict(per_op), "static_bytes": dict(static_axis),
             "static_counts": dict(static_op)}  # fmt: skip
 

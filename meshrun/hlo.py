@@ -4,12 +4,15 @@
 Replica groups hold partition ids (positions in `mesh.devices.flat`); the axes whose coordinate
 varies inside a group are the axes the collective runs over. XLA combines collectives into tuples
 (`(f32[..], f32[..]) all-reduce(`): each tuple counts once, its bytes are the sum of its parts.
+
+A collective inside a while loop appears once in the text but runs once per iteration:
+`multiplicity` gives each computation's runs per execution from the loops' known trip counts, and
+every `Collective` carries it as `per_step`.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +40,9 @@ _LINE = re.compile(
     r"(?P<op>" + "|".join(OPS) + r")(?:-start)?\("
 )  # tuple shapes may hold /*index=5*/
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_WHILE = re.compile(r"\bwhile\(.*?condition=%?(?P<cond>[\w.\-]+), body=%?(?P<body>[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Collective:
     axes: tuple[str, ...]  # mesh axes the collective spans ( () if unknown / trivial )
     parts: int  # number of arrays (tuple size)
     in_loop: bool  # inside a while-loop body computation
+    per_step: int = 1  # runs per execution of the module (`multiplicity` of its computation)
 
 
 def _shape_bytes(shape: str) -> tuple[int, int]:
@@ -124,7 +131,8 @@ def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int] | None) -> tupl
     return tuple(n for n in names if n in varying)
 
 
-def _computations(text: str) -> dict[str, str]:
+def computations(text: str) -> dict[str, str]:
+    """Computation name -> its body (the lines between its header and the closing brace)."""
     comps, name, buf = {}, None, []
     for line in text.splitlines():
         head = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
@@ -134,6 +142,53 @@ def _computations(text: str) -> dict[str, str]:
         elif name is not None:
             buf.append(line)
     return {k: "\n".join(v) for k, v in comps.items()}
+
+
+def _calls(comps: dict[str, str]) -> dict[str, list[tuple[str, int]]]:
+    """Callee -> [(caller, runs of the callee per run of the caller)], one entry per calling line.
+    A while loop runs its body n times and its condition n + 1 times (n: the known trip count, 1
+    when unknown); every other reference (fusion, call, conditional branch, reduction) counts once."""
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for name, body in comps.items():
+        for line in body.splitlines():
+            w = _WHILE.search(line)
+            trip = _TRIP.search(line) if w else None
+            n = int(trip.group(1)) if trip else 1
+            for ref in dict.fromkeys(re.findall(r"%([\w.\-]+)", line)):
+                if ref not in comps or ref == name:
+                    continue
+                k = 1
+                if w and ref == w.group("body"):
+                    k = n
+                elif w and ref == w.group("cond"):
+                    k = n + 1
+                callers.setdefault(ref, []).append((name, k))
+    return callers
+
+
+def multiplicity(text: str) -> dict[str, int]:
+    """How many times each computation runs per execution of the module: the product of the trip
+    counts of the while loops around it, summed over its call sites. Conditional branches count as
+    taken (each once per run of the conditional); a loop of unknown trip count counts once. The entry
+    computation runs once (without an ENTRY line: every computation that nothing calls); computations
+    it never reaches run 0 times."""
+    return _runs(computations(text), _ENTRY.search(text))
+
+
+def _runs(comps: dict[str, str], entry: re.Match | None) -> dict[str, int]:
+    callers = _calls(comps)
+    roots = {entry.group(1)} if entry else {c for c in comps if c not in callers}
+    memo: dict[str, int] = {}
+
+    def runs(c: str, seen: frozenset = frozenset()) -> int:
+        if c in memo:
+            return memo[c]
+        if c in seen:
+            raise ValueError(f"HLO call graph has a cycle through {c}")
+        memo[c] = (1 if c in roots else 0) + sum(k * runs(p, seen | {c}) for p, k in callers.get(c, ()))
+        return memo[c]
+
+    return {c: runs(c) for c in comps}
 
 
 def _in_loop(comps: dict[str, str]) -> set[str]:
@@ -151,8 +206,9 @@ def _in_loop(comps: dict[str, str]) -> set[str]:
 
 def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list[Collective]:
     """Every collective in compiled HLO text. `mesh_shape`: ordered {axis: size} (dict(mesh.shape))."""
-    comps = _computations(hlo_text)
+    comps = computations(hlo_text)
     looped = _in_loop(comps)
+    runs = _runs(comps, _ENTRY.search(hlo_text))
     out = []
     for name, body in comps.items():
         for line in body.splitlines():
@@ -161,24 +217,5 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
                 continue
             nbytes, parts = _shape_bytes(m.group("shape"))
             axes = _axes_of(_groups(line), mesh_shape)
-            out.append(Collective(m.group("op"), nbytes, axes, parts, name in looped))
+            out.append(Collective(m.group("op"), nbytes, axes, parts, name in looped, runs[name]))
     return out
-
-
-def summarize(colls: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
-    """(op, axes) -> {'count', 'bytes'}."""
-    agg: dict = {}
-    for c in colls:
-        d = agg.setdefault((c.op, c.axes), Counter())
-        d["count"] += 1
-        d["bytes"] += c.bytes
-    return {k: dict(v) for k, v in agg.items()}
-
-
-def bytes_per_axis(colls: list[Collective]) -> dict[str, int]:
-    """Total collective result bytes attributed to each mesh axis (a multi-axis op counts for each)."""
-    out: Counter = Counter()
-    for c in colls:
-        for a in c.axes:
-            out[a] += c.bytes
-    return dict(out)

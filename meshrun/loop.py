@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 from meshrun.checkpoint import Checkpointer, PreemptionFlag, check_run_dir_writable
 from meshrun.config import RunConfig, to_dict
 from meshrun.data import global_batch_arrays, make_dataset
+from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
-from meshrun.metrics import MetricsLogger, model_flops_per_step, peak_flops
+from meshrun.metrics import MetricsLogger, peak_flops
 from meshrun.sharding import DP_AXES
 from meshrun.train import make_train_step
 
@@ -49,7 +50,7 @@ def run(
             file=sys.stderr,
         )
 
-    flops = model_flops_per_step(cfg.model, t.global_batch, t.seq_len)
+    flops = model_flops(cfg.model, t.global_batch, t.seq_len)
     peak = peak_flops(jax.devices()[0])
     bubble = _bubble(cfg, mesh)
     logger = MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet)

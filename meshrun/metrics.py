@@ -1,7 +1,8 @@
-"""Training metrics: model FLOPs, tokens/s, TFLOP/s per device, MFU; JSONL + TensorBoard + progress bar.
+"""Training metrics: tokens/s, TFLOP/s per device, MFU; JSONL + TensorBoard + progress bar.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per step / (step time x peak x devices).
-Model FLOPs count the useful math only: no activation recomputation, no MoE capacity padding.
+Model FLOPs (`meshrun.flops.model_flops`) count the useful math only: no activation recomputation,
+no MoE capacity padding. Peaks come from the GPU catalogue (`meshrun.planner.hardware`).
 """
 
 from __future__ import annotations
@@ -17,57 +18,14 @@ from typing import Any
 
 import jax
 
-from meshrun.config import ModelConfig
-
-# Dense bf16 tensor-core peak FLOP/s by device-kind substring; the first match wins (specific first).
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOP/s bf16 with sparsity -> 989 dense.
-    ("H200", 989e12),
-    # NVIDIA H100 Tensor Core GPU datasheet: PCIe 1,513 TFLOP/s bf16 with sparsity -> 756 dense.
-    ("H100 PCIe", 756e12),
-    # NVIDIA H100 datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity -> 989 dense.
-    ("H100", 989e12),
-    # NVIDIA A100 Tensor Core GPU datasheet (40/80 GB, SXM and PCIe): 312 TFLOP/s bf16 dense.
-    ("A100", 312e12),
-)
+from meshrun.planner.hardware import peak_flops_of_kind
 
 
 def peak_flops(device: Any = None) -> float | None:
     """Dense bf16 peak of `device` (a jax Device or a device_kind string); None when unknown (CPU)."""
     device = jax.devices()[0] if device is None else device
     kind = device if isinstance(device, str) else getattr(device, "device_kind", "")
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in kind.lower():
-            return flops
-    return None
-
-
-def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights in the matmuls one token passes through: attention (GQA-aware), MLP (MoE: the top_k
-    activated experts + the router), and the logit projection. Embedding lookups and norms are not GEMMs."""
-    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    attn = d * q + 2 * d * kv + q * d  # Wq, Wk, Wv, Wo
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_ff  # swiglu: gate, up, down; gelu: up, down
-    n_moe = cfg.n_layers // cfg.moe_every if cfg.is_moe else 0
-    moe = cfg.top_k * mlp + d * cfg.n_experts
-    return cfg.n_layers * attn + (cfg.n_layers - n_moe) * mlp + n_moe * moe + d * cfg.vocab
-
-
-def model_flops_per_step(cfg: ModelConfig, global_batch: int, seq_len: int, *, causal_skip: bool = False) -> float:
-    """Training FLOPs per step, forward + backward (backward = 2 x forward), no recomputation:
-
-        6 * matmul_params_per_token * B * s  +  12 * L * s^2 * (n_heads * head_dim) * B
-
-    The first term is 2 FLOPs per multiply-add x 3 (fwd + bwd) per weight per token (Kaplan 2020; PaLM
-    appendix B). The second is the attention scores QK^T and A.V, 2 GEMMs of 2 s^2 h FLOPs each per
-    sequence and layer, x3 for the backward (PaLM appendix B: 12 L H Q T per token). For GPT (gelu,
-    d_ff = 4h, full MHA, untied or tied logits) this equals Megatron-LM's (Narayanan et al. 2021, sec. 5.1)
-    72 B s L h^2 (1 + s/(6h) + V/(12 L h)) exactly. `causal_skip=True` halves the attention term, for
-    kernels that skip fully masked blocks (flash attention): then it is 72 B s L h^2 (1 + s/(12h) + V/(12 L h)).
-    """
-    tokens = global_batch * seq_len
-    attn = 12.0 * cfg.n_layers * seq_len**2 * cfg.n_heads * cfg.head_dim * global_batch
-    return 6.0 * matmul_params_per_token(cfg) * tokens + (attn / 2 if causal_skip else attn)
+    return peak_flops_of_kind(kind)
 
 
 def throughput(

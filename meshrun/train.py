@@ -92,7 +92,7 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
         from meshrun.pipeline.executor import check_layer_split, tick_program
 
         prog = tick_program(cfg.pipeline, mesh.shape["pipe"])
-        check_layer_split(models.n_units(cfg.model), prog.p, prog.v)
+        check_layer_split(cfg.model.n_units, prog.p, prog.v)
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels):

@@ -12,9 +12,9 @@ from meshrun.sharding import state_names
 @functools.cache
 def model_fns(cfg: ModelConfig) -> ModelFns:
     """ModelFns of the transformer: router losses averaged over MoE layers and sequences."""
-    from meshrun_models.transformer import abstract_params, apply_layers, embed, head_loss, n_moe_layers
+    from meshrun_models.transformer import abstract_params, apply_layers, embed, head_loss
 
-    n_moe = n_moe_layers(cfg)
+    n_moe = cfg.n_moe_layers
 
     def aux_weights(n_seq: int) -> dict[str, float]:
         if not cfg.is_moe:

@@ -41,12 +41,12 @@ FULL = ("batch", None, "embed")  # inside a block: full sequence (an all-gather 
 
 
 def n_units(cfg: ModelConfig) -> int:
-    """Entries on the 'layers' axis: n_layers (dense) or n_layers / moe_every (MoE groups)."""
-    return cfg.n_layers // cfg.moe_every if cfg.is_moe else cfg.n_layers
+    """Entries on the 'layers' axis (`ModelConfig.n_units`)."""
+    return cfg.n_units
 
 
 def n_moe_layers(cfg: ModelConfig) -> int:
-    return n_units(cfg) if cfg.is_moe else 0
+    return cfg.n_moe_layers
 
 
 class Block(nnx.Module):

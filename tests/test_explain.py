@@ -1,7 +1,8 @@
 """`meshrun explain`: the planner's memory and collective predictions against the compiled step.
 
-Each layout compiles once (~10-20 s on 2 cores); nothing runs. Compiled total = argument + temp +
-output - alias from `memory_analysis()` (outputs alias the donated state).
+Each layout compiles once (~10-30 s on 2 cores); nothing runs. Compiled total = argument + temp +
+output - alias from `memory_analysis()` (outputs alias the donated state). Besides the tiny configs,
+two layouts of other width, depth, mesh and schedule check that the model generalises.
 """
 
 import json
@@ -19,10 +20,21 @@ def _ratio(rep) -> float:
     return rep["memory"]["predicted"]["total"] / rep["memory"]["compiled"]["total"]
 
 
+# Widths, depths, meshes and schedules the step model's per-layer constants were not read from.
+WIDE_DEEP = ["model.d_model=128", "model.n_heads=8", "model.n_kv_heads=4", "model.n_layers=6", "model.d_ff=256"]
+INTERLEAVED = ["model.d_model=96", "model.head_dim=24", "model.n_layers=8", "model.d_ff=160"]
+INTERLEAVED += ["pipeline.schedule=interleaved", "pipeline.virtual=2", "pipeline.microbatches=4", "train.zero=1"]
+
+
 @pytest.mark.parametrize(
     "path, overrides",
-    [("configs/tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=4"]), ("configs/tiny_moe_cpu.yaml", [])],
-    ids=["dense-nopipe-data4", "moe-data2-expert2-tensor2"],
+    [
+        ("configs/tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=4"]),
+        ("configs/tiny_moe_cpu.yaml", []),
+        ("configs/tiny_cpu.yaml", [*WIDE_DEEP, "mesh.data=1", "mesh.pipe=2", "mesh.tensor=4"]),
+        ("configs/tiny_cpu.yaml", INTERLEAVED),
+    ],
+    ids=["dense-nopipe-data4", "moe-data2-expert2-tensor2", "unfitted-pipe2-tensor4", "unfitted-interleaved-zero1"],
 )
 def test_predicted_memory_matches_compiled(path, overrides):
     rep = explain.explain(load_config(path, overrides))

@@ -1,5 +1,7 @@
-"""Model FLOPs against Megatron's closed form, MFU arithmetic, peak table, JSONL logger, profiler."""
+"""Model FLOPs against Megatron's closed form and a GEMM count, MFU arithmetic, peak table, JSONL
+logger, profiler."""
 
+import dataclasses
 import io
 import json
 
@@ -7,14 +9,8 @@ import jax
 import pytest
 
 from meshrun.config import ModelConfig
-from meshrun.metrics import (
-    MetricsLogger,
-    matmul_params_per_token,
-    model_flops_per_step,
-    peak_flops,
-    profile_trace,
-    throughput,
-)
+from meshrun.flops import model_flops
+from meshrun.metrics import MetricsLogger, peak_flops, profile_trace, throughput
 
 
 def gpt(h, L, heads, V, s):
@@ -39,18 +35,14 @@ def megatron(B, s, L, h, V, attn_div=6):
 )
 def test_flops_equal_megatron_formula(h, L, heads, V, s, B):
     cfg = gpt(h, L, heads, V, s)
-    assert model_flops_per_step(cfg, B, s) == pytest.approx(megatron(B, s, L, h, V), rel=1e-12)
+    assert model_flops(cfg, B, s) == pytest.approx(megatron(B, s, L, h, V), rel=1e-12)
     # halved attention (causal kernels skip masked blocks) is the s/(12h) variant
-    assert model_flops_per_step(cfg, B, s, causal_skip=True) == pytest.approx(
-        megatron(B, s, L, h, V, attn_div=12), rel=1e-12
-    )
+    assert model_flops(cfg, B, s, causal_skip=True) == pytest.approx(megatron(B, s, L, h, V, attn_div=12), rel=1e-12)
 
 
 def test_gpt3_numbers():
     cfg = gpt(12288, 96, 96, 51200, 2048)
-    # 12 h^2 per layer = 1.812e9 (DESIGN sec. 6), x96 layers + logits h*V
-    assert matmul_params_per_token(cfg) == 96 * 12 * 12288**2 + 12288 * 51200
-    f = model_flops_per_step(cfg, 1536, 2048)
+    f = model_flops(cfg, 1536, 2048)
     assert f == pytest.approx(3.3862e18, rel=1e-4)  # ~6 x 175e9 x 3.1M tokens = 3.30e18 + attention
     # Megatron-LM: 1024 A100s at ~138 TFLOP/s each -> 23.96 s per step; MFU = 138/312 = 44%
     t = f / (1024 * 138e12)
@@ -63,27 +55,25 @@ def test_gpt3_numbers():
     assert r["tokens_per_s"] == pytest.approx(1536 * 2048 / t)
 
 
-def test_moe_counts_only_activated_experts_and_gqa():
+def test_flops_count_the_gemms_of_a_gqa_moe_model():
+    """Training FLOPs = 3 x 2 x the forward's multiply-adds, counted here GEMM by GEMM from the weight
+    shapes of d_model=64, 4 query heads and 2 kv heads of 16, swiglu d_ff=128, vocab 256: MoE layers
+    run the router and only the top_k=2 of their 8 experts."""
     dense = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab=256)
-    moe = ModelConfig(**{**dense.__dict__, "n_experts": 8, "top_k": 2, "moe_every": 2})
-    d, q, kv, ff = 64, 64, 32, 128
-    attn = d * q + 2 * d * kv + q * d
-    mlp = 3 * d * ff  # swiglu
-    assert matmul_params_per_token(dense) == 4 * (attn + mlp) + d * 256
-    # 2 of 4 layers are MoE: top_k=2 experts + router d*E; not all 8 experts
-    assert matmul_params_per_token(moe) == 4 * attn + 2 * mlp + 2 * (2 * mlp + d * 8) + d * 256
+    moe = dataclasses.replace(dense, n_experts=8, top_k=2, moe_every=2)  # layers 1 and 3 are MoE
     B, s = 16, 64
-    assert model_flops_per_step(moe, B, s) == 6 * matmul_params_per_token(moe) * B * s + 12 * 4 * s * s * q * B
-
-
-def test_flops_agree_with_planner_cost_model():
-    cost = pytest.importorskip("meshrun.planner.cost")
-    for cfg in (
-        gpt(768, 12, 12, 50257, 1024),
-        ModelConfig(n_experts=4, top_k=1, moe_every=2),
-        ModelConfig(d_model=128, n_heads=8, n_kv_heads=1, head_dim=32, tie_embeddings=True),
-    ):
-        assert model_flops_per_step(cfg, 8, 512) == pytest.approx(cost.model_flops(cfg, 8, 512), rel=1e-12)
+    attn = [(64, 64), (64, 32), (64, 32), (64, 64)]  # Wq, Wk, Wv, Wo as (in, out)
+    swiglu = [(64, 128), (64, 128), (128, 64)]  # gate, up, down
+    macs = lambda gemms: sum(i * o for i, o in gemms)  # noqa: E731
+    dense_layer, moe_layer = macs(attn + swiglu), macs(attn + [(64, 8)] + 2 * swiglu)  # router, 2 experts
+    scores = 4 * (s * 16 + s * 16)  # per token and layer: QK^T and A.V over s positions, 4 heads of 16
+    logits = macs([(64, 256)])
+    per_token = {
+        dense: 4 * dense_layer + 4 * scores + logits,
+        moe: 2 * dense_layer + 2 * moe_layer + 4 * scores + logits,
+    }
+    for cfg, fwd_macs in per_token.items():
+        assert model_flops(cfg, B, s) == pytest.approx(3 * 2 * fwd_macs * B * s, rel=1e-12)
 
 
 def test_peak_table():

@@ -285,37 +285,9 @@ def test_1f1b_temp_memory_does_not_grow_with_m(dims):
         assert toy_compiled(dims, "1f1b", m, 1, b=m * dims[1] * dims[2])[0].program.slots == min(m, 2 * p - 1)
 
 
-def _trip_multipliers(text: str) -> dict[str, int]:
-    """Computation name -> how many times it runs per step (product of enclosing known trip counts)."""
-    comps = hlo._computations(text)
-    parent: dict[str, tuple[str, int]] = {}
-    for name, body in comps.items():
-        for line in body.splitlines():
-            w = re.search(r"\bwhile\(.*?condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
-            if w:
-                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                parent[w.group(2)] = (name, int(n.group(1)))
-                parent[w.group(1)] = (name, int(n.group(1)) + 1)
-                continue
-            for r in re.findall(r"%([\w.\-]+)", line):
-                if r in comps and r != name:
-                    parent.setdefault(r, (name, 1))
-
-    @functools.cache
-    def mult(c: str) -> int:
-        return parent[c][1] * mult(parent[c][0]) if c in parent else 1
-
-    return {c: mult(c) for c in comps}
-
-
 def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:
     """(collective, runs per step) for every collective in compiled HLO text."""
-    mults = _trip_multipliers(text)
-    out = []
-    for name, body in hlo._computations(text).items():
-        for c in hlo.collectives(f"ENTRY %{name} {{\n{body}\n}}", dict(mesh.shape)):
-            out.append((c, mults[name]))
-    return out
+    return [(c, c.per_step) for c in hlo.collectives(text, dict(mesh.shape))]
 
 
 def expected_sends(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, int]:

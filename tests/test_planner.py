@@ -9,15 +9,15 @@ import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from meshrun import flops
 from meshrun.config import ModelConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.planner import cost, search
-from meshrun.planner.cost import Plan
+from meshrun.planner.cost import Layout
 from meshrun.planner.hardware import GB, parse_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_dp_degree_and_global_batch(gpt3, capsys):
     assert plan.data == 8  # 1024 / (8 * 16), not the seed's 112
     assert plan.microbatches == 192 and plan.global_batch == 1536
     # global batch = micro_batch_size x m x DP; PP does not multiply it (the seed's "64x16x8x4" is wrong).
-    p = Plan(tensor=8, pipe=16, data=8, microbatches=64, micro_batch_size=1)
+    p = Layout(tensor=8, pipe=16, data=8, microbatches=64, micro_batch_size=1)
     assert p.global_batch == 512
     bad = search.structural_violations(gpt3, p, cluster, 64 * 16 * 8 * 4)
     assert any("global batch 32768" in v and "= 512" in v for v in bad)
@@ -94,7 +94,7 @@ def test_zero3_shards_everything(gpt3):
 @pytest.mark.parametrize("p,m,expect", [(24, 8, 23 / 31), (16, 192, 15 / 207), (1, 4, 0.0)])
 def test_bubble_fraction(gpt3, p, m, expect):
     cluster = parse_cluster("a100-80g:128x8")
-    tm = cost.predict_time(gpt3, Plan(pipe=p, microbatches=m), cluster, 2048)
+    tm = cost.predict_time(gpt3, Layout(pipe=p, microbatches=m), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx(expect, abs=1e-12)
     if (p, m) == (24, 8):
         assert tm["bubble_fraction"] == pytest.approx(0.742, abs=1e-3)  # the seed's 74%
@@ -103,14 +103,14 @@ def test_bubble_fraction(gpt3, p, m, expect):
 @pytest.mark.parametrize("p", [2, 4, 8, 16, 24])
 def test_bubble_at_m_equals_4p(gpt3, p):
     cluster = parse_cluster("a100-80g:128x8")
-    tm = cost.predict_time(gpt3, Plan(pipe=p, microbatches=4 * p), cluster, 2048)
+    tm = cost.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx((p - 1) / (5 * p - 1), abs=1e-12)
     if p >= 8:
         assert tm["bubble_fraction"] > 0.175  # still ~19% for large p: m = 4p is not "no bubble"
     busy = sum(tm[k] for k in ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm"))
     assert tm["bubble"] / (tm["bubble"] + busy) == pytest.approx(tm["bubble_fraction"], rel=1e-9)
     v = 4
-    tm = cost.predict_time(gpt3, Plan(pipe=p, microbatches=4 * p, virtual=v, schedule="interleaved"), cluster, 2048)
+    tm = cost.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p, virtual=v, schedule="interleaved"), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx((p - 1) / (v * 4 * p + p - 1), abs=1e-12)
 
 
@@ -121,11 +121,11 @@ def test_flops_match_megatron(gpt3):
     B, s, L, h, V = 1536, 2048, 96, 12288, 51200
     no_remat = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     full = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
-    assert cost.model_flops(gpt3, B, s) == pytest.approx(no_remat, rel=1e-12)
-    assert cost.hardware_flops(gpt3, B, s, "none") == pytest.approx(no_remat, rel=1e-12)
-    assert cost.hardware_flops(gpt3, B, s, "full") == pytest.approx(full, rel=1e-12)
+    assert flops.model_flops(gpt3, B, s) == pytest.approx(no_remat, rel=1e-12)
+    assert flops.hardware_flops(gpt3, B, s, "none") == pytest.approx(no_remat, rel=1e-12)
+    assert flops.hardware_flops(gpt3, B, s, "full") == pytest.approx(full, rel=1e-12)
     sel = no_remat + L * 4 * B * s * s * h  # selective recomputes QK^T and A.V only
-    assert cost.hardware_flops(gpt3, B, s, "selective") == pytest.approx(sel, rel=1e-12)
+    assert flops.hardware_flops(gpt3, B, s, "selective") == pytest.approx(sel, rel=1e-12)
 
 
 def test_activation_bytes_match_korthikanti(gpt3):
@@ -196,7 +196,7 @@ def test_evaluate_megatron_gpt3_175b(capsys):
     # MFU counts model FLOPs only: below the hardware-FLOP utilisation by the recompute share (3/4).
     hfu = cfg["tflops_per_device"] / 312
     model = load_config(GPT3).model
-    share = cost.model_flops(model, 1536, 2048) / cost.hardware_flops(model, 1536, 2048, "full")
+    share = flops.model_flops(model, 1536, 2048) / flops.hardware_flops(model, 1536, 2048, "full")
     assert cfg["mfu"] == pytest.approx(hfu * share, rel=1e-3)
     for key in ("memory_gb", "step_time_s", "tflops_per_device", "mfu", "bubble_fraction", "violations"):
         assert key in cfg
@@ -209,10 +209,8 @@ def test_efficiency_constant_is_the_table1_fit():
 
 
 def test_top_plan_175b(gpt3, capsys):
-    t0 = time.perf_counter()
     rc, out, err = run_cli(["--model", str(GPT3), "--cluster", "a100-80g:128x8", "--global-batch", "1536",
                             "--seq-len", "2048", "--top", "5", "--json"], capsys)  # fmt: skip
-    elapsed = time.perf_counter() - t0
     assert rc == 0, err
     configs = json.loads(out)["configs"]
     assert len(configs) == 5
@@ -223,7 +221,10 @@ def test_top_plan_175b(gpt3, capsys):
     for c in configs:
         assert c["tensor"] * c["pipe"] * c["data"] * c["expert"] == 1024
         assert c["micro_batch_size"] * c["microbatches"] * c["data"] * c["expert"] == 1536
-    assert elapsed < 5.0
+    # The search is exhaustive (each layout is arithmetic, well under a millisecond), so the number of
+    # candidates bounds its run time without a wall clock.
+    n = sum(1 for _ in search.candidates(gpt3, parse_cluster("a100-80g:128x8"), 1536))
+    assert n <= 10_000, n
 
 
 def test_human_table(capsys):
@@ -238,18 +239,20 @@ def test_human_table(capsys):
 
 def test_rules_are_reported_with_numbers(gpt3):
     cluster = parse_cluster("a100-80g:128x8")
-    r = search.evaluate(gpt3, Plan(tensor=16, pipe=8, data=8, microbatches=192), cluster, 1536, 2048)
+    r = search.evaluate(gpt3, Layout(tensor=16, pipe=8, data=8, microbatches=192), cluster, 1536, 2048)
     assert r.hard and any("tensor=16 > 8 GPUs per node" in v for v in r.violations)
-    r = search.evaluate(gpt3, Plan(tensor=8, pipe=16, data=8, microbatches=8, micro_batch_size=24), cluster, 1536, 2048)
+    r = search.evaluate(
+        gpt3, Layout(tensor=8, pipe=16, data=8, microbatches=8, micro_batch_size=24), cluster, 1536, 2048
+    )
     assert any("microbatches=8 < 4*pipe=64: pipeline bubble 65.2%" in v for v in r.violations)
     assert any(re.search(r"memory [\d.]+ GB > 72.0 GB usable", v) for v in r.violations)
-    r = search.evaluate(gpt3, Plan(tensor=8, pipe=1, data=128, microbatches=12), cluster, 1536, 2048)
+    r = search.evaluate(gpt3, Layout(tensor=8, pipe=1, data=128, microbatches=12), cluster, 1536, 2048)
     assert any("memory" in v for v in r.violations)
     small = load_config(MODELS / "megatron-1.7b.yaml").model
-    r = search.evaluate(small, Plan(tensor=1, pipe=1, data=1024, microbatches=1), cluster, 1024, 2048)
+    r = search.evaluate(small, Layout(tensor=1, pipe=1, data=1024, microbatches=1), cluster, 1024, 2048)
     assert any(re.search(r"data-parallel gradient sync [\d.]+ s > compute [\d.]+ s", v) for v in r.violations)
     llama = load_config(MODELS / "llama-70b.yaml").model
-    r = search.evaluate(llama, Plan(tensor=5, pipe=3, data=2, expert=2, virtual=2), cluster, 7, 4096)
+    r = search.evaluate(llama, Layout(tensor=5, pipe=3, data=2, expert=2, virtual=2), cluster, 7, 4096)
     text = " | ".join(r.violations)
     for frag in (
         "n_heads=64 is not divisible by tensor=5",

@@ -70,7 +70,7 @@ def draw_png(table, v: int, path: str, title: str) -> None:
         raise ConfigError("--png", path, "pip install meshrun[plot]", "matplotlib is not installed") from e
     p = len(table[0])
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(table)), 0.5 * p + 1.2))
-    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    colors = {"F": "#4C72B0", "B": "#DD8452"}
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:

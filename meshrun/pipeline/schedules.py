@@ -12,7 +12,7 @@ Two views of one schedule, both lists of ticks, each a list of `p` per-stage cel
 
 Virtual stages (Megatron interleaving): model chunk c of stage s holds virtual stage k = c*p + s of
 V = v*p; chunk 0 on every stage for GPipe and 1F1B. F(mb, k) needs F(mb, k-1); B(mb, k) needs
-B(mb, k+1) and F(mb, k); W(mb, k) (zero-bubble weight grad) needs B(mb, k).
+B(mb, k+1) and F(mb, k).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # 'F' forward, 'B' backward (input grad, plus weight grad unless split), 'W' weight grad
+    kind: str  # 'F' forward, 'B' backward (input and weight gradients)
     mb: int
     chunk: int = 0
 
@@ -44,7 +44,7 @@ class Step(NamedTuple):
 
 
 class BufferSizes(NamedTuple):
-    residuals: int  # (mb, chunk) pairs whose F ran and whose B/W has not finished (= max_in_flight)
+    residuals: int  # (mb, chunk) pairs whose F ran and whose B has not finished (= max_in_flight)
     fwd_inbox: int  # received activations held past their arrival tick before their F consumes them
     bwd_inbox: int  # received gradients held past their arrival tick before their B consumes them
 
@@ -65,7 +65,7 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
         raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
     if name != "interleaved" and v != 1:
         raise ConfigError("pipeline.virtual", v, "use --schedule interleaved, or virtual=1", f"{name} has 1 chunk")
-    if name in ("1f1b", "zb-h1") and m < p:
+    if name == "1f1b" and m < p:
         raise ConfigError(
             "pipeline.microbatches",
             m,
@@ -123,9 +123,7 @@ def _deps(t: Task, s: int, p: int, v: int) -> list[tuple[str, int, int]]:
     k = t.chunk * p + s
     if t.kind == "F":
         return [("F", t.mb, k - 1)] if k > 0 else []
-    if t.kind == "B":
-        return [("F", t.mb, k)] + ([("B", t.mb, k + 1)] if k < v * p - 1 else [])
-    return [("B", t.mb, k)]
+    return [("F", t.mb, k)] + ([("B", t.mb, k + 1)] if k < v * p - 1 else [])
 
 
 def _place(orders: list[list[Task]], p: int, v: int) -> list[list[Task | None]]:
@@ -210,8 +208,6 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
     bq: list[list[tuple[Task, int]]] = [[] for _ in range(p)]  # (B task, forwards that precede it)
     for s, ops in enumerate(_stage_orders(table)):
         for _, op in ops:
-            if op.kind == "W":
-                raise ScheduleError("lockstep view of split backward (W) tables is not supported")
             (fq[s].append(op) if op.kind == "F" else bq[s].append((op, len(fq[s]))))
     done: dict[tuple[str, int, int], int] = {}
     fi, bi, out = [0] * p, [0] * p, []
@@ -244,8 +240,8 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
 
 
 def check(table, p: int, m: int, v: int = 1) -> None:
-    """Raise ScheduleError unless every (mb, virtual stage) has exactly one F and one B (and at most
-    one W, after its B) and all dependencies hold. Accepts per-op and lockstep tables."""
+    """Raise ScheduleError unless every (mb, virtual stage) has exactly one F and one B and all
+    dependencies hold. Accepts per-op and lockstep tables."""
     when: dict[tuple[str, int, int], tuple[int, int]] = {}  # key -> (tick, position within the tick)
     for t, row in enumerate(table):
         if len(row) != p:
@@ -257,7 +253,7 @@ def check(table, p: int, m: int, v: int = 1) -> None:
             for pos, op in enumerate(cell if lock else (cell,)):
                 if op is None:
                     continue
-                if op.kind not in "FBW" or not (0 <= op.mb < m and 0 <= op.chunk < v):
+                if op.kind not in "FB" or not (0 <= op.mb < m and 0 <= op.chunk < v):
                     raise ScheduleError(f"tick {t} stage {s}: task {op} out of range (m={m}, v={v})")
                 key = (op.kind, op.mb, op.chunk * p + s)
                 if key in when:
@@ -277,14 +273,14 @@ def check(table, p: int, m: int, v: int = 1) -> None:
 
 
 def _residual_intervals(table, stage: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """(mb, chunk) -> (tick of F, tick of the last of B/W) on one stage."""
+    """(mb, chunk) -> (tick of F, tick of B) on one stage."""
     iv: dict[tuple[int, int], list[int]] = {}
     for t, op in _stage_orders(table)[stage]:
         key = (op.mb, op.chunk)
         if op.kind == "F":
             iv[key] = [t, t]
         else:
-            iv[key][1] = max(iv[key][1], t)
+            iv[key][1] = t
     return {k: (a, b) for k, (a, b) in iv.items()}
 
 
@@ -299,7 +295,7 @@ def _max_overlap(intervals) -> int:
 
 
 def max_in_flight(table, stage: int) -> int:
-    """Most (mb, chunk) pairs on `stage` whose F has run and whose B (or W) has not finished, i.e.
+    """Most (mb, chunk) pairs on `stage` whose F has run and whose B has not finished, i.e.
     max over ticks t of #{F tick <= t <= last backward tick}: the residual slots a stage needs when
     it writes a slot in F and frees it after B (fwd runs before bwd within a lockstep tick)."""
     return _max_overlap(_residual_intervals(table, stage).values())
@@ -359,12 +355,11 @@ def lockstep_arrays(lock: list[list[Step]]) -> dict[str, list[list[int]]]:
 # ---------------------------------------------------------------- bubble math
 
 
-def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float = 0.0) -> list[float]:
+def stage_bubbles(table, f: float = 1.0, b: float | None = None) -> list[float]:
     """Idle / makespan per stage when each stage runs its ops in table order as soon as their inputs
-    are done, with costs f (forward), b (backward, default 2f) and w (weight grad of split backward;
-    in unsplit tables B carries it). Zero communication latency."""
+    are done, with costs f (forward) and b (backward, default 2f). Zero communication latency."""
     b = 2.0 * f if b is None else b
-    cost = {"F": f, "B": b, "W": w}
+    cost = {"F": f, "B": b}
     p = len(table[0])
     v = 1 + max(op.chunk for ops in _stage_orders(table) for _, op in ops)
     free, busy, fin = [0.0] * p, [0.0] * p, {}
@@ -380,15 +375,15 @@ def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float = 0.0)
     return [(span - x) / span for x in busy]
 
 
-def bubble_fraction(table, f: float = 1.0, b: float | None = None, w: float = 0.0) -> float:
+def bubble_fraction(table, f: float = 1.0, b: float | None = None) -> float:
     """Mean over stages of idle time / makespan (see `stage_bubbles`)."""
-    per = stage_bubbles(table, f, b, w)
+    per = stage_bubbles(table, f, b)
     return sum(per) / len(per)
 
 
 def bubble_closed_form(name: str, p: int, m: int, v: int = 1) -> float:
     """(p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan 2021)."""
-    if name not in ("gpipe", "1f1b", "interleaved"):
+    if name not in SCHEDULES:
         raise ConfigError("pipeline.schedule", name, "use gpipe, 1f1b or interleaved", "no closed form")
     _check_args(name, p, m, v)
     return (p - 1) / (v * m + p - 1)

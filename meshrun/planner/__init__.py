@@ -1,22 +1,13 @@
-"""Planner: hardware specs, memory + FLOPs + comm + bubble cost model, layout search, seed rules.
+"""Planner: hardware specs, memory + FLOPs + comm + bubble cost model, layout search, rules.
 
 Pure Python (no JAX): `meshrun plan` answers "what TP/PP/DP/EP should I use?" before anyone pays for GPUs.
 """
 
-from meshrun.planner.compiled import predict_collective_bytes, predict_memory_jax
-from meshrun.planner.cost import (
-    GEMM_EFFICIENCY,
-    Plan,
-    Precision,
-    hardware_flops,
-    model_flops,
-    param_counts,
-    precision_of,
-    predict_memory,
-    predict_time,
-)
+from meshrun.flops import hardware_flops, model_flops, param_counts
+from meshrun.planner.cost import GEMM_EFFICIENCY, Layout, Precision, precision_of, predict_memory, predict_time
 from meshrun.planner.hardware import GPUS, Cluster, parse_cluster
 from meshrun.planner.search import Result, evaluate
+from meshrun.planner.step_model import predict_collective_bytes, predict_memory_jax
 
 # `meshrun.planner.search` stays the module (search.search(...) ranks layouts); it is not shadowed here.
 
@@ -24,7 +15,7 @@ __all__ = [
     "GEMM_EFFICIENCY",
     "GPUS",
     "Cluster",
-    "Plan",
+    "Layout",
     "Precision",
     "Result",
     "evaluate",

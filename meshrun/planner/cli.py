@@ -12,13 +12,14 @@ from pathlib import Path
 
 from meshrun.config import RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
-from meshrun.planner.cost import param_counts
+from meshrun.flops import param_counts
+from meshrun.pipeline.schedules import SCHEDULES
+from meshrun.planner.cost import Layout
 from meshrun.planner.hardware import GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.search import REMATS, Result, evaluate, search
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "zero")
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # configs/models of the source tree, for `--model NAME`.
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -52,10 +53,8 @@ def load_model(text: str):
     return cfg.model, train, path.stem
 
 
-def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int):
-    """`tensor=8,pipe=16,...` -> a Plan; keys left out get defaults (data takes the devices left over)."""
-    from meshrun.planner.cost import Plan
-
+def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int) -> Layout:
+    """`tensor=8,pipe=16,...` -> a Layout; keys left out get defaults (data takes the devices left over)."""
     given: dict = {}
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -75,7 +74,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int):
     b = given.get("micro_batch_size", 1)
     m = given.get("microbatches", max(1, global_batch // (b * d * e)))
     v = given.get("virtual", 1)
-    return Plan(
+    return Layout(
         tensor=t,
         pipe=p,
         data=d,
@@ -154,7 +153,7 @@ def format_table(name: str, n_params: float, cluster: Cluster, batch: int, seq: 
         f"{'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
     ]
     for i, r in enumerate(results, 1):
-        p = r.plan
+        p = r.layout
         lines.append(
             f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {p.virtual:>2} {p.microbatches:>5} "
             f"{p.micro_batch_size:>3} {p.zero:>4} {p.remat:>9} {'y' if p.sequence_parallel else 'n':>3} "

@@ -1,4 +1,4 @@
-"""Cost model of one training step: parameters, FLOPs, per-device memory, time (compute + comm + bubble).
+"""Cost model of one training step: per-device memory, time (compute + comm + bubble) of a layout.
 
 Letters: B global batch (sequences), b micro-batch size, s sequence length, h d_model, L layers,
 V vocab, a heads, t/p/d/e tensor/pipe/data/expert degrees, m micro-batches, v virtual stages.
@@ -8,9 +8,10 @@ Sources: Narayanan et al. 2021 (Megatron PTD-P, FLOPs eq. 3, schedules), Korthik
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
+from meshrun.flops import attn_core_fwd_flops, layer_fwd_flops, layer_params, param_counts
 from meshrun.planner.hardware import COMM_LATENCY_S, Cluster
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -26,8 +27,9 @@ OVERLAP_COST = 0.25
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One parallel layout. Dense layers' data-parallel group is data x expert (EP folded into DP)."""
+class Layout:
+    """One candidate parallel layout. Dense layers' data-parallel group is data x expert (EP folded
+    into DP)."""
 
     tensor: int = 1
     pipe: int = 1
@@ -47,11 +49,8 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        # PP does not multiply the batch: B = b x m x DP (DESIGN section 6).
+        # Pipeline stages share each micro-batch, so PP does not multiply the batch: B = b x m x DP.
         return self.micro_batch_size * self.microbatches * self.data * self.expert
-
-    def with_(self, **kw) -> Plan:
-        return replace(self, **kw)
 
 
 @dataclass(frozen=True)
@@ -71,84 +70,12 @@ def precision_of(model: ModelConfig) -> Precision:
     return Precision(param=pb, grad=pb, opt=8 + (4 if pb < 4 else 0), act=DTYPE_BYTES[model.dtype])
 
 
-# ----------------------------------------------------------------------------- parameters
-
-
-def attn_params(m: ModelConfig) -> int:
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    return m.d_model * q + 2 * m.d_model * kv + q * m.d_model  # Wq, Wk, Wv, Wo (GQA: fewer kv heads)
-
-
-def mlp_params(m: ModelConfig) -> int:
-    return (3 if m.mlp == "swiglu" else 2) * m.d_model * m.d_ff  # swiglu: gate, up, down; gelu: up, down
-
-
-def n_moe_layers(m: ModelConfig) -> int:
-    return m.n_layers // m.moe_every if m.is_moe else 0
-
-
-def layer_params(m: ModelConfig, moe: bool = False) -> int:
-    """One transformer layer: attention + MLP (or E experts + router) + 2 norms. GPT-3: 12h^2 + 2h."""
-    ffn = m.n_experts * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m)
-    return attn_params(m) + ffn + 2 * m.d_model
-
-
-def param_counts(m: ModelConfig) -> dict[str, int]:
-    n_moe = n_moe_layers(m)
-    dense_layers = (m.n_layers - n_moe) * layer_params(m) + n_moe * (
-        layer_params(m, True) - m.n_experts * mlp_params(m)
-    )
-    experts = n_moe * m.n_experts * mlp_params(m)
-    emb = m.vocab * m.d_model
-    head = 0 if m.tie_embeddings else m.vocab * m.d_model
-    total = dense_layers + experts + emb + head + m.d_model
-    return {"layers": dense_layers, "experts": experts, "embedding": emb, "head": head, "total": total}
-
-
-# ----------------------------------------------------------------------------- FLOPs
-
-
-def _matmul_active(m: ModelConfig, moe: bool) -> int:
-    """Matmul params a token passes through in one layer (MoE: top_k experts + router)."""
-    return attn_params(m) + (m.top_k * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m))
-
-
-def layer_fwd_flops(m: ModelConfig, tokens: float, s: int, moe: bool = False, capacity: float = 1.0) -> float:
-    """2 FLOPs per matmul param per token + attention scores QK^T and A.V (4 s^2 a d_head per sequence,
-    counted in full as Megatron does, not halved for causal masking)."""
-    mat = _matmul_active(m, moe)
-    if moe:
-        mat += (capacity - 1.0) * m.top_k * mlp_params(m)  # capacity padding is executed too
-    return 2.0 * tokens * mat + 4.0 * tokens * s * m.n_heads * m.head_dim
-
-
-def attn_core_fwd_flops(m: ModelConfig, tokens: float, s: int) -> float:
-    return 4.0 * tokens * s * m.n_heads * m.head_dim
-
-
-def model_flops(m: ModelConfig, batch: float, s: int) -> float:
-    """Model FLOPs per step (no recompute): 3 x forward. For GPT (gelu, ffn 4h, MHA) this is exactly
-    Megatron's 72 B s L h^2 (1 + s/(6h) + V/(12 L h))."""
-    tok = batch * s
-    n_moe = n_moe_layers(m)
-    fwd = (m.n_layers - n_moe) * layer_fwd_flops(m, tok, s) + n_moe * layer_fwd_flops(m, tok, s, True)
-    return 3.0 * (fwd + 2.0 * tok * m.d_model * m.vocab)
-
-
-def hardware_flops(m: ModelConfig, batch: float, s: int, remat: str) -> float:
-    """Model FLOPs + recomputation, as Megatron reports TFLOP/s. Full remat: 96 B s L h^2
-    (1 + s/(6h) + V/(16 L h)) (Narayanan 2021 eq. 3); selective recomputes the attention core only."""
-    tok = batch * s
-    n_moe = n_moe_layers(m)
-    extra = 0.0
-    if remat == "full":
-        extra = (m.n_layers - n_moe) * layer_fwd_flops(m, tok, s) + n_moe * layer_fwd_flops(m, tok, s, True)
-    elif remat == "selective":
-        extra = m.n_layers * attn_core_fwd_flops(m, tok, s)
-    return model_flops(m, batch, s) + extra
-
-
 # ----------------------------------------------------------------------------- memory
+
+
+def zero_divisors(zero: int, dp: int) -> tuple[int, int, int]:
+    """How many ways ZeRO stage `zero` splits (params, grads, optimizer states) over `dp` ranks."""
+    return {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[zero]
 
 
 def layer_activation_bytes(
@@ -192,6 +119,38 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> 
     return n
 
 
+def _layer_activations(
+    model: ModelConfig, b: int, s: int, t: int, *, remat: str, sp: bool, act: float, dropout: bool, flash: bool
+) -> tuple[float, float]:
+    """(bytes each layer keeps per micro-batch, bytes of the one layer being recomputed). Full remat
+    keeps each layer's input and rebuilds one layer at a time in the backward."""
+    kw = dict(sp=sp, act=act, dropout=dropout, flash=flash)
+    n_moe = model.n_moe_layers
+    moe_frac = n_moe / model.n_layers
+    dense_act = layer_activation_bytes(model, b, s, t, remat=remat, **kw)
+    moe_act = layer_activation_bytes(model, b, s, t, remat=remat, moe=True, **kw) if n_moe else 0.0
+    per_layer = (1 - moe_frac) * dense_act + moe_frac * moe_act
+    if remat != "full":
+        return per_layer, 0.0
+    kept = act * s * b * model.d_model / (t if sp else 1)
+    working = layer_activation_bytes(model, b, s, t, remat="none", **kw)
+    if n_moe:
+        working = max(working, layer_activation_bytes(model, b, s, t, remat="none", moe=True, **kw))
+    return kept, working
+
+
+def _stage_params(counts: dict[str, int], h: int, p: int, t: int, expert: int, stage: int) -> tuple[float, float]:
+    """(dense, expert) parameters on one device of pipeline stage `stage`, before ZeRO sharding. The
+    last stage holds the output head (a copy of the tied embedding when it lives on another stage)
+    and the final norm."""
+    dense = counts["layers"] / p / t
+    if stage == 0:
+        dense += counts["embedding"] / t
+    if stage == p - 1:
+        dense += (counts["head"] or (counts["embedding"] if p > 1 else 0)) / t + h
+    return dense, counts["experts"] / p / (t * expert)
+
+
 def predict_memory(
     model: ModelConfig,
     *,
@@ -226,54 +185,32 @@ def predict_memory(
     ob = prec.opt if opt_bytes is None else opt_bytes
     ab = prec.act if act_bytes is None else act_bytes
     remat = model.remat if remat is None else remat
-    sp = model.sequence_parallel if sequence_parallel is None else sequence_parallel
+    sp = (model.sequence_parallel if sequence_parallel is None else sequence_parallel) and tensor > 1
     flash = model.attention_impl == "cudnn" if flash is None else flash
     s = seq_len or model.max_seq_len
     t, p, b, h = tensor, pipe, micro_batch_size, model.d_model
     if schedule == "interleaved" and virtual == 1:
         schedule = "1f1b"
     counts = param_counts(model)
-    n_moe = n_moe_layers(model)
-    stage_layers = model.n_layers / p
-    moe_frac = n_moe / model.n_layers
-    dense_dp, expert_dp = data * expert, data
-
-    kw = dict(sp=sp and t > 1, act=ab, dropout=dropout, flash=flash)
-    dense_act = layer_activation_bytes(model, b, s, t, remat=remat, **kw)
-    moe_act = layer_activation_bytes(model, b, s, t, remat=remat, moe=True, **kw) if n_moe else 0.0
-    per_layer = (1 - moe_frac) * dense_act + moe_frac * moe_act
-    if remat == "full":  # keep each layer's input; recompute one layer at a time in the backward
-        kept = ab * s * b * h / (t if sp and t > 1 else 1)
-        working = layer_activation_bytes(model, b, s, t, remat="none", **kw)
-        if n_moe:
-            working = max(working, layer_activation_bytes(model, b, s, t, remat="none", moe=True, **kw))
-    else:
-        kept, working = per_layer, 0.0
+    kept, working = _layer_activations(model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash)
+    dense_div, expert_div = zero_divisors(zero, data * expert), zero_divisors(zero, data)
 
     best: dict[str, float] | None = None
     for stage in sorted({0, p - 1}):
-        first, last = stage == 0, stage == p - 1
-        dense = counts["layers"] / p / t
-        if first:
-            dense += counts["embedding"] / t
-        if last:  # output head (a copy of the tied embedding when it lives on another stage) + final norm
-            dense += (counts["head"] or (counts["embedding"] if p > 1 else 0)) / t + h
-        experts = counts["experts"] / p / (t * expert)
-        shard = {0: (1, 1, 1), 1: (1, 1, dense_dp), 2: (1, dense_dp, dense_dp), 3: (dense_dp,) * 3}[zero]
-        eshard = {0: (1, 1, 1), 1: (1, 1, expert_dp), 2: (1, expert_dp, expert_dp), 3: (expert_dp,) * 3}[zero]
-        params = pb * (dense / shard[0] + experts / eshard[0])
-        grads = gb * (dense / shard[1] + experts / eshard[1])
+        dense, experts = _stage_params(counts, h, p, t, expert, stage)
+        params, grads, opt = (
+            nbytes * (dense / dd + experts / ed) for nbytes, dd, ed in zip((pb, gb, ob), dense_div, expert_div)
+        )
         if accum_copy and microbatches > 1:
             grads += gb * (dense + experts)
-        opt = ob * (dense / shard[2] + experts / eshard[2])
         if zero == 3:  # gathered weights of the layer in use and the prefetched next one
-            params += 2 * pb * (layer_params(model, n_moe > 0) / t)
+            params += 2 * pb * (layer_params(model, model.is_moe) / t)
         n_in = inflight_microbatches(schedule, p, microbatches, virtual, stage)
-        acts = stage_layers * kept * n_in + working
-        if first:  # embedding output (+ dropout mask) of each in-flight micro-batch
-            acts += n_in * s * b * h * (ab + (1 if dropout else 0)) / (t if sp and t > 1 else 1)
+        acts = model.n_layers / p * kept * n_in + working
+        if stage == 0:  # embedding output (+ dropout mask) of each in-flight micro-batch
+            acts += n_in * s * b * h * (ab + (1 if dropout else 0)) / (t if sp else 1)
         logits = 0.0
-        if last:  # logits in the compute dtype + fp32 log-softmax for the loss, vocab-parallel
+        if stage == p - 1:  # logits in the compute dtype + fp32 log-softmax for the loss, vocab-parallel
             logits = s * b * model.vocab / t * (ab + 4) + ab * s * b * h
         total = params + grads + opt + acts + logits
         part = {
@@ -309,9 +246,91 @@ def _exposed(comm: float, window: float) -> float:
     return comm - hidden + OVERLAP_COST * hidden
 
 
+def _microbatch_compute(
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, efficiency: float
+) -> tuple[float, float]:
+    """(seconds of one micro-batch on the last stage: its layers + the logits, per device; the
+    backward's share of that time, which the data-parallel sync can hide behind)."""
+    p, tok = layout.pipe, layout.micro_batch_size * s
+    L_s, moe_s = model.n_layers / p, model.n_moe_layers / p
+    f_dense = layer_fwd_flops(model, tok, s)
+    f_moe = layer_fwd_flops(model, tok, s, True, model.capacity_factor) if model.n_moe_layers else 0.0
+    fwd = (L_s - moe_s) * f_dense + moe_s * f_moe
+    recompute = 0.0
+    if layout.remat == "full":
+        recompute = fwd
+    elif layout.remat == "selective":
+        recompute = L_s * attn_core_fwd_flops(model, tok, s)
+    stage_flops = 3 * fwd + recompute + 3 * 2.0 * tok * model.d_model * model.vocab
+    t_mb = stage_flops / layout.tensor / (cluster.gpu.peak_flops * efficiency)
+    return t_mb, 2 * fwd / (3 * fwd + recompute)
+
+
+def _microbatch_comm(
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, prec: Precision
+) -> tuple[float, float, float]:
+    """Seconds of (tensor, pipe, expert) communication per micro-batch on one device."""
+    t, p, d, e, v = layout.tensor, layout.pipe, layout.data, layout.expert, layout.virtual
+    tok, h, full = layout.micro_batch_size * s, model.d_model, layout.remat == "full"
+    # Tensor parallel: 2 all-reduces forward + 2 backward per layer (+2 when the forward is recomputed),
+    # each of b s h activations; with SP the all-gather + reduce-scatter pair moves the same bytes.
+    act_bytes = prec.act * tok * h
+    t_tp = model.n_layers / p * (4 + 2 * full) * _ring_allreduce(act_bytes, t, cluster.group_bw(t))
+    # Pipeline p2p: activations forward and gradients backward per micro-batch and virtual chunk,
+    # split over the TP ranks (Megatron's scatter/gather optimisation). Neighbours are t*e*d apart.
+    t_pp = 0.0
+    if p > 1:
+        t_pp = 2 * v * (COMM_LATENCY_S + act_bytes / t / cluster.group_bw(2 * t * e * d))
+    # Expert all-to-all: dispatch + combine, forward and backward (+ recompute).
+    t_ep = 0.0
+    if model.n_moe_layers and e > 1:
+        a2a = prec.act * tok * model.top_k * model.capacity_factor * h / (t if layout.sequence_parallel else 1)
+        t_ep = model.n_moe_layers / p * (4 + 2 * full) * (COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t))
+    return t_tp, t_pp, t_ep
+
+
+def _device_params(model: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters of one device of the first stage, before ZeRO sharding."""
+    counts = param_counts(model)
+    dense = (counts["layers"] / layout.pipe + counts["embedding"]) / layout.tensor
+    return dense, counts["experts"] / layout.pipe / (layout.tensor * layout.expert)
+
+
+def _data_parallel_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds once per step) of data-parallel traffic. Dense params reduce
+    over data*expert ranks, expert params over data ranks. ZeRO-2/3 reduce-scatter gradients every
+    micro-batch and ZeRO-3 gathers weights forward and backward; once per step, after the last
+    backward, ZeRO-0 all-reduces the gradients, ZeRO-1 reduce-scatters them, and ZeRO-1/2 all-gather
+    the updated params."""
+    t, d, e, zero = layout.tensor, layout.data, layout.expert, layout.zero
+    dense_dev, expert_dev = _device_params(model, layout)
+    bw_dp = cluster.group_bw(t * e * d)
+    per_mb = per_step = 0.0
+    for n_par, dp in ((dense_dev, d * e), (expert_dev, d)):
+        if zero >= 2:
+            per_mb += _ring_gather(n_par * prec.grad, dp, bw_dp)  # full-size grads -> shard
+        if zero == 3:
+            per_mb += 2 * _ring_gather(n_par * prec.param, dp, bw_dp)
+        if zero == 0:
+            per_step += _ring_allreduce(n_par * prec.grad, dp, bw_dp)
+        elif zero == 1:
+            per_step += _ring_gather(n_par * prec.grad, dp, bw_dp) + _ring_gather(n_par * prec.param, dp, bw_dp)
+        elif zero == 2:
+            per_step += _ring_gather(n_par * prec.param, dp, bw_dp)
+    return per_mb, per_step
+
+
+def _optimizer_time(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision) -> float:
+    """Adam reads params, grads, m, v (+ master) and writes them back: memory bound."""
+    dense_dev, expert_dev = _device_params(model, layout)
+    d, e = layout.data, layout.expert
+    n_opt = dense_dev / (d * e if layout.zero >= 1 else 1) + expert_dev / (d if layout.zero >= 1 else 1)
+    return n_opt * (2 * prec.param + prec.grad + 2 * prec.opt) / cluster.gpu.hbm_bw
+
+
 def predict_time(
     model: ModelConfig,
-    plan: Plan,
+    layout: Layout,
     cluster: Cluster,
     seq_len: int,
     *,
@@ -321,64 +340,13 @@ def predict_time(
     """Seconds per step, by part: compute, tensor/pipe/expert comm, exposed ZeRO and DP gradient sync,
     pipeline bubble, optimizer update. The slowest (last) stage sets the pace."""
     prec = precision or precision_of(model)
-    t, p, d, e, v, m, b = (plan.tensor, plan.pipe, plan.data, plan.expert, plan.virtual,
-                           plan.microbatches, plan.micro_batch_size)  # fmt: skip
-    s, h, gpu = seq_len, model.d_model, cluster.gpu
-    n_moe = n_moe_layers(model)
-    L_s, moe_s = model.n_layers / p, n_moe / p
-    dense_s = L_s - moe_s
-    tok = b * s
-    full = plan.remat == "full"
-
-    # Compute of one micro-batch on the last stage (its layers + the logits), per device.
-    f_dense = layer_fwd_flops(model, tok, s)
-    f_moe = layer_fwd_flops(model, tok, s, True, model.capacity_factor) if n_moe else 0.0
-    fwd = dense_s * f_dense + moe_s * f_moe
-    recompute = fwd if full else (L_s * attn_core_fwd_flops(model, tok, s) if plan.remat == "selective" else 0.0)
-    stage_flops = 3 * fwd + recompute + 3 * 2.0 * tok * h * model.vocab
-    t_mb = stage_flops / t / (gpu.peak_flops * efficiency)
-    bwd_frac = 2 * fwd / (3 * fwd + recompute)
-
-    # Tensor parallel: 2 all-reduces forward + 2 backward per layer (+2 when the forward is recomputed),
-    # each of b s h activations; with SP the all-gather + reduce-scatter pair moves the same bytes.
-    act_bytes = prec.act * tok * h
-    t_tp = L_s * (4 + 2 * full) * _ring_allreduce(act_bytes, t, cluster.group_bw(t))
-    # Pipeline p2p: activations forward and gradients backward per micro-batch and virtual chunk,
-    # split over the TP ranks (Megatron's scatter/gather optimisation). Neighbours are t*e*d apart.
-    t_pp = 0.0
-    if p > 1:
-        t_pp = 2 * v * (COMM_LATENCY_S + act_bytes / t / cluster.group_bw(2 * t * e * d))
-    # Expert all-to-all: dispatch + combine, forward and backward (+ recompute).
-    t_ep = 0.0
-    if n_moe and e > 1:
-        a2a = prec.act * tok * model.top_k * model.capacity_factor * h / (t if plan.sequence_parallel else 1)
-        t_ep = moe_s * (4 + 2 * full) * (COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t))
-
-    # Data-parallel traffic. Dense params reduce over data*expert ranks, expert params over data ranks.
-    counts = param_counts(model)
-    dense_dev = (counts["layers"] / p + counts["embedding"]) / t
-    expert_dev = counts["experts"] / p / (t * e)
-    bw_dp = cluster.group_bw(t * e * d)
-    groups = ((dense_dev, d * e), (expert_dev, d))
-    t_zero_mb = 0.0  # ZeRO-2/3: gradients reduce-scattered every micro-batch; ZeRO-3 gathers weights fwd + bwd
-    t_dp = 0.0  # once per step, after the last backward
-    for n_par, dp in groups:
-        if plan.zero >= 2:
-            t_zero_mb += _ring_gather(n_par * prec.grad, dp, bw_dp)  # full-size grads -> shard
-        if plan.zero == 3:
-            t_zero_mb += 2 * _ring_gather(n_par * prec.param, dp, bw_dp)
-        if plan.zero == 0:
-            t_dp += _ring_allreduce(n_par * prec.grad, dp, bw_dp)
-        elif plan.zero == 1:
-            t_dp += _ring_gather(n_par * prec.grad, dp, bw_dp) + _ring_gather(n_par * prec.param, dp, bw_dp)
-        elif plan.zero == 2:
-            t_dp += _ring_gather(n_par * prec.param, dp, bw_dp)
+    p, v, m = layout.pipe, layout.virtual, layout.microbatches
+    t_mb, bwd_frac = _microbatch_compute(model, layout, cluster, seq_len, efficiency)
+    t_tp, t_pp, t_ep = _microbatch_comm(model, layout, cluster, seq_len, prec)
+    t_zero_mb, t_dp = _data_parallel_comm(model, layout, cluster, prec)
     t_zero_exposed = _exposed(t_zero_mb, t_mb)  # prefetch / bucketing overlaps it with compute
     t_dp_exposed = _exposed(t_dp, bwd_frac * t_mb)  # overlaps the last micro-batch's backward only
-
-    # Optimizer: read params, grads, m, v (+ master), write them back: memory bound.
-    n_opt = dense_dev / (d * e if plan.zero >= 1 else 1) + expert_dev / (d if plan.zero >= 1 else 1)
-    t_opt = n_opt * (2 * prec.param + prec.grad + 2 * prec.opt) / gpu.hbm_bw
+    t_opt = _optimizer_time(model, layout, cluster, prec)
 
     per_mb = t_mb + t_tp + t_pp + t_ep + t_zero_exposed
     bubble_slots = (p - 1) / v

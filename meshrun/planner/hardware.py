@@ -53,6 +53,26 @@ GPUS: dict[str, GPU] = {
 }
 
 
+# jax `device_kind` substring -> dense bf16 peak FLOP/s; the first match wins (specific names first).
+# The H100 PCIe is not in GPUS: its NVLink bridges join pairs of GPUs only, which the node model of
+# `Cluster` (NVLink between every GPU of a node) would misrepresent to the planner.
+DEVICE_KIND_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H200", GPUS["h200"].peak_flops),
+    # NVIDIA H100 Tensor Core GPU datasheet: PCIe 1,513 TFLOP/s bf16 with sparsity -> 756 dense.
+    ("H100 PCIe", 756e12),
+    ("H100", GPUS["h100-80g"].peak_flops),
+    ("A100", GPUS["a100-80g"].peak_flops),  # 40 GB and 80 GB, SXM and PCIe: 312 TFLOP/s
+)
+
+
+def peak_flops_of_kind(device_kind: str) -> float | None:
+    """Dense bf16 peak of a jax device kind (e.g. 'NVIDIA H100 80GB HBM3'); None when unknown (CPU)."""
+    for key, flops in DEVICE_KIND_PEAKS:
+        if key.lower() in device_kind.lower():
+            return flops
+    return None
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpu: GPU

@@ -1,18 +1,19 @@
 """Rules, evaluation of one layout, search over layouts, and the efficiency calibration.
 
-Rules come from the seed article (DESIGN section 6), each as a string with the number behind it.
-Hard rules (divisibility, memory, TP across nodes) remove a layout from the search; soft ones
-(bubble from m < 4p, DP sync longer than compute) are reported but the layout still ranks by time.
+Each rule is reported as a string with the number behind it. Hard rules (divisibility, memory, TP
+across nodes) remove a layout from the search; soft ones (bubble from m < 4p, DP sync longer than
+compute) are reported but the layout still ranks by time.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from meshrun import flops
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.planner import cost
-from meshrun.planner.cost import Plan
+from meshrun.planner.cost import Layout
 from meshrun.planner.hardware import GB, Cluster, parse_cluster
 
 REMATS = ("none", "selective", "full")
@@ -22,7 +23,7 @@ MAX_MICRO_BATCH = 16
 
 @dataclass
 class Result:
-    plan: Plan
+    layout: Layout
     memory: dict
     time: dict
     tflops_per_device: float
@@ -35,7 +36,7 @@ class Result:
         return self.time["total"]
 
     def to_dict(self) -> dict:
-        out = asdict(self.plan)
+        out = asdict(self.layout)
         out.update(
             memory_gb=round(self.memory["total"] / GB, 3),
             step_time_s=round(self.step_time, 4),
@@ -51,9 +52,9 @@ class Result:
         return out
 
 
-def structural_violations(model: ModelConfig, plan: Plan, cluster: Cluster, global_batch: int) -> list[str]:
+def structural_violations(model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int) -> list[str]:
     """Degrees that don't divide heads, kv heads, layers, experts, devices or the global batch."""
-    t, p, e, v = plan.tensor, plan.pipe, plan.expert, plan.virtual
+    t, p, e, v = layout.tensor, layout.pipe, layout.expert, layout.virtual
     out = []
     for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
         if n % t:
@@ -64,17 +65,17 @@ def structural_violations(model: ModelConfig, plan: Plan, cluster: Cluster, glob
         out.append(f"expert={e} > 1 on a dense model (n_experts=0)")
     elif model.is_moe and model.n_experts % e:
         out.append(f"model.n_experts={model.n_experts} is not divisible by expert={e}")
-    if plan.n_devices != cluster.n_devices:
-        out.append(f"tensor*pipe*data*expert = {plan.n_devices} != {cluster.n_devices} devices of {cluster}")
-    if plan.global_batch != global_batch:
+    if layout.n_devices != cluster.n_devices:
+        out.append(f"tensor*pipe*data*expert = {layout.n_devices} != {cluster.n_devices} devices of {cluster}")
+    if layout.global_batch != global_batch:
         out.append(
             f"global batch {global_batch} != micro_batch_size*microbatches*data*expert = "
-            f"{plan.micro_batch_size}*{plan.microbatches}*{plan.data}*{e} = {plan.global_batch}"
+            f"{layout.micro_batch_size}*{layout.microbatches}*{layout.data}*{e} = {layout.global_batch}"
         )
     if v > 1 and p == 1:
         out.append(f"virtual={v} needs pipe > 1")
-    if plan.schedule == "interleaved" and plan.microbatches % p:
-        out.append(f"microbatches={plan.microbatches} is not divisible by pipe={p} (interleaved 1F1B needs it)")
+    if layout.schedule == "interleaved" and layout.microbatches % p:
+        out.append(f"microbatches={layout.microbatches} is not divisible by pipe={p} (interleaved 1F1B needs it)")
     if t > cluster.gpus_per_node:
         g = cluster.gpu
         out.append(
@@ -86,7 +87,7 @@ def structural_violations(model: ModelConfig, plan: Plan, cluster: Cluster, glob
 
 def evaluate(
     model: ModelConfig,
-    plan: Plan,
+    layout: Layout,
     cluster: Cluster,
     global_batch: int,
     seq_len: int,
@@ -95,41 +96,40 @@ def evaluate(
     dropout: bool = False,
 ) -> Result:
     """Memory, time, throughput and rule violations of one layout."""
-    hard = structural_violations(model, plan, cluster, global_batch)
+    hard = structural_violations(model, layout, cluster, global_batch)
     mem = cost.predict_memory(
         model,
-        tensor=plan.tensor,
-        pipe=plan.pipe,
-        data=plan.data,
-        expert=plan.expert,
-        microbatches=plan.microbatches,
-        micro_batch_size=plan.micro_batch_size,
+        tensor=layout.tensor,
+        pipe=layout.pipe,
+        data=layout.data,
+        expert=layout.expert,
+        microbatches=layout.microbatches,
+        micro_batch_size=layout.micro_batch_size,
         seq_len=seq_len,
-        zero=plan.zero,
-        remat=plan.remat,
-        sequence_parallel=plan.sequence_parallel,
-        schedule=plan.schedule,
-        virtual=plan.virtual,
+        zero=layout.zero,
+        remat=layout.remat,
+        sequence_parallel=layout.sequence_parallel,
+        schedule=layout.schedule,
+        virtual=layout.virtual,
         dropout=dropout,
     )
-    tm = cost.predict_time(model, plan, cluster, seq_len, efficiency=efficiency)
+    tm = cost.predict_time(model, layout, cluster, seq_len, efficiency=efficiency)
     if mem["total"] > cluster.usable_memory:
         hard.append(
             f"memory {mem['total'] / GB:.1f} GB > {cluster.usable_memory / GB:.1f} GB usable on {cluster.gpu.name} "
             f"({cluster.gpu.memory_bytes / GB:.0f} GB)"
         )
     soft = []
-    if plan.pipe > 1 and plan.microbatches < 4 * plan.pipe:
-        soft.append(
-            f"microbatches={plan.microbatches} < 4*pipe={4 * plan.pipe}: pipeline bubble {tm['bubble_fraction']:.1%}"
-        )
+    m, p = layout.microbatches, layout.pipe
+    if p > 1 and m < 4 * p:
+        soft.append(f"microbatches={m} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
     if tm["dp_sync_full"] > tm["compute"]:
         soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
     n = cluster.n_devices
-    hw = cost.hardware_flops(model, global_batch, seq_len, plan.remat)
-    mf = cost.model_flops(model, global_batch, seq_len)
+    hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
+    mf = flops.model_flops(model, global_batch, seq_len)
     return Result(
-        plan=plan,
+        layout=layout,
         memory=mem,
         time=tm,
         tflops_per_device=hw / (tm["total"] * n) / 1e12,
@@ -165,7 +165,7 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch: int):
                         for zero in range(4) if d * e > 1 else (0,):
                             for remat in REMATS:
                                 for sp in (False, True) if t > 1 else (False,):
-                                    yield Plan(t, p, d, e, v, m, b, zero, remat, sp,
+                                    yield Layout(t, p, d, e, v, m, b, zero, remat, sp,
                                                "interleaved" if v > 1 else "1f1b")  # fmt: skip
 
 
@@ -181,9 +181,9 @@ def search(
 ) -> list[Result]:
     """The `top` fastest layouts that fit in memory, best first. Raises ConfigError when none fits."""
     fitting, smallest, n_seen = [], None, 0
-    for plan in candidates(model, cluster, global_batch):
+    for layout in candidates(model, cluster, global_batch):
         n_seen += 1
-        r = evaluate(model, plan, cluster, global_batch, seq_len, efficiency=efficiency)
+        r = evaluate(model, layout, cluster, global_batch, seq_len, efficiency=efficiency)
         if r.hard:
             if smallest is None or r.memory["total"] < smallest.memory["total"]:
                 smallest = r
@@ -198,7 +198,7 @@ def search(
             "no layout divides the global batch",
         )
     if not fitting:
-        p = smallest.plan
+        p = smallest.layout
         raise ConfigError(
             "--model",
             name,
@@ -241,9 +241,9 @@ def table1_predictions(efficiency: float) -> list[tuple[float, float, float]]:
     out = []
     for size, heads, hidden, layers, t, p, gpus, batch, measured in MEGATRON_TABLE1:
         d = gpus // (t * p)
-        plan = Plan(tensor=t, pipe=p, data=d, microbatches=batch // d, micro_batch_size=1, remat="full")
+        layout = Layout(tensor=t, pipe=p, data=d, microbatches=batch // d, micro_batch_size=1, remat="full")
         cluster = parse_cluster(f"a100-80g:{gpus // 8}x8")
-        r = evaluate(gpt_config(heads, hidden, layers), plan, cluster, batch, 2048, efficiency=efficiency)
+        r = evaluate(gpt_config(heads, hidden, layers), layout, cluster, batch, 2048, efficiency=efficiency)
         out.append((size, r.tflops_per_device, measured))
     return out
 

@@ -10,7 +10,9 @@ Some per-layer counts were read off the tiny configs' buffer assignments; they s
 from __future__ import annotations
 
 from meshrun.config import ModelConfig
-from meshrun.planner.cost import n_moe_layers, param_counts, precision_of
+from meshrun.flops import param_counts
+from meshrun.pipeline import schedules
+from meshrun.planner.cost import precision_of, zero_divisors
 
 
 def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe=False) -> float:
@@ -40,8 +42,6 @@ def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: flo
 
 def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
     """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage."""
-    from meshrun.pipeline import schedules  # pure Python
-
     lock = schedules.lockstep(schedules.build(schedule, p, m, v))
     return max(schedules.max_in_flight(lock, s) for s in range(p))
 
@@ -81,13 +81,12 @@ def predict_memory_jax(
     v = virtual if schedule == "interleaved" else 1
     flash = model.attention_impl == "cudnn"
     counts = param_counts(model)
-    n_moe = n_moe_layers(model)
+    n_moe = model.n_moe_layers
     norms = 2 * h * model.n_layers  # RMSNorm scales are replicated over TP
     dense = (counts["layers"] - norms) / p / t + norms / p + (counts["embedding"] + counts["head"]) / t + h
     experts = counts["experts"] / p / (t * expert)
     dense_dp, expert_dp = data * expert, data
-    shard = {0: (1, 1, 1), 1: (1, 1, dense_dp), 2: (1, dense_dp, dense_dp), 3: (dense_dp,) * 3}[zero]
-    eshard = {0: (1, 1, 1), 1: (1, 1, expert_dp), 2: (1, expert_dp, expert_dp), 3: (expert_dp,) * 3}[zero]
+    shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
     params = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
     if microbatches > 1:
@@ -146,26 +145,41 @@ def predict_collective_bytes(
     micro_batch_size: int = 1,
     seq_len: int | None = None,
     zero: int = 0,
+    schedule: str = "1f1b",
+    virtual: int = 1,
     permutes: tuple[int, int] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-step collective bytes on one device of meshrun's step, as `meshrun.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
-    Per micro-batch and stage layer, TP all-reduces b·s·h twice forward (attention and MLP outputs)
-    and twice backward (their input gradients); the vocab-parallel embedding adds one forward and
-    the head one backward (b·s·h). In MoE layers the FFN pair runs on the k·cf routed copies
-    (b·s·k·cf·h: expert output forward, expert input gradient backward). EP: dispatch + combine
-    all_to_all forward and backward of the k·cf routed copies (b·s·k·cf·h). Pipe: one ppermute of
-    b·s·h per sending tick and direction (`permutes`: pass the executor's `Plan.permutes()`; the
-    default, every lockstep tick both ways, is an upper bound) and the all-reduce of the
-    embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0 all-reduces the gradients
-    (dense over data x expert, experts over data); ZeRO-1/2 reduce-scatter them and all-gather
-    the updated params; ZeRO-3 all-gathers the params before the loop and reduce-scatters."""
+    Per forward of a layer, TP all-reduces b·s·h once after attention and once after the MLP; per
+    backward, once for each of their input gradients. The vocab-parallel embedding adds one per
+    forward and the head's input gradient one more (b·s·h). In MoE layers the FFN's all-reduce runs
+    on the k·cf routed copies (b·s·k·cf·h). EP: dispatch + combine all_to_all of the routed copies
+    per forward and per backward of an MoE layer. Without a pipeline every micro-batch runs one
+    forward and one backward of all layers. With one, the lockstep executor runs one chunk's forward
+    on every tick that has a forward and one chunk's backward on every tick that has a backward,
+    idle (masked) ticks included, and the embedding and head conditionals on every forward tick
+    (`meshrun.hlo` counts collectives in conditional branches as taken). Pipe: one ppermute of
+    b·s·h per sending tick and direction (`permutes`: the executor's (forward, backward) sends per
+    step; the default, every lockstep tick both ways, is an upper bound) and the all-reduce of the
+    embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
+    all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
+    reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
+    loop and reduce-scatters."""
     prec = precision_of(model)
     s = seq_len or model.max_seq_len
     t, p, e, m, b, h = tensor, pipe, expert, microbatches, micro_batch_size, model.d_model
     act = prec.act * b * s * h
-    layers = model.n_layers / p
-    moe_layers = n_moe_layers(model) / p
+    v = virtual if schedule == "interleaved" and p > 1 else 1
+    f_ticks = b_ticks = m  # forwards and backwards of one (chunk of a) stage per step
+    if p > 1:
+        lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+        f_ticks = sum(any(c.fwd for c in row) for row in lock)
+        b_ticks = sum(any(c.bwd for c in row) for row in lock)
+        if permutes is None:
+            permutes = (len(lock), len(lock))
+    layers = model.n_layers / (p * v)  # one forward or backward
+    moe_layers = model.n_moe_layers / (p * v)
     out: dict[str, float] = {}
     count: dict[str, float] = {}
 
@@ -178,10 +192,11 @@ def predict_collective_bytes(
 
     routed = act * model.top_k * model.capacity_factor
     if t > 1:
-        add("all-reduce", ("tensor",), act, m * (4 * layers - 2 * moe_layers + 2))
-        add("all-reduce", ("tensor",), routed, m * 2 * moe_layers)
+        per_pass = 2 * layers - moe_layers
+        add("all-reduce", ("tensor",), act, f_ticks * (per_pass + 2) + b_ticks * per_pass)
+        add("all-reduce", ("tensor",), routed, (f_ticks + b_ticks) * moe_layers)
     if e > 1 and moe_layers:
-        add("all-to-all", ("expert",), routed, 4 * m * moe_layers)
+        add("all-to-all", ("expert",), routed, 2 * (f_ticks + b_ticks) * moe_layers)
     counts = param_counts(model)
     pb = prec.grad
     norms = 2 * h * model.n_layers
@@ -189,11 +204,6 @@ def predict_collective_bytes(
     edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
     expert_g = pb * counts["experts"] / p / (t * e)
     if p > 1:
-        if permutes is None:
-            from meshrun.pipeline import schedules
-
-            n = len(schedules.lockstep(schedules.build("1f1b", p, m)))
-            permutes = (n, n)
         add("collective-permute", ("pipe",), act, sum(permutes))
         add("all-reduce", ("pipe", *(a for a, k in (("data", data), ("expert", e)) if k > 1)), edge_g)
         edge_g = 0.0

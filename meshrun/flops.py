@@ -1,0 +1,91 @@
+"""Parameter and FLOP counts of the decoder-only transformer (pure Python, no JAX).
+
+One home for the counts the planner's cost model and the training metrics (MFU) both use.
+Letters: B global batch (sequences), s sequence length, h d_model, L layers, V vocab, a heads.
+FLOPs: 2 per multiply-add; the backward costs twice the forward (Kaplan et al. 2020; PaLM,
+Chowdhery et al. 2022, appendix B). For GPT (gelu, d_ff = 4h, full MHA) the model FLOPs equal
+Megatron-LM's 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) (Narayanan et al. 2021, section 5.1).
+"""
+
+from __future__ import annotations
+
+from meshrun.config import ModelConfig
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def attn_params(m: ModelConfig) -> int:
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    return m.d_model * q + 2 * m.d_model * kv + q * m.d_model  # Wq, Wk, Wv, Wo (GQA: fewer kv heads)
+
+
+def mlp_params(m: ModelConfig) -> int:
+    return (3 if m.mlp == "swiglu" else 2) * m.d_model * m.d_ff  # swiglu: gate, up, down; gelu: up, down
+
+
+def layer_params(m: ModelConfig, moe: bool = False) -> int:
+    """One transformer layer: attention + MLP (or E experts + router) + 2 norms. GPT-3: 12h^2 + 2h."""
+    ffn = m.n_experts * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m)
+    return attn_params(m) + ffn + 2 * m.d_model
+
+
+def param_counts(m: ModelConfig) -> dict[str, int]:
+    n_moe = m.n_moe_layers
+    dense_layers = (m.n_layers - n_moe) * layer_params(m) + n_moe * (
+        layer_params(m, True) - m.n_experts * mlp_params(m)
+    )
+    experts = n_moe * m.n_experts * mlp_params(m)
+    emb = m.vocab * m.d_model
+    head = 0 if m.tie_embeddings else m.vocab * m.d_model
+    total = dense_layers + experts + emb + head + m.d_model
+    return {"layers": dense_layers, "experts": experts, "embedding": emb, "head": head, "total": total}
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def _matmul_active(m: ModelConfig, moe: bool) -> int:
+    """Matmul params a token passes through in one layer (MoE: top_k experts + router)."""
+    return attn_params(m) + (m.top_k * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m))
+
+
+def layer_fwd_flops(m: ModelConfig, tokens: float, s: int, moe: bool = False, capacity: float = 1.0) -> float:
+    """2 FLOPs per matmul param per token + attention scores QK^T and A.V (4 s^2 a d_head per sequence,
+    counted in full as Megatron does, not halved for causal masking)."""
+    mat = _matmul_active(m, moe)
+    if moe:
+        mat += (capacity - 1.0) * m.top_k * mlp_params(m)  # capacity padding is executed too
+    return 2.0 * tokens * mat + 4.0 * tokens * s * m.n_heads * m.head_dim
+
+
+def attn_core_fwd_flops(m: ModelConfig, tokens: float, s: int) -> float:
+    return 4.0 * tokens * s * m.n_heads * m.head_dim
+
+
+def _fwd_layers_flops(m: ModelConfig, tokens: float, s: int) -> float:
+    n_moe = m.n_moe_layers
+    return (m.n_layers - n_moe) * layer_fwd_flops(m, tokens, s) + n_moe * layer_fwd_flops(m, tokens, s, True)
+
+
+def model_flops(m: ModelConfig, batch: float, s: int, *, causal_skip: bool = False) -> float:
+    """Model FLOPs per step: 3 x forward, no recomputation, no MoE capacity padding (the useful math
+    MFU counts). Embedding lookups and norms are not GEMMs. `causal_skip=True` halves the attention
+    scores, for kernels that skip fully masked blocks (flash attention): for GPT that is
+    72 B s L h^2 (1 + s/(12h) + V/(12 L h))."""
+    tok = batch * s
+    fwd = _fwd_layers_flops(m, tok, s)
+    if causal_skip:
+        fwd -= m.n_layers * attn_core_fwd_flops(m, tok, s) / 2
+    return 3.0 * (fwd + 2.0 * tok * m.d_model * m.vocab)
+
+
+def hardware_flops(m: ModelConfig, batch: float, s: int, remat: str) -> float:
+    """Model FLOPs + recomputation, as Megatron reports TFLOP/s. Full remat: 96 B s L h^2
+    (1 + s/(6h) + V/(16 L h)) (Narayanan 2021 eq. 3); selective recomputes the attention core only."""
+    tok = batch * s
+    extra = 0.0
+    if remat == "full":
+        extra = _fwd_layers_flops(m, tok, s)
+    elif remat == "selective":
+        extra = m.n_layers * attn_core_fwd_flops(m, tok, s)
+    return model_flops(m, batch, s) + extra
