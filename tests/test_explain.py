@@ -68,8 +68,10 @@ def test_cli_json_tiny_cpu_pipeline(capsys):
         assert comm["compiled"][a] > 0 and comm["predicted"][a] > 0
     assert comm["predicted"]["tensor"] == pytest.approx(comm["compiled"]["tensor"], rel=0.05)
     assert comm["predicted"]["data"] == pytest.approx(comm["compiled"]["data"], rel=0.05)
-    # 1F1B: the executor's tick phases send 9 activations/gradients over 'pipe' (b*s*h fp32 each).
-    assert rep["counts"]["compiled"]["collective-permute"] == rep["counts"]["predicted"]["collective-permute"] == 9
+    # 1F1B p=2 m=4: the executor's tick phases send 9 activations/gradients over 'pipe' (b*s*h fp32 each);
+    # the 4 steady ticks send both ways, each as one swap: 5 collective-permutes.
+    assert rep["counts"]["compiled"]["collective-permute"] == rep["counts"]["predicted"]["collective-permute"] == 5
+    assert comm["predicted"]["pipe"] == pytest.approx(comm["compiled"]["pipe"], rel=0.05)
 
 
 def test_large_mesh_prints_prediction_only(capsys):

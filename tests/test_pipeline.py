@@ -290,10 +290,11 @@ def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:
     return [(c, c.per_step) for c in hlo.collectives(text, dict(mesh.shape))]
 
 
-def expected_sends(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
+def expected_sends(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, int, int]:
     """Per step (forward, backward) activation transfers implied by the lockstep table: every tick
     moves one microbatch activation across each stage boundary forward (one gradient backward) when
-    its run of same-kind ticks (forward-only / both / backward-only) feeds a consumer next tick."""
+    its run of same-kind ticks (forward-only / both / backward-only) feeds a consumer next tick; and
+    how many of those ticks send both ways (with two stages that is one swap, one collective)."""
     lock = schedules.lockstep(schedules.build(schedule, p, m, v))
     kind = ["".join(k for k, ops in (("F", [c.fwd for c in r]), ("B", [c.bwd for c in r])) if any(ops)) for r in lock]
     need_f = [any(c.fwd and c.fwd.chunk * p + s > 0 for s, c in enumerate(r)) for r in lock[1:]] + [False]
@@ -305,7 +306,8 @@ def expected_sends(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, int]
             t0 = t
     f = sum(t1 - t0 for t0, t1 in runs if any(need_f[t0:t1]))
     b = sum(t1 - t0 for t0, t1 in runs if any(need_b[t0:t1]))
-    return f, b
+    both = sum(t1 - t0 for t0, t1 in runs if any(need_f[t0:t1]) and any(need_b[t0:t1]))
+    return f, b, both
 
 
 @pytest.mark.parametrize("dims", [(2, 2, 1, 2), (4, 1, 1, 2)])
@@ -318,12 +320,15 @@ def test_hlo_permute_bytes_and_single_dp_reduction(dims):
         ex = executed(c.as_text(), pl.mesh)
         perms = [(x, k) for x, k in ex if x.op == "collective-permute"]
         assert perms and all(x.axes == ("pipe",) and x.bytes == act * x.parts for x, k in perms)
-        f, b = expected_sends("1f1b", p, m)
+        f, b, both = expected_sends("1f1b", p, m)
         if p > 2:  # warm-up p-1 + steady m ticks; the cool-down's p-1 ticks send gradients
             assert (f, b) == (m + p - 1, m + p - 1)
+        # p = 2: stage 0 only sends activations and stage 1 only gradients, so a tick that sends both
+        # ways is one swap of one activation per device; p > 2: two collectives per such tick.
+        ops = f + b - (both if p == 2 else 0)
         got = sum(x.bytes * k for x, k in perms)
-        print(f"1F1B p={p} m={m}: collective-permute {got} B/step, expected ({f}+{b})*{act}")
-        assert got == (f + b) * act
+        print(f"1F1B p={p} m={m}: collective-permute {got} B/step, expected {ops}*{act}")
+        assert got == ops * act and (sum(k for _, k in perms), ops) == pl.program.permute_counts()
         # Data-parallel gradient reduction: outside the loop, same count whatever m is.
         dp_colls = [x for x, _ in ex if "data" in x.axes and x.op in ("all-reduce", "reduce-scatter")]
         assert not [x for x in dp_colls if x.in_loop]

@@ -102,10 +102,19 @@ class TickProgram:
         return schedules.bubble_fraction(schedules.build(self.schedule, self.p, self.m, self.v))
 
     def permutes(self) -> tuple[int, int]:
-        """(forward, backward) `ppermute`s over 'pipe' per step: one per tick of a phase that sends."""
+        """(forward, backward) activation transfers over 'pipe' per step: one per tick of a phase that
+        sends. With p = 2 a tick that sends both ways does it in one collective-permute."""
         f = sum(t1 - t0 for _, t0, t1, sf, _ in self.phases if sf)
         b = sum(t1 - t0 for _, t0, t1, _, sb in self.phases if sb)
         return f, b
+
+    def permute_counts(self) -> tuple[int, int]:
+        """(collective-permute ops, activation-sized payloads they carry) per step, as compiled: with
+        p = 2 a tick that sends both ways is one swap (v = 1: each stage sends one of the two;
+        interleaved: both, stacked)."""
+        f, b = self.permutes()
+        both = sum(t1 - t0 for _, t0, t1, sf, sb in self.phases if sf and sb) if self.p == 2 else 0
+        return f + b - both, f + b - (both if self.v == 1 else 0)
 
 
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
@@ -435,6 +444,14 @@ class _StageRun:
                     c, y, dy = self.forward(c, row)
                 if "B" in kind:
                     c, dx = self.backward(c, row, dy)
+                if send_f and send_b and p == 2:
+                    # Two stages: both directions are one swap, so activations and gradients travel in
+                    # ONE collective-permute (one rendezvous of every device per tick, not two).
+                    if v == 1:  # stage 0 sends only activations, stage 1 only gradients
+                        c["x_in"] = c["g_in"] = lax.ppermute(jnp.where(self.stage == 0, y, dx), "pipe", SWAP)
+                    else:
+                        c["x_in"], c["g_in"] = lax.ppermute(jnp.stack([y, dx]), "pipe", SWAP)
+                    return c, None
                 if send_f:
                     c["x_in"] = lax.ppermute(y, "pipe", fwd_perm)
                 if send_b:
@@ -448,6 +465,9 @@ class _StageRun:
             xs = {k: jnp.asarray(a[t0:t1]) for k, a in self.prog.tables.items()}
             carry, _ = lax.scan(tick(kind, send_f, send_b), carry, xs)
         return carry
+
+
+SWAP = [(0, 1), (1, 0)]
 
 
 def _put(buf, i, x):

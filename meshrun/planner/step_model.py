@@ -147,7 +147,7 @@ def predict_collective_bytes(
     zero: int = 0,
     schedule: str = "1f1b",
     virtual: int = 1,
-    permutes: tuple[int, int] | None = None,
+    permutes: tuple[int, int] | None = None,  # (collective-permutes, activations moved) per step
 ) -> dict[str, dict[str, float]]:
     """Per-step collective bytes on one device of meshrun's step, as `meshrun.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
@@ -160,9 +160,10 @@ def predict_collective_bytes(
     on every tick that has a forward and one chunk's backward on every tick that has a backward,
     idle (masked) ticks included, and the embedding and head conditionals on every forward tick
     (`meshrun.hlo` counts collectives in conditional branches as taken). Pipe: one ppermute of
-    b·s·h per sending tick and direction (`permutes`: the executor's (forward, backward) sends per
-    step; the default, every lockstep tick both ways, is an upper bound) and the all-reduce of the
-    embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
+    b·s·h per sending tick and direction (`permutes`: the executor's collective-permutes and the
+    activations they move per step, `TickProgram.permute_counts()`; with two stages a tick that
+    sends both ways is one swap; the default, every lockstep tick both ways, is an upper bound) and
+    the all-reduce of the embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
     all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
     reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
     loop and reduce-scatters."""
@@ -204,7 +205,8 @@ def predict_collective_bytes(
     edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
     expert_g = pb * counts["experts"] / p / (t * e)
     if p > 1:
-        add("collective-permute", ("pipe",), act, sum(permutes))
+        ops, moved = permutes
+        add("collective-permute", ("pipe",), act * moved / ops, ops)
         add("all-reduce", ("pipe", *(a for a, k in (("data", data), ("expert", e)) if k > 1)), edge_g)
         edge_g = 0.0
     dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
