@@ -191,6 +191,30 @@ def _runs(comps: dict[str, str], entry: re.Match | None) -> dict[str, int]:
     return {c: runs(c) for c in comps}
 
 
+_OP = re.compile(
+    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>[a-z\-]+)\("
+)  # one instruction: its result shape and opcode
+    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>[a-z\-]+)\("
+)
+
+
+def op_bytes_per_step(hlo_text: str, ops: tuple[str, ...] = ("copy", "copy-start"), loops_only: bool = False) -> int:
+    """Result bytes of the given ops, each times the runs of its computation per step (conditional
+    branches count as taken): e.g. how many bytes the compiled program copies per step
+    (`loops_only`: inside while loops only)."""
+    comps, total = computations(hlo_text), 0
+    runs = _runs(comps, _ENTRY.search(hlo_text))
+    looped = _in_loop(comps) if loops_only else set(comps)
+    for name, body in comps.items():
+        if name not in looped:
+            continue
+        for line in body.splitlines():
+            m = _OP.match(line)
+            if m and m.group("op") in ops:
+                total += runs[name] * _shape_bytes(m.group("shape"))[0]
+    return total
+
+
 def _in_loop(comps: dict[str, str]) -> set[str]:
     """Computations run inside a while loop: loop bodies and everything they call, transitively."""
     todo = [b for body in comps.values() for b in re.findall(r"\bbody=%?([\w.\-]+)", body)]

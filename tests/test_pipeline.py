@@ -384,3 +384,25 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="global batch") as e:  # 12 rows, m=4 x data 2
         mk(mesh2, schedule="1f1b", microbatches=4)(toy_params(), tok[:12], lab[:12])
     assert e.value.field == "train.global_batch"
+
+
+def test_tick_copies_are_one_microbatch_not_the_buffer():
+    """GPipe keeps all m microbatches' residuals, so its buffer grows with m; what the compiled tick
+    loop copies per tick must not: buffer updates are in place, the carried state is not copied, and
+    what is left is one microbatch's residuals (the layer scan's fresh buffers and their move into
+    the slot) plus the stage's weight-gradient buffers (as in any gradient accumulation)."""
+    dims, dp = (2, 2, 1, 2), 2
+    seen = {}
+    for m in (4, 16):
+        pl, c, _ = toy_compiled(dims, "gpipe", m, 1, b=m * dp)
+        seen[m] = (hlo.op_bytes_per_step(c.as_text(), loops_only=True), pl.program.ticks)
+    per_tick = (seen[16][0] - seen[4][0]) / (seen[16][1] - seen[4][1])
+    lp = jax.tree.map(lambda a: a[: L // dims[0]], toy_params()["layers"])
+    mask, avals = activation_residuals(toy_layers, lp, jnp.zeros((1, S, D)))
+    residuals = sum(a.size * 4 for a, d in zip(avals, mask, strict=True) if d)  # one microbatch, one stage
+    weights = sum(a.size * 4 for a in jax.tree.leaves(lp)) // dims[3]  # the stage's tensor shard
+    act = 1 * S * D * 4
+    buffer = (pl.program.slots + 1) * residuals
+    print(f"GPipe: {per_tick:.0f} B copied per tick; residuals {residuals} B, weights {weights} B, buffer {buffer} B")
+    assert per_tick <= 2 * (residuals + act) + 2 * weights
+    assert per_tick < buffer / 4
