@@ -194,8 +194,6 @@ def _runs(comps: dict[str, str], entry: re.Match | None) -> dict[str, int]:
 _OP = re.compile(
     r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>[a-z\-]+)\("
 )  # one instruction: its result shape and opcode
-    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>[a-z\-]+)\("
-)
 
 
 def op_bytes_per_step(hlo_text: str, ops: tuple[str, ...] = ("copy", "copy-start"), loops_only: bool = False) -> int:
