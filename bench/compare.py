@@ -151,13 +151,20 @@ def run_one(lay: Layout, steps: int, timeout: float) -> tuple[float | None, str]
         return statistics.median(steady), ""
 
 
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=2, help="runs of every configuration (interleaved)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of every configuration (interleaved)")
     ap.add_argument("--steps", type=int, default=12, help="steps per run; steady = median of steps 3..steps")
     ap.add_argument("--quick", action="store_true", help="1 device, data2 vs pipe2 m=16; 4 steps, 1 repeat")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
@@ -174,7 +181,8 @@ def main(argv=None) -> int:
         for lay, own_ref, target in members:
             rows[lay] = Row(lay, own_ref or ref, target)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    print(f"# meshrun {commit.stdout.strip() or '?'}; {a.repeat} repeat(s) x {a.steps} steps; XLA default flags")
+    print(f"# meshrun {commit.stdout.strip() or '?'}; {a.repeat} repeat(s) x {a.steps} steps; XLA default flags; "
+          f"{os.cpu_count()} CPUs, load average {_load()}")  # fmt: skip
     t_start = time.perf_counter()
     for rep in range(a.repeat):
         order = plan if rep % 2 == 0 else [(r, m[::-1]) for r, m in plan[::-1]]
@@ -189,12 +197,13 @@ def main(argv=None) -> int:
                 else:
                     row.times.append(t)
                     measured[lay] = t
-                print(f"#   repeat {rep + 1} {lay.name:<42} {fmt(t, '.4f')} s {err}", file=sys.stderr, flush=True)
+                print(f"#   repeat {rep + 1} {lay.name:<48} {fmt(t, '.4f')} s {err}", file=sys.stderr, flush=True)
             for lay in seq:
                 row = rows[lay]
                 if row.ref is not None and lay in measured and row.ref in measured:
                     row.ratios.append(measured[lay] / measured[row.ref])
-    head = f"{'devices':>7}  {'layout':<42}{'step s':>9}{'÷ ref':>8}{'target':>8}  reference (same devices)"
+    head = (f"{'devices':>7}  {'layout':<48}{'step s':>8}{'÷ ref':>8}{'range':>13}{'target':>8}       "
+            "reference (same devices)")  # fmt: skip
     print(head)
     print("-" * len(head))
     out = []
@@ -205,8 +214,9 @@ def main(argv=None) -> int:
         tgt = f"≤{row.target:.2f}" if row.target is not None else ""
         ref_name = row.ref.name if row.ref else ""
         err = f"  error: {row.errors[-1]}" if row.errors else ""
-        print(f"{lay.devices:>7}  {lay.name:<42}{fmt(step, '.4f'):>9}{fmt(ratio, '.3f'):>8}{tgt:>8}{ok:<5} "
-              f"{ref_name}{err}")  # fmt: skip
+        spread = f"{min(row.ratios):.2f}-{max(row.ratios):.2f}" if len(row.ratios) > 1 else ""
+        print(f"{lay.devices:>7}  {lay.name:<48}{fmt(step, '.4f'):>8}{fmt(ratio, '.3f'):>8}{spread:>13}{tgt:>8}"
+              f"{ok:<7}{ref_name}{err}")  # fmt: skip
         out.append({
             "devices": lay.devices, "layout": lay.name, "mesh": {"pipe": lay.pipe, "data": lay.data,
             "tensor": lay.tensor}, "schedule": lay.schedule if lay.pipe > 1 else None, "microbatches": lay.m,
@@ -216,7 +226,8 @@ def main(argv=None) -> int:
             "steps": a.steps, "repeat": a.repeat, "commit": commit.stdout.strip() or None,
         })  # fmt: skip
     took = time.perf_counter() - t_start
-    print(f"# ÷ ref: median over repeats of step / reference step of the same repeat; {took:.0f} s in all")
+    print(f"# ÷ ref: median over repeats of step / reference step of the same repeat (range: min-max over repeats);"
+          f" {took:.0f} s in all; load average now {_load()}")  # fmt: skip
     if a.out:
         a.out.write_text("".join(json.dumps(r) + "\n" for r in out))
     return 1 if any(r["errors"] for r in out) else 0

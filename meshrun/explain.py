@@ -275,7 +275,8 @@ def run_explain(args) -> int:
                 raise ConfigError(
                     "mesh", n, f"this process has {have} CPU devices; run `meshrun explain` in a fresh process"
                 )
-        else:  # explain always compiles for simulated CPU devices, whatever the default platform
+        else:  # explain compiles for simulated CPU devices, whatever machine it runs on
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
             simulate_cpu_devices(max(n, _flag_devices()), fast_compile=args.fast_compile)
     rep = explain(cfg)
     rep["config"] = str(args.config)

@@ -40,10 +40,12 @@ runpy.run_module("meshrun.cli", run_name="__main__")
 """
 
 
-def _train(args, env_extra, timeout=240):
+def _meshrun(args, env_extra, timeout=240, unset=()):
     env = {**os.environ, "XLA_FLAGS": "--xla_cpu_enable_fast_math=false", **env_extra}
+    for k in unset:
+        env.pop(k, None)
     r = subprocess.run(
-        [sys.executable, "-c", HOOK, "train", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        [sys.executable, "-c", HOOK, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
     )
     lines = r.stderr.splitlines()
     flags = [ln.split("=", 1)[1] for ln in lines if ln.startswith("XLA_FLAGS=")]
@@ -77,7 +79,7 @@ def test_train_on_cpu_runs_at_xla_defaults_unless_fast_compile(tmp_path, fast):
     """A real `meshrun train` on CPU, started without any level flag in XLA_FLAGS: it simulates the
     mesh's 2 devices and keeps XLA's default optimisation level; `--fast-compile` adds level 0."""
     args = [*TINY, f"train.run_dir={tmp_path}", *(["--fast-compile"] if fast else [])]
-    r, flags, devices = _train(args, {"JAX_PLATFORMS": "cpu"})
+    r, flags, devices = _meshrun(["train", *args], {"JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{DEVICE_COUNT_FLAG}=2" in flags.split() and devices == 2
     assert "--xla_cpu_enable_fast_math=false" in flags.split()  # the user's flags stay
@@ -90,8 +92,20 @@ def test_train_on_another_platform_sets_nothing_cpu_specific(tmp_path):
     """JAX_PLATFORMS=cuda on a machine without GPUs: jax then fails to start, but the flags the
     process set up before that are what a GPU run would get: the user's own, nothing added."""
     args = [*TINY, f"train.run_dir={tmp_path}", "--fast-compile", "--devices", "4"]
-    r, flags, _ = _train(args, {"JAX_PLATFORMS": "cuda"}, timeout=120)
+    r, flags, _ = _meshrun(["train", *args], {"JAX_PLATFORMS": "cuda"}, timeout=120)
     assert flags == "--xla_cpu_enable_fast_math=false", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_explain_runs_at_xla_defaults_unless_fast_compile(fast):
+    """`meshrun explain` compiles on simulated CPU devices at XLA's default level; --fast-compile: level 0."""
+    args = ["explain", *[a for a in TINY if a != "--quiet"], "--json", *(["--fast-compile"] if fast else [])]
+    r, flags, devices = _meshrun(args, {}, unset=["JAX_PLATFORMS"])  # explain picks CPU itself
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{DEVICE_COUNT_FLAG}=2" in flags.split() and devices == 2
+    assert (FAST_COMPILE_FLAG in flags.split()) is fast
+    if not fast:
+        assert LEVEL not in flags
 
 
 @pytest.mark.parametrize(
