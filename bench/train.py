@@ -7,8 +7,8 @@ tiny_moe_cpu.yaml (data2 x expert2 x tensor2): tokens/s (median over --steps tim
 --warmup untimed ones, real batches from meshrun.data) and compiled argument + temp bytes per device,
 against the same model, global batch and microbatches on ONE device, with the ratios of this run.
 Wall-clock on 8 simulated CPU devices sharing 2 cores says little about GPU speed: compare the
-ratios within one run only, never absolute times across machines (XLA:CPU compiles at backend
-optimisation level 0 here, as in the tests).
+ratios within one run only, never absolute times across machines (XLA's default flags; export
+XLA_FLAGS=--xla_backend_optimization_level=0 to compile faster and run slower, as the tests do).
 """
 
 from __future__ import annotations

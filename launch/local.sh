@@ -2,8 +2,11 @@
 # Run one `meshrun train` job as N processes on this machine, each with K simulated CPU devices:
 # the multi-host code path (jax.distributed, gloo collectives, per-process data) on a laptop.
 #
-#   launch/local.sh N K CONFIG [section.key=value ...]
+#   launch/local.sh N K CONFIG [section.key=value ...] [--fast-compile]
 #   launch/local.sh 2 4 configs/tiny_cpu.yaml train.steps=10     # 2 "hosts" x 4 devices = 8
+#
+# XLA runs at its default flags (plus the device count, and whatever XLA_FLAGS you export);
+# `--fast-compile` (passed on to `meshrun train`) compiles faster and runs slower.
 #
 # The coordinator listens on a free loopback port. Each rank writes RUN_DIR/logs/rank<i>.log
 # (RUN_DIR = train.run_dir of the config; LOG_DIR overrides). When any rank fails, the others get
@@ -38,7 +41,7 @@ GRACE_S=${GRACE_S:-20}
 RUN_DIR=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from meshrun.config import load_config
-print(load_config(sys.argv[1], sys.argv[2:]).train.run_dir)' "$CONFIG" "$@") || exit 2
+print(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]).train.run_dir)' "$CONFIG" "$@") || exit 2
 LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 XLA_FLAGS="$(echo "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g') --xla_force_host_platform_device_count=$K"

@@ -24,13 +24,13 @@ model.n_layers=4`) to compile a scaled-down layout. On CPU the compiled step use
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
 from collections import defaultdict
 
 from meshrun.config import AXES
+from meshrun.devices import add_fast_compile_flag, needed_devices
 from meshrun.errors import ConfigError
 
 MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
@@ -41,12 +41,8 @@ def register(sub) -> None:
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--json", action="store_true", help="print one JSON object (memory, collectives)")
+    add_fast_compile_flag(p)
     p.set_defaults(func=run_explain)
-
-
-def needed_devices(cfg) -> int:
-    sizes = [getattr(cfg.mesh, a) for a in AXES]
-    return 8 if -1 in sizes else math.prod(sizes)
 
 
 # ----------------------------------------------------------------------------- prediction
@@ -234,10 +230,9 @@ def run_explain(args) -> int:
                 raise ConfigError(
                     "mesh", n, f"this process has {have} CPU devices; run `meshrun explain` in a fresh process"
                 )
-        elif "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            simulate_cpu_devices(n)
-        else:
-            simulate_cpu_devices(max(n, _flag_devices()))
+        else:  # explain compiles for simulated CPU devices, whatever machine it runs on
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+            simulate_cpu_devices(max(n, _flag_devices()), fast_compile=args.fast_compile)
     rep = explain(cfg)
     rep["config"] = str(args.config)
     if args.json:

@@ -6,10 +6,9 @@ The last line on stdout is one JSON object: step, loss, first_loss, tokens_per_s
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 
+from meshrun.devices import add_fast_compile_flag, needed_devices, setup_devices
 from meshrun.errors import ConfigError
 
 EXIT_TRAINING_ERROR = 3  # the run started but could not go on (NaN loss); bad input is 2
@@ -23,26 +22,25 @@ def register(sub) -> None:
         "--devices",
         type=int,
         default=0,
-        help="simulated CPU devices (default: the mesh's device count when it has no -1 axis, else 8)",
+        help="simulated CPU devices on the CPU platform (default: the mesh's device count when it has no "
+        "-1 axis, else 8)",
     )
+    add_fast_compile_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 
 
-def _needed_devices(cfg) -> int:
-    sizes = [getattr(cfg.mesh, a) for a in ("data", "pipe", "expert", "tensor")]
-    return 8 if -1 in sizes else math.prod(sizes)
-
-
 def run_train(args) -> int:
     from meshrun.config import load_config
-    from meshrun.devices import simulate_cpu_devices
 
     cfg = load_config(args.config, args.overrides)
     if args.devices < 0:
         raise ConfigError("--devices", args.devices, "use a positive device count")
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") or args.devices:
-        simulate_cpu_devices(args.devices or _needed_devices(cfg))
+    platform = setup_devices(
+        args.devices or needed_devices(cfg), force=bool(args.devices), fast_compile=args.fast_compile
+    )
+    if platform != "cpu" and (args.devices or args.fast_compile):
+        print(f"meshrun train: platform {platform}: --devices and --fast-compile act on CPU only", file=sys.stderr)
     from meshrun.distributed import initialize
 
     initialize()

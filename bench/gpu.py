@@ -1,0 +1,292 @@
+"""One GPU, a ~1B-parameter Llama-style model: step time, tokens/s, TFLOP/s, MFU, peak memory (a script).
+
+    python bench/gpu.py                # on one H100/H200 with jax[cuda]: < 8 min including compiles
+    python bench/gpu.py --dry-run      # anywhere: a tiny model on CPU, 3 steps, the same code path
+
+Model: d_model 2048, 16 layers, 16 heads x 128 (no GQA), d_ff 5632 (SwiGLU), vocab 32000, seq 2048;
+bfloat16 compute, float32 master weights and AdamW state, cuDNN flash attention
+(`model.attention_impl=cudnn`), synthetic data. Batch: 4 sequences per micro-batch x 4 accumulated
+micro-batches = global batch 16 (32768 tokens per step). Memory: ~0.95B params x 16 B (fp32 params,
+grads, Adam moments) + the fp32 gradient accumulator is ~19 GB; the activations of one micro-batch
+of 4 x 2048 tokens without recomputation about 10 GB more, and the logits a few GB: well inside
+80 GB (H100) and 141 GB (H200); `--micro-batch 8 --accum 2` also fits on both.
+
+Each variant (`model.remat=none`, then `full`) runs in its own process, so a failure (out of memory)
+or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
+processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL). The output
+is ONE JSON line: the remat=none numbers at the top level, the remat=full ones under `remat_full`,
+and an `error` field (null when everything ran). Steady step = median of the steps after the first
+two; model FLOPs and MFU follow meshrun.metrics (Megatron's count: no recomputation, full attention
+matrix) against its dense bf16 peak table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_ENV = ROOT / "launch/gpu_env.sh"
+VARIANTS = ("none", "full")  # model.remat
+REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
+        "vocab": 32000, "seq_len": 2048}  # fmt: skip
+TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_ff": 128,
+        "vocab": 256, "seq_len": 64}  # fmt: skip
+SKIP_STEPS = 2  # the first step compiles; the second may still warm up allocators
+KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_bytes_in_use", "bytes_limit",
+        "first_step_s", "steps_run", "loss_first", "loss_last", "error")  # fmt: skip
+
+
+def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int) -> list[str]:
+    m = {k: v for k, v in model.items() if k != "seq_len"}
+    return [
+        *[f"model.{k}={v}" for k, v in m.items()],
+        f"model.max_seq_len={model['seq_len']}",
+        f"train.seq_len={model['seq_len']}",
+        "model.dtype=bfloat16",
+        "model.param_dtype=float32",
+        "model.attention_impl=cudnn",
+        f"model.remat={remat}",
+        "mesh.data=1",
+        "mesh.pipe=1",
+        "mesh.tensor=1",
+        "mesh.expert=1",
+        f"pipeline.microbatches={accum}",
+        f"train.global_batch={micro_batch * accum}",
+        f"train.steps={steps}",
+        "train.warmup_steps=2",
+        "train.lr=3e-4",
+        "data.kind=synthetic",
+    ]
+
+
+# ----------------------------------------------------------------------------- one variant (child)
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def child(a) -> int:
+    import jax
+
+    from meshrun.config import load_config
+    from meshrun.data import global_batch_arrays, make_dataset
+    from meshrun.mesh import build_mesh
+    from meshrun.metrics import model_flops_per_step, peak_flops
+    from meshrun.train import make_train_step
+
+    cfg = load_config(None, a.child_overrides)
+    t = cfg.train
+    dev = jax.devices()[0]
+    emit(event="start", platform=dev.platform, device_kind=dev.device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""))
+    mesh = build_mesh(cfg.mesh, devices=[dev])
+    fns = make_train_step(cfg, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(fns.abstract_state.params))
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
+    state = fns.init()
+    jax.block_until_ready(state)
+    emit(event="init", n_params=int(n_params))
+    flops = model_flops_per_step(cfg.model, t.global_batch, t.seq_len)
+    peak = peak_flops(dev)
+    times, losses = [], []
+    for step in range(t.steps):
+        tokens, labels = global_batch_arrays(ds, step, mesh, fns.batch_sharding.spec)
+        t0 = time.perf_counter()
+        state, metrics = fns.step(state, tokens, labels)
+        loss = float(metrics["loss"])  # waits for the step
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        losses.append(loss)
+        emit(event="step", step=step + 1, step_time_s=dt, loss=loss)
+    steady = statistics.median(times[SKIP_STEPS:] or times[-1:])
+    stats = dev.memory_stats() or {}
+    emit(
+        event="result",
+        n_params=int(n_params),
+        step_time_s=steady,
+        tokens_per_s=t.global_batch * t.seq_len / steady,
+        tflops_per_device=flops / steady / 1e12,
+        mfu=flops / (steady * peak) if peak else None,
+        peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+        bytes_limit=stats.get("bytes_limit"),
+        first_step_s=times[0],
+        steps_run=len(times),
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        flops_per_step=flops,
+        peak_flops=peak,
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def gpu_env(base: dict[str, str]) -> dict[str, str]:
+    """The environment after `source launch/gpu_env.sh` on top of `base`."""
+    r = subprocess.run(
+        ["bash", "-c", 'source "$1" && env -0', "gpu_env", str(GPU_ENV)],
+        capture_output=True,
+        env=base,
+        check=True,
+        timeout=30,
+    )
+    return dict(item.split("=", 1) for item in r.stdout.decode().split("\0") if "=" in item)
+
+
+def parse_events(out: str) -> dict:
+    """What a child printed, folded: the last `result`, else what the progress lines tell."""
+    got: dict = {}
+    times = []
+    for line in out.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        kind = ev.pop("event", None)
+        if kind == "step":
+            times.append(ev["step_time_s"])
+            got.setdefault("loss_first", ev["loss"])
+            got["loss_last"] = ev["loss"]
+        elif kind in ("start", "init", "result"):
+            got.update(ev)
+    if times and "step_time_s" not in got:
+        got["first_step_s"] = times[0]
+        got["steps_run"] = len(times)
+        if len(times) > SKIP_STEPS:
+            got["step_time_s_partial"] = statistics.median(times[SKIP_STEPS:])
+    return got
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny model on CPU, 3 steps: checks the code path")
+    ap.add_argument("--steps", type=int, default=0, help="steps per variant (default 30; --dry-run 3)")
+    ap.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (default 4; --dry-run 2)")
+    ap.add_argument("--accum", type=int, default=0, help="accumulated micro-batches per step (default 4; --dry-run 2)")
+    ap.add_argument("--budget-s", type=float, default=450, help="wall-clock limit for everything (default 450)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="model.remat values")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("child_overrides", nargs="*", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child(a)
+
+    t_start = time.monotonic()
+    deadline = t_start + a.budget_s
+    dry = a.dry_run
+    model = TINY if dry else REAL
+    steps = a.steps or (3 if dry else 30)
+    micro, accum = a.micro_batch or (2 if dry else 4), a.accum or (2 if dry else 4)
+    from meshrun.devices import default_platform  # imports no jax
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if dry:
+        env["JAX_PLATFORMS"] = "cpu"
+    platform = default_platform(env)
+    out: dict = {
+        "bench": "gpu.py" + (" --dry-run" if dry else ""),
+        "model": model,
+        "dtype": "bfloat16",
+        "param_dtype": "float32",
+        "attention_impl": "cudnn",
+        "micro_batch": micro,
+        "accum": accum,
+        "global_batch": micro * accum,
+        "tokens_per_step": micro * accum * model["seq_len"],
+        "steps": steps,
+        "platform": platform,
+        "jax": _version("jax"),
+        "jaxlib": _version("jaxlib"),
+        "gpu_env_applied": False,
+    }
+    errors = []
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if platform == "gpu":
+            env = gpu_env(env)
+            out["gpu_env_applied"] = True
+        elif not dry:
+            raise RuntimeError(f"no GPU found (platform {platform}); use --dry-run to check the code path on CPU")
+        out["xla_flags"] = env.get("XLA_FLAGS", "")
+        for i, remat in enumerate(a.variants):
+            key = "remat_" + remat
+            left = deadline - time.monotonic()
+            if left < 20:
+                out[key] = {"error": f"skipped: {left:.0f} s of --budget-s left"}
+                errors.append(f"{key}: skipped (time)")
+                continue
+            timeout = left / (len(a.variants) - i)  # an equal share of what is left; unused time rolls over
+            res = out[key] = {}
+            run_variant(overrides(model, remat, micro, accum, steps), env, timeout, res)
+            if res.get("error"):
+                errors.append(f"{key}: {res['error']}")
+    except (Exception, Interrupted, KeyboardInterrupt) as e:  # report what there is, whatever happened
+        errors.append(f"{type(e).__name__}: {e}")
+    main_key = "remat_" + a.variants[0]
+    first = out.get(main_key, {})
+    head = {"bench": out.pop("bench"), "platform": platform, "device_kind": first.get("device_kind"),
+            "remat": a.variants[0], **{k: first.get(k) for k in KEYS if k != "error"}}  # fmt: skip
+    if main_key == "remat_none":
+        out.pop(main_key, None)  # its numbers are the top level
+    out = {**head, "n_params": first.get("n_params"), **out}
+    out["error"] = "; ".join(errors) or None
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    print(json.dumps(out), flush=True)
+    return 1 if errors else 0
+
+
+def run_variant(over: list[str], env: dict[str, str], timeout: float, res: dict) -> None:
+    """Run one variant's process; fill `res` with what it reported (partial on failure) and `error`."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *over]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    res["error"] = "interrupted"
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        err = None if proc.returncode == 0 else f"exit {proc.returncode}: {_tail(stderr)}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        err = f"timed out after {timeout:.0f} s"
+    except BaseException:
+        proc.kill()
+        stdout, _ = proc.communicate()
+        res.update({k: v for k, v in parse_events(stdout).items() if k != "xla_flags"}, error="interrupted")
+        raise
+    res.update({k: v for k, v in parse_events(stdout).items() if k != "xla_flags"}, error=err)
+
+
+def _tail(text: str, n: int = 400) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    oom = [ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()]
+    return (oom[-1] if oom else " | ".join(lines[-3:]))[-n:]
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
