@@ -74,7 +74,7 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     megatron = cost.predict_memory(cfg.model, **kw, **sched)
     permutes = None
     if kw["pipe"] > 1:
-        from meshrun.pipeline.executor import tick_program  # the executor's phases: ticks that send
+        from meshrun.pipeline.program import tick_program  # the executor's phases: ticks that send
 
         permutes = tick_program(cfg.pipeline, kw["pipe"]).permute_counts()
     comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes)

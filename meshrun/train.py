@@ -89,7 +89,7 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
     models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
     if mesh.shape["pipe"] > 1:  # the schedule and the layer split, before anything is built or written
-        from meshrun.pipeline.executor import check_layer_split, tick_program
+        from meshrun.pipeline.program import check_layer_split, tick_program
 
         prog = tick_program(cfg.pipeline, mesh.shape["pipe"])
         check_layer_split(cfg.model.n_units, prog.p, prog.v)

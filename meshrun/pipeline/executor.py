@@ -7,15 +7,14 @@ How a step runs:
   stays auto (GSPMD shards the weights inside a stage; the model's `constrain` calls run under
   `use_rules(..., manual=MANUAL)`). With only 'pipe' manual, GSPMD put the data-parallel gradient
   all-reduce inside the tick loop; here it is one psum (ZeRO >= 1: psum_scatter) after the loop.
-* The schedule is data: `schedules.lockstep(build(...))` gives per tick and stage at most one forward
-  and one backward (`Task(kind, mb, chunk)`) plus a residual slot; the executor indexes those tables
-  by tick (scan xs) and stage (`lax.axis_index('pipe')`). Ticks are grouped into phases of the same
+* The schedule is data: `program.tick_program` turns the lockstep table into per-tick index arrays
+  (scan xs; the stage reads its column with `lax.axis_index('pipe')`) grouped into phases of one
   kind (forward only / both / backward only), one `lax.scan` each, so a warm-up tick costs one
   forward and a cool-down tick one backward: 1F1B costs (p-1)·F + m·(F+B) + (p-1)·B, bubble
-  (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks. A phase sends activations
-  (gradients) iff some tick of it feeds a forward (backward) next tick: `TickProgram.permutes()`.
+  (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks.
 * Activations move with `ppermute` over 'pipe' (forward s -> s+1, gradients s -> s-1; interleaved
-  wraps around: the last stage's chunk c feeds stage 0's chunk c+1).
+  wraps around: the last stage's chunk c feeds stage 0's chunk c+1). With two stages a tick that
+  sends both ways does it in one collective-permute (a swap).
 * Backward is an explicit per-stage `jax.vjp`. Residuals (default) : the activation-dependent leaves
   of the vjp pytree go into a fixed buffer of `slots` = max over stages of `max_in_flight` (+1 trash
   slot that idle ticks write to); weight-only leaves (found by tracing dependence through the
@@ -35,13 +34,18 @@ How a step runs:
   For interleaved (v > 1) the executor permutes them to pipeline order ([v, p, Lc] -> [p, v, Lc],
   `stage.to_pipeline_layout`) inside the step, which moves weights across 'pipe' once per step;
   pass `layout='pipeline'` with params already stored that way (and get grads back that way) to avoid it.
+* What a tick costs (compiled HLO and timings on 8 simulated CPU devices; see bench/compare.py):
+  a dynamic chunk index copied every weight of the stage and its gradient sums on every tick, so
+  with v = 1 the stage's layers are used in place; idle stages ran the stage on dummy data, so
+  forward and backward sit in a per-device `lax.cond` (its predicate is the same across a
+  tensor/expert group, so collectives inside stay matched); two permutes per tick became one swap
+  at p = 2. What is left per tick is one microbatch's residuals moved into/out of the slot buffer
+  and the stage's weight-gradient sums (as in any gradient accumulation), checked in the tests.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -54,95 +58,10 @@ from meshrun import model_api
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
-from meshrun.pipeline import schedules
+from meshrun.pipeline.program import check_layer_split, tick_program
 from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.zero import ZeroLayout
-
-
-def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
-    """Maximal runs of ticks of one kind: 'F' (forwards only), 'B' (backwards only), 'FB' (both),
-    each with whether its ticks send activations / gradients (some tick of the run has a consumer
-    next tick). One scan per run keeps the tick body specialised (a warm-up tick costs a forward
-    only) while the HLO holds few copies of the stage (compile time)."""
-    p = len(lock[0])
-    kinds, sf, sb = [], [], []
-    for t, row in enumerate(lock):
-        f, b = any(c.fwd for c in row), any(c.bwd for c in row)
-        kinds.append("FB" if f and b else "F" if f else "B")
-        nxt = lock[t + 1] if t + 1 < len(lock) else []
-        sf.append(any(c.fwd is not None and c.fwd.chunk * p + s > 0 for s, c in enumerate(nxt)))
-        sb.append(any(c.bwd is not None and c.bwd.chunk * p + s < v * p - 1 for s, c in enumerate(nxt)))
-    out, t0 = [], 0
-    for t in range(1, len(kinds) + 1):
-        if t == len(kinds) or kinds[t] != kinds[t0]:
-            out.append((kinds[t0], t0, t, any(sf[t0:t]), any(sb[t0:t])))
-            t0 = t
-    return out
-
-
-@dataclass(frozen=True)
-class TickProgram:
-    """Everything static about one pipelined step, read off the schedule table: per-tick task
-    tables, phases of same-kind ticks, residual slots."""
-
-    schedule: str
-    p: int
-    m: int
-    v: int
-    ticks: int
-    slots: int  # residual buffer slots (max in-flight (mb, chunk) pairs on any stage)
-    fused_head: bool  # every last-virtual-stage backward runs in its forward's tick
-    phases: tuple[tuple[str, int, int, bool, bool], ...]  # (kind, first tick, end tick, send fwd, send bwd)
-    tables: Mapping[str, np.ndarray]  # [ticks, p] int32: f_mb f_chunk f_slot b_mb b_chunk b_slot
-
-    @property
-    def bubble(self) -> float:
-        """Idle fraction from the per-op table (F = 1, B = 2)."""
-        return schedules.bubble_fraction(schedules.build(self.schedule, self.p, self.m, self.v))
-
-    def permutes(self) -> tuple[int, int]:
-        """(forward, backward) activation transfers over 'pipe' per step: one per tick of a phase that
-        sends. With p = 2 a tick that sends both ways does it in one collective-permute."""
-        f = sum(t1 - t0 for _, t0, t1, sf, _ in self.phases if sf)
-        b = sum(t1 - t0 for _, t0, t1, _, sb in self.phases if sb)
-        return f, b
-
-    def permute_counts(self) -> tuple[int, int]:
-        """(collective-permute ops, activation-sized payloads they carry) per step, as compiled: with
-        p = 2 a tick that sends both ways is one swap (v = 1: each stage sends one of the two;
-        interleaved: both, stacked)."""
-        f, b = self.permutes()
-        both = sum(t1 - t0 for _, t0, t1, sf, sb in self.phases if sf and sb) if self.p == 2 else 0
-        return f + b - both, f + b - (both if self.v == 1 else 0)
-
-
-def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
-    v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
-    if pcfg.schedule != "interleaved" and pcfg.virtual != 1:
-        raise ConfigError("pipeline.virtual", pcfg.virtual, "use schedule=interleaved, or virtual=1")
-    lock = schedules.lockstep(schedules.build(pcfg.schedule, p, pcfg.microbatches, v))
-    arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
-    slots = max(schedules.max_in_flight(lock, s) for s in range(p))
-    last = p - 1
-    fused = all(
-        row[last].bwd is None
-        or row[last].bwd.chunk != v - 1
-        or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
-        for row in lock
-    )
-    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
-
-
-def check_layer_split(n_stacked: int, p: int, v: int) -> None:
-    """Every stage holds v chunks of the same number of stacked layers (units)."""
-    if n_stacked % (p * v):
-        raise ConfigError(
-            "model.n_layers",
-            n_stacked,
-            f"use a multiple of pipe*virtual={p * v} stacked layers (MoE: layer groups of moe_every)",
-            f"{n_stacked} stacked layers do not split into {p} stages x {v} chunks",
-        )
 
 
 class Pipeline:

@@ -1,0 +1,105 @@
+"""The executor's static program: the schedule's lockstep table as per-tick index arrays, grouped
+into phases of same-kind ticks (pure Python + numpy, no JAX: `meshrun explain` and the tests read it).
+
+A lockstep tick gives each stage at most one forward and one backward (`schedules.lockstep`). Ticks
+are grouped into maximal runs of one kind ('F' forwards only, 'B' backwards only, 'FB' both), one
+`lax.scan` each in the executor, so a warm-up tick costs one forward and a cool-down tick one
+backward. A phase sends activations (gradients) iff some tick of it feeds a forward (backward) on
+the next tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshrun.config import PipelineConfig
+from meshrun.errors import ConfigError
+from meshrun.pipeline import schedules
+
+
+def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
+    """Maximal runs of ticks of one kind: 'F' (forwards only), 'B' (backwards only), 'FB' (both),
+    each with whether its ticks send activations / gradients (some tick of the run has a consumer
+    next tick). One scan per run keeps the tick body specialised (a warm-up tick costs a forward
+    only) while the HLO holds few copies of the stage (compile time)."""
+    p = len(lock[0])
+    kinds, sf, sb = [], [], []
+    for t, row in enumerate(lock):
+        f, b = any(c.fwd for c in row), any(c.bwd for c in row)
+        kinds.append("FB" if f and b else "F" if f else "B")
+        nxt = lock[t + 1] if t + 1 < len(lock) else []
+        sf.append(any(c.fwd is not None and c.fwd.chunk * p + s > 0 for s, c in enumerate(nxt)))
+        sb.append(any(c.bwd is not None and c.bwd.chunk * p + s < v * p - 1 for s, c in enumerate(nxt)))
+    out, t0 = [], 0
+    for t in range(1, len(kinds) + 1):
+        if t == len(kinds) or kinds[t] != kinds[t0]:
+            out.append((kinds[t0], t0, t, any(sf[t0:t]), any(sb[t0:t])))
+            t0 = t
+    return out
+
+
+@dataclass(frozen=True)
+class TickProgram:
+    """Everything static about one pipelined step, read off the schedule table: per-tick task
+    tables, phases of same-kind ticks, residual slots."""
+
+    schedule: str
+    p: int
+    m: int
+    v: int
+    ticks: int
+    slots: int  # residual buffer slots (max in-flight (mb, chunk) pairs on any stage)
+    fused_head: bool  # every last-virtual-stage backward runs in its forward's tick
+    phases: tuple[tuple[str, int, int, bool, bool], ...]  # (kind, first tick, end tick, send fwd, send bwd)
+    tables: Mapping[str, np.ndarray]  # [ticks, p] int32: f_mb f_chunk f_slot b_mb b_chunk b_slot
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction from the per-op table (F = 1, B = 2)."""
+        return schedules.bubble_fraction(schedules.build(self.schedule, self.p, self.m, self.v))
+
+    def permutes(self) -> tuple[int, int]:
+        """(forward, backward) activation transfers over 'pipe' per step: one per tick of a phase that
+        sends. With p = 2 a tick that sends both ways does it in one collective-permute."""
+        f = sum(t1 - t0 for _, t0, t1, sf, _ in self.phases if sf)
+        b = sum(t1 - t0 for _, t0, t1, _, sb in self.phases if sb)
+        return f, b
+
+    def permute_counts(self) -> tuple[int, int]:
+        """(collective-permute ops, activation-sized payloads they carry) per step, as compiled: with
+        p = 2 a tick that sends both ways is one swap (v = 1: each stage sends one of the two;
+        interleaved: both, stacked)."""
+        f, b = self.permutes()
+        both = sum(t1 - t0 for _, t0, t1, sf, sb in self.phases if sf and sb) if self.p == 2 else 0
+        return f + b - both, f + b - (both if self.v == 1 else 0)
+
+
+def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
+    v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
+    if pcfg.schedule != "interleaved" and pcfg.virtual != 1:
+        raise ConfigError("pipeline.virtual", pcfg.virtual, "use schedule=interleaved, or virtual=1")
+    lock = schedules.lockstep(schedules.build(pcfg.schedule, p, pcfg.microbatches, v))
+    arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
+    slots = max(schedules.max_in_flight(lock, s) for s in range(p))
+    last = p - 1
+    fused = all(
+        row[last].bwd is None
+        or row[last].bwd.chunk != v - 1
+        or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
+        for row in lock
+    )
+    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
+
+
+def check_layer_split(n_stacked: int, p: int, v: int) -> None:
+    """Every stage holds v chunks of the same number of stacked layers (units)."""
+    if n_stacked % (p * v):
+        raise ConfigError(
+            "model.n_layers",
+            n_stacked,
+            f"use a multiple of pipe*virtual={p * v} stacked layers (MoE: layer groups of moe_every)",
+            f"{n_stacked} stacked layers do not split into {p} stages x {v} chunks",
+        )
