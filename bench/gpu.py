@@ -80,8 +80,9 @@ def child(a) -> int:
 
     from meshrun.config import load_config
     from meshrun.data import global_batch_arrays, make_dataset
+    from meshrun.flops import model_flops
     from meshrun.mesh import build_mesh
-    from meshrun.metrics import model_flops_per_step, peak_flops
+    from meshrun.metrics import peak_flops
     from meshrun.train import make_train_step
 
     cfg = load_config(None, a.child_overrides)
@@ -95,7 +96,7 @@ def child(a) -> int:
     state = fns.init()
     jax.block_until_ready(state)
     emit(event="init", n_params=int(n_params))
-    flops = model_flops_per_step(cfg.model, t.global_batch, t.seq_len)
+    flops = model_flops(cfg.model, t.global_batch, t.seq_len)
     peak = peak_flops(dev)
     times, losses = [], []
     for step in range(t.steps):

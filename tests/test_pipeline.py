@@ -332,6 +332,11 @@ def test_hlo_permute_bytes_and_single_dp_reduction(dims):
         # Data-parallel gradient reduction: outside the loop, same count whatever m is.
         dp_colls = [x for x, _ in ex if "data" in x.axes and x.op in ("all-reduce", "reduce-scatter")]
         assert not [x for x in dp_colls if x.in_loop]
+        # Inside the tick loop only what a tick needs: the stage's TP all-reduces and the sends.
+        assert {(x.op, x.axes) for x, _ in ex if x.in_loop} <= {
+            ("all-reduce", ("tensor",)),
+            ("collective-permute", ("pipe",)),
+        }
         dp_ops[m] = sorted((x.op, x.axes, x.bytes) for x in dp_colls)
     assert dp_ops[2 * p] == dp_ops[8 * p]
 
