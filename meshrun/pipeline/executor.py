@@ -85,6 +85,7 @@ class Pipeline:
         residuals: str = "store",
         layout: str = "model",
         nan_bubbles: bool = False,
+        skip_idle: bool = True,
     ):
         if residuals not in ("store", "recompute"):
             raise ConfigError("residuals", residuals, "use 'store' or 'recompute'")
@@ -94,6 +95,7 @@ class Pipeline:
         self.zero = zero if isinstance(zero, ZeroLayout) else None
         self.zero_stage = zero.stage if isinstance(zero, ZeroLayout) else int(zero)
         self.residuals, self.layout, self.nan_bubbles = residuals, layout, nan_bubbles
+        self.skip_idle = skip_idle
         self.p = int(mesh.shape.get("pipe", 1))
         self.dp = int(np.prod([mesh.shape.get(a, 1) for a in DP_AXES]))
         self.program = tick_program(pcfg, self.p)
@@ -267,9 +269,9 @@ class _StageRun:
     # ------------------------------------------------------------ one forward / one backward
 
     def forward(self, c, row):
-        """This tick's forward on this stage. Idle stages skip the compute (`lax.cond` on a predicate
-        shared by the whole tensor/expert group, so collectives inside stay matched) and write fill
-        values into the trash slot."""
+        """This tick's forward on this stage. With `skip_idle`, idle stages skip the compute (`lax.cond`
+        on a predicate shared by the whole tensor/expert group, so collectives inside stay matched);
+        either way an idle cell writes into the trash slot and adds nothing to the sums."""
         fns, xs = self.fns, self.x_aval
         valid, mb, ch, slot, first, last = self.cell(row, "f")
         x_in = c["x_in"]
@@ -302,7 +304,12 @@ class _StageRun:
                 self.x_zero,
             )
 
-        y, keep, aux, ls, d_o, dy = lax.cond(valid, run, idle)
+        if self.pl.skip_idle:
+            y, keep, aux, ls, d_o, dy = lax.cond(valid, run, idle)
+        else:  # compute anyway on fill values: the residuals go to the trash slot, the sums are masked
+            x_in = jnp.where(valid, x_in, self.fill)
+            y, keep, aux, ls, d_o, dy = run()
+            aux = {k: jnp.where(valid, a, 0) for k, a in aux.items()}
         c = dict(c, res=[_put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)])
         c["aux"] = {k: c["aux"][k] + aux[k] for k in c["aux"]}
         c["loss"] = c["loss"] + ls
@@ -312,7 +319,7 @@ class _StageRun:
         return c, y, dy
 
     def backward(self, c, row, dy_head):
-        """This tick's backward on this stage (skipped when idle, as the forward)."""
+        """This tick's backward on this stage (idle cells as in `forward`)."""
         fns = self.fns
         valid, mb, ch, slot, first, last = self.cell(row, "b")
         if not self.prog.fused_head:
@@ -341,7 +348,12 @@ class _StageRun:
             d_p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)
             return d_p, self.full(self.x_aval.shape, self.x_aval.dtype), self.zeros_other()
 
-        d_p, dx, d_o = lax.cond(valid, run, idle)
+        if self.pl.skip_idle:
+            d_p, dx, d_o = lax.cond(valid, run, idle)
+        else:  # compute anyway on fill values and mask the weight gradients
+            dy = jnp.where(valid, dy, self.fill)
+            d_p, dx, d_o = run()
+            d_p = jax.tree.map(lambda d: jnp.where(valid, d, 0), d_p)
         c = dict(c)
         c["g_layers"] = self.add_grads(c["g_layers"], d_p, ch)
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
