@@ -140,6 +140,7 @@ TOY_CASES = {
     "p2d2t2-1f1b-m4-zero2": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("zero", 2),)),
     "p2d2t2-1f1b-m4-zero3": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("zero", 3),)),
     "p2d2t2-1f1b-m4-recompute": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("residuals", "recompute"),)),
+    "p4t2-1f1b-m8-no-skip": ((4, 1, 1, 2), "1f1b", 8, 1, 8, (("skip_idle", False),)),
     "p2d2t2-interleaved-m4-pipeline-layout": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("layout", "pipeline"),)),
 }
 
@@ -249,11 +250,16 @@ def test_residual_buffer_holds_activations_not_weights():
 
 
 @pytest.mark.parametrize(
-    "dims,schedule,m,v",
-    [((4, 1, 1, 2), "1f1b", 8, 1), ((2, 2, 1, 2), "interleaved", 4, 2), ((2, 2, 1, 2), "gpipe", 4, 1)],
+    "dims,schedule,m,v,skip",
+    [
+        ((4, 1, 1, 2), "1f1b", 8, 1, True),
+        ((4, 1, 1, 2), "1f1b", 8, 1, False),  # idle cells really run on the NaN fill
+        ((2, 2, 1, 2), "interleaved", 4, 2, True),
+        ((2, 2, 1, 2), "gpipe", 4, 1, True),
+    ],
 )
-def test_nan_bubbles_do_not_leak(dims, schedule, m, v):
-    pl, compiled, args = toy_compiled(dims, schedule, m, v, b=32, nan_bubbles=True)
+def test_nan_bubbles_do_not_leak(dims, schedule, m, v, skip):
+    pl, compiled, args = toy_compiled(dims, schedule, m, v, b=32, nan_bubbles=True, skip_idle=skip)
     assert re.search(r"f32\[\]\s+constant\(nan\)", compiled.as_text())  # the NaN fill is really there
     loss, grads, _ = compiled(*args)
     assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
