@@ -1,6 +1,6 @@
 """Pipelined vs non-pipelined steps on the same simulated CPU devices (a script, not a test).
 
-    python bench/compare.py [--repeat 2] [--steps 12] [--out rows.jsonl] [--quick]
+    python bench/compare.py [--repeat 3] [--steps 12] [--out rows.jsonl] [--quick]
 
 Each configuration runs as its own `meshrun train` process on exactly its device count
 (XLA_FLAGS=--xla_force_host_platform_device_count=N, nothing else: XLA's default optimisation level)
