@@ -330,9 +330,23 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError("config", str(path), "give the path of an existing YAML file", "no such file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            "config",
+            str(path),
+            "give a YAML text file (UTF-8), e.g. configs/tiny_cpu.yaml",
+            f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}; a binary file?)",
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            "config", str(path), "give a YAML file you can read", f"cannot read it ({e.strerror or e})"
+        ) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError("config", str(path), f"fix the YAML syntax ({e})", "not valid YAML") from None
+        why = " ".join(str(e).split())  # one line
+        raise ConfigError("config", str(path), f"fix the YAML syntax ({why})", "not valid YAML") from None
     if not isinstance(data, dict):
         raise ConfigError("config", str(path), "the top level must be a mapping of sections")
     return data
