@@ -159,8 +159,12 @@ class Checkpointer:
         """Save when `should_save(step)` or `force` (the last step, preemption); async when configured.
         Returns whether a save started. Arrays are copied to host before this returns, so the caller
         may donate `state` to the next step."""
-        if not (force or self.should_save(step)) or step in self._started or step in self.manager.all_steps():
+        if not (force or self.should_save(step)) or step in self._started:
             return False
+        if step in self.manager.all_steps():
+            if step in self.all_steps():
+                return False  # already on disk (a resumed run's last step)
+            self.move_aside(step)  # an unusable STEP/ (no state or meta): orbax would skip the save
         self._started.add(step)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(self.meta)})
         with self._saving(step):

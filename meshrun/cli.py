@@ -105,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     flag = DEBUG_FLAG in argv  # a global flag, accepted after the subcommand too
     argv = [a for a in argv if a != DEBUG_FLAG]
     debug = debug_enabled(flag)
-    if flag:
-        os.environ[DEBUG_ENV] = "1"  # library code reads it too (e.g. which warnings to keep quiet)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     # `section.key=value` overrides may come after flags (argparse stops filling positionals there)
@@ -115,10 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.debug = debug
+    saved_env = os.environ.get(DEBUG_ENV)
+    if flag:
+        os.environ[DEBUG_ENV] = "1"  # library code reads it too (e.g. which warnings to keep quiet)
     try:
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI's one place that reports failures
         return report(args.command, e, debug)
+    finally:
+        if flag and saved_env is None:
+            os.environ.pop(DEBUG_ENV, None)
+        elif flag:
+            os.environ[DEBUG_ENV] = saved_env
 
 
 if __name__ == "__main__":

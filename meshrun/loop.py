@@ -63,12 +63,14 @@ def prepare(cfg: RunConfig, devices: list | None = None):
 
 
 def check_checkpoints(cfg: RunConfig) -> list[int]:
-    """Read-only checks of RUN_DIR/checkpoints against the config; returns the complete steps.
-    checkpoint.resume=false with checkpoints there, a newest step past train.steps, or only damaged
-    checkpoints (resume=true) -> an error before anything is written or trained."""
+    """Read-only checks of RUN_DIR/checkpoints against the config; returns the steps to try, oldest
+    first (complete ones, and STEP/ directories whose metadata looks damaged: restoring them fails and
+    moves them aside, so that a new save of that step is not skipped). checkpoint.resume=false with
+    checkpoints there, a newest step past train.steps, or only moved-aside damaged checkpoints
+    (resume=true) -> an error before anything is written or trained."""
     t, run_dir = cfg.train, cfg.train.run_dir
     entries = scan(run_dir)
-    complete = [e.step for e in entries if e.status == "complete"]
+    complete = sorted({e.step for e in entries if e.name.isdigit() and e.status != "partial"})
     if entries and not cfg.checkpoint.resume:
         listed = ", ".join(f"{e.step} ({e.status})" for e in entries[:5]) + (" ..." if len(entries) > 5 else "")
         raise ConfigError(
