@@ -159,7 +159,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
-    log_every: int = 1
+    log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     run_dir: str = "runs/default"
     profile: bool = False
 
