@@ -16,7 +16,7 @@ import sys
 import traceback
 import warnings
 
-from meshrun.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_IO, ConfigError, MeshrunError
+from meshrun.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_IO, EXIT_TRAINING, ConfigError, MeshrunError
 
 # Subcommand modules, each with `register(subparsers)`; imported lazily so `--devices` can act before jax.
 COMMAND_MODULES = (
@@ -90,6 +90,13 @@ def report(command: str, exc: BaseException, debug: bool) -> int:
         line, code = str(exc), exc.exit_code
     elif isinstance(exc, KeyboardInterrupt):
         line, code = "interrupted", EXIT_INTERRUPTED
+    elif "RESOURCE_EXHAUSTED" in str(exc):  # XLA: out of device memory (compile or run)
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        line = (
+            f"out of device memory ({first[:200]}); try model.remat=full, a higher train.zero, more "
+            "pipeline.microbatches or a smaller train.global_batch (`meshrun plan`/`explain` estimate memory)"
+        )
+        code = EXIT_TRAINING
     elif isinstance(exc, OSError):  # a file we read or write: permissions, disk full, vanished
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         line, code = f"I/O error{where}: {exc.strerror or exc}", EXIT_IO

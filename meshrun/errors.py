@@ -5,7 +5,7 @@
 | 0      |                    | done (also: preempted by SIGTERM after saving)                       |
 | 1      | (anything else)    | internal error: a bug in meshrun; `--debug` shows the traceback      |
 | 2      | ConfigError        | bad input, found before anything is written (config, flags, run dir) |
-| 3      | TrainingError      | the run started but cannot go on (NaN/Inf loss)                      |
+| 3      | TrainingError      | the run started but cannot go on (NaN/Inf loss, out of device memory)|
 | 4      | DataError          | I/O: a data file, the run dir or metrics could not be read/written   |
 | 5      | CheckpointError    | no intact checkpoint to resume from, or one cannot be written        |
 | 6      | DistributedError   | jax.distributed failed after the settings were checked               |

@@ -298,3 +298,17 @@ def test_internal_error_is_one_line_unless_debug(capsys, monkeypatch, debug):
     assert "meshrun explain: error: internal error: AssertionError: layout mismatch" in err
     assert ("Traceback" in err) == debug
     assert ("--debug for the traceback" in err) != debug
+
+
+def test_out_of_device_memory_is_a_training_error_not_a_bug(capsys, monkeypatch):
+    import meshrun.explain
+
+    def oom(cfg):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB\nBufferAssignment...")
+
+    monkeypatch.setattr(meshrun.explain, "explain", oom)
+    rc = main(["explain", CONFIG, *SMALL])
+    line = one_error_line(capsys.readouterr().err, "explain")
+    assert rc == 3
+    assert "out of device memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB)" in line
+    assert "model.remat=full" in line and "internal error" not in line
