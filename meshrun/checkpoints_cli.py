@@ -5,12 +5,16 @@ Status of each entry of RUN_DIR/checkpoints (read from the files only; jax is no
   newest of these. Array data is verified when a run restores it (a failure moves it aside).
 - partial: an interrupted save (STEP.orbax-checkpoint-tmp-*) or a STEP/ lacking an item; ignored.
 - damaged: moved aside after it failed to restore (STEP.damaged-TIME), or STEP/ whose metadata
-  cannot be read; never deleted by meshrun, never resumed from.
+  cannot be read (with --verify: or whose arrays cannot be read back). meshrun never deletes one; a
+  run tries a damaged STEP/ (it fails and is moved aside), never a moved-aside one.
+--verify reads every array of each complete checkpoint back onto one CPU device (host memory for
+the whole state: meant for small and medium models; a run verifies the one it restores anyway).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,8 +62,36 @@ def _inspect(entry: Path, step: int) -> StepInfo:
     return StepInfo(step, "complete", entry.name, model)
 
 
-def scan(run_dir: str | Path) -> list[StepInfo]:
-    """Every checkpoint entry of RUN_DIR/checkpoints, by step then name (see the module docstring)."""
+def verify_arrays(entry: Path) -> str:
+    """'' when every array of STEP/state reads back (onto one CPU device), else why not."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: no accelerator needed
+    import jax
+    import orbax.checkpoint as ocp
+
+    from meshrun.checkpoint import _quiet_absl, _quiet_leftover_reads
+
+    is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    try:
+        with _quiet_absl():
+            ck = ocp.StandardCheckpointer()
+            meta = ck.metadata(entry / STATE)
+            tree = getattr(meta, "item_metadata", meta)
+            tree = getattr(tree, "tree", tree)
+            target = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), tree, is_leaf=is_array
+            )
+            jax.block_until_ready(ck.restore(entry / STATE, target))
+    except Exception as e:  # noqa: BLE001 - TensorStore, JSON, orbax and OS errors all mean "unreadable"
+        _quiet_leftover_reads()
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        return f"arrays unreadable ({type(e).__name__}: {first[:160]})"
+    return ""
+
+
+def scan(run_dir: str | Path, verify: bool = False) -> list[StepInfo]:
+    """Every checkpoint entry of RUN_DIR/checkpoints, by step then name (see the module docstring).
+    `verify`: read the arrays of each complete one back (`verify_arrays`)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -68,7 +100,10 @@ def scan(run_dir: str | Path) -> list[StepInfo]:
         if not entry.is_dir():
             continue
         if entry.name.isdigit():
-            out.append(_inspect(entry, int(entry.name)))
+            info = _inspect(entry, int(entry.name))
+            if verify and info.status == "complete" and (why := verify_arrays(entry)):
+                info = StepInfo(info.step, "damaged", info.name, info.model, why)
+            out.append(info)
         elif m := _TMP.match(entry.name):
             meta, _ = _read_json(entry / META / "metadata")
             model = meta.get("model") if isinstance(meta, dict) else None
@@ -104,13 +139,14 @@ def register(sub) -> None:
     p = sub.add_parser("checkpoints", help="list a run's checkpoints: step, status, model config")
     p.add_argument("run_dir", help="the run's train.run_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object with key `checkpoints`")
+    p.add_argument("--verify", action="store_true", help="read every array back (one CPU device; slow)")
     p.set_defaults(func=run_checkpoints)
 
 
 def run_checkpoints(args) -> int:
     if not Path(args.run_dir).is_dir():
         raise ConfigError("RUN_DIR", args.run_dir, "give a run's train.run_dir", "no such directory")
-    steps = scan(args.run_dir)
+    steps = scan(args.run_dir, verify=args.verify)
     if args.json:
         print(json.dumps({"run_dir": args.run_dir, "checkpoints": [asdict(s) for s in steps]}))
     else:

@@ -206,11 +206,22 @@ def test_checkpoints_command_lists_partial_and_damaged(saved, capsys):
     ck = saved / "checkpoints"
     shutil.copytree(ck / "2", ck / "7.orbax-checkpoint-tmp-1712345678")  # an interrupted save
     (ck / "2" / "state" / "_METADATA").write_text("{")
+    shutil.copytree(ck / "1", ck / "5")
+    _corrupt(ck / "5", "arrays")  # metadata intact: only --verify can tell
     assert main(["checkpoints", str(saved)]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = {ln.split()[0] + " " + ln.split()[1] for ln in out[2:]}
-    assert rows == {"1 complete", "2 damaged", "7 partial"}
+    rows = [ln.split()[0] + " " + ln.split()[1] for ln in out[2:]]
+    assert rows == ["1 complete", "2 damaged", "5 complete", "7 partial"]
     assert "d_model=64" in out[2] and "n_layers=4" in out[2]
+    assert main(["checkpoints", str(saved), "--verify", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(c["step"], c["status"]) for c in listed] == [
+        (1, "complete"),
+        (2, "damaged"),
+        (5, "damaged"),
+        (7, "partial"),
+    ]
+    assert listed[2]["note"].startswith("arrays unreadable")
     assert main(["checkpoints", str(saved / "nope")]) == 2
 
 
