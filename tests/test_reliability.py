@@ -327,18 +327,11 @@ def test_out_of_device_memory_is_a_training_error_not_a_bug(capsys, monkeypatch)
 
 def test_explain_checks_a_layout_it_does_not_compile(capsys):
     """Meshes too large to compile here get the prediction only; the layout is still validated."""
-    rc = main(["explain", CONFIG, "mesh.data=32", "pipeline.schedule=interleaved", "pipeline.virtual=3"])
+    rc = main(["explain", CONFIG, "mesh.data=32"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""
     assert "train.global_batch" in one_error_line(err, "explain")  # 16 rows over 4 microbatches x 32 replicas
-    rc = main(
-        [
-            "explain",
-            CONFIG,
-            "mesh.data=32",
-            "train.global_batch=128",
-            *["pipeline.schedule=interleaved", "pipeline.virtual=3"],
-        ]
-    )
+    interleaved_v3 = ["pipeline.schedule=interleaved", "pipeline.virtual=3"]
+    rc = main(["explain", CONFIG, "mesh.data=32", "train.global_batch=128", *interleaved_v3])
     out, err = capsys.readouterr()
     assert rc == 2 and "pipe*virtual=6" in one_error_line(err, "explain")
