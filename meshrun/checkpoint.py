@@ -189,9 +189,11 @@ class Checkpointer:
             self.manager.wait_until_finished()
 
     def close(self) -> None:
-        with self._saving(None):
-            self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            with self._saving(None):
+                self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

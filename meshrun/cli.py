@@ -101,8 +101,9 @@ def report(command: str, exc: BaseException, debug: bool) -> int:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         line, code = f"I/O error{where}: {exc.strerror or exc}", EXIT_IO
     else:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
         hint = "" if debug else f"; rerun with {DEBUG_FLAG} for the traceback"
-        line, code = f"internal error: {type(exc).__name__}: {exc}{hint} (please report it)", EXIT_INTERNAL
+        line, code = f"internal error: {type(exc).__name__}: {first[:300]}{hint} (please report it)", EXIT_INTERNAL
     print(f"meshrun {command}: error: {line}", file=sys.stderr, flush=True)
     return code
 
