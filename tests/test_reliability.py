@@ -335,3 +335,28 @@ def test_explain_checks_a_layout_it_does_not_compile(capsys):
     rc = main(["explain", CONFIG, "mesh.data=32", "train.global_batch=128", *interleaved_v3])
     out, err = capsys.readouterr()
     assert rc == 2 and "pipe*virtual=6" in one_error_line(err, "explain")
+
+
+def test_lock_without_flock_falls_back_to_the_recorded_pid(tmp_path, monkeypatch):
+    """Filesystems without flock (ENOLCK): a live pid on this host holds the run dir, a dead one does not."""
+    import errno
+    import socket
+
+    import meshrun.runlock as runlock
+    from meshrun.errors import ConfigError
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_flock)
+    lock_file = tmp_path / runlock.LOCK_NAME
+    lock_file.write_text(f"{os.getppid()} {socket.gethostname()} 2026-01-01T00:00:00\n")  # alive
+    with pytest.raises(ConfigError, match=rf"another meshrun run is using it \(pid {os.getppid()} on"):
+        runlock.RunLock(tmp_path).acquire()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock_file.write_text(f"{dead.pid} {socket.gethostname()} 2026-01-01T00:00:00\n")
+    with runlock.RunLock(tmp_path) as lock:
+        assert lock.took_over.startswith(str(dead.pid))
+        assert lock_file.read_text().split()[0] == str(os.getpid())
+    assert not lock_file.exists()
