@@ -5,16 +5,21 @@ StandardSave: every process writes its own shards, OCDBT); `meta` is a JSON dict
 written with every checkpoint and compared with the current config before restoring.
 Restoring is layout-independent: the target's shardings decide how the arrays are read back, so a
 run saved on (data 2, pipe 2, tensor 2) resumes on (data 8) or (pipe 4, tensor 2).
+A step that fails to restore (corrupt array files or metadata) raises CheckpointDamaged; the loop
+moves it aside (`move_aside`: STEP -> STEP.damaged-TIME, never deleted) and tries the next older one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +27,61 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from meshrun.checkpoints_cli import DAMAGED_TAG, META, STATE
 from meshrun.config import CheckpointConfig
-from meshrun.errors import ConfigError
+from meshrun.errors import CheckpointError, ConfigError
 
-STATE, META = "state", "meta"
+
+class CheckpointDamaged(CheckpointError):
+    """Step `step` exists but cannot be restored (corrupt or missing array files / metadata)."""
+
+    def __init__(self, step: int, directory: Path, cause: BaseException):
+        self.step, self.directory = step, directory
+        first = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), "")
+        self.why = f"{type(cause).__name__}: {first[:200]}" if first else type(cause).__name__
+        super().__init__(f"checkpoint step {step} in {directory} cannot be restored ({self.why})")
+
+
+def _quiet_leftover_reads() -> None:
+    """After a failed restore orbax closes its event loop while TensorStore still completes the other
+    reads; each completion then reports 'Event loop is closed' as an unraisable exception (a screen of
+    tracebacks, harmless). Drop exactly those (not with MESHRUN_DEBUG=1); anything else goes through."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_meshrun", False) or os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
+        return
+
+    def hook(u):
+        tb, last = u.exc_traceback, None
+        while tb is not None:
+            last, tb = tb, tb.tb_next
+        if (
+            isinstance(u.exc_value, RuntimeError)
+            and str(u.exc_value) == "Event loop is closed"
+            and last is not None
+            and last.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+        ):
+            return
+        previous(u)
+
+    hook._meshrun = True
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Reading one item of a composite makes orbax warn that the other item was skipped."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_log.setLevel(level)
+
+
+def _is_resource_error(e: BaseException) -> bool:
+    """Out of memory while restoring says nothing about the files: not a reason to move them aside."""
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
 
 
 def check_run_dir_writable(run_dir: str | Path) -> None:
@@ -103,19 +159,41 @@ class Checkpointer:
         """Save when `should_save(step)` or `force` (the last step, preemption); async when configured.
         Returns whether a save started. Arrays are copied to host before this returns, so the caller
         may donate `state` to the next step."""
-        if not (force or self.should_save(step)) or step in self._started or step in self.manager.all_steps():
+        if not (force or self.should_save(step)) or step in self._started:
             return False
+        if step in self.manager.all_steps():
+            if step in self.all_steps():
+                return False  # already on disk (a resumed run's last step)
+            self.move_aside(step)  # an unusable STEP/ (no state or meta): orbax would skip the save
         self._started.add(step)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(self.meta)})
-        return bool(self.manager.save(step, args=args, force=True))
+        with self._saving(step):
+            return bool(self.manager.save(step, args=args, force=True))
+
+    @contextlib.contextmanager
+    def _saving(self, step: int | None):
+        """A failed (async) save -> CheckpointError naming the directory; the older steps stay."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - orbax/TensorStore/OS errors of the writer
+            which = f"step {step}" if step is not None else "a checkpoint"
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+            raise CheckpointError(
+                f"saving {which} in {self.directory} failed ({type(e).__name__}: {first[:200]}); the "
+                "checkpoints already there are intact; check free space and permissions"
+            ) from e
 
     def wait(self) -> None:
         """Block until the pending async save is on disk."""
-        self.manager.wait_until_finished()
+        with self._saving(None):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            with self._saving(None):
+                self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -126,14 +204,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
 
     def saved_meta(self, step: int) -> dict[str, Any]:
-        # Restoring one item of a composite makes orbax log that the other ("state") was skipped.
-        absl_log = logging.getLogger("absl")
-        level = absl_log.level
-        absl_log.setLevel(logging.ERROR)
-        try:
+        with _quiet_absl():
             return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-        finally:
-            absl_log.setLevel(level)
 
     def check_compatible(self, step: int, target: Any) -> None:
         """ConfigError when the saved model config or the saved array shapes differ from the current ones."""
@@ -151,7 +223,8 @@ class Checkpointer:
                 f"checkpoint in {self.run_dir} was written for {was}, config has {now}",
             )
         try:
-            tree = self.manager.item_metadata(step)[STATE]
+            with _quiet_absl():
+                tree = self.manager.item_metadata(step)[STATE]
         except Exception:  # noqa: BLE001 - metadata is a courtesy check; orbax reports what it can't read
             return
         tree = getattr(tree, "tree", tree)
@@ -178,11 +251,41 @@ class Checkpointer:
 
     def restore(self, step: int, target: Any) -> Any:
         """Restore step `step` into the layout of `target`: a pytree of jax.ShapeDtypeStruct with
-        shardings, or of arrays (their shardings are used). Any mesh works (resharding)."""
-        self.check_compatible(step, target)
-        abstract = jax.tree.map(_abstract, target)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
-        return self.manager.restore(step, args=args)[STATE]
+        shardings, or of arrays (their shardings are used). Any mesh works (resharding).
+        ConfigError: written for another model / shapes; CheckpointDamaged: the files cannot be read."""
+        try:
+            self.check_compatible(step, target)
+            abstract = jax.tree.map(_abstract, target)
+            args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
+            return self.manager.restore(step, args=args)[STATE]
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - TensorStore, JSON, orbax and OS errors all mean "unreadable"
+            _quiet_leftover_reads()
+            if _is_resource_error(e):
+                raise CheckpointError(
+                    f"restoring checkpoint step {step} in {self.directory} ran out of memory ({type(e).__name__}); "
+                    "the checkpoint is left as it is"
+                ) from e
+            raise CheckpointDamaged(step, self.directory, e) from e
+
+    def move_aside(self, step: int) -> Path:
+        """Rename STEP to STEP.damaged-TIME inside the checkpoints directory (process 0 only; never
+        deleted): orbax no longer lists it, `meshrun checkpoints` shows it as damaged."""
+        src = self.directory / str(step)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        dst, n = self.directory / f"{step}{DAMAGED_TAG}{stamp}", 1
+        while dst.exists():
+            n += 1
+            dst = self.directory / f"{step}{DAMAGED_TAG}{stamp}-{n}"
+        if jax.process_index() == 0:
+            os.rename(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"meshrun-move-aside-{step}")
+        self.manager.reload()
+        return dst
 
 
 class PreemptionFlag:

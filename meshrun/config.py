@@ -159,7 +159,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
-    log_every: int = 1
+    log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     run_dir: str = "runs/default"
     profile: bool = False
 
@@ -330,9 +330,23 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError("config", str(path), "give the path of an existing YAML file", "no such file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            "config",
+            str(path),
+            "give a YAML text file (UTF-8), e.g. configs/tiny_cpu.yaml",
+            f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}; a binary file?)",
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            "config", str(path), "give a YAML file you can read", f"cannot read it ({e.strerror or e})"
+        ) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError("config", str(path), f"fix the YAML syntax ({e})", "not valid YAML") from None
+        why = " ".join(str(e).split())  # one line
+        raise ConfigError("config", str(path), f"fix the YAML syntax ({why})", "not valid YAML") from None
     if not isinstance(data, dict):
         raise ConfigError("config", str(path), "the top level must be a mapping of sections")
     return data

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrun.config import DataConfig
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, DataError
 
 TEXT_CAP_BYTES = 8 << 20  # text corpus: first 8 MiB of the matched files
 TEXT_SEP = b"\x00"  # document separator (NUL never occurs in source text)
@@ -189,7 +189,20 @@ def load_tokens(path: str, token_dtype: str, vocab: int) -> np.ndarray:
 
 
 def make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: int) -> Dataset:
-    """Build the dataset named by `dcfg.kind` (see the module docstring)."""
+    """Build the dataset named by `dcfg.kind` (see the module docstring). A file that exists but
+    cannot be read (permissions, I/O error) -> DataError naming the field and the file."""
+    try:
+        return _make_dataset(dcfg, vocab=vocab, seq_len=seq_len, global_batch=global_batch)
+    except OSError as e:
+        field, value = ("data.path", dcfg.path) if dcfg.kind == "tokens" else ("data.glob", dcfg.glob)
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        raise DataError(
+            f"{field}={value!r}: cannot read{where} ({e.strerror or e}); fix the file's permissions or "
+            f"point {field} at readable files"
+        ) from e
+
+
+def _make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: int) -> Dataset:
     if dcfg.kind == "synthetic":
         return SyntheticDataset(dcfg.seed, seq_len, global_batch, vocab)
     if dcfg.kind == "text":

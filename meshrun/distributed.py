@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshrun.devices import simulate_cpu_devices
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, DistributedError
 
 ENV_COORDINATOR = "MESHRUN_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHRUN_NUM_PROCESSES"
@@ -317,20 +317,35 @@ def _join(p: JoinSettings, deadline: float, timeout_s: float, heartbeat_s: float
         shutdown_timeout_seconds=int(timeout_s),
         local_device_ids=p.local_device_ids,
     )
-    if p.mode == "explicit":
-        kwargs["cluster_detection_method"] = "deactivate"  # do not let SLURM vars pick one GPU per task
-        jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, **kwargs)
-    else:
-        jax.distributed.initialize(**kwargs)
     try:
+        if p.mode == "explicit":
+            kwargs["cluster_detection_method"] = "deactivate"  # do not let SLURM vars pick one GPU per task
+            jax.distributed.initialize(p.coordinator, p.num_processes, p.process_id, **kwargs)
+        else:
+            jax.distributed.initialize(**kwargs)
         state = _dist.global_state
         if p.mode != "explicit":
             coordinator, n, i = state.coordinator_address, jax.process_count(), jax.process_index()
             p = JoinSettings(p.mode, coordinator, n, i, p.local_devices, p.local_device_ids)
         _handshake(state.client, p, jax.local_device_count(), jax.process_count())
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - jax/XLA raise RuntimeError, ValueError or XlaRuntimeError here
+        raise DistributedError(_join_failure(p, e)) from e
     finally:
         done.set()
     return p
+
+
+def _join_failure(p: JoinSettings, e: BaseException) -> str:
+    """One line for a jax.distributed failure after the pre-flight checks passed."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    where = p.coordinator or f"the {p.mode} coordinator"
+    return (
+        f"process {p.process_id} of {p.num_processes}: jax.distributed could not start with the coordinator at "
+        f"{where} ({type(e).__name__}: {first[:300]}); check that process 0 is running and every process "
+        "has the same settings (see the other processes' logs)"
+    )
 
 
 def _check_joined(p: JoinSettings) -> None:

@@ -1,10 +1,65 @@
-"""Errors that the CLI turns into exit status 2 with a one-line message (no traceback)."""
+"""Errors the CLI turns into one line on stderr and a documented exit status (no traceback).
+
+| status | class              | meaning                                                              |
+|--------|--------------------|----------------------------------------------------------------------|
+| 0      |                    | done (also: preempted by SIGTERM after saving)                       |
+| 1      | (anything else)    | internal error: a bug in meshrun; `--debug` shows the traceback      |
+| 2      | ConfigError        | bad input, found before anything is written (config, flags, run dir) |
+| 3      | TrainingError      | the run started but cannot go on (NaN/Inf loss, out of device memory)|
+| 4      | DataError          | I/O: a data file, the run dir or metrics could not be read/written   |
+| 5      | CheckpointError    | no intact checkpoint to resume from, or one cannot be written        |
+| 6      | DistributedError   | jax.distributed failed after the settings were checked               |
+| 130    |                    | interrupted (Ctrl-C)                                                 |
+
+`--debug` (any subcommand) or `MESHRUN_DEBUG=1` prints the traceback above the line.
+"""
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_CONFIG = 2
+EXIT_TRAINING = 3
+EXIT_IO = 4
+EXIT_CHECKPOINT = 5
+EXIT_DISTRIBUTED = 6
+EXIT_INTERRUPTED = 130
 
 
-class ConfigError(ValueError):
+class MeshrunError(Exception):
+    """Base: a failure the CLI reports in one line with `exit_code`."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class ConfigError(MeshrunError, ValueError):
     """A bad configuration value: the message names the field, the value seen and the fix."""
+
+    exit_code = EXIT_CONFIG
 
     def __init__(self, field: str, value, fix: str, what: str | None = None):
         self.field, self.value, self.fix = field, value, fix
         what = what or "invalid value"
         super().__init__(f"{field}: {what} (got {value!r}); {fix}")
+
+
+class TrainingError(MeshrunError, RuntimeError):
+    """The run cannot go on (e.g. a NaN/Inf loss); the last good checkpoint is left intact."""
+
+    exit_code = EXIT_TRAINING
+
+
+class DataError(MeshrunError, RuntimeError):
+    """Reading data or writing the run's files failed (permissions, a vanished/truncated file, disk full)."""
+
+    exit_code = EXIT_IO
+
+
+class CheckpointError(MeshrunError, RuntimeError):
+    """No intact checkpoint to resume from (every one failed to restore), or a checkpoint cannot be written."""
+
+    exit_code = EXIT_CHECKPOINT
+
+
+class DistributedError(MeshrunError, RuntimeError):
+    """jax.distributed failed after meshrun's own checks passed (coordinator died, network, ...)."""
+
+    exit_code = EXIT_DISTRIBUTED

@@ -128,6 +128,11 @@ def explain(cfg) -> dict:
     shape = {a: getattr(cfg.mesh, a) for a in AXES}
     out = {"mesh": shape, "devices": n, "compiled": False, "note": ""}
     if n > MAX_SIMULATED:
+        from types import SimpleNamespace
+
+        from meshrun.train import validate
+
+        validate(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
         pred = predict(cfg, shape)
         out["note"] = (
             f"compiling needs the real device count ({n}); this host simulates at most {MAX_SIMULATED} CPU "

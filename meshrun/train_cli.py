@@ -1,6 +1,8 @@
 """`meshrun train CONFIG [section.key=value ...]`: the main job.
 
 The last line on stdout is one JSON object: step, loss, first_loss, tokens_per_s, run_dir.
+Failures: one line on stderr and the exit status of `meshrun/errors.py` (2 bad input, 3 NaN/Inf
+loss, 4 I/O, 5 checkpoint, 6 distributed), reported by `meshrun.cli`.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ import json
 import sys
 
 from meshrun.devices import add_fast_compile_flag, needed_devices, setup_devices
-from meshrun.errors import ConfigError
+from meshrun.errors import EXIT_TRAINING, ConfigError
 
-EXIT_TRAINING_ERROR = 3  # the run started but could not go on (NaN loss); bad input is 2
+EXIT_TRAINING_ERROR = EXIT_TRAINING  # the run started but could not go on (NaN loss); bad input is 2
 
 
 def register(sub) -> None:
@@ -44,12 +46,8 @@ def run_train(args) -> int:
     from meshrun.distributed import initialize
 
     initialize()
-    from meshrun.loop import TrainingError, run
+    from meshrun.loop import run
 
-    try:
-        result = run(cfg, quiet=args.quiet)
-    except TrainingError as e:
-        print(f"meshrun train: error: {e}", file=sys.stderr)
-        return EXIT_TRAINING_ERROR
+    result = run(cfg, quiet=args.quiet)
     print(json.dumps({k: result[k] for k in ("step", "loss", "first_loss", "tokens_per_s", "run_dir")}))
     return 0

@@ -114,11 +114,14 @@ def _parse_value(key: str, raw: str):
 def run_plan(args) -> int:
     model, train, name = load_model(args.model)
     cluster = parse_cluster(args.cluster)
-    seq = args.seq_len or train.get("seq_len") or model.max_seq_len
-    batch = args.global_batch or train.get("global_batch")
+    for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
+        if val is not None and val < 1:  # given on the command line: checked, never replaced by the YAML's
+            raise ConfigError(flag, val, "use a positive whole number")
+    seq = args.seq_len if args.seq_len is not None else train.get("seq_len") or model.max_seq_len
+    batch = args.global_batch if args.global_batch is not None else train.get("global_batch")
     if not batch:
         raise ConfigError("--global-batch", batch, "give the number of sequences per step, e.g. --global-batch 1536")
-    for flag, val in (("--global-batch", batch), ("--seq-len", seq), ("--top", args.top)):
+    for flag, val in (("--global-batch", batch), ("--seq-len", seq)):
         if int(val) < 1:
             raise ConfigError(flag, val, "use a positive whole number")
     batch, seq = int(batch), int(seq)
