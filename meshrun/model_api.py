@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -63,6 +64,13 @@ def finish(fns: ModelFns, loss_sum, n_tokens, aux: Mapping[str, Any], n_sequence
     else:
         metrics = {"ce_loss": loss_sum / n_tokens, "n_tokens": n_tokens, **aux}
     return loss, metrics
+
+
+def token_count(fns: ModelFns, params, tokens_BxS, labels_BxS):
+    """n_tokens of a batch from its labels alone, as `head_loss` counts them (the head runs on zero
+    activations and only its count is used: XLA removes the matmul)."""
+    x = jax.eval_shape(fns.embed, params, tokens_BxS)
+    return jnp.asarray(fns.head_loss(params, jnp.zeros(x.shape, x.dtype), labels_BxS)[1], jnp.float32)
 
 
 def forward_sums(fns: ModelFns, params, tokens_BxS, labels_BxS):

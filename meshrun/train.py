@@ -105,7 +105,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
 
     def body(params, tokens, labels):
         with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
-            n_tok = psum(jnp.sum(labels >= 0).astype(jnp.float32))  # global counts: the shares add up
+            n_tok = psum(model_api.token_count(fns, params, tokens, labels))  # global counts: shares add up
             n_seq = tokens.shape[0] * dp_degree(mesh)
             b = tokens.shape[0] // m
 

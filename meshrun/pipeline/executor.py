@@ -207,10 +207,10 @@ class _StageRun:
         self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
-        # Total tokens first (labels only; the head matmul on zeros is dead code XLA removes).
-        flat = jnp.zeros((self.m * self.x_aval.shape[0], *self.x_aval.shape[1:]), self.x_aval.dtype)
-        n_local = self.fns.head_loss(other, flat, lab.reshape(-1, *lab.shape[2:]))[1]
-        self.n_tok = lax.psum(jnp.asarray(n_local, jnp.float32), tuple(a for a in DP_AXES if a in pl.mesh.shape))
+        # Total tokens first, from the labels alone: each head backward then uses the exact 1/N.
+        flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        n_local = model_api.token_count(self.fns, other, flat(tok), flat(lab))
+        self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
         self.n_seq = self.m * tok.shape[1] * pl.dp
 
         _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)
