@@ -170,14 +170,9 @@ def tree_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
 # ---------------------------------------------------------------- PartitionSpec helpers
 
 
-def spec_dims(spec: PartitionSpec, ndim: int | None = None) -> list[tuple[str, ...]]:
-    """PartitionSpec -> per-dimension tuple of mesh axes (padded with () to `ndim`)."""
-    n = len(spec) if ndim is None else max(ndim, len(spec))
-    out = []
-    for i in range(n):
-        e = spec[i] if i < len(spec) else None
-        out.append(() if e is None else (e,) if isinstance(e, str) else tuple(e))
-    return out
+def spec_dims(spec: PartitionSpec) -> list[tuple[str, ...]]:
+    """PartitionSpec -> per-dimension tuple of mesh axes (() for an unsharded dimension)."""
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
 
 
 def restrict_spec(spec: PartitionSpec, axes: Sequence[str] = MANUAL) -> PartitionSpec:

@@ -10,22 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train_cli import SMALL as TRAIN_CLI_SMALL
 
 from meshrun.cli import main
 from meshrun.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/tiny_cpu.yaml")
-SMALL = [
-    "train.seq_len=16",
-    "model.max_seq_len=16",
-    "data.kind=synthetic",
-    "train.global_batch=16",
-    "train.warmup_steps=1",
-    "mesh.pipe=1",
-    "mesh.data=4",
-    "checkpoint.async_save=false",
-]
+SMALL = [*TRAIN_CLI_SMALL, "mesh.pipe=1", "mesh.data=4"]
 
 
 def train(capsys, run_dir, *over, quiet=True):
