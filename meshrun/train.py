@@ -93,6 +93,33 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
 
         prog = tick_program(cfg.pipeline, mesh.shape["pipe"])
         check_layer_split(cfg.model.n_units, prog.p, prog.v)
+    check_remat_every(cfg, mesh.shape)
+    if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
+        field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
+        check_host_memory(mesh.devices.flat[0], field)
+
+
+def check_remat_every(cfg: RunConfig, shape) -> None:
+    """remat_every=k groups k stacked units inside each call of the layer stack: the whole stack, or
+    one pipeline chunk (n_units / (pipe * virtual)); groups never straddle a stage boundary."""
+    k, pipe = cfg.model.remat_every, shape["pipe"]
+    chunks = pipe * (cfg.pipeline.virtual if pipe > 1 and cfg.pipeline.schedule == "interleaved" else 1)
+    per_chunk = cfg.model.n_units // chunks
+    if k > 1 and per_chunk % k:
+        where = f"each pipeline chunk holds {per_chunk}" if chunks > 1 else f"the model stacks {per_chunk}"
+        raise ConfigError(
+            "model.remat_every", k, f"use a divisor of {per_chunk} ({where} layers)", "does not divide the layers"
+        )
+
+
+def check_host_memory(device, field: str) -> None:
+    """Host offload needs a 'pinned_host' memory space on the device (GPU, TPU and XLA:CPU have one)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ConfigError(
+            field, True, f"turn host offload off on {device.platform} (its memories: {sorted(kinds)})",
+            "this platform has no pinned_host memory",
+        )  # fmt: skip
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels):
@@ -155,6 +182,14 @@ def relayout(state: TrainState, tx, fn, p: int, v: int) -> TrainState:
     return state._replace(params=params, opt_state=opt)
 
 
+def offloaded(cfg: RunConfig) -> tuple[str, ...]:
+    """ZeroLayout parts resting in host memory: the optimizer moments with train.offload_optimizer, and
+    the parameters too when they are fp32 master weights of a lower-precision compute dtype."""
+    if not cfg.train.offload_optimizer:
+        return ()
+    return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
+
+
 def make_loss_and_grads(cfg: RunConfig, mesh: Mesh, fns: ModelFns, zl: ZeroLayout):
     """(params, tokens, labels) -> (loss, grads in the ZeRO grad layout, metrics), traced inside the
     step: the pipeline executor when mesh.pipe > 1, else the microbatch scan."""
@@ -177,36 +212,40 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
     abstract = jax.eval_shape(init_state)
-    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero)
+    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero, offloaded(cfg))
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     opt_sh = optax.tree_map_params(
         tx,
         lambda _, s: s,
         abstract.opt_state,
-        jax.tree.map(sh, zl.opt, is_leaf=is_spec),
+        jax.tree.map(lambda s: zl.sharding("opt", s), zl.opt, is_leaf=is_spec),
         transform_non_params=lambda _: sh(P()),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    state_sh = TrainState(jax.tree.map(sh, zl.store, is_leaf=is_spec), opt_sh, sh(P()))
+    state_sh = TrainState(jax.tree.map(lambda s: zl.sharding("store", s), zl.store, is_leaf=is_spec), opt_sh, sh(P()))
     batch_sh = sh(P(DP_AXES))
+    # Offloaded state rests in host memory: anything computing on it moves it in and back out.
+    on_device = lambda fn: lambda st: zl.to_host(fn(zl.to_device(st, state_sh)), state_sh)  # noqa: E731
     if interleaved(cfg, mesh):
         from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
 
         p, v = mesh.shape["pipe"], cfg.pipeline.virtual
-        to_run = jax.jit(lambda st: relayout(st, tx, to_pipeline_layout, p, v), out_shardings=state_sh)
-        to_model = jax.jit(lambda st: relayout(st, tx, from_pipeline_layout, p, v), out_shardings=state_sh)
-        init = jax.jit(lambda: relayout(init_state(), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+        to_run = jax.jit(on_device(lambda st: relayout(st, tx, to_pipeline_layout, p, v)), out_shardings=state_sh)
+        to_model = jax.jit(on_device(lambda st: relayout(st, tx, from_pipeline_layout, p, v)), out_shardings=state_sh)
+        init = jax.jit(lambda: zl.to_host(relayout(init_state(), tx, to_pipeline_layout, p, v), state_sh),
+                       out_shardings=state_sh)  # fmt: skip
     else:
         to_run = to_model = lambda st: st  # noqa: E731
-        init = jax.jit(init_state, out_shardings=state_sh)
+        init = jax.jit(lambda: zl.to_host(init_state(), state_sh), out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, tokens, labels):
+        state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, tokens, labels)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return zl.to_host(TrainState(params, opt_state, state.step + 1), state_sh), metrics
 
     step = jax.jit(
         train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
