@@ -6,7 +6,9 @@ planner's prediction is printed beside what XLA reports:
 
 * memory per device: predicted parts (`planner.step_model.predict_memory_jax`, the model of meshrun's
   own step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
-  total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp).
+  total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp),
+  then split per memory space (`meshrun.memory.memory_spaces`): device bytes and pinned-host bytes
+  (state offloaded by train.offload_optimizer; activations offloaded by model.remat=offload on GPU).
 * collectives per step: result bytes on one device per mesh axis (`meshrun.hlo`; an op over several
   axes counts for each), and counts by op. A collective inside a while loop appears once in the HLO
   text but runs once per iteration: compiled numbers multiply each by the known trip counts of the
@@ -32,6 +34,7 @@ from collections import defaultdict
 from meshrun.config import AXES
 from meshrun.devices import add_fast_compile_flag, needed_devices
 from meshrun.errors import ConfigError
+from meshrun.memory import memory_spaces
 
 MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
 
@@ -154,6 +157,8 @@ def explain(cfg) -> dict:
         "alias": int(ma.alias_size_in_bytes),
     }
     mem["total"] = mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+    spaces = memory_spaces(compiled)
+    mem |= {"device": spaces["device"], "host": spaces["host"]}
     comm = compiled_collectives(compiled.as_text(), shape)
     out |= {
         "mesh": shape,
@@ -191,6 +196,8 @@ def format_report(rep: dict, title: str) -> str:
         ("output", None, cm.get("output")),
         ("alias (donated)", None, cm.get("alias")),
         ("total", pm["total"], cm.get("total")),
+        ("  in device memory", pm.get("device"), cm.get("device")),
+        ("  in pinned host memory", pm.get("host"), cm.get("host")),
     ]
     for name, p, c in rows:
         lines.append(f"{name:<28}{_mb(p):>12}{_mb(c):>12}")
