@@ -223,7 +223,8 @@ def dot_flops_per_step(hlo_text: str) -> int:
     comps, total = computations(hlo_text), 0
     runs = _runs(comps, _ENTRY.search(hlo_text))
     for name, body in comps.items():
-        dims = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in map(_NAMED.match, body.splitlines()) if m}
+        named = (m for m in map(_NAMED.match, body.splitlines()) if m)
+        dims = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in named}
         for line in body.splitlines():
             m = _OP.match(line)
             if not (m and m.group("op") == "dot" and runs[name]):
