@@ -44,6 +44,7 @@ def register(sub) -> None:
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--json", action="store_true", help="print one JSON object (memory, collectives)")
+    p.add_argument("--cluster", help="also predict the step time on this cluster, e.g. h100-80g:1x8 (`meshrun plan`)")
     add_fast_compile_flag(p)
     p.set_defaults(func=run_explain)
 
@@ -67,13 +68,30 @@ def layout(cfg, mesh_shape: dict[str, int]) -> dict:
     )
 
 
+def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
+    """The planner's step time of this config on `cluster_text`, memory levers included
+    (remat=offload: selective's compute + host traffic; remat_every: full's compute)."""
+    from meshrun.planner import offload
+    from meshrun.planner.cost import Layout
+    from meshrun.planner.hardware import parse_cluster
+
+    kw = layout(cfg, mesh_shape)
+    remat = {"offload": "selective"}.get(cfg.model.remat, cfg.model.remat)
+    kw.pop("seq_len")
+    lay = Layout(**kw, virtual=cfg.pipeline.virtual, remat=remat, sequence_parallel=cfg.model.sequence_parallel,
+                 schedule=cfg.pipeline.schedule)  # fmt: skip
+    levers = ("optimizer",) * cfg.train.offload_optimizer + ("activations",) * (cfg.model.remat == "offload")
+    cluster = parse_cluster(cluster_text)
+    return offload.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
+
+
 def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives."""
     from meshrun.planner import cost, step_model
 
     kw = layout(cfg, mesh_shape)
     sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
-    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched)
+    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched, offload_optimizer=cfg.train.offload_optimizer)
     megatron = cost.predict_memory(cfg.model, **kw, **sched)
     permutes = None
     if kw["pipe"] > 1:
@@ -81,7 +99,7 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
 
         permutes = tick_program(cfg.pipeline, kw["pipe"]).permute_counts()
     comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes)
-    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total")
+    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host")
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
         "collectives": {k: int(v) for k, v in comm["bytes"].items()},
@@ -203,6 +221,9 @@ def format_report(rep: dict, title: str) -> str:
         lines.append(f"{name:<28}{_mb(p):>12}{_mb(c):>12}")
     if cm:
         lines.append(f"{'predicted / compiled':<28}{pm['total'] / cm['total']:>12.2f}")
+    if "step_time_s" in rep:
+        st = rep["step_time_s"]
+        lines.append(f"{'step time (s) on ' + st['cluster']:<28}{st['predicted']:>12.4g}")
     lines.append(f"{'(Megatron accounting)':<28}{_mb(pm['megatron_total']):>12}")
     pc, cc = rep["collectives"]["predicted"], rep["collectives"]["compiled"] or {}
     axes = [a for a in AXES if a in pc or a in cc]
@@ -247,6 +268,8 @@ def run_explain(args) -> int:
             simulate_cpu_devices(max(n, _flag_devices()), fast_compile=args.fast_compile)
     rep = explain(cfg)
     rep["config"] = str(args.config)
+    if args.cluster:
+        rep["step_time_s"] = {"cluster": args.cluster, "predicted": step_time(cfg, rep["mesh"], args.cluster)}
     if args.json:
         print(json.dumps(rep))
     else:
