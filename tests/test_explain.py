@@ -61,6 +61,7 @@ def test_cli_json_tiny_cpu_pipeline(capsys):
     assert set(mem) >= {"predicted", "compiled"} and set(comm) >= {"predicted", "compiled"}
     for k in ("argument", "temp", "output", "total"):
         assert mem["compiled"][k] > 0
+    assert mem["compiled"]["host"] == 0 and mem["compiled"]["device"] == mem["compiled"]["total"]  # no offload
     for k in ("params", "grads", "optimizer", "activations", "logits", "total"):
         assert mem["predicted"][k] > 0
     assert abs(_ratio(rep) - 1) <= TOL, mem

@@ -6,6 +6,7 @@ data-parallel train step (two levers each), one baseline compile, and small one-
 """
 
 import dataclasses
+import json
 import re
 from types import SimpleNamespace
 
@@ -14,10 +15,10 @@ import meshrun_models as models
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from meshrun_models.layers import arrays
+from meshrun_models.layers import SAVED_NAMES, arrays
 from test_train import _cfg, _compiled, assert_same, reference
 
-from meshrun import hlo
+from meshrun import explain, hlo
 from meshrun.cli import main
 from meshrun.config import ModelConfig
 from meshrun.data import global_batch_arrays, make_dataset
@@ -72,6 +73,9 @@ def test_offload_optimizer_and_remat_every_data_parallel_match_one_device():
     assert off["host"] == 0 and on["host"] == opt_bytes  # arguments and outputs alias (donated)
     assert off["device_argument"] - on["device_argument"] >= opt_bytes
     assert off["device"] - on["device"] >= opt_bytes
+    # the step model (meshrun explain's prediction) puts the same bytes in host memory
+    pred = explain.predict(cfg, {"pipe": 1, "data": 4, "expert": 1, "tensor": 2})["memory"]
+    assert pred["host"] == pytest.approx(on["host"], rel=0.01)
 
 
 def _grads_compiled(cfg, params, tok, fwd_only=False):
@@ -92,7 +96,8 @@ def test_remat_every_k_keeps_one_input_per_group():
     tok = jax.random.randint(jax.random.key(0), (4, 16), 0, 64)
     runs = {}
     for name, kw in [("none", {}), ("k1", dict(remat="full")), ("k2", dict(remat="full", remat_every=2)),
-                     ("k4", dict(remat="full", remat_every=4)), ("offload", dict(remat="offload"))]:  # fmt: skip
+                     ("k4", dict(remat="full", remat_every=4)), ("offload", dict(remat="offload")),
+                     ("selective", dict(remat="selective"))]:  # fmt: skip
         runs[name] = _grads_compiled(dataclasses.replace(base, **kw), params, tok)
     fwd, _ = _grads_compiled(base, params, tok, fwd_only=True)
     ref_loss, ref_grads = runs["none"][1]
@@ -109,6 +114,12 @@ def test_remat_every_k_keeps_one_input_per_group():
     flops = {k: hlo.dot_flops_per_step(c.as_text()) for k, (c, _) in runs.items()}
     assert [saved_inputs(runs[k][0]) for k in ("k1", "k2", "k4")] == [8, 4, 2]
     assert max(temp["k1"], temp["k2"], temp["k4"]) < temp["none"]
+    # remat=offload: the traced backward moves exactly selective's names to host and back (XLA:CPU
+    # then drops the transfers: the compiled step is selective's, see meshrun/memory.py)
+    cfg = dataclasses.replace(base, remat="offload")
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: models.loss_fn(p, tok, tok, cfg)[0]))(params))
+    assert len(re.findall(r":f32<host>\[[\d,]+\] = device_put", jaxpr)) == len(SAVED_NAMES)
+    assert temp["offload"] == temp["selective"]
     one_forward = hlo.dot_flops_per_step(fwd.as_text())
     for k in ("k2", "k4"):
         assert flops["k1"] <= flops[k] <= flops["none"] + one_forward, (k, flops)
@@ -124,3 +135,15 @@ def test_bad_memory_levers_exit_2(capsys):
     no_host = SimpleNamespace(platform="metal", addressable_memories=lambda: [SimpleNamespace(kind="device")])
     with pytest.raises(ConfigError, match=r"train.offload_optimizer: this platform has no pinned_host memory"):
         check_host_memory(no_host, "train.offload_optimizer")
+
+
+def test_planner_proposes_offload_when_nothing_fits(capsys):
+    """GPT-3 175B on 32 A100-80GB fits on no layout; with Adam state in host memory it does, and
+    each proposal says why (host bytes, host-link traffic and its time, the device bytes without)."""
+    assert main(["plan", "--model", "gpt3-175b", "--cluster", "a100-80g:4x8", "--global-batch", "64", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["configs"]
+    for c in rep["configs"]:
+        why = [v for v in c["violations"] if v.startswith("offload optimizer")]
+        assert why and "GB/step over the host link" in why[0] and "> 72.0 GB usable" in why[0], c["violations"]
+        assert c["memory_gb"] <= 72.0

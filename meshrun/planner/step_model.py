@@ -100,7 +100,7 @@ def predict_memory_jax(
     experts = counts["experts"] / p / (t * expert)
     dense_dp, expert_dp = data * expert, data
     shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
-    params = pb * (dense / shard[0] + experts / eshard[0])
+    params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
     if microbatches > 1:
         grads += pb * (dense + experts)
@@ -139,7 +139,7 @@ def predict_memory_jax(
     state = params + moments  # the step's arguments
     host_state = 0.0
     if offload_optimizer:
-        host_state = moments + (params if model.param_dtype != model.dtype else 0.0)
+        host_state = moments + (stored if model.param_dtype != model.dtype else 0.0)
     host = host_state + host_acts
     return {
         "device": total - host,
