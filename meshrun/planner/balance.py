@@ -26,7 +26,10 @@ def split_layers(
         raise ConfigError("pipe", n_stages, "use at least 1 pipeline stage")
     if n_layers < n_stages:
         raise ConfigError(
-            "model.n_layers", n_layers, f"use at least one layer per stage ({n_stages} stages)", "fewer layers than stages"
+            "model.n_layers",
+            n_layers,
+            f"use at least one layer per stage ({n_stages} stages)",
+            "fewer layers than stages",
         )
     if not layer_cost > 0 or first_cost < 0 or last_cost < 0:
         raise ConfigError(

@@ -83,9 +83,10 @@ def fit_calibration(rows=MEGATRON_TABLE1, start: Calibration | None = None) -> C
         g = [-sum(c * r for c, r in zip(cols[i], r0)) for i in range(n)]
         dx = _solve(a, g)
         dx = [max(-1.0, min(1.0, d)) for d in dx]
-        x = [xi + di for xi, di in zip(x, dx)]
-        x[0], x[1] = min(x[0], 0.0), min(x[1], 0.0)  # fractions of peak stay <= 1
-        if max(abs(d) for d in dx) < 1e-5:
+        new = [min(xi + di, 0.0) for xi, di in zip(x, dx)]  # fractions of peak stay <= 1
+        step = max(abs(a - b) for a, b in zip(new, x))
+        x = new
+        if step < 1e-4:
             break
     return Calibration(gemm=round(math.exp(x[0]), 3), hbm=round(math.exp(x[1]), 3))
 
@@ -128,4 +129,3 @@ def loo_table(rows=MEGATRON_TABLE1) -> str:
     for row, (size, meas, pred, err) in zip(rows, leave_one_out(rows)):
         lines.append(f"| {size:g}B | {row[4]} | {row[5]} | {meas:.0f} | {pred:.1f} | {err:+.1%} |")
     return "\n".join(lines)
-

@@ -15,8 +15,7 @@ from meshrun.config import RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
 from meshrun.flops import param_counts
 from meshrun.pipeline.schedules import SCHEDULES
-from meshrun.planner.cost import Layout
-from meshrun.planner.cost import MEMORY_PARTS
+from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.search import REMATS, Result, evaluate, search
 from meshrun.planner.timing import FRAMEWORKS
@@ -133,7 +132,9 @@ def run_plan(args) -> int:
     if args.framework not in FRAMEWORKS:
         raise ConfigError("--framework", args.framework, f"use one of {list(FRAMEWORKS)}")
     if not 0.0 <= args.dropout < 1.0 or (args.dropout and args.framework == "meshrun"):
-        raise ConfigError("--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)")
+        raise ConfigError(
+            "--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)"
+        )
     kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
         results = [evaluate(model, parse_evaluate(args.evaluate, model, cluster, batch), cluster, batch, seq, **kw)]
@@ -159,7 +160,13 @@ def run_plan(args) -> int:
 
 
 def format_table(
-    name: str, n_params: float, cluster: Cluster, batch: int, seq: int, results: list[Result], framework: str = "meshrun"
+    name: str,
+    n_params: float,
+    cluster: Cluster,
+    batch: int,
+    seq: int,
+    results: list[Result],
+    framework: str = "meshrun",
 ) -> str:
     lines = [
         f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
@@ -187,9 +194,12 @@ def format_table(
     stages = best.memory["stages"]
     lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))
     for label, part in stages.items():
-        lines.append(f"  {label + ' (' + str(part['stage']) + ')':<14}" + "".join(f"{part[k] / GB:>12.3f}" for k in MEMORY_PARTS))
+        lines.append(
+            f"  {label + ' (' + str(part['stage']) + ')':<14}" + "".join(f"{part[k] / GB:>12.3f}" for k in MEMORY_PARTS)
+        )
     over = stages[next(iter(stages))]
     lines.append(
-        "  overheads = " + ", ".join(f"{k.removeprefix('overhead_')} {over[k] / GB:.2f}" for k in over if k.startswith("overhead_"))
+        "  overheads = "
+        + ", ".join(f"{k.removeprefix('overhead_')} {over[k] / GB:.2f}" for k in over if k.startswith("overhead_"))
     )
     return "\n".join(lines)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
-from meshrun.flops import attn_core_fwd_flops, layer_fwd_flops, layer_params, param_counts
-from meshrun.planner.hardware import Cluster
+from meshrun.flops import layer_params, param_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "overheads", "total")
@@ -175,7 +174,9 @@ def overhead_bytes(transient: float, axes: dict[str, int]) -> dict[str, float]:
 
 def stage_names(p: int) -> dict[str, int]:
     """The stages a breakdown shows: first, middle, last (fewer when the pipeline is shorter)."""
-    return {"first": 0, "middle": p // 2, "last": p - 1} if p > 2 else ({"first": 0, "last": 1} if p == 2 else {"all": 0})
+    return (
+        {"first": 0, "middle": p // 2, "last": p - 1} if p > 2 else ({"first": 0, "last": 1} if p == 2 else {"all": 0})
+    )
 
 
 def predict_memory(
@@ -213,12 +214,15 @@ def predict_memory(
     kw = dict(tensor=tensor, pipe=p, data=data, expert=expert, microbatches=microbatches,
               micro_batch_size=micro_batch_size, seq_len=s, zero=zero, schedule=schedule, virtual=virtual)  # fmt: skip
     stages = {}
-    for name, stage in stage_names(p).items():
-        if framework == "meshrun":
-            from meshrun.planner.step_model import predict_memory_jax
+    spmd = None
+    if framework == "meshrun":
+        from meshrun.planner.step_model import predict_memory_jax
 
-            # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
-            part = predict_memory_jax(model, **kw, remat=remat, sequence_parallel=sp, layers=max(split))
+        # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
+        spmd = predict_memory_jax(model, **kw, remat=remat, sequence_parallel=sp, layers=max(split))
+    for name, stage in stage_names(p).items():
+        if spmd is not None:
+            part = dict(spmd)
         else:
             part = _megatron_stage(model, stage, split[stage], remat=remat, sp=sp, dropout=dropout, flash=flash, **kw)
         part["overheads"] = 0.0

@@ -173,6 +173,8 @@ def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
         key, sep, raw = item.partition("=")
         key = key.strip().lower()
         if not sep or key not in CLUSTER_FIELDS:
-            raise ConfigError(field, text, f"use ,key=value with key one of {list(CLUSTER_FIELDS)}", f"unknown field '{item}'")
+            raise ConfigError(
+                field, text, f"use ,key=value with key one of {list(CLUSTER_FIELDS)}", f"unknown field '{item}'"
+            )
         kw |= CLUSTER_FIELDS[key](field, text, raw)
     return Cluster(GPUS[name], nodes, per_node, **kw)

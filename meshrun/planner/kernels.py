@@ -113,7 +113,10 @@ def layer_seconds(
     if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
         local = model.n_experts / expert
         routed = tok * model.top_k * model.capacity_factor / local
-        parts += [linear_seconds(routed, h, up, gpu, cal, local), linear_seconds(routed, model.d_ff / t, h, gpu, cal, local)]
+        parts += [
+            linear_seconds(routed, h, up, gpu, cal, local),
+            linear_seconds(routed, model.d_ff / t, h, gpu, cal, local),
+        ]
         parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
     else:
         parts += [linear_seconds(tok, h, up, gpu, cal), linear_seconds(tok, model.d_ff / t, h, gpu, cal)]

@@ -14,7 +14,7 @@ from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.planner import cost, timing
 from meshrun.planner.cost import MEMORY_PARTS, Layout
-from meshrun.planner.hardware import GB, Cluster, parse_cluster
+from meshrun.planner.hardware import GB, Cluster
 from meshrun.planner.kernels import Calibration
 
 REMATS = ("none", "selective", "full")
@@ -51,7 +51,9 @@ class Result:
             },
             layers_per_stage=list(self.time["split"]),
             params_per_device=int(self.memory["params_per_device"]),
-            time_parts_s={k: round(v, 4) for k, v in self.time.items() if isinstance(v, float) and k != "bubble_fraction"},
+            time_parts_s={
+                k: round(v, 4) for k, v in self.time.items() if isinstance(v, float) and k != "bubble_fraction"
+            },
         )
         return out
 
@@ -126,11 +128,15 @@ def evaluate(
     )
     if mem["total"] > cluster.usable_memory:
         where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
-        hard.append(f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}")
+        hard.append(
+            f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"
+        )
     soft = []
     m, p = layout.microbatches, layout.pipe
-    if p > 1 and m < 4 * p:
-        soft.append(f"microbatches={m} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
+    v = layout.virtual
+    if p > 1 and v * m < 4 * p:  # interleaving divides the bubble by v (Narayanan 2021, 2.2.2)
+        what = f"microbatches={m}" + (f" x virtual={v}" if v > 1 else "")
+        soft.append(f"{what} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
     if tm["dp_sync_full"] > tm["compute"]:
         soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
     n = cluster.n_devices
@@ -219,5 +225,3 @@ def search(
         )
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
-
-

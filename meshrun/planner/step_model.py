@@ -42,10 +42,28 @@ def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: flo
     return 6 * act * sb * h + (attn + ffn) / t
 
 
+def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
+    """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
+    GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved" and v > 1:
+        return min(m * v, (v + 1) * p - 1)
+    return min(m, 2 * p - 1)
+
+
 @functools.lru_cache(maxsize=256)
 def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
-    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage."""
-    lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage.
+    Large tables (the planner's search over big clusters) use the closed form instead of building them."""
+    from meshrun.errors import ConfigError
+
+    if p * m * v > 256:
+        return pipeline_slots_formula(schedule, p, m, v)
+    try:
+        lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    except ConfigError:  # a layout the executor rejects (e.g. 1F1B with m < p): every micro-batch in flight
+        return m * v
     return max(schedules.max_in_flight(lock, s) for s in range(p))
 
 

@@ -14,6 +14,8 @@ Frameworks (`--framework`): the same model trained two ways.
 
 from __future__ import annotations
 
+import functools
+
 from meshrun.config import ModelConfig
 from meshrun.planner import kernels
 from meshrun.planner.balance import split_layers
@@ -47,6 +49,7 @@ def layer_compute_seconds(
     return (1 - frac) * one(False) + (frac * one(True) if frac else 0.0)
 
 
+@functools.lru_cache(maxsize=4096)  # the search re-costs the same (model, b, t, remat) for many layouts
 def stage_seconds(
     model: ModelConfig,
     b: int,
@@ -83,6 +86,8 @@ def layers_per_stage(n_layers: int, p: int, v: int, costs: tuple[float, float, f
     chunks (stage i holds chunks i, i+p, ...; the first chunk has the embedding, the last the head)."""
     if n_layers % (p * v) == 0:
         return (n_layers // p,) * p
+    if n_layers < p * v:  # not a valid layout (a hard rule says so); cost it as if the layers could split
+        return (n_layers / p,) * p
     layer, first, last = costs
     chunks = split_layers(n_layers, p * v, layer_cost=layer, first_cost=first, last_cost=last)
     return tuple(sum(chunks[i::p]) for i in range(p))
@@ -151,7 +156,14 @@ def predict_time(
     gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or CALIBRATION
     prec = precision or precision_of(model, framework)
-    t, p, v, m, b, e = layout.tensor, layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size, layout.expert
+    t, p, v, m, b, e = (
+        layout.tensor,
+        layout.pipe,
+        layout.virtual,
+        layout.microbatches,
+        layout.micro_batch_size,
+        layout.expert,
+    )
     s, gpu, h = seq_len, cluster.gpu, model.d_model
     sp = layout.sequence_parallel and t > 1
     kw = dict(sp=sp, dropout=dropout > 0, expert=e)
