@@ -39,3 +39,17 @@ def test_even_and_head_heavy_splits():
 def test_bad_input(n, p, kw):
     with pytest.raises(ConfigError):
         split_layers(n, p, **{"layer_cost": 1.0, **kw})
+
+
+def test_balanced_split_of_a_model():
+    """Costs from the planner's time model: Megatron's 530B (105 layers) over 32 stages; the head and
+    the vocabulary cross-entropy cost a fraction of a layer, so the first and last stages get the fewest."""
+    from meshrun.config import load_config
+    from meshrun.planner.balance import balanced_split, stage_costs
+
+    model = load_config("configs/models/megatron-530b.yaml").model
+    layer, first, last = stage_costs(model, 2048, tensor=8)
+    assert 0 < first < last < layer
+    split = balanced_split(model, 32, 2048, tensor=8)
+    assert sum(split) == 105 and min(split) == 3 and max(split) == 4
+    assert split[0] == split[-1] == 3

@@ -1,4 +1,5 @@
-"""Cost model of one training step: per-device memory, time (compute + comm + bubble) of a layout.
+"""Per-device memory of a layout, per pipeline stage and framework, with the GPU runtime overheads
+(the step time is in `timing.py`).
 
 Letters: B global batch (sequences), b micro-batch size, s sequence length, h d_model, L layers,
 V vocab, a heads, t/p/d/e tensor/pipe/data/expert degrees, m micro-batches, v virtual stages.

@@ -1,4 +1,6 @@
-"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE`, e.g. `a100-80g:128x8`).
+"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS]`, e.g. `a100-80g:48x8,ib=4x200`).
+
+More `,key=value` fields of the cluster string are one parser each in CLUSTER_FIELDS.
 
 All figures are datasheet numbers in SI units (bytes, bytes/s, FLOP/s). Memory sizes are taken as
 decimal GB (80 GB -> 80e9 bytes), which is slightly conservative for the A100/H100 (their HBM is

@@ -1,4 +1,4 @@
-"""Rules, evaluation of one layout, search over layouts, and the efficiency calibration.
+"""Rules, evaluation of one layout and search over layouts (the calibration is in `calibrate.py`).
 
 Each rule is reported as a string with the number behind it. Hard rules (divisibility, memory, TP
 across nodes) remove a layout from the search; soft ones (bubble from m < 4p, DP sync longer than

@@ -115,7 +115,7 @@ def predict_memory_jax(
     experts = counts["experts"] * frac / (t * expert)
     dense_dp, expert_dp = data * expert, data
     shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
-    params = pb * (dense / shard[0] + experts / eshard[0])
+    params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
     if microbatches > 1:
         grads += pb * (dense + experts)
@@ -144,7 +144,7 @@ def predict_memory_jax(
         acts += unit * b * model.n_heads * s * s / t * (ab + 1)
     logits = s * b * model.vocab / t * (ab + 4 + 4 + 1)
     total = params + grads + opt + acts + logits
-    state = params + 2 * pb * (dense / shard[2] + experts / eshard[2])  # the step's arguments
+    state = stored + 2 * pb * (dense / shard[2] + experts / eshard[2])  # the step's arguments
     return {
         "params": params,
         "grads": grads,
