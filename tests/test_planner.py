@@ -377,6 +377,10 @@ def test_model_that_fits_nowhere_says_smallest_memory(gpt3):
         (["--cluster", "a100-80g:1x8"], "it needs at least"),
         (["--cluster", "a100-80g:128x8", "--evaluate", "tensr=8"], "did you mean 'tensor'"),
         (["--cluster", "a100-80g:128x8", "--evaluate", "remat=some"], "--evaluate remat"),
+        (["--cluster", "a100-80g:128x8", "--framework", "deepspeed"], "--framework: invalid value"),
+        (["--cluster", "a100-80g:128x8", "--dropout", "0.1"], "--dropout"),
+        (["--cluster", "a100-80g:128x8,ib=4"], "--cluster: malformed network"),
+        (["--cluster", "a100-80g:128x8,nvl=4"], "--cluster: unknown field 'nvl=4'"),
     ],
 )
 def test_cli_errors_exit_2(argv, frag, capsys):
