@@ -138,12 +138,12 @@ def test_bad_memory_levers_exit_2(capsys):
 
 
 def test_planner_proposes_offload_when_nothing_fits(capsys):
-    """GPT-3 175B on 32 A100-80GB fits on no layout; with Adam state in host memory it does, and
+    """GPT-3 175B on 16 A100-80GB fits on no layout; with Adam state in host memory it does, and
     each proposal says why (host bytes, host-link traffic and its time, the device bytes without)."""
-    assert main(["plan", "--model", "gpt3-175b", "--cluster", "a100-80g:4x8", "--global-batch", "64", "--json"]) == 0
+    assert main(["plan", "--model", "gpt3-175b", "--cluster", "a100-80g:2x8", "--global-batch", "64", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["configs"]
     for c in rep["configs"]:
         why = [v for v in c["violations"] if v.startswith("offload optimizer")]
-        assert why and "GB/step over the host link" in why[0] and "> 72.0 GB usable" in why[0], c["violations"]
-        assert c["memory_gb"] <= 72.0
+        assert why and "GB/step over the host link" in why[0] and "> 80.0 GB usable" in why[0], c["violations"]
+        assert c["memory_gb"] <= 80.0

@@ -9,6 +9,8 @@ Some per-layer counts were read off the tiny configs' buffer assignments; they s
 
 from __future__ import annotations
 
+import functools
+
 from meshrun.config import ModelConfig
 from meshrun.flops import param_counts
 from meshrun.pipeline import schedules
@@ -49,9 +51,28 @@ def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float) -> f
     return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
 
 
+def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
+    """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
+    GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved" and v > 1:
+        return min(m * v, (v + 1) * p - 1)
+    return min(m, 2 * p - 1)
+
+
+@functools.lru_cache(maxsize=256)
 def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
-    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage."""
-    lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage.
+    Large tables (the planner's search over big clusters) use the closed form instead of building them."""
+    from meshrun.errors import ConfigError
+
+    if p * m * v > 256:
+        return pipeline_slots_formula(schedule, p, m, v)
+    try:
+        lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    except ConfigError:  # a layout the executor rejects (e.g. 1F1B with m < p): every micro-batch in flight
+        return m * v
     return max(schedules.max_in_flight(lock, s) for s in range(p))
 
 
@@ -69,6 +90,9 @@ def predict_memory_jax(
     schedule: str = "1f1b",
     virtual: int = 1,
     offload_optimizer: bool = False,
+    remat: str | None = None,
+    sequence_parallel: bool | None = None,
+    layers: float | None = None,
 ) -> dict[str, float]:
     """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
     argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
@@ -83,11 +107,16 @@ def predict_memory_jax(
     * logits: a micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel.
     Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
     (b·s·h, /t with sequence parallelism) plus one layer's residuals while its backward runs;
-    selective drops the s x s attention core. Memory levers: remat_every=k keeps every k-th input and
-    rebuilds k layers at once; remat=offload keeps the unit input on the device and the selective
-    names in host memory; offload_optimizer moves Adam m, v (and fp32 master weights under a lower
-    compute dtype) to host. `device` / `host` split the total (on GPU; XLA:CPU elides in-step transfers)."""
+    selective drops the s x s attention core. remat and sequence_parallel default to the model's;
+    `layers` is the layers of a stage (default n_layers / pipe). Memory levers: remat_every=k keeps
+    every k-th input and rebuilds k layers at once; remat=offload keeps the unit input on the device
+    and the selective names in host memory; offload_optimizer moves Adam m, v (and fp32 master weights
+    under a lower compute dtype) to host. `device` / `host` split the total (as on a GPU: XLA:CPU
+    elides in-step transfers)."""
     prec = precision_of(model)
+    remat = model.remat if remat is None else remat
+    sp = model.sequence_parallel if sequence_parallel is None else sequence_parallel
+    frac = (model.n_layers / pipe if layers is None else layers) / model.n_layers
     pb, ab = prec.param, prec.act
     s = seq_len or model.max_seq_len
     t, p, b, h = tensor, pipe, micro_batch_size, model.d_model
@@ -96,8 +125,8 @@ def predict_memory_jax(
     counts = param_counts(model)
     n_moe = model.n_moe_layers
     norms = 2 * h * model.n_layers  # RMSNorm scales are replicated over TP
-    dense = (counts["layers"] - norms) / p / t + norms / p + (counts["embedding"] + counts["head"]) / t + h
-    experts = counts["experts"] / p / (t * expert)
+    dense = (counts["layers"] - norms) * frac / t + norms * frac + (counts["embedding"] + counts["head"]) / t + h
+    experts = counts["experts"] * frac / (t * expert)
     dense_dp, expert_dp = data * expert, data
     shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
     params = stored = pb * (dense / shard[0] + experts / eshard[0])
@@ -113,15 +142,15 @@ def predict_memory_jax(
     moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if n_moe else 0.0
     per_layer = (1 - moe_frac) * dense_res + moe_frac * moe_res
     working, host_acts = 0.0, 0.0
-    layer_in = ab * s * b * h / (t if model.sequence_parallel else 1)
-    if model.remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
+    layer_in = ab * s * b * h / (t if sp else 1)
+    if remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
         k = model.remat_every  # k > 1: one input per group of k; the backward rebuilds a whole group
         per_layer, working = layer_in / k, k * max(dense_res, moe_res)
-    elif model.remat == "offload":  # the unit input stays; the selective names go to host memory
+    elif remat == "offload":  # the unit input stays; the selective names go to host memory
         per_layer, host_acts = layer_in, saved_name_bytes(model, b, s, t, act=ab)
-    elif model.remat == "selective" and not flash:  # the s x s attention core is recomputed
+    elif remat == "selective" and not flash:  # the s x s attention core is recomputed
         per_layer -= 2.0 * ab * b * model.n_heads * s * s / t
-    stage_layers = model.n_layers / p
+    stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
         slots = _pipeline_slots(schedule, p, microbatches, v)
@@ -130,13 +159,13 @@ def predict_memory_jax(
     else:
         acts = stage_layers * per_layer + working
         host_acts *= stage_layers
-    if not flash and model.remat == "none":
+    if not flash and remat == "none":
         unit = model.moe_every if model.is_moe else 1
         acts += unit * b * model.n_heads * s * s / t * (ab + 1)
     logits = s * b * model.vocab / t * (ab + 4 + 4 + 1)
     total = params + grads + opt + acts + logits + host_acts
     moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
-    state = params + moments  # the step's arguments
+    state = stored + moments  # the step's arguments
     host_state = 0.0
     if offload_optimizer:
         host_state = moments + (stored if model.param_dtype != model.dtype else 0.0)
