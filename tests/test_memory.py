@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from meshrun_models.layers import SAVED_NAMES, arrays
-from test_train import _cfg, _compiled, assert_same, reference
+from test_train import DP4, _cfg, _compiled, assert_same, reference
 
 from meshrun import explain, hlo
 from meshrun.cli import main
@@ -62,8 +62,9 @@ def test_offload_optimizer_and_activations_pipelined_match_one_device():
 
 def test_offload_optimizer_and_remat_every_data_parallel_match_one_device():
     """data4 x tensor2, ZeRO-3, remat_every=2: same numbers; device argument bytes fall by the
-    optimizer state, which now sits in host memory (memory_analysis + the entry layout's S(5))."""
-    over = ["mesh.pipe=1", "mesh.data=4", "train.zero=3"]
+    optimizer state, which now sits in host memory (memory_analysis + the entry layout's S(5)).
+    The baseline is test_train's ZeRO-3 compile (cached there)."""
+    over = [*DP4, "train.zero=3"]
     cfg = _cfg("tiny_cpu.yaml", [*over, "train.offload_optimizer=true", "model.remat=full", "model.remat_every=2"])
     losses, state, compiled = _train(cfg)
     assert_same((losses, jax.device_get(state.params)), reference("tiny_cpu.yaml"))
@@ -75,7 +76,7 @@ def test_offload_optimizer_and_remat_every_data_parallel_match_one_device():
     assert off["device"] - on["device"] >= opt_bytes
     # the step model (meshrun explain's prediction) puts the same bytes in host memory
     pred = explain.predict(cfg, {"pipe": 1, "data": 4, "expert": 1, "tensor": 2})["memory"]
-    assert pred["host"] == pytest.approx(on["host"], rel=0.01)
+    assert pred["host"] == pytest.approx(on["host"], rel=0.02)  # as test_explain predicts arguments
 
 
 def _grads_compiled(cfg, params, tok, fwd_only=False):
@@ -86,7 +87,7 @@ def _grads_compiled(cfg, params, tok, fwd_only=False):
 
 
 def test_remat_every_k_keeps_one_input_per_group():
-    """8 layers, one device: k = 1, 2, 4 groups (and remat=offload) give none's gradients; the
+    """8 layers, one device: k = 1, 2, 4 groups give none's gradients; the
     stacked saved layer inputs [8/k, b, s, d] fall as 1/k, temp stays below none's, and the matmul
     FLOPs stay within one recomputed forward (full remat's budget). XLA drops each layer's last
     matmul from full remat's recompute (the next input is saved); a group must recompute its first
@@ -96,12 +97,11 @@ def test_remat_every_k_keeps_one_input_per_group():
     tok = jax.random.randint(jax.random.key(0), (4, 16), 0, 64)
     runs = {}
     for name, kw in [("none", {}), ("k1", dict(remat="full")), ("k2", dict(remat="full", remat_every=2)),
-                     ("k4", dict(remat="full", remat_every=4)), ("offload", dict(remat="offload")),
-                     ("selective", dict(remat="selective"))]:  # fmt: skip
+                     ("k4", dict(remat="full", remat_every=4))]:  # fmt: skip
         runs[name] = _grads_compiled(dataclasses.replace(base, **kw), params, tok)
     fwd, _ = _grads_compiled(base, params, tok, fwd_only=True)
     ref_loss, ref_grads = runs["none"][1]
-    for name in ("k1", "k2", "k4", "offload"):
+    for name in ("k1", "k2", "k4"):
         loss, grads = runs[name][1]
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -114,12 +114,11 @@ def test_remat_every_k_keeps_one_input_per_group():
     flops = {k: hlo.dot_flops_per_step(c.as_text()) for k, (c, _) in runs.items()}
     assert [saved_inputs(runs[k][0]) for k in ("k1", "k2", "k4")] == [8, 4, 2]
     assert max(temp["k1"], temp["k2"], temp["k4"]) < temp["none"]
-    # remat=offload: the traced backward moves exactly selective's names to host and back (XLA:CPU
-    # then drops the transfers: the compiled step is selective's, see meshrun/memory.py)
+    # remat=offload (its numbers: the pipelined test): the traced backward moves exactly selective's
+    # names to host and back; XLA:CPU then drops the transfers (meshrun/memory.py)
     cfg = dataclasses.replace(base, remat="offload")
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: models.loss_fn(p, tok, tok, cfg)[0]))(params))
     assert len(re.findall(r":f32<host>\[[\d,]+\] = device_put", jaxpr)) == len(SAVED_NAMES)
-    assert temp["offload"] == temp["selective"]
     one_forward = hlo.dot_flops_per_step(fwd.as_text())
     for k in ("k2", "k4"):
         assert flops["k1"] <= flops[k] <= flops["none"] + one_forward, (k, flops)
