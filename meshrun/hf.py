@@ -45,21 +45,27 @@ def read_hf_dir(model_dir: str | Path, field: str = "MODEL_DIR") -> dict[str, An
                 "download it first (e.g. `huggingface-cli download ID --local-dir DIR`) and give that directory",
                 "a hub id, not a local directory: meshrun reads local files only, never the network",
             )
-        raise ConfigError(field, str(model_dir), "give a model directory holding config.json and *.safetensors", "no such directory")
+        raise ConfigError(
+            field, str(model_dir), "give a model directory holding config.json and *.safetensors", "no such directory"
+        )
     try:
         return json.loads((d / "config.json").read_text())
     except FileNotFoundError:
-        raise ConfigError(field, str(model_dir), "give a transformers model directory", "no config.json in it") from None
+        raise ConfigError(
+            field, str(model_dir), "give a transformers model directory", "no config.json in it"
+        ) from None
     except ValueError as e:
-        raise ConfigError(field, str(model_dir), "fix or replace config.json", f"config.json is not JSON ({e})") from None
+        raise ConfigError(
+            field, str(model_dir), "fix or replace config.json", f"config.json is not JSON ({e})"
+        ) from None
 
 
 def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_multiple: int = 128) -> dict[str, Any]:
     """Convert MODEL_DIR into RUN_DIR (see the module docstring). `mesh`: where the weights are placed
     while converting (default: all devices on 'data', parameters sharded as under ZeRO-3)."""
     import jax
-
     import meshrun_models as models
+
     from meshrun.config import MeshConfig, to_dict
     from meshrun.hf_convert import expected_names, family_of, lazy_params, model_config
     from meshrun.mesh import build_mesh
@@ -73,23 +79,37 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     cfg = model_config(hf, vocab_multiple)
     out = Path(run_dir) / IMPORT_DIR
     if out.exists():
-        raise ConfigError("RUN_DIR", str(run_dir), "use a new RUN_DIR or delete its hf_import/", "it already holds an import")
+        raise ConfigError(
+            "RUN_DIR", str(run_dir), "use a new RUN_DIR or delete its hf_import/", "it already holds an import"
+        )
     try:
         st = SafeTensors(model_dir)
     except (FileNotFoundError, FormatError) as e:
-        raise ConfigError("MODEL_DIR", str(model_dir), "give a directory with the model's *.safetensors files", str(e)) from None
+        raise ConfigError(
+            "MODEL_DIR", str(model_dir), "give a directory with the model's *.safetensors files", str(e)
+        ) from None
     need = expected_names(cfg)
     missing = sorted(need - set(st.keys()))
     if missing:
-        raise ConfigError("MODEL_DIR", str(model_dir), "give a complete checkpoint of this architecture", f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+        raise ConfigError(
+            "MODEL_DIR",
+            str(model_dir),
+            "give a complete checkpoint of this architecture",
+            f"{len(missing)} tensors missing, e.g. {missing[:3]}",
+        )
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
     extra = sorted(k for k in set(st.keys()) - need - ignored if not k.endswith("rotary_emb.inv_freq"))
     if extra:
-        raise ConfigError("MODEL_DIR", str(model_dir), "meshrun maps Llama/Mistral/Qwen2/Mixtral weights only", f"unknown tensors, e.g. {extra[:3]}")
+        raise ConfigError(
+            "MODEL_DIR",
+            str(model_dir),
+            "meshrun maps Llama/Mistral/Qwen2/Mixtral weights only",
+            f"unknown tensors, e.g. {extra[:3]}",
+        )
 
     mesh = mesh if mesh is not None else build_mesh(MeshConfig())
     models.validate_model_for_mesh(cfg, dict(mesh.shape))
-    shardings = _flat(tree_shardings(models.abstract_params(cfg), mesh, param_rules(zero=3)))
+    shardings = flat_tree(tree_shardings(models.abstract_params(cfg), mesh, param_rules(zero=3)))
     lazies = lazy_params(cfg, st.get, hf["vocab_size"])
     dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     flat = {}
@@ -101,15 +121,20 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
         "model": to_dict(cfg),
         "hf": {"config": hf, "vocab": hf["vocab_size"], "family": family_of(hf), "dtype": src_dtype},
     }
-    save_params(out, _nest(flat), meta)
+    save_params(out, nest_tree(flat), meta)
     files = out / "hf_files"
     files.mkdir(exist_ok=True)
     for name in EXTRA_FILES:
         if (Path(model_dir) / name).is_file():
             shutil.copyfile(Path(model_dir) / name, files / name)
     yaml_path = write_run_config(run_dir, cfg, hf)
-    return {"run_dir": str(run_dir), "config": str(yaml_path), "family": meta["hf"]["family"], "vocab": cfg.vocab,
-            "params": int(sum(int(np.prod(a.shape)) for a in flat.values()))}
+    return {
+        "run_dir": str(run_dir),
+        "config": str(yaml_path),
+        "family": meta["hf"]["family"],
+        "vocab": cfg.vocab,
+        "params": int(sum(int(np.prod(a.shape)) for a in flat.values())),
+    }
 
 
 def write_run_config(run_dir: str | Path, cfg, hf: dict) -> Path:
@@ -133,18 +158,18 @@ def write_run_config(run_dir: str | Path, cfg, hf: dict) -> Path:
     return path
 
 
-def _flat(tree, prefix=()) -> dict[tuple[str, ...], Any]:
+def flat_tree(tree, prefix=()) -> dict[tuple[str, ...], Any]:
     tree = tree.to_pure_dict() if hasattr(tree, "to_pure_dict") else tree
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out |= _flat(v, prefix + (str(k),))
+            out |= flat_tree(v, prefix + (str(k),))
         else:
             out[prefix + (str(k),)] = v
     return out
 
 
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+def nest_tree(flat: dict[tuple[str, ...], Any]) -> dict:
     out: dict = {}
     for path, v in flat.items():
         node = out
@@ -162,7 +187,9 @@ def find_source(run_dir: str | Path) -> tuple[str, Path, dict[str, Any]]:
     from meshrun.checkpoints_cli import scan
 
     if not Path(run_dir).is_dir():
-        raise ConfigError("RUN_DIR", str(run_dir), "give the train.run_dir of a run or of `meshrun import-hf`", "no such directory")
+        raise ConfigError(
+            "RUN_DIR", str(run_dir), "give the train.run_dir of a run or of `meshrun import-hf`", "no such directory"
+        )
     complete = [e for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
     if complete:
         e = max(complete, key=lambda e: e.step)
@@ -173,7 +200,9 @@ def find_source(run_dir: str | Path) -> tuple[str, Path, dict[str, Any]]:
 
         d = Path(run_dir) / IMPORT_DIR
         return "import", d, check_dir(d, "RUN_DIR")
-    raise ConfigError("RUN_DIR", str(run_dir), "train it first or import a model into it", "no complete checkpoint in it")
+    raise ConfigError(
+        "RUN_DIR", str(run_dir), "train it first or import a model into it", "no complete checkpoint in it"
+    )
 
 
 def _hf_meta(run_dir: Path, meta: dict) -> tuple[dict | None, Path | None]:
@@ -184,17 +213,30 @@ def _hf_meta(run_dir: Path, meta: dict) -> tuple[dict | None, Path | None]:
     return None, None
 
 
+def load_params(run_dir: str | Path) -> tuple[Any, dict, dict[str, Any]]:
+    """(ModelConfig, params on one device, checkpoint meta) of a run's newest weights: its newest
+    complete step checkpoint, else its import."""
+    from meshrun.config import ModelConfig, from_dict
+
+    kind, directory, meta = find_source(run_dir)
+    cfg = from_dict(ModelConfig, meta["model"], "model.")
+    return cfg, _restore(kind, directory, cfg), meta
+
+
 def _restore(kind: str, directory: Path, cfg) -> dict:
     """Params only, onto one device (host memory for the parameters; never the optimizer state)."""
     import jax
+    import meshrun_models as models
     import orbax.checkpoint as ocp
 
-    import meshrun_models as models
     from meshrun.param_ckpt import PARAMS
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    flat = {p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev) for p, v in _flat(models.abstract_params(cfg)).items()}
-    target = _nest(flat)
+    flat = {
+        p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev)
+        for p, v in flat_tree(models.abstract_params(cfg)).items()
+    }
+    target = nest_tree(flat)
     ckptr = ocp.PyTreeCheckpointer()
     try:
         if kind == "import":
@@ -225,7 +267,9 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 10**9, dtype: str | None = None) -> dict[str, Any]:
+def export_hf(
+    run_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 10**9, dtype: str | None = None
+) -> dict[str, Any]:
     """Write RUN_DIR's newest weights as a transformers model directory (see the module docstring)."""
     import ml_dtypes
 
@@ -234,7 +278,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int 
     from meshrun.safetensors_io import write_sharded
 
     run_dir, out = Path(run_dir), Path(out_dir)
-    kind, directory, meta = find_source(run_dir)
+    _, directory, meta = find_source(run_dir)
     cfg = from_dict(ModelConfig, meta["model"], "model.")
     hf, files = _hf_meta(run_dir, meta)
     vocab = hf["vocab"] if hf else cfg.vocab
@@ -251,7 +295,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int 
         raise ConfigError("--max-shard-size", max_shard_bytes, "use a positive size, e.g. 5GB")
     if out.exists() and any(out.iterdir()):
         raise ConfigError("OUT_DIR", str(out), "give a new or empty directory", "it is not empty")
-    params = _restore(kind, directory, cfg)
+    cfg, params, _ = load_params(run_dir)
     leaf = lambda path: _get(params, path)  # noqa: E731
     tensors = ((k, v.astype(np_dtype)) for k, v in hf_tensors(cfg, leaf, vocab))
     names = write_sharded(out, tensors, max_shard_bytes)
@@ -275,9 +319,13 @@ def register(sub) -> None:
     p = sub.add_parser("import-hf", help="convert a local Hugging Face model directory into a run dir")
     p.add_argument("model_dir", help="directory with config.json and *.safetensors (local only)")
     p.add_argument("run_dir", help="run directory to create (hf_import/ and config.yaml)")
-    p.add_argument("--vocab-multiple", type=int, default=128, help="pad the vocabulary to a multiple of this (default 128)")
+    p.add_argument(
+        "--vocab-multiple", type=int, default=128, help="pad the vocabulary to a multiple of this (default 128)"
+    )
     p.add_argument("--devices", type=int, default=0, help="CPU only: simulate N devices to place the weights on")
-    p.add_argument("overrides", nargs="*", metavar="mesh.KEY=VALUE", help="the mesh the weights are placed on while converting")
+    p.add_argument(
+        "overrides", nargs="*", metavar="mesh.KEY=VALUE", help="the mesh the weights are placed on while converting"
+    )
     p.set_defaults(func=_import_cmd)
     q = sub.add_parser("export-hf", help="write a run's newest weights as a Hugging Face model directory")
     q.add_argument("run_dir")

@@ -15,7 +15,6 @@ of the memory-mapped files, so each device's shard is read on its own (jax.make_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -154,13 +153,18 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     if fam in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window or None
     if fam == "mixtral":
-        out |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.aux_loss_coef}
+        out |= {
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "router_aux_loss_coef": cfg.aux_loss_coef,
+        }
     if fam == "qwen2":
         out |= {"use_sliding_window": False}
     return out
 
 
 # ---------------------------------------------------------------- per-layer tensor map
+
 
 # transform: hf per-layer array -> meshrun per-layer array (and `_inverse`), n = heads of that projection
 def _forward(kind: str, x: np.ndarray, n: int) -> np.ndarray:
@@ -260,12 +264,15 @@ def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) 
 
         return Lazy(shape, read)
 
-    out = {("embed", "embedding"): padded("model.embed_tokens.weight", 0), ("final_norm", "scale"): _whole(get("model.norm.weight"))}
+    out = {
+        ("embed", "embedding"): padded("model.embed_tokens.weight", 0),
+        ("final_norm", "scale"): _whole(get("model.norm.weight")),
+    }
     if not cfg.tie_embeddings:
         out[("head", "kernel")] = padded("lm_head.weight", 1)
     for path, (tmpl, kind, n) in layer_map(cfg).items():
         experts = "{e}" in tmpl
-        per = (lambda l, e, t=tmpl, k=kind, n=n: _forward(k, get(t.format(l=l, e=e)), n))  # noqa: E731
+        per = lambda i, e, t=tmpl, k=kind, n=n: _forward(k, get(t.format(l=i, e=e)), n)  # noqa: E731
         one = per(0, 0)
         lead = (cfg.n_layers, cfg.n_experts) if experts else (cfg.n_layers,)
         out[path] = _stacked(lead, one.shape, per)
@@ -283,16 +290,18 @@ def _stacked(lead: tuple[int, ...], shape: tuple[int, ...], per) -> Lazy:
         idx = _norm(index, full)
         layers = range(*idx[0].indices(lead[0]))
         if len(lead) == 1:
-            blocks = [np.array(per(l, 0)[idx[1:]]) for l in layers]
+            blocks = [np.array(per(i, 0)[idx[1:]]) for i in layers]
         else:
             es = range(*idx[1].indices(lead[1]))
-            blocks = [np.stack([np.array(per(l, e)[idx[2:]]) for e in es]) for l in layers]
+            blocks = [np.stack([np.array(per(i, e)[idx[2:]]) for e in es]) for i in layers]
         return np.stack(blocks)
 
     return Lazy(full, read)
 
 
-def hf_tensors(cfg: ModelConfig, leaf: Callable[[tuple[str, ...]], Any], vocab: int) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(
+    cfg: ModelConfig, leaf: Callable[[tuple[str, ...]], Any], vocab: int
+) -> Iterator[tuple[str, np.ndarray]]:
     """(transformers name, array) for every tensor, in model order, vocab stripped to `vocab`.
     `leaf(path)` returns a meshrun leaf indexable by layer (a jax or numpy array); one layer at a time
     is brought to host memory."""
@@ -318,4 +327,3 @@ def expected_names(cfg: ModelConfig) -> set[str]:
         for layer in range(cfg.n_layers):
             names |= {tmpl.format(l=layer, e=e) for e in range(max(cfg.n_experts, 1))}
     return names
-

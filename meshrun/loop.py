@@ -18,8 +18,8 @@ from meshrun.data import global_batch_arrays, make_dataset
 from meshrun.errors import CheckpointError, ConfigError, TrainingError
 from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
-from meshrun.param_ckpt import check_dir, restore_params
 from meshrun.metrics import MetricsLogger, peak_flops
+from meshrun.param_ckpt import check_dir, restore_params
 from meshrun.runlock import RunLock, note_takeover
 from meshrun.sharding import DP_AXES
 from meshrun.train import make_train_step

@@ -63,7 +63,9 @@ def restore_params(directory: str | Path, target: Any, field: str = FIELD) -> An
         saved = ckptr.metadata(path)
         saved = getattr(saved, "item_metadata", saved)
         saved = getattr(saved, "tree", saved)
-        have = {_key(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")}
+        have = {
+            _key(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")
+        }
         want = {_key(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
         bad = [k for k in want if have.get(k) != want[k]]
         if bad:
@@ -77,4 +79,3 @@ def restore_params(directory: str | Path, target: Any, field: str = FIELD) -> An
         return ckptr.restore(path, target)
     finally:
         ckptr.close()
-

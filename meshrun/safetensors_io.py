@@ -105,7 +105,11 @@ def write(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, 
     names = sorted(tensors)
     for k in names:
         a = tensors[k]
-        header[k] = {"dtype": NAMES[np.dtype(a.dtype)], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[k] = {
+            "dtype": NAMES[np.dtype(a.dtype)],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

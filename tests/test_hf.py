@@ -7,7 +7,6 @@ transformers installed, the exported directory loads there and gives the referen
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -20,8 +19,8 @@ import pytest
 from meshrun_models import apply_layers, embed, logits
 
 from meshrun.cli import main
-from meshrun.config import MeshConfig, ModelConfig, from_dict
-from meshrun.hf import export_hf, import_hf
+from meshrun.config import MeshConfig, ModelConfig
+from meshrun.hf import export_hf, import_hf, load_params
 from meshrun.hf_convert import model_config
 from meshrun.mesh import build_mesh
 from meshrun.param_ckpt import restore_params
@@ -40,15 +39,8 @@ def _forward(cfg: ModelConfig, params, tokens):
 
 def _load(run: Path) -> tuple[ModelConfig, dict]:
     """The imported params of `run` on one device, and their ModelConfig."""
-    from meshrun_models import abstract_params
-
-    from meshrun.hf import _flat, _nest
-
-    meta = json.loads((run / "hf_import" / "meta.json").read_text())
-    cfg = from_dict(ModelConfig, meta["model"], "model.")
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    flat = {p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev) for p, v in _flat(abstract_params(cfg)).items()}
-    return cfg, restore_params(run / "hf_import", _nest(flat))
+    cfg, params, _ = load_params(run)
+    return cfg, params
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +117,7 @@ def test_hub_id_and_bad_dirs_exit_2(tmp_path, capsys):
 
 
 def test_train_starts_from_imported_params(imported, tmp_path):
-    """A param-only start on another mesh (tensor 2 x pipe 2 x data 2): step 0, and the first loss is
+    """A param-only start on another mesh (tensor 2, 2 devices): step 0, and the first loss is
     the imported model's loss on that batch (a random init would give ~log(vocab))."""
     from meshrun.config import load_config
     from meshrun.data import global_batch_arrays
@@ -133,18 +125,24 @@ def test_train_starts_from_imported_params(imported, tmp_path):
 
     src, _ = imported["llama2"]
     over = [
-        "mesh.tensor=2", "mesh.pipe=2", "mesh.data=2", "train.steps=1", "train.global_batch=4", "train.seq_len=16",
-        f"train.run_dir={tmp_path / 'run'}", "data.kind=synthetic", "pipeline.microbatches=2",
+        "mesh.tensor=2",
+        "mesh.data=1",
+        "train.steps=1",
+        "train.global_batch=4",
+        "train.seq_len=16",
+        f"train.run_dir={tmp_path / 'run'}",
+        "data.kind=synthetic",
     ]
     cfg = load_config(src / "config.yaml", over)
     assert cfg.checkpoint.init_params == str(src / "hf_import")
-    mesh, fns, ds = prepare(cfg)
+    devices = jax.devices()[:2]
+    mesh, fns, ds = prepare(cfg, devices)
     tokens, labels = global_batch_arrays(ds, 0, mesh, jax.sharding.PartitionSpec())
     params = restore_params(src / "hf_import", fns.abstract_state.params)
     x = _forward(cfg.model, params, tokens)
     lse = jax.nn.logsumexp(x, axis=-1)
     want = float(np.mean(lse - np.take_along_axis(np.asarray(x), np.asarray(labels)[..., None], -1)[..., 0]))
-    result = run(cfg, quiet=True)
+    result = run(cfg, devices=devices, quiet=True)
     assert result["step"] == 1
     np.testing.assert_allclose(result["first_loss"], want, rtol=1e-5)
 
@@ -169,3 +167,41 @@ def test_fixture_script_reproduces_fixtures(tmp_path):
     for fam in FAMILIES:
         np.testing.assert_allclose(np.load(tmp_path / fam / "logits.npy"), np.load(FIX / fam / "logits.npy"), atol=1e-6)
 
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_native_model_exports_and_imports_back(tmp_path, moe):
+    """A model meshrun made (no Hugging Face config to copy): export-hf writes a config of its own
+    (Qwen2 for q/k/v biases, Mixtral for MoE) that imports back to the same ModelConfig and params;
+    with transformers installed it also gives meshrun's logits there."""
+    from meshrun_models import init_params
+    from meshrun_models.layers import arrays
+
+    from meshrun.config import to_dict
+    from meshrun.param_ckpt import save_params
+
+    moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0) if moe else {}
+    cfg = ModelConfig(
+        vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
+        tie_embeddings=not moe, qkv_bias=not moe, norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3",
+        rope_original_max_seq_len=256, **moe_fields,
+    )  # fmt: skip
+    params = jax.tree.map(lambda x: x + 0.01, arrays(init_params(cfg, 0)[1]))  # biases non-zero too
+    save_params(tmp_path / "run" / "hf_import", params, {"model": to_dict(cfg)})
+    export_hf(tmp_path / "run", tmp_path / "out")
+    import_hf(tmp_path / "out", tmp_path / "again", vocab_multiple=128)
+    cfg2, params2 = _load(tmp_path / "again")
+    assert cfg2 == cfg
+    for (k, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(params2)
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
+    if HAVE_TRANSFORMERS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
+        tokens = np.load(FIX / "tokens.npy")
+        with torch.no_grad():
+            ref = model(torch.from_numpy(tokens).long()).logits.numpy()
+        got = np.asarray(jax.jit(lambda p, t: _forward(cfg, p, t))(params, tokens))
+        assert np.max(np.abs(got - ref)) <= TOL
