@@ -205,3 +205,15 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
             ref = model(torch.from_numpy(tokens).long()).logits.numpy()
         got = np.asarray(jax.jit(lambda p, t: _forward(cfg, p, t))(params, tokens))
         assert np.max(np.abs(got - ref)) <= TOL
+
+
+def test_cli_import_export(tmp_path, capsys):
+    assert main(["import-hf", str(FIX / "qwen2"), str(tmp_path / "run"), "mesh.data=8"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["family"] == "qwen2" and res["vocab"] == 128
+    assert main(["import-hf", str(FIX / "qwen2"), str(tmp_path / "run")]) == 2  # already imported there
+    assert "already holds an import" in capsys.readouterr().err
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "20KB"]) == 0
+    files = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["files"]
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
