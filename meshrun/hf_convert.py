@@ -70,6 +70,29 @@ def _rope(hf: dict) -> dict[str, Any]:
     return out
 
 
+def _window(hf: dict, fam: str) -> int:
+    """Sliding window of every layer (0: full causal). transformers 5 lists `layer_types`; 4.x Qwen2
+    slides in layers >= max_window_layers when use_sliding_window. Mixed layers are not supported."""
+    w = hf.get("sliding_window") or 0
+    types = set(hf.get("layer_types") or ())
+    if not types and fam == "qwen2":
+        n = hf["num_hidden_layers"]
+        first = min(hf.get("max_window_layers", 0), n) if hf.get("use_sliding_window") and w else n
+        types = ({"full_attention"} if first > 0 else set()) | ({"sliding_attention"} if first < n else set())
+    if not types:
+        return int(w)
+    if types == {"full_attention"}:
+        return 0
+    if types == {"sliding_attention"} and w:
+        return int(w)
+    raise ConfigError(
+        f"{FIELD}: layer_types",
+        sorted(types),
+        "meshrun applies one attention kind to every layer: all full or all sliding_attention",
+        "layers mix full and sliding-window attention",
+    )
+
+
 def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     """ModelConfig of a transformers config.json dict (vocab padded to a multiple of `vocab_multiple`)."""
     fam = family_of(hf)
@@ -79,11 +102,7 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     for k in ("attention_bias", "mlp_bias"):
         if fam in ("llama", "mistral") and hf.get(k):
             raise ConfigError(f"{FIELD}: {k}", True, "meshrun has q/k/v biases only (Qwen2); use a model without")
-    window = hf.get("sliding_window") or 0
-    if fam == "qwen2" and not hf.get("use_sliding_window", False):
-        window = 0
-    if fam == "qwen2" and window and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
-        raise ConfigError(f"{FIELD}: max_window_layers", hf.get("max_window_layers"), "use_sliding_window=false")
+    window = _window(hf, fam)
     n_heads = hf["num_attention_heads"]
     fields: dict[str, Any] = dict(
         vocab=-(-hf["vocab_size"] // vocab_multiple) * vocab_multiple,
@@ -158,8 +177,13 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
             "num_experts_per_tok": cfg.top_k,
             "router_aux_loss_coef": cfg.aux_loss_coef,
         }
-    if fam == "qwen2":
-        out |= {"use_sliding_window": False}
+    if fam == "qwen2":  # transformers' Qwen2 slides in layers >= max_window_layers
+        w = cfg.sliding_window
+        out |= {
+            "use_sliding_window": bool(w),
+            "sliding_window": w or None,
+            "max_window_layers": 0 if w else cfg.n_layers,
+        }
     return out
 
 

@@ -19,7 +19,7 @@ from meshrun.errors import CheckpointError, ConfigError, TrainingError
 from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
 from meshrun.metrics import MetricsLogger, peak_flops
-from meshrun.param_ckpt import check_dir, restore_params
+from meshrun.param_ckpt import check_params, restore_params
 from meshrun.runlock import RunLock, note_takeover
 from meshrun.sharding import DP_AXES
 from meshrun.train import make_train_step
@@ -62,7 +62,7 @@ def prepare(cfg: RunConfig, devices: list | None = None):
     fns = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     if cfg.checkpoint.init_params:
-        check_dir(cfg.checkpoint.init_params)
+        check_params(cfg.checkpoint.init_params, fns.abstract_state.params)
     return mesh, fns, ds
 
 

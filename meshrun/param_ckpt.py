@@ -53,29 +53,36 @@ def check_dir(directory: str | Path, field: str = FIELD) -> dict[str, Any]:
         raise ConfigError(field, str(directory), "re-run `meshrun import-hf`", f"meta.json unreadable ({e})") from None
 
 
-def restore_params(directory: str | Path, target: Any, field: str = FIELD) -> Any:
-    """Params from `directory` into the layout of `target` (ShapeDtypeStructs with shardings, model
-    order). Saved shapes must equal the target's (a different model config is a ConfigError)."""
+def check_params(directory: str | Path, target: Any, field: str = FIELD) -> None:
+    """ConfigError unless `directory` is a parameter checkpoint whose shapes equal `target`'s (reads
+    metadata only: what `meshrun train` checks before it writes anything)."""
     check_dir(directory, field)
-    path = Path(os.path.abspath(directory)) / PARAMS
     ckptr = ocp.StandardCheckpointer()
     try:
-        saved = ckptr.metadata(path)
-        saved = getattr(saved, "item_metadata", saved)
-        saved = getattr(saved, "tree", saved)
-        have = {
-            _key(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")
-        }
-        want = {_key(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-        bad = [k for k in want if have.get(k) != want[k]]
-        if bad:
-            k = bad[0]
-            raise ConfigError(
-                field,
-                str(directory),
-                "use the model section written with it (model.yaml) or a matching config",
-                f"it holds {k} with shape {have.get(k)}, the model needs {want[k]}",
-            )
-        return ckptr.restore(path, target)
+        saved = ckptr.metadata(Path(os.path.abspath(directory)) / PARAMS)
+    finally:
+        ckptr.close()
+    saved = getattr(saved, "item_metadata", saved)
+    saved = getattr(saved, "tree", saved)
+    have = {_key(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")}
+    want = {_key(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    bad = [k for k in want if have.get(k) != want[k]]
+    if bad:
+        k = bad[0]
+        raise ConfigError(
+            field,
+            str(directory),
+            "use the model section written with it (its config.yaml) or a matching config",
+            f"it holds {k} with shape {have.get(k)}, the model needs {want[k]}",
+        )
+
+
+def restore_params(directory: str | Path, target: Any, field: str = FIELD) -> Any:
+    """Params from `directory` into the layout of `target` (ShapeDtypeStructs with shardings, model
+    order); shapes checked first (`check_params`)."""
+    check_params(directory, target, field)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        return ckptr.restore(Path(os.path.abspath(directory)) / PARAMS, target)
     finally:
         ckptr.close()

@@ -20,6 +20,7 @@ from meshrun_models import apply_layers, embed, logits
 
 from meshrun.cli import main
 from meshrun.config import MeshConfig, ModelConfig
+from meshrun.errors import ConfigError
 from meshrun.hf import export_hf, import_hf, load_params
 from meshrun.hf_convert import model_config
 from meshrun.mesh import build_mesh
@@ -100,6 +101,12 @@ def test_v4_config_keys_read_like_v5():
     v4["rope_scaling"] = rp
     assert model_config(v4) == model_config(v5)
     assert model_config(v5).rope_scaling == "llama3" and model_config(v5).rope_original_max_seq_len == 256
+    qwen = json.loads((FIX / "qwen2" / "config.json").read_text())
+    legacy = {k: v for k, v in qwen.items() if k != "layer_types"} | {"sliding_window": 8, "use_sliding_window": True}
+    assert model_config(legacy | {"max_window_layers": 0}).sliding_window == 8  # every layer slides
+    assert model_config(legacy | {"max_window_layers": 2}).sliding_window == 0  # none does
+    with pytest.raises(ConfigError, match="mix full and sliding"):
+        model_config(legacy | {"max_window_layers": 1})
 
 
 def test_hub_id_and_bad_dirs_exit_2(tmp_path, capsys):
@@ -136,10 +143,13 @@ def test_train_starts_from_imported_params(imported, tmp_path):
     cfg = load_config(src / "config.yaml", over)
     assert cfg.checkpoint.init_params == str(src / "hf_import")
     devices = jax.devices()[:2]
+    with pytest.raises(ConfigError, match="checkpoint.init_params: .* the model needs"):
+        prepare(load_config(src / "config.yaml", [*over, "model.d_ff=32"]), devices)  # before anything is written
+    assert not (tmp_path / "run").exists()
     mesh, fns, ds = prepare(cfg, devices)
     tokens, labels = global_batch_arrays(ds, 0, mesh, jax.sharding.PartitionSpec())
     params = restore_params(src / "hf_import", fns.abstract_state.params)
-    x = _forward(cfg.model, params, tokens)
+    x = jax.jit(lambda p, t: _forward(cfg.model, p, t))(params, tokens)
     lse = jax.nn.logsumexp(x, axis=-1)
     want = float(np.mean(lse - np.take_along_axis(np.asarray(x), np.asarray(labels)[..., None], -1)[..., 0]))
     result = run(cfg, devices=devices, quiet=True)
@@ -173,7 +183,7 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
     """A model meshrun made (no Hugging Face config to copy): export-hf writes a config of its own
     (Qwen2 for q/k/v biases, Mixtral for MoE) that imports back to the same ModelConfig and params;
     with transformers installed it also gives meshrun's logits there."""
-    from meshrun_models import init_params
+    from meshrun_models import abstract_params
     from meshrun_models.layers import arrays
 
     from meshrun.config import to_dict
@@ -185,7 +195,8 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
         tie_embeddings=not moe, qkv_bias=not moe, norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3",
         rope_original_max_seq_len=256, **moe_fields,
     )  # fmt: skip
-    params = jax.tree.map(lambda x: x + 0.01, arrays(init_params(cfg, 0)[1]))  # biases non-zero too
+    rng = np.random.default_rng(0)  # every leaf random (biases and norm scales too)
+    params = jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(np.float32), arrays(abstract_params(cfg)))
     save_params(tmp_path / "run" / "hf_import", params, {"model": to_dict(cfg)})
     export_hf(tmp_path / "run", tmp_path / "out")
     import_hf(tmp_path / "out", tmp_path / "again", vocab_multiple=128)
