@@ -116,18 +116,21 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     for path, sh in shardings.items():
         lz = lazies[path]
         flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda idx, lz=lz: lz.read(idx).astype(dtype))
-    src_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    src_dtype = hf.get("torch_dtype") or hf.get("dtype")
+    src_dtype = src_dtype if src_dtype in ("float32", "bfloat16", "float16") else "float32"
     meta = {
         "model": to_dict(cfg),
         "hf": {"config": hf, "vocab": hf["vocab_size"], "family": family_of(hf), "dtype": src_dtype},
     }
     save_params(out, nest_tree(flat), meta)
-    files = out / "hf_files"
-    files.mkdir(exist_ok=True)
-    for name in EXTRA_FILES:
-        if (Path(model_dir) / name).is_file():
-            shutil.copyfile(Path(model_dir) / name, files / name)
-    yaml_path = write_run_config(run_dir, cfg, hf)
+    yaml_path = Path(run_dir) / "config.yaml"
+    if jax.process_index() == 0:
+        files = out / "hf_files"
+        files.mkdir(exist_ok=True)
+        for name in EXTRA_FILES:
+            if (Path(model_dir) / name).is_file():
+                shutil.copyfile(Path(model_dir) / name, files / name)
+        write_run_config(yaml_path, cfg, hf)
     return {
         "run_dir": str(run_dir),
         "config": str(yaml_path),
@@ -137,12 +140,13 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     }
 
 
-def write_run_config(run_dir: str | Path, cfg, hf: dict) -> Path:
+def write_run_config(path: Path, cfg, hf: dict) -> None:
+    """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning lr)."""
     import yaml
 
     from meshrun.config import to_dict
 
-    path = Path(run_dir) / "config.yaml"
+    run_dir = path.parent
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     doc = {
         "model": to_dict(cfg),
@@ -152,10 +156,9 @@ def write_run_config(run_dir: str | Path, cfg, hf: dict) -> Path:
     head = (
         f"# {arch} imported by `meshrun import-hf`: the model section matches the checkpoint in\n"
         f"# checkpoint.init_params (weights, fresh optimizer, step 0). Add mesh/train/data settings here or\n"
-        f"# on the command line: meshrun train {path} mesh.tensor=2 train.steps=100\n"
+        f"# on the command line: meshrun train {path} mesh.tensor=2 model.dtype=bfloat16 train.steps=100\n"
     )
     path.write_text(head + yaml.safe_dump(doc, sort_keys=False))
-    return path
 
 
 def flat_tree(tree, prefix=()) -> dict[tuple[str, ...], Any]:

@@ -228,3 +228,23 @@ def test_cli_import_export(tmp_path, capsys):
     files = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["files"]
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_bfloat16_checkpoint_round_trips(tmp_path):
+    """Real checkpoints are bfloat16: read exactly into float32 masters, written back bit for bit."""
+    import ml_dtypes
+
+    from meshrun.safetensors_io import write
+
+    src = SafeTensors(FIX / "llama2")
+    bf = {k: np.asarray(src.get(k)).astype(ml_dtypes.bfloat16) for k in src.keys()}
+    (tmp_path / "bf").mkdir()
+    write(tmp_path / "bf" / "model.safetensors", bf)
+    cfg = json.loads((FIX / "llama2" / "config.json").read_text()) | {"dtype": "bfloat16"}
+    (tmp_path / "bf" / "config.json").write_text(json.dumps(cfg))
+    import_hf(tmp_path / "bf", tmp_path / "run", mesh=build_mesh(MeshConfig(data=8)))
+    assert export_hf(tmp_path / "run", tmp_path / "out")["dtype"] == "bfloat16"
+    out = SafeTensors(tmp_path / "out")
+    assert out.keys() == sorted(bf)
+    for k, a in bf.items():
+        assert out.get(k).dtype == a.dtype and out.get(k).tobytes() == a.tobytes(), k
