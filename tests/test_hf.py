@@ -248,3 +248,22 @@ def test_bfloat16_checkpoint_round_trips(tmp_path):
     assert out.keys() == sorted(bf)
     for k, a in bf.items():
         assert out.get(k).dtype == a.dtype and out.get(k).tobytes() == a.tobytes(), k
+
+
+def test_checkpoints_written_before_the_new_model_fields_still_resume(tmp_path):
+    """qkv_bias, rope_scaling*, sliding_window did not exist before: an older checkpoint's meta lacks
+    them and is read as holding their defaults (a real difference is still refused)."""
+    from meshrun.checkpoint import Checkpointer
+    from meshrun.config import CheckpointConfig, to_dict
+
+    new = {"qkv_bias", "sliding_window", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor"}
+    new |= {"rope_high_freq_factor", "rope_original_max_seq_len"}
+    old = {k: v for k, v in to_dict(ModelConfig()).items() if k not in new}
+    state = {"w": jax.numpy.zeros(4)}
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta={"model": old}) as ck:
+        ck.save(1, state, force=True)
+    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(ModelConfig())}) as ck:
+        ck.check_compatible(1, state)
+    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(ModelConfig(qkv_bias=True))}) as ck:
+        with pytest.raises(ConfigError, match="model.qkv_bias"):
+            ck.check_compatible(1, state)
