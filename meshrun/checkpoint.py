@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshrun.checkpoints_cli import DAMAGED_TAG, META, STATE
-from meshrun.config import CheckpointConfig
+from meshrun.config import CheckpointConfig, ModelConfig, to_dict
 from meshrun.errors import CheckpointError, ConfigError
 
 
@@ -211,6 +211,8 @@ class Checkpointer:
         """ConfigError when the saved model config or the saved array shapes differ from the current ones."""
         saved = self.saved_meta(step).get("model")
         current = self.meta.get("model")
+        if saved is not None:  # a field added since that checkpoint was written has its default there
+            saved = {**to_dict(ModelConfig()), **saved}
         if saved is not None and current is not None and saved != current:
             keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
             fields = [f"model.{k}" for k in keys]

@@ -1,4 +1,4 @@
-"""`meshrun train | plan | mesh | schedule | explain | checkpoints`: a thin shell over the library.
+"""`meshrun train | plan | mesh | schedule | explain | checkpoints | import-hf | export-hf`: a thin shell.
 
 Every failure is one line on stderr and an exit status from the table in `meshrun/errors.py` (bad
 input 2, training 3, I/O 4, checkpoint 5, distributed 6, anything else 1); the traceback only with
@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "meshrun.train_cli",
     "meshrun.explain",
     "meshrun.checkpoints_cli",
+    "meshrun.hf",
 )
 DEBUG_FLAG, DEBUG_ENV = "--debug", "MESHRUN_DEBUG"
 

@@ -19,6 +19,7 @@ from meshrun.errors import CheckpointError, ConfigError, TrainingError
 from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
 from meshrun.metrics import MetricsLogger, peak_flops
+from meshrun.param_ckpt import check_params, restore_params
 from meshrun.runlock import RunLock, note_takeover
 from meshrun.sharding import DP_AXES
 from meshrun.train import make_train_step
@@ -27,8 +28,9 @@ __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # TrainingErro
 
 
 def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
-    """What a checkpoint must agree on to be restored: the model (layouts are free to differ)."""
-    return {"model": to_dict(cfg.model)}
+    """What a checkpoint must agree on to be restored: the model (layouts are free to differ); also
+    where its parameters came from (`meshrun export-hf` finds the Hugging Face config there)."""
+    return {"model": to_dict(cfg.model), "init_params": cfg.checkpoint.init_params}
 
 
 def warn(msg: str) -> None:
@@ -59,6 +61,8 @@ def prepare(cfg: RunConfig, devices: list | None = None):
         warn(msg)
     fns = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
+    if cfg.checkpoint.init_params:
+        check_params(cfg.checkpoint.init_params, fns.abstract_state.params)
     return mesh, fns, ds
 
 
@@ -173,6 +177,8 @@ def run(
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
         state, start = restore_newest_intact(ckpt, fns, steps) if steps else (None, None)
+        if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
+            state = fns.init_from(restore_params(cfg.checkpoint.init_params, fns.abstract_state.params))
         state = state if state is not None else fns.init()
         start = start or 0
         if start >= t.steps:
