@@ -139,7 +139,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Complete checkpoints, oldest first. Orbax lists only finalized steps (an interrupted save
-        leaves a STEP.orbax-checkpoint-tmp-* directory that it skips); a step directory that also
+        leaves a STEP.orbax-checkpoint-tmp[-*] directory that it skips); a step directory that also
         lacks the state or meta item is skipped too."""
         self.manager.reload()
         return sorted(

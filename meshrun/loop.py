@@ -15,7 +15,8 @@ from meshrun.checkpoint import CheckpointDamaged, Checkpointer, PreemptionFlag, 
 from meshrun.checkpoints_cli import scan
 from meshrun.config import PipelineConfig, RunConfig, to_dict
 from meshrun.data import global_batch_arrays, make_dataset
-from meshrun.errors import CheckpointError, ConfigError, TrainingError
+from meshrun.distributed import lost_peer
+from meshrun.errors import CheckpointError, ConfigError, DistributedError, TrainingError
 from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
 from meshrun.metrics import MetricsLogger, peak_flops
@@ -164,11 +165,16 @@ def run(
     Order: everything checkable first (mesh, config, data, existing checkpoints) and nothing is
     written until it passed; then the run-dir lock, the checkpointer, the metrics file."""
     t = cfg.train
-    mesh, fns, ds = prepare(cfg, devices)
-    check_run_dir_writable(t.run_dir)
-    lock = _take_lock(t.run_dir)
-    closers: list = [lock.release] if lock is not None else []
+    # SIGTERM from here on (start-up, compilation, restore) stops the run at the first step boundary.
+    flag = PreemptionFlag()
+    closers: list = [flag.close]
+    ckpt = None
     try:
+        mesh, fns, ds = prepare(cfg, devices)
+        check_run_dir_writable(t.run_dir)
+        lock = _take_lock(t.run_dir)
+        if lock is not None:
+            closers.insert(0, lock.release)
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
@@ -177,12 +183,25 @@ def run(
         start = start or 0
         if start >= t.steps:
             warn(f"{t.run_dir} already holds the final checkpoint (step {start} = train.steps); nothing to train")
-        result = _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers)
-    except BaseException:
+        result = _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, flag)
+    except BaseException as e:
+        lost = lost_peer(e)
+        if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
+            _close_all([c for c in closers if ckpt is None or c != ckpt.close], quiet=True)
+            raise DistributedError(f"{lost}; {_resume_hint(t.run_dir)}") from e
         _close_all(closers, quiet=True)  # a failure while closing must not hide the one that got us here
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+def _resume_hint(run_dir: str) -> str:
+    complete = [e.step for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
+    newest = f"newest: step {max(complete)}" if complete else "none written yet"
+    return (
+        f"checkpoints already in {run_dir} are intact ({newest}); rerun to resume, or launch with "
+        "MAX_RESTARTS=K to restart automatically"
+    )
 
 
 def _close_all(closers: list, quiet: bool) -> None:
@@ -197,15 +216,13 @@ def _close_all(closers: list, quiet: bool) -> None:
         raise first
 
 
-def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers) -> dict[str, Any]:
+def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, flag) -> dict[str, Any]:
     t = cfg.train
     flops = model_flops(cfg.model, t.global_batch, t.seq_len)
     peak = peak_flops(jax.devices()[0])
     bubble = _bubble(cfg, mesh)
     logger = MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet)
     closers.insert(0, logger.close)
-    flag = PreemptionFlag()
-    closers.insert(0, flag.close)
     first_loss = loss = None
     timed_s, timed_steps, ran = 0.0, 0, 0
     with _maybe_profile(t):
