@@ -368,31 +368,6 @@ def _check_joined(p: JoinSettings) -> None:
         )
 
 
-# What a collective or the coordination service says when another process of the job is gone.
-_PEER_GONE = ("Gloo", "NCCL", "Connection reset", "Connection closed", "Socket closed", "heartbeat",
-              "coordination service", "UNAVAILABLE", "DEADLINE_EXCEEDED")  # fmt: skip
-
-
-def lost_peer(e: BaseException) -> str | None:
-    """A one-line description when `e` (raised in a multi-process job) says another process is gone:
-    a collective failed (gloo: 'Connection reset by peer') or the coordination service lost a task.
-    None otherwise (single process, or any other error)."""
-    if isinstance(e, (ConfigError, KeyboardInterrupt)) or "jax" not in sys.modules:
-        return None
-    import jax
-
-    if not jax.distributed.is_initialized() or jax.process_count() == 1:
-        return None
-    text = str(e)
-    if not any(k in text for k in _PEER_GONE):
-        return None
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
-    return (
-        f"process {jax.process_index()} of {jax.process_count()}: lost contact with another process "
-        f"({type(e).__name__}: {first[:200]}); it probably died: see the launcher's report and that process's log"
-    )
-
-
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,

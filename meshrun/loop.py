@@ -15,7 +15,6 @@ from meshrun.checkpoint import CheckpointDamaged, Checkpointer, PreemptionFlag, 
 from meshrun.checkpoints_cli import scan
 from meshrun.config import PipelineConfig, RunConfig, to_dict
 from meshrun.data import global_batch_arrays, make_dataset
-from meshrun.distributed import lost_peer
 from meshrun.errors import CheckpointError, ConfigError, DistributedError, TrainingError
 from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
@@ -174,7 +173,7 @@ def run(
         check_run_dir_writable(t.run_dir)
         lock = _take_lock(t.run_dir)
         if lock is not None:
-            closers.insert(0, lock.release)
+            closers.append(lock.release)  # released last, after the final save is on disk
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
@@ -193,6 +192,29 @@ def run(
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+# What a collective or the coordination service says when another process of the job is gone.
+_PEER_GONE = ("Gloo", "NCCL", "Connection reset", "Connection closed", "Socket closed", "heartbeat",
+              "coordination service", "UNAVAILABLE", "DEADLINE_EXCEEDED")  # fmt: skip
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """A one-line description when `e` (raised in a multi-process job) says another process is gone:
+    a collective failed (gloo: 'Connection reset by peer') or the coordination service lost a task.
+    None otherwise (single process, or any other error)."""
+    if isinstance(e, (ConfigError, KeyboardInterrupt)):
+        return None
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return None
+    text = str(e)
+    if not any(k in text for k in _PEER_GONE):
+        return None
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: lost contact with another process "
+        f"({type(e).__name__}: {first[:200]}); it probably died: see the launcher's report and that process's log"
+    )
 
 
 def _resume_hint(run_dir: str) -> str:
