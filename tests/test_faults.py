@@ -61,7 +61,7 @@ def _finish(p: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str, st
 
 
 # SIGKILL this process while orbax commits step 4 in its background thread: the array files are
-# written, the STEP.orbax-checkpoint-tmp-* directory is not yet renamed to STEP.
+# written, the STEP.orbax-checkpoint-tmp directory (orbax 0.12) is not yet renamed to STEP.
 KILL_IN_ASYNC_COMMIT = """
 import os, signal, threading
 from orbax.checkpoint._src.path import atomicity
