@@ -67,6 +67,28 @@ def _quiet_leftover_reads() -> None:
     sys.unraisablehook = hook
 
 
+class _NoWriterTraceback(logging.Filter):
+    """A failed async save (disk full, permissions): orbax's writer threads log the exception with
+    its traceback (absl), and asyncio reports each failed write task once more. Keep one line per
+    absl message (our CheckpointError line follows with the cause), drop the asyncio repeats."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and "exception was never retrieved" in str(record.msg):
+            return False
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_writer_failures() -> None:
+    if os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
+        return
+    for name in ("absl", "asyncio"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoWriterTraceback) for f in log.filters):
+            log.addFilter(_NoWriterTraceback())
+    _quiet_leftover_reads()  # the writer's other TensorStore futures complete on a closed event loop
+
+
 @contextlib.contextmanager
 def _quiet_absl():
     """Reading one item of a composite makes orbax warn that the other item was skipped."""
@@ -133,13 +155,14 @@ class Checkpointer:
         self.directory = Path(os.path.abspath(run_dir)) / "checkpoints"
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _quiet_writer_failures()
         self._started: set[int] = set()  # steps saved by this object (an async one may not be listed yet)
 
     # ------------------------------------------------------------------ steps
 
     def all_steps(self) -> list[int]:
         """Complete checkpoints, oldest first. Orbax lists only finalized steps (an interrupted save
-        leaves a STEP.orbax-checkpoint-tmp-* directory that it skips); a step directory that also
+        leaves a STEP.orbax-checkpoint-tmp[-*] directory that it skips); a step directory that also
         lacks the state or meta item is skipped too."""
         self.manager.reload()
         return sorted(
@@ -183,14 +206,17 @@ class Checkpointer:
                 "checkpoints already there are intact; check free space and permissions"
             ) from e
 
+    def _pending(self) -> int | None:
+        return max(self._started) if self._started else None  # an async failure: the last one started
+
     def wait(self) -> None:
         """Block until the pending async save is on disk."""
-        with self._saving(None):
+        with self._saving(self._pending()):
             self.manager.wait_until_finished()
 
     def close(self) -> None:
         try:
-            with self._saving(None):
+            with self._saving(self._pending()):
                 self.manager.wait_until_finished()
         finally:
             self.manager.close()
