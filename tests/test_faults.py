@@ -25,6 +25,8 @@ from test_reliability import CONFIG, SMALL, metrics_steps, one_error_line
 from meshrun.checkpoints_cli import scan
 from meshrun.cli import main
 
+pytestmark = pytest.mark.serial  # real ranks with start-up timeouts: run alone (tasks.py test)
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # every subprocess here is killed after this long (a hang fails the test, not the suite)
 
@@ -65,6 +67,7 @@ def _finish(p: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str, st
 KILL_IN_ASYNC_COMMIT = """
 import os, signal, threading
 from orbax.checkpoint._src.path import atomicity
+
 _finalize = atomicity.AtomicRenameTemporaryPath.finalize
 async def finalize(self, *a, **k):
     if self.get_final().name == "4":

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial  # real ranks with start-up timeouts: run alone (tasks.py test)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny_cpu.yaml"
 # tiny_cpu's mesh (data=2 pipe=2 tensor=2, 1F1B) with a smaller model. warmup_steps=8: the learning
