@@ -249,7 +249,8 @@ def test_rules_are_reported_with_numbers(gpt3):
     r = search.evaluate(gpt3, Layout(tensor=8, pipe=1, data=128, microbatches=12), cluster, 1536, 2048)
     assert any("memory" in v for v in r.violations)
     small = load_config(MODELS / "megatron-1.7b.yaml").model
-    r = search.evaluate(small, Layout(tensor=1, pipe=1, data=1024, microbatches=1), cluster, 1024, 2048)
+    # tensor 8 fills each node, so the DP group has one GPU per node and its ring runs on the NICs alone
+    r = search.evaluate(small, Layout(tensor=8, pipe=1, data=128, microbatches=1), cluster, 128, 2048)
     assert any(re.search(r"data-parallel gradient sync [\d.]+ s > compute [\d.]+ s", v) for v in r.violations)
     llama = load_config(MODELS / "llama-70b.yaml").model
     r = search.evaluate(llama, Layout(tensor=5, pipe=3, data=2, expert=2, virtual=2), cluster, 7, 4096)

@@ -235,9 +235,19 @@ def _ring_allreduce(nbytes: float, n: int, bw: float) -> float:
     return 0.0 if n <= 1 else COMM_LATENCY_S + 2 * (n - 1) / n * nbytes / bw
 
 
-def _ring_gather(nbytes: float, n: int, bw: float) -> float:
-    """All-gather or reduce-scatter of a tensor of `nbytes` (full size) over n ranks."""
-    return 0.0 if n <= 1 else COMM_LATENCY_S + (n - 1) / n * nbytes / bw
+def hierarchical_time(nbytes: float, ranks: int, span: int, cluster: Cluster, passes: int = 2) -> float:
+    """Seconds of a collective over a data-parallel group of `ranks` devices spread evenly over
+    `span` neighbouring devices, level by level (NCCL's tree/ring over node, rack, cluster):
+    inside each node over NVLink, then the 1/k_node shard across the group's nodes of one rack over
+    the NICs, then the 1/(k_node k_rack) shard across racks over the inter-rack links. Each level of
+    k ranks moves (k-1)/k of its share `passes` times: 2 for an all-reduce (reduce-scatter + all-gather),
+    1 for a reduce-scatter or all-gather. One level with k = ranks is the flat ring."""
+    t, share = 0.0, nbytes
+    for k, bw in cluster.levels(ranks, max(1, span // max(ranks, 1))):
+        if k > 1:
+            t += COMM_LATENCY_S + passes * (k - 1) / k * share / bw
+            share /= k
+    return t
 
 
 def _exposed(comm: float, window: float) -> float:
@@ -304,19 +314,20 @@ def _data_parallel_comm(model: ModelConfig, layout: Layout, cluster: Cluster, pr
     the updated params."""
     t, d, e, zero = layout.tensor, layout.data, layout.expert, layout.zero
     dense_dev, expert_dev = _device_params(model, layout)
-    bw_dp = cluster.group_bw(t * e * d)
+    span = t * e * d  # both groups spread over the same t*e*d neighbouring devices
     per_mb = per_step = 0.0
     for n_par, dp in ((dense_dev, d * e), (expert_dev, d)):
+        gather = lambda nbytes, dp=dp: hierarchical_time(nbytes, dp, span, cluster, passes=1)  # noqa: E731
         if zero >= 2:
-            per_mb += _ring_gather(n_par * prec.grad, dp, bw_dp)  # full-size grads -> shard
+            per_mb += gather(n_par * prec.grad)  # full-size grads -> shard
         if zero == 3:
-            per_mb += 2 * _ring_gather(n_par * prec.param, dp, bw_dp)
+            per_mb += 2 * gather(n_par * prec.param)
         if zero == 0:
-            per_step += _ring_allreduce(n_par * prec.grad, dp, bw_dp)
+            per_step += hierarchical_time(n_par * prec.grad, dp, span, cluster)
         elif zero == 1:
-            per_step += _ring_gather(n_par * prec.grad, dp, bw_dp) + _ring_gather(n_par * prec.param, dp, bw_dp)
+            per_step += gather(n_par * prec.grad) + gather(n_par * prec.param)
         elif zero == 2:
-            per_step += _ring_gather(n_par * prec.param, dp, bw_dp)
+            per_step += gather(n_par * prec.param)
     return per_mb, per_step
 
 

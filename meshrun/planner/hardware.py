@@ -1,4 +1,5 @@
-"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE`, e.g. `a100-80g:128x8`).
+"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,racks=NODES_PER_RACK[,rack_gbps=G]]`,
+e.g. `a100-80g:128x8` or `h100-80g:64x8,racks=16,rack_gbps=100`).
 
 All figures are datasheet numbers in SI units (bytes, bytes/s, FLOP/s). Memory sizes are taken as
 decimal GB (80 GB -> 80e9 bytes), which is slightly conservative for the A100/H100 (their HBM is
@@ -78,6 +79,17 @@ class Cluster:
     gpu: GPU
     nodes: int
     gpus_per_node: int
+    nodes_per_rack: int = 0  # 0: every node in one rack (a non-blocking fabric)
+    rack_bw: float = 0.0  # per GPU between racks, one direction, bytes/s (0: the NIC rate)
+
+    @property
+    def racks(self) -> int:
+        return self.nodes // self.nodes_per_rack if self.nodes_per_rack else 1
+
+    @property
+    def inter_rack_bw(self) -> float:
+        """What one GPU gets across racks: the uplinks' share (oversubscription), at most its NIC."""
+        return min(self.rack_bw, self.gpu.nic_bw) if self.rack_bw else self.gpu.nic_bw
 
     @property
     def n_devices(self) -> int:
@@ -91,19 +103,41 @@ class Cluster:
         """Achievable per-GPU bandwidth (one direction) of a collective over `span` neighbouring devices:
         NVLink inside one node, the per-GPU NIC once the group leaves the node."""
         link = self.gpu.nvlink_uni_bw if span <= self.gpus_per_node else self.gpu.nic_bw
+        if self.nodes_per_rack and span > self.gpus_per_node * self.nodes_per_rack:
+            link = self.inter_rack_bw  # the group leaves the rack
         return link * COMM_EFFICIENCY
 
+    def levels(self, ranks: int, stride: int) -> list[tuple[int, float]]:
+        """A group of `ranks` devices `stride` apart in the node-major device order, split into
+        (ranks per node, NVLink), (nodes per rack, NIC), (racks, inter-rack): each level's group size
+        and achievable per-GPU bandwidth, inner to outer. Sizes multiply to `ranks`."""
+        g, eff = self.gpus_per_node, COMM_EFFICIENCY
+        k_node = min(ranks, max(1, g // stride)) if stride < g else 1
+        left = ranks // k_node
+        node_step = max(1, stride * k_node // g)  # nodes between the group's consecutive nodes
+        per_rack = self.nodes_per_rack or self.nodes
+        k_rack = min(left, max(1, per_rack // node_step))
+        k_cluster = -(-left // k_rack)
+        bws = (self.gpu.nvlink_uni_bw * eff, self.gpu.nic_bw * eff, self.inter_rack_bw * eff)
+        return list(zip((k_node, k_rack, k_cluster), bws, strict=True))
+
     def __str__(self) -> str:
-        return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}"
+        racks = f",racks={self.nodes_per_rack}" if self.nodes_per_rack else ""
+        if self.rack_bw:
+            racks += f",rack_gbps={self.rack_bw * 8 / 1e9:g}"
+        return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}{racks}"
 
 
 _CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
-    """`a100-80g:128x8` -> Cluster(A100 80GB, 128 nodes, 8 GPUs per node)."""
+    """`a100-80g:128x8` -> Cluster(A100 80GB, 128 nodes, 8 GPUs per node); `,racks=16` puts 16
+    nodes in a rack, `,rack_gbps=100` gives each GPU 100 Gb/s between racks (default: its NIC)."""
     known = ", ".join(GPUS)
-    m = _CLUSTER_RE.match(str(text))
+    base, *extra = str(text).split(",")
+    opts = _cluster_options(text, extra, field)
+    m = _CLUSTER_RE.match(base)
     if not m:
         raise ConfigError(
             field, text, f"write GPU:NODESxGPUS_PER_NODE, e.g. a100-80g:128x8 (GPUs: {known})", "malformed cluster"
@@ -113,4 +147,27 @@ def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
         raise ConfigError(field, text, f"use one of the known GPUs: {known}", f"unknown GPU '{name}'")
     if nodes < 1 or per_node < 1:
         raise ConfigError(field, text, "use at least 1 node and 1 GPU per node", "empty cluster")
-    return Cluster(GPUS[name], nodes, per_node)
+    per_rack = opts.get("racks", 0)
+    if per_rack and nodes % per_rack:
+        raise ConfigError(
+            field, text, f"give racks=NODES_PER_RACK as a divisor of the {nodes} nodes", "racks do not divide nodes"
+        )
+    return Cluster(GPUS[name], nodes, per_node, int(per_rack), opts.get("rack_gbps", 0.0) * 1e9 / 8)
+
+
+def _cluster_options(text: str, items: list[str], field: str) -> dict[str, float]:
+    """`racks=16`, `rack_gbps=100` after the cluster's commas."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in ("racks", "rack_gbps"):
+            raise ConfigError(field, text, "options are racks=NODES_PER_RACK and rack_gbps=GBPS", f"unknown '{key}'")
+        try:
+            num = float(value)
+        except ValueError:
+            num = -1.0
+        if num <= 0 or (key == "racks" and not num.is_integer()):
+            raise ConfigError(field, text, f"give {key} a positive {'whole ' if key == 'racks' else ''}number")
+        out[key] = num
+    return out
