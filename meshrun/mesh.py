@@ -119,6 +119,7 @@ def build_mesh(cfg: MeshConfig | None = None, devices: list | None = None, **ove
     mesh = Mesh(arr, tuple(cfg.order), axis_types=axis_types)
     if len({d.process_index for d in devices}) == 1:
         _PRETEND_HOSTS[mesh] = len(groups)
+    _HOSTS_PER_RACK.pop(mesh, None)  # meshes over the same devices are equal: forget an earlier build's racks
     if cfg.racks:
         if len(groups) % cfg.racks:
             raise ConfigError(
@@ -203,7 +204,8 @@ def _rack_warnings(mesh: Mesh) -> list[str]:
         if (k := spans(axis)) > 1:
             what = "gradient all-reduce" if axis == "data" else "all-to-all"
             out.append(
-                f"mesh.{axis}={mesh.shape[axis]}: a {axis} group spans {k} racks while no pipeline group "
+                f"mesh.{axis}={mesh.shape[axis]}: {'an' if axis == 'expert' else 'a'} {axis} group spans {k} racks "
+                "while no pipeline group "
                 f"does; its {what} crosses the inter-rack links: let the pipeline cross racks instead "
                 f"(mesh.pipe a multiple of the {n} racks, outermost in mesh.order)"
             )
