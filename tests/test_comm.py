@@ -37,28 +37,25 @@ def _program_dp_collectives(over):
     return hlo.data_parallel(hlo.collectives(text, dict(mesh.shape)))
 
 
-@pytest.mark.parametrize(
-    "over",
-    [["mesh.pipe=1", "mesh.data=8", "train.zero=0"], ["mesh.pipe=2", "mesh.data=4", "train.zero=1"]],
-    ids=["scan-data8-allreduce", "pipeline-data4-zero1-reducescatter"],
-)
-def test_bf16_reduction_halves_the_data_parallel_bytes(over):
+def test_bf16_reduction_halves_the_data_parallel_bytes():
+    """The microbatch scan (data8, ZeRO-0): the same all-reduces, one per gradient leaf, in bf16."""
+    over = ["mesh.pipe=1", "mesh.data=8", "pipeline.microbatches=2"]
     f32, bf16 = _program_dp_collectives(over), _program_dp_collectives([*over, BF16])
-    ops = {c.op for c in f32}
-    assert ops == ({"all-reduce"} if "train.zero=0" in over else {"all-reduce", "reduce-scatter"})
-    assert f32 and {t for c in f32 for t in c.dtypes} == {"f32"}
-    assert {t for c in bf16 for t in c.dtypes} == {"bf16"} and {c.op for c in bf16} == ops
-    assert len(bf16) == len(f32)  # one collective per gradient leaf, as before: the same ops, narrower
+    assert f32 and {c.op for c in f32} == {c.op for c in bf16} == {"all-reduce"}
+    assert {t for c in f32 for t in c.dtypes} == {"f32"} and {t for c in bf16 for t in c.dtypes} == {"bf16"}
+    assert len(bf16) == len(f32)
     assert 2 * sum(c.bytes for c in bf16) == sum(c.bytes for c in f32)
     assert not any(c.in_loop for c in bf16)  # still once per step, after the accumulation loop
 
 
 def test_bf16_reduction_gradients_and_compiled_collectives():
-    """The pipeline (data2 x pipe2 x tensor2, 1F1B, m=4) with a bf16 reduction: the loss is exact (it
-    is reduced in f32), every gradient is within bf16 rounding of a full-batch fp32 `value_and_grad`,
-    and not equal to it (the reduction did narrow). Compiled on XLA:CPU, every DP gradient
-    collective is a widened 16-bit one, so its wire bytes are half its f32 bytes."""
-    cfg = load_config("configs/tiny_cpu.yaml", [*[x for x in SMALL if "adam_eps" not in x], *TINY, BF16])
+    """The pipeline (data2 x pipe2 x tensor2, 1F1B, m=2, ZeRO-1) with a bf16 reduction: the loss is
+    exact (reduced in f32), every gradient is within bf16 rounding of a full-batch fp32
+    `value_and_grad`, and most differ from it (the reduction did narrow). Compiled on XLA:CPU, every
+    DP collective (the reduce-scatters, the all-reduce of the norm scales ZeRO cannot split) is a
+    widened 16-bit one: its bytes on the wire are half its f32 bytes, scalars (loss) aside."""
+    base = [x for x in SMALL if "adam_eps" not in x]
+    cfg = load_config("configs/tiny_cpu.yaml", [*base, *TINY, "pipeline.microbatches=2", "train.zero=1", BF16])
     mesh = build_mesh(cfg.mesh)
     fns = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
@@ -77,7 +74,9 @@ def test_bf16_reduction_gradients_and_compiled_collectives():
         narrowed += not np.allclose(g, r, rtol=1e-5, atol=1e-6 * scale)
     assert narrowed >= len(jax.tree.leaves(ref)) // 2
     dp = [c for c in hlo.data_parallel(hlo.collectives(compiled.as_text(), dict(mesh.shape))) if "data" in c.axes]
-    assert dp and all(c.promoted and 2 * c.wire_bytes == c.bytes for c in dp), dp
+    assert {c.op for c in dp} == {"reduce-scatter", "all-reduce"} and all(c.promoted for c in dp), dp
+    scalars = sum(4 for c in dp for d in c.dims if d == ())
+    assert sum(c.bytes for c in dp) - scalars == 2 * (sum(c.wire_bytes for c in dp) - scalars)
 
 
 def test_explain_buckets_report_program_dtype_and_bytes():
