@@ -15,7 +15,7 @@ from meshrun.config import load_config
 from meshrun.data import global_batch_arrays, make_dataset
 from meshrun.explain import buckets, format_buckets
 from meshrun.mesh import rack_of
-from meshrun.planner import cost, step_model
+from meshrun.planner import step_model, timing
 from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
 from meshrun.sharding import DP_AXES
 from meshrun.train import make_train_step
@@ -143,29 +143,36 @@ def test_racks_not_dividing_hosts_exits_2(capsys):
 
 
 def test_cluster_racks_and_level_by_level_allreduce():
-    c = parse_cluster("h100-80g:64x8,racks=16,rack_gbps=100")
-    assert (c.nodes_per_rack, c.racks, c.rack_bw, str(c)) == (16, 4, 100e9 / 8, "h100-80g:64x8,racks=16,rack_gbps=100")
-    flat = parse_cluster("h100-80g:64x8")
-    assert flat.racks == 1 and flat.inter_rack_bw == flat.gpu.nic_bw
+    c = parse_cluster("h100-80g:64x8,racks=16x1600")
+    assert (c.nodes_per_rack, c.racks, c.rack_gbps, str(c)) == (16, 4, 1600, "h100-80g:64x8,racks=16x1600")
+    assert c.rack_bw_per_gpu == pytest.approx(1600e9 / 8 / 8)  # a quarter of the 400 Gb/s NIC per GPU
+    flat, fast = parse_cluster("h100-80g:64x8"), parse_cluster("h100-80g:64x8,racks=16")
+    assert flat.racks == 1 and fast.rack_bw_per_gpu == fast.nic_bw_per_gpu
     nbytes, lat = 1 * GB, COMM_LATENCY_S
-    nvl, nic, rack = (bw * COMM_EFFICIENCY for bw in (c.gpu.nvlink_uni_bw, c.gpu.nic_bw, c.rack_bw))
-    # inside one node: the flat NVLink ring, racks or not
-    assert cost.hierarchical_time(nbytes, 8, 8, c) == pytest.approx(lat + 2 * 7 / 8 * nbytes / nvl)
+    nvl, nic, rack = (bw * COMM_EFFICIENCY for bw in (c.gpu.intra_node_bw, c.nic_bw_per_gpu, c.rack_bw_per_gpu))
+    # inside one node: the NVLink ring, racks or not
+    assert c.allreduce_seconds(nbytes, 8) == pytest.approx(lat + 2 * 7 / 8 * nbytes / nvl)
     # one GPU per node (tensor 8), 16 nodes of one rack: the NIC ring, the uplinks unused
-    assert cost.hierarchical_time(nbytes, 16, 128, c) == pytest.approx(lat + 2 * 15 / 16 * nbytes / nic)
-    # data 512 over the whole cluster: node (8), rack (16 nodes), cluster (4 racks) on ever smaller shares
-    want = 3 * lat + 2 * (7 / 8 * nbytes / nvl + 15 / 16 * nbytes / 8 / nic + 3 / 4 * nbytes / 128 / rack)
-    assert cost.hierarchical_time(nbytes, 512, 512, c) == pytest.approx(want)
-    assert cost.hierarchical_time(nbytes, 512, 512, c) > cost.hierarchical_time(nbytes, 512, 512, flat)
+    assert c.allreduce_seconds(nbytes, 16, 8) == pytest.approx(lat + 2 * 15 / 16 * nbytes / nic)
+    # data 512 over the cluster: node (8), rack (16 nodes), cluster (4 racks) on ever smaller shares
+    want = lat + 2 * (7 / 8 * nbytes / nvl + 15 / 16 * nbytes / 8 / nic + 3 / 4 * nbytes / 128 / rack)
+    assert c.allreduce_seconds(nbytes, 512) == pytest.approx(want)
+    assert c.allreduce_seconds(nbytes, 512) > fast.allreduce_seconds(nbytes, 512) == flat.allreduce_seconds(nbytes, 512)
     assert [k for k, _ in c.levels(64, 8)] == [1, 16, 4]  # stride 8: one GPU per node
+    # a pipeline send between racks runs at the uplinks' rate, one inside a rack at the NICs'
+    assert (c.group_bw(8 * 16), c.group_bw(2 * 8 * 16)) == pytest.approx((nic, rack))
+    # the cost model charges it: the same layout's DP sync grows on the oversubscribed cluster
+    model = load_config("configs/models/megatron-1.7b.yaml").model
+    lay = timing.Layout(tensor=1, pipe=1, data=512, microbatches=1)
+    assert timing.predict_time(model, lay, c, 2048)["dp_sync"] > timing.predict_time(model, lay, flat, 2048)["dp_sync"]
 
 
 def test_bad_cluster_racks():
     for text, match in [
         ("h100-80g:64x8,racks=5", "racks do not divide nodes"),
-        ("h100-80g:64x8,rack=16", "unknown 'rack'"),
-        ("h100-80g:64x8,racks=0", "positive whole number"),
-        ("h100-80g:64x8,rack_gbps=fast", "positive number"),
+        ("h100-80g:64x8,racks=16x0", "malformed racks"),
+        ("h100-80g:64x8,racks=fast", "malformed racks"),
+        ("h100-80g:64x8,rack=16", "unknown field"),
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_cluster(text)
