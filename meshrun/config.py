@@ -80,6 +80,14 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu (Llama: 3 matrices) | gelu (GPT-3: 2 matrices, d_ff = 4*d_model)
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # RoPE frequency scaling: none | llama3 (Llama 3.1: low frequencies / factor, smooth band between)
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    sliding_window: int = 0  # > 0: a token attends to itself and the sliding_window - 1 tokens before (Mistral)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
@@ -109,6 +117,17 @@ class ModelConfig:
         _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, ("none", "full", "selective"))
+        _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ConfigError(
+                "model.rope_low_freq_factor",
+                self.rope_low_freq_factor,
+                "use 0 < rope_low_freq_factor < rope_high_freq_factor and a positive rope_scaling_factor",
+            )
+        if self.sliding_window < 0:
+            raise ConfigError("model.sliding_window", self.sliding_window, "use 0 (full causal) or a window length")
         if self.n_experts < 0:
             raise ConfigError("model.n_experts", self.n_experts, "use 0 (dense) or a positive expert count")
         if self.n_experts:
@@ -200,6 +219,9 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = True
     resume: bool = True
+    # A parameter-only checkpoint (`meshrun import-hf`) to start from when run_dir has no checkpoint
+    # yet: its params, a fresh optimizer state, step 0.
+    init_params: str = ""
 
     def __post_init__(self):
         if self.every < 0:

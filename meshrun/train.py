@@ -45,6 +45,7 @@ class StepFns:
 
     step: Any  # (state, tokens, labels) -> (state, metrics)
     init: Any  # () -> TrainState, jitted with out_shardings
+    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
@@ -172,9 +173,11 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     tx = make_optimizer(cfg)
     fns = models.model_fns(cfg.model)
 
-    def init_state() -> TrainState:
-        params = arrays(models.init_params(cfg.model, cfg.train.seed)[1])
+    def state_from(params) -> TrainState:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+    def init_state() -> TrainState:
+        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
 
     abstract = jax.eval_shape(init_state)
     zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype)
@@ -196,9 +199,11 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         to_run = jax.jit(lambda st: relayout(st, tx, to_pipeline_layout, p, v), out_shardings=state_sh)
         to_model = jax.jit(lambda st: relayout(st, tx, from_pipeline_layout, p, v), out_shardings=state_sh)
         init = jax.jit(lambda: relayout(init_state(), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
     else:
         to_run = to_model = lambda st: st  # noqa: E731
         init = jax.jit(init_state, out_shardings=state_sh)
+        init_from = jax.jit(state_from, out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, tokens, labels):
@@ -213,4 +218,4 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return StepFns(step, init, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads)
+    return StepFns(step, init, init_from, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads)
