@@ -21,6 +21,7 @@ from meshrun.pipeline.schedules import SCHEDULES
 
 AXES = ("data", "pipe", "expert", "tensor")
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class MeshConfig:
     tensor: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER  # outer -> inner; `tensor` innermost keeps TP on NVLink
     hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
+    racks: int = 0  # hosts per rack (consecutive hosts share a rack); 0: all hosts in one rack
     allow_cross_host_tensor: bool = False
 
     def __post_init__(self):
@@ -57,6 +59,8 @@ class MeshConfig:
             )
         if self.hosts < 0:
             raise ConfigError("mesh.hosts", self.hosts, "use 0 (one host per process) or a positive count")
+        if self.racks < 0:
+            raise ConfigError("mesh.racks", self.racks, "use 0 (one rack) or the number of hosts per rack")
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,9 @@ class TrainConfig:
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     run_dir: str = "runs/default"
     profile: bool = False
+    # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
+    # gradients accumulate in float32 either way and are cast back before the optimizer
+    grad_reduce_dtype: str = "float32"
 
     def __post_init__(self):
         for f in ("steps", "global_batch", "seq_len", "log_every"):
@@ -190,6 +197,7 @@ class TrainConfig:
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         if self.lr <= 0:
             raise ConfigError("train.lr", self.lr, "use a positive learning rate")
+        _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
 
 
 @dataclass(frozen=True)

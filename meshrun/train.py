@@ -1,14 +1,14 @@
 """TrainState and the jitted 3D (+EP) train step.
 
-One step: forward, loss, grads (accumulated over microbatches), ONE data-parallel reduction,
-optax update. The model is driven only through its `ModelFns` (meshrun/model_api.py) and the
-parameter/gradient/optimizer layouts come from one `ZeroLayout` (meshrun/zero.py), both built once
-here and handed to whichever loop accumulates the gradients. Data-parallel reduction placement:
-left to itself GSPMD puts the gradient all-reduce inside the accumulation loop (once per
-microbatch), so the loop runs in a `shard_map` that is manual over the data-parallel axes ('data',
-'expert') and auto over 'tensor'; the reduction is one psum (ZeRO-0) or psum_scatter (ZeRO >= 1,
-Rajbhandari et al. 2020) after the loop. With `mesh.pipe > 1` the pipeline executor does the same
-around its tick loop.
+One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
+reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
+`ModelFns` (meshrun/model_api.py) and the parameter/gradient/optimizer layouts come from one
+`ZeroLayout` (meshrun/zero.py), both built once here and handed to whichever loop accumulates the
+gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
+psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class TrainState(NamedTuple):
@@ -121,7 +121,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
                 return jax.tree.map(jnp.add, acc, (g, sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, tokens[:b], labels[:b])
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, (split(tokens), split(labels)))
             loss, metrics = model_api.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
@@ -180,7 +180,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
 
     abstract = jax.eval_shape(init_state)
-    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero)
+    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype)
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     opt_sh = optax.tree_map_params(
         tx,
@@ -208,6 +208,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
 
     def train_step(state: TrainState, tokens, labels):
         loss, grads, aux = loss_and_grads(state.params, tokens, labels)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
