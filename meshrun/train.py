@@ -1,14 +1,14 @@
 """TrainState and the jitted 3D (+EP) train step.
 
-One step: forward, loss, grads (accumulated over microbatches), ONE data-parallel reduction,
-optax update. The model is driven only through its `ModelFns` (meshrun/model_api.py) and the
-parameter/gradient/optimizer layouts come from one `ZeroLayout` (meshrun/zero.py), both built once
-here and handed to whichever loop accumulates the gradients. Data-parallel reduction placement:
-left to itself GSPMD puts the gradient all-reduce inside the accumulation loop (once per
-microbatch), so the loop runs in a `shard_map` that is manual over the data-parallel axes ('data',
-'expert') and auto over 'tensor'; the reduction is one psum (ZeRO-0) or psum_scatter (ZeRO >= 1,
-Rajbhandari et al. 2020) after the loop. With `mesh.pipe > 1` the pipeline executor does the same
-around its tick loop.
+One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
+reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
+`ModelFns` (meshrun/model_api.py) and the parameter/gradient/optimizer layouts come from one
+`ZeroLayout` (meshrun/zero.py), both built once here and handed to whichever loop accumulates the
+gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
+psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class TrainState(NamedTuple):
@@ -45,6 +45,7 @@ class StepFns:
 
     step: Any  # (state, tokens, labels) -> (state, metrics)
     init: Any  # () -> TrainState, jitted with out_shardings
+    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
@@ -147,7 +148,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
                 return jax.tree.map(jnp.add, acc, (g, sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, tokens[:b], labels[:b])
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, (split(tokens), split(labels)))
             loss, metrics = model_api.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
@@ -207,12 +208,16 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     tx = make_optimizer(cfg)
     fns = models.model_fns(cfg.model)
 
-    def init_state() -> TrainState:
-        params = arrays(models.init_params(cfg.model, cfg.train.seed)[1])
+    def state_from(params) -> TrainState:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
+    def init_state() -> TrainState:
+        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
+
     abstract = jax.eval_shape(init_state)
-    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero, offloaded(cfg))
+    zl = ZeroLayout.build(
+        fns.param_names, abstract.params, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
+    )
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     opt_sh = optax.tree_map_params(
         tx,
@@ -225,23 +230,27 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     state_sh = TrainState(jax.tree.map(lambda s: zl.sharding("store", s), zl.store, is_leaf=is_spec), opt_sh, sh(P()))
     batch_sh = sh(P(DP_AXES))
     # Offloaded state rests in host memory: anything computing on it moves it in and back out.
-    on_device = lambda fn: lambda st: zl.to_host(fn(zl.to_device(st, state_sh)), state_sh)  # noqa: E731
+    host = lambda st: zl.to_host(st, state_sh)  # noqa: E731
+    on_device = lambda fn: lambda st: host(fn(zl.to_device(st, state_sh)))  # noqa: E731
     if interleaved(cfg, mesh):
         from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
 
         p, v = mesh.shape["pipe"], cfg.pipeline.virtual
         to_run = jax.jit(on_device(lambda st: relayout(st, tx, to_pipeline_layout, p, v)), out_shardings=state_sh)
         to_model = jax.jit(on_device(lambda st: relayout(st, tx, from_pipeline_layout, p, v)), out_shardings=state_sh)
-        init = jax.jit(lambda: zl.to_host(relayout(init_state(), tx, to_pipeline_layout, p, v), state_sh),
-                       out_shardings=state_sh)  # fmt: skip
+        init = jax.jit(lambda: host(relayout(init_state(), tx, to_pipeline_layout, p, v)), out_shardings=state_sh)
+        init_from = jax.jit(lambda prm: host(relayout(state_from(prm), tx, to_pipeline_layout, p, v)),
+                            out_shardings=state_sh)  # fmt: skip
     else:
         to_run = to_model = lambda st: st  # noqa: E731
-        init = jax.jit(lambda: zl.to_host(init_state(), state_sh), out_shardings=state_sh)
+        init = jax.jit(lambda: host(init_state()), out_shardings=state_sh)
+        init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, tokens, labels):
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, tokens, labels)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -251,4 +260,4 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return StepFns(step, init, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads)
+    return StepFns(step, init, init_from, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads)

@@ -61,7 +61,7 @@ from meshrun.model_api import ModelFns
 from meshrun.pipeline.program import check_layer_split, tick_program
 from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class Pipeline:
@@ -171,7 +171,8 @@ class Pipeline:
         gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
         if self.layout == "model":
             gl = from_pipeline_layout(gl, self.p, prog.v)
-        return loss, wsc({**go, "layers": gl}, zl.grads), metrics
+        grads = jax.tree.map(lambda g, a: g.astype(a.dtype), {**go, "layers": gl}, params)  # fp32 sums -> param dtype
+        return loss, wsc(grads, zl.grads), metrics
 
     def _body(self, layers, other, tok, lab, *, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
@@ -248,8 +249,8 @@ class _StageRun:
             "g_in": self.full(xs.shape, xs.dtype),
             # model.remat=offload: residuals the policy put in host memory keep their slots there too
             "res": [_placed(self.full((self.nslot, *a.shape), a.dtype), a) for a in self.res_avals],
-            "g_layers": jax.tree.map(jnp.zeros_like, self.layers_v),
-            "g_other": self.zeros_other(),
+            "g_layers": accum_zeros(self.layers_v),  # float32 sums, also for 16-bit params
+            "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),
             "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
         }
