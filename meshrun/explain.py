@@ -34,7 +34,6 @@ from collections import defaultdict
 from meshrun.config import AXES
 from meshrun.devices import add_fast_compile_flag, needed_devices
 from meshrun.errors import ConfigError
-from meshrun.memory import memory_spaces
 
 MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
 
@@ -191,6 +190,8 @@ def explain(cfg) -> dict:
         "alias": int(ma.alias_size_in_bytes),
     }
     mem["total"] = mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+    from meshrun.memory import memory_spaces  # imports jax: only after the devices are set up
+
     spaces = memory_spaces(compiled)
     mem |= {"device": spaces["device"], "host": spaces["host"]}
     comm = compiled_collectives(compiled.as_text(), shape)
