@@ -31,7 +31,7 @@ from meshrun import hlo  # noqa: E402
 from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
 from meshrun.mesh import build_mesh  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
-from meshrun.pipeline.stage import to_pipeline_layout  # noqa: E402
+from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 
 SEQ = 32
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
                 pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
                 pl = Pipeline(mm.model_fns(CFG), pc, mesh, layout="pipeline")
                 pure = params.to_pure_dict()
-                pure["layers"] = to_pipeline_layout(pure["layers"], p, v)
+                pure["layers"] = layer_split(pc, CFG.n_layers, p).to_pipeline(pure["layers"])
                 compiled = pl.lower(pure, tok, lab).compile()
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)

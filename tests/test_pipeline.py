@@ -28,7 +28,8 @@ from meshrun.mesh import build_mesh
 from meshrun.model_api import ModelFns
 from meshrun.pipeline import schedules
 from meshrun.pipeline.executor import Pipeline
-from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
+from meshrun.pipeline.split import layer_split
+from meshrun.pipeline.stage import activation_residuals
 from meshrun.sharding import constrain
 
 RTOL = 1e-5
@@ -108,10 +109,11 @@ def toy_compiled(dims, schedule, m, v, b, **kw):
     """(pipeline, compiled step, args) for the toy model; cached so tests share compiles."""
     kw = dict(kw)
     layout = kw.get("layout", "model")
-    pl = Pipeline(TOY, PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims), **kw)
+    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v)
+    pl = Pipeline(TOY, pc, mesh_of(*dims), **kw)
     params = toy_params()
     if layout == "pipeline":
-        params = {**params, "layers": to_pipeline_layout(params["layers"], pl.p, v)}
+        params = {**params, "layers": layer_split(pc, L, pl.p).to_pipeline(params["layers"])}
     args = (params, *batch(b, V))
     return pl, pl.lower(*args).compile(), args
 
@@ -156,7 +158,7 @@ def test_toy_parity(case):
     want = P("pipe", "data" if pl.zero_stage >= 2 else None, "tensor" if dims[3] > 1 else None)
     assert tuple(spec) + (None,) * (3 - len(spec)) == tuple(want), spec
     if pl.layout == "pipeline":
-        grads = {**grads, "layers": from_pipeline_layout(grads["layers"], pl.p, v)}
+        grads = {**grads, "layers": pl.split.from_pipeline(grads["layers"])}
     np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
     np.testing.assert_allclose(float(aux["sq"]), float(ref_aux["sq"]), rtol=RTOL)
     assert_tree_close(grads, ref_grads)

@@ -165,7 +165,7 @@ def _compiled(over, config="tiny_cpu.yaml"):
     cfg = _cfg(config, over)
     mesh = build_mesh(cfg.mesh)
     fns = make_train_step(cfg, mesh)
-    state = fns.abstract_state
+    state = fns.abstract_run
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=fns.batch_sharding)
     return fns.step.lower(state, batch, batch).compile(), mesh
 

@@ -92,14 +92,3 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
         for row in lock
     )
     return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
-
-
-def check_layer_split(n_stacked: int, p: int, v: int) -> None:
-    """Every stage holds v chunks of the same number of stacked layers (units)."""
-    if n_stacked % (p * v):
-        raise ConfigError(
-            "model.n_layers",
-            n_stacked,
-            f"use a multiple of pipe*virtual={p * v} stacked layers (MoE: layer groups of moe_every)",
-            f"{n_stacked} stacked layers do not split into {p} stages x {v} chunks",
-        )
