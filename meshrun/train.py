@@ -192,7 +192,8 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     batch_sh = NamedSharding(mesh, P(DP_AXES))
     init = jax.jit(run_state, out_shardings=state_sh)
     if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
-        model_sh = state_shardings(ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero), tx, abstract)
+        zl_model = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero)
+        model_sh = state_shardings(zl_model, tx, abstract)
         to_run = jax.jit(lambda st: relayout(st, tx, split.to_pipeline), out_shardings=state_sh)
         to_model = jax.jit(lambda st: relayout(st, tx, split.from_pipeline), out_shardings=model_sh)
     else:
@@ -212,7 +213,14 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     )
     with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
     return StepFns(
-        step, init, state_sh, batch_sh, with_sh(abstract, model_sh), to_run, to_model, loss_and_grads,
+        step,
+        init,
+        state_sh,
+        batch_sh,
+        with_sh(abstract, model_sh),
+        to_run,
+        to_model,
+        loss_and_grads,
         with_sh(abstract_run, state_sh),
     )
 

@@ -170,7 +170,7 @@ class Pipeline:
 
     def loss_and_grads(self, params, tokens, labels):
         """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit."""
-        mesh, prog, m, lsplit = self.mesh, self.program, self.program.m, self.split
+        mesh, m, lsplit = self.mesh, self.program.m, self.split
         if lsplit is None:
             raise ConfigError("Pipeline.split", None, "call the Pipeline (or .lower) once, or pass split=")
         zl = self._layout_for(params)

@@ -137,7 +137,7 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, model: ModelConfig |
         from meshrun.planner.balance import split_layers, stage_costs
 
         if model is None:
-            raise ConfigError("pipeline.balance", "auto", "pass the model config (train resolves it), or layers_per_stage")
+            raise ConfigError("pipeline.balance", "auto", "pass the model config, or set pipeline.layers_per_stage")
         return LayerSplit(split_layers(n_units, n_v, **stage_costs(model, seq_len or model.max_seq_len)), p, v)
     if n_units % n_v:
         raise ConfigError(

@@ -53,7 +53,9 @@ def stage_costs(model: ModelConfig, seq_len: int) -> dict[str, float]:
     from meshrun import flops
 
     dense = flops.layer_fwd_flops(model, 1.0, seq_len)
-    unit = (model.moe_every - 1) * dense + flops.layer_fwd_flops(model, 1.0, seq_len, moe=True) if model.is_moe else dense
+    unit = dense
+    if model.is_moe:
+        unit = (model.moe_every - 1) * dense + flops.layer_fwd_flops(model, 1.0, seq_len, moe=True)
     return {
         "layer_cost": unit,
         "first_cost": 2.0 * model.d_model,
