@@ -73,10 +73,16 @@ def test_zero_stages_match_one_device_pipe_data_tensor(zero):
     assert_same(got, reference("tiny_cpu.yaml"))
 
 
-def test_interleaved_training_matches_one_device():
-    """Interleaved 1F1B (p2, v2) trains with the layers stored in pipeline order; params are compared
-    after converting back to model order."""
-    cfg = _cfg("tiny_cpu.yaml", ["pipeline.schedule=interleaved", "pipeline.virtual=2"])
+@pytest.mark.parametrize(
+    "over",
+    [["pipeline.schedule=interleaved", "pipeline.virtual=2"], ["pipeline.layers_per_stage=[3,1]"]],
+    ids=["interleaved", "uneven_3_1"],
+)
+def test_pipeline_layout_training_matches_one_device(over):
+    """Interleaved 1F1B (p2, v2) and an uneven split train with the layers (and Adam moments) stored
+    in pipeline layout (chunk order; padded to the largest stage); `to_model` gives model order back
+    (what checkpoints hold), which must equal one device's params."""
+    cfg = _cfg("tiny_cpu.yaml", over)
     mesh = build_mesh(cfg.mesh)
     fns = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
