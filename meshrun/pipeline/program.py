@@ -78,6 +78,13 @@ class TickProgram:
 
 
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
+    if pcfg.schedule == "zb-h1":  # `schedules.zb_h1` builds and checks the table; no executor yet
+        raise ConfigError(
+            "pipeline.schedule",
+            pcfg.schedule,
+            "use gpipe, 1f1b or interleaved to train (zb-h1 is drawn by `meshrun schedule` only so far)",
+            "the executor does not run zb-h1 yet",
+        )
     v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
     if pcfg.schedule != "interleaved" and pcfg.virtual != 1:
         raise ConfigError("pipeline.virtual", pcfg.virtual, "use schedule=interleaved, or virtual=1")
