@@ -30,10 +30,12 @@ How a step runs:
   data-parallel shards, w = `ModelFns.aux_weights(global batch rows)` (`model_api.finish`);
   the token count depends only on labels, so it is known before the loop and each head backward
   uses the exact cotangent 1/N (aux cotangents are w_k).
-* Parameters: `params['layers']` leaves are stacked [L, ...] in model order and sharded P('pipe', ...).
-  For interleaved (v > 1) the executor permutes them to pipeline order ([v, p, Lc] -> [p, v, Lc],
-  `stage.to_pipeline_layout`) inside the step, which moves weights across 'pipe' once per step;
-  pass `layout='pipeline'` with params already stored that way (and get grads back that way) to avoid it.
+* Parameters: `params['layers']` leaves are stacked [L, ...] in model order. Stage s runs the counts
+  of `split` (`split.LayerSplit`: even, `pipeline.layers_per_stage` or balance=auto); for interleaved
+  or an uneven split the executor moves them to the pipeline layout ([p, v, lmax], chunks padded to
+  the largest count, `LayerSplit.to_pipeline`) inside the step, which moves weights across 'pipe' once
+  per step; pass `layout='pipeline'` with params already stored that way (and get grads back that
+  way) to avoid it. Uneven chunks skip their padding (`stage.uneven_apply`).
 * What a tick costs (compiled HLO and timings on 8 simulated CPU devices; see bench/compare.py):
   a dynamic chunk index copied every weight of the stage and its gradient sums on every tick, so
   with v = 1 the stage's layers are used in place; idle stages ran the stage on dummy data, so
