@@ -431,21 +431,43 @@ UNEVEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(UNEVEN_CASES))
-def test_uneven_parity(case):
-    """Stages holding different layer counts run one SPMD program (chunks padded to the largest,
-    padding skipped); loss and grads (model order) equal one device's."""
+@functools.cache
+def uneven_compiled(case):
     dims, schedule, m, v, n, counts = UNEVEN_CASES[case]
     pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, layers_per_stage=counts)
     pl = Pipeline(TOY, pc, mesh_of(*dims))
     prm = {**toy_params(), "layers": jax.tree.map(lambda a: a[:n], toy_params()["layers"])}
-    tok, lab = batch(8, V)
+    args = (prm, *batch(8, V))
+    return pl, pl.lower(*args).compile(), args
+
+
+@pytest.mark.parametrize("case", list(UNEVEN_CASES))
+def test_uneven_parity(case):
+    """Stages holding different layer counts run one SPMD program (chunks padded to the largest,
+    padding skipped); loss and grads (model order) equal one device's."""
+    dims, _, _, v, _, counts = UNEVEN_CASES[case]
+    pl, compiled, (prm, tok, lab) = uneven_compiled(case)
     (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(toy_loss, has_aux=True))(prm, tok, lab)
-    loss, grads, aux = pl(prm, tok, lab)
+    loss, grads, aux = compiled(prm, tok, lab)
     assert pl.split.counts == counts and pl.split.padded == dims[0] * v * max(counts)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
     np.testing.assert_allclose(float(aux["sq"]), float(ref_aux["sq"]), rtol=RTOL)
     assert_tree_close(grads, ref_grads)
+
+
+def test_uneven_stage_runs_lmax_layers_and_no_dummy_forward():
+    """A tick runs lmax units (the padding one under a `lax.cond`): per step, the 5-layer split
+    (3, 2) has exactly one TP all-reduce per F and per B tick fewer than 8 layers as (4, 4) on the
+    same schedule, so the vjp rebuilt in the backward leaves no dead forward behind (toy MLP: one
+    all-reduce per layer forward, one backward)."""
+    pl, c, _ = uneven_compiled("p2-5-layers-1f1b")
+    pe, ce, _ = toy_compiled((2, 2, 1, 2), "1f1b", 4, 1, b=8)
+    tp = lambda pl, c: sum(  # noqa: E731
+        k for x, k in executed(c.as_text(), pl.mesh) if x.op == "all-reduce" and x.axes == ("tensor",)
+    )
+    ticks = sum((t1 - t0) * len(kind) for kind, t0, t1, _, _ in pl.program.phases)  # F ticks + B ticks
+    assert pl.program.phases == pe.program.phases
+    assert tp(pe, ce) - tp(pl, c) == (L // 2 - pl.split.lmax) * ticks
 
 
 def test_split_layouts_round_trip_across_splits():
