@@ -23,9 +23,7 @@ def split_layers(
         )
     if layer_cost <= 0:
         raise ConfigError("layer_cost", layer_cost, "use a positive cost per layer")
-    extra = [0.0] * n_stages
-    extra[0] += first_cost
-    extra[-1] += last_cost
+    extra = stage_times([0] * n_stages, layer_cost=layer_cost, first_cost=first_cost, last_cost=last_cost)
 
     def caps(bound: float) -> list[int]:
         return [max(0, int((bound - e) / layer_cost + 1e-9)) for e in extra]
@@ -42,9 +40,17 @@ def split_layers(
             lo = mid + 1
     counts = caps(cands[lo])
     while sum(counts) > n_layers:  # drop surplus from the costliest stage (ties: the later one)
-        s = max((i for i in range(n_stages) if counts[i] > 1), key=lambda i: (counts[i] * layer_cost + extra[i], i))
-        counts[s] -= 1
+        cost = stage_times(counts, layer_cost=layer_cost, first_cost=first_cost, last_cost=last_cost)
+        counts[max((i for i in range(n_stages) if counts[i] > 1), key=lambda i: (cost[i], i))] -= 1
     return tuple(counts)
+
+
+def stage_times(counts, *, layer_cost: float, first_cost: float = 0.0, last_cost: float = 0.0) -> tuple[float, ...]:
+    """Cost of each stage of a split (same units as the inputs); the slowest one paces the pipeline."""
+    out = [n * layer_cost for n in counts]
+    out[0] += first_cost
+    out[-1] += last_cost
+    return tuple(out)
 
 
 def stage_costs(model: ModelConfig, seq_len: int) -> dict[str, float]:
