@@ -1,12 +1,13 @@
-"""Uneven pipeline splits: layers per stage that minimise the slowest stage (pure Python, no JAX).
+"""Uneven pipeline stages: how many layers each stage gets when they do not divide evenly.
 
-The first stage also embeds and the last one runs the head and the loss (a d_model x vocab matmul
-per token, forward and backward), so with a vocabulary that is large next to a layer they should
-hold fewer layers. Costs are in any one unit (FLOPs per token here); a stage's cost is
-count * layer_cost (+ first_cost on stage 0, + last_cost on the last stage).
+Shared by the planner (which costs the slowest stage) and the pipeline executor (which builds the
+stages). Pure Python. The first stage also runs the embedding, the last the output head and the
+vocabulary cross-entropy, so giving those stages fewer layers shortens the slowest stage.
 """
 
 from __future__ import annotations
+
+import heapq
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
@@ -15,55 +16,66 @@ from meshrun.errors import ConfigError
 def split_layers(
     n_layers: int, n_stages: int, *, layer_cost: float, first_cost: float = 0.0, last_cost: float = 0.0
 ) -> tuple[int, ...]:
-    """Contiguous layer counts per stage (each >= 1, summing to n_layers) minimising the largest
-    stage cost; among optimal splits, layers are taken from the costliest stages first."""
-    if n_stages < 1 or n_layers < n_stages:
+    """Layers per stage (in order, each >= 1, summing to n_layers) that minimise the slowest stage's
+    cost, where stage i costs n_i * layer_cost, plus first_cost on stage 0 and last_cost on the last.
+
+    Every layer adds the same cost, so filling the currently cheapest stage one layer at a time is
+    optimal for the maximum (greedy list scheduling with equal jobs). Ties go to the stage with the
+    smaller fixed cost, then the earlier one, so equal costs give the usual even split."""
+    if n_stages < 1:
+        raise ConfigError("pipe", n_stages, "use at least 1 pipeline stage")
+    if n_layers < n_stages:
         raise ConfigError(
-            "pipeline.layers_per_stage", n_layers, f"use at least one layer per stage ({n_stages} stages)"
+            "model.n_layers",
+            n_layers,
+            f"use at least one layer per stage ({n_stages} stages)",
+            "fewer layers than stages",
         )
-    if layer_cost <= 0:
-        raise ConfigError("layer_cost", layer_cost, "use a positive cost per layer")
-    extra = stage_times([0] * n_stages, layer_cost=layer_cost, first_cost=first_cost, last_cost=last_cost)
-
-    def caps(bound: float) -> list[int]:
-        return [max(0, int((bound - e) / layer_cost + 1e-9)) for e in extra]
-
-    # The optimum is one of the values count * layer_cost + extra_s: try them in increasing order.
-    cands = sorted({c * layer_cost + e for e in extra for c in range(1, n_layers + 1)})
-    lo, hi = 0, len(cands) - 1
-    while lo < hi:  # smallest bound whose caps hold every layer with no empty stage
-        mid = (lo + hi) // 2
-        c = caps(cands[mid])
-        if min(c) >= 1 and sum(c) >= n_layers:
-            hi = mid
-        else:
-            lo = mid + 1
-    counts = caps(cands[lo])
-    while sum(counts) > n_layers:  # drop surplus from the costliest stage (ties: the later one)
-        cost = stage_times(counts, layer_cost=layer_cost, first_cost=first_cost, last_cost=last_cost)
-        counts[max((i for i in range(n_stages) if counts[i] > 1), key=lambda i: (cost[i], i))] -= 1
+    if not layer_cost > 0 or first_cost < 0 or last_cost < 0:
+        raise ConfigError(
+            "layer_cost", (layer_cost, first_cost, last_cost), "give a positive layer cost and non-negative extras"
+        )
+    fixed = [0.0] * n_stages
+    fixed[0] += first_cost
+    fixed[-1] += last_cost
+    counts = [1] * n_stages
+    heap = [(fixed[i] + 2 * layer_cost, fixed[i], i) for i in range(n_stages)]  # cost after one more layer
+    heapq.heapify(heap)
+    for _ in range(n_layers - n_stages):
+        _, f, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, (f + (counts[i] + 1) * layer_cost, f, i))
     return tuple(counts)
 
 
-def stage_times(counts, *, layer_cost: float, first_cost: float = 0.0, last_cost: float = 0.0) -> tuple[float, ...]:
-    """Cost of each stage of a split (same units as the inputs); the slowest one paces the pipeline."""
-    out = [n * layer_cost for n in counts]
+def stage_cost(split: tuple[int, ...], *, layer_cost: float, first_cost: float = 0.0, last_cost: float = 0.0) -> list:
+    """Cost of each stage of `split` (same units as the inputs)."""
+    out = [n * layer_cost for n in split]
     out[0] += first_cost
     out[-1] += last_cost
-    return tuple(out)
+    return out
 
 
-def stage_costs(model: ModelConfig, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token of one stacked unit (MoE: a group of moe_every layers), of the
-    embedding (a gather: counted as one multiply-add per element it writes) and of the head + loss."""
-    from meshrun import flops
+def stage_costs(
+    model: ModelConfig,
+    seq_len: int | None = None,
+    *,
+    micro_batch_size: int = 1,
+    tensor: int = 1,
+    remat: str | None = None,
+    gpu: str = "a100-80g",
+) -> tuple[float, float, float]:
+    """(layer_cost, first_cost, last_cost): seconds of forward + backward of one micro-batch on one
+    device for one transformer layer, the embedding, and the head + vocabulary cross-entropy, from
+    the planner's time model (`timing.stage_seconds`) on `gpu` at tensor-parallel degree `tensor`."""
+    from meshrun.planner.hardware import GPUS
+    from meshrun.planner.timing import stage_seconds
 
-    dense = flops.layer_fwd_flops(model, 1.0, seq_len)
-    unit = dense
-    if model.is_moe:
-        unit = (model.moe_every - 1) * dense + flops.layer_fwd_flops(model, 1.0, seq_len, moe=True)
-    return {
-        "layer_cost": unit,
-        "first_cost": 2.0 * model.d_model,
-        "last_cost": 2.0 * model.d_model * model.vocab + 5.0 * model.vocab,  # matmul + softmax/xent
-    }
+    s = seq_len or model.max_seq_len
+    return stage_seconds(model, micro_batch_size, s, tensor, GPUS[gpu], model.remat if remat is None else remat)
+
+
+def balanced_split(model: ModelConfig, n_stages: int, seq_len: int | None = None, **kw) -> tuple[int, ...]:
+    """`split_layers` of the model's layers over n_stages with the costs of `stage_costs(model, ...)`."""
+    layer, first, last = stage_costs(model, seq_len, **kw)
+    return split_layers(model.n_layers, n_stages, layer_cost=layer, first_cost=first, last_cost=last)
