@@ -510,14 +510,14 @@ def test_bad_splits_name_the_fix():
 def test_balance_auto_gives_the_ends_fewer_layers():
     """Llama-3.1-405B shape (126 layers, 16 stages, vocab 128256): the last stage carries the head and
     gets fewer layers; the slowest stage is no slower than any other split's."""
-    from meshrun.planner.balance import split_layers, stage_costs, stage_times
+    from meshrun.planner.balance import split_layers, stage_cost, stage_costs
 
     big = ModelConfig(vocab=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
                       d_ff=53248, max_seq_len=8192)  # fmt: skip
-    c = stage_costs(big, 8192)
+    c = dict(zip(("layer_cost", "first_cost", "last_cost"), stage_costs(big, 8192), strict=True))
     counts = split_layers(126, 16, **c)
     assert sum(counts) == 126 and min(counts) >= 1 and counts[-1] < max(counts)
-    cost = lambda cs: max(stage_times(cs, **c))  # noqa: E731
+    cost = lambda cs: max(stage_cost(cs, **c))  # noqa: E731
     assert cost(counts) <= cost((8,) * 14 + (7, 7)) and cost(counts) <= cost((7, 7) + (8,) * 14)
     assert split_layers(8, 4, layer_cost=1.0) == (2, 2, 2, 2)
     assert split_layers(7, 4, layer_cost=1.0, last_cost=1.5) == (2, 2, 2, 1)

@@ -138,7 +138,9 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, model: ModelConfig |
 
         if model is None:
             raise ConfigError("pipeline.balance", "auto", "pass the model config, or set pipeline.layers_per_stage")
-        return LayerSplit(split_layers(n_units, n_v, **stage_costs(model, seq_len or model.max_seq_len)), p, v)
+        layer, first, last = stage_costs(model, seq_len or model.max_seq_len)
+        per_unit = layer * (model.moe_every if model.is_moe else 1)  # a stacked MoE unit is moe_every layers
+        return LayerSplit(split_layers(n_units, n_v, layer_cost=per_unit, first_cost=first, last_cost=last), p, v)
     if n_units % n_v:
         raise ConfigError(
             "model.n_layers",
