@@ -1,14 +1,14 @@
 """TrainState and the jitted 3D (+EP) train step.
 
-One step: forward, loss, grads (accumulated over microbatches), ONE data-parallel reduction,
-optax update. The model is driven only through its `ModelFns` (meshrun/model_api.py) and the
-parameter/gradient/optimizer layouts come from one `ZeroLayout` (meshrun/zero.py), both built once
-here and handed to whichever loop accumulates the gradients. Data-parallel reduction placement:
-left to itself GSPMD puts the gradient all-reduce inside the accumulation loop (once per
-microbatch), so the loop runs in a `shard_map` that is manual over the data-parallel axes ('data',
-'expert') and auto over 'tensor'; the reduction is one psum (ZeRO-0) or psum_scatter (ZeRO >= 1,
-Rajbhandari et al. 2020) after the loop. With `mesh.pipe > 1` the pipeline executor does the same
-around its tick loop.
+One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
+reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
+`ModelFns` (meshrun/model_api.py) and the parameter/gradient/optimizer layouts come from one
+`ZeroLayout` (meshrun/zero.py), both built once here and handed to whichever loop accumulates the
+gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
+psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class TrainState(NamedTuple):
@@ -45,6 +45,7 @@ class StepFns:
 
     step: Any  # (state, tokens, labels) -> (state, metrics)
     init: Any  # () -> TrainState, jitted with out_shardings
+    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
@@ -130,7 +131,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
                 return jax.tree.map(jnp.add, acc, (g, sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, tokens[:b], labels[:b])
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, (split(tokens), split(labels)))
             loss, metrics = model_api.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
@@ -178,31 +179,38 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     tx = make_optimizer(cfg)
     fns = models.model_fns(cfg.model)
 
-    def init_state() -> TrainState:
-        params = arrays(models.init_params(cfg.model, cfg.train.seed)[1])
+    def state_from(params) -> TrainState:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+    def init_state() -> TrainState:
+        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
 
     abstract = jax.eval_shape(init_state)
     split = split_of(cfg, mesh)
     relay = split is not None and not split.identity  # layers stored in pipeline layout while training
     run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
     abstract_run = jax.eval_shape(run_state) if relay else abstract
-    zl = ZeroLayout.build(fns.param_names, abstract_run.params, mesh, cfg.train.zero)
+    build = lambda shapes: ZeroLayout.build(  # noqa: E731
+        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype
+    )
+    zl = build(abstract_run.params)
     state_sh = state_shardings(zl, tx, abstract_run)
     batch_sh = NamedSharding(mesh, P(DP_AXES))
     init = jax.jit(run_state, out_shardings=state_sh)
     if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
-        zl_model = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero)
-        model_sh = state_shardings(zl_model, tx, abstract)
+        model_sh = state_shardings(build(abstract.params), tx, abstract)
         to_run = jax.jit(lambda st: relayout(st, tx, split.to_pipeline), out_shardings=state_sh)
         to_model = jax.jit(lambda st: relayout(st, tx, split.from_pipeline), out_shardings=model_sh)
+        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), out_shardings=state_sh)
     else:
         model_sh = state_sh
         to_run = to_model = lambda st: st  # noqa: E731
+        init_from = jax.jit(state_from, out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, tokens, labels):
         loss, grads, aux = loss_and_grads(state.params, tokens, labels)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -215,6 +223,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     return StepFns(
         step,
         init,
+        init_from,
         state_sh,
         batch_sh,
         with_sh(abstract, model_sh),

@@ -64,7 +64,7 @@ from meshrun.pipeline.program import tick_program
 from meshrun.pipeline.split import LayerSplit, layer_split
 from meshrun.pipeline.stage import activation_residuals, uneven_apply
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class Pipeline:
@@ -201,7 +201,8 @@ class Pipeline:
         gspec = zl.grads
         if self.layout == "model":
             gl, gspec = lsplit.from_pipeline(gl), self._model_zero.grads
-        return loss, wsc({**go, "layers": gl}, gspec), metrics
+        grads = jax.tree.map(lambda g, a: g.astype(a.dtype), {**go, "layers": gl}, params)  # fp32 sums -> param dtype
+        return loss, wsc(grads, gspec), metrics
 
     def _body(self, layers, other, tok, lab, *, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
@@ -286,8 +287,8 @@ class _StageRun:
             "x_in": self.full(xs.shape, xs.dtype),
             "g_in": self.full(xs.shape, xs.dtype),
             "res": [self.full((self.nslot, *a.shape), a.dtype) for a in self.res_avals],
-            "g_layers": jax.tree.map(jnp.zeros_like, self.layers_v),
-            "g_other": self.zeros_other(),
+            "g_layers": accum_zeros(self.layers_v),  # float32 sums, also for 16-bit params
+            "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),
             "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
         }
