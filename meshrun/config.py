@@ -169,6 +169,10 @@ class PipelineConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     microbatches: int = 1  # m: number of microbatches per step (>= 4*pipe recommended)
     virtual: int = 1  # v: virtual chunks per stage (interleaved)
+    # Stacked layers (MoE: layer groups) per virtual stage k = chunk*pipe + stage, in model order;
+    # empty: split by `balance` ('even': equal counts; 'auto': the planner's cost model).
+    layers_per_stage: tuple[int, ...] = ()
+    balance: str = "even"  # even | auto
 
     def __post_init__(self):
         _choice("pipeline.schedule", self.schedule, SCHEDULES)
@@ -176,6 +180,20 @@ class PipelineConfig:
             raise ConfigError("pipeline.microbatches", self.microbatches, "use a positive count")
         if self.virtual < 1:
             raise ConfigError("pipeline.virtual", self.virtual, "use a positive count")
+        _choice("pipeline.balance", self.balance, ("even", "auto"))
+        if any(n < 1 for n in self.layers_per_stage):
+            raise ConfigError(
+                "pipeline.layers_per_stage",
+                list(self.layers_per_stage),
+                "give every stage at least one layer (use fewer stages, or pipeline.balance=auto)",
+                "empty stage",
+            )
+        if self.layers_per_stage and self.balance != "even":
+            raise ConfigError(
+                "pipeline.balance",
+                self.balance,
+                "set either pipeline.layers_per_stage or pipeline.balance=auto, not both",
+            )
 
 
 @dataclass(frozen=True)

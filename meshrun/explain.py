@@ -154,7 +154,7 @@ def compile_step(cfg):
     fns = make_train_step(cfg, mesh)
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sharding)
-    return fns.step.lower(fns.abstract_state, tokens, tokens).compile(), mesh
+    return fns.step.lower(fns.abstract_run, tokens, tokens).compile(), mesh
 
 
 def explain(cfg) -> dict:
