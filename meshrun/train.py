@@ -106,7 +106,7 @@ def check_remat_every(cfg: RunConfig, mesh: Mesh) -> None:
     k, split = cfg.model.remat_every, split_of(cfg, mesh)
     if split is not None and not split.even and k > 1:
         raise ConfigError(
-            "model.remat_every", k, f"use 1, or an even layer split (got layers per chunk {list(split.counts)})",
+            "model.remat_every", k, f"use 1, or an even layer split (layers per chunk now {list(split.counts)})",
             "grouped remat needs the same layer count in every pipeline chunk",
         )  # fmt: skip
     per_chunk = cfg.model.n_units if split is None else split.lmax
