@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -105,16 +106,19 @@ def numpy_moe(p, h, cfg):
     return out, {"dropped_tokens": dropped, "moe_aux_loss": aux, "moe_z_loss": np.sum(np.mean(lse**2, 1))}
 
 
-@pytest.mark.parametrize("cf,expect_drops", [(2.0, False), (0.5, True)])
-def test_moe_layer_matches_expert_loop(cf, expect_drops):
+@pytest.mark.parametrize(
+    "dispatch,cf,expect_drops", [("capacity", 2.0, False), ("capacity", 0.5, True), ("dropless", 0.5, False)]
+)
+def test_moe_layer_matches_expert_loop(dispatch, cf, expect_drops):
     """cf = E/k: capacity = S, nothing can drop; cf = 0.5: exact drop count and the dropped
-    assignments are missing from the output."""
-    cfg = dataclasses.replace(MOE, capacity_factor=cf, init_std=0.2)
+    assignments are missing from the output; dropless ignores the capacity: nothing dropped."""
+    cfg = dataclasses.replace(MOE, capacity_factor=cf, init_std=0.2, moe_dispatch=dispatch)
     _, params = init_params(cfg, 4)
     p = jax.tree.map(lambda w: w[0], arrays(params["layers"]["moe"]["moe"]))
     h = jax.random.normal(jax.random.key(5), (4, 16, cfg.d_model))
     out, stats = jax.jit(lambda p, h: moe_ffn(p, h, cfg))(p, h)
-    ref, ref_stats = numpy_moe(p, h, cfg)
+    no_cap = dataclasses.replace(cfg, capacity_factor=cfg.n_experts / cfg.top_k)
+    ref, ref_stats = numpy_moe(p, h, no_cap if dispatch == "dropless" else cfg)
     assert (ref_stats["dropped_tokens"] > 0) == expect_drops
     assert float(stats["dropped_tokens"]) == ref_stats["dropped_tokens"]
     np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
@@ -233,3 +237,47 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
 def _in_rules(mesh, manual, fn):
     with use_rules(mesh, compute_rules(False), manual=manual):
         return fn()
+
+
+# ---------------------------------------------------------------- dropless dispatch
+
+DROPLESS = dataclasses.replace(MOE, n_layers=2, moe_every=1, moe_dispatch="dropless")  # capacity_factor 1.0 ignored
+
+
+def test_dropless_parity_and_worst_case_all_to_all():
+    """Dropless on one device == capacity routing with capacity S (nothing can drop) == dropless on
+    data2 x expert2 x tensor2 (loss, aux, grads); dropped_tokens 0 although capacity_factor=1.0
+    drops in capacity routing. The compiled step moves rows in fixed worst-case all_to_alls: per
+    MoE layer one int32 [ep, E/ep] count exchange, [ep, M, D] rows there and back (forward and
+    backward) with M = T * min(k, E/ep), T local tokens; no all-gather (expert weights stay put)."""
+    cfg = DROPLESS
+    _, params = init_params(cfg, 0)
+    tok, lab = batch(cfg)
+    ref = loss_and_grads(cfg, params, tok, lab)
+    assert float(ref[0][1]["dropped_tokens"]) == 0
+    no_drop = dataclasses.replace(cfg, moe_dispatch="capacity", capacity_factor=cfg.n_experts / cfg.top_k)
+    assert_same(ref, loss_and_grads(no_drop, params, tok, lab))
+
+    mesh = mesh_of(2, 2, 2)
+    placed = jax.device_put(params, tree_shardings(params, mesh, param_rules(0)))
+    step = jax.value_and_grad(lambda p: loss_fn(p, tok, lab, cfg), has_aux=True)
+    with use_rules(mesh, compute_rules(False)):
+        compiled = jax.jit(step).lower(placed).compile()
+    assert_same(ref, compiled(placed))
+
+    ep, e_loc, t = 2, cfg.n_experts // 2, tok.size // 4  # tokens over data x expert
+    rows_bytes = ep * t * min(cfg.top_k, e_loc) * cfg.d_model * 4
+    c = collectives(compiled.as_text(), dict(mesh.shape))
+    assert not [x for x in c if x.op == "all-gather"]
+    a2a = sorted((x.axes, x.bytes, x.in_loop) for x in c if x.op == "all-to-all")
+    assert a2a == sorted([(("expert",), ep * e_loc * 4, True)] + [(("expert",), rows_bytes, True)] * 4)
+
+
+def test_bad_moe_dispatch_exits_2(capsys):
+    from meshrun.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs/tiny_moe_cpu.yaml")
+    rc = main(["train", config, "model.moe_dispatch=sorted", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert "model.moe_dispatch: invalid value (got 'sorted'); use one of ['capacity', 'dropless']" in err
