@@ -186,10 +186,12 @@ def _manual_specs(specs, manual):
     return jax.tree.map(one, specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def test_apply_layers_inside_caller_shard_map(moe_ref):
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_apply_layers_inside_caller_shard_map(moe_ref, dispatch):
     """A caller manual over ('data','expert') (as a pipeline executor is) gets the direct all_to_all
-    path: same outputs and gradients as one device; aux comes back as local sums (psum them)."""
-    params = moe_ref[0]
+    path, with either dispatch: same outputs and gradients as one device; aux comes back as local
+    sums (psum them)."""
+    params, cfg = moe_ref[0], dataclasses.replace(MOE, moe_dispatch=dispatch)
     mesh = mesh_of(2, 2, 2)
     manual = ("data", "expert")
     x = jax.random.normal(jax.random.key(2), (8, 16, MOE.d_model))
@@ -198,7 +200,7 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
 
     def body(lp, xl):
         with use_rules(mesh, compute_rules(False), manual=manual):
-            y, aux = apply_layers(lp, xl, MOE)
+            y, aux = apply_layers(lp, xl, cfg)
         return y, jax.lax.psum(aux, manual)
 
     sm = jax.shard_map(
@@ -212,16 +214,19 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
 
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
-    ref = objective(lambda lp, x: apply_layers(lp, x, MOE))(params["layers"], x)
+    ref = objective(lambda lp, x: apply_layers(lp, x, cfg))(params["layers"], x)
     with use_rules(mesh, compute_rules(False)):
         got = objective(sm)(layers, x)
     (v0, a0), g0 = ref
     (v1, a1), g1 = got
     np.testing.assert_allclose(v1, v0, rtol=RTOL)
-    assert float(a1["dropped_tokens"]) == float(a0["dropped_tokens"]) > 0
+    assert float(a1["dropped_tokens"]) == float(a0["dropped_tokens"])
+    assert (float(a0["dropped_tokens"]) > 0) == (dispatch == "capacity")
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
 
+    if dispatch == "dropless":
+        return
     # Only 'data' manual: a nested expert shard_map cannot be differentiated (Shardy), so it is refused.
     only_data = jax.shard_map(
         lambda lp, xl: _in_rules(mesh, ("data",), lambda: apply_layers(lp, xl, MOE)[0]),
