@@ -3,7 +3,7 @@
     python bench/moe.py [--steps 5] [--warmup 2]
 
 tiny_moe_cpu.yaml (4 experts, top-2, every other layer MoE, global batch 16 x 64 tokens) on
-data2 x expert2 x tensor2, data2 x expert4 and one device, each with `model.moe_dispatch=capacity`
+data2 x expert2 x tensor2 and on one device, each with `model.moe_dispatch=capacity`
 at capacity_factor 2.0 (= E/k: nothing can drop) and 1.25 (drops), and `dropless`: step time (median
 of --steps after --warmup), compiled argument + temp bytes per device, dropped (token, choice)
 assignments in the last step. Dropless moves fixed worst-case all_to_all buffers under expert
@@ -24,7 +24,6 @@ from train import ONE_DEVICE, measure  # noqa: E402  (bench/train.py; simulates 
 CONFIG = "configs/tiny_moe_cpu.yaml"
 LAYOUTS = (
     ("d2 e2 t2", []),
-    ("d2 e4", ["mesh.tensor=1", "mesh.expert=4"]),
     ("1 device", ONE_DEVICE),
 )
 DISPATCHES = (
