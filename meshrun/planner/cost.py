@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
-from meshrun.flops import attn_core_fwd_flops, layer_fwd_flops, layer_params, param_counts
+from meshrun.flops import attn_core_fwd_flops, layer_fwd_flops, layer_params, moe_routed, param_counts
 from meshrun.planner.hardware import COMM_LATENCY_S, Cluster
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -254,7 +254,8 @@ def _microbatch_compute(
     p, tok = layout.pipe, layout.micro_batch_size * s
     L_s, moe_s = model.n_layers / p, model.n_moe_layers / p
     f_dense = layer_fwd_flops(model, tok, s)
-    f_moe = layer_fwd_flops(model, tok, s, True, model.capacity_factor) if model.n_moe_layers else 0.0
+    padding = 1.0 if model.moe_dispatch == "dropless" else model.capacity_factor  # grouped GEMM: no padding
+    f_moe = layer_fwd_flops(model, tok, s, True, padding) if model.n_moe_layers else 0.0
     fwd = (L_s - moe_s) * f_dense + moe_s * f_moe
     recompute = 0.0
     if layout.remat == "full":
@@ -284,7 +285,7 @@ def _microbatch_comm(
     # Expert all-to-all: dispatch + combine, forward and backward (+ recompute).
     t_ep = 0.0
     if model.n_moe_layers and e > 1:
-        a2a = prec.act * tok * model.top_k * model.capacity_factor * h / (t if layout.sequence_parallel else 1)
+        a2a = prec.act * tok * moe_routed(model, e) * h / (t if layout.sequence_parallel else 1)
         t_ep = model.n_moe_layers / p * (4 + 2 * full) * (COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t))
     return t_tp, t_pp, t_ep
 
