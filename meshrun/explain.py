@@ -71,7 +71,7 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     kw = layout(cfg, mesh_shape)
     sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
     mem = step_model.predict_memory_jax(cfg.model, **kw, **sched)
-    megatron = cost.predict_memory(cfg.model, **kw, **sched)
+    megatron = cost.predict_memory(cfg.model, **kw, **sched, framework="megatron")
     permutes = None
     if kw["pipe"] > 1:
         from meshrun.pipeline.program import tick_program  # the executor's phases: ticks that send
