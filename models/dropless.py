@@ -34,7 +34,7 @@ from meshrun.sharding import constrain
 
 
 def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum: not computed on GPU/TPU).
+    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused).
     'mlp' stays column/row-parallel over tensor, as in the dense MLP."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
