@@ -1,14 +1,14 @@
 """TrainState and the jitted 3D (+EP) train step.
 
-One step: forward, loss, grads (accumulated over microbatches), ONE data-parallel reduction,
-optax update. The model is driven only through its `ModelFns` (meshrun/model_api.py) and the
-parameter/gradient/optimizer layouts come from one `ZeroLayout` (meshrun/zero.py), both built once
-here and handed to whichever loop accumulates the gradients. Data-parallel reduction placement:
-left to itself GSPMD puts the gradient all-reduce inside the accumulation loop (once per
-microbatch), so the loop runs in a `shard_map` that is manual over the data-parallel axes ('data',
-'expert') and auto over 'tensor'; the reduction is one psum (ZeRO-0) or psum_scatter (ZeRO >= 1,
-Rajbhandari et al. 2020) after the loop. With `mesh.pipe > 1` the pipeline executor does the same
-around its tick loop.
+One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
+reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
+`ModelFns` (meshrun/model_api.py) and the parameter/gradient/optimizer layouts come from one
+`ZeroLayout` (meshrun/zero.py), both built once here and handed to whichever loop accumulates the
+gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
+psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class TrainState(NamedTuple):
@@ -45,12 +45,14 @@ class StepFns:
 
     step: Any  # (state, tokens, labels) -> (state, metrics)
     init: Any  # () -> TrainState, jitted with out_shardings
+    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
-    abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
     to_run: Any  # model-order state (checkpoints) -> the layout the step runs on
-    to_model: Any  # inverse (identity unless interleaved: layers stored in pipeline order)
+    to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline layout)
     loss_and_grads: Any  # (params, tokens, labels) -> (loss, grads, metrics), traced inside `step`
+    abstract_run: TrainState  # as abstract_state, in the layout `step` takes
 
 
 def lr_schedule(cfg: RunConfig) -> optax.Schedule:
@@ -89,10 +91,19 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
     models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
     if mesh.shape["pipe"] > 1:  # the schedule and the layer split, before anything is built or written
-        from meshrun.pipeline.program import check_layer_split, tick_program
+        from meshrun.pipeline.program import tick_program
 
-        prog = tick_program(cfg.pipeline, mesh.shape["pipe"])
-        check_layer_split(cfg.model.n_units, prog.p, prog.v)
+        tick_program(cfg.pipeline, mesh.shape["pipe"])
+        split_of(cfg, mesh)
+
+
+def split_of(cfg: RunConfig, mesh: Mesh):
+    """The pipeline's LayerSplit (pipeline.layers_per_stage / balance), or None without a pipeline."""
+    if mesh.shape["pipe"] == 1:
+        return None
+    from meshrun.pipeline.split import layer_split
+
+    return layer_split(cfg.pipeline, cfg.model.n_units, mesh.shape["pipe"], cfg.model, cfg.train.seq_len)
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels):
@@ -120,7 +131,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
                 return jax.tree.map(jnp.add, acc, (g, sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, tokens[:b], labels[:b])
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, (split(tokens), split(labels)))
             loss, metrics = model_api.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
@@ -139,30 +150,26 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
     return loss, zl.finish(grads), metrics
 
 
-def interleaved(cfg: RunConfig, mesh: Mesh) -> bool:
-    """Interleaved 1F1B: stage s holds the non-contiguous chunks s, p+s, 2p+s, ... of the layers."""
-    return mesh.shape["pipe"] > 1 and cfg.pipeline.schedule == "interleaved" and cfg.pipeline.virtual > 1
-
-
-def relayout(state: TrainState, tx, fn, p: int, v: int) -> TrainState:
-    """Apply a layer-order permutation `fn` to params['layers'] and the matching optimizer leaves.
-    Training runs with the layers in pipeline order so that each stage's chunks are local (no weight
-    moves per step); checkpoints keep model order, so they restore into any layout."""
+def relayout(state: TrainState, tx, fn) -> TrainState:
+    """Apply a layer relayout `fn` (a LayerSplit's to_pipeline / from_pipeline) to params['layers']
+    and the matching optimizer leaves. Training runs with the layers in pipeline layout so that each
+    stage's chunks are local (no weight moves per step; interleaved: chunk order, uneven: padded);
+    checkpoints keep model order, so they restore into any layout and split."""
     flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
-    one = lambda x, is_layer: fn({"x": x}, p, v)["x"] if is_layer else x  # noqa: E731
-    params = {**state.params, "layers": fn(state.params["layers"], p, v)}
+    one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x  # noqa: E731
+    params = {**state.params, "layers": fn(state.params["layers"])}
     opt = optax.tree_map_params(tx, one, state.opt_state, flags)
     return state._replace(params=params, opt_state=opt)
 
 
 def make_loss_and_grads(cfg: RunConfig, mesh: Mesh, fns: ModelFns, zl: ZeroLayout):
     """(params, tokens, labels) -> (loss, grads in the ZeRO grad layout, metrics), traced inside the
-    step: the pipeline executor when mesh.pipe > 1, else the microbatch scan."""
+    step: the pipeline executor when mesh.pipe > 1 (params in pipeline layout), else the microbatch scan."""
     if mesh.shape["pipe"] > 1:
         from meshrun.pipeline.executor import Pipeline
 
-        layout = "pipeline" if interleaved(cfg, mesh) else "model"
-        return Pipeline(fns, cfg.pipeline, mesh, zero=zl, layout=layout).loss_and_grads
+        split = split_of(cfg, mesh)
+        return Pipeline(fns, cfg.pipeline, mesh, zero=zl, layout="pipeline", split=split).loss_and_grads
     return functools.partial(accumulate_grads, fns, zl, cfg.pipeline.microbatches)
 
 
@@ -172,37 +179,38 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     tx = make_optimizer(cfg)
     fns = models.model_fns(cfg.model)
 
-    def init_state() -> TrainState:
-        params = arrays(models.init_params(cfg.model, cfg.train.seed)[1])
+    def state_from(params) -> TrainState:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
-    abstract = jax.eval_shape(init_state)
-    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero)
-    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    opt_sh = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract.opt_state,
-        jax.tree.map(sh, zl.opt, is_leaf=is_spec),
-        transform_non_params=lambda _: sh(P()),
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    state_sh = TrainState(jax.tree.map(sh, zl.store, is_leaf=is_spec), opt_sh, sh(P()))
-    batch_sh = sh(P(DP_AXES))
-    if interleaved(cfg, mesh):
-        from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
+    def init_state() -> TrainState:
+        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
 
-        p, v = mesh.shape["pipe"], cfg.pipeline.virtual
-        to_run = jax.jit(lambda st: relayout(st, tx, to_pipeline_layout, p, v), out_shardings=state_sh)
-        to_model = jax.jit(lambda st: relayout(st, tx, from_pipeline_layout, p, v), out_shardings=state_sh)
-        init = jax.jit(lambda: relayout(init_state(), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+    abstract = jax.eval_shape(init_state)
+    split = split_of(cfg, mesh)
+    relay = split is not None and not split.identity  # layers stored in pipeline layout while training
+    run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
+    abstract_run = jax.eval_shape(run_state) if relay else abstract
+    build = lambda shapes: ZeroLayout.build(  # noqa: E731
+        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype
+    )
+    zl = build(abstract_run.params)
+    state_sh = state_shardings(zl, tx, abstract_run)
+    batch_sh = NamedSharding(mesh, P(DP_AXES))
+    init = jax.jit(run_state, out_shardings=state_sh)
+    if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
+        model_sh = state_shardings(build(abstract.params), tx, abstract)
+        to_run = jax.jit(lambda st: relayout(st, tx, split.to_pipeline), out_shardings=state_sh)
+        to_model = jax.jit(lambda st: relayout(st, tx, split.from_pipeline), out_shardings=model_sh)
+        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), out_shardings=state_sh)
     else:
+        model_sh = state_sh
         to_run = to_model = lambda st: st  # noqa: E731
-        init = jax.jit(init_state, out_shardings=state_sh)
+        init_from = jax.jit(state_from, out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, tokens, labels):
         loss, grads, aux = loss_and_grads(state.params, tokens, labels)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -211,5 +219,30 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     step = jax.jit(
         train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
-    abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return StepFns(step, init, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads)
+    with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
+    return StepFns(
+        step,
+        init,
+        init_from,
+        state_sh,
+        batch_sh,
+        with_sh(abstract, model_sh),
+        to_run,
+        to_model,
+        loss_and_grads,
+        with_sh(abstract_run, state_sh),
+    )
+
+
+def state_shardings(zl: ZeroLayout, tx, abstract: TrainState) -> TrainState:
+    """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`."""
+    sh = lambda spec: NamedSharding(zl.mesh, spec)  # noqa: E731
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract.opt_state,
+        jax.tree.map(sh, zl.opt, is_leaf=is_spec),
+        transform_non_params=lambda _: sh(P()),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    return TrainState(jax.tree.map(sh, zl.store, is_leaf=is_spec), opt_sh, sh(P()))

@@ -76,12 +76,12 @@ def test_model_states_bytes_per_param(gpt3):
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     assert states == pytest.approx(18 * psi, rel=1e-9)
     assert states * 16 / 18 == pytest.approx(2.8e12, rel=0.01)  # the seed's 2.8 TB at 16 B/param
-    # meshrun: grads and Adam m, v in the param dtype; + the accumulator (m > 1) and the update temporary.
+    # meshrun: grads and Adam m, v in the param dtype; + the float32 accumulator (m > 1) and the update temporary.
     assert cost.precision_of(gpt3) == cost.Precision(param=2, grad=2, opt=4, act=2)
     one = cost.predict_memory(gpt3, seq_len=2048, remat="full")
     acc = cost.predict_memory(gpt3, seq_len=2048, remat="full", microbatches=4)
     assert one["params"] + one["grads"] + one["optimizer"] == pytest.approx(10 * psi, rel=1e-3)
-    assert acc["grads"] - one["grads"] == pytest.approx(2 * psi, rel=1e-3)
+    assert acc["grads"] - one["grads"] == pytest.approx(4 * psi, rel=1e-3)  # zero.accum_zeros: fp32 sums
 
 
 @pytest.mark.parametrize("zero,expect", [(0, lambda d: 18), (1, lambda d: 6 + 12 / d), (2, lambda d: 2 + 16 / d)])
@@ -363,9 +363,9 @@ def test_model_that_fits_nowhere_says_smallest_memory(gpt3):
         search.search(gpt3, parse_cluster("a100-80g:1x8"), 64, 2048, name="gpt3-175b")
     need = float(re.search(r"at least ([\d.]+) GB", str(e.value)).group(1))
     psi = cost.param_counts(gpt3)["total"]
-    # meshrun's model states, spread over 8 GPUs: bf16 params, grads + accumulator, Adam m, v, update temp.
-    assert need * GB >= 12 * psi / 8
-    assert need * GB == pytest.approx(12 * psi / 8, rel=0.03)
+    # meshrun's model states, spread over 8 GPUs: bf16 params, grads + fp32 accumulator, Adam m, v, update temp.
+    assert need * GB >= 14 * psi / 8
+    assert need * GB == pytest.approx(14 * psi / 8, rel=0.03)
     assert e.value.field == "--model"
 
 

@@ -74,7 +74,9 @@ def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
     and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12).
     meshrun: gradients and Adam m, v in the param dtype (optax keeps state like the params): bf16
     params 2 + 2 + 4, fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
-    `predict_memory` adds meshrun's gradient accumulator and update temporary on top."""
+    `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
+    temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
+    meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
     pb = DTYPE_BYTES[model.param_dtype]
     act = DTYPE_BYTES[model.dtype]
     if framework == "megatron":

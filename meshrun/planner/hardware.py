@@ -1,4 +1,5 @@
-"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS]`, e.g. `a100-80g:48x8,ib=4x200`).
+"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODESxGBPS]`,
+e.g. `a100-80g:48x8,ib=4x200` or `h100-80g:64x8,racks=16x1600`).
 
 More `,key=value` fields of the cluster string are one parser each in CLUSTER_FIELDS.
 
@@ -91,6 +92,8 @@ class Cluster:
     gpus_per_node: int
     nics: int = 0  # NICs per node (0: the catalogue's default, one per GPU at gpu.nic_bw)
     nic_gbps: float = 0.0  # Gb/s of each NIC
+    nodes_per_rack: int = 0  # 0: every node in one rack (one non-blocking fabric)
+    rack_gbps: float = 0.0  # Gb/s of each node's share of the rack's uplinks (0: its NICs, non-blocking)
 
     @property
     def n_devices(self) -> int:
@@ -110,10 +113,25 @@ class Cluster:
             return self.gpu.nic_bw
         return self.nics * self.nic_gbps * 1e9 / 8 / self.gpus_per_node
 
+    @property
+    def racks(self) -> int:
+        return self.nodes // self.nodes_per_rack if self.nodes_per_rack else 1
+
+    @property
+    def rack_bw_per_gpu(self) -> float:
+        """One direction, per GPU, between racks when every GPU of a node sends at once: the node's
+        share of the uplinks (oversubscribed fabrics give less than the NICs), at most its NICs."""
+        if not self.rack_gbps:
+            return self.nic_bw_per_gpu
+        return min(self.nic_bw_per_gpu, self.rack_gbps * 1e9 / 8 / self.gpus_per_node)
+
     def group_bw(self, span: int) -> float:
         """Achievable per-GPU bandwidth (one direction) of a collective over `span` neighbouring devices:
-        NVLink (or PCIe) inside one node, the node's NICs once the group leaves the node."""
+        NVLink (or PCIe) inside one node, the node's NICs once the group leaves the node, the rack's
+        uplinks once it leaves the rack."""
         link = self.gpu.intra_node_bw if span <= self.gpus_per_node else self.nic_bw_per_gpu
+        if self.nodes_per_rack and span > self.gpus_per_node * self.nodes_per_rack:
+            link = self.rack_bw_per_gpu
         return link * COMM_EFFICIENCY
 
     def split_group(self, size: int, stride: int) -> tuple[int, int]:
@@ -123,27 +141,47 @@ class Cluster:
         inner = max(1, min(size, self.gpus_per_node // stride))
         return inner, math.ceil(size / inner)
 
+    def levels(self, size: int, stride: int = 1) -> list[tuple[int, float]]:
+        """A group of `size` ranks `stride` devices apart, level by level, inner to outer: (ranks per
+        node, NVLink), (the group's nodes in one rack, NICs), (racks, uplinks); each level's size and
+        achievable per-GPU bandwidth. Without racks the last level is 1."""
+        inner, outer = self.split_group(size, stride)
+        node_step = max(1, stride * inner // self.gpus_per_node)  # nodes between the group's nodes
+        in_rack = min(outer, max(1, self.nodes_per_rack // node_step)) if self.nodes_per_rack else outer
+        eff = COMM_EFFICIENCY
+        return [
+            (inner, self.gpu.intra_node_bw * eff),
+            (in_rack, self.nic_bw_per_gpu * eff),
+            (math.ceil(outer / in_rack), self.rack_bw_per_gpu * eff),
+        ]
+
     def allreduce_seconds(self, nbytes: float, size: int, stride: int = 1, *, half: bool = False) -> float:
         """Hierarchical ring all-reduce of `nbytes` over `size` ranks `stride` apart: reduce-scatter
-        among the ranks of a node, all-reduce of each 1/inner shard across nodes, all-gather inside
-        the node (NCCL's tree/ring hierarchy, Megatron/Horovod hierarchical all-reduce). `half`: a
+        among the ranks of a node, then of each 1/inner shard across the group's nodes of a rack,
+        all-reduce of each 1/(inner in_rack) shard across racks, and all-gather back (NCCL's
+        tree/ring hierarchy, Megatron/Horovod hierarchical all-reduce): node, rack, cluster. `half`: a
         reduce-scatter or all-gather alone (each ring phase once)."""
         if size <= 1:
             return 0.0
-        inner, outer = self.split_group(size, stride)
-        ring = lambda n, b, bw: (n - 1) / n * b / bw if n > 1 else 0.0  # noqa: E731 (one ring phase)
-        intra = ring(inner, nbytes, self.gpu.intra_node_bw * COMM_EFFICIENCY)
-        inter = ring(outer, nbytes / inner, self.nic_bw_per_gpu * COMM_EFFICIENCY)
-        return COMM_LATENCY_S + (1 if half else 2) * (intra + inter)
+        t, share = 0.0, nbytes
+        for n, bw in self.levels(size, stride):
+            t += (n - 1) / n * share / bw  # one ring phase over this level, on what the inner levels left
+            share /= n
+        return COMM_LATENCY_S + (1 if half else 2) * t
 
     def __str__(self) -> str:
         net = f",ib={self.nics}x{self.nic_gbps:g}" if self.nics else ""
+        if self.nodes_per_rack:
+            net += f",racks={self.nodes_per_rack}" + (f"x{self.rack_gbps:g}" if self.rack_gbps else "")
         return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}{net}"
 
 
 _CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _NET_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+(?:\.\d+)?)\s*$")
-CLUSTER_HELP = "GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS], e.g. a100-80g:48x8,ib=4x200 (4 NICs of 200 Gb/s per node)"
+CLUSTER_HELP = (
+    "GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODES_PER_RACK[xGBPS]], e.g. a100-80g:48x8,ib=4x200 "
+    "(4 NICs of 200 Gb/s per node) or h100-80g:64x8,racks=16x1600 (16 nodes a rack, 1600 Gb/s per node between racks)"
+)
 
 
 def _parse_ib(field: str, text: str, raw: str) -> dict:
@@ -154,8 +192,21 @@ def _parse_ib(field: str, text: str, raw: str) -> dict:
     return {"nics": int(m.group(1)), "nic_gbps": float(m.group(2))}
 
 
+_RACKS_RE = re.compile(r"^\s*(\d+)\s*(?:[xX]\s*(\d+(?:\.\d+)?))?\s*$")
+
+
+def _parse_racks(field: str, text: str, raw: str) -> dict:
+    """`racks=16x1600`: nodes per rack x Gb/s each node gets between racks (`racks=16`: non-blocking)."""
+    m = _RACKS_RE.match(raw)
+    if not m or int(m.group(1)) < 1 or (m.group(2) is not None and float(m.group(2)) <= 0):
+        raise ConfigError(
+            field, text, "write racks=NODES_PER_RACK or racks=NODES_PER_RACKxGBPS per node", "malformed racks"
+        )
+    return {"nodes_per_rack": int(m.group(1)), "rack_gbps": float(m.group(2) or 0)}
+
+
 # Optional `,key=value` fields of a cluster string: key -> parser(field, whole text, value) -> Cluster kwargs.
-CLUSTER_FIELDS = {"ib": _parse_ib}
+CLUSTER_FIELDS = {"ib": _parse_ib, "racks": _parse_racks}
 
 
 def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
@@ -179,4 +230,8 @@ def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
                 field, text, f"use ,key=value with key one of {list(CLUSTER_FIELDS)}", f"unknown field '{item}'"
             )
         kw |= CLUSTER_FIELDS[key](field, text, raw)
+    if nodes % kw.get("nodes_per_rack", 1):
+        raise ConfigError(
+            field, text, f"give racks=NODES_PER_RACK as a divisor of the {nodes} nodes", "racks do not divide nodes"
+        )
     return Cluster(GPUS[name], nodes, per_node, **kw)

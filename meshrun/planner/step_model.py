@@ -117,8 +117,8 @@ def predict_memory_jax(
     shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
     params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
-    if microbatches > 1:
-        grads += pb * (dense + experts)
+    if microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
+        grads += max(pb, 4) * (dense + experts)
     opt = 2 * pb * (dense / shard[2] + experts / eshard[2]) + pb * (dense + experts)
     if zero == 3:  # all weights gathered before the loop (`train.gather_params`)
         params += pb * (dense + experts)
@@ -176,6 +176,7 @@ def predict_collective_bytes(
     schedule: str = "1f1b",
     virtual: int = 1,
     permutes: tuple[int, int] | None = None,  # (collective-permutes, activations moved) per step
+    grad_reduce_bytes: float | None = None,  # bytes per element of the DP gradient reduction (train.grad_reduce_dtype)
 ) -> dict[str, dict[str, float]]:
     """Per-step collective bytes on one device of meshrun's step, as `meshrun.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
@@ -194,7 +195,8 @@ def predict_collective_bytes(
     the all-reduce of the embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
     all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
     reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
-    loop and reduce-scatters."""
+    loop and reduce-scatters. With a narrower `grad_reduce_bytes` the DP reductions carry that many
+    bytes per element, and the embedding/head gradients are first summed over 'pipe' in float32."""
     prec = precision_of(model)
     s = seq_len or model.max_seq_len
     t, p, e, m, b, h = tensor, pipe, expert, microbatches, micro_batch_size, model.d_model
@@ -234,12 +236,16 @@ def predict_collective_bytes(
     layer_g = pb * ((counts["layers"] - norms) / p / t + norms / p)
     edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
     expert_g = pb * counts["experts"] / p / (t * e)
+    rb = pb if grad_reduce_bytes is None else grad_reduce_bytes
+    dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
     if p > 1:
         ops, moved = permutes
         add("collective-permute", ("pipe",), act * moved / ops, ops)
-        add("all-reduce", ("pipe", *(a for a, k in (("data", data), ("expert", e)) if k > 1)), edge_g)
-        edge_g = 0.0
-    dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
+        if rb == pb:  # one all-reduce over pipe and the DP axes
+            add("all-reduce", ("pipe", *dense_axes), edge_g)
+            edge_g = 0.0
+        else:  # summed over pipe in float32, then reduced over DP with the other gradients
+            add("all-reduce", ("pipe",), edge_g)
     groups = [(layer_g + edge_g, dense_axes, data * e)]
     if expert_g:
         groups.append((expert_g, ("data",) if data > 1 else (), data))
@@ -247,8 +253,8 @@ def predict_collective_bytes(
         if not axes:
             continue
         if zero == 0:
-            add("all-reduce", axes, nbytes)
+            add("all-reduce", axes, nbytes * rb / pb)
         else:
-            add("reduce-scatter", axes, nbytes / dp)
+            add("reduce-scatter", axes, nbytes / dp * rb / pb)
             add("all-gather", axes, nbytes)
     return {"bytes": out, "count": count}

@@ -2,7 +2,7 @@
 communication per framework, the pipeline bubble and the optimizer; the slowest stage sets the pace.
 
 Frameworks (`--framework`): the same model trained two ways.
-* meshrun: gradients in the param dtype, accumulated locally over the micro-batches and reduced ONCE
+* meshrun: gradients accumulated locally in float32 over the micro-batches and reduced ONCE
   per step after the loop (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
   params; ZeRO-3 all-gathers the params before the loop and reduce-scatters after), not overlapped
   with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch.
