@@ -95,7 +95,8 @@ class ModelConfig:
     sequence_parallel: bool = False
     n_experts: int = 0  # 0: dense model
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # moe_dispatch=capacity only
+    moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
@@ -117,6 +118,7 @@ class ModelConfig:
         _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, ("none", "full", "selective"))
+        _choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
