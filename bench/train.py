@@ -66,6 +66,7 @@ def measure(path: str, overrides: list[str], steps: int, warmup: int) -> dict:
         "mem": ma.argument_size_in_bytes + ma.temp_size_in_bytes,
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
+        "metrics": {k: float(v) for k, v in metrics.items()},
     }
 
 

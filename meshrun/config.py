@@ -97,7 +97,8 @@ class ModelConfig:
     sequence_parallel: bool = False
     n_experts: int = 0  # 0: dense model
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # moe_dispatch=capacity only
+    moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
@@ -128,6 +129,7 @@ class ModelConfig:
                 "set model.remat=full (a group of k layers is rematerialised from its input), or remat_every=1",
                 f"grouping layers needs full remat (model.remat={self.remat})",
             )
+        _choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
