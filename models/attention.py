@@ -2,6 +2,11 @@
 
 q/k/v are column-parallel (heads / kv_heads sharded), the output projection row-parallel; the
 attention core itself is local to each head shard. Shape letters as in `layers.py`.
+
+Packed documents: `segments` = (positions_BxL, mask_Bx1xLxL) from `segment_info`; the mask keeps
+attention inside each document (block-diagonal, and causal through `is_causal`). XLA applies it
+in its softmax; jax.nn.dot_product_attention's cuDNN path (jax 0.10/0.11) takes no segment ids
+(cuDNN's packed-offset layout is private API), so there the mask becomes a B x 1 x L x L bias.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from meshrun_models.layers import Lead, dtype_of, normal_param, rope
+from meshrun_models.layers import Lead, dtype_of, normal_param, rope, segment_positions
 
 from meshrun.config import ModelConfig
 from meshrun.sharding import constrain
@@ -34,7 +39,15 @@ def _impl(name: str) -> str | None:
     return name
 
 
-def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+def segment_info(segment_ids_BxL: jax.Array | None):
+    """(positions_BxL, same-document mask_Bx1xLxL) of packed rows, or None for plain rows."""
+    if segment_ids_BxL is None:
+        return None
+    same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+    return segment_positions(segment_ids_BxL), same
+
+
+def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, segments=None) -> jax.Array:
     """Self-attention on normed input (full length). Returns the row-parallel output before the
     residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter)."""
     dt = dtype_of(cfg.dtype)
@@ -49,10 +62,11 @@ def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) 
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, cfg.rope_theta), ("batch", None, "heads", "head_dim"))
-    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, cfg.rope_theta), ("batch", None, "kv_heads", "head_dim"))
+    pos_BxL, mask = segments if segments is not None else (None, None)
+    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, cfg.rope_theta, pos_BxL), ("batch", None, "heads", "head_dim"))
+    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, cfg.rope_theta, pos_BxL), ("batch", None, "kv_heads", "head_dim"))
     o_BxLxHxDh = jax.nn.dot_product_attention(
-        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, is_causal=True, implementation=_impl(cfg.attention_impl)
+        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask, is_causal=True, implementation=_impl(cfg.attention_impl)
     )
     o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
     return jnp.einsum("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt))

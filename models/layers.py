@@ -85,17 +85,31 @@ def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return (y * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxHxDh: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX), positions 0..L-1."""
+def rope(x_BxLxHxDh: jax.Array, theta: float, positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX); positions 0..L-1
+    unless `positions_BxL` is given (packed documents: positions restart at each document)."""
     _, length, _, dh = x_BxLxHxDh.shape
     half = dh // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang_LxHalf = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(ang_LxHalf)[None, :, None, :], jnp.sin(ang_LxHalf)[None, :, None, :]
+    pos = jnp.arange(length)[None] if positions_BxL is None else positions_BxL
+    ang_BxLxHalf = pos.astype(jnp.float32)[..., None] * freq
+    cos, sin = jnp.cos(ang_BxLxHalf)[:, :, None, :], jnp.sin(ang_BxLxHalf)[:, :, None, :]
     x = x_BxLxHxDh.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxDh.dtype)
+
+
+def segment_positions(segment_ids_BxL: jax.Array) -> jax.Array:
+    """Position of each token inside its segment (0 at each segment's first token); segments are
+    contiguous runs of equal ids."""
+    length = segment_ids_BxL.shape[1]
+    idx = jnp.arange(length, dtype=jnp.int32)[None]
+    first = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BxL[:, :1], bool), segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1
+    )
+    start = jax.lax.cummax(jnp.where(first, idx, 0), axis=1)
+    return idx - start
 
 
 def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:

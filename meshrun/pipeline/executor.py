@@ -121,13 +121,13 @@ class Pipeline:
             self.zero = ZeroLayout.build(self.fns.param_names, params, self.mesh, self.zero_stage)
         return self.zero
 
-    def __call__(self, params, tokens, labels):
+    def __call__(self, params, tokens, labels, segment_ids=None):
         from flax import nnx
 
         arrays = params.to_pure_dict() if isinstance(params, nnx.State) else dict(params)
         self.check(arrays, tokens)
         self._layout_for(arrays)
-        loss, grads, metrics = self._jit(arrays, tokens, labels)
+        loss, grads, metrics = self._jit(arrays, tokens, labels, segment_ids)
         if isinstance(params, nnx.State):
             out = jax.tree.map(lambda a: a, params)
             nnx.replace_by_pure_dict(out, grads)
@@ -144,8 +144,9 @@ class Pipeline:
 
     # ------------------------------------------------------------ the step
 
-    def loss_and_grads(self, params, tokens, labels):
-        """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit."""
+    def loss_and_grads(self, params, tokens, labels, segment_ids=None):
+        """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit.
+        `segment_ids` (packed documents) reach every stage's layers with the microbatch's tokens."""
         mesh, prog, m = self.mesh, self.program, self.program.m
         zl = self._layout_for(params)
         wsc = lambda t, s: jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), t, s)
@@ -158,24 +159,25 @@ class Pipeline:
         # microbatches without moving token ids between devices (row order does not change the sums).
         bspec = P(None, DP_AXES)
         split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
-        tok, lab = (lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in (tokens, labels))
+        batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
+        batch = [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch]
         f = jax.shard_map(
             functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
             mesh=mesh,
-            in_specs=(zl_l.local_compute(), zl_o.local_compute(), bspec, bspec),
+            in_specs=(zl_l.local_compute(), zl_o.local_compute(), *(bspec,) * len(batch)),
             out_specs=(P(), zl_l.partial_specs(), zl_o.partial_specs(), P()),
             axis_names=set(MANUAL),
             check_vma=False,
         )
-        loss, gl, go, metrics = f(layers, other, tok, lab)
+        loss, gl, go, metrics = f(layers, other, *batch)
         gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
         if self.layout == "model":
             gl = from_pipeline_layout(gl, self.p, prog.v)
         return loss, wsc({**go, "layers": gl}, zl.grads), metrics
 
-    def _body(self, layers, other, tok, lab, *, zl_l: ZeroLayout, zl_o: ZeroLayout):
+    def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
-            run = _StageRun(self, layers, other, tok, lab)
+            run = _StageRun(self, layers, other, tok, lab, seg[0] if seg else None)
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroLayout.finish`.
@@ -194,9 +196,10 @@ class _StageRun:
     """One device's view of the tick loop inside the shard_map: its stage's chunks, the microbatches
     of its data shard, the carry (activations in flight, residual buffer, gradient sums)."""
 
-    def __init__(self, pl: Pipeline, layers, other, tok, lab):
+    def __init__(self, pl: Pipeline, layers, other, tok, lab, seg=None):
         prog = pl.program
         self.pl, self.fns, self.prog, self.other, self.tok, self.lab = pl, pl.fns, prog, other, tok, lab
+        self.seg = seg  # [M, B, S] segment ids (packed documents) or None
         self.p, self.v, self.m = pl.p, prog.v, prog.m
         self.stage = lax.axis_index("pipe")
         self.fill = jnp.nan if pl.nan_bubbles else 0.0
@@ -213,17 +216,29 @@ class _StageRun:
         self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
         self.n_seq = self.m * tok.shape[1] * pl.dp
 
-        _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)
+        _, self.aux_aval = jax.eval_shape(self.layers(0), self.chunk(0), self.x_zero)
         weights = dict(self.fns.aux_weights(self.n_seq))
         self.aux_cot = {k: jnp.asarray(float(weights.get(k, 0.0)), a.dtype) for k, a in self.aux_aval.items()}
         if pl.residuals == "store":
-            self.mask, avals = activation_residuals(self.fns.apply_layers, self.chunk(0), self.x_zero)
+            # segment ids are data, not activations: leaves that depend on them alone are rebuilt
+            # in the backward from the same microbatch's ids, like the weight-only leaves
+            self.mask, avals = activation_residuals(self._apply, self.chunk(0), self.x_zero, self._seg(0))
             self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
             self.mask, self.res_avals = None, [self.x_aval]
         self.nslot = prog.slots + 1  # the last slot takes idle ticks' writes
 
     # ------------------------------------------------------------ helpers
+
+    def _seg(self, mb):
+        return None if self.seg is None else _take(self.seg, mb)
+
+    def _apply(self, lp, x, seg=None):
+        return model_api.layers_fn(self.fns, seg)(lp, x)
+
+    def layers(self, mb):
+        """(layer_params, x) -> (x, aux) for microbatch `mb` (its segment ids bound)."""
+        return model_api.layers_fn(self.fns, self._seg(mb))
 
     def chunk(self, c):
         if self.v == 1:
@@ -278,7 +293,7 @@ class _StageRun:
 
         def run():
             x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
-            (y, aux), vjp = jax.vjp(fns.apply_layers, self.chunk(ch), x)
+            (y, aux), vjp = jax.vjp(self.layers(mb), self.chunk(ch), x)
             keep = [x]
             if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
                 keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
@@ -330,12 +345,12 @@ class _StageRun:
 
         def run():
             if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
-                _, tmpl = jax.vjp(fns.apply_layers, self.chunk(ch), self.x_zero)
+                _, tmpl = jax.vjp(self.layers(mb), self.chunk(ch), self.x_zero)
                 leaves, tdef = jax.tree.flatten(tmpl)
                 it = iter(saved)
                 vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
             else:
-                _, vjp = jax.vjp(fns.apply_layers, self.chunk(ch), saved[0])
+                _, vjp = jax.vjp(self.layers(mb), self.chunk(ch), saved[0])
             d_p, dx = vjp((dy, self.aux_cot))
 
             def embed_grad():
