@@ -8,9 +8,8 @@ of it (they are regularizers, not a measure of the data).
 mesh.pipe = 1: a jitted forward-only pass through the same `ModelFns` as training
 (`model_api.forward_sums`), in a shard_map manual over the data-parallel axes, scanning the
 microbatches of `pipeline.microbatches` so that the activations of one microbatch are live at a
-time; one psum at the end. mesh.pipe > 1: the pipeline's own step (the executor drives the stages;
-its gradients are dropped), so an evaluation batch costs about a training step's compute; a
-forward-only pipeline schedule is not implemented.
+time; one psum at the end. mesh.pipe > 1: a forward-only pipeline over the training step's
+placement (`meshrun/pipeline/forward.py`), so no device ever holds more than its stage's layers.
 """
 
 from __future__ import annotations
@@ -64,16 +63,19 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroLayout, microbatches: int) -> Callabl
 
 def make_eval_step(cfg, mesh, step_fns) -> Callable:
     """Jitted (params in the run layout, *batch) -> (loss_sum, n_tokens) for one global batch."""
+    import meshrun_models as models
+
+    fns = models.model_fns(cfg.model)
     if mesh.shape["pipe"] > 1:
+        from meshrun.pipeline.executor import Pipeline
+        from meshrun.pipeline.forward import forward_sums
+        from meshrun.train import interleaved
 
-        def sums(params, *batch):
-            _, _, metrics = step_fns.loss_and_grads(params, *batch)
-            return metrics["ce_loss"] * metrics["n_tokens"], metrics["n_tokens"]
-
+        layout = "pipeline" if interleaved(cfg, mesh) else "model"  # as the train step stores the layers
+        pl = Pipeline(fns, cfg.pipeline, mesh, zero=step_fns.zero, layout=layout)
+        sums = lambda params, *batch: forward_sums(pl, params, *batch)  # noqa: E731
     else:
-        import meshrun_models as models
-
-        sums = forward_sums_fn(models.model_fns(cfg.model), step_fns.zero, cfg.pipeline.microbatches)
+        sums = forward_sums_fn(fns, step_fns.zero, cfg.pipeline.microbatches)
     n_batch = 3 if cfg.data.pack_documents else 2
     return jax.jit(sums, in_shardings=(step_fns.state_shardings.params, *(step_fns.batch_sharding,) * n_batch))
 

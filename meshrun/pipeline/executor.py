@@ -147,20 +147,10 @@ class Pipeline:
     def loss_and_grads(self, params, tokens, labels, segment_ids=None):
         """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit.
         `segment_ids` (packed documents) reach every stage's layers with the microbatch's tokens."""
-        mesh, prog, m = self.mesh, self.program, self.program.m
+        mesh, prog = self.mesh, self.program
         zl = self._layout_for(params)
-        wsc = lambda t, s: jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), t, s)
-        params = zl.gather(wsc(params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
-        layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
+        layers, other, batch, bspec = self.placed(params, tokens, labels, segment_ids)
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
-        if self.layout == "model":
-            layers = wsc(to_pipeline_layout(layers, self.p, prog.v), zl_l.compute)
-        # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
-        # microbatches without moving token ids between devices (row order does not change the sums).
-        bspec = P(None, DP_AXES)
-        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
-        batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
-        batch = [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch]
         f = jax.shard_map(
             functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
             mesh=mesh,
@@ -173,7 +163,23 @@ class Pipeline:
         gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
         if self.layout == "model":
             gl = from_pipeline_layout(gl, self.p, prog.v)
-        return loss, wsc({**go, "layers": gl}, zl.grads), metrics
+        return loss, _wsc(mesh, {**go, "layers": gl}, zl.grads), metrics
+
+    def placed(self, params, tokens, labels, segment_ids=None):
+        """(layers in pipeline layout, other params, [M, B, S] microbatched batch arrays, their spec):
+        what the shard_map over the tick loop takes (also `pipeline/forward.py`)."""
+        mesh, prog, m = self.mesh, self.program, self.program.m
+        zl = self._layout_for(params)
+        params = zl.gather(_wsc(mesh, params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
+        layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
+        if self.layout == "model":
+            layers = _wsc(mesh, to_pipeline_layout(layers, self.p, prog.v), zl.sub("layers").compute)
+        # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
+        # microbatches without moving token ids between devices (row order does not change the sums).
+        bspec = P(None, DP_AXES)
+        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
+        batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
+        return layers, other, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
 
     def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
@@ -414,6 +420,10 @@ class _StageRun:
 
 
 SWAP = [(0, 1), (1, 0)]
+
+
+def _wsc(mesh, tree, specs):
+    return jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), tree, specs)
 
 
 def _put(buf, i, x):
