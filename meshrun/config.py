@@ -194,8 +194,11 @@ class DataConfig:
             raise ConfigError("data.val_fraction", self.val_fraction, "use a fraction in [0, 1), e.g. 0.01")
         if self.kind != "prepared" and (self.val_fraction or self.pack_documents):
             raise ConfigError(
-                "data.kind", self.kind, "use data.kind=prepared (a `meshrun prepare-data` directory), or drop "
-                "data.val_fraction / data.pack_documents", "validation split and packing need document boundaries",
+                "data.kind",
+                self.kind,
+                "use data.kind=prepared (a `meshrun prepare-data` directory), or drop "
+                "data.val_fraction / data.pack_documents",
+                "validation split and packing need document boundaries",
             )
 
 

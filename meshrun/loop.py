@@ -61,8 +61,10 @@ def prepare(cfg: RunConfig, devices: list | None = None):
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     if cfg.train.eval_every and ds.val is None:
         raise ConfigError(
-            "train.eval_every", cfg.train.eval_every, "hold out documents with data.kind=prepared and "
-            "data.val_fraction > 0, or set train.eval_every=0", "there is no validation split",
+            "train.eval_every",
+            cfg.train.eval_every,
+            "hold out documents with data.kind=prepared and data.val_fraction > 0, or set train.eval_every=0",
+            "there is no validation split",
         )
     return mesh, fns, ds
 

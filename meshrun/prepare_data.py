@@ -21,7 +21,6 @@ shard is redone. Reads local files only (never the network).
 
 from __future__ import annotations
 
-import argparse
 import glob as globlib
 import hashlib
 import json
@@ -99,8 +98,12 @@ def documents(path: Path, text_field: str):
                 raise DataError(f"--glob: {path}:{n} is not JSON ({e.msg}); fix or remove that line") from e
             text = row.get(text_field) if isinstance(row, dict) else None
             if not isinstance(text, str):
-                raise ConfigError("--text-field", text_field, f"name the field that holds the text in {path}:{n}",
-                                  "no such string field")
+                raise ConfigError(
+                    "--text-field",
+                    text_field,
+                    f"name the field that holds the text in {path}:{n}",
+                    "no such string field",
+                )
             yield text
 
 
@@ -136,8 +139,11 @@ def load_tokenizer(spec: str):
     if not path.is_file():
         why = "no tokenizer.json in that directory" if p.is_dir() else "no such file or directory"
         raise ConfigError(
-            "--tokenizer", spec, "give a local tokenizer.json or a model directory holding one (hub ids are not "
-            "downloaded: fetch the model first), or use --train-bpe VOCAB", why,
+            "--tokenizer",
+            spec,
+            "give a local tokenizer.json or a model directory holding one (hub ids are not "
+            "downloaded: fetch the model first), or use --train-bpe VOCAB",
+            why,
         )
     return Tokenizer.from_file(str(path)), path
 
@@ -155,8 +161,12 @@ def find_eos(tok, tok_path: Path | None, eos: str) -> tuple[str, int]:
         i = tok.token_to_id(name)
         if i is not None:
             return name, int(i)
-    raise ConfigError("--eos", eos or None, "name the tokenizer's end-of-document token with --eos TOKEN",
-                      "the tokenizer has no such token" if eos else "no EOS token found")
+    raise ConfigError(
+        "--eos",
+        eos or None,
+        "name the tokenizer's end-of-document token with --eos TOKEN",
+        "the tokenizer has no such token" if eos else "no EOS token found",
+    )
 
 
 def train_bpe(files: list[Path], vocab: int, text_field: str):
@@ -179,7 +189,9 @@ def train_bpe(files: list[Path], vocab: int, text_field: str):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[BPE_EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(sample(), trainer)
@@ -212,8 +224,9 @@ def shard_done(out: Path, k: int, meta: dict) -> dict | None:
     return got if same and size == got.get("n_tokens", -2) * np.dtype(got.get("dtype", "uint8")).itemsize else None
 
 
-def tokenize_shard(out: str, k: int, files: list[str], tok_json: str, eos_id: int, dtype: str, meta: dict,
-                   text_field: str) -> dict:
+def tokenize_shard(
+    out: str, k: int, files: list[str], tok_json: str, eos_id: int, dtype: str, meta: dict, text_field: str
+) -> dict:
     """Worker: tokenize one shard's files, write .bin/.idx/.json (temp + rename, marker last)."""
     from tokenizers import Tokenizer
 
@@ -241,15 +254,31 @@ def tokenize_shard(out: str, k: int, files: list[str], tok_json: str, eos_id: in
     name = f"shard_{k:05d}"
     _atomic_write(out_p / f"{name}.bin", np.concatenate(parts).astype(dtype).tobytes() if parts else b"")
     _atomic_write(out_p / f"{name}.idx", np.asarray(ends, np.uint64).tobytes())
-    marker = {**meta, "bin": f"{name}.bin", "idx": f"{name}.idx", "dtype": dtype, "n_tokens": total,
-              "n_docs": len(ends), "files": len(files)}
+    marker = {
+        **meta,
+        "bin": f"{name}.bin",
+        "idx": f"{name}.idx",
+        "dtype": dtype,
+        "n_tokens": total,
+        "n_docs": len(ends),
+        "files": len(files),
+    }
     _atomic_write(out_p / f"{name}.json", json.dumps(marker).encode())
     return marker
 
 
-def prepare(pattern: str, out: str, *, tokenizer: str | None = None, train_bpe: int | None = None,
-            text_field: str = "text", eos: str = "", shard_mb: float = 8.0, workers: int = 0,
-            quiet: bool = False) -> dict:
+def prepare(
+    pattern: str,
+    out: str,
+    *,
+    tokenizer: str | None = None,
+    train_bpe: int | None = None,
+    text_field: str = "text",
+    eos: str = "",
+    shard_mb: float = 8.0,
+    workers: int = 0,
+    quiet: bool = False,
+) -> dict:
     """Tokenize the files matching `pattern` into shards in `out` (see the module docstring);
     returns the summary that is also in manifest.json, plus this run's timing."""
     t0 = time.perf_counter()
@@ -281,34 +310,60 @@ def prepare(pattern: str, out: str, *, tokenizer: str | None = None, train_bpe: 
     metas = [{"files_sha256": files_hash(s), "tokenizer_sha256": tok_sha} for s in shards]
     done = {k: m for k in range(len(shards)) if (m := shard_done(out_p, k, metas[k])) is not None}
     todo = [k for k in range(len(shards)) if k not in done]
-    _say(quiet, f"{len(files)} files in {len(shards)} shards, {len(done)} already done; vocab {vocab}, "
-         f"eos {eos_name!r}={eos_id}, {dtype}")
+    _say(
+        quiet,
+        f"{len(files)} files in {len(shards)} shards, {len(done)} already done; vocab {vocab}, "
+        f"eos {eos_name!r}={eos_id}, {dtype}",
+    )
     new_tokens = 0
     if todo:
         n = min(workers or os.cpu_count() or 1, len(todo))
         with ProcessPoolExecutor(n) as pool:
             futs = {
-                pool.submit(tokenize_shard, str(out_p), k, [str(f) for f in shards[k]], tok_json, eos_id, dtype,
-                            metas[k], text_field): k
+                pool.submit(
+                    tokenize_shard,
+                    str(out_p),
+                    k,
+                    [str(f) for f in shards[k]],
+                    tok_json,
+                    eos_id,
+                    dtype,
+                    metas[k],
+                    text_field,
+                ): k
                 for k in todo
             }
             for fut in as_completed(futs):
                 done[futs[fut]] = m = fut.result()
                 new_tokens += m["n_tokens"]
                 rate = new_tokens / (time.perf_counter() - t0)
-                _say(quiet, f"[{len(done)}/{len(shards)}] shard {futs[fut]:05d}: {m['n_docs']} docs, "
-                     f"{m['n_tokens']} tokens ({rate:,.0f} tok/s)")
+                _say(
+                    quiet,
+                    f"[{len(done)}/{len(shards)}] shard {futs[fut]:05d}: {m['n_docs']} docs, "
+                    f"{m['n_tokens']} tokens ({rate:,.0f} tok/s)",
+                )
     order = [done[k] for k in range(len(shards))]
     manifest = {
-        "format": FORMAT, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok_sha, "train_bpe": train_bpe,
-        "vocab": vocab, "eos": eos_name, "eos_id": eos_id, "dtype": dtype,
-        "n_docs": sum(m["n_docs"] for m in order), "n_tokens": sum(m["n_tokens"] for m in order),
-        "n_files": len(files), "shards": [{k: m[k] for k in ("bin", "idx", "n_tokens", "n_docs")} for m in order],
+        "format": FORMAT,
+        "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": tok_sha,
+        "train_bpe": train_bpe,
+        "vocab": vocab,
+        "eos": eos_name,
+        "eos_id": eos_id,
+        "dtype": dtype,
+        "n_docs": sum(m["n_docs"] for m in order),
+        "n_tokens": sum(m["n_tokens"] for m in order),
+        "n_files": len(files),
+        "shards": [{k: m[k] for k in ("bin", "idx", "n_tokens", "n_docs")} for m in order],
     }
     _atomic_write(out_p / "manifest.json", json.dumps(manifest, indent=1).encode())
     dt = time.perf_counter() - t0
     return {k: manifest[k] for k in ("vocab", "eos_id", "dtype", "n_docs", "n_tokens")} | {
-        "out": str(out_p), "shards": len(shards), "skipped": len(shards) - len(todo), "seconds": round(dt, 3),
+        "out": str(out_p),
+        "shards": len(shards),
+        "skipped": len(shards) - len(todo),
+        "seconds": round(dt, 3),
         "tokens_per_s": round(new_tokens / dt, 1),
     }
 

@@ -45,7 +45,9 @@ class Corpus:
         mf = d / "manifest.json" if d is not None else None
         if mf is None or not mf.is_file():
             raise ConfigError(
-                "data.path", path, "give a directory written by `meshrun prepare-data` (it holds manifest.json)",
+                "data.path",
+                path,
+                "give a directory written by `meshrun prepare-data` (it holds manifest.json)",
                 "not set" if not path else "no manifest.json there",
             )
         self.manifest = m = json.loads(mf.read_text())
@@ -78,8 +80,19 @@ class PreparedDataset:
     """Rows of one split of a `Corpus` (see the module docstring); the `Dataset` interface of data.py:
     `batch(step, rows)` -> (tokens_BxL, labels_BxL[, segment_ids_BxL]) int32."""
 
-    def __init__(self, corpus: Corpus, docs: np.ndarray, *, seed: int, seq_len: int, global_batch: int,
-                 vocab: int, pack: bool, salt: tuple[int, ...] = (), name: str = "train"):
+    def __init__(
+        self,
+        corpus: Corpus,
+        docs: np.ndarray,
+        *,
+        seed: int,
+        seq_len: int,
+        global_batch: int,
+        vocab: int,
+        pack: bool,
+        salt: tuple[int, ...] = (),
+        name: str = "train",
+    ):
         self.corpus, self.docs, self.pack, self.salt = corpus, docs, pack, salt
         self.seed, self.seq_len, self.global_batch, self.vocab = seed, seq_len, global_batch, vocab
         self.cum = np.cumsum(corpus.doc_len[docs])  # end of each doc in the split's virtual stream
@@ -118,21 +131,26 @@ class PreparedDataset:
         tokens, labels = win[:, :-1], win[:, 1:].copy()
         hi = int(win.max(initial=0))
         if hi >= self.vocab:
-            raise ConfigError("model.vocab", self.vocab, f"use model.vocab >= {self.corpus.vocab}",
-                              f"data.path holds token id {hi}")
+            raise ConfigError(
+                "model.vocab", self.vocab, f"use model.vocab >= {self.corpus.vocab}", f"data.path holds token id {hi}"
+            )
         if not self.pack:
             return tokens, labels
         labels[seg[:, 1:] != seg[:, :-1]] = -1  # a segment's last token would predict the next document
         return tokens, labels, np.ascontiguousarray(seg[:, :-1])
 
 
-def make_prepared(dcfg, *, vocab: int, seq_len: int, global_batch: int) -> tuple[PreparedDataset, PreparedDataset | None]:
+def make_prepared(
+    dcfg, *, vocab: int, seq_len: int, global_batch: int
+) -> tuple[PreparedDataset, PreparedDataset | None]:
     """(train dataset, validation dataset or None) of DataConfig `dcfg` (kind=prepared)."""
     corpus = Corpus(dcfg.path)
     if corpus.vocab > vocab:
         raise ConfigError(
-            "model.vocab", vocab, f"use model.vocab >= {corpus.vocab} (the tokenizer's size; pad it to a multiple "
-            "of mesh.tensor)", f"{dcfg.path} was tokenized with a vocabulary of {corpus.vocab}",
+            "model.vocab",
+            vocab,
+            f"use model.vocab >= {corpus.vocab} (the tokenizer's size; pad it to a multiple of mesh.tensor)",
+            f"{dcfg.path} was tokenized with a vocabulary of {corpus.vocab}",
         )
     train_docs, val_docs = corpus.split(dcfg.val_fraction)
     kw = dict(seed=dcfg.seed, seq_len=seq_len, global_batch=global_batch, vocab=vocab, pack=dcfg.pack_documents)

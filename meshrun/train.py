@@ -175,8 +175,12 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     tx = make_optimizer(cfg)
     fns = models.model_fns(cfg.model)
     if cfg.data.pack_documents and not fns.segments:
-        raise ConfigError("data.pack_documents", True, "use a model whose ModelFns has segments=True, or set it false",
-                          "the model cannot take segment ids")
+        raise ConfigError(
+            "data.pack_documents",
+            True,
+            "use a model whose ModelFns has segments=True, or set it false",
+            "the model cannot take segment ids",
+        )
 
     def init_state() -> TrainState:
         params = arrays(models.init_params(cfg.model, cfg.train.seed)[1])

@@ -95,7 +95,9 @@ def test_split_by_document_and_packed_rows(prepared):
     assert (lab[:, :-1][ends] == -1).all() and (lab[:, :-1][~ends] >= 0).all()  # ... whose label is ignored
     np.testing.assert_array_equal(ds.batch(5, slice(2, 5))[2], seg[2:5])  # rows are a function of (seed, step, row)
     vt, _, vs = ds.val.batch(0)
-    val_ids = {tuple(corpus.shards[corpus.doc_shard[d]][corpus.doc_start[d] : corpus.doc_start[d] + 4]) for d in val_docs}
+    val_ids = {
+        tuple(corpus.shards[corpus.doc_shard[d]][corpus.doc_start[d] : corpus.doc_start[d] + 4]) for d in val_docs
+    }
     starts = [tuple(r[s == s[-1]][:4]) for r, s in zip(vt, vs) if (s == s[-1]).sum() >= 4 and s[-1] > 0]
     assert starts and all(x in val_ids for x in starts)  # whole documents inside validation rows are validation docs
     with pytest.raises(ConfigError, match="data.kind"):
@@ -121,6 +123,7 @@ def test_packed_row_equals_the_documents_run_separately():
 
     lab = np.concatenate([a[1:], [-1], b[1:], [5]])[None]
     lg, ce = token_losses(row, lab, seg)
+
     def alone(d, nxt):  # one document at the start of a row (padding after it: causal, so unseen); one compile
         pad = 16 - len(d)
         tok, lb = np.pad(d, (0, pad)), np.pad(np.append(d[1:], nxt), (0, pad), constant_values=-1)
@@ -137,11 +140,27 @@ def test_packed_row_equals_the_documents_run_separately():
 
 
 SMALL = [
-    "model.vocab=300", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.head_dim=8", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32", "train.global_batch=8",
-    "pipeline.microbatches=2", "train.steps=3", "train.lr=0.01", "train.warmup_steps=1", "train.adam_eps=1e-4",
-    "data.kind=prepared", "data.pack_documents=true", "data.val_fraction=0.2", "train.eval_every=2",
-    "train.eval_batches=2", "checkpoint.async_save=false",
+    "model.vocab=300",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.head_dim=8",
+    "model.d_ff=64",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.global_batch=8",
+    "pipeline.microbatches=2",
+    "train.steps=3",
+    "train.lr=0.01",
+    "train.warmup_steps=1",
+    "train.adam_eps=1e-4",
+    "data.kind=prepared",
+    "data.pack_documents=true",
+    "data.val_fraction=0.2",
+    "train.eval_every=2",
+    "train.eval_batches=2",
+    "checkpoint.async_save=false",
 ]
 
 

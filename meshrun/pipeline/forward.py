@@ -59,7 +59,9 @@ def _body(pl, layers, other, tok, lab, seg=None):
 
                 def run():
                     if c == 0:
-                        x0 = lax.cond(stage == 0, lambda: fns.embed(other, _take(tok, j)).astype(x_aval.dtype), lambda: x_in)
+                        x0 = lax.cond(
+                            stage == 0, lambda: fns.embed(other, _take(tok, j)).astype(x_aval.dtype), lambda: x_in
+                        )
                     else:
                         x0 = jnp.where(stage == 0, _take(buf, j), x_in)
                     y, _ = model_api.layers_fn(fns, None if seg is None else _take(seg, j))(chunk, x0)
