@@ -1,4 +1,5 @@
-"""Throughput of `meshrun prepare-data` on the Python standard library's .py files as a text corpus.
+"""Throughput of `meshrun prepare-data` on the Python standard library's .py files as a text corpus
+(the file list of data.kind=text's default: site-packages and caches left out).
 
     .venv/bin/python bench/prepare_data.py [--vocab 8192] [--workers 1 2]
 
@@ -12,10 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sysconfig
 import tempfile
 import time
 
+from meshrun.data import stdlib_sources
 from meshrun.prepare_data import prepare
 
 
@@ -25,11 +26,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     ap.add_argument("--shard-mb", type=float, default=2.0)
     args = ap.parse_args()
-    pattern = os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")
+    files, pattern = stdlib_sources(), "(the Python standard library's .py files)"
     tmp = tempfile.mkdtemp(prefix="meshrun-bench-")
     try:
         t = time.perf_counter()
-        first = prepare(pattern, f"{tmp}/bpe", train_bpe=args.vocab, shard_mb=args.shard_mb, quiet=True)
+        first = prepare(pattern, f"{tmp}/bpe", train_bpe=args.vocab, shard_mb=args.shard_mb, quiet=True, files=files)
         print(
             f"BPE {args.vocab} trained + corpus tokenized: {time.perf_counter() - t:.1f} s "
             f"({first['n_tokens']:,} tokens, {first['n_docs']:,} documents, {first['shards']} shards)"
@@ -38,7 +39,13 @@ def main() -> None:
         for w in args.workers:
             out = f"{tmp}/w{w}"
             s = prepare(
-                pattern, out, tokenizer=f"{tmp}/bpe/tokenizer.json", shard_mb=args.shard_mb, workers=w, quiet=True
+                pattern,
+                out,
+                tokenizer=f"{tmp}/bpe/tokenizer.json",
+                shard_mb=args.shard_mb,
+                workers=w,
+                quiet=True,
+                files=files,
             )
             print(f"{w:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>12,.0f}")
     finally:

@@ -278,13 +278,14 @@ def prepare(
     shard_mb: float = 8.0,
     workers: int = 0,
     quiet: bool = False,
+    files: list[Path] | None = None,
 ) -> dict:
     """Tokenize the files matching `pattern` into shards in `out` (see the module docstring);
     returns the summary that is also in manifest.json, plus this run's timing."""
     t0 = time.perf_counter()
     if shard_mb <= 0:
         raise ConfigError("--shard-mb", shard_mb, "use a positive size in MiB")
-    files = list_files(pattern)
+    files = list_files(pattern) if files is None else files  # `files`: an explicit list instead of the glob
     out_p = Path(out)
     out_p.mkdir(parents=True, exist_ok=True)
     tok_dst = out_p / "tokenizer.json"
