@@ -75,6 +75,10 @@ def test_prepare_data_errors(tmp_path, capsys):
         prepare(str(tmp_path / "in" / "*"), str(tmp_path / "o"), tokenizer="meta-llama/Llama-3-8B", quiet=True)
     with pytest.raises(ConfigError, match="--text-field"):
         prepare(str(tmp_path / "in" / "*.jsonl"), str(tmp_path / "o"), train_bpe=300, text_field="body", quiet=True)
+    prepare(str(tmp_path / "in" / "*.txt"), str(tmp_path / "t"), train_bpe=300, quiet=True)
+    with pytest.raises(ConfigError, match="--text-field"):  # raised in a worker process, arrives whole
+        tok = str(tmp_path / "t" / "tokenizer.json")
+        prepare(str(tmp_path / "in" / "*.jsonl"), str(tmp_path / "o2"), tokenizer=tok, text_field="body", quiet=True)
     code = main(["prepare-data", "--glob", str(tmp_path / "none*"), "--out", str(tmp_path / "o"), "--train-bpe", "300"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--glob" in err[0] and "matches no files" in err[0]
