@@ -5,19 +5,27 @@
 
 Trains a byte-level BPE on the corpus once (timed separately), then tokenizes it into a fresh
 directory with each worker count and prints one row per run: files, documents, tokens, seconds,
-tokens/s (whole prepare() call: listing, planning, tokenizing, writing shards and manifest).
+tokens/s (whole prepare() call: listing, planning, tokenizing, writing shards and manifest), and
+tokens per CPU-second (this process and its workers), which does not depend on what else runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import tempfile
 import time
 
 from meshrun.data import stdlib_sources
 from meshrun.prepare_data import prepare
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and its finished workers."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> None:
@@ -35,8 +43,9 @@ def main() -> None:
             f"BPE {args.vocab} trained + corpus tokenized: {time.perf_counter() - t:.1f} s "
             f"({first['n_tokens']:,} tokens, {first['n_docs']:,} documents, {first['shards']} shards)"
         )
-        print(f"{'workers':>7} {'seconds':>8} {'tokens/s':>12}")
+        print(f"{'workers':>7} {'seconds':>8} {'tokens/s':>12} {'tokens/cpu-s':>13}")
         for w in args.workers:
+            cpu0 = _cpu_s()
             out = f"{tmp}/w{w}"
             s = prepare(
                 pattern,
@@ -47,7 +56,8 @@ def main() -> None:
                 quiet=True,
                 files=files,
             )
-            print(f"{w:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>12,.0f}")
+            cpu = _cpu_s() - cpu0
+            print(f"{w:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>12,.0f} {s['n_tokens'] / cpu:>13,.0f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
