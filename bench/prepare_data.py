@@ -7,6 +7,15 @@ Trains a byte-level BPE on the corpus once (timed separately), then tokenizes it
 directory with each worker count and prints one row per run: files, documents, tokens, seconds,
 tokens/s (whole prepare() call: listing, planning, tokenizing, writing shards and manifest), and
 tokens per CPU-second (this process and its workers), which does not depend on what else runs.
+
+Measured (Python 3.11 stdlib: 1,790 files, 8,650,870 tokens with an 8192-token BPE, 15 shards of
+2 MiB; 2 cores shared with other jobs, load average ~20, so the wall-clock rates are low and the
+per-CPU-second rate is the figure to scale by cores):
+
+    BPE 8192 trained + corpus tokenized: 225.9 s
+    workers  seconds     tokens/s  tokens/cpu-s
+          1   216.33       39,990       268,369
+          2   146.75       58,950       285,694
 """
 
 from __future__ import annotations
