@@ -47,7 +47,15 @@ def main() -> None:
     elif what == "test":
         ensure_env("test")
         sh(PY, "-m", "ruff", "check", "meshrun", "models", "tests", "bench", "tasks.py")
-        sh(PY, "-m", "pytest", *args)
+        if args:  # a selection (`-k`, a file): one plain pytest run
+            sh(PY, "-m", "pytest", *args)
+        else:
+            # Single-process tests spread over one worker per core (the suite is compile-bound, one core
+            # per XLA compile); the multi-process and fault-injection tests, which time their ranks'
+            # start-up, then run alone so that no other worker starves them.
+            workers = str(max(1, min(os.cpu_count() or 1, 8)))
+            sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial")
+            sh(PY, "-m", "pytest", "-m", "serial")
     else:
         sys.exit(__doc__)
 

@@ -13,7 +13,8 @@ of 4 x 2048 tokens without recomputation about 10 GB more, and the logits a few 
 
 Each variant (`model.remat=none`, then `full`) runs in its own process, so a failure (out of memory)
 or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
-processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL). The output
+processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL); the JSON
+line records them (`xla_flags`) and, parsed, the overlap and bucket-fusion ones (`comm_flags`). The output
 is ONE JSON line: the remat=none numbers at the top level, the remat=full ones under `remat_full`,
 and an `error` field (null when everything ran). Steady step = median of the steps after the first
 two; model FLOPs and MFU follow meshrun.metrics (Megatron's count: no recomputation, full attention
@@ -144,6 +145,20 @@ def gpu_env(base: dict[str, str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in r.stdout.decode().split("\0") if "=" in item)
 
 
+# XLA flags that decide how collectives overlap compute and how they are bucketed (launch/gpu_env.sh).
+COMM_FLAG_WORDS = ("latency_hiding", "pipelined", "double_buffering", "async_stream", "combine")
+
+
+def comm_flags(xla_flags: str) -> dict[str, str]:
+    """The overlap and bucket-fusion flags in an XLA_FLAGS string: {flag name: value} (the last wins)."""
+    out = {}
+    for item in xla_flags.split():
+        name, _, value = item.lstrip("-").partition("=")
+        if any(w in name for w in COMM_FLAG_WORDS):
+            out[name] = value or "true"
+    return out
+
+
 def parse_events(out: str) -> dict:
     """What a child printed, folded: the last `result`, else what the progress lines tell."""
     got: dict = {}
@@ -229,6 +244,7 @@ def main(argv=None) -> int:
         elif not dry:
             raise RuntimeError(f"no GPU found (platform {platform}); use --dry-run to check the code path on CPU")
         out["xla_flags"] = env.get("XLA_FLAGS", "")
+        out["comm_flags"] = comm_flags(out["xla_flags"])
         for i, remat in enumerate(a.variants):
             key = "remat_" + remat
             left = deadline - time.monotonic()

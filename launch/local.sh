@@ -9,9 +9,9 @@
 # `--fast-compile` (passed on to `meshrun train`) compiles faster and runs slower.
 #
 # The coordinator listens on a free loopback port. Each rank writes RUN_DIR/logs/rank<i>.log
-# (RUN_DIR = train.run_dir of the config; LOG_DIR overrides). When any rank fails, the others get
-# SIGTERM (they save a checkpoint when they can), then SIGKILL after GRACE_S; the exit status is
-# the failed rank's. On success the last stdout line is rank 0's JSON result.
+# (RUN_DIR = train.run_dir of the config; LOG_DIR overrides; with MAX_RESTARTS, LOG_DIR/attempt<j>/).
+# When any rank fails, the others get SIGTERM (they save a checkpoint when they can), then SIGKILL
+# after GRACE_S; the exit status is the failed rank's. On success the last stdout line is rank 0's JSON result.
 #
 # Environment:
 #   WALL_LIMIT_S   stop everything after this many seconds (default 3600; exit 124)
@@ -20,6 +20,10 @@
 #   PYTHON         interpreter (default: the checkout's .venv/bin/python, else python3)
 #   MESHRUN_HEARTBEAT_S, MESHRUN_INIT_TIMEOUT_S   passed through (see meshrun/distributed.py)
 #   DRY_RUN=1      print each rank's command line instead of running it
+#   MAX_RESTARTS=K when a rank dies (or the job exits 3 on a NaN loss), restart the whole job from
+#                  its newest intact checkpoint, up to K times (`meshrun supervise`; one line each)
+#   ELASTIC=1      with MAX_RESTARTS: a rank that dies before training gets going -> restart on one
+#                  process fewer (mesh.data shrinks, train.global_batch stays); MIN_PROCESSES (default 1)
 set -euo pipefail
 
 usage() { echo "usage: $0 N K CONFIG [section.key=value ...]" >&2; exit 2; }
@@ -42,7 +46,15 @@ RUN_DIR=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from meshrun.config import load_config
 print(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]).train.run_dir)' "$CONFIG" "$@") || exit 2
-LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
+LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}${MESHRUN_ATTEMPT:+/attempt$MESHRUN_ATTEMPT}  # set by the supervisor
+if [ "${MAX_RESTARTS:-0}" != 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
+  # The supervisor runs this script once per attempt (MAX_RESTARTS=0 there), {processes} = N or fewer.
+  ELASTIC_FLAG=(); [ "${ELASTIC:-0}" = 1 ] && ELASTIC_FLAG=(--elastic)
+  exec env MAX_RESTARTS=0 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m meshrun.cli supervise \
+    --max-restarts "$MAX_RESTARTS" --processes "$N" ${ELASTIC_FLAG[@]+"${ELASTIC_FLAG[@]}"} \
+    --min-processes "${MIN_PROCESSES:-1}" --launcher "$(printf '%q ' bash "$ROOT/launch/local.sh") {processes} $K" \
+    "$CONFIG" "$@"
+fi
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 XLA_FLAGS="$(echo "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g') --xla_force_host_platform_device_count=$K"
 
@@ -95,20 +107,27 @@ START=$SECONDS
 DONE=()  # DONE[i]=1 once rank i exited 0 (indexed arrays: bash 3 on macOS has no -A)
 FINISHED=0
 while [ "$FINISHED" -lt "$N" ]; do
+  BAD=() BAD_RC=()
   for ((i = 0; i < N; i++)); do
     [ -n "${DONE[$i]:-}" ] && continue
     pid=${PIDS[$i]}
     kill -0 "$pid" 2>/dev/null && continue
     rc=0; wait "$pid" || rc=$?
     DONE[$i]=1; FINISHED=$((FINISHED + 1))
-    if [ "$rc" != 0 ]; then
-      echo "local.sh: rank $i (pid $pid) failed with $(describe_status "$rc"); stopping the other ranks" >&2
-      echo "local.sh: --- last lines of $LOG_DIR/rank$i.log ---" >&2
-      grep -v '^ *@ ' "$LOG_DIR/rank$i.log" | tail -n 5 >&2 || true
-      stop_all
-      exit "$rc"
-    fi
+    if [ "$rc" != 0 ]; then BAD+=("$i"); BAD_RC+=("$rc"); fi
   done
+  if [ ${#BAD[@]} -gt 0 ]; then
+    # Several ranks may end within one poll: a survivor exits 6 ("lost contact") right after its
+    # peer died, so the rank to blame is one that did not exit 6, where there is one.
+    j=0
+    for ((b = 0; b < ${#BAD[@]}; b++)); do [ "${BAD_RC[$b]}" != 6 ] && { j=$b; break; }; done
+    i=${BAD[$j]} rc=${BAD_RC[$j]}
+    echo "local.sh: rank $i (pid ${PIDS[$i]}) failed with $(describe_status "$rc"); stopping the other ranks" >&2
+    echo "local.sh: --- last lines of $LOG_DIR/rank$i.log ---" >&2
+    grep -v '^ *@ ' "$LOG_DIR/rank$i.log" | tail -n 5 >&2 || true
+    stop_all
+    exit "$rc"
+  fi
   if [ $((SECONDS - START)) -ge "$WALL_LIMIT_S" ]; then
     echo "local.sh: wall-clock limit WALL_LIMIT_S=$WALL_LIMIT_S s reached; stopping all ranks" >&2
     stop_all

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshrun.checkpoints_cli import DAMAGED_TAG, META, STATE
-from meshrun.config import CheckpointConfig
+from meshrun.config import CheckpointConfig, ModelConfig, to_dict
 from meshrun.errors import CheckpointError, ConfigError
 
 
@@ -65,6 +65,28 @@ def _quiet_leftover_reads() -> None:
 
     hook._meshrun = True
     sys.unraisablehook = hook
+
+
+class _NoWriterTraceback(logging.Filter):
+    """A failed async save (disk full, permissions): orbax's writer threads log the exception with
+    its traceback (absl), and asyncio reports each failed write task once more. Keep one line per
+    absl message (our CheckpointError line follows with the cause), drop the asyncio repeats."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and "exception was never retrieved" in str(record.msg):
+            return False
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_writer_failures() -> None:
+    if os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
+        return
+    for name in ("absl", "asyncio"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoWriterTraceback) for f in log.filters):
+            log.addFilter(_NoWriterTraceback())
+    _quiet_leftover_reads()  # the writer's other TensorStore futures complete on a closed event loop
 
 
 @contextlib.contextmanager
@@ -133,13 +155,14 @@ class Checkpointer:
         self.directory = Path(os.path.abspath(run_dir)) / "checkpoints"
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _quiet_writer_failures()
         self._started: set[int] = set()  # steps saved by this object (an async one may not be listed yet)
 
     # ------------------------------------------------------------------ steps
 
     def all_steps(self) -> list[int]:
         """Complete checkpoints, oldest first. Orbax lists only finalized steps (an interrupted save
-        leaves a STEP.orbax-checkpoint-tmp-* directory that it skips); a step directory that also
+        leaves a STEP.orbax-checkpoint-tmp[-*] directory that it skips); a step directory that also
         lacks the state or meta item is skipped too."""
         self.manager.reload()
         return sorted(
@@ -183,14 +206,17 @@ class Checkpointer:
                 "checkpoints already there are intact; check free space and permissions"
             ) from e
 
+    def _pending(self) -> int | None:
+        return max(self._started) if self._started else None  # an async failure: the last one started
+
     def wait(self) -> None:
         """Block until the pending async save is on disk."""
-        with self._saving(None):
+        with self._saving(self._pending()):
             self.manager.wait_until_finished()
 
     def close(self) -> None:
         try:
-            with self._saving(None):
+            with self._saving(self._pending()):
                 self.manager.wait_until_finished()
         finally:
             self.manager.close()
@@ -211,6 +237,8 @@ class Checkpointer:
         """ConfigError when the saved model config or the saved array shapes differ from the current ones."""
         saved = self.saved_meta(step).get("model")
         current = self.meta.get("model")
+        if saved is not None:  # a field added since that checkpoint was written has its default there
+            saved = {**to_dict(ModelConfig()), **saved}
         if saved is not None and current is not None and saved != current:
             keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
             fields = [f"model.{k}" for k in keys]

@@ -3,7 +3,7 @@
 Status of each entry of RUN_DIR/checkpoints (read from the files only; jax is not started):
 - complete: STEP/ with its `state` and `meta` items and readable metadata: a run resumes from the
   newest of these. Array data is verified when a run restores it (a failure moves it aside).
-- partial: an interrupted save (STEP.orbax-checkpoint-tmp-*) or a STEP/ lacking an item; ignored.
+- partial: an interrupted save (STEP.orbax-checkpoint-tmp[-*]) or a STEP/ lacking an item; ignored.
 - damaged: moved aside after it failed to restore (STEP.damaged-TIME), or STEP/ whose metadata
   cannot be read (with --verify: or whose arrays cannot be read back). meshrun never deletes one; a
   run tries a damaged STEP/ (it fails and is moved aside), never a moved-aside one.
@@ -24,7 +24,7 @@ from meshrun.errors import ConfigError
 
 STATE, META = "state", "meta"
 DAMAGED_TAG = ".damaged-"
-_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp-.*$")
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp(-.*)?$")  # orbax >= 0.12: no suffix
 _DAMAGED = re.compile(r"^(\d+)" + re.escape(DAMAGED_TAG) + r".*$")
 # ModelConfig fields shown in the table (all of them with --json)
 SUMMARY_KEYS = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype")

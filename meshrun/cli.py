@@ -1,4 +1,4 @@
-"""`meshrun train | plan | mesh | schedule | explain | checkpoints`: a thin shell over the library.
+"""`meshrun train | plan | mesh | schedule | explain | checkpoints | supervise | import-hf | export-hf`: a thin shell.
 
 Every failure is one line on stderr and an exit status from the table in `meshrun/errors.py` (bad
 input 2, training 3, I/O 4, checkpoint 5, distributed 6, anything else 1); the traceback only with
@@ -16,7 +16,15 @@ import sys
 import traceback
 import warnings
 
-from meshrun.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_IO, EXIT_TRAINING, ConfigError, MeshrunError
+from meshrun.errors import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_IO,
+    EXIT_TRAINING,
+    ConfigError,
+    DistributedError,
+    MeshrunError,
+)
 
 # Subcommand modules, each with `register(subparsers)`; imported lazily so `--devices` can act before jax.
 COMMAND_MODULES = (
@@ -26,6 +34,8 @@ COMMAND_MODULES = (
     "meshrun.prepare_data",
     "meshrun.explain",
     "meshrun.checkpoints_cli",
+    "meshrun.supervise",
+    "meshrun.hf",
 )
 DEBUG_FLAG, DEBUG_ENV = "--debug", "MESHRUN_DEBUG"
 
@@ -109,6 +119,11 @@ def report(command: str, exc: BaseException, debug: bool) -> int:
     return code
 
 
+def _distributed_started() -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     flag = DEBUG_FLAG in argv  # a global flag, accepted after the subcommand too
@@ -128,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI's one place that reports failures
-        return report(args.command, e, debug)
+        code = report(args.command, e, debug)
+        if isinstance(e, DistributedError) and _distributed_started():
+            sys.stdout.flush()
+            os._exit(code)  # skip jax's exit-time shutdown barrier: it would wait for the dead peer
+        return code
     finally:
         if flag and saved_env is None:
             os.environ.pop(DEBUG_ENV, None)

@@ -21,6 +21,7 @@ from meshrun.pipeline.schedules import SCHEDULES
 
 AXES = ("data", "pipe", "expert", "tensor")
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class MeshConfig:
     tensor: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER  # outer -> inner; `tensor` innermost keeps TP on NVLink
     hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
+    racks: int = 0  # hosts per rack (consecutive hosts share a rack); 0: all hosts in one rack
     allow_cross_host_tensor: bool = False
 
     def __post_init__(self):
@@ -57,6 +59,8 @@ class MeshConfig:
             )
         if self.hosts < 0:
             raise ConfigError("mesh.hosts", self.hosts, "use 0 (one host per process) or a positive count")
+        if self.racks < 0:
+            raise ConfigError("mesh.racks", self.racks, "use 0 (one rack) or the number of hosts per rack")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,14 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu (Llama: 3 matrices) | gelu (GPT-3: 2 matrices, d_ff = 4*d_model)
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # RoPE frequency scaling: none | llama3 (Llama 3.1: low frequencies / factor, smooth band between)
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    sliding_window: int = 0  # > 0: a token attends to itself and the sliding_window - 1 tokens before (Mistral)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
@@ -105,6 +117,17 @@ class ModelConfig:
         _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, ("none", "full", "selective"))
+        _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ConfigError(
+                "model.rope_low_freq_factor",
+                self.rope_low_freq_factor,
+                "use 0 < rope_low_freq_factor < rope_high_freq_factor and a positive rope_scaling_factor",
+            )
+        if self.sliding_window < 0:
+            raise ConfigError("model.sliding_window", self.sliding_window, "use 0 (full causal) or a window length")
         if self.n_experts < 0:
             raise ConfigError("model.n_experts", self.n_experts, "use 0 (dense) or a positive expert count")
         if self.n_experts:
@@ -164,6 +187,9 @@ class TrainConfig:
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"
     profile: bool = False
+    # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
+    # gradients accumulate in float32 either way and are cast back before the optimizer
+    grad_reduce_dtype: str = "float32"
 
     def __post_init__(self):
         for f in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
@@ -175,6 +201,7 @@ class TrainConfig:
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         if self.lr <= 0:
             raise ConfigError("train.lr", self.lr, "use a positive learning rate")
+        _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -208,6 +235,9 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = True
     resume: bool = True
+    # A parameter-only checkpoint (`meshrun import-hf`) to start from when run_dir has no checkpoint
+    # yet: its params, a fresh optimizer state, step 0.
+    init_params: str = ""
 
     def __post_init__(self):
         if self.every < 0:

@@ -8,7 +8,7 @@
 | 3      | TrainingError      | the run started but cannot go on (NaN/Inf loss, out of device memory)|
 | 4      | DataError          | I/O: a data file, the run dir or metrics could not be read/written   |
 | 5      | CheckpointError    | no intact checkpoint to resume from, or one cannot be written        |
-| 6      | DistributedError   | jax.distributed failed after the settings were checked               |
+| 6      | DistributedError   | jax.distributed failed after the settings were checked, or a peer died|
 | 130    |                    | interrupted (Ctrl-C)                                                 |
 
 `--debug` (any subcommand) or `MESHRUN_DEBUG=1` prints the traceback above the line.
@@ -63,6 +63,8 @@ class CheckpointError(MeshrunError, RuntimeError):
 
 
 class DistributedError(MeshrunError, RuntimeError):
-    """jax.distributed failed after meshrun's own checks passed (coordinator died, network, ...)."""
+    """jax.distributed failed after meshrun's own checks passed (coordinator died, network, ...), or
+    another process of the job died mid-run. The CLI then leaves with os._exit: jax's shutdown
+    barrier at interpreter exit would wait for the dead process."""
 
     exit_code = EXIT_DISTRIBUTED

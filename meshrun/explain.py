@@ -71,13 +71,14 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     kw = layout(cfg, mesh_shape)
     sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
     mem = step_model.predict_memory_jax(cfg.model, **kw, **sched)
-    megatron = cost.predict_memory(cfg.model, **kw, **sched)
+    megatron = cost.predict_memory(cfg.model, **kw, **sched, framework="megatron")
     permutes = None
     if kw["pipe"] > 1:
         from meshrun.pipeline.program import tick_program  # the executor's phases: ticks that send
 
         permutes = tick_program(cfg.pipeline, kw["pipe"]).permute_counts()
-    comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes)
+    rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]
+    comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes, grad_reduce_bytes=rb)
     keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total")
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
@@ -95,14 +96,29 @@ def compiled_collectives(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
 
     per_axis, static_axis = defaultdict(int), defaultdict(int)
     per_op, static_op = defaultdict(int), defaultdict(int)
-    for c in hlo.collectives(hlo_text, mesh_shape):
+    colls = hlo.collectives(hlo_text, mesh_shape)
+    for c in colls:
         static_op[c.op] += 1
         per_op[c.op] += c.per_step
-        for a in c.axes:
-            static_axis[a] += c.bytes
-            per_axis[a] += c.per_step * c.bytes
+        for a in c.axes:  # wire bytes: a 16-bit reduction counts 16 bits even where XLA:CPU widened it
+            static_axis[a] += c.wire_bytes
+            per_axis[a] += c.per_step * c.wire_bytes
     return {"bytes": dict(per_axis), "counts": dict(per_op), "static_bytes": dict(static_axis),
-            "static_counts": dict(static_op)}  # fmt: skip
+            "static_counts": dict(static_op), "data_parallel": buckets(colls)}  # fmt: skip
+
+
+def buckets(colls) -> list[dict]:
+    """The data-parallel collectives of the step as XLA combined them (its gradient buckets), largest
+    first: op, axes, arrays, bytes as the program moves them (16-bit reductions at 16 bits), the
+    dtype the program asks for, runs per step."""
+    from meshrun import hlo
+
+    out = []
+    for c in hlo.data_parallel(colls):
+        dts = sorted({"bf16" if c.promoted and t == "f32" and d else t for t, d in zip(c.dtypes, c.dims, strict=True)})
+        out.append({"op": c.op, "axes": list(c.axes), "arrays": c.parts, "bytes": c.wire_bytes,
+                    "dtype": "+".join(dts), "per_step": c.per_step})  # fmt: skip
+    return sorted(out, key=lambda b: -b["bytes"])
 
 
 def compile_step(cfg):
@@ -127,7 +143,7 @@ def explain(cfg) -> dict:
     collectives {predicted, compiled} (bytes per axis per step), counts {predicted, compiled}}."""
     n = needed_devices(cfg)
     shape = {a: getattr(cfg.mesh, a) for a in AXES}
-    out = {"mesh": shape, "devices": n, "compiled": False, "note": ""}
+    out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
     if n > MAX_SIMULATED:
         from types import SimpleNamespace
 
@@ -163,6 +179,7 @@ def explain(cfg) -> dict:
         "collectives": {"predicted": pred["collectives"], "compiled": comm["bytes"],
                         "compiled_static": comm["static_bytes"]},
         "counts": {"predicted": pred["counts"], "compiled": comm["counts"], "compiled_static": comm["static_counts"]},
+        "data_parallel": comm["data_parallel"],
     }  # fmt: skip
     return out
 
@@ -218,7 +235,25 @@ def format_report(rep: dict, title: str) -> str:
         "\ncompiled per step = each HLO collective x the trip counts of its loops; static = each once. "
         "Predicted omits scalar all-reduces (loss, token counts)."
     )
+    if rep.get("data_parallel") is not None:
+        lines += ["", *format_buckets(rep["data_parallel"], rep.get("grad_reduce_dtype", "float32"))]
     return "\n".join(lines)
+
+
+def format_buckets(dp: list[dict], grad_dtype: str) -> list[str]:
+    """The data-parallel collectives (gradient buckets) of the compiled step, one line each."""
+    runs = sum(b["per_step"] for b in dp)
+    total = sum(b["bytes"] * b["per_step"] for b in dp)
+    lines = [f"data-parallel collectives per step: {runs} ({_mb(total)} MiB; train.grad_reduce_dtype={grad_dtype})"]
+    for b in dp[:12]:
+        where = ",".join(b["axes"])
+        lines.append(f"  {b['op']:<15}{where:<12}{b['dtype']:<10}{b['arrays']:>4} arrays{_mb(b['bytes']):>10} MiB"
+                     + (f"  x{b['per_step']}" if b["per_step"] > 1 else ""))  # fmt: skip
+    if len(dp) > 12:
+        lines.append(f"  ... {len(dp) - 12} more")
+    if any(b["dtype"].startswith("bf16") for b in dp):
+        lines.append("  (bf16: XLA:CPU widens 16-bit reductions to f32 when it runs them; GPUs move 16 bits)")
+    return lines
 
 
 def run_explain(args) -> int:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshrun.sharding import DP_AXES
+
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _DTYPE_BYTES = {
     "pred": 1,
@@ -53,6 +55,21 @@ class Collective:
     parts: int  # number of arrays (tuple size)
     in_loop: bool  # inside a while-loop body computation
     per_step: int = 1  # runs per execution of the module (`multiplicity` of its computation)
+    dtypes: tuple[str, ...] = ()  # element type of each part, e.g. ('bf16', 'f32')
+    dims: tuple[tuple[int, ...], ...] = ()  # shape of each part
+    promoted: bool = False  # a 16-bit reduction XLA:CPU widened to f32 (its reducer is `*_promoted`)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes as the program asks for them: where XLA:CPU widened a 16-bit all-reduce /
+        reduce-scatter to f32 (`promoted`), its non-scalar f32 parts count 2 bytes an element, as
+        backends with native 16-bit collectives (GPUs) move them. Scalars stay f32: the only scalar
+        reductions in meshrun's step (loss, token counts) are f32 and XLA combines them into the
+        same tuple."""
+        if not self.promoted:
+            return self.bytes
+        half = sum(int(np.prod(d)) * 2 for t, d in zip(self.dtypes, self.dims, strict=True) if t == "f32" and d)
+        return self.bytes - half
 
 
 def _shape_bytes(shape: str) -> tuple[int, int]:
@@ -64,6 +81,20 @@ def _shape_bytes(shape: str) -> tuple[int, int]:
         total += size * _DTYPE_BYTES[dt]
         n += 1
     return total, n
+
+
+def _shape_parts(shape: str) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    parts = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(shape)]
+    parts = [p for p in parts if p[0] in _DTYPE_BYTES]
+    return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
+
+
+def data_parallel(colls: list[Collective]) -> list[Collective]:
+    """The step's data-parallel reductions and gathers (its gradient "buckets"): all-reduce,
+    reduce-scatter and all-gather over a data-parallel axis ('data', 'expert'), without those made
+    of scalars only (loss, token counts: at most 8 bytes a part). Expert all-to-alls are not DP."""
+    ops = ("all-reduce", "reduce-scatter", "all-gather")
+    return [c for c in colls if c.op in ops and set(c.axes) & set(DP_AXES) and c.bytes > 8 * c.parts]
 
 
 def _iota_groups(text: str) -> list[list[int]] | None:
@@ -239,5 +270,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
                 continue
             nbytes, parts = _shape_bytes(m.group("shape"))
             axes = _axes_of(_groups(line), mesh_shape)
-            out.append(Collective(m.group("op"), nbytes, axes, parts, name in looped, runs[name]))
+            dts, dims = _shape_parts(m.group("shape"))
+            promoted = bool(re.search(r"to_apply=%?[\w.\-]+_promoted\b", line))
+            c = Collective(m.group("op"), nbytes, axes, parts, name in looped, runs[name], dts, dims, promoted)
+            out.append(c)
     return out

@@ -15,10 +15,11 @@ from meshrun.checkpoint import CheckpointDamaged, Checkpointer, PreemptionFlag, 
 from meshrun.checkpoints_cli import scan
 from meshrun.config import PipelineConfig, RunConfig, to_dict
 from meshrun.data import global_batch_arrays, make_dataset
-from meshrun.errors import CheckpointError, ConfigError, TrainingError
+from meshrun.errors import CheckpointError, ConfigError, DistributedError, TrainingError
 from meshrun.flops import model_flops
 from meshrun.mesh import build_mesh
 from meshrun.metrics import MetricsLogger, peak_flops
+from meshrun.param_ckpt import check_params, restore_params
 from meshrun.runlock import RunLock, note_takeover
 from meshrun.sharding import DP_AXES
 from meshrun.train import make_train_step
@@ -27,8 +28,9 @@ __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # TrainingErro
 
 
 def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
-    """What a checkpoint must agree on to be restored: the model (layouts are free to differ)."""
-    return {"model": to_dict(cfg.model)}
+    """What a checkpoint must agree on to be restored: the model (layouts are free to differ); also
+    where its parameters came from (`meshrun export-hf` finds the Hugging Face config there)."""
+    return {"model": to_dict(cfg.model), "init_params": cfg.checkpoint.init_params}
 
 
 def warn(msg: str) -> None:
@@ -66,6 +68,8 @@ def prepare(cfg: RunConfig, devices: list | None = None):
             "hold out documents with data.kind=prepared and data.val_fraction > 0, or set train.eval_every=0",
             "there is no validation split",
         )
+    if cfg.checkpoint.init_params:
+        check_params(cfg.checkpoint.init_params, fns.abstract_state.params)
     return mesh, fns, ds
 
 
@@ -171,25 +175,68 @@ def run(
     Order: everything checkable first (mesh, config, data, existing checkpoints) and nothing is
     written until it passed; then the run-dir lock, the checkpointer, the metrics file."""
     t = cfg.train
-    mesh, fns, ds = prepare(cfg, devices)
-    check_run_dir_writable(t.run_dir)
-    lock = _take_lock(t.run_dir)
-    closers: list = [lock.release] if lock is not None else []
+    # SIGTERM from here on (start-up, compilation, restore) stops the run at the first step boundary.
+    flag = PreemptionFlag()
+    closers: list = [flag.close]
+    ckpt = None
     try:
+        mesh, fns, ds = prepare(cfg, devices)
+        check_run_dir_writable(t.run_dir)
+        lock = _take_lock(t.run_dir)
+        if lock is not None:
+            closers.append(lock.release)  # released last, after the final save is on disk
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
         state, start = restore_newest_intact(ckpt, fns, steps) if steps else (None, None)
+        if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
+            state = fns.init_from(restore_params(cfg.checkpoint.init_params, fns.abstract_state.params))
         state = state if state is not None else fns.init()
         start = start or 0
         if start >= t.steps:
             warn(f"{t.run_dir} already holds the final checkpoint (step {start} = train.steps); nothing to train")
-        result = _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers)
-    except BaseException:
+        result = _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, flag)
+    except BaseException as e:
+        lost = lost_peer(e)
+        if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
+            _close_all([c for c in closers if ckpt is None or c != ckpt.close], quiet=True)
+            raise DistributedError(f"{lost}; {_resume_hint(t.run_dir)}") from e
         _close_all(closers, quiet=True)  # a failure while closing must not hide the one that got us here
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+# What a collective or the coordination service says when another process of the job is gone.
+_PEER_GONE = ("Gloo", "NCCL", "Connection reset", "Connection closed", "Socket closed", "heartbeat",
+              "coordination service", "UNAVAILABLE", "DEADLINE_EXCEEDED")  # fmt: skip
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """A one-line description when `e` (raised in a multi-process job) says another process is gone:
+    a collective failed (gloo: 'Connection reset by peer') or the coordination service lost a task.
+    None otherwise (single process, or any other error)."""
+    if isinstance(e, (ConfigError, KeyboardInterrupt)):
+        return None
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return None
+    text = str(e)
+    if not any(k in text for k in _PEER_GONE):
+        return None
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: lost contact with another process "
+        f"({type(e).__name__}: {first[:200]}); it probably died: see the launcher's report and that process's log"
+    )
+
+
+def _resume_hint(run_dir: str) -> str:
+    complete = [e.step for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
+    newest = f"newest: step {max(complete)}" if complete else "none written yet"
+    return (
+        f"checkpoints already in {run_dir} are intact ({newest}); rerun to resume, or launch with "
+        "MAX_RESTARTS=K to restart automatically"
+    )
 
 
 def _close_all(closers: list, quiet: bool) -> None:
@@ -204,15 +251,13 @@ def _close_all(closers: list, quiet: bool) -> None:
         raise first
 
 
-def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers) -> dict[str, Any]:
+def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, flag) -> dict[str, Any]:
     t = cfg.train
     flops = model_flops(cfg.model, t.global_batch, t.seq_len)
     peak = peak_flops(jax.devices()[0])
     bubble = _bubble(cfg, mesh)
     logger = MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet)
     closers.insert(0, logger.close)
-    flag = PreemptionFlag()
-    closers.insert(0, flag.close)
     first_loss = loss = val_loss = None
     timed_s, timed_steps, ran = 0.0, 0, 0
     eval_step = None

@@ -3,6 +3,8 @@
 Devices are laid out host-major and the mesh is filled outer -> inner in `MeshConfig.order`
 (default `pipe, data, expert, tensor`, Megatron's tp-ep-dp-pp): the innermost axis varies fastest,
 so `tensor` groups are neighbouring devices of one host (NVLink), `pipe`/`data` cross hosts.
+Racks (`MeshConfig.racks` hosts each) are runs of consecutive hosts, so the device list is
+rack-major too: the outermost axis (`pipe` by default) is the one that crosses racks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from meshrun.errors import ConfigError
 
 # Pretend-host count per mesh built on one process (CPU simulation); real runs use process_index.
 _PRETEND_HOSTS: dict[Mesh, int] = {}
+# Hosts per rack of each mesh built here (absent: one rack).
+_HOSTS_PER_RACK: dict[Mesh, int] = {}
 
 
 def resolve_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -115,6 +119,16 @@ def build_mesh(cfg: MeshConfig | None = None, devices: list | None = None, **ove
     mesh = Mesh(arr, tuple(cfg.order), axis_types=axis_types)
     if len({d.process_index for d in devices}) == 1:
         _PRETEND_HOSTS[mesh] = len(groups)
+    _HOSTS_PER_RACK.pop(mesh, None)  # meshes over the same devices are equal: forget an earlier build's racks
+    if cfg.racks:
+        if len(groups) % cfg.racks:
+            raise ConfigError(
+                "mesh.racks",
+                cfg.racks,
+                f"give the hosts per rack as a divisor of the {len(groups)} hosts (0: one rack)",
+                f"{len(groups)} hosts cannot be split into racks of {cfg.racks} hosts",
+            )
+        _HOSTS_PER_RACK[mesh] = cfg.racks
     for w in check_placement(mesh, cfg):
         warnings.warn(w, stacklevel=2)
     return mesh
@@ -130,6 +144,13 @@ def host_of(mesh: Mesh) -> dict[int, int]:
     ids = sorted(d.id for d in devs)
     k = len(ids) // hosts
     return {i: n // k for n, i in enumerate(ids)}
+
+
+def rack_of(mesh: Mesh) -> dict[int, int]:
+    """Device id -> rack index (consecutive hosts, `MeshConfig.racks` per rack)."""
+    hosts = host_of(mesh)
+    per_rack = _HOSTS_PER_RACK.get(mesh, max(hosts.values()) + 1)
+    return {d: h // per_rack for d, h in hosts.items()}
 
 
 def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
@@ -164,19 +185,45 @@ def check_placement(mesh: Mesh, cfg: MeshConfig) -> list[str]:
             else "expert all-to-all runs over the inter-node network"
         )
         out.append(f"mesh.{axis}={size}: a {axis} group spans {spans} hosts; {why}")
+    return out + _rack_warnings(mesh)
+
+
+def _rack_warnings(mesh: Mesh) -> list[str]:
+    """A data-parallel or expert group across racks while the pipeline stays inside one: the
+    per-step gradient all-reduce (or every all-to-all) then crosses the racks' uplinks, where only
+    the pipeline's point-to-point sends should."""
+    racks = rack_of(mesh)
+    n = max(racks.values()) + 1
+    if n == 1:
+        return []
+    spans = lambda axis: max(len({racks[i] for i in g}) for g in axis_groups(mesh, axis))  # noqa: E731
+    if spans("pipe") > 1:
+        return []
+    out = []
+    for axis in ("data", "expert"):
+        if (k := spans(axis)) > 1:
+            what = "gradient all-reduce" if axis == "data" else "all-to-all"
+            out.append(
+                f"mesh.{axis}={mesh.shape[axis]}: {'an' if axis == 'expert' else 'a'} {axis} group spans {k} racks "
+                "while no pipeline group "
+                f"does; its {what} crosses the inter-rack links: let the pipeline cross racks instead "
+                f"(mesh.pipe a multiple of the {n} racks, outermost in mesh.order)"
+            )
     return out
 
 
 def describe_dict(mesh: Mesh) -> dict[str, Any]:
     """Machine-readable description: axes, shape, hosts, device ids, host of each device, groups."""
-    hosts = host_of(mesh)
+    hosts, racks = host_of(mesh), rack_of(mesh)
     ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
     return {
         "axes": list(mesh.axis_names),
         "shape": {ax: int(mesh.shape[ax]) for ax in mesh.axis_names},
         "hosts": max(hosts.values()) + 1,
+        "racks": max(racks.values()) + 1,
         "device_ids": ids.tolist(),
         "host_of": {str(k): v for k, v in sorted(hosts.items())},
+        "rack_of": {str(k): v for k, v in sorted(racks.items())},
         "groups": {ax: axis_groups(mesh, ax) for ax in mesh.axis_names},
     }
 
@@ -184,14 +231,17 @@ def describe_dict(mesh: Mesh) -> dict[str, Any]:
 def describe(mesh: Mesh) -> str:
     """Readable table: host/device at each mesh coordinate, then the groups along each axis."""
     d = describe_dict(mesh)
-    hosts = d["host_of"]
+    hosts, racks = d["host_of"], d["rack_of"]
     shape = " x ".join(f"{a}={d['shape'][a]}" for a in d["axes"])
-    lines = [f"mesh {shape}  ({d['hosts']} host(s), {len(hosts)} devices)"]
-    lines.append("  " + "  ".join(f"{a:>6}" for a in d["axes"]) + "    host  device")
+    multi = d["racks"] > 1  # the rack column only where there is more than one rack
+    in_racks = f" in {d['racks']} racks" if multi else ""
+    lines = [f"mesh {shape}  ({d['hosts']} host(s){in_racks}, {len(hosts)} devices)"]
+    lines.append("  " + "  ".join(f"{a:>6}" for a in d["axes"]) + ("    rack" if multi else "") + "    host  device")
     ids = np.array(d["device_ids"])
     for coord in np.ndindex(ids.shape):
         dev = int(ids[coord])
-        lines.append("  " + "  ".join(f"{c:>6}" for c in coord) + f"    {hosts[str(dev)]:>4}  {dev:>6}")
+        rack = f"    {racks[str(dev)]:>4}" if multi else ""
+        lines.append("  " + "  ".join(f"{c:>6}" for c in coord) + f"{rack}    {hosts[str(dev)]:>4}  {dev:>6}")
     for ax in d["axes"]:
         lines.append(f"{ax} groups: " + " ".join("[" + ",".join(map(str, g)) + "]" for g in d["groups"][ax]))
     return "\n".join(lines)

@@ -1,14 +1,14 @@
 """TrainState and the jitted 3D (+EP) train step.
 
-One step: forward, loss, grads (accumulated over microbatches), ONE data-parallel reduction,
-optax update. The model is driven only through its `ModelFns` (meshrun/model_api.py) and the
-parameter/gradient/optimizer layouts come from one `ZeroLayout` (meshrun/zero.py), both built once
-here and handed to whichever loop accumulates the gradients. Data-parallel reduction placement:
-left to itself GSPMD puts the gradient all-reduce inside the accumulation loop (once per
-microbatch), so the loop runs in a `shard_map` that is manual over the data-parallel axes ('data',
-'expert') and auto over 'tensor'; the reduction is one psum (ZeRO-0) or psum_scatter (ZeRO >= 1,
-Rajbhandari et al. 2020) after the loop. With `mesh.pipe > 1` the pipeline executor does the same
-around its tick loop.
+One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
+reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
+`ModelFns` (meshrun/model_api.py) and the parameter/gradient/optimizer layouts come from one
+`ZeroLayout` (meshrun/zero.py), both built once here and handed to whichever loop accumulates the
+gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
+psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class TrainState(NamedTuple):
@@ -45,6 +45,7 @@ class StepFns:
 
     step: Any  # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
     init: Any  # () -> TrainState, jitted with out_shardings
+    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
@@ -123,7 +124,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
                 return jax.tree.map(jnp.add, acc, (g, sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, tuple(split(a) for a in batch))
             loss, metrics = model_api.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
@@ -182,12 +183,14 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
             "the model cannot take segment ids",
         )
 
-    def init_state() -> TrainState:
-        params = arrays(models.init_params(cfg.model, cfg.train.seed)[1])
+    def state_from(params) -> TrainState:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
+    def init_state() -> TrainState:
+        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
+
     abstract = jax.eval_shape(init_state)
-    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero)
+    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype)
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     opt_sh = optax.tree_map_params(
         tx,
@@ -206,13 +209,16 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         to_run = jax.jit(lambda st: relayout(st, tx, to_pipeline_layout, p, v), out_shardings=state_sh)
         to_model = jax.jit(lambda st: relayout(st, tx, from_pipeline_layout, p, v), out_shardings=state_sh)
         init = jax.jit(lambda: relayout(init_state(), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
     else:
         to_run = to_model = lambda st: st  # noqa: E731
         init = jax.jit(init_state, out_shardings=state_sh)
+        init_from = jax.jit(state_from, out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
         loss, grads, aux = loss_and_grads(state.params, *batch)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -223,4 +229,4 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return StepFns(step, init, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads, zl)
+    return StepFns(step, init, init_from, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads, zl)

@@ -10,6 +10,11 @@ four trees of PartitionSpecs over the whole mesh:
 * grads   -- reduced gradients as the step returns them (ZeRO >= 1: scattered over the DP axes),
 * opt     -- optimizer moments (ZeRO >= 1: scattered like the gradients).
 
+Gradients accumulate in float32 (`accum_zeros`, also for 16-bit params) and the one data-parallel
+reduction per step can run in a narrower dtype (`reduce_dtype`, `train.grad_reduce_dtype`): the
+partial sums are cast down just before the DP collective and back to float32 right after it, so the
+wire carries half the bytes while the accumulation and the optimizer see float32.
+
 Everything here runs once per step, outside any microbatch/tick loop. Gathers (ZeRO-3) and
 reduce-scatters (ZeRO >= 1) run in shard_maps manual over EVERY mesh axis, so each device moves
 its local tensor shard as it is: the same collectives inside a shard_map that leaves 'tensor' to
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -31,6 +37,17 @@ from meshrun.sharding import DP_AXES, dims_with, is_spec, names_to_specs, param_
 
 def _map(fn: Callable, *trees: Any) -> Any:
     return jax.tree.map(fn, *trees, is_leaf=is_spec)
+
+
+def accum_zeros(tree: Any) -> Any:
+    """Zero gradient accumulators for `tree` (arrays or ShapeDtypeStructs): float32 for every
+    floating leaf, 16-bit ones included ("gradients accumulated locally in FP32")."""
+
+    def one(a):
+        dt = jnp.promote_types(a.dtype, jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+        return jnp.zeros(a.shape, dt)
+
+    return jax.tree.map(one, tree)
 
 
 @dataclass(frozen=True)
@@ -43,21 +60,28 @@ class ZeroLayout:
     compute: Any
     grads: Any
     opt: Any
+    reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
 
     @classmethod
-    def build(cls, names: Any, shapes: Any, mesh: Mesh, stage: int) -> ZeroLayout:
-        """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs."""
+    def build(cls, names: Any, shapes: Any, mesh: Mesh, stage: int, reduce_dtype: Any = None) -> ZeroLayout:
+        """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
+        reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)  # noqa: E731
-        return cls(mesh, stage, specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
+        rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+        rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
+        trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
+        return cls(mesh, stage, *trees, reduce_dtype=rd)
 
     def sub(self, key: str) -> ZeroLayout:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
-        return ZeroLayout(self.mesh, self.stage, *(t[key] for t in (self.store, self.compute, self.grads, self.opt)))
+        trees = (t[key] for t in (self.store, self.compute, self.grads, self.opt))
+        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype)
 
     def without(self, key: str) -> ZeroLayout:
         """The layout of every top-level entry but `key`."""
         drop = lambda t: {k: v for k, v in t.items() if k != key}  # noqa: E731
-        return ZeroLayout(self.mesh, self.stage, *(drop(t) for t in (self.store, self.compute, self.grads, self.opt)))
+        trees = (drop(t) for t in (self.store, self.compute, self.grads, self.opt))
+        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype)
 
     # ------------------------------------------------------------ what the loop's shard_map sees
 
@@ -125,13 +149,13 @@ class ZeroLayout:
         def body(*gs):
             out = []
             for g, i in zip(gs, idx, strict=True):
-                g = g[0]
+                dt, g = g.dtype, self._down(g[0])
                 red = self._reduction_axes(flat_b[i])
                 for d, axes in dims_with(flat_t[i], DP_AXES):
                     if axes := tuple(a for a in axes if a in red):
                         g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
                         red = tuple(a for a in red if a not in axes)
-                out.append(jax.lax.psum(g, red) if red else g)
+                out.append((jax.lax.psum(g, red) if red else g).astype(dt))
             return tuple(out)
 
         fn = jax.shard_map(
@@ -147,6 +171,10 @@ class ZeroLayout:
 
     # ------------------------------------------------------------ per-leaf rules
 
+    def _down(self, g: jax.Array) -> jax.Array:
+        """A gradient as the data-parallel collective carries it (`reduce_dtype`)."""
+        return g if self.reduce_dtype is None or g.dtype == self.reduce_dtype else g.astype(self.reduce_dtype)
+
     def _reduction_axes(self, base: P) -> tuple[str, ...]:
         """DP axes a gradient is summed over: all live ones, except those the weight is already split
         over (experts over 'expert' are reduced over 'data' only)."""
@@ -154,6 +182,12 @@ class ZeroLayout:
         return tuple(a for a in DP_AXES if self.mesh.shape[a] > 1 and a not in used)
 
     def _deferred(self, base: P, target: P) -> bool:
-        """Leaves whose reduced gradient is scattered over a DP axis (ZeRO >= 1)."""
+        """Leaves reduced in `finish`: those whose reduced gradient is scattered over a DP axis
+        (ZeRO >= 1), and with a narrower `reduce_dtype` every leaf with a DP reduction. A 16-bit
+        all-reduce inside the loop's shard_map (manual over pipe/data/expert, auto over tensor)
+        aborted XLA:CPU's all-reduce promotion (jax 0.10.2: "Invalid binary instruction opcode
+        copy"); in `finish`'s shard_map, manual over every axis, it compiles and runs."""
         red = self._reduction_axes(base)
+        if self.reduce_dtype is not None and red:
+            return True
         return any(a in red for _, axes in dims_with(target, DP_AXES) for a in axes)

@@ -5,7 +5,8 @@ Functional API (what the train step and the pipeline executor call)::
     graphdef, params = init_params(cfg, rng_seed)        # params: nnx.State of nnx.Param
     # params keys: 'embed' {'embedding' [V,D] ('vocab','embed')}, 'layers' (every leaf has the leading
     # stacked 'layers' axis), 'final_norm' {'scale' [D] ('norm',)}, 'head' {'kernel' [D,V] ('embed','vocab')}
-    # ('head' absent when cfg.tie_embeddings). Shardings: meshrun.sharding.tree_shardings(params, mesh, rules).
+    # ('head' absent when cfg.tie_embeddings; attn q_bias/k_bias/v_bias only with cfg.qkv_bias).
+    # Shardings: meshrun.sharding.tree_shardings(params, mesh, rules).
     x_BxLxD = embed(params, tokens_BxL, cfg)
     x_BxLxD, aux = apply_layers(jax.tree.map(lambda w: w[a:b], params['layers']), x_BxLxD, cfg)
     loss_sum, n_tokens = head_loss(params, x_BxLxD, labels_BxL, cfg)   # sums; labels < 0 are ignored

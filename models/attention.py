@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from meshrun_models.layers import Lead, dtype_of, normal_param, rope, segment_positions
+from meshrun_models.layers import Lead, dtype_of, normal_param, rope, rope_freqs, segment_positions, zeros_param
 
 from meshrun.config import ModelConfig
 from meshrun.sharding import constrain
@@ -30,6 +30,10 @@ class Attention(nnx.Module):
         self.k = normal_param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), lead, cfg)
         self.v = normal_param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), lead, cfg)
         self.o = normal_param(rngs.params(), (h, dh, d), ("heads", "head_dim", "embed"), lead, cfg)
+        if cfg.qkv_bias:  # Qwen2
+            self.q_bias = zeros_param((h, dh), ("heads", "head_dim"), lead, cfg)
+            self.k_bias = zeros_param((k, dh), ("kv_heads", "head_dim"), lead, cfg)
+            self.v_bias = zeros_param((k, dh), ("kv_heads", "head_dim"), lead, cfg)
 
 
 def _impl(name: str) -> str | None:
@@ -58,15 +62,26 @@ def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, 
     wq_DxKxGxDh = p["q"].reshape(cfg.d_model, n_kv, g, dh)
     w = jnp.concatenate([wq_DxKxGxDh, p["k"][:, :, None], p["v"][:, :, None]], axis=2).astype(dt)
     qkv = jnp.einsum("bld,dkgh->blkgh", h_BxLxD, w)
+    if cfg.qkv_bias:
+        b_q = p["q_bias"].reshape(n_kv, g, dh)
+        qkv = qkv + jnp.concatenate([b_q, p["k_bias"][:, None], p["v_bias"][:, None]], axis=1).astype(dt)
     qkv = checkpoint_name(constrain(qkv, ("batch", None, "kv_heads", None, "head_dim")), "qkv")
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    freq = rope_freqs(cfg)
     pos_BxL, mask = segments if segments is not None else (None, None)
-    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, cfg.rope_theta, pos_BxL), ("batch", None, "heads", "head_dim"))
-    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, cfg.rope_theta, pos_BxL), ("batch", None, "kv_heads", "head_dim"))
+    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, freq, pos_BxL), ("batch", None, "heads", "head_dim"))
+    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, freq, pos_BxL), ("batch", None, "kv_heads", "head_dim"))
+    window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
     o_BxLxHxDh = jax.nn.dot_product_attention(
-        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask, is_causal=True, implementation=_impl(cfg.attention_impl)
+        q_BxLxHxDh,
+        k_BxLxKxDh,
+        v_BxLxKxDh,
+        mask=mask,
+        is_causal=True,
+        local_window_size=window,
+        implementation=_impl(cfg.attention_impl),
     )
     o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
     return jnp.einsum("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt))

@@ -39,6 +39,12 @@ def normal_param(key, shape: Sequence[int], names: Sequence[str | None], lead: L
     return nnx.Param(value, out_sharding=tuple(n for _, n in lead) + tuple(names))
 
 
+def zeros_param(shape: Sequence[int], names: Sequence[str | None], lead: Lead, cfg: ModelConfig):
+    lead_shape = tuple(s for s, _ in lead)
+    value = jnp.zeros(lead_shape + tuple(shape), dtype_of(cfg.param_dtype))
+    return nnx.Param(value, out_sharding=tuple(n for _, n in lead) + tuple(names))
+
+
 def ones_param(shape: Sequence[int], names: Sequence[str | None], lead: Lead, cfg: ModelConfig):
     lead_shape = tuple(s for s, _ in lead)
     value = jnp.ones(lead_shape + tuple(shape), dtype_of(cfg.param_dtype))
@@ -85,12 +91,33 @@ def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return (y * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxHxDh: jax.Array, theta: float, positions_BxL: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX); positions 0..L-1
+def rope_freqs(cfg: ModelConfig) -> jax.Array:
+    """Rotary frequencies [Dh/2]: theta^(-2i/Dh); with rope_scaling=llama3 (Llama 3.1) wavelengths above
+    original_max/low_freq_factor are divided by the factor, those below original_max/high_freq_factor
+    kept, and the band between interpolated (transformers' `_compute_llama3_parameters`)."""
+    half = cfg.head_dim // 2
+    freq = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if cfg.rope_scaling == "llama3":
+        f, lo, hi, n0 = (
+            cfg.rope_scaling_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_max_seq_len,
+        )
+        wavelen = 2 * jnp.pi / freq
+        scaled = jnp.where(wavelen > n0 / lo, freq / f, freq)
+        smooth = (n0 / wavelen - lo) / (hi - lo)
+        medium = (wavelen >= n0 / hi) & (wavelen <= n0 / lo)
+        freq = jnp.where(medium, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+    return freq
+
+
+def rope(x_BxLxHxDh: jax.Array, freq: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX and Hugging Face's
+    checkpoints, whose q/k rows are already permuted for it); `freq` from rope_freqs; positions 0..L-1
     unless `positions_BxL` is given (packed documents: positions restart at each document)."""
     _, length, _, dh = x_BxLxHxDh.shape
     half = dh // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     pos = jnp.arange(length)[None] if positions_BxL is None else positions_BxL
     ang_BxLxHalf = pos.astype(jnp.float32)[..., None] * freq
     cos, sin = jnp.cos(ang_BxLxHalf)[:, :, None, :], jnp.sin(ang_BxLxHalf)[:, :, None, :]

@@ -56,6 +56,10 @@ def test_gpu_env_is_what_sourcing_gpu_env_sh_gives():
     flags = env["XLA_FLAGS"].split()
     assert flags[0] == "--xla_dump_to=x" and "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
     assert env["NCCL_DEBUG"] == "INFO" and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"  # exported first wins
+    comm = gpu.comm_flags(env["XLA_FLAGS"])  # what bench/gpu.py records: overlap and bucket flags only
+    assert comm["xla_gpu_enable_latency_hiding_scheduler"] == "true"
+    assert comm["xla_gpu_all_reduce_combine_threshold_bytes"] == str(128 * 2**20)
+    assert "xla_gpu_enable_pipelined_all_reduce" in comm and "xla_gpu_enable_triton_gemm" not in comm
 
 
 def test_compare_rows_are_valid_layouts():

@@ -187,6 +187,7 @@ _WORKER = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_processes_build_only_their_rows(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

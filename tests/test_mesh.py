@@ -80,7 +80,7 @@ def test_cli_json_keys(capsys):
     rc = main(["mesh", "--devices", "8", "--hosts", "2", "mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "--json"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
-    assert set(d) == {"axes", "shape", "hosts", "device_ids", "host_of", "groups", "warnings"}
+    assert set(d) == {"axes", "shape", "hosts", "racks", "device_ids", "host_of", "rack_of", "groups", "warnings"}
     assert d["axes"] == ["pipe", "data", "expert", "tensor"] and d["hosts"] == 2
     assert d["device_ids"] == [[[[0, 1]], [[2, 3]]], [[[4, 5]], [[6, 7]]]]
     assert all(len(h) == 1 for h in _hosts_of(d["groups"]["tensor"], d["host_of"]))

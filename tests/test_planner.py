@@ -1,4 +1,4 @@
-"""Planner: the seed's numbers (corrected), Megatron's measured GPT-3 175B run, search, rules, bad input.
+"""Planner: the seed's numbers (corrected), Megatron's measured runs (leave-one-out), search, rules, bad input.
 
 Pure Python, no JAX: the cost model is arithmetic, so these tests pin exact formulas where the
 literature gives them and measured numbers (with the stated band) where it does not.
@@ -16,9 +16,11 @@ import pytest
 from meshrun import flops
 from meshrun.config import ModelConfig, load_config
 from meshrun.errors import ConfigError
-from meshrun.planner import cost, search
+from meshrun.planner import calibrate, cost, search, timing
 from meshrun.planner.cost import Layout
 from meshrun.planner.hardware import GB, parse_cluster
+
+MEGA = dict(framework="megatron")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -65,28 +67,67 @@ def test_dp_degree_and_global_batch(gpt3, capsys):
     assert any("global batch 32768" in v and "= 512" in v for v in bad)
 
 
-def test_model_states_16_bytes_per_param(gpt3):
-    prec = cost.precision_of(gpt3)  # bf16 params: 2 + 2 + (4 master + 8 Adam)
-    assert (prec.param, prec.grad, prec.opt) == (2, 2, 12)
+def test_model_states_bytes_per_param(gpt3):
+    # Megatron: bf16 params 2 + fp32 gradient buffers 4 + (4 master + 8 Adam) = 18 B/param.
+    prec = cost.precision_of(gpt3, "megatron")
+    assert (prec.param, prec.grad, prec.opt) == (2, 4, 12)
     psi = cost.param_counts(gpt3)["total"]
-    mem = cost.predict_memory(gpt3, seq_len=2048, remat="full")
+    mem = cost.predict_memory(gpt3, seq_len=2048, remat="full", **MEGA)
     states = mem["params"] + mem["grads"] + mem["optimizer"]
-    assert states == pytest.approx(16 * psi, rel=1e-9)
-    assert states == pytest.approx(2.8e12, rel=0.01)  # the seed's 2.8 TB
+    assert states == pytest.approx(18 * psi, rel=1e-9)
+    assert states * 16 / 18 == pytest.approx(2.8e12, rel=0.01)  # the seed's 2.8 TB at 16 B/param
+    # meshrun: grads and Adam m, v in the param dtype; + the float32 accumulator (m > 1) and the update temporary.
+    assert cost.precision_of(gpt3) == cost.Precision(param=2, grad=2, opt=4, act=2)
+    one = cost.predict_memory(gpt3, seq_len=2048, remat="full")
+    acc = cost.predict_memory(gpt3, seq_len=2048, remat="full", microbatches=4)
+    assert one["params"] + one["grads"] + one["optimizer"] == pytest.approx(10 * psi, rel=1e-3)
+    assert acc["grads"] - one["grads"] == pytest.approx(4 * psi, rel=1e-3)  # zero.accum_zeros: fp32 sums
 
 
-@pytest.mark.parametrize("zero,expect", [(0, lambda d: 16), (1, lambda d: 4 + 12 / d), (2, lambda d: 2 + 14 / d)])
+@pytest.mark.parametrize("zero,expect", [(0, lambda d: 18), (1, lambda d: 6 + 12 / d), (2, lambda d: 2 + 16 / d)])
 def test_zero_stage_formulas(gpt3, zero, expect):
     psi = cost.param_counts(gpt3)["total"]
     for d in (2, 8, 64):
-        mem = cost.predict_memory(gpt3, data=d, zero=zero, seq_len=2048)
+        mem = cost.predict_memory(gpt3, data=d, zero=zero, seq_len=2048, **MEGA)
         assert mem["params"] + mem["grads"] + mem["optimizer"] == pytest.approx(expect(d) * psi, rel=1e-9)
+
+
+def test_meshrun_vs_megatron_zero_semantics(gpt3):
+    """meshrun accumulates locally and reduces once per step at every ZeRO stage (the accumulator is
+    full size during the loop); Megatron/DeepSpeed ZeRO-2 reduce-scatters every micro-batch."""
+    psi = cost.param_counts(gpt3)["total"]
+    kw = dict(seq_len=2048, data=8, microbatches=4)
+    z0, z1, z3 = (cost.predict_memory(gpt3, zero=z, **kw) for z in (0, 1, 3))
+    assert z1["grads"] == pytest.approx(z0["grads"], rel=1e-9)
+    assert z1["optimizer"] == pytest.approx(4 * psi / 8 + 2 * psi, rel=1e-3)  # m, v sharded + update temp
+    assert z3["params"] == pytest.approx(2 * psi / 8 + 2 * psi, rel=1e-3)  # all weights gathered before the loop
+    cluster = parse_cluster("a100-80g:8x8")
+    lay = Layout(tensor=8, pipe=1, data=8, microbatches=4, zero=2)
+    mesh = timing.predict_time(gpt3, lay, cluster, 2048)
+    mega = timing.predict_time(gpt3, lay, cluster, 2048, **MEGA)
+    assert mesh["zero_comm"] == 0 < mesh["dp_sync"]
+    assert mega["zero_comm"] > 0 and mega["dp_sync_full"] > mesh["dp_sync_full"]  # per micro-batch, fp32
+
+
+def test_hierarchical_allreduce_and_network():
+    c = parse_cluster("a100-80g:4x8,ib=4x200")
+    assert str(c) == "a100-80g:4x8,ib=4x200" and c.nic_bw_per_gpu == pytest.approx(4 * 200e9 / 8 / 8)
+    assert parse_cluster("a100-80g:4x8").nic_bw_per_gpu == pytest.approx(25e9)
+    assert c.split_group(32, 1) == (8, 4) and c.split_group(4, 8) == (1, 4) and c.split_group(8, 2) == (4, 2)
+    nbytes, eff = 1e9, 0.8
+    inside = c.allreduce_seconds(nbytes, 8)
+    assert inside == pytest.approx(1e-5 + 2 * 7 / 8 * nbytes / (300e9 * eff))
+    both = c.allreduce_seconds(nbytes, 32)
+    inter = 2 * 3 / 4 * (nbytes / 8) / (c.nic_bw_per_gpu * eff)
+    assert both == pytest.approx(inside + inter)
+    pcie = parse_cluster("a100-80g-pcie:1x8")
+    assert pcie.group_bw(8) == pytest.approx(32e9 * eff)
 
 
 def test_zero3_shards_everything(gpt3):
     psi = cost.param_counts(gpt3)["total"]
-    mem = cost.predict_memory(gpt3, data=64, zero=3, seq_len=2048)
-    assert mem["grads"] + mem["optimizer"] == pytest.approx(14 * psi / 64, rel=1e-9)
+    mem = cost.predict_memory(gpt3, data=64, zero=3, seq_len=2048, **MEGA)
+    assert mem["grads"] + mem["optimizer"] == pytest.approx(16 * psi / 64, rel=1e-9)
     gather = 2 * 2 * cost.layer_params(gpt3)  # two layers of bf16 weights gathered at a time
     assert mem["params"] == pytest.approx(2 * psi / 64 + gather, rel=1e-9)
 
@@ -94,7 +135,7 @@ def test_zero3_shards_everything(gpt3):
 @pytest.mark.parametrize("p,m,expect", [(24, 8, 23 / 31), (16, 192, 15 / 207), (1, 4, 0.0)])
 def test_bubble_fraction(gpt3, p, m, expect):
     cluster = parse_cluster("a100-80g:128x8")
-    tm = cost.predict_time(gpt3, Layout(pipe=p, microbatches=m), cluster, 2048)
+    tm = timing.predict_time(gpt3, Layout(pipe=p, microbatches=m), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx(expect, abs=1e-12)
     if (p, m) == (24, 8):
         assert tm["bubble_fraction"] == pytest.approx(0.742, abs=1e-3)  # the seed's 74%
@@ -103,14 +144,14 @@ def test_bubble_fraction(gpt3, p, m, expect):
 @pytest.mark.parametrize("p", [2, 4, 8, 16, 24])
 def test_bubble_at_m_equals_4p(gpt3, p):
     cluster = parse_cluster("a100-80g:128x8")
-    tm = cost.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p), cluster, 2048)
+    tm = timing.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx((p - 1) / (5 * p - 1), abs=1e-12)
     if p >= 8:
         assert tm["bubble_fraction"] > 0.175  # still ~19% for large p: m = 4p is not "no bubble"
     busy = sum(tm[k] for k in ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm"))
     assert tm["bubble"] / (tm["bubble"] + busy) == pytest.approx(tm["bubble_fraction"], rel=1e-9)
     v = 4
-    tm = cost.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p, virtual=v, schedule="interleaved"), cluster, 2048)
+    tm = timing.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p, virtual=v, schedule="interleaved"), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx((p - 1) / (v * 4 * p + p - 1), abs=1e-12)
 
 
@@ -145,7 +186,7 @@ def test_activation_bytes_match_korthikanti(gpt3):
 
 def test_full_remat_keeps_2sbh_per_layer_and_1f1b_holds_p_microbatches(gpt3):
     s, h, t, p = 2048, 12288, 8, 16
-    common = dict(tensor=t, pipe=p, data=8, seq_len=s, dropout=True, zero=0, sequence_parallel=False)
+    common = dict(tensor=t, pipe=p, data=8, seq_len=s, dropout=True, zero=0, sequence_parallel=False, **MEGA)
     a = cost.predict_memory(gpt3, microbatches=64, remat="full", **common)
     b = cost.predict_memory(gpt3, microbatches=192, remat="full", **common)
     assert a["activations"] == b["activations"]  # 1F1B: peak does not grow with m
@@ -158,54 +199,92 @@ def test_full_remat_keeps_2sbh_per_layer_and_1f1b_holds_p_microbatches(gpt3):
 
 def test_fp32_cpu_mode_bytes_per_param():
     tiny = ModelConfig()  # the tiny CPU config: float32 params and compute, no master copy
-    prec = cost.precision_of(tiny)
-    assert (prec.param, prec.grad, prec.opt, prec.act) == (4, 4, 8, 4)
+    for fw in ("megatron", "meshrun"):
+        prec = cost.precision_of(tiny, fw)
+        assert (prec.param, prec.opt, prec.act) == (4, 8, 4)
     psi = cost.param_counts(tiny)["total"]
-    mem = cost.predict_memory(tiny, micro_batch_size=2, seq_len=64, remat="none")
+    mem = cost.predict_memory(tiny, micro_batch_size=2, seq_len=64, remat="none", **MEGA)
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
     assert mem["total"] == pytest.approx(sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "logits")))
     assert mem["logits"] == 64 * 2 * tiny.vocab * (4 + 4) + 4 * 64 * 2 * tiny.d_model
-    acc = cost.predict_memory(tiny, micro_batch_size=2, microbatches=4, seq_len=64, remat="none", accum_copy=True)
-    assert acc["grads"] == 8 * psi
+
+
+def test_memory_overheads_and_stage_breakdown(gpt3):
+    kw = dict(tensor=8, pipe=16, data=8, microbatches=192, seq_len=2048, remat="full", **MEGA)
+    bare = cost.predict_memory(gpt3, **kw)
+    full = cost.predict_memory(gpt3, **kw, overheads=True)
+    assert set(full["stages"]) == {"first", "middle", "last"}
+    first = full["stages"]["first"]
+    frag = cost.FRAGMENTATION * (first["activations"] + first["logits"])
+    assert first["overheads"] == pytest.approx(cost.CUDA_CONTEXT_BYTES + 3 * cost.COMM_BUFFER_BYTES + frag)
+    assert full["total"] - bare["total"] == pytest.approx(first["overheads"])  # 1F1B: stage 0 is fullest
+    assert full["stages"]["last"]["logits"] > 0 == full["stages"]["first"]["logits"]
+    # Dropout masks: one byte per masked element (Korthikanti 2022's 34 vs 2 x 11 + 2 x 5 + ...).
+    drop = cost.predict_memory(gpt3, **kw, dropout=True)
+    assert drop["activations"] > bare["activations"]
 
 
 def test_moe_expert_params_divided_by_ep():
     mix = load_config(MODELS / "mixtral-8x7b.yaml").model
     counts = cost.param_counts(mix)
     assert counts["total"] == pytest.approx(46.7e9, rel=5e-3)
-    one = cost.predict_memory(mix, data=8, expert=1, seq_len=4096)
-    eight = cost.predict_memory(mix, data=1, expert=8, seq_len=4096)
+    one = cost.predict_memory(mix, data=8, expert=1, seq_len=4096, **MEGA)
+    eight = cost.predict_memory(mix, data=1, expert=8, seq_len=4096, **MEGA)
     assert one["params"] - eight["params"] == pytest.approx(2 * counts["experts"] * (1 - 1 / 8), rel=1e-9)
 
 
-# ----------------------------------------------------------------------------- Megatron's 175B run
+# ----------------------------------------------------------------------------- Megatron's measured runs
 
 
 def test_evaluate_megatron_gpt3_175b(capsys):
-    argv = ["--model", str(GPT3), "--cluster", "a100-80g:128x8", "--global-batch", "1536", "--seq-len", "2048"]
+    argv = ["--model", str(GPT3), "--cluster", "a100-80g:128x8,ib=8x200", "--global-batch", "1536", "--seq-len", "2048"]
     ev = "tensor=8,pipe=16,data=8,micro_batch_size=1,remat=full,sequence_parallel=false,zero=0"
-    rc, out, err = run_cli([*argv, "--evaluate", ev, "--json"], capsys)
+    rc, out, err = run_cli([*argv, "--framework", "megatron", "--dropout", "0.1", "--evaluate", ev, "--json"], capsys)
     assert rc == 0, err
     doc = json.loads(out)
     (cfg,) = doc["configs"]
     assert (cfg["tensor"], cfg["pipe"], cfg["data"], cfg["microbatches"]) == (8, 16, 8, 192)
-    assert abs(cfg["tflops_per_device"] - 138) <= 0.15 * 138, cfg["tflops_per_device"]
+    assert abs(cfg["tflops_per_device"] - 138) <= 0.10 * 138, cfg["tflops_per_device"]
     assert cfg["violations"] == []
-    assert cfg["memory_gb"] < 0.9 * 80
+    assert cfg["memory_gb"] < 80
+    assert set(cfg["memory_stages_gb"]) == {"first", "middle", "last"} and cfg["layers_per_stage"] == [6] * 16
     assert cfg["bubble_fraction"] == pytest.approx(15 / 207, abs=1e-4)
     # MFU counts model FLOPs only: below the hardware-FLOP utilisation by the recompute share (3/4).
     hfu = cfg["tflops_per_device"] / 312
     model = load_config(GPT3).model
     share = flops.model_flops(model, 1536, 2048) / flops.hardware_flops(model, 1536, 2048, "full")
     assert cfg["mfu"] == pytest.approx(hfu * share, rel=1e-3)
-    for key in ("memory_gb", "step_time_s", "tflops_per_device", "mfu", "bubble_fraction", "violations"):
-        assert key in cfg
+    rc, text, _ = run_cli([*argv, "--framework", "megatron", "--evaluate", ev], capsys)
+    assert rc == 0 and "first (0)" in text and "middle (8)" in text and "last (15)" in text
 
 
-def test_efficiency_constant_is_the_table1_fit():
-    assert search.fit_efficiency() == pytest.approx(cost.GEMM_EFFICIENCY, abs=0.002)
-    for size, pred, measured in search.table1_predictions(cost.GEMM_EFFICIENCY):
-        assert abs(pred - measured) <= 0.15 * measured, (size, pred, measured)
+def test_calibration_is_the_fit_and_leave_one_out():
+    """Every Table 1 row, predicted by a calibration fitted on the other nine, is within +-15%;
+    the mean |error| is at most 8% (the README's table)."""
+    assert calibrate.fit_calibration() == timing.CALIBRATION
+    loo = calibrate.leave_one_out()
+    assert len(loo) == 10
+    for size, measured, pred, err in loo:
+        assert abs(err) <= 0.15, (size, measured, pred)
+    assert sum(abs(e) for *_, e in loo) / len(loo) <= 0.08
+    readme = (ROOT / "README.md").read_text()
+    assert calibrate.loo_table() in readme
+
+
+def test_gemm_efficiency_depends_on_shape():
+    from meshrun.planner.hardware import GPUS
+    from meshrun.planner.kernels import gemm_seconds
+
+    a100, cal = GPUS["a100-80g"], timing.CALIBRATION
+
+    def eff(m, n, k):
+        return 2 * m * n * k / gemm_seconds(m, n, k, a100, cal) / a100.peak_flops
+
+    assert eff(8192, 8192, 8192) > 0.7 > eff(2048, 1536, 12288)  # whole waves vs 1.8 waves of tiles
+    assert eff(2048, 2048, 64) < 0.5  # thin inner dimension: memory bound
+    nbytes = 2 * (2048 * 64 * 2 + 2048 * 2048)
+    assert gemm_seconds(2048, 2048, 64, a100, cal) == pytest.approx(nbytes / (a100.hbm_bw * cal.hbm))
+    assert eff(2048, 4608, 12288) == pytest.approx(cal.gemm * 288 / 324, rel=1e-6)  # 288 tiles in 3 waves of 108
 
 
 def test_top_plan_175b(gpt3, capsys):
@@ -216,7 +295,7 @@ def test_top_plan_175b(gpt3, capsys):
     assert len(configs) == 5
     best = configs[0]
     assert best["tensor"] <= 8 and best["bubble_fraction"] < 0.10 and best["violations"] == []
-    assert best["memory_gb"] <= 0.9 * 80
+    assert best["memory_gb"] <= 80
     assert [c["step_time_s"] for c in configs] == sorted(c["step_time_s"] for c in configs)
     for c in configs:
         assert c["tensor"] * c["pipe"] * c["data"] * c["expert"] == 1024
@@ -245,21 +324,22 @@ def test_rules_are_reported_with_numbers(gpt3):
         gpt3, Layout(tensor=8, pipe=16, data=8, microbatches=8, micro_batch_size=24), cluster, 1536, 2048
     )
     assert any("microbatches=8 < 4*pipe=64: pipeline bubble 65.2%" in v for v in r.violations)
-    assert any(re.search(r"memory [\d.]+ GB > 72.0 GB usable", v) for v in r.violations)
+    assert any(re.search(r"memory [\d.]+ GB on stage 0 > 80.0 GB of a100-80g", v) for v in r.violations)
     r = search.evaluate(gpt3, Layout(tensor=8, pipe=1, data=128, microbatches=12), cluster, 1536, 2048)
     assert any("memory" in v for v in r.violations)
     small = load_config(MODELS / "megatron-1.7b.yaml").model
-    r = search.evaluate(small, Layout(tensor=1, pipe=1, data=1024, microbatches=1), cluster, 1024, 2048)
+    slow_net = parse_cluster("a100-80g:128x8,ib=1x100")  # one 100 Gb/s NIC per node
+    r = search.evaluate(small, Layout(tensor=1, pipe=1, data=1024, microbatches=1), slow_net, 1024, 2048)
     assert any(re.search(r"data-parallel gradient sync [\d.]+ s > compute [\d.]+ s", v) for v in r.violations)
     llama = load_config(MODELS / "llama-70b.yaml").model
-    r = search.evaluate(llama, Layout(tensor=5, pipe=3, data=2, expert=2, virtual=2), cluster, 7, 4096)
+    r = search.evaluate(llama, Layout(tensor=5, pipe=48, data=2, expert=2, virtual=2), cluster, 7, 4096)
     text = " | ".join(r.violations)
     for frag in (
         "n_heads=64 is not divisible by tensor=5",
         "n_kv_heads=8",
-        "n_layers=80 is not divisible by pipe*virtual=6",
+        "n_layers=80 < pipe*virtual=96",
         "expert=2 > 1 on a dense model",
-        "= 60 != 1024 devices",
+        "= 960 != 1024 devices",
         "global batch 7",
     ):
         assert frag in text
@@ -283,8 +363,9 @@ def test_model_that_fits_nowhere_says_smallest_memory(gpt3):
         search.search(gpt3, parse_cluster("a100-80g:1x8"), 64, 2048, name="gpt3-175b")
     need = float(re.search(r"at least ([\d.]+) GB", str(e.value)).group(1))
     psi = cost.param_counts(gpt3)["total"]
-    assert need * GB >= 16 * psi / 8  # the model states alone, spread over 8 GPUs
-    assert need * GB == pytest.approx(16 * psi / 8, rel=0.02)
+    # meshrun's model states, spread over 8 GPUs: bf16 params, grads + fp32 accumulator, Adam m, v, update temp.
+    assert need * GB >= 14 * psi / 8
+    assert need * GB == pytest.approx(14 * psi / 8, rel=0.03)
     assert e.value.field == "--model"
 
 
@@ -296,6 +377,10 @@ def test_model_that_fits_nowhere_says_smallest_memory(gpt3):
         (["--cluster", "a100-80g:1x8"], "it needs at least"),
         (["--cluster", "a100-80g:128x8", "--evaluate", "tensr=8"], "did you mean 'tensor'"),
         (["--cluster", "a100-80g:128x8", "--evaluate", "remat=some"], "--evaluate remat"),
+        (["--cluster", "a100-80g:128x8", "--framework", "deepspeed"], "--framework: invalid value"),
+        (["--cluster", "a100-80g:128x8", "--dropout", "0.1"], "--dropout"),
+        (["--cluster", "a100-80g:128x8,ib=4"], "--cluster: malformed network"),
+        (["--cluster", "a100-80g:128x8,nvl=4"], "--cluster: unknown field 'nvl=4'"),
     ],
 )
 def test_cli_errors_exit_2(argv, frag, capsys):

@@ -1,4 +1,4 @@
-"""`meshrun train`: resume after SIGKILL, restore onto other meshes, bad input, NaN stop."""
+"""`meshrun train`: resume after SIGKILL, restore onto other meshes, bad input (NaN stop: test_faults)."""
 
 import json
 import os
@@ -158,30 +158,6 @@ def test_incompatible_checkpoint_is_refused_and_kept(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "model.d_model" in err and "Traceback" not in err
     assert _snapshot(tmp_path / "checkpoints") == before
-
-
-def test_nan_loss_stops_with_last_good_checkpoint_intact(tmp_path, capsys):
-    over = [
-        *SMALL,
-        "mesh.pipe=1",
-        "mesh.data=4",
-        "train.steps=6",
-        "checkpoint.every=1",
-        "train.lr=1e30",
-        "train.warmup_steps=1",
-        f"train.run_dir={tmp_path}",
-    ]
-    rc = main(["train", "--quiet", str(ROOT / "configs/tiny_cpu.yaml"), *over])
-    err = capsys.readouterr().err
-    assert rc == 3, err
-    assert "loss is nan" in err.lower() or "loss is inf" in err.lower()
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-    bad = max(losses(tmp_path)) + 1 if (tmp_path / "metrics.jsonl").exists() else 1
-    assert steps and max(steps) < bad  # nothing saved at or after the bad step
-    from meshrun.checkpoint import Checkpointer
-    from meshrun.config import CheckpointConfig
-
-    assert Checkpointer(str(tmp_path), CheckpointConfig(), meta={}).latest_step() == max(steps)
 
 
 def test_cli_main_job_prints_json_last_line(tmp_path):

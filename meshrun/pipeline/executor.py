@@ -61,7 +61,7 @@ from meshrun.model_api import ModelFns
 from meshrun.pipeline.program import check_layer_split, tick_program
 from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
-from meshrun.zero import ZeroLayout
+from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class Pipeline:
@@ -163,7 +163,8 @@ class Pipeline:
         gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
         if self.layout == "model":
             gl = from_pipeline_layout(gl, self.p, prog.v)
-        return loss, _wsc(mesh, {**go, "layers": gl}, zl.grads), metrics
+        grads = jax.tree.map(lambda g, a: g.astype(a.dtype), {**go, "layers": gl}, params)  # fp32 sums -> param dtype
+        return loss, _wsc(mesh, grads, zl.grads), metrics
 
     def placed(self, params, tokens, labels, segment_ids=None):
         """(layers in pipeline layout, other params, [M, B, S] microbatched batch arrays, their spec):
@@ -268,8 +269,8 @@ class _StageRun:
             "x_in": self.full(xs.shape, xs.dtype),
             "g_in": self.full(xs.shape, xs.dtype),
             "res": [self.full((self.nslot, *a.shape), a.dtype) for a in self.res_avals],
-            "g_layers": jax.tree.map(jnp.zeros_like, self.layers_v),
-            "g_other": self.zeros_other(),
+            "g_layers": accum_zeros(self.layers_v),  # float32 sums, also for 16-bit params
+            "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),
             "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
         }

@@ -4,15 +4,17 @@ Pure Python (no JAX): `meshrun plan` answers "what TP/PP/DP/EP should I use?" be
 """
 
 from meshrun.flops import hardware_flops, model_flops, param_counts
-from meshrun.planner.cost import GEMM_EFFICIENCY, Layout, Precision, precision_of, predict_memory, predict_time
+from meshrun.planner.balance import split_layers
+from meshrun.planner.cost import Layout, Precision, precision_of, predict_memory
 from meshrun.planner.hardware import GPUS, Cluster, parse_cluster
 from meshrun.planner.search import Result, evaluate
 from meshrun.planner.step_model import predict_collective_bytes, predict_memory_jax
+from meshrun.planner.timing import CALIBRATION, predict_time
 
 # `meshrun.planner.search` stays the module (search.search(...) ranks layouts); it is not shadowed here.
 
 __all__ = [
-    "GEMM_EFFICIENCY",
+    "CALIBRATION",
     "GPUS",
     "Cluster",
     "Layout",
@@ -28,4 +30,5 @@ __all__ = [
     "predict_memory",
     "predict_memory_jax",
     "predict_time",
+    "split_layers",
 ]

@@ -1,7 +1,8 @@
 """`meshrun plan`: which tensor/pipe/data/expert layout to use for a model on a cluster.
 
 meshrun plan --model configs/models/gpt3-175b.yaml --cluster a100-80g:128x8 --global-batch 1536
-meshrun plan --model gpt3-175b --cluster a100-80g:128x8 --evaluate tensor=8,pipe=16,remat=full --json
+meshrun plan --model gpt3-175b --cluster a100-80g:128x8,ib=8x200 --framework megatron \
+    --evaluate tensor=8,pipe=16,remat=full --json
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from meshrun.config import RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
 from meshrun.flops import param_counts
 from meshrun.pipeline.schedules import SCHEDULES
-from meshrun.planner.cost import Layout
-from meshrun.planner.hardware import GB, GPUS, Cluster, parse_cluster
+from meshrun.planner.cost import MEMORY_PARTS, Layout
+from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.search import REMATS, Result, evaluate, search
+from meshrun.planner.timing import FRAMEWORKS
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "zero")
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule")
@@ -27,11 +29,13 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="rank parallel layouts (TP/PP/DP/EP, ZeRO, remat) for a model")
     p.add_argument("--model", required=True, help="model YAML (a `model:` section), or a name in configs/models")
-    p.add_argument("--cluster", required=True, help=f"GPU:NODESxGPUS_PER_NODE, e.g. a100-80g:128x8; GPUs: {list(GPUS)}")
+    p.add_argument("--cluster", required=True, help=f"{CLUSTER_HELP}; GPUs: {list(GPUS)}")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: train.global_batch)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
     p.add_argument("--top", type=int, default=5, help="how many layouts to show")
     p.add_argument("--evaluate", default=None, metavar="KEY=VALUE,...", help=f"one layout; keys: {list(EVAL_KEYS)}")
+    p.add_argument("--framework", default="meshrun", help=f"whose step semantics to cost: {list(FRAMEWORKS)}")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (megatron only; meshrun has none)")
     p.add_argument("--json", action="store_true", help="print one JSON object with key `configs`")
     p.set_defaults(func=run_plan)
 
@@ -125,16 +129,24 @@ def run_plan(args) -> int:
         if int(val) < 1:
             raise ConfigError(flag, val, "use a positive whole number")
     batch, seq = int(batch), int(seq)
+    if args.framework not in FRAMEWORKS:
+        raise ConfigError("--framework", args.framework, f"use one of {list(FRAMEWORKS)}")
+    if not 0.0 <= args.dropout < 1.0 or (args.dropout and args.framework == "meshrun"):
+        raise ConfigError(
+            "--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)"
+        )
+    kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
-        results = [evaluate(model, parse_evaluate(args.evaluate, model, cluster, batch), cluster, batch, seq)]
+        results = [evaluate(model, parse_evaluate(args.evaluate, model, cluster, batch), cluster, batch, seq, **kw)]
     else:
-        results = search(model, cluster, batch, seq, top=args.top, name=name)
+        results = search(model, cluster, batch, seq, top=args.top, name=name, **kw)
     counts = param_counts(model)
     if args.json:
         out = {
             "model": name,
             "params": counts["total"],
             "cluster": str(cluster),
+            "framework": args.framework,
             "devices": cluster.n_devices,
             "usable_memory_gb": round(cluster.usable_memory / GB, 3),
             "global_batch": batch,
@@ -143,14 +155,22 @@ def run_plan(args) -> int:
         }
         print(json.dumps(out))
     else:
-        print(format_table(name, counts["total"], cluster, batch, seq, results))
+        print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework))
     return 0
 
 
-def format_table(name: str, n_params: float, cluster: Cluster, batch: int, seq: int, results: list[Result]) -> str:
+def format_table(
+    name: str,
+    n_params: float,
+    cluster: Cluster,
+    batch: int,
+    seq: int,
+    results: list[Result],
+    framework: str = "meshrun",
+) -> str:
     lines = [
         f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
-        f"({cluster.usable_memory / GB:.0f} GB usable each), global batch {batch} x seq {seq}",
+        f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics",
         "",
         f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} {'remat':>9} "
         f"{'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
@@ -165,8 +185,21 @@ def format_table(name: str, n_params: float, cluster: Cluster, batch: int, seq: 
         )
         lines += [f"   ! {v}" for v in r.violations]
     best = results[0]
-    mem = ", ".join(f"{k} {best.memory[k] / GB:.3g}" for k in ("params", "grads", "optimizer", "activations", "logits"))
     parts = ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm", "bubble", "dp_sync", "optimizer")
     tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time[k] > 0)
-    lines += ["", f"#1 memory (GB, stage {best.memory['stage']}): {mem}", f"#1 time (s): {tm}"]
+    split = best.time["split"]
+    even = len(set(split)) == 1
+    lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else f"#1 layers per stage: {list(split)}"]
+    lines += [f"#1 time (s): {tm}", "", "#1 memory per device (GB)"]
+    stages = best.memory["stages"]
+    lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))
+    for label, part in stages.items():
+        lines.append(
+            f"  {label + ' (' + str(part['stage']) + ')':<14}" + "".join(f"{part[k] / GB:>12.3f}" for k in MEMORY_PARTS)
+        )
+    over = stages[next(iter(stages))]
+    lines.append(
+        "  overheads = "
+        + ", ".join(f"{k.removeprefix('overhead_')} {over[k] / GB:.2f}" for k in over if k.startswith("overhead_"))
+    )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Cost model of one training step: per-device memory, time (compute + comm + bubble) of a layout.
+"""Per-device memory of a layout, per pipeline stage and framework, with the GPU runtime overheads
+(the step time is in `timing.py`).
 
 Letters: B global batch (sequences), b micro-batch size, s sequence length, h d_model, L layers,
 V vocab, a heads, t/p/d/e tensor/pipe/data/expert degrees, m micro-batches, v virtual stages.
@@ -11,19 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
-from meshrun.flops import attn_core_fwd_flops, layer_fwd_flops, layer_params, param_counts
-from meshrun.planner.hardware import COMM_LATENCY_S, Cluster
+from meshrun.flops import layer_params, param_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "overheads", "total")
 
-# Achievable fraction of peak for the transformer's GEMM work (incl. attention, norms and kernel
-# overheads folded in). Fitted by `search.fit_efficiency()` to Megatron-LM's measured PTD-P runs
-# (Narayanan et al. 2021, Table 1, the rows with TP=8 and PP>1: 39.1B, 76.1B, 145.6B, 310.1B, 529.6B,
-# 1008B); tests/test_planner.py checks that this constant equals the fit.
-GEMM_EFFICIENCY = 0.607
-# Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the GEMMs they
-# run beside. This fraction of the hidden communication time is still charged to the step.
-OVERLAP_COST = 0.25
+# Runtime memory besides the model's tensors, charged on GPU plans (`overhead_bytes`):
+# CUDA context + cuBLAS/cuDNN handles and workspaces: ~0.5-1 GB per process on A100/H100 with CUDA 12
+# (PyTorch's CUDA semantics notes; what nvidia-smi shows for a process that has allocated nothing).
+CUDA_CONTEXT_BYTES = 0.8e9
+# NCCL communicator buffers: NCCL_BUFFSIZE (4 MiB, NCCL's environment-variable docs) per channel and
+# ring peer (send + recv), up to 16 channels on NVLink: 128 MiB per communicator (one per mesh axis
+# of size > 1).
+COMM_BUFFER_BYTES = 16 * 2 * 4 * 2**20
+# Allocator fragmentation: transient tensors (activations, logits) cost this much more than their size
+# (PyTorch caching allocator / XLA BFC; ZeRO-R, Rajbhandari et al. 2020 sec. 3.2, reports OOMs with
+# >30% free in bad cases; 10% is the usual headroom in Megatron-LM and MaxText memory estimates).
+FRAGMENTATION = 0.10
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,20 @@ class Precision:
     act: float
 
 
-def precision_of(model: ModelConfig) -> Precision:
-    """bf16 params -> 2 + 2 + 12 = 16 B/param (Megatron mixed precision, ZeRO paper's K=12);
-    fp32 params (the tiny CPU configs, or JAX fp32 params + bf16 compute) -> 4 + 4 + 8 = 16 B/param."""
+def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
+    """Bytes per param of params, grads, optimizer state, and per activation element.
+    megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
+    and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12).
+    meshrun: gradients and Adam m, v in the param dtype (optax keeps state like the params): bf16
+    params 2 + 2 + 4, fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
+    `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
+    temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
+    meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
     pb = DTYPE_BYTES[model.param_dtype]
-    return Precision(param=pb, grad=pb, opt=8 + (4 if pb < 4 else 0), act=DTYPE_BYTES[model.dtype])
+    act = DTYPE_BYTES[model.dtype]
+    if framework == "megatron":
+        return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
+    return Precision(param=pb, grad=pb, opt=2 * pb, act=act)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -139,16 +153,33 @@ def _layer_activations(
     return kept, working
 
 
-def _stage_params(counts: dict[str, int], h: int, p: int, t: int, expert: int, stage: int) -> tuple[float, float]:
-    """(dense, expert) parameters on one device of pipeline stage `stage`, before ZeRO sharding. The
-    last stage holds the output head (a copy of the tied embedding when it lives on another stage)
-    and the final norm."""
-    dense = counts["layers"] / p / t
+def _stage_params(counts: dict[str, int], h: int, p: int, t: int, expert: int, stage: int, frac: float) -> tuple:
+    """(dense, expert) parameters on one device of pipeline stage `stage` holding `frac` of the layers,
+    before ZeRO sharding. The last stage holds the output head (a copy of the tied embedding when it
+    lives on another stage) and the final norm."""
+    dense = counts["layers"] * frac / t
     if stage == 0:
         dense += counts["embedding"] / t
     if stage == p - 1:
         dense += (counts["head"] or (counts["embedding"] if p > 1 else 0)) / t + h
-    return dense, counts["experts"] / p / (t * expert)
+    return dense, counts["experts"] * frac / (t * expert)
+
+
+def overhead_bytes(transient: float, axes: dict[str, int]) -> dict[str, float]:
+    """Runtime memory of a GPU process besides its tensors: CUDA context, one NCCL communicator per
+    mesh axis of size > 1, allocator fragmentation of the transient (activation, logit) bytes."""
+    return {
+        "context": CUDA_CONTEXT_BYTES,
+        "comm_buffers": COMM_BUFFER_BYTES * sum(1 for n in axes.values() if n > 1),
+        "fragmentation": FRAGMENTATION * transient,
+    }
+
+
+def stage_names(p: int) -> dict[str, int]:
+    """The stages a breakdown shows: first, middle, last (fewer when the pipeline is shorter)."""
+    return (
+        {"first": 0, "middle": p // 2, "last": p - 1} if p > 2 else ({"first": 0, "last": 1} if p == 2 else {"all": 0})
+    )
 
 
 def predict_memory(
@@ -166,201 +197,84 @@ def predict_memory(
     sequence_parallel: bool | None = None,
     schedule: str = "1f1b",
     virtual: int = 1,
-    param_bytes: float | None = None,
-    grad_bytes: float | None = None,
-    opt_bytes: float | None = None,
-    act_bytes: float | None = None,
+    framework: str = "meshrun",
     dropout: bool = False,
     flash: bool | None = None,
-    accum_copy: bool = False,
-) -> dict[str, float]:
-    """Per-device bytes on the fullest pipeline stage: params, grads, optimizer, activations, logits, total.
-    Byte sizes default to `precision_of(model)` (from model.param_dtype / model.dtype); remat,
-    sequence_parallel and flash (attention_impl == 'cudnn') default to the model config.
-    accum_copy: with m > 1, one more full-size gradient per device (JAX accumulating each micro-batch's
-    fresh gradient pytree into a carry, where Megatron accumulates in place)."""
-    prec = precision_of(model)
-    pb = prec.param if param_bytes is None else param_bytes
-    gb = prec.grad if grad_bytes is None else grad_bytes
-    ob = prec.opt if opt_bytes is None else opt_bytes
-    ab = prec.act if act_bytes is None else act_bytes
+    split: tuple[int, ...] | None = None,
+    overheads: bool = False,
+) -> dict:
+    """Per-device bytes on the fullest pipeline stage: params, grads, optimizer, activations, logits,
+    overheads (when `overheads`: GPU runtime, see `overhead_bytes`), total; `stages` holds the same
+    parts for the first, middle and last stage. framework='megatron' is Megatron-LM's accounting
+    (Korthikanti 2022 activations, 1F1B in-flight micro-batches, fp32 grad buffers); 'meshrun' is
+    meshrun's own compiled step (`step_model.predict_memory_jax`). remat, sequence_parallel and flash
+    (attention_impl == 'cudnn') default to the model config; `split` is the layers per stage."""
+    p = pipe
+    split = split or (model.n_layers / p,) * p
     remat = model.remat if remat is None else remat
     sp = (model.sequence_parallel if sequence_parallel is None else sequence_parallel) and tensor > 1
-    flash = model.attention_impl == "cudnn" if flash is None else flash
     s = seq_len or model.max_seq_len
-    t, p, b, h = tensor, pipe, micro_batch_size, model.d_model
+    kw = dict(tensor=tensor, pipe=p, data=data, expert=expert, microbatches=microbatches,
+              micro_batch_size=micro_batch_size, seq_len=s, zero=zero, schedule=schedule, virtual=virtual)  # fmt: skip
+    stages = {}
+    spmd = None
+    if framework == "meshrun":
+        from meshrun.planner.step_model import predict_memory_jax
+
+        # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
+        spmd = predict_memory_jax(model, **kw, remat=remat, sequence_parallel=sp, layers=max(split))
+    for name, stage in stage_names(p).items():
+        if spmd is not None:
+            part = dict(spmd)
+        else:
+            part = _megatron_stage(model, stage, split[stage], remat=remat, sp=sp, dropout=dropout, flash=flash, **kw)
+        part["overheads"] = 0.0
+        if overheads:
+            axes = {"tensor": tensor, "pipe": p, "data": data, "expert": expert}
+            over = overhead_bytes(part["activations"] + part["logits"], axes)
+            part |= {f"overhead_{k}": v for k, v in over.items()}
+            part["overheads"] = sum(over.values())
+            part["total"] += part["overheads"]
+        part["stage"], part["layers"] = stage, split[stage]
+        stages[name] = part
+    best = dict(max(stages.values(), key=lambda d: d["total"]))
+    best["stages"] = stages
+    return best
+
+
+def _megatron_stage(
+    model: ModelConfig, stage: int, layers: float, *, tensor, pipe, data, expert, microbatches, micro_batch_size,
+    seq_len, zero, remat, sp, schedule, virtual, dropout, flash,
+) -> dict[str, float]:  # fmt: skip
+    """Megatron-LM's bytes on one device of `stage` (holding `layers` layers)."""
+    prec = precision_of(model, "megatron")
+    pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
+    flash = model.attention_impl == "cudnn" if flash is None else flash
+    s, t, p, b, h = seq_len, tensor, pipe, micro_batch_size, model.d_model
     if schedule == "interleaved" and virtual == 1:
         schedule = "1f1b"
     counts = param_counts(model)
     kept, working = _layer_activations(model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash)
     dense_div, expert_div = zero_divisors(zero, data * expert), zero_divisors(zero, data)
-
-    best: dict[str, float] | None = None
-    for stage in sorted({0, p - 1}):
-        dense, experts = _stage_params(counts, h, p, t, expert, stage)
-        params, grads, opt = (
-            nbytes * (dense / dd + experts / ed) for nbytes, dd, ed in zip((pb, gb, ob), dense_div, expert_div)
-        )
-        if accum_copy and microbatches > 1:
-            grads += gb * (dense + experts)
-        if zero == 3:  # gathered weights of the layer in use and the prefetched next one
-            params += 2 * pb * (layer_params(model, model.is_moe) / t)
-        n_in = inflight_microbatches(schedule, p, microbatches, virtual, stage)
-        acts = model.n_layers / p * kept * n_in + working
-        if stage == 0:  # embedding output (+ dropout mask) of each in-flight micro-batch
-            acts += n_in * s * b * h * (ab + (1 if dropout else 0)) / (t if sp else 1)
-        logits = 0.0
-        if stage == p - 1:  # logits in the compute dtype + fp32 log-softmax for the loss, vocab-parallel
-            logits = s * b * model.vocab / t * (ab + 4) + ab * s * b * h
-        total = params + grads + opt + acts + logits
-        part = {
-            "params": params,
-            "grads": grads,
-            "optimizer": opt,
-            "activations": acts,
-            "logits": logits,
-            "total": total,
-            "stage": stage,
-            "params_per_device": dense + experts,
-        }
-        if best is None or total > best["total"]:
-            best = part
-    return best
-
-
-# ----------------------------------------------------------------------------- time
-
-
-def _ring_allreduce(nbytes: float, n: int, bw: float) -> float:
-    return 0.0 if n <= 1 else COMM_LATENCY_S + 2 * (n - 1) / n * nbytes / bw
-
-
-def _ring_gather(nbytes: float, n: int, bw: float) -> float:
-    """All-gather or reduce-scatter of a tensor of `nbytes` (full size) over n ranks."""
-    return 0.0 if n <= 1 else COMM_LATENCY_S + (n - 1) / n * nbytes / bw
-
-
-def _exposed(comm: float, window: float) -> float:
-    """Part of `comm` that shows in the step when it runs beside `window` seconds of compute."""
-    hidden = min(comm, window)
-    return comm - hidden + OVERLAP_COST * hidden
-
-
-def _microbatch_compute(
-    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, efficiency: float
-) -> tuple[float, float]:
-    """(seconds of one micro-batch on the last stage: its layers + the logits, per device; the
-    backward's share of that time, which the data-parallel sync can hide behind)."""
-    p, tok = layout.pipe, layout.micro_batch_size * s
-    L_s, moe_s = model.n_layers / p, model.n_moe_layers / p
-    f_dense = layer_fwd_flops(model, tok, s)
-    f_moe = layer_fwd_flops(model, tok, s, True, model.capacity_factor) if model.n_moe_layers else 0.0
-    fwd = (L_s - moe_s) * f_dense + moe_s * f_moe
-    recompute = 0.0
-    if layout.remat == "full":
-        recompute = fwd
-    elif layout.remat == "selective":
-        recompute = L_s * attn_core_fwd_flops(model, tok, s)
-    stage_flops = 3 * fwd + recompute + 3 * 2.0 * tok * model.d_model * model.vocab
-    t_mb = stage_flops / layout.tensor / (cluster.gpu.peak_flops * efficiency)
-    return t_mb, 2 * fwd / (3 * fwd + recompute)
-
-
-def _microbatch_comm(
-    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, prec: Precision
-) -> tuple[float, float, float]:
-    """Seconds of (tensor, pipe, expert) communication per micro-batch on one device."""
-    t, p, d, e, v = layout.tensor, layout.pipe, layout.data, layout.expert, layout.virtual
-    tok, h, full = layout.micro_batch_size * s, model.d_model, layout.remat == "full"
-    # Tensor parallel: 2 all-reduces forward + 2 backward per layer (+2 when the forward is recomputed),
-    # each of b s h activations; with SP the all-gather + reduce-scatter pair moves the same bytes.
-    act_bytes = prec.act * tok * h
-    t_tp = model.n_layers / p * (4 + 2 * full) * _ring_allreduce(act_bytes, t, cluster.group_bw(t))
-    # Pipeline p2p: activations forward and gradients backward per micro-batch and virtual chunk,
-    # split over the TP ranks (Megatron's scatter/gather optimisation). Neighbours are t*e*d apart.
-    t_pp = 0.0
-    if p > 1:
-        t_pp = 2 * v * (COMM_LATENCY_S + act_bytes / t / cluster.group_bw(2 * t * e * d))
-    # Expert all-to-all: dispatch + combine, forward and backward (+ recompute).
-    t_ep = 0.0
-    if model.n_moe_layers and e > 1:
-        a2a = prec.act * tok * model.top_k * model.capacity_factor * h / (t if layout.sequence_parallel else 1)
-        t_ep = model.n_moe_layers / p * (4 + 2 * full) * (COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t))
-    return t_tp, t_pp, t_ep
-
-
-def _device_params(model: ModelConfig, layout: Layout) -> tuple[float, float]:
-    """(dense, expert) parameters of one device of the first stage, before ZeRO sharding."""
-    counts = param_counts(model)
-    dense = (counts["layers"] / layout.pipe + counts["embedding"]) / layout.tensor
-    return dense, counts["experts"] / layout.pipe / (layout.tensor * layout.expert)
-
-
-def _data_parallel_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision) -> tuple[float, float]:
-    """(seconds per micro-batch, seconds once per step) of data-parallel traffic. Dense params reduce
-    over data*expert ranks, expert params over data ranks. ZeRO-2/3 reduce-scatter gradients every
-    micro-batch and ZeRO-3 gathers weights forward and backward; once per step, after the last
-    backward, ZeRO-0 all-reduces the gradients, ZeRO-1 reduce-scatters them, and ZeRO-1/2 all-gather
-    the updated params."""
-    t, d, e, zero = layout.tensor, layout.data, layout.expert, layout.zero
-    dense_dev, expert_dev = _device_params(model, layout)
-    bw_dp = cluster.group_bw(t * e * d)
-    per_mb = per_step = 0.0
-    for n_par, dp in ((dense_dev, d * e), (expert_dev, d)):
-        if zero >= 2:
-            per_mb += _ring_gather(n_par * prec.grad, dp, bw_dp)  # full-size grads -> shard
-        if zero == 3:
-            per_mb += 2 * _ring_gather(n_par * prec.param, dp, bw_dp)
-        if zero == 0:
-            per_step += _ring_allreduce(n_par * prec.grad, dp, bw_dp)
-        elif zero == 1:
-            per_step += _ring_gather(n_par * prec.grad, dp, bw_dp) + _ring_gather(n_par * prec.param, dp, bw_dp)
-        elif zero == 2:
-            per_step += _ring_gather(n_par * prec.param, dp, bw_dp)
-    return per_mb, per_step
-
-
-def _optimizer_time(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision) -> float:
-    """Adam reads params, grads, m, v (+ master) and writes them back: memory bound."""
-    dense_dev, expert_dev = _device_params(model, layout)
-    d, e = layout.data, layout.expert
-    n_opt = dense_dev / (d * e if layout.zero >= 1 else 1) + expert_dev / (d if layout.zero >= 1 else 1)
-    return n_opt * (2 * prec.param + prec.grad + 2 * prec.opt) / cluster.gpu.hbm_bw
-
-
-def predict_time(
-    model: ModelConfig,
-    layout: Layout,
-    cluster: Cluster,
-    seq_len: int,
-    *,
-    efficiency: float = GEMM_EFFICIENCY,
-    precision: Precision | None = None,
-) -> dict[str, float]:
-    """Seconds per step, by part: compute, tensor/pipe/expert comm, exposed ZeRO and DP gradient sync,
-    pipeline bubble, optimizer update. The slowest (last) stage sets the pace."""
-    prec = precision or precision_of(model)
-    p, v, m = layout.pipe, layout.virtual, layout.microbatches
-    t_mb, bwd_frac = _microbatch_compute(model, layout, cluster, seq_len, efficiency)
-    t_tp, t_pp, t_ep = _microbatch_comm(model, layout, cluster, seq_len, prec)
-    t_zero_mb, t_dp = _data_parallel_comm(model, layout, cluster, prec)
-    t_zero_exposed = _exposed(t_zero_mb, t_mb)  # prefetch / bucketing overlaps it with compute
-    t_dp_exposed = _exposed(t_dp, bwd_frac * t_mb)  # overlaps the last micro-batch's backward only
-    t_opt = _optimizer_time(model, layout, cluster, prec)
-
-    per_mb = t_mb + t_tp + t_pp + t_ep + t_zero_exposed
-    bubble_slots = (p - 1) / v
-    total = (m + bubble_slots) * per_mb + t_dp_exposed + t_opt
+    dense, experts = _stage_params(counts, h, p, t, expert, stage, layers / model.n_layers)
+    params, grads, opt = (
+        nbytes * (dense / dd + experts / ed) for nbytes, dd, ed in zip((pb, gb, ob), dense_div, expert_div)
+    )
+    if zero == 3:  # gathered weights of the layer in use and the prefetched next one
+        params += 2 * pb * (layer_params(model, model.is_moe) / t)
+    n_in = inflight_microbatches(schedule, p, microbatches, virtual, stage)
+    acts = layers * kept * n_in + working
+    if stage == 0:  # embedding output (+ dropout mask) of each in-flight micro-batch
+        acts += n_in * s * b * h * (ab + (1 if dropout else 0)) / (t if sp else 1)
+    logits = 0.0
+    if stage == p - 1:  # logits in the compute dtype + fp32 log-softmax for the loss, vocab-parallel
+        logits = s * b * model.vocab / t * (ab + 4) + ab * s * b * h
     return {
-        "compute": m * t_mb,
-        "tensor_comm": m * t_tp,
-        "pipe_comm": m * t_pp,
-        "expert_comm": m * t_ep,
-        "zero_comm": m * t_zero_exposed,
-        "bubble": bubble_slots * per_mb,
-        "dp_sync": t_dp_exposed,
-        "optimizer": t_opt,
-        "total": total,
-        "dp_sync_full": t_dp + m * t_zero_mb,
-        "bubble_fraction": (p - 1) / (v * m + p - 1),
+        "params": params,
+        "grads": grads,
+        "optimizer": opt,
+        "activations": acts,
+        "logits": logits,
+        "total": params + grads + opt + acts + logits,
+        "params_per_device": dense + experts,
     }

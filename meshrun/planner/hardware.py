@@ -1,4 +1,7 @@
-"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE`, e.g. `a100-80g:128x8`).
+"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODESxGBPS]`,
+e.g. `a100-80g:48x8,ib=4x200` or `h100-80g:64x8,racks=16x1600`).
+
+More `,key=value` fields of the cluster string are one parser each in CLUSTER_FIELDS.
 
 All figures are datasheet numbers in SI units (bytes, bytes/s, FLOP/s). Memory sizes are taken as
 decimal GB (80 GB -> 80e9 bytes), which is slightly conservative for the A100/H100 (their HBM is
@@ -7,6 +10,7 @@ decimal GB (80 GB -> 80e9 bytes), which is slightly conservative for the A100/H1
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -19,9 +23,6 @@ GB = 1e9
 COMM_EFFICIENCY = 0.8
 # Fixed cost per collective / p2p message (launch + latency), seconds.
 COMM_LATENCY_S = 10e-6
-# Fraction of HBM a training process may plan to use: the rest is the CUDA context, NCCL buffers,
-# cuBLAS/cuDNN workspaces and allocator fragmentation.
-USABLE_MEMORY_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -30,26 +31,37 @@ class GPU:
     peak_flops: float  # dense bf16 tensor-core FLOP/s
     memory_bytes: float  # HBM capacity
     hbm_bw: float  # HBM bandwidth, bytes/s
-    nvlink_bw: float  # NVLink per GPU, bidirectional total, bytes/s
-    nic_bw: float  # inter-node network per GPU (one NIC per GPU), one direction, bytes/s
+    nvlink_bw: float  # NVLink per GPU, bidirectional total, bytes/s (0: GPUs of a node talk over PCIe)
+    nic_bw: float  # default inter-node network per GPU (one NIC per GPU), one direction, bytes/s
+    sms: int = 108  # streaming multiprocessors (GEMM wave quantisation)
+    pcie_bw: float = 32 * GB  # host link, one direction: PCIe Gen4 x16 32 GB/s, Gen5 64 GB/s
 
     @property
     def nvlink_uni_bw(self) -> float:
         """One direction of NVLink: what a ring collective step can use."""
         return self.nvlink_bw / 2
 
+    @property
+    def intra_node_bw(self) -> float:
+        """One direction, per GPU, between GPUs of a node: NVLink, else PCIe."""
+        return self.nvlink_uni_bw if self.nvlink_bw else self.pcie_bw
+
 
 GPUS: dict[str, GPU] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4): 312 TFLOP/s bf16 dense; 40 GB HBM2 1,555 GB/s;
     # 80 GB HBM2e 2,039 GB/s; NVLink 3 600 GB/s. DGX A100: 8x ConnectX-6 HDR 200 Gb/s = 25 GB/s per GPU.
+    # 108 SMs, PCIe Gen4. The PCIe card (300 W, 1,935 GB/s) has NVLink bridges between pairs only:
+    # modelled as PCIe between all GPUs of a node.
     "a100-40g": GPU("a100-40g", 312e12, 40 * GB, 1555 * GB, 600 * GB, 200e9 / 8),
     "a100-80g": GPU("a100-80g", 312e12, 80 * GB, 2039 * GB, 600 * GB, 200e9 / 8),
+    "a100-80g-pcie": GPU("a100-80g-pcie", 312e12, 80 * GB, 1935 * GB, 0.0, 200e9 / 8),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense (1,979 with sparsity); 80 GB HBM3 3.35 TB/s;
     # NVLink 4 900 GB/s. DGX H100: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU.
-    "h100-80g": GPU("h100-80g", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8),
+    # 132 SMs, PCIe Gen5.
+    "h100-80g": GPU("h100-80g", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB),
     # NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense); 141 GB HBM3e 4.8 TB/s;
     # NVLink 900 GB/s. DGX/HGX H200: 8x NDR 400 Gb/s = 50 GB/s per GPU.
-    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8),
+    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB),
 }
 
 
@@ -78,6 +90,10 @@ class Cluster:
     gpu: GPU
     nodes: int
     gpus_per_node: int
+    nics: int = 0  # NICs per node (0: the catalogue's default, one per GPU at gpu.nic_bw)
+    nic_gbps: float = 0.0  # Gb/s of each NIC
+    nodes_per_rack: int = 0  # 0: every node in one rack (one non-blocking fabric)
+    rack_gbps: float = 0.0  # Gb/s of each node's share of the rack's uplinks (0: its NICs, non-blocking)
 
     @property
     def n_devices(self) -> int:
@@ -85,32 +101,137 @@ class Cluster:
 
     @property
     def usable_memory(self) -> float:
-        return self.gpu.memory_bytes * USABLE_MEMORY_FRACTION
+        """HBM a plan may fill: all of it, since the runtime's own memory is costed explicitly
+        (`cost.overhead_bytes`: CUDA context, communicator buffers, allocator fragmentation)."""
+        return self.gpu.memory_bytes
+
+    @property
+    def nic_bw_per_gpu(self) -> float:
+        """One direction, per GPU, when every GPU of a node sends off the node at once (rings of all
+        the node's GPUs run together, e.g. the DP rings of the TP ranks): the node's NICs shared out."""
+        if not self.nics:
+            return self.gpu.nic_bw
+        return self.nics * self.nic_gbps * 1e9 / 8 / self.gpus_per_node
+
+    @property
+    def racks(self) -> int:
+        return self.nodes // self.nodes_per_rack if self.nodes_per_rack else 1
+
+    @property
+    def rack_bw_per_gpu(self) -> float:
+        """One direction, per GPU, between racks when every GPU of a node sends at once: the node's
+        share of the uplinks (oversubscribed fabrics give less than the NICs), at most its NICs."""
+        if not self.rack_gbps:
+            return self.nic_bw_per_gpu
+        return min(self.nic_bw_per_gpu, self.rack_gbps * 1e9 / 8 / self.gpus_per_node)
 
     def group_bw(self, span: int) -> float:
         """Achievable per-GPU bandwidth (one direction) of a collective over `span` neighbouring devices:
-        NVLink inside one node, the per-GPU NIC once the group leaves the node."""
-        link = self.gpu.nvlink_uni_bw if span <= self.gpus_per_node else self.gpu.nic_bw
+        NVLink (or PCIe) inside one node, the node's NICs once the group leaves the node, the rack's
+        uplinks once it leaves the rack."""
+        link = self.gpu.intra_node_bw if span <= self.gpus_per_node else self.nic_bw_per_gpu
+        if self.nodes_per_rack and span > self.gpus_per_node * self.nodes_per_rack:
+            link = self.rack_bw_per_gpu
         return link * COMM_EFFICIENCY
 
+    def split_group(self, size: int, stride: int) -> tuple[int, int]:
+        """(ranks per node, nodes) of a group of `size` ranks that are `stride` devices apart."""
+        if stride >= self.gpus_per_node:
+            return 1, size
+        inner = max(1, min(size, self.gpus_per_node // stride))
+        return inner, math.ceil(size / inner)
+
+    def levels(self, size: int, stride: int = 1) -> list[tuple[int, float]]:
+        """A group of `size` ranks `stride` devices apart, level by level, inner to outer: (ranks per
+        node, NVLink), (the group's nodes in one rack, NICs), (racks, uplinks); each level's size and
+        achievable per-GPU bandwidth. Without racks the last level is 1."""
+        inner, outer = self.split_group(size, stride)
+        node_step = max(1, stride * inner // self.gpus_per_node)  # nodes between the group's nodes
+        in_rack = min(outer, max(1, self.nodes_per_rack // node_step)) if self.nodes_per_rack else outer
+        eff = COMM_EFFICIENCY
+        return [
+            (inner, self.gpu.intra_node_bw * eff),
+            (in_rack, self.nic_bw_per_gpu * eff),
+            (math.ceil(outer / in_rack), self.rack_bw_per_gpu * eff),
+        ]
+
+    def allreduce_seconds(self, nbytes: float, size: int, stride: int = 1, *, half: bool = False) -> float:
+        """Hierarchical ring all-reduce of `nbytes` over `size` ranks `stride` apart: reduce-scatter
+        among the ranks of a node, then of each 1/inner shard across the group's nodes of a rack,
+        all-reduce of each 1/(inner in_rack) shard across racks, and all-gather back (NCCL's
+        tree/ring hierarchy, Megatron/Horovod hierarchical all-reduce): node, rack, cluster. `half`: a
+        reduce-scatter or all-gather alone (each ring phase once)."""
+        if size <= 1:
+            return 0.0
+        t, share = 0.0, nbytes
+        for n, bw in self.levels(size, stride):
+            t += (n - 1) / n * share / bw  # one ring phase over this level, on what the inner levels left
+            share /= n
+        return COMM_LATENCY_S + (1 if half else 2) * t
+
     def __str__(self) -> str:
-        return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}"
+        net = f",ib={self.nics}x{self.nic_gbps:g}" if self.nics else ""
+        if self.nodes_per_rack:
+            net += f",racks={self.nodes_per_rack}" + (f"x{self.rack_gbps:g}" if self.rack_gbps else "")
+        return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}{net}"
 
 
 _CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_NET_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+(?:\.\d+)?)\s*$")
+CLUSTER_HELP = (
+    "GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODES_PER_RACK[xGBPS]], e.g. a100-80g:48x8,ib=4x200 "
+    "(4 NICs of 200 Gb/s per node) or h100-80g:64x8,racks=16x1600 (16 nodes a rack, 1600 Gb/s per node between racks)"
+)
+
+
+def _parse_ib(field: str, text: str, raw: str) -> dict:
+    """`ib=4x200`: NICs per node x Gb/s each."""
+    m = _NET_RE.match(raw)
+    if not m or int(m.group(1)) < 1 or float(m.group(2)) <= 0:
+        raise ConfigError(field, text, "write ib=NICSxGBPS per node, e.g. ib=4x200", "malformed network")
+    return {"nics": int(m.group(1)), "nic_gbps": float(m.group(2))}
+
+
+_RACKS_RE = re.compile(r"^\s*(\d+)\s*(?:[xX]\s*(\d+(?:\.\d+)?))?\s*$")
+
+
+def _parse_racks(field: str, text: str, raw: str) -> dict:
+    """`racks=16x1600`: nodes per rack x Gb/s each node gets between racks (`racks=16`: non-blocking)."""
+    m = _RACKS_RE.match(raw)
+    if not m or int(m.group(1)) < 1 or (m.group(2) is not None and float(m.group(2)) <= 0):
+        raise ConfigError(
+            field, text, "write racks=NODES_PER_RACK or racks=NODES_PER_RACKxGBPS per node", "malformed racks"
+        )
+    return {"nodes_per_rack": int(m.group(1)), "rack_gbps": float(m.group(2) or 0)}
+
+
+# Optional `,key=value` fields of a cluster string: key -> parser(field, whole text, value) -> Cluster kwargs.
+CLUSTER_FIELDS = {"ib": _parse_ib, "racks": _parse_racks}
 
 
 def parse_cluster(text: str, field: str = "--cluster") -> Cluster:
-    """`a100-80g:128x8` -> Cluster(A100 80GB, 128 nodes, 8 GPUs per node)."""
+    """`a100-80g:128x8` -> Cluster(A100 80GB, 128 nodes, 8 GPUs per node); `,ib=4x200` sets the network."""
     known = ", ".join(GPUS)
-    m = _CLUSTER_RE.match(str(text))
+    head, *extras = str(text).split(",")
+    m = _CLUSTER_RE.match(head)
     if not m:
-        raise ConfigError(
-            field, text, f"write GPU:NODESxGPUS_PER_NODE, e.g. a100-80g:128x8 (GPUs: {known})", "malformed cluster"
-        )
+        raise ConfigError(field, text, f"write {CLUSTER_HELP} (GPUs: {known})", "malformed cluster")
     name, nodes, per_node = m.group(1).lower(), int(m.group(2)), int(m.group(3))
     if name not in GPUS:
         raise ConfigError(field, text, f"use one of the known GPUs: {known}", f"unknown GPU '{name}'")
     if nodes < 1 or per_node < 1:
         raise ConfigError(field, text, "use at least 1 node and 1 GPU per node", "empty cluster")
-    return Cluster(GPUS[name], nodes, per_node)
+    kw: dict = {}
+    for item in extras:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in CLUSTER_FIELDS:
+            raise ConfigError(
+                field, text, f"use ,key=value with key one of {list(CLUSTER_FIELDS)}", f"unknown field '{item}'"
+            )
+        kw |= CLUSTER_FIELDS[key](field, text, raw)
+    if nodes % kw.get("nodes_per_rack", 1):
+        raise ConfigError(
+            field, text, f"give racks=NODES_PER_RACK as a divisor of the {nodes} nodes", "racks do not divide nodes"
+        )
+    return Cluster(GPUS[name], nodes, per_node, **kw)

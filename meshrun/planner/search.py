@@ -1,4 +1,4 @@
-"""Rules, evaluation of one layout, search over layouts, and the efficiency calibration.
+"""Rules, evaluation of one layout and search over layouts (the calibration is in `calibrate.py`).
 
 Each rule is reported as a string with the number behind it. Hard rules (divisibility, memory, TP
 across nodes) remove a layout from the search; soft ones (bubble from m < 4p, DP sync longer than
@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, field
 from meshrun import flops
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.planner import cost
-from meshrun.planner.cost import Layout
-from meshrun.planner.hardware import GB, Cluster, parse_cluster
+from meshrun.planner import cost, timing
+from meshrun.planner.cost import MEMORY_PARTS, Layout
+from meshrun.planner.hardware import GB, Cluster
+from meshrun.planner.kernels import Calibration
 
 REMATS = ("none", "selective", "full")
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "total")
 MAX_MICRO_BATCH = 16
 
 
@@ -46,8 +46,14 @@ class Result:
             violations=list(self.violations),
             memory_parts_gb={k: round(self.memory[k] / GB, 3) for k in MEMORY_PARTS},
             memory_stage=self.memory["stage"],
+            memory_stages_gb={
+                name: {k: round(part[k] / GB, 3) for k in MEMORY_PARTS} for name, part in self.memory["stages"].items()
+            },
+            layers_per_stage=list(self.time["split"]),
             params_per_device=int(self.memory["params_per_device"]),
-            time_parts_s={k: round(v, 4) for k, v in self.time.items() if k != "bubble_fraction"},
+            time_parts_s={
+                k: round(v, 4) for k, v in self.time.items() if isinstance(v, float) and k != "bubble_fraction"
+            },
         )
         return out
 
@@ -59,8 +65,8 @@ def structural_violations(model: ModelConfig, layout: Layout, cluster: Cluster, 
     for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
         if n % t:
             out.append(f"model.{name}={n} is not divisible by tensor={t}")
-    if model.n_layers % (p * v):
-        out.append(f"model.n_layers={model.n_layers} is not divisible by pipe*virtual={p * v}")
+    if model.n_layers < p * v:
+        out.append(f"model.n_layers={model.n_layers} < pipe*virtual={p * v}: a stage chunk would have no layer")
     if e > 1 and not model.is_moe:
         out.append(f"expert={e} > 1 on a dense model (n_experts=0)")
     elif model.is_moe and model.n_experts % e:
@@ -92,11 +98,15 @@ def evaluate(
     global_batch: int,
     seq_len: int,
     *,
-    efficiency: float = cost.GEMM_EFFICIENCY,
-    dropout: bool = False,
+    calibration: Calibration | None = None,
+    framework: str = "meshrun",
+    dropout: float = 0.0,
 ) -> Result:
-    """Memory, time, throughput and rule violations of one layout."""
+    """Memory, time, throughput and rule violations of one layout under `framework` (meshrun | megatron)."""
     hard = structural_violations(model, layout, cluster, global_batch)
+    tm = timing.predict_time(
+        model, layout, cluster, seq_len, calibration=calibration, framework=framework, dropout=dropout
+    )
     mem = cost.predict_memory(
         model,
         tensor=layout.tensor,
@@ -111,18 +121,22 @@ def evaluate(
         sequence_parallel=layout.sequence_parallel,
         schedule=layout.schedule,
         virtual=layout.virtual,
-        dropout=dropout,
+        framework=framework,
+        dropout=dropout > 0,
+        split=tm["split"],
+        overheads=True,
     )
-    tm = cost.predict_time(model, layout, cluster, seq_len, efficiency=efficiency)
     if mem["total"] > cluster.usable_memory:
+        where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
         hard.append(
-            f"memory {mem['total'] / GB:.1f} GB > {cluster.usable_memory / GB:.1f} GB usable on {cluster.gpu.name} "
-            f"({cluster.gpu.memory_bytes / GB:.0f} GB)"
+            f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"
         )
     soft = []
     m, p = layout.microbatches, layout.pipe
-    if p > 1 and m < 4 * p:
-        soft.append(f"microbatches={m} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
+    v = layout.virtual
+    if p > 1 and v * m < 4 * p:  # interleaving divides the bubble by v (Narayanan 2021, 2.2.2)
+        what = f"microbatches={m}" + (f" x virtual={v}" if v > 1 else "")
+        soft.append(f"{what} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
     if tm["dp_sync_full"] > tm["compute"]:
         soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
     n = cluster.n_devices
@@ -146,21 +160,22 @@ def _divisors(n: int) -> list[int]:
 def candidates(model: ModelConfig, cluster: Cluster, global_batch: int):
     """Layouts that use every device, keep TP inside a node and divide heads, layers, experts, batch."""
     n, gpn, L = cluster.n_devices, cluster.gpus_per_node, model.n_layers
+    # Any pipe degree that divides the devices works: layers that do not divide split unevenly.
     tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
     tensors = [t for t in tensors if model.d_ff % t == 0]
     experts = _divisors(model.n_experts) if model.is_moe else [1]
     for t in tensors:
         for e in experts:
-            for p in _divisors(L):
-                if n % (t * e * p):
-                    continue
+            if n % (t * e):
+                continue
+            for p in (k for k in _divisors(n // (t * e)) if k <= L):
                 d = n // (t * e * p)
                 per_rank, rem = divmod(global_batch, d * e)
                 if rem:
                     continue
                 for b in (k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH):
                     m = per_rank // b
-                    vs = [1] + [v for v in (2, 4, 8) if p > 1 and (L // p) % v == 0 and m % p == 0]
+                    vs = [1] + [v for v in (2, 4, 8) if p > 1 and L % (p * v) == 0 and m % p == 0]
                     for v in vs:
                         for zero in range(4) if d * e > 1 else (0,):
                             for remat in REMATS:
@@ -176,14 +191,15 @@ def search(
     seq_len: int,
     *,
     top: int = 5,
-    efficiency: float = cost.GEMM_EFFICIENCY,
     name: str = "model",
+    **kw,
 ) -> list[Result]:
-    """The `top` fastest layouts that fit in memory, best first. Raises ConfigError when none fits."""
+    """The `top` fastest layouts that fit in memory, best first (kw: `evaluate`'s framework, dropout,
+    calibration). Raises ConfigError when none fits."""
     fitting, smallest, n_seen = [], None, 0
     for layout in candidates(model, cluster, global_batch):
         n_seen += 1
-        r = evaluate(model, layout, cluster, global_batch, seq_len, efficiency=efficiency)
+        r = evaluate(model, layout, cluster, global_batch, seq_len, **kw)
         if r.hard:
             if smallest is None or r.memory["total"] < smallest.memory["total"]:
                 smallest = r
@@ -209,54 +225,3 @@ def search(
         )
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
-
-
-# ----------------------------------------------------------------------------- calibration
-
-# Narayanan et al. 2021 (Megatron PTD-P), Table 1, the rows with TP=8 and PP>1:
-# (params B, heads, hidden, layers, TP, PP, GPUs, global batch, measured TFLOP/s per GPU).
-# All: seq 2048, vocab 51200, A100 80GB (Selene, 8x HDR per node), full activation recomputation.
-# Assumed (not in the table): micro-batch size 1, plain 1F1B schedule, no ZeRO, no sequence parallelism.
-MEGATRON_TABLE1 = (
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138.0),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140.0),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148.0),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155.0),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163.0),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163.0),
-)
-
-
-def gpt_config(heads: int, hidden: int, layers: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:
-    """GPT-3-style model of Megatron's tables: gelu MLP with ffn 4h, MHA, tied embeddings, bf16."""
-    return ModelConfig(
-        vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads,
-        d_ff=4 * hidden, max_seq_len=seq, dtype="bfloat16", param_dtype="bfloat16", mlp="gelu",
-        tie_embeddings=True, remat="full",
-    )  # fmt: skip
-
-
-def table1_predictions(efficiency: float) -> list[tuple[float, float, float]]:
-    """(params B, predicted, measured TFLOP/s per GPU) for each calibration row."""
-    out = []
-    for size, heads, hidden, layers, t, p, gpus, batch, measured in MEGATRON_TABLE1:
-        d = gpus // (t * p)
-        layout = Layout(tensor=t, pipe=p, data=d, microbatches=batch // d, micro_batch_size=1, remat="full")
-        cluster = parse_cluster(f"a100-80g:{gpus // 8}x8")
-        r = evaluate(gpt_config(heads, hidden, layers), layout, cluster, batch, 2048, efficiency=efficiency)
-        out.append((size, r.tflops_per_device, measured))
-    return out
-
-
-def fit_efficiency() -> float:
-    """Least squares in log space of predicted vs measured TFLOP/s over MEGATRON_TABLE1, to 3 decimals."""
-    import math
-
-    def loss(e: float) -> float:
-        return sum(math.log(pr / me) ** 2 for _, pr, me in table1_predictions(e))
-
-    lo, hi = 0.2, 1.0
-    for _ in range(40):  # golden-section search; the loss is unimodal in e
-        a, b = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
-        lo, hi = (lo, b) if loss(a) < loss(b) else (a, hi)
-    return round((lo + hi) / 2, 3)

@@ -9,6 +9,8 @@ Some per-layer counts were read off the tiny configs' buffer assignments; they s
 
 from __future__ import annotations
 
+import functools
+
 from meshrun.config import ModelConfig
 from meshrun.flops import param_counts
 from meshrun.pipeline import schedules
@@ -40,9 +42,28 @@ def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: flo
     return 6 * act * sb * h + (attn + ffn) / t
 
 
+def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
+    """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
+    GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved" and v > 1:
+        return min(m * v, (v + 1) * p - 1)
+    return min(m, 2 * p - 1)
+
+
+@functools.lru_cache(maxsize=256)
 def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
-    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage."""
-    lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage.
+    Large tables (the planner's search over big clusters) use the closed form instead of building them."""
+    from meshrun.errors import ConfigError
+
+    if p * m * v > 256:
+        return pipeline_slots_formula(schedule, p, m, v)
+    try:
+        lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    except ConfigError:  # a layout the executor rejects (e.g. 1F1B with m < p): every micro-batch in flight
+        return m * v
     return max(schedules.max_in_flight(lock, s) for s in range(p))
 
 
@@ -59,6 +80,9 @@ def predict_memory_jax(
     zero: int = 0,
     schedule: str = "1f1b",
     virtual: int = 1,
+    remat: str | None = None,
+    sequence_parallel: bool | None = None,
+    layers: float | None = None,
 ) -> dict[str, float]:
     """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
     argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
@@ -73,8 +97,12 @@ def predict_memory_jax(
     * logits: a micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel.
     Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
     (b·s·h, /t with sequence parallelism) plus one layer's residuals while its backward runs;
-    selective drops the s x s attention core."""
+    selective drops the s x s attention core. remat and sequence_parallel default to the model's;
+    `layers` is the layers of a stage (default n_layers / pipe)."""
     prec = precision_of(model)
+    remat = model.remat if remat is None else remat
+    sp = model.sequence_parallel if sequence_parallel is None else sequence_parallel
+    frac = (model.n_layers / pipe if layers is None else layers) / model.n_layers
     pb, ab = prec.param, prec.act
     s = seq_len or model.max_seq_len
     t, p, b, h = tensor, pipe, micro_batch_size, model.d_model
@@ -83,14 +111,14 @@ def predict_memory_jax(
     counts = param_counts(model)
     n_moe = model.n_moe_layers
     norms = 2 * h * model.n_layers  # RMSNorm scales are replicated over TP
-    dense = (counts["layers"] - norms) / p / t + norms / p + (counts["embedding"] + counts["head"]) / t + h
-    experts = counts["experts"] / p / (t * expert)
+    dense = (counts["layers"] - norms) * frac / t + norms * frac + (counts["embedding"] + counts["head"]) / t + h
+    experts = counts["experts"] * frac / (t * expert)
     dense_dp, expert_dp = data * expert, data
     shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
-    params = pb * (dense / shard[0] + experts / eshard[0])
+    params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
-    if microbatches > 1:
-        grads += pb * (dense + experts)
+    if microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
+        grads += max(pb, 4) * (dense + experts)
     opt = 2 * pb * (dense / shard[2] + experts / eshard[2]) + pb * (dense + experts)
     if zero == 3:  # all weights gathered before the loop (`train.gather_params`)
         params += pb * (dense + experts)
@@ -100,23 +128,23 @@ def predict_memory_jax(
     moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if n_moe else 0.0
     per_layer = (1 - moe_frac) * dense_res + moe_frac * moe_res
     working = 0.0
-    if model.remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
-        per_layer, working = ab * s * b * h / (t if model.sequence_parallel else 1), max(dense_res, moe_res)
-    elif model.remat == "selective" and not flash:  # the s x s attention core is recomputed
+    if remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
+        per_layer, working = ab * s * b * h / (t if sp else 1), max(dense_res, moe_res)
+    elif remat == "selective" and not flash:  # the s x s attention core is recomputed
         per_layer -= 2.0 * ab * b * model.n_heads * s * s / t
-    stage_layers = model.n_layers / p
+    stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
         slots = _pipeline_slots(schedule, p, microbatches, v)
         acts = (slots + 2) * chunk * per_layer + working
     else:
         acts = stage_layers * per_layer + working
-    if not flash and model.remat == "none":
+    if not flash and remat == "none":
         unit = model.moe_every if model.is_moe else 1
         acts += unit * b * model.n_heads * s * s / t * (ab + 1)
     logits = s * b * model.vocab / t * (ab + 4 + 4 + 1)
     total = params + grads + opt + acts + logits
-    state = params + 2 * pb * (dense / shard[2] + experts / eshard[2])  # the step's arguments
+    state = stored + 2 * pb * (dense / shard[2] + experts / eshard[2])  # the step's arguments
     return {
         "params": params,
         "grads": grads,
@@ -148,6 +176,7 @@ def predict_collective_bytes(
     schedule: str = "1f1b",
     virtual: int = 1,
     permutes: tuple[int, int] | None = None,  # (collective-permutes, activations moved) per step
+    grad_reduce_bytes: float | None = None,  # bytes per element of the DP gradient reduction (train.grad_reduce_dtype)
 ) -> dict[str, dict[str, float]]:
     """Per-step collective bytes on one device of meshrun's step, as `meshrun.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
@@ -166,7 +195,8 @@ def predict_collective_bytes(
     the all-reduce of the embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
     all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
     reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
-    loop and reduce-scatters."""
+    loop and reduce-scatters. With a narrower `grad_reduce_bytes` the DP reductions carry that many
+    bytes per element, and the embedding/head gradients are first summed over 'pipe' in float32."""
     prec = precision_of(model)
     s = seq_len or model.max_seq_len
     t, p, e, m, b, h = tensor, pipe, expert, microbatches, micro_batch_size, model.d_model
@@ -204,12 +234,16 @@ def predict_collective_bytes(
     layer_g = pb * ((counts["layers"] - norms) / p / t + norms / p)
     edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
     expert_g = pb * counts["experts"] / p / (t * e)
+    rb = pb if grad_reduce_bytes is None else grad_reduce_bytes
+    dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
     if p > 1:
         ops, moved = permutes
         add("collective-permute", ("pipe",), act * moved / ops, ops)
-        add("all-reduce", ("pipe", *(a for a, k in (("data", data), ("expert", e)) if k > 1)), edge_g)
-        edge_g = 0.0
-    dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
+        if rb == pb:  # one all-reduce over pipe and the DP axes
+            add("all-reduce", ("pipe", *dense_axes), edge_g)
+            edge_g = 0.0
+        else:  # summed over pipe in float32, then reduced over DP with the other gradients
+            add("all-reduce", ("pipe",), edge_g)
     groups = [(layer_g + edge_g, dense_axes, data * e)]
     if expert_g:
         groups.append((expert_g, ("data",) if data > 1 else (), data))
@@ -217,8 +251,8 @@ def predict_collective_bytes(
         if not axes:
             continue
         if zero == 0:
-            add("all-reduce", axes, nbytes)
+            add("all-reduce", axes, nbytes * rb / pb)
         else:
-            add("reduce-scatter", axes, nbytes / dp)
+            add("reduce-scatter", axes, nbytes / dp * rb / pb)
             add("all-gather", axes, nbytes)
     return {"bytes": out, "count": count}

@@ -1,0 +1,131 @@
+"""Calibration of the kernel model on Megatron-LM's measured PTD-P runs, with leave-one-out.
+
+Narayanan et al. 2021, Table 1: GPT models of 1.7B to 1T parameters on A100 80GB (Selene: DGX A100
+nodes, 8 HDR 200 Gb/s NICs each), seq 2048, vocab 51200, measured TFLOP/s per GPU. Assumed (the
+table does not say): micro-batch size 1, plain 1F1B schedule, no ZeRO, no sequence parallelism, full
+activation recomputation, dropout 0.1, no flash attention (2021), Megatron's semantics
+(`framework='megatron'`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshrun import flops
+from meshrun.config import ModelConfig
+from meshrun.planner import timing
+from meshrun.planner.cost import Layout
+from meshrun.planner.hardware import parse_cluster
+from meshrun.planner.kernels import Calibration
+
+# (params B, heads, hidden, layers, TP, PP, GPUs, global batch, measured TFLOP/s per GPU)
+MEGATRON_TABLE1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137.0),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138.0),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142.0),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135.0),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138.0),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140.0),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148.0),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155.0),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163.0),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163.0),
+)
+DROPOUT = 0.1  # GPT-3 / Megatron-LM's hidden and attention dropout
+
+
+def gpt_config(heads: int, hidden: int, layers: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:
+    """GPT-3-style model of Megatron's tables: gelu MLP with ffn 4h, MHA, tied embeddings, bf16."""
+    return ModelConfig(
+        vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads,
+        d_ff=4 * hidden, max_seq_len=seq, dtype="bfloat16", param_dtype="bfloat16", mlp="gelu",
+        tie_embeddings=True, remat="full",
+    )  # fmt: skip
+
+
+def _row_case(row):
+    size, heads, hidden, layers, t, p, gpus, batch, measured = row
+    d = gpus // (t * p)
+    layout = Layout(tensor=t, pipe=p, data=d, microbatches=batch // d, micro_batch_size=1, remat="full")
+    return gpt_config(heads, hidden, layers), layout, parse_cluster(f"a100-80g:{gpus // 8}x8"), batch
+
+
+def predict_row(row, cal: Calibration) -> float:
+    """Predicted TFLOP/s per GPU (Megatron's hardware FLOPs: model + recompute) of one table row."""
+    model, layout, cluster, batch = _row_case(row)
+    tm = timing.predict_time(model, layout, cluster, 2048, calibration=cal, framework="megatron", dropout=DROPOUT)
+    return flops.hardware_flops(model, batch, 2048, "full") / (tm["total"] * cluster.n_devices) / 1e12
+
+
+FIELDS = ("gemm", "hbm")
+
+
+def fit_calibration(rows=MEGATRON_TABLE1, start: Calibration | None = None) -> Calibration:
+    """Least squares of log(predicted / measured) over `rows` in the logs of the Calibration fields,
+    Gauss-Newton (Levenberg-damped) with numerical derivatives; gemm and hbm stay <= 1. Rounded."""
+    start = start or timing.CALIBRATION
+    x = [math.log(max(getattr(start, f), 1e-6)) for f in FIELDS]
+    n = len(x)
+
+    def resid(x):
+        cal = Calibration(**{f: math.exp(v) for f, v in zip(FIELDS, x)})
+        return [math.log(predict_row(r, cal) / r[-1]) for r in rows]
+
+    for _ in range(20):
+        r0 = resid(x)
+        cols = []
+        for j in range(n):
+            xj = list(x)
+            xj[j] += 1e-4
+            cols.append([(a - b) / 1e-4 for a, b in zip(resid(xj), r0)])
+        a = [[sum(p * q for p, q in zip(cols[i], cols[j])) * (1.01 if i == j else 1.0) + (1e-9 if i == j else 0.0)
+              for j in range(n)] for i in range(n)]  # fmt: skip
+        g = [-sum(c * r for c, r in zip(cols[i], r0)) for i in range(n)]
+        dx = _solve(a, g)
+        dx = [max(-1.0, min(1.0, d)) for d in dx]
+        new = [min(xi + di, 0.0) for xi, di in zip(x, dx)]  # fractions of peak stay <= 1
+        step = max(abs(a - b) for a, b in zip(new, x))
+        x = new
+        if step < 1e-4:
+            break
+    return Calibration(gemm=round(math.exp(x[0]), 3), hbm=round(math.exp(x[1]), 3))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (tiny systems)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    out = [0.0] * n
+    for r in reversed(range(n)):
+        out[r] = (m[r][n] - sum(m[r][k] * out[k] for k in range(r + 1, n))) / m[r][r]
+    return out
+
+
+def leave_one_out(rows=MEGATRON_TABLE1) -> list[tuple[float, float, float, float]]:
+    """For each row: (params B, measured, predicted with the row left out of the fit, relative error)."""
+    out = []
+    for i, row in enumerate(rows):
+        cal = fit_calibration(rows[:i] + rows[i + 1 :])
+        pred = predict_row(row, cal)
+        out.append((row[0], row[-1], pred, pred / row[-1] - 1))
+    return out
+
+
+def table1_predictions(cal: Calibration | None = None) -> list[tuple[float, float, float]]:
+    """(params B, predicted, measured TFLOP/s per GPU) of every row at `cal` (default: the fitted constants)."""
+    cal = cal or timing.CALIBRATION
+    return [(r[0], predict_row(r, cal), r[-1]) for r in MEGATRON_TABLE1]
+
+
+def loo_table(rows=MEGATRON_TABLE1) -> str:
+    """The README's leave-one-out table (markdown)."""
+    lines = ["| params | TP | PP | measured | LOO predicted | error |", "|---:|---:|---:|---:|---:|---:|"]
+    for row, (size, meas, pred, err) in zip(rows, leave_one_out(rows)):
+        lines.append(f"| {size:g}B | {row[4]} | {row[5]} | {meas:.0f} | {pred:.1f} | {err:+.1%} |")
+    return "\n".join(lines)

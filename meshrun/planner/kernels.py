@@ -1,0 +1,147 @@
+"""Seconds of the kernels of one transformer layer, the embedding and the head on one GPU.
+
+* GEMMs: a roofline with wave quantisation. cuBLAS/CUTLASS split C = A.B (m x n, inner k) into
+  TILE_M x TILE_N output tiles, one per SM at a time; a GEMM takes ceil(tiles / SMs) waves, each as
+  long as one tile's 2 TILE_M TILE_N k FLOPs at the SM's share of peak x `Calibration.gemm` (NVIDIA,
+  "Matrix Multiplication Background User's Guide": tile and wave quantization), or its bytes at HBM
+  bandwidth when that is longer. So small or ragged per-device shapes (TP splits, small micro-batches)
+  lose efficiency and large ones approach `gemm`.
+* Memory-bound kernels (norms, bias/activation/dropout/residual, softmax, cross-entropy, embedding):
+  bytes read + written at HBM bandwidth x `Calibration.hbm`. Byte counts per token are listed below.
+* Attention core: without flash, QK^T and A.V are batched GEMMs (shapes above) and the softmax reads
+  and writes the s x s scores; flash attention (attention_impl=cudnn) is its own term: its FLOPs (the
+  masked half skipped, the backward recomputing the scores: 2.5x the forward) at FLASH_EFFICIENCY.
+
+`Calibration` (gemm, hbm) is fitted on Megatron-LM's PTD-P Table 1 by `search.fit_calibration`
+(leave-one-out errors in the README and tests/test_planner.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.config import ModelConfig
+from meshrun.planner.hardware import GPU
+
+# The bf16 tile cuBLAS picks for large GEMMs on A100/H100 (CUTLASS's default 256 x 128 threadblock).
+TILE_M, TILE_N = 256, 128
+# FlashAttention-2 (Dao 2023, Fig. 5-7): forward + backward, head dim 128, seq 2k on A100 reach ~50-55%
+# of peak counting the backward as 2.5 forwards.
+FLASH_EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class Calibration:
+    gemm: float  # fraction of an SM's peak a full tile wave reaches
+    hbm: float  # fraction of HBM bandwidth memory-bound kernels reach
+
+
+def gemm_seconds(m: float, n: float, k: float, gpu: GPU, cal: Calibration, batch: float = 1) -> float:
+    """One (batched) GEMM: max(compute in whole waves of tiles, bytes of A, B, C in bf16 at HBM speed)."""
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return 0.0
+    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch
+    waves = math.ceil(tiles / gpu.sms)
+    compute = waves * 2.0 * TILE_M * TILE_N * k / (gpu.peak_flops / gpu.sms * cal.gemm)
+    memory = 2.0 * batch * (m * k + k * n + m * n) / (gpu.hbm_bw * cal.hbm)
+    return max(compute, memory)
+
+
+def linear_seconds(tokens: float, k: float, n: float, gpu: GPU, cal: Calibration, batch: float = 1) -> tuple:
+    """(forward, backward) of y = x W with x [tokens, k], W [k, n]: backward is dX = dY W^T and dW = x^T dY."""
+    fwd = gemm_seconds(tokens, n, k, gpu, cal, batch)
+    bwd = gemm_seconds(tokens, k, n, gpu, cal, batch) + gemm_seconds(k, n, tokens, gpu, cal, batch)
+    return fwd, bwd
+
+
+def hbm_seconds(nbytes: float, gpu: GPU, cal: Calibration) -> float:
+    return nbytes / (gpu.hbm_bw * cal.hbm)
+
+
+def attention_core_seconds(
+    model: ModelConfig, b: int, s: int, t: int, gpu: GPU, cal: Calibration, *, flash: bool, dropout: bool, act: float
+) -> tuple[float, float]:
+    """(forward, backward) of softmax(Q K^T) V for the a/t heads of one device."""
+    heads, d = model.n_heads / t, model.head_dim
+    if flash:  # causal: fully masked blocks are skipped, half the 4 b s^2 a d FLOPs
+        fwd = 2.0 * b * heads * s * s * d / (gpu.peak_flops * FLASH_EFFICIENCY)
+        return fwd, 2.5 * fwd
+    bh = b * heads
+    qk_f, qk_b = linear_seconds(s, d, s, gpu, cal, bh)  # scores = Q K^T
+    av_f, av_b = linear_seconds(s, s, d, gpu, cal, bh)  # out = P V
+    # Fused scale-mask-softmax: read scores, write probs (fwd); read probs and their grad, write the
+    # grad (bwd). Dropout on the probs writes a byte mask and a copy, read again backward.
+    elems = bh * s * s
+    f_bytes = elems * (2 * act + (1 + act if dropout else 0))
+    b_bytes = elems * (3 * act + (1 + act if dropout else 0))
+    return qk_f + av_f + hbm_seconds(f_bytes, gpu, cal), qk_b + av_b + hbm_seconds(b_bytes, gpu, cal)
+
+
+def elementwise_bytes(model: ModelConfig, tokens: float, t: int, *, sp: bool, dropout: bool, act: float) -> float:
+    """Forward bytes of a layer's memory-bound kernels (the backward moves about twice as many):
+    two norms (read x, write y: 2h each), two bias + dropout + residual adds (read 2h, write h, a byte
+    mask when dropout), the MLP activation (read + write d_ff/t; swiglu reads two). Norms and residual
+    adds run on the full hidden state on every TP rank unless sequence parallelism splits them."""
+    h, ff = model.d_model, model.d_ff / t
+    hidden = 2 * 2 * act * h + 2 * (3 * act * h + (h if dropout else 0))
+    mlp = act * ff * (3 if model.mlp == "swiglu" else 2)
+    return tokens * (hidden / (t if sp else 1) + mlp)
+
+
+def layer_seconds(
+    model: ModelConfig,
+    b: int,
+    s: int,
+    t: int,
+    gpu: GPU,
+    cal: Calibration,
+    *,
+    sp: bool = False,
+    flash: bool = False,
+    dropout: bool = False,
+    act: float = 2.0,
+    moe: bool = False,
+    expert: int = 1,
+) -> dict[str, float]:
+    """Seconds of one layer for one micro-batch of b sequences on one device, by part:
+    {'gemm_fwd', 'gemm_bwd', 'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}."""
+    tok, h = b * s, model.d_model
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    parts = [linear_seconds(tok, h, (q + 2 * kv) / t, gpu, cal), linear_seconds(tok, q / t, h, gpu, cal)]
+    up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
+    if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
+        local = model.n_experts / expert
+        routed = tok * model.top_k * model.capacity_factor / local
+        parts += [
+            linear_seconds(routed, h, up, gpu, cal, local),
+            linear_seconds(routed, model.d_ff / t, h, gpu, cal, local),
+        ]
+        parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
+    else:
+        parts += [linear_seconds(tok, h, up, gpu, cal), linear_seconds(tok, model.d_ff / t, h, gpu, cal)]
+    attn_f, attn_b = attention_core_seconds(model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act)
+    mem = hbm_seconds(elementwise_bytes(model, tok, t, sp=sp, dropout=dropout, act=act), gpu, cal)
+    return {
+        "gemm_fwd": sum(f for f, _ in parts),
+        "gemm_bwd": sum(bw for _, bw in parts),
+        "attn_fwd": attn_f,
+        "attn_bwd": attn_b,
+        "mem_fwd": mem,
+        "mem_bwd": 2 * mem,
+    }
+
+
+def head_seconds(model: ModelConfig, tokens: float, t: int, gpu: GPU, cal: Calibration, act: float = 2.0) -> float:
+    """Forward + backward of the final norm, the vocab-parallel logits GEMM and the cross-entropy:
+    the loss converts the logits to fp32, takes max, exp and sum, and writes the gradient back in the
+    compute dtype (~24 bytes per logit element over forward and backward)."""
+    fwd, bwd = linear_seconds(tokens, model.d_model, model.vocab / t, gpu, cal)
+    ce = 24.0 * tokens * model.vocab / t
+    norm = 3 * 2 * act * tokens * model.d_model
+    return fwd + bwd + hbm_seconds(ce + norm, gpu, cal)
+
+
+def embed_seconds(model: ModelConfig, tokens: float, t: int, gpu: GPU, cal: Calibration, act: float = 2.0) -> float:
+    """Forward + backward of the embedding lookup (gather of b s h, then its scatter-add gradient)."""
+    return hbm_seconds(4 * act * tokens * model.d_model, gpu, cal)

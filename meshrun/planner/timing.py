@@ -1,0 +1,208 @@
+"""Seconds of one training step of a layout: per-layer kernels (`kernels.py`), TP/PP/EP/DP/ZeRO
+communication per framework, the pipeline bubble and the optimizer; the slowest stage sets the pace.
+
+Frameworks (`--framework`): the same model trained two ways.
+* meshrun: gradients accumulated locally in float32 over the micro-batches and reduced ONCE
+  per step after the loop (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
+  params; ZeRO-3 all-gathers the params before the loop and reduce-scatters after), not overlapped
+  with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch.
+* megatron (PTD-P, Narayanan et al. 2021): fp32 gradient buffers all-reduced in fp32 after the
+  pipeline flush; ZeRO-1 is the distributed optimizer (reduce-scatter + all-gather once per step);
+  ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch; ZeRO-3 gathers weights forward and
+  backward); pipeline sends split over the TP ranks (scatter/gather optimisation, b s h / t).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from meshrun.config import ModelConfig
+from meshrun.planner import kernels
+from meshrun.planner.balance import split_layers
+from meshrun.planner.cost import Layout, Precision, precision_of
+from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
+from meshrun.planner.kernels import Calibration
+
+FRAMEWORKS = ("meshrun", "megatron")
+# Fitted by `calibrate.fit_calibration()` on all ten rows of Megatron-LM's PTD-P Table 1 (least squares
+# of log(predicted / measured) TFLOP/s); tests/test_planner.py checks these equal the fit. The fit puts
+# the memory-bound kernels at the bound (full HBM bandwidth): their byte counts are if anything high.
+CALIBRATION = Calibration(gemm=0.741, hbm=1.0)
+# Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the GEMMs they
+# run beside. This fraction of the hidden communication time is still charged to the step.
+OVERLAP_COST = 0.25
+
+
+def layer_compute_seconds(
+    model: ModelConfig, b: int, s: int, t: int, gpu: GPU, remat: str, cal: Calibration, **kw
+) -> float:
+    """Forward + backward (+ recompute) of one layer and one micro-batch on one device (MoE layers
+    weighted by their share of the layers)."""
+
+    def one(moe: bool) -> float:
+        k = kernels.layer_seconds(model, b, s, t, gpu, cal, moe=moe, **kw)
+        fwd = k["gemm_fwd"] + k["attn_fwd"] + k["mem_fwd"]
+        redo = fwd if remat == "full" else (k["attn_fwd"] if remat == "selective" else 0.0)
+        return fwd + redo + k["gemm_bwd"] + k["attn_bwd"] + k["mem_bwd"]
+
+    frac = model.n_moe_layers / model.n_layers
+    return (1 - frac) * one(False) + (frac * one(True) if frac else 0.0)
+
+
+@functools.lru_cache(maxsize=4096)  # the search re-costs the same (model, b, t, remat) for many layouts
+def stage_seconds(
+    model: ModelConfig,
+    b: int,
+    s: int,
+    t: int,
+    gpu: GPU,
+    remat: str,
+    cal: Calibration | None = None,
+    *,
+    cluster: Cluster | None = None,
+    sp: bool = False,
+    dropout: bool = False,
+    expert: int = 1,
+) -> tuple[float, float, float]:
+    """(one layer, embedding, head + cross-entropy): seconds per micro-batch of b sequences on one
+    device, forward + backward, TP all-reduces included when `cluster` is given."""
+    cal = cal or CALIBRATION
+    act = precision_of(model).act
+    kw = dict(sp=sp, dropout=dropout, act=act, flash=model.attention_impl == "cudnn", expert=expert)
+    layer = layer_compute_seconds(model, b, s, t, gpu, remat, cal, **kw)
+    tok = b * s
+    first = kernels.embed_seconds(model, tok, t, gpu, cal, act)
+    last = kernels.head_seconds(model, tok, t, gpu, cal, act)
+    if cluster is not None and t > 1:
+        ar = cluster.allreduce_seconds(act * tok * model.d_model, t)
+        layer += (4 + 2 * (remat == "full")) * ar  # 2 forward (attention out, MLP out) + 2 backward
+        first += ar  # vocab-parallel embedding output
+        last += ar  # the head's input gradient
+    return layer, first, last
+
+
+def layers_per_stage(n_layers: int, p: int, v: int, costs: tuple[float, float, float]) -> tuple[int, ...]:
+    """Layers on each of the p stages: even when p*v divides n_layers, else `split_layers` over the p*v
+    chunks (stage i holds chunks i, i+p, ...; the first chunk has the embedding, the last the head)."""
+    if n_layers % (p * v) == 0:
+        return (n_layers // p,) * p
+    if n_layers < p * v:  # not a valid layout (a hard rule says so); cost it as if the layers could split
+        return (n_layers / p,) * p
+    layer, first, last = costs
+    chunks = split_layers(n_layers, p * v, layer_cost=layer, first_cost=first, last_cost=last)
+    return tuple(sum(chunks[i::p]) for i in range(p))
+
+
+def _stage_times(split: tuple[int, ...], costs: tuple[float, float, float]) -> list[float]:
+    layer, first, last = costs
+    out = [n * layer for n in split]
+    out[0] += first
+    out[-1] += last
+    return out
+
+
+def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision, framework: str) -> tuple:
+    """(seconds per micro-batch, seconds once per step) of data-parallel / ZeRO traffic of one device
+    of the first stage (the one holding the embedding). Dense params reduce over data x expert ranks
+    (TP inner: stride t), expert params over data ranks."""
+    from meshrun.flops import param_counts
+
+    t, d, e, p, zero = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero
+    counts = param_counts(model)
+    dense = (counts["layers"] / p + counts["embedding"]) / t
+    experts = counts["experts"] / p / (t * e)
+    per_mb = per_step = 0.0
+    for n, dp, stride in ((dense, d * e, t), (experts, d, t * e)):
+        if dp <= 1 or n <= 0:
+            continue
+        grads, params = n * prec.grad, n * prec.param
+        ar = cluster.allreduce_seconds(grads, dp, stride)
+        rs = cluster.allreduce_seconds(grads, dp, stride, half=True)
+        ag = cluster.allreduce_seconds(params, dp, stride, half=True)
+        if zero == 0:
+            per_step += ar
+        elif framework == "meshrun" or zero == 1:
+            per_step += rs + ag
+        else:  # DeepSpeed ZeRO-2/3: reduce-scatter each micro-batch's gradients
+            per_mb += rs + (2 * ag if zero == 3 else 0.0)
+            per_step += ag if zero == 2 else 0.0
+    return per_mb, per_step
+
+
+def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Precision) -> float:
+    """Adam is memory bound: read params, grads, optimizer state; write params and state back."""
+    from meshrun.flops import param_counts
+
+    counts = param_counts(model)
+    n = (counts["layers"] + counts["experts"] / layout.expert) / layout.pipe / layout.tensor
+    n += counts["embedding"] / layout.tensor
+    if layout.zero >= 1:
+        n /= layout.data * layout.expert
+    return n * (2 * prec.param + prec.grad + 2 * prec.opt) / gpu.hbm_bw
+
+
+def predict_time(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    *,
+    calibration: Calibration | None = None,
+    precision: Precision | None = None,
+    framework: str = "meshrun",
+    dropout: float = 0.0,
+) -> dict[str, float]:
+    """Seconds per step by part: compute (slowest stage), tensor/pipe/expert comm, exposed ZeRO and DP
+    gradient sync, pipeline bubble, optimizer update, plus the layer split."""
+    cal = calibration or CALIBRATION
+    prec = precision or precision_of(model, framework)
+    t, p, v, m, b, e = (
+        layout.tensor,
+        layout.pipe,
+        layout.virtual,
+        layout.microbatches,
+        layout.micro_batch_size,
+        layout.expert,
+    )
+    s, gpu, h = seq_len, cluster.gpu, model.d_model
+    sp = layout.sequence_parallel and t > 1
+    kw = dict(sp=sp, dropout=dropout > 0, expert=e)
+    compute = stage_seconds(model, b, s, t, gpu, layout.remat, cal, **kw)
+    full = stage_seconds(model, b, s, t, gpu, layout.remat, cal, cluster=cluster, **kw)
+    split = layers_per_stage(model.n_layers, p, v, full)
+    times, busy = _stage_times(split, full), _stage_times(split, compute)
+    slow = max(range(p), key=times.__getitem__)
+    t_mb, t_tp = busy[slow], times[slow] - busy[slow]
+    act = prec.act * b * s * h
+    t_pp = 0.0
+    if p > 1:  # activations forward and gradients backward per micro-batch and chunk
+        sent = act / t if framework == "megatron" else act
+        t_pp = 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * e * layout.data))
+    t_ep = 0.0
+    n_moe = model.n_moe_layers * split[slow] / model.n_layers
+    if n_moe and e > 1:  # dispatch + combine all-to-all, forward and backward (+ recompute)
+        a2a = act * model.top_k * model.capacity_factor / (t if sp else 1)
+        one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t)
+        t_ep = n_moe * (4 + 2 * (layout.remat == "full")) * one
+    zero_mb, t_dp = _dp_comm(model, layout, cluster, prec, framework)
+    hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
+    t_zero = zero_mb - hidden + OVERLAP_COST * hidden
+    t_opt = _optimizer_seconds(model, layout, gpu, prec)
+    per_mb = t_mb + t_tp + t_pp + t_ep + t_zero
+    bubble_slots = (p - 1) / v
+    total = (m + bubble_slots) * per_mb + t_dp + t_opt
+    return {
+        "compute": m * t_mb,
+        "tensor_comm": m * t_tp,
+        "pipe_comm": m * t_pp,
+        "expert_comm": m * t_ep,
+        "zero_comm": m * t_zero,
+        "bubble": bubble_slots * per_mb,
+        "dp_sync": t_dp,
+        "optimizer": t_opt,
+        "total": total,
+        "dp_sync_full": t_dp + m * zero_mb,
+        "bubble_fraction": (p - 1) / (v * m + p - 1),
+        "split": split,
+        "stage_seconds": times,
+    }

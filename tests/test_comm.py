@@ -1,0 +1,178 @@
+"""Communication levers: the data-parallel gradient reduction in bf16 (HLO dtype and bytes, gradients),
+rack-aware meshes, the planner's level-by-level DP all-reduce, `meshrun explain`'s bucket report."""
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_train import SMALL, _cfg, full_batch_reference
+
+from meshrun import ConfigError, MeshConfig, build_mesh, describe, describe_dict, hlo
+from meshrun.cli import main
+from meshrun.config import load_config
+from meshrun.data import global_batch_arrays, make_dataset
+from meshrun.explain import buckets, format_buckets
+from meshrun.mesh import rack_of
+from meshrun.planner import step_model, timing
+from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
+from meshrun.sharding import DP_AXES
+from meshrun.train import make_train_step
+
+BF16 = "train.grad_reduce_dtype=bfloat16"
+TINY = ["model.n_layers=2"]
+
+
+def _program_dp_collectives(over):
+    """Data-parallel collectives of the train step as jax hands it to XLA (lowered HLO). XLA:CPU's
+    backend widens 16-bit all-reduce/reduce-scatter to f32 (and aborts on a bf16 one when that pass
+    is off), so the compiled CPU text cannot show the dtype a GPU build runs; this module can. All DP
+    reductions sit in fully manual shard_maps, so with tensor=1 their shapes are per-device."""
+    cfg = _cfg("tiny_cpu.yaml", [*TINY, "mesh.tensor=1", *over])
+    mesh = build_mesh(cfg.mesh)
+    fns = make_train_step(cfg, mesh)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=fns.batch_sharding)
+    text = fns.step.lower(fns.abstract_state, batch, batch).as_text(dialect="hlo")
+    return hlo.data_parallel(hlo.collectives(text, dict(mesh.shape)))
+
+
+def test_bf16_reduction_halves_the_data_parallel_bytes():
+    """The microbatch scan (data8, ZeRO-0): the same all-reduces, one per gradient leaf, in bf16."""
+    over = ["mesh.pipe=1", "mesh.data=8", "pipeline.microbatches=2"]
+    f32, bf16 = _program_dp_collectives(over), _program_dp_collectives([*over, BF16])
+    assert f32 and {c.op for c in f32} == {c.op for c in bf16} == {"all-reduce"}
+    assert {t for c in f32 for t in c.dtypes} == {"f32"} and {t for c in bf16 for t in c.dtypes} == {"bf16"}
+    assert len(bf16) == len(f32)
+    assert 2 * sum(c.bytes for c in bf16) == sum(c.bytes for c in f32)
+    assert not any(c.in_loop for c in bf16)  # still once per step, after the accumulation loop
+
+
+def test_bf16_reduction_gradients_and_compiled_collectives():
+    """The pipeline (data2 x pipe2 x tensor2, 1F1B, m=2, ZeRO-1) with a bf16 reduction: the loss is
+    exact (reduced in f32), every gradient is within bf16 rounding of a full-batch fp32
+    `value_and_grad`, and most differ from it (the reduction did narrow). Compiled on XLA:CPU, every
+    DP collective (the reduce-scatters, the all-reduce of the norm scales ZeRO cannot split) is a
+    widened 16-bit one: its bytes on the wire are half its f32 bytes, scalars (loss) aside."""
+    base = [x for x in SMALL if "adam_eps" not in x]
+    cfg = load_config("configs/tiny_cpu.yaml", [*base, *TINY, "pipeline.microbatches=2", "train.zero=1", BF16])
+    mesh = build_mesh(cfg.mesh)
+    fns = make_train_step(cfg, mesh)
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
+    tok, lab = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
+    params = fns.init().params
+    compiled = jax.jit(fns.loss_and_grads).lower(params, tok, lab).compile()
+    loss, grads, _ = jax.device_get(compiled(params, tok, lab))
+    ref_loss, ref, _ = full_batch_reference(cfg, np.asarray(tok), np.asarray(lab))
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
+    narrowed = 0
+    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref), strict=True):
+        assert g.dtype == np.float32  # cast back before the optimizer
+        scale = float(np.abs(r).max())
+        # each rank's partial sum and the result are rounded to bf16 (8-bit mantissa): 2^-9 relative each
+        np.testing.assert_allclose(g, r, rtol=0, atol=2**-6 * scale, err_msg=jax.tree_util.keystr(path))
+        narrowed += not np.allclose(g, r, rtol=1e-5, atol=1e-6 * scale)
+    assert narrowed >= len(jax.tree.leaves(ref)) // 2
+    dp = [c for c in hlo.data_parallel(hlo.collectives(compiled.as_text(), dict(mesh.shape))) if "data" in c.axes]
+    assert {c.op for c in dp} == {"reduce-scatter", "all-reduce"} and all(c.promoted for c in dp), dp
+    scalars = sum(4 for c in dp for d in c.dims if d == ())
+    assert sum(c.bytes for c in dp) - scalars == 2 * (sum(c.wire_bytes for c in dp) - scalars)
+
+
+def test_explain_buckets_report_program_dtype_and_bytes():
+    promoted = hlo.Collective("all-reduce", 4 * 100 + 4, ("data",), 2, False, 1, ("f32", "f32"), ((100,), ()), True)
+    plain = hlo.Collective("reduce-scatter", 4 * 64, ("data",), 1, False, 1, ("f32",), ((64,),))
+    scalars = hlo.Collective("all-reduce", 8, ("data",), 2, False, 1, ("f32", "f32"), ((), ()))
+    tensor = hlo.Collective("all-reduce", 4096, ("tensor",), 1, True, 4, ("f32",), ((1024,),))
+    got = buckets([promoted, plain, scalars, tensor])
+    assert got == [
+        {"op": "reduce-scatter", "axes": ["data"], "arrays": 1, "bytes": 256, "dtype": "f32", "per_step": 1},
+        {"op": "all-reduce", "axes": ["data"], "arrays": 2, "bytes": 204, "dtype": "bf16+f32", "per_step": 1},
+    ]
+    text = "\n".join(format_buckets(got, "bfloat16"))
+    assert text.startswith("data-parallel collectives per step: 2 (0.000 MiB; train.grad_reduce_dtype=bfloat16)")
+    assert "XLA:CPU widens" in text
+
+
+def test_predicted_dp_bytes_halve_with_bf16_reduction():
+    model = load_config("configs/tiny_cpu.yaml").model
+    for kw in (dict(data=4), dict(data=2, pipe=2, tensor=2, microbatches=4)):  # ZeRO-0: all DP bytes are grads
+        f32 = step_model.predict_collective_bytes(model, **kw, seq_len=64)["bytes"]
+        bf16 = step_model.predict_collective_bytes(model, **kw, seq_len=64, grad_reduce_bytes=2)["bytes"]
+        assert bf16["data"] == pytest.approx(f32["data"] / 2, rel=1e-12)
+        assert {a: v for a, v in bf16.items() if a != "data"} == {a: v for a, v in f32.items() if a != "data"}
+
+
+def test_bad_grad_reduce_dtype_exits_2(capsys):
+    assert main(["explain", "configs/tiny_cpu.yaml", "train.grad_reduce_dtype=float8"]) == 2
+    err = capsys.readouterr().err
+    assert "train.grad_reduce_dtype" in err and "'float8'" in err and "bfloat16" in err
+
+
+# ----------------------------------------------------------------------------- racks
+
+
+def test_racks_order_describe_and_warning():
+    with pytest.warns(UserWarning, match="a data group spans 2 racks while no pipeline group does"):
+        flat = build_mesh(MeshConfig(data=4, tensor=2, hosts=4, racks=2))
+    assert rack_of(flat) == {i: i // 4 for i in range(8)}  # rack-major: hosts 0,1 | 2,3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        piped = build_mesh(MeshConfig(pipe=2, data=2, tensor=2, hosts=4, racks=2))  # pipe crosses racks
+        build_mesh(MeshConfig(data=4, tensor=2, hosts=4))  # one rack: nothing to warn about
+    d = describe_dict(piped)
+    assert d["racks"] == 2 and d["rack_of"]["5"] == 1
+    assert all(len({d["rack_of"][str(i)] for i in g}) == 1 for g in d["groups"]["data"])
+    assert all(len({d["rack_of"][str(i)] for i in g}) == 2 for g in d["groups"]["pipe"])
+    text = describe(piped)
+    assert "(4 host(s) in 2 racks, 8 devices)" in text and "rack    host  device" in text
+    with warnings.catch_warnings(record=True) as seen:  # an expert group across racks crosses hosts too
+        warnings.simplefilter("always")
+        build_mesh(MeshConfig(expert=8, hosts=4, racks=2))
+    assert any("an expert group spans 2 racks" in str(w.message) for w in seen)
+
+
+def test_racks_not_dividing_hosts_exits_2(capsys):
+    with pytest.raises(ConfigError, match="4 hosts cannot be split into racks of 3 hosts"):
+        build_mesh(MeshConfig(hosts=4, racks=3))
+    assert main(["mesh", "--devices", "8", "--hosts", "4", "mesh.racks=3"]) == 2
+    assert "mesh.racks" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+def test_cluster_racks_and_level_by_level_allreduce():
+    c = parse_cluster("h100-80g:64x8,racks=16x1600")
+    assert (c.nodes_per_rack, c.racks, c.rack_gbps, str(c)) == (16, 4, 1600, "h100-80g:64x8,racks=16x1600")
+    assert c.rack_bw_per_gpu == pytest.approx(1600e9 / 8 / 8)  # a quarter of the 400 Gb/s NIC per GPU
+    flat, fast = parse_cluster("h100-80g:64x8"), parse_cluster("h100-80g:64x8,racks=16")
+    assert flat.racks == 1 and fast.rack_bw_per_gpu == fast.nic_bw_per_gpu
+    nbytes, lat = 1 * GB, COMM_LATENCY_S
+    nvl, nic, rack = (bw * COMM_EFFICIENCY for bw in (c.gpu.intra_node_bw, c.nic_bw_per_gpu, c.rack_bw_per_gpu))
+    # inside one node: the NVLink ring, racks or not
+    assert c.allreduce_seconds(nbytes, 8) == pytest.approx(lat + 2 * 7 / 8 * nbytes / nvl)
+    # one GPU per node (tensor 8), 16 nodes of one rack: the NIC ring, the uplinks unused
+    assert c.allreduce_seconds(nbytes, 16, 8) == pytest.approx(lat + 2 * 15 / 16 * nbytes / nic)
+    # data 512 over the cluster: node (8), rack (16 nodes), cluster (4 racks) on ever smaller shares
+    want = lat + 2 * (7 / 8 * nbytes / nvl + 15 / 16 * nbytes / 8 / nic + 3 / 4 * nbytes / 128 / rack)
+    assert c.allreduce_seconds(nbytes, 512) == pytest.approx(want)
+    assert c.allreduce_seconds(nbytes, 512) > fast.allreduce_seconds(nbytes, 512) == flat.allreduce_seconds(nbytes, 512)
+    assert [k for k, _ in c.levels(64, 8)] == [1, 16, 4]  # stride 8: one GPU per node
+    # a pipeline send between racks runs at the uplinks' rate, one inside a rack at the NICs'
+    assert (c.group_bw(8 * 16), c.group_bw(2 * 8 * 16)) == pytest.approx((nic, rack))
+    # the cost model charges it: the same layout's DP sync grows on the oversubscribed cluster
+    model = load_config("configs/models/megatron-1.7b.yaml").model
+    lay = timing.Layout(tensor=1, pipe=1, data=512, microbatches=1)
+    assert timing.predict_time(model, lay, c, 2048)["dp_sync"] > timing.predict_time(model, lay, flat, 2048)["dp_sync"]
+
+
+def test_bad_cluster_racks():
+    for text, match in [
+        ("h100-80g:64x8,racks=5", "racks do not divide nodes"),
+        ("h100-80g:64x8,racks=16x0", "malformed racks"),
+        ("h100-80g:64x8,racks=fast", "malformed racks"),
+        ("h100-80g:64x8,rack=16", "unknown field"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_cluster(text)

@@ -1,0 +1,269 @@
+"""Hugging Face import/export against transformers' own forward (fixtures: tests/fixtures/hf/make_fixtures.py).
+
+Per family: import-hf -> meshrun logits on the fixture tokens vs transformers' fp32 logits (max abs
+<= 1e-4); export-hf -> the safetensors hold bit-for-bit the tensors that were imported; with
+transformers installed, the exported directory loads there and gives the reference logits again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from meshrun_models import apply_layers, embed, logits
+
+from meshrun.cli import main
+from meshrun.config import MeshConfig, ModelConfig
+from meshrun.errors import ConfigError
+from meshrun.hf import export_hf, import_hf, load_params
+from meshrun.hf_convert import model_config
+from meshrun.mesh import build_mesh
+from meshrun.param_ckpt import restore_params
+from meshrun.safetensors_io import SafeTensors
+
+FIX = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral")
+HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+TOL = 1e-4
+
+
+def _forward(cfg: ModelConfig, params, tokens):
+    x, _ = apply_layers(params["layers"], embed(params, tokens, cfg), cfg)
+    return logits(params, x, cfg)
+
+
+def _load(run: Path) -> tuple[ModelConfig, dict]:
+    """The imported params of `run` on one device, and their ModelConfig."""
+    cfg, params, _ = load_params(run)
+    return cfg, params
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Every family imported once (mesh: tensor 2 x data 4, so each weight is really split on import)."""
+    mesh = build_mesh(MeshConfig(tensor=2, data=4))
+    out = {}
+    for fam in FAMILIES:
+        run = tmp_path_factory.mktemp(fam)
+        res = import_hf(FIX / fam, run, mesh=mesh)
+        out[fam] = (run, res)
+    return out
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_logits_match_transformers(imported, fam):
+    run, res = imported[fam]
+    cfg, params = _load(run)
+    assert cfg.vocab == 128 and res["vocab"] == 128  # 100 padded on import
+    tokens = np.load(FIX / "tokens.npy")
+    ref = np.load(FIX / fam / "logits.npy")
+    got = np.asarray(jax.jit(lambda p, t: _forward(cfg, p, t))(params, tokens))
+    err = float(np.max(np.abs(got[..., :100] - ref)))
+    print(f"{fam}: max |logit - transformers| = {err:.2e}")
+    assert err <= TOL
+    assert np.all(got[..., 100:] == 0.0)  # padded vocab rows are zero
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_export_round_trips_bit_exactly(imported, fam, tmp_path):
+    run, _ = imported[fam]
+    res = export_hf(run, tmp_path / "out", max_shard_bytes=30_000)
+    src, out = SafeTensors(FIX / fam), SafeTensors(tmp_path / "out")
+    tied = json.loads((FIX / fam / "config.json").read_text()).get("tie_word_embeddings")
+    want = [k for k in src.keys() if not (tied and k == "lm_head.weight")]
+    assert out.keys() == want
+    for k in want:
+        a, b = src.get(k), out.get(k)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), k
+    assert len(res["files"]) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    # and back in: the re-imported parameters are the first import's, bit for bit
+    import_hf(tmp_path / "out", tmp_path / "again", mesh=build_mesh(MeshConfig(data=8)))
+    (cfg1, p1), (cfg2, p2) = _load(run), _load(tmp_path / "again")
+    assert cfg1 == cfg2
+    flat1, flat2 = jax.tree_util.tree_leaves_with_path(p1), jax.tree_util.tree_leaves_with_path(p2)
+    assert [k for k, _ in flat1] == [k for k, _ in flat2]
+    for (k, a), (_, b) in zip(flat1, flat2):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
+
+
+def test_v4_config_keys_read_like_v5():
+    """transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests rope_parameters."""
+    v5 = json.loads((FIX / "llama31" / "config.json").read_text())
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    rp = dict(v5["rope_parameters"])
+    v4["rope_theta"] = rp.pop("rope_theta")
+    v4["rope_scaling"] = rp
+    assert model_config(v4) == model_config(v5)
+    assert model_config(v5).rope_scaling == "llama3" and model_config(v5).rope_original_max_seq_len == 256
+    qwen = json.loads((FIX / "qwen2" / "config.json").read_text())
+    legacy = {k: v for k, v in qwen.items() if k != "layer_types"} | {"sliding_window": 8, "use_sliding_window": True}
+    assert model_config(legacy | {"max_window_layers": 0}).sliding_window == 8  # every layer slides
+    assert model_config(legacy | {"max_window_layers": 2}).sliding_window == 0  # none does
+    with pytest.raises(ConfigError, match="mix full and sliding"):
+        model_config(legacy | {"max_window_layers": 1})
+
+
+def test_hub_id_and_bad_dirs_exit_2(tmp_path, capsys):
+    assert main(["import-hf", "meta-llama/Llama-3-8B", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hub id" in err[0] and "never the network" in err[0]
+    assert main(["import-hf", str(tmp_path / "none"), str(tmp_path / "r")]) == 2
+    assert main(["export-hf", str(tmp_path / "none"), str(tmp_path / "o")]) == 2
+    bad = tmp_path / "gelu"
+    bad.mkdir()
+    cfg = json.loads((FIX / "llama2" / "config.json").read_text()) | {"hidden_act": "gelu"}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["import-hf", str(bad), str(tmp_path / "r")]) == 2
+    assert "hidden_act" in capsys.readouterr().err
+
+
+def test_train_starts_from_imported_params(imported, tmp_path):
+    """A param-only start on another mesh (tensor 2, 2 devices): step 0, and the first loss is
+    the imported model's loss on that batch (a random init would give ~log(vocab))."""
+    from meshrun.config import load_config
+    from meshrun.data import global_batch_arrays
+    from meshrun.loop import prepare, run
+
+    src, _ = imported["llama2"]
+    over = [
+        "mesh.tensor=2",
+        "mesh.data=1",
+        "train.steps=1",
+        "train.global_batch=4",
+        "train.seq_len=16",
+        f"train.run_dir={tmp_path / 'run'}",
+        "data.kind=synthetic",
+    ]
+    cfg = load_config(src / "config.yaml", over)
+    assert cfg.checkpoint.init_params == str(src / "hf_import")
+    devices = jax.devices()[:2]
+    with pytest.raises(ConfigError, match="checkpoint.init_params: .* the model needs"):
+        prepare(load_config(src / "config.yaml", [*over, "model.d_ff=32"]), devices)  # before anything is written
+    assert not (tmp_path / "run").exists()
+    mesh, fns, ds = prepare(cfg, devices)
+    tokens, labels = global_batch_arrays(ds, 0, mesh, jax.sharding.PartitionSpec())
+    params = restore_params(src / "hf_import", fns.abstract_state.params)
+    x = jax.jit(lambda p, t: _forward(cfg.model, p, t))(params, tokens)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    want = float(np.mean(lse - np.take_along_axis(np.asarray(x), np.asarray(labels)[..., None], -1)[..., 0]))
+    result = run(cfg, devices=devices, quiet=True)
+    assert result["step"] == 1
+    np.testing.assert_allclose(result["first_loss"], want, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="torch/transformers not installed")
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_exported_loads_in_transformers(imported, fam, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    export_hf(imported[fam][0], tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
+    tokens = torch.from_numpy(np.load(FIX / "tokens.npy")).long()
+    with torch.no_grad():
+        got = model(tokens).logits.numpy()
+    assert np.max(np.abs(got - np.load(FIX / fam / "logits.npy"))) <= 1e-5
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="torch/transformers not installed")
+def test_fixture_script_reproduces_fixtures(tmp_path):
+    subprocess.run([sys.executable, str(FIX / "make_fixtures.py"), str(tmp_path)], check=True, capture_output=True)
+    for fam in FAMILIES:
+        np.testing.assert_allclose(np.load(tmp_path / fam / "logits.npy"), np.load(FIX / fam / "logits.npy"), atol=1e-6)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_native_model_exports_and_imports_back(tmp_path, moe):
+    """A model meshrun made (no Hugging Face config to copy): export-hf writes a config of its own
+    (Qwen2 for q/k/v biases, Mixtral for MoE) that imports back to the same ModelConfig and params;
+    with transformers installed it also gives meshrun's logits there."""
+    from meshrun_models import abstract_params
+    from meshrun_models.layers import arrays
+
+    from meshrun.config import to_dict
+    from meshrun.param_ckpt import save_params
+
+    moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0) if moe else {}
+    cfg = ModelConfig(
+        vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
+        tie_embeddings=not moe, qkv_bias=not moe, norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3",
+        rope_original_max_seq_len=256, **moe_fields,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)  # every leaf random (biases and norm scales too)
+    params = jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(np.float32), arrays(abstract_params(cfg)))
+    save_params(tmp_path / "run" / "hf_import", params, {"model": to_dict(cfg)})
+    export_hf(tmp_path / "run", tmp_path / "out")
+    import_hf(tmp_path / "out", tmp_path / "again", vocab_multiple=128)
+    cfg2, params2 = _load(tmp_path / "again")
+    assert cfg2 == cfg
+    for (k, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(params2)
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
+    if HAVE_TRANSFORMERS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
+        tokens = np.load(FIX / "tokens.npy")
+        with torch.no_grad():
+            ref = model(torch.from_numpy(tokens).long()).logits.numpy()
+        got = np.asarray(jax.jit(lambda p, t: _forward(cfg, p, t))(params, tokens))
+        assert np.max(np.abs(got - ref)) <= TOL
+
+
+def test_cli_import_export(tmp_path, capsys):
+    assert main(["import-hf", str(FIX / "qwen2"), str(tmp_path / "run"), "mesh.data=8"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["family"] == "qwen2" and res["vocab"] == 128
+    assert main(["import-hf", str(FIX / "qwen2"), str(tmp_path / "run")]) == 2  # already imported there
+    assert "already holds an import" in capsys.readouterr().err
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "20KB"]) == 0
+    files = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["files"]
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_bfloat16_checkpoint_round_trips(tmp_path):
+    """Real checkpoints are bfloat16: read exactly into float32 masters, written back bit for bit."""
+    import ml_dtypes
+
+    from meshrun.safetensors_io import write
+
+    src = SafeTensors(FIX / "llama2")
+    bf = {k: np.asarray(src.get(k)).astype(ml_dtypes.bfloat16) for k in src.keys()}
+    (tmp_path / "bf").mkdir()
+    write(tmp_path / "bf" / "model.safetensors", bf)
+    cfg = json.loads((FIX / "llama2" / "config.json").read_text()) | {"dtype": "bfloat16"}
+    (tmp_path / "bf" / "config.json").write_text(json.dumps(cfg))
+    import_hf(tmp_path / "bf", tmp_path / "run", mesh=build_mesh(MeshConfig(data=8)))
+    assert export_hf(tmp_path / "run", tmp_path / "out")["dtype"] == "bfloat16"
+    out = SafeTensors(tmp_path / "out")
+    assert out.keys() == sorted(bf)
+    for k, a in bf.items():
+        assert out.get(k).dtype == a.dtype and out.get(k).tobytes() == a.tobytes(), k
+
+
+def test_checkpoints_written_before_the_new_model_fields_still_resume(tmp_path):
+    """qkv_bias, rope_scaling*, sliding_window did not exist before: an older checkpoint's meta lacks
+    them and is read as holding their defaults (a real difference is still refused)."""
+    from meshrun.checkpoint import Checkpointer
+    from meshrun.config import CheckpointConfig, to_dict
+
+    new = {"qkv_bias", "sliding_window", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor"}
+    new |= {"rope_high_freq_factor", "rope_original_max_seq_len"}
+    old = {k: v for k, v in to_dict(ModelConfig()).items() if k not in new}
+    state = {"w": jax.numpy.zeros(4)}
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta={"model": old}) as ck:
+        ck.save(1, state, force=True)
+    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(ModelConfig())}) as ck:
+        ck.check_compatible(1, state)
+    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(ModelConfig(qkv_bias=True))}) as ck:
+        with pytest.raises(ConfigError, match="model.qkv_bias"):
+            ck.check_compatible(1, state)
