@@ -2,6 +2,10 @@
 
     python bench/pipeline.py [--pipes 2 4] [--ms 2 8] [--tensor 2] [--repeats 3]
 
+First a table-only block (no compile): for p = 4, m = 8 and 16, the bubble of the schedule tables
+with F = 1 and B + W = 2 (1F1B, interleaved v = 2, zb-h1 with B = W = 1) and the peak in-flight
+microbatches (activation memory). zb-h1 is a table only: the executor does not run it yet.
+
 Per row: schedule, p, m, v, bubble from the schedule table (F = 1, B = 2), residual slots, compiled
 per-device temp memory, collective-permute bytes per step over 'pipe', and the step time over the
 non-pipelined step (same model, same global batch, data x tensor parallel on the same 8 devices).
@@ -30,8 +34,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from meshrun import hlo  # noqa: E402
 from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
 from meshrun.mesh import build_mesh  # noqa: E402
+from meshrun.pipeline import schedules  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
-from meshrun.pipeline.stage import to_pipeline_layout  # noqa: E402
+from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 
 SEQ = 32
@@ -77,6 +82,12 @@ def main(argv=None) -> None:
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
+    print(f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble (table)':>16}{'peak in-flight chunks':>23}")
+    for m in (8, 16):
+        for sched, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+            table = schedules.build(sched, 4, m, v)
+            peak = max(schedules.max_in_flight(table, s) for s in range(4))
+            print(f"{sched:<12}{4:>3}{m:>4}{v:>3}{schedules.bubble_fraction(table):>16.4f}{peak:>23}")
     _, params = mm.init_params(CFG, 0)
     devs = f"{jax.device_count()} {jax.devices()[0].platform} devices"
     print(f"model: d_model={CFG.d_model} layers={CFG.n_layers} seq={SEQ}; {devs}")
@@ -106,7 +117,7 @@ def main(argv=None) -> None:
                 pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
                 pl = Pipeline(mm.model_fns(CFG), pc, mesh, layout="pipeline")
                 pure = params.to_pure_dict()
-                pure["layers"] = to_pipeline_layout(pure["layers"], p, v)
+                pure["layers"] = layer_split(pc, CFG.n_layers, p).to_pipeline(pure["layers"])
                 compiled = pl.lower(pure, tok, lab).compile()
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)

@@ -49,7 +49,7 @@ def measure(path: str, overrides: list[str], steps: int, warmup: int) -> dict:
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
     batches = [global_batch_arrays(ds, i, mesh, P(DP_AXES)) for i in range(warmup + steps)]
     t0 = time.perf_counter()
-    compiled = fns.step.lower(fns.abstract_state, *batches[0]).compile()
+    compiled = fns.step.lower(fns.abstract_run, *batches[0]).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     state = fns.init()
@@ -66,6 +66,7 @@ def measure(path: str, overrides: list[str], steps: int, warmup: int) -> dict:
         "mem": ma.argument_size_in_bytes + ma.temp_size_in_bytes,
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
+        "metrics": {k: float(v) for k, v in metrics.items()},
     }
 
 

@@ -95,7 +95,8 @@ class ModelConfig:
     sequence_parallel: bool = False
     n_experts: int = 0  # 0: dense model
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # moe_dispatch=capacity only
+    moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
@@ -117,6 +118,7 @@ class ModelConfig:
         _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, ("none", "full", "selective"))
+        _choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
@@ -158,6 +160,10 @@ class PipelineConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     microbatches: int = 1  # m: number of microbatches per step (>= 4*pipe recommended)
     virtual: int = 1  # v: virtual chunks per stage (interleaved)
+    # Stacked layers (MoE: layer groups) per virtual stage k = chunk*pipe + stage, in model order;
+    # empty: split by `balance` ('even': equal counts; 'auto': the planner's cost model).
+    layers_per_stage: tuple[int, ...] = ()
+    balance: str = "even"  # even | auto
 
     def __post_init__(self):
         _choice("pipeline.schedule", self.schedule, SCHEDULES)
@@ -165,6 +171,20 @@ class PipelineConfig:
             raise ConfigError("pipeline.microbatches", self.microbatches, "use a positive count")
         if self.virtual < 1:
             raise ConfigError("pipeline.virtual", self.virtual, "use a positive count")
+        _choice("pipeline.balance", self.balance, ("even", "auto"))
+        if any(n < 1 for n in self.layers_per_stage):
+            raise ConfigError(
+                "pipeline.layers_per_stage",
+                list(self.layers_per_stage),
+                "give every stage at least one layer (use fewer stages, or pipeline.balance=auto)",
+                "empty stage",
+            )
+        if self.layers_per_stage and self.balance != "even":
+            raise ConfigError(
+                "pipeline.balance",
+                self.balance,
+                "set either pipeline.layers_per_stage or pipeline.balance=auto, not both",
+            )
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,10 @@ def make_eval_step(cfg, mesh, step_fns) -> Callable:
     if mesh.shape["pipe"] > 1:
         from meshrun.pipeline.executor import Pipeline
         from meshrun.pipeline.forward import forward_sums
-        from meshrun.train import interleaved
+        from meshrun.train import split_of
 
-        layout = "pipeline" if interleaved(cfg, mesh) else "model"  # as the train step stores the layers
-        pl = Pipeline(fns, cfg.pipeline, mesh, zero=step_fns.zero, layout=layout)
+        # the layers as the train step stores them: padded pipeline layout, the same split
+        pl = Pipeline(fns, cfg.pipeline, mesh, zero=step_fns.zero, layout="pipeline", split=split_of(cfg, mesh))
         sums = lambda params, *batch: forward_sums(pl, params, *batch)  # noqa: E731
     else:
         sums = forward_sums_fn(fns, step_fns.zero, cfg.pipeline.microbatches)

@@ -135,7 +135,7 @@ def compile_step(cfg):
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sharding)
     n_batch = 3 if cfg.data.pack_documents else 2  # tokens, labels[, segment_ids]
-    return fns.step.lower(fns.abstract_state, *(tokens,) * n_batch).compile(), mesh
+    return fns.step.lower(fns.abstract_run, *(tokens,) * n_batch).compile(), mesh
 
 
 def explain(cfg) -> dict:

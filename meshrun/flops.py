@@ -49,6 +49,15 @@ def _matmul_active(m: ModelConfig, moe: bool) -> int:
     return attn_params(m) + (m.top_k * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m))
 
 
+def moe_routed(m: ModelConfig, expert: int = 1) -> float:
+    """Rows per token that an MoE layer's all_to_all moves and its expert FFN runs on: top_k x
+    capacity_factor with capacity routing (buffers padded to capacity); dropless: top_k, and with
+    expert parallelism ep x min(top_k, E/ep), the fixed worst-case exchange of models/dropless.py."""
+    if m.moe_dispatch != "dropless":
+        return m.top_k * m.capacity_factor
+    return float(m.top_k if expert <= 1 else expert * min(m.top_k, m.n_experts // expert))
+
+
 def layer_fwd_flops(m: ModelConfig, tokens: float, s: int, moe: bool = False, capacity: float = 1.0) -> float:
     """2 FLOPs per matmul param per token + attention scores QK^T and A.V (4 s^2 a d_head per sequence,
     counted in full as Megatron does, not halved for causal masking)."""

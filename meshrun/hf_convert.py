@@ -125,7 +125,8 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
         fields |= dict(
             n_experts=e,
             top_k=k,
-            capacity_factor=float(e) / k,  # capacity = tokens per group: nothing dropped
+            moe_dispatch="dropless",  # Mixtral drops no token
+            capacity_factor=float(e) / k,  # used only if a user switches to capacity routing: nothing dropped
             moe_every=1,
             aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
             z_loss_coef=0.0,

@@ -39,14 +39,16 @@ def warn(msg: str) -> None:
 
 
 def config_warnings(cfg: RunConfig, mesh) -> list[str]:
-    """Settings that are valid but have no effect on this mesh. `pipeline.schedule`/`virtual` with
+    """Settings that are valid but have no effect on this mesh. `pipeline.schedule`/`virtual` (and the
+    layer split: `layers_per_stage`, `balance`) with
     mesh.pipe = 1 warn rather than fail: the same config file is often run with `mesh.pipe=1` to
     debug, and they take effect again as soon as pipe > 1 (`pipeline.microbatches` still counts:
     gradient accumulation)."""
     out = []
     if mesh.shape["pipe"] == 1:
         default = PipelineConfig()
-        keys = [k for k in ("schedule", "virtual") if getattr(cfg.pipeline, k) != getattr(default, k)]
+        keys = ("schedule", "virtual", "layers_per_stage", "balance")
+        keys = [k for k in keys if getattr(cfg.pipeline, k) != getattr(default, k)]
         if keys:
             given = ", ".join(f"pipeline.{k}={getattr(cfg.pipeline, k)}" for k in keys)
             out.append(f"{given} ignored: mesh.pipe is 1 (no pipeline); set mesh.pipe > 1 to use it, or drop it")

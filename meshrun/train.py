@@ -48,10 +48,11 @@ class StepFns:
     init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
-    abstract_state: TrainState  # ShapeDtypeStructs with shardings (checkpoint restore target)
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
     to_run: Any  # model-order state (checkpoints) -> the layout the step runs on
-    to_model: Any  # inverse (identity unless interleaved: layers stored in pipeline order)
+    to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline layout)
     loss_and_grads: Any  # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
+    abstract_run: TrainState  # as abstract_state, in the layout `step` takes
     zero: ZeroLayout | None = None  # the parameter layouts (the evaluation reuses them)
 
 
@@ -91,10 +92,19 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
     models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
     if mesh.shape["pipe"] > 1:  # the schedule and the layer split, before anything is built or written
-        from meshrun.pipeline.program import check_layer_split, tick_program
+        from meshrun.pipeline.program import tick_program
 
-        prog = tick_program(cfg.pipeline, mesh.shape["pipe"])
-        check_layer_split(cfg.model.n_units, prog.p, prog.v)
+        tick_program(cfg.pipeline, mesh.shape["pipe"])
+        split_of(cfg, mesh)
+
+
+def split_of(cfg: RunConfig, mesh: Mesh):
+    """The pipeline's LayerSplit (pipeline.layers_per_stage / balance), or None without a pipeline."""
+    if mesh.shape["pipe"] == 1:
+        return None
+    from meshrun.pipeline.split import layer_split
+
+    return layer_split(cfg.pipeline, cfg.model.n_units, mesh.shape["pipe"], cfg.model, cfg.train.seq_len)
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels, segment_ids=None):
@@ -143,30 +153,26 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
     return loss, zl.finish(grads), metrics
 
 
-def interleaved(cfg: RunConfig, mesh: Mesh) -> bool:
-    """Interleaved 1F1B: stage s holds the non-contiguous chunks s, p+s, 2p+s, ... of the layers."""
-    return mesh.shape["pipe"] > 1 and cfg.pipeline.schedule == "interleaved" and cfg.pipeline.virtual > 1
-
-
-def relayout(state: TrainState, tx, fn, p: int, v: int) -> TrainState:
-    """Apply a layer-order permutation `fn` to params['layers'] and the matching optimizer leaves.
-    Training runs with the layers in pipeline order so that each stage's chunks are local (no weight
-    moves per step); checkpoints keep model order, so they restore into any layout."""
+def relayout(state: TrainState, tx, fn) -> TrainState:
+    """Apply a layer relayout `fn` (a LayerSplit's to_pipeline / from_pipeline) to params['layers']
+    and the matching optimizer leaves. Training runs with the layers in pipeline layout so that each
+    stage's chunks are local (no weight moves per step; interleaved: chunk order, uneven: padded);
+    checkpoints keep model order, so they restore into any layout and split."""
     flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
-    one = lambda x, is_layer: fn({"x": x}, p, v)["x"] if is_layer else x  # noqa: E731
-    params = {**state.params, "layers": fn(state.params["layers"], p, v)}
+    one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x  # noqa: E731
+    params = {**state.params, "layers": fn(state.params["layers"])}
     opt = optax.tree_map_params(tx, one, state.opt_state, flags)
     return state._replace(params=params, opt_state=opt)
 
 
 def make_loss_and_grads(cfg: RunConfig, mesh: Mesh, fns: ModelFns, zl: ZeroLayout):
     """(params, tokens, labels) -> (loss, grads in the ZeRO grad layout, metrics), traced inside the
-    step: the pipeline executor when mesh.pipe > 1, else the microbatch scan."""
+    step: the pipeline executor when mesh.pipe > 1 (params in pipeline layout), else the microbatch scan."""
     if mesh.shape["pipe"] > 1:
         from meshrun.pipeline.executor import Pipeline
 
-        layout = "pipeline" if interleaved(cfg, mesh) else "model"
-        return Pipeline(fns, cfg.pipeline, mesh, zero=zl, layout=layout).loss_and_grads
+        split = split_of(cfg, mesh)
+        return Pipeline(fns, cfg.pipeline, mesh, zero=zl, layout="pipeline", split=split).loss_and_grads
     return functools.partial(accumulate_grads, fns, zl, cfg.pipeline.microbatches)
 
 
@@ -190,29 +196,25 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
 
     abstract = jax.eval_shape(init_state)
-    zl = ZeroLayout.build(fns.param_names, abstract.params, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype)
-    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    opt_sh = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract.opt_state,
-        jax.tree.map(sh, zl.opt, is_leaf=is_spec),
-        transform_non_params=lambda _: sh(P()),
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+    split = split_of(cfg, mesh)
+    relay = split is not None and not split.identity  # layers stored in pipeline layout while training
+    run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
+    abstract_run = jax.eval_shape(run_state) if relay else abstract
+    build = lambda shapes: ZeroLayout.build(  # noqa: E731
+        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype
     )
-    state_sh = TrainState(jax.tree.map(sh, zl.store, is_leaf=is_spec), opt_sh, sh(P()))
-    batch_sh = sh(P(DP_AXES))
-    if interleaved(cfg, mesh):
-        from meshrun.pipeline.stage import from_pipeline_layout, to_pipeline_layout
-
-        p, v = mesh.shape["pipe"], cfg.pipeline.virtual
-        to_run = jax.jit(lambda st: relayout(st, tx, to_pipeline_layout, p, v), out_shardings=state_sh)
-        to_model = jax.jit(lambda st: relayout(st, tx, from_pipeline_layout, p, v), out_shardings=state_sh)
-        init = jax.jit(lambda: relayout(init_state(), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
-        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, to_pipeline_layout, p, v), out_shardings=state_sh)
+    zl = build(abstract_run.params)
+    state_sh = state_shardings(zl, tx, abstract_run)
+    batch_sh = NamedSharding(mesh, P(DP_AXES))
+    init = jax.jit(run_state, out_shardings=state_sh)
+    if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
+        model_sh = state_shardings(build(abstract.params), tx, abstract)
+        to_run = jax.jit(lambda st: relayout(st, tx, split.to_pipeline), out_shardings=state_sh)
+        to_model = jax.jit(lambda st: relayout(st, tx, split.from_pipeline), out_shardings=model_sh)
+        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), out_shardings=state_sh)
     else:
+        model_sh = state_sh
         to_run = to_model = lambda st: st  # noqa: E731
-        init = jax.jit(init_state, out_shardings=state_sh)
         init_from = jax.jit(state_from, out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
@@ -228,5 +230,31 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     step = jax.jit(
         train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
-    abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return StepFns(step, init, init_from, state_sh, batch_sh, abstract_sh, to_run, to_model, loss_and_grads, zl)
+    with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
+    return StepFns(
+        step,
+        init,
+        init_from,
+        state_sh,
+        batch_sh,
+        with_sh(abstract, model_sh),
+        to_run,
+        to_model,
+        loss_and_grads,
+        with_sh(abstract_run, state_sh),
+        zl,
+    )
+
+
+def state_shardings(zl: ZeroLayout, tx, abstract: TrainState) -> TrainState:
+    """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`."""
+    sh = lambda spec: NamedSharding(zl.mesh, spec)  # noqa: E731
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract.opt_state,
+        jax.tree.map(sh, zl.opt, is_leaf=is_spec),
+        transform_non_params=lambda _: sh(P()),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    return TrainState(jax.tree.map(sh, zl.store, is_leaf=is_spec), opt_sh, sh(P()))

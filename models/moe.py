@@ -1,5 +1,8 @@
 """Mixture-of-experts FFN: top-k router, capacity with token dropping, expert parallelism by all-to-all.
 
+`model.moe_dispatch`: `capacity` (this module, below) or `dropless` (dropless.py: tokens sorted by
+expert, grouped matmul, nothing dropped); both run under the same shard_map and report the same stats.
+
 Routing groups are sequences: each of the B sequences is one group of S = L tokens (GShard's
 groups), so capacity, drops and the auxiliary losses do not depend on the mesh or the microbatch
 split. Per group and expert the buffer holds C = ceil(capacity_factor * S * top_k / E) tokens; a
@@ -28,7 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from meshrun_models.dropless import dropless_local
 from meshrun_models.layers import Lead, dtype_of, normal_param
+from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
 from meshrun.sharding import constrain, current_rules, use_rules
@@ -56,10 +61,7 @@ def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int):
     """Top-k routing with capacity. Returns dispatch and combine [G,S,E,C] (float32) and stats."""
     g, s, e = logits_GxSxE.shape
     k = cfg.top_k
-    logits = logits_GxSxE.astype(jnp.float32)
-    probs_GxSxE = jax.nn.softmax(logits, axis=-1)
-    top_p_GxSxk, top_i_GxSxk = jax.lax.top_k(probs_GxSxE, k)
-    gates_GxSxk = top_p_GxSxk / jnp.sum(top_p_GxSxk, -1, keepdims=True) if k > 1 else top_p_GxSxk
+    probs_GxSxE, top_i_GxSxk, gates_GxSxk = top_k_gates(logits_GxSxE, cfg)
     choice_GxSxkxE = jax.nn.one_hot(top_i_GxSxk, e, dtype=jnp.float32)
     # Position in the expert's buffer, choice-major: all first choices queue before second choices.
     queue_GxkSxE = choice_GxSxkxE.transpose(0, 2, 1, 3).reshape(g, k * s, e)
@@ -69,13 +71,7 @@ def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int):
     slot_GxSxkxC = jax.nn.one_hot(pos_GxSxk.astype(jnp.int32), cap, dtype=jnp.float32) * keep_GxSxk[..., None]
     dispatch = jnp.einsum("gske,gskc->gsec", choice_GxSxkxE, slot_GxSxkxC)
     combine = jnp.einsum("gske,gskc,gsk->gsec", choice_GxSxkxE, slot_GxSxkxC, gates_GxSxk)
-    frac_GxE = jnp.sum(choice_GxSxkxE, axis=(1, 2)) / (s * k)
-    mean_p_GxE = jnp.mean(probs_GxSxE, axis=1)
-    stats = {
-        "moe_aux_loss": e * jnp.sum(jax.lax.stop_gradient(frac_GxE) * mean_p_GxE),
-        "moe_z_loss": jnp.sum(jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=1)),
-        "dropped_tokens": jax.lax.stop_gradient(jnp.sum(1.0 - keep_GxSxk)),
-    }
+    stats = router_stats(logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk))
     return jax.lax.stop_gradient(dispatch), combine, stats
 
 
@@ -93,7 +89,14 @@ def experts(p: Mapping[str, jax.Array], x_ExNxD: jax.Array, cfg: ModelConfig) ->
 
 
 def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
-    """Route local groups, all_to_all over `axis` (None: no communication), run the local experts."""
+    """Route local groups, exchange tokens over `axis` (None: no communication), run the local experts."""
+    if cfg.moe_dispatch == "dropless":
+        return dropless_local(p, h_GxSxD, cfg, axis)
+    return capacity_local(p, h_GxSxD, cfg, axis)
+
+
+def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+    """Capacity routing: dispatch to [E, G, C, D] buffers, all_to_all over `axis`, experts, combine."""
     g, s, d = h_GxSxD.shape
     cap = capacity(cfg, s)
     logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from test_models import ATOL, RTOL, assert_same, batch, loss_and_grads, mesh_of
 
 from meshrun.config import ModelConfig
 from meshrun.hlo import collectives
+from meshrun.planner.step_model import predict_collective_bytes
 from meshrun.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
 
 # Groups of (1 dense + 1 MoE), top-2 with capacity factor 1.0: tokens do get dropped.
@@ -105,16 +107,19 @@ def numpy_moe(p, h, cfg):
     return out, {"dropped_tokens": dropped, "moe_aux_loss": aux, "moe_z_loss": np.sum(np.mean(lse**2, 1))}
 
 
-@pytest.mark.parametrize("cf,expect_drops", [(2.0, False), (0.5, True)])
-def test_moe_layer_matches_expert_loop(cf, expect_drops):
+@pytest.mark.parametrize(
+    "dispatch,cf,expect_drops", [("capacity", 2.0, False), ("capacity", 0.5, True), ("dropless", 0.5, False)]
+)
+def test_moe_layer_matches_expert_loop(dispatch, cf, expect_drops):
     """cf = E/k: capacity = S, nothing can drop; cf = 0.5: exact drop count and the dropped
-    assignments are missing from the output."""
-    cfg = dataclasses.replace(MOE, capacity_factor=cf, init_std=0.2)
+    assignments are missing from the output; dropless ignores the capacity: nothing dropped."""
+    cfg = dataclasses.replace(MOE, capacity_factor=cf, init_std=0.2, moe_dispatch=dispatch)
     _, params = init_params(cfg, 4)
     p = jax.tree.map(lambda w: w[0], arrays(params["layers"]["moe"]["moe"]))
     h = jax.random.normal(jax.random.key(5), (4, 16, cfg.d_model))
     out, stats = jax.jit(lambda p, h: moe_ffn(p, h, cfg))(p, h)
-    ref, ref_stats = numpy_moe(p, h, cfg)
+    no_cap = dataclasses.replace(cfg, capacity_factor=cfg.n_experts / cfg.top_k)
+    ref, ref_stats = numpy_moe(p, h, no_cap if dispatch == "dropless" else cfg)
     assert (ref_stats["dropped_tokens"] > 0) == expect_drops
     assert float(stats["dropped_tokens"]) == ref_stats["dropped_tokens"]
     np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
@@ -182,10 +187,12 @@ def _manual_specs(specs, manual):
     return jax.tree.map(one, specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def test_apply_layers_inside_caller_shard_map(moe_ref):
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_apply_layers_inside_caller_shard_map(moe_ref, dispatch):
     """A caller manual over ('data','expert') (as a pipeline executor is) gets the direct all_to_all
-    path: same outputs and gradients as one device; aux comes back as local sums (psum them)."""
-    params = moe_ref[0]
+    path, with either dispatch: same outputs and gradients as one device; aux comes back as local
+    sums (psum them)."""
+    params, cfg = moe_ref[0], dataclasses.replace(MOE, moe_dispatch=dispatch)
     mesh = mesh_of(2, 2, 2)
     manual = ("data", "expert")
     x = jax.random.normal(jax.random.key(2), (8, 16, MOE.d_model))
@@ -194,7 +201,7 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
 
     def body(lp, xl):
         with use_rules(mesh, compute_rules(False), manual=manual):
-            y, aux = apply_layers(lp, xl, MOE)
+            y, aux = apply_layers(lp, xl, cfg)
         return y, jax.lax.psum(aux, manual)
 
     sm = jax.shard_map(
@@ -208,16 +215,19 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
 
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
-    ref = objective(lambda lp, x: apply_layers(lp, x, MOE))(params["layers"], x)
+    ref = objective(lambda lp, x: apply_layers(lp, x, cfg))(params["layers"], x)
     with use_rules(mesh, compute_rules(False)):
         got = objective(sm)(layers, x)
     (v0, a0), g0 = ref
     (v1, a1), g1 = got
     np.testing.assert_allclose(v1, v0, rtol=RTOL)
-    assert float(a1["dropped_tokens"]) == float(a0["dropped_tokens"]) > 0
+    assert float(a1["dropped_tokens"]) == float(a0["dropped_tokens"])
+    assert (float(a0["dropped_tokens"]) > 0) == (dispatch == "capacity")
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
 
+    if dispatch == "dropless":
+        return
     # Only 'data' manual: a nested expert shard_map cannot be differentiated (Shardy), so it is refused.
     only_data = jax.shard_map(
         lambda lp, xl: _in_rules(mesh, ("data",), lambda: apply_layers(lp, xl, MOE)[0]),
@@ -233,3 +243,50 @@ def test_apply_layers_inside_caller_shard_map(moe_ref):
 def _in_rules(mesh, manual, fn):
     with use_rules(mesh, compute_rules(False), manual=manual):
         return fn()
+
+
+# ---------------------------------------------------------------- dropless dispatch
+
+DROPLESS = dataclasses.replace(MOE, n_layers=2, moe_every=1, moe_dispatch="dropless")  # capacity_factor 1.0 ignored
+
+
+def test_dropless_parity_and_worst_case_all_to_all():
+    """Dropless on one device == capacity routing with capacity S (nothing can drop) == dropless on
+    data2 x expert2 x tensor2 (loss, aux, grads); dropped_tokens 0 although capacity_factor=1.0
+    drops in capacity routing. The compiled step moves rows in fixed worst-case all_to_alls: per
+    MoE layer one int32 [ep, E/ep] count exchange, [ep, M, D] rows there and back (forward and
+    backward) with M = T * min(k, E/ep), T local tokens; no all-gather (expert weights stay put)."""
+    cfg = DROPLESS
+    _, params = init_params(cfg, 0)
+    tok, lab = batch(cfg)
+    ref = loss_and_grads(cfg, params, tok, lab)
+    assert float(ref[0][1]["dropped_tokens"]) == 0
+    no_drop = dataclasses.replace(cfg, moe_dispatch="capacity", capacity_factor=cfg.n_experts / cfg.top_k)
+    assert_same(ref, loss_and_grads(no_drop, params, tok, lab))
+
+    mesh = mesh_of(2, 2, 2)
+    placed = jax.device_put(params, tree_shardings(params, mesh, param_rules(0)))
+    step = jax.value_and_grad(lambda p: loss_fn(p, tok, lab, cfg), has_aux=True)
+    with use_rules(mesh, compute_rules(False)):
+        compiled = jax.jit(step).lower(placed).compile()
+    assert_same(ref, compiled(placed))
+
+    ep, e_loc, t = 2, cfg.n_experts // 2, tok.size // 4  # tokens over data x expert
+    rows_bytes = ep * t * min(cfg.top_k, e_loc) * cfg.d_model * 4
+    c = collectives(compiled.as_text(), dict(mesh.shape))
+    assert not [x for x in c if x.op == "all-gather"]
+    a2a = sorted((x.axes, x.bytes, x.in_loop) for x in c if x.op == "all-to-all")
+    assert a2a == sorted([(("expert",), ep * e_loc * 4, True)] + [(("expert",), rows_bytes, True)] * 4)
+    # meshrun explain's step model counts the same all_to_alls per step (counts + rows, 2 layers)
+    pred = predict_collective_bytes(cfg, tensor=2, data=2, expert=2, micro_batch_size=2, seq_len=tok.shape[1])
+    assert pred["count"]["all-to-all"] == sum(x.per_step for x in c if x.op == "all-to-all") == 10
+
+
+def test_bad_moe_dispatch_exits_2(capsys):
+    from meshrun.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs/tiny_moe_cpu.yaml")
+    rc = main(["train", config, "model.moe_dispatch=sorted", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert "model.moe_dispatch: invalid value (got 'sorted'); use one of ['capacity', 'dropless']" in err

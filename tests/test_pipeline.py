@@ -28,7 +28,8 @@ from meshrun.mesh import build_mesh
 from meshrun.model_api import ModelFns
 from meshrun.pipeline import schedules
 from meshrun.pipeline.executor import Pipeline
-from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
+from meshrun.pipeline.split import layer_split
+from meshrun.pipeline.stage import activation_residuals
 from meshrun.sharding import constrain
 
 RTOL = 1e-5
@@ -108,10 +109,11 @@ def toy_compiled(dims, schedule, m, v, b, **kw):
     """(pipeline, compiled step, args) for the toy model; cached so tests share compiles."""
     kw = dict(kw)
     layout = kw.get("layout", "model")
-    pl = Pipeline(TOY, PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims), **kw)
+    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v)
+    pl = Pipeline(TOY, pc, mesh_of(*dims), **kw)
     params = toy_params()
     if layout == "pipeline":
-        params = {**params, "layers": to_pipeline_layout(params["layers"], pl.p, v)}
+        params = {**params, "layers": layer_split(pc, L, pl.p).to_pipeline(params["layers"])}
     args = (params, *batch(b, V))
     return pl, pl.lower(*args).compile(), args
 
@@ -156,7 +158,7 @@ def test_toy_parity(case):
     want = P("pipe", "data" if pl.zero_stage >= 2 else None, "tensor" if dims[3] > 1 else None)
     assert tuple(spec) + (None,) * (3 - len(spec)) == tuple(want), spec
     if pl.layout == "pipeline":
-        grads = {**grads, "layers": from_pipeline_layout(grads["layers"], pl.p, v)}
+        grads = {**grads, "layers": pl.split.from_pipeline(grads["layers"])}
     np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
     np.testing.assert_allclose(float(aux["sq"]), float(ref_aux["sq"]), rtol=RTOL)
     assert_tree_close(grads, ref_grads)
@@ -417,3 +419,105 @@ def test_tick_copies_are_one_microbatch_not_the_buffer():
     print(f"GPipe: {per_tick:.0f} B copied per tick; residuals {residuals} B, weights {weights} B, buffer {buffer} B")
     assert per_tick <= 2 * (residuals + act) + 2 * weights
     assert per_tick < buffer / 4
+
+
+# ---------------------------------------------------------------- uneven stages
+
+# (mesh pipe, data, expert, tensor), schedule, m, v, layers, layers per virtual stage (model order)
+UNEVEN_CASES = {
+    "p2-5-layers-1f1b": ((2, 2, 1, 2), "1f1b", 4, 1, 5, (3, 2)),
+    "p4-7-layers-1f1b": ((4, 1, 1, 2), "1f1b", 8, 1, 7, (1, 2, 2, 2)),
+    "p2v2-7-layers-interleaved": ((2, 2, 1, 2), "interleaved", 4, 2, 7, (2, 2, 1, 2)),
+}
+
+
+@functools.cache
+def uneven_compiled(case):
+    dims, schedule, m, v, n, counts = UNEVEN_CASES[case]
+    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, layers_per_stage=counts)
+    pl = Pipeline(TOY, pc, mesh_of(*dims))
+    prm = {**toy_params(), "layers": jax.tree.map(lambda a: a[:n], toy_params()["layers"])}
+    args = (prm, *batch(8, V))
+    return pl, pl.lower(*args).compile(), args
+
+
+@pytest.mark.parametrize("case", list(UNEVEN_CASES))
+def test_uneven_parity(case):
+    """Stages holding different layer counts run one SPMD program (chunks padded to the largest,
+    padding skipped); loss and grads (model order) equal one device's."""
+    dims, _, _, v, _, counts = UNEVEN_CASES[case]
+    pl, compiled, (prm, tok, lab) = uneven_compiled(case)
+    (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(toy_loss, has_aux=True))(prm, tok, lab)
+    loss, grads, aux = compiled(prm, tok, lab)
+    assert pl.split.counts == counts and pl.split.padded == dims[0] * v * max(counts)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    np.testing.assert_allclose(float(aux["sq"]), float(ref_aux["sq"]), rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+
+
+def test_uneven_stage_runs_lmax_layers_and_no_dummy_forward():
+    """A tick runs lmax units (the padding one under a `lax.cond`): per step, the 5-layer split
+    (3, 2) has exactly one TP all-reduce per F and per B tick fewer than 8 layers as (4, 4) on the
+    same schedule, so the vjp rebuilt in the backward leaves no dead forward behind (toy MLP: one
+    all-reduce per layer forward, one backward)."""
+    pl, c, _ = uneven_compiled("p2-5-layers-1f1b")
+    pe, ce, _ = toy_compiled((2, 2, 1, 2), "1f1b", 4, 1, b=8)
+    tp = lambda pl, c: sum(  # noqa: E731
+        k for x, k in executed(c.as_text(), pl.mesh) if x.op == "all-reduce" and x.axes == ("tensor",)
+    )
+    ticks = sum((t1 - t0) * len(kind) for kind, t0, t1, _, _ in pl.program.phases)  # F ticks + B ticks
+    assert pl.program.phases == pe.program.phases
+    assert tp(pe, ce) - tp(pl, c) == (L // 2 - pl.split.lmax) * ticks
+
+
+def test_split_layouts_round_trip_across_splits():
+    """Checkpoints hold model order: any split's padded layout maps back to it exactly, padding is
+    zeros, and a state saved under one split restores into another."""
+    from meshrun.pipeline.split import LayerSplit
+
+    x = {"w": jnp.arange(7 * 3, dtype=jnp.float32).reshape(7, 3)}
+    splits = [LayerSplit((1, 2, 2, 2), 4, 1), LayerSplit((2, 2, 1, 2), 2, 2), LayerSplit((4, 3), 2, 1)]
+    for a in splits:
+        pa = a.to_pipeline(x)["w"]
+        assert pa.shape == (a.padded, 3)
+        idx = a.pipeline_index()
+        np.testing.assert_array_equal(np.asarray(pa)[idx < 0], 0)
+        np.testing.assert_array_equal(np.asarray(pa)[idx >= 0], np.asarray(x["w"])[idx[idx >= 0]])
+        for b in splits:
+            back = b.from_pipeline(b.to_pipeline(a.from_pipeline(a.to_pipeline(x))))
+            np.testing.assert_array_equal(back["w"], x["w"])
+    # stage 0 of (2, 2, 1, 2) on p=2, v=2 holds virtual stages 0 and 2: layers 0-1, then 4 + padding
+    assert LayerSplit((2, 2, 1, 2), 2, 2).pipeline_index().tolist() == [0, 1, 4, -1, 2, 3, 5, 6]
+
+
+def test_bad_splits_name_the_fix():
+    from meshrun.pipeline.split import layer_split
+
+    pc = lambda **k: PipelineConfig(microbatches=4, **k)  # noqa: E731
+    with pytest.raises(ConfigError, match=r"sum 6 != 7.*e\.g\. \[2, 2, 2, 1\]"):
+        layer_split(pc(layers_per_stage=(3, 1, 1, 1)), 7, 4)
+    with pytest.raises(ConfigError, match="one count per stage: 4 numbers"):
+        layer_split(pc(layers_per_stage=(3, 4)), 7, 4)
+    with pytest.raises(ConfigError, match="empty stage"):
+        pc(layers_per_stage=(7, 0))
+    with pytest.raises(ConfigError, match="balance=auto"):
+        layer_split(pc(), 7, 4)
+    with pytest.raises(ConfigError, match="leave a stage empty"):
+        layer_split(pc(balance="auto"), 3, 4, DENSE)
+    assert layer_split(pc(balance="auto"), 7, 4, DENSE).n == 7
+
+
+def test_balance_auto_gives_the_ends_fewer_layers():
+    """Llama-3.1-405B shape (126 layers, 16 stages, vocab 128256): the last stage carries the head and
+    gets fewer layers; the slowest stage is no slower than any other split's."""
+    from meshrun.planner.balance import split_layers, stage_cost, stage_costs
+
+    big = ModelConfig(vocab=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
+                      d_ff=53248, max_seq_len=8192)  # fmt: skip
+    c = dict(zip(("layer_cost", "first_cost", "last_cost"), stage_costs(big, 8192), strict=True))
+    counts = split_layers(126, 16, **c)
+    assert sum(counts) == 126 and min(counts) >= 1 and counts[-1] < max(counts)
+    cost = lambda cs: max(stage_cost(cs, **c))  # noqa: E731
+    assert cost(counts) <= cost((8,) * 14 + (7, 7)) and cost(counts) <= cost((7, 7) + (8,) * 14)
+    assert split_layers(8, 4, layer_cost=1.0) == (2, 2, 2, 2)
+    assert split_layers(7, 4, layer_cost=1.0, last_cost=1.5) == (2, 2, 2, 1)

@@ -384,3 +384,56 @@ def test_cli_png_with_matplotlib(capsys, tmp_path):
     argv = ["schedule", "--pipe", "2", "--microbatches", "4", "--schedule", "interleaved", "--virtual", "2"]
     assert main(argv + ["--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ zero bubble (ZB-H1)
+
+
+@pytest.mark.parametrize("p,m", [(p, k * p) for p in (1, 2, 3, 4, 8) for k in (1, 2, 4)] + [(4, 5), (3, 7)])
+def test_zb_h1_table_bubble_third_of_1f1b_at_the_same_memory(p, m):
+    """ZB-H1 (Qi et al. 2023): B (input grad) and W (weight grad) split; W's fill the cool-down.
+    With F = B = W its table bubble is (p-1)/(3m+p-1): (p-1)(F+B-W) idle per stage, against 1F1B's
+    (p-1)(F+B+W); no stage holds more microbatches between F and W than 1F1B's peak, min(p, m)."""
+    table = S.build("zb-h1", p, m)
+    S.check(table, p, m)
+    assert sum(op is not None for row in table for op in row) == 3 * m * p
+    assert len(table) == 3 * m + p - 1
+    closed = (p - 1) / (3 * m + p - 1)
+    assert S.stage_bubbles(table) == pytest.approx([closed] * p, rel=1e-12, abs=1e-15)
+    assert S.bubble_closed_form("zb-h1", p, m) == pytest.approx(closed)
+    one = S.bubble_fraction(S.build("1f1b", p, m))
+    if p > 1:  # a third of 1F1B's as m grows: (p-1)/(3m+p-1) against (p-1)/(m+p-1)
+        assert S.bubble_fraction(table) < (0.4 if m >= 4 * p else 0.5) * one
+    peak_1f1b = max(S.max_in_flight(S.build("1f1b", p, m), s) for s in range(p))
+    assert max(S.max_in_flight(table, s) for s in range(p)) == peak_1f1b == min(p, m)
+
+
+def test_zb_h1_check_catches_a_w_before_its_b_and_a_missing_w():
+    table = S.build("zb-h1", 2, 2)
+    ws = [(t, s) for t, row in enumerate(table) for s, op in enumerate(row) if op is not None and op.kind == "W"]
+    t, s = ws[0]
+    broken = [list(row) for row in table]
+    broken[t][s] = None
+    with pytest.raises(ScheduleError, match="missing W"):
+        S.check(broken, 2, 2)
+    early = [list(row) for row in table]
+    early[0][s], early[t][s] = early[t][s], early[0][s]
+    with pytest.raises(ScheduleError, match="runs before its input"):
+        S.check(early, 2, 2)
+
+
+def test_cli_draws_zb_h1_with_both_bubbles(capsys):
+    main = _main()
+    assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "W7" in out and "bubble fraction (F = B = W): 0.1111" in out and "1F1B at the same p, m" in out
+    assert "0.2727" in out
+
+
+def test_executor_refuses_zb_h1_with_a_clear_message():
+    from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import tick_program
+
+    with pytest.raises(ConfigError, match="zb-h1") as e:
+        tick_program(PipelineConfig(schedule="zb-h1", microbatches=8), 4)
+    assert e.value.field == "pipeline.schedule"

@@ -136,6 +136,10 @@ def _snapshot(d: Path) -> dict[str, float]:
         (["train.global_batch=12"], "train.global_batch"),
         (["train.run_dir=RUNFILE/sub"], "train.run_dir"),
         (["model.n_heads=3", "model.n_kv_heads=3"], "model.n_heads"),
+        (["pipeline.layers_per_stage=[3,2]"], "sum to the 4 stacked layers"),
+        (["pipeline.layers_per_stage=[4,0]"], "at least one layer"),
+        (["pipeline.layers_per_stage=[1,1,2]"], "one count per stage"),
+        (["model.n_layers=5"], "pipeline.balance=auto"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, over, words):

@@ -27,11 +27,13 @@ def _label(op, v: int):
 def run_schedule(args) -> int:
     p, m, v = args.pipe, args.microbatches, args.virtual
     table = S.build(args.schedule, p, m, v)
-    bubble = S.bubble_fraction(table, f=1.0, b=2.0)
+    bubble = S.bubble_fraction(table)  # F = 1, B + W = 2 (zb-h1: B = W = 1)
+    if args.lockstep and args.schedule == "zb-h1":
+        raise ConfigError("--lockstep", True, "drop --lockstep: zb-h1 is a per-op timeline only")
     shown = S.lockstep(table) if args.lockstep else table
     in_flight = [S.max_in_flight(shown, s) for s in range(p)]
     if args.png:
-        draw_png(table, v, args.png, f"{args.schedule} p={p} m={m} v={v}: bubble {bubble:.1%} (b = 2f)")
+        draw_png(table, v, args.png, f"{args.schedule} p={p} m={m} v={v}: bubble {bubble:.1%} (F=1, B+W=2)")
     if args.json:
         cells = [
             [[_label(c.fwd, v), _label(c.bwd, v)] if args.lockstep else _label(c, v) for c in row] for row in shown
@@ -54,7 +56,11 @@ def run_schedule(args) -> int:
     print(f"schedule {args.schedule}  p={p}  m={m}  v={v}  {view}: {len(shown)} ticks")
     print(S.render(shown, v))
     closed = S.bubble_closed_form(args.schedule, p, m, v)
-    print(f"bubble fraction (backward = 2 x forward): {bubble:.4f}  closed form {closed:.4f}")
+    cost = "F = B = W" if args.schedule == "zb-h1" else "backward = 2 x forward"
+    print(f"bubble fraction ({cost}): {bubble:.4f}  closed form {closed:.4f}")
+    if args.schedule == "zb-h1":
+        same = S.bubble_fraction(S.build("1f1b", p, m))
+        print(f"1F1B at the same p, m (same peak in-flight microbatches): {same:.4f}")
     print(f"max in-flight microbatch chunks per stage: {in_flight}")
     return 0
 
@@ -70,7 +76,7 @@ def draw_png(table, v: int, path: str, title: str) -> None:
         raise ConfigError("--png", path, "pip install meshrun[plot]", "matplotlib is not installed") from e
     p = len(table[0])
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(table)), 0.5 * p + 1.2))
-    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:

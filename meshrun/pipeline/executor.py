@@ -30,10 +30,12 @@ How a step runs:
   data-parallel shards, w = `ModelFns.aux_weights(global batch rows)` (`model_api.finish`);
   the token count depends only on labels, so it is known before the loop and each head backward
   uses the exact cotangent 1/N (aux cotangents are w_k).
-* Parameters: `params['layers']` leaves are stacked [L, ...] in model order and sharded P('pipe', ...).
-  For interleaved (v > 1) the executor permutes them to pipeline order ([v, p, Lc] -> [p, v, Lc],
-  `stage.to_pipeline_layout`) inside the step, which moves weights across 'pipe' once per step;
-  pass `layout='pipeline'` with params already stored that way (and get grads back that way) to avoid it.
+* Parameters: `params['layers']` leaves are stacked [L, ...] in model order. Stage s runs the counts
+  of `split` (`split.LayerSplit`: even, `pipeline.layers_per_stage` or balance=auto); for interleaved
+  or an uneven split the executor moves them to the pipeline layout ([p, v, lmax], chunks padded to
+  the largest count, `LayerSplit.to_pipeline`) inside the step, which moves weights across 'pipe' once
+  per step; pass `layout='pipeline'` with params already stored that way (and get grads back that
+  way) to avoid it. Uneven chunks skip their padding (`stage.uneven_apply`).
 * What a tick costs (compiled HLO and timings on 8 simulated CPU devices; see bench/compare.py):
   a dynamic chunk index copied every weight of the stage and its gradient sums on every tick, so
   with v = 1 the stage's layers are used in place; idle stages ran the stage on dummy data, so
@@ -58,8 +60,9 @@ from meshrun import model_api
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.model_api import ModelFns
-from meshrun.pipeline.program import check_layer_split, tick_program
-from meshrun.pipeline.stage import activation_residuals, from_pipeline_layout, to_pipeline_layout
+from meshrun.pipeline.program import tick_program
+from meshrun.pipeline.split import LayerSplit, layer_split
+from meshrun.pipeline.stage import activation_residuals, uneven_apply
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.zero import ZeroLayout, accum_zeros
 
@@ -86,6 +89,7 @@ class Pipeline:
         layout: str = "model",
         nan_bubbles: bool = False,
         skip_idle: bool = True,
+        split: LayerSplit | None = None,
     ):
         if residuals not in ("store", "recompute"):
             raise ConfigError("residuals", residuals, "use 'store' or 'recompute'")
@@ -99,12 +103,26 @@ class Pipeline:
         self.p = int(mesh.shape.get("pipe", 1))
         self.dp = int(np.prod([mesh.shape.get(a, 1) for a in DP_AXES]))
         self.program = tick_program(pcfg, self.p)
+        self.split = split
+        self._model_zero: ZeroLayout | None = None
         self._jit = jax.jit(self.loss_and_grads)
 
     # ------------------------------------------------------------ checks and containers
 
     def check(self, params, tokens) -> None:
-        check_layer_split(jax.tree.leaves(params["layers"])[0].shape[0], self.p, self.program.v)
+        n = jax.tree.leaves(params["layers"])[0].shape[0]
+        if self.split is None:
+            lps = self.pcfg.layers_per_stage
+            units = sum(lps) if lps and self.layout == "pipeline" else n
+            self.split = layer_split(self.pcfg, units, self.p)
+        want = self.split.padded if self.layout == "pipeline" else self.split.n
+        if n != want:
+            raise ConfigError(
+                "params['layers']",
+                n,
+                f"pass {want} stacked layers ({self.layout} layout of the split {list(self.split.counts)})",
+                "layer count does not match the split",
+            )
         gb, m = tokens.shape[0], self.program.m
         if gb % (m * self.dp):
             raise ConfigError(
@@ -115,10 +133,18 @@ class Pipeline:
             )
 
     def _layout_for(self, params) -> ZeroLayout:
-        if self.zero is None:
+        """The step's ZeroLayout (of the pipeline layout); in model layout also the model-order one
+        (`_model_zero`: an uneven split's [L] layer axis may not divide over 'pipe')."""
+        if self.zero is None or (self._model_zero is None and self.layout == "model"):
             if self.fns.param_names is None:
                 raise ConfigError("ModelFns.param_names", None, "give the logical axis names of the params tree")
-            self.zero = ZeroLayout.build(self.fns.param_names, params, self.mesh, self.zero_stage)
+            build = lambda t: ZeroLayout.build(self.fns.param_names, t, self.mesh, self.zero_stage)  # noqa: E731
+            if self.layout == "model":
+                self._model_zero = build(params)
+                run = {**params, "layers": jax.eval_shape(self.split.to_pipeline, params["layers"])}
+                self.zero = self.zero or build(run)
+            else:
+                self.zero = build(params)
         return self.zero
 
     def __call__(self, params, tokens, labels, segment_ids=None):
@@ -147,9 +173,9 @@ class Pipeline:
     def loss_and_grads(self, params, tokens, labels, segment_ids=None):
         """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit.
         `segment_ids` (packed documents) reach every stage's layers with the microbatch's tokens."""
-        mesh, prog = self.mesh, self.program
-        zl = self._layout_for(params)
-        layers, other, batch, bspec = self.placed(params, tokens, labels, segment_ids)
+        mesh, lsplit, zl = self.mesh, self.split, self._layout_for(params)
+        params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
+        layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
         f = jax.shard_map(
             functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
@@ -161,26 +187,29 @@ class Pipeline:
         )
         loss, gl, go, metrics = f(layers, other, *batch)
         gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
+        gspec = zl.grads
         if self.layout == "model":
-            gl = from_pipeline_layout(gl, self.p, prog.v)
+            gl, gspec = lsplit.from_pipeline(gl), self._model_zero.grads
         grads = jax.tree.map(lambda g, a: g.astype(a.dtype), {**go, "layers": gl}, params)  # fp32 sums -> param dtype
-        return loss, _wsc(mesh, grads, zl.grads), metrics
+        return loss, _wsc(mesh, grads, gspec), metrics
 
     def placed(self, params, tokens, labels, segment_ids=None):
-        """(layers in pipeline layout, other params, [M, B, S] microbatched batch arrays, their spec):
-        what the shard_map over the tick loop takes (also `pipeline/forward.py`)."""
-        mesh, prog, m = self.mesh, self.program, self.program.m
+        """(params in the padded pipeline layout, gathered; the batch arrays as [M, B, S] microbatches;
+        their spec): what the shard_map over the tick loop takes (also `pipeline/forward.py`)."""
+        mesh, m, lsplit = self.mesh, self.program.m, self.split
+        if lsplit is None:
+            raise ConfigError("Pipeline.split", None, "call the Pipeline (or .lower) once, or pass split=")
         zl = self._layout_for(params)
+        if self.layout == "model":  # model order [L] -> padded pipeline layout [p*v*lmax] (moves weights)
+            params = _wsc(mesh, params, self._model_zero.store)
+            params = {**params, "layers": _wsc(mesh, lsplit.to_pipeline(params["layers"]), zl.sub("layers").store)}
         params = zl.gather(_wsc(mesh, params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
-        layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
-        if self.layout == "model":
-            layers = _wsc(mesh, to_pipeline_layout(layers, self.p, prog.v), zl.sub("layers").compute)
         # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
         # microbatches without moving token ids between devices (row order does not change the sums).
         bspec = P(None, DP_AXES)
         split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
         batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
-        return layers, other, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
+        return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
 
     def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
@@ -207,10 +236,11 @@ class _StageRun:
         prog = pl.program
         self.pl, self.fns, self.prog, self.other, self.tok, self.lab = pl, pl.fns, prog, other, tok, lab
         self.seg = seg  # [M, B, S] segment ids (packed documents) or None
-        self.p, self.v, self.m = pl.p, prog.v, prog.m
+        self.p, self.v, self.m, self.split = pl.p, prog.v, prog.m, pl.split
         self.stage = lax.axis_index("pipe")
         self.fill = jnp.nan if pl.nan_bubbles else 0.0
-        lc = jax.tree.leaves(layers)[0].shape[0] // self.v
+        self.counts = jnp.asarray(self.split.counts, jnp.int32)  # per virtual stage
+        lc = self.split.lmax
         # v = 1: the stage's layers are used as they are (a dynamic chunk index would copy every
         # weight, and its gradient accumulator, on every tick).
         self.layers_v = layers if self.v == 1 else jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
@@ -223,13 +253,14 @@ class _StageRun:
         self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
         self.n_seq = self.m * tok.shape[1] * pl.dp
 
-        _, self.aux_aval = jax.eval_shape(self.layers(0), self.chunk(0), self.x_zero)
+        _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)
         weights = dict(self.fns.aux_weights(self.n_seq))
         self.aux_cot = {k: jnp.asarray(float(weights.get(k, 0.0)), a.dtype) for k, a in self.aux_aval.items()}
         if pl.residuals == "store":
             # segment ids are data, not activations: leaves that depend on them alone are rebuilt
             # in the backward from the same microbatch's ids, like the weight-only leaves
-            self.mask, avals = activation_residuals(self._apply, self.chunk(0), self.x_zero, self._seg(0))
+            stage0 = lambda lp, x, seg: self.apply(0, seg)(lp, x)  # noqa: E731
+            self.mask, avals = activation_residuals(stage0, self.chunk(0), self.x_zero, self._seg(0))
             self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
             self.mask, self.res_avals = None, [self.x_aval]
@@ -240,12 +271,10 @@ class _StageRun:
     def _seg(self, mb):
         return None if self.seg is None else _take(self.seg, mb)
 
-    def _apply(self, lp, x, seg=None):
-        return model_api.layers_fn(self.fns, seg)(lp, x)
-
-    def layers(self, mb):
-        """(layer_params, x) -> (x, aux) for microbatch `mb` (its segment ids bound)."""
-        return model_api.layers_fn(self.fns, self._seg(mb))
+    def apply(self, c, seg=None):
+        """The stage function of chunk c (segment ids `seg` bound): the model's `apply_layers`, or with
+        an uneven split one that skips the chunk's padding entries (its count is counts[c*p + stage])."""
+        return stage_fn(self.pl, model_api.layers_fn(self.fns, seg), c, self.stage)
 
     def chunk(self, c):
         if self.v == 1:
@@ -300,7 +329,7 @@ class _StageRun:
 
         def run():
             x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
-            (y, aux), vjp = jax.vjp(self.layers(mb), self.chunk(ch), x)
+            (y, aux), vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), x)
             keep = [x]
             if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
                 keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
@@ -352,12 +381,12 @@ class _StageRun:
 
         def run():
             if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
-                _, tmpl = jax.vjp(self.layers(mb), self.chunk(ch), self.x_zero)
+                _, tmpl = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), self.x_zero)
                 leaves, tdef = jax.tree.flatten(tmpl)
                 it = iter(saved)
                 vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
             else:
-                _, vjp = jax.vjp(self.layers(mb), self.chunk(ch), saved[0])
+                _, vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), saved[0])
             d_p, dx = vjp((dy, self.aux_cot))
 
             def embed_grad():
@@ -421,6 +450,15 @@ class _StageRun:
 
 
 SWAP = [(0, 1), (1, 0)]
+
+
+def stage_fn(pl: Pipeline, apply, c, stage):
+    """`apply` (layer_params, x) -> (x, aux) as chunk c of `stage` runs it: as is for an even split,
+    else skipping the chunk's padding entries (`stage.uneven_apply`, count split.counts[c*p + stage])."""
+    if pl.split.even:
+        return apply
+    n = jnp.asarray(pl.split.counts, jnp.int32)[c * pl.p + stage]
+    return functools.partial(uneven_apply, apply, pl.split.lmin, n)
 
 
 def _wsc(mesh, tree, specs):

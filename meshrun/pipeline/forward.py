@@ -18,13 +18,15 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshrun import model_api
+from meshrun.pipeline.executor import stage_fn
 from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
 
 
 def forward_sums(pl, params, tokens, labels, segment_ids=None):
     """(loss_sum, n_tokens) over the global batch, through `Pipeline` `pl`'s stages (traceable)."""
     zl = pl._layout_for(params)
-    layers, other, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
+    params, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
+    layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
     f = jax.shard_map(
         lambda lay, oth, *b: _body(pl, lay, oth, *b),
         mesh=pl.mesh,
@@ -44,7 +46,7 @@ def _body(pl, layers, other, tok, lab, seg=None):
     fns, p, v, m = pl.fns, pl.p, pl.program.v, pl.program.m
     stage = lax.axis_index("pipe")
     with use_rules(pl.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
-        lc = jax.tree.leaves(layers)[0].shape[0] // v
+        lc = pl.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
         x_aval = jax.eval_shape(fns.embed, other, tok[0])
         x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
         perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
@@ -64,7 +66,8 @@ def _body(pl, layers, other, tok, lab, seg=None):
                         )
                     else:
                         x0 = jnp.where(stage == 0, _take(buf, j), x_in)
-                    y, _ = model_api.layers_fn(fns, None if seg is None else _take(seg, j))(chunk, x0)
+                    apply = model_api.layers_fn(fns, None if seg is None else _take(seg, j))
+                    y, _ = stage_fn(pl, apply, c, stage)(chunk, x0)
                     if c < v - 1:
                         return y, jnp.zeros((), jnp.float32)
                     head = lambda: fns.head_loss(other, y, _take(lab, j))[0].astype(jnp.float32)  # noqa: E731

@@ -13,6 +13,10 @@ Two views of one schedule, both lists of ticks, each a list of `p` per-stage cel
 Virtual stages (Megatron interleaving): model chunk c of stage s holds virtual stage k = c*p + s of
 V = v*p; chunk 0 on every stage for GPipe and 1F1B. F(mb, k) needs F(mb, k-1); B(mb, k) needs
 B(mb, k+1) and F(mb, k).
+
+Zero bubble (ZB-H1, Qi et al. 2023): the backward is split into B (input gradient, on the critical
+path) and W (weight gradient, needs only B(mb, k) on the same stage), and W's fill the bubbles.
+Per-op timeline only (no lockstep view: the executor does not run it yet).
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ from typing import NamedTuple
 
 from meshrun.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # 'F' forward, 'B' backward (input and weight gradients)
+    kind: str  # 'F' forward, 'B' backward (input and weight gradients; zb-h1: input only), 'W' weight grads
     mb: int
     chunk: int = 0
 
@@ -65,12 +69,12 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
         raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
     if name != "interleaved" and v != 1:
         raise ConfigError("pipeline.virtual", v, "use --schedule interleaved, or virtual=1", f"{name} has 1 chunk")
-    if name == "1f1b" and m < p:
+    if name in ("1f1b", "zb-h1") and m < p:
         raise ConfigError(
             "pipeline.microbatches",
             m,
             f"use at least pipe={p} microbatches (>= {4 * p} recommended)",
-            "1F1B needs m >= p",
+            f"{'1F1B' if name == '1f1b' else 'ZB-H1'} needs m >= p",
         )
     if name == "interleaved" and m % p:
         raise ConfigError(
@@ -121,6 +125,8 @@ def _interleaved_orders(p: int, m: int, v: int) -> list[list[Task]]:
 def _deps(t: Task, s: int, p: int, v: int) -> list[tuple[str, int, int]]:
     """Keys (kind, mb, virtual stage) of the ops `t` on stage `s` needs."""
     k = t.chunk * p + s
+    if t.kind == "W":
+        return [("B", t.mb, k)]
     if t.kind == "F":
         return [("F", t.mb, k - 1)] if k > 0 else []
     return [("F", t.mb, k)] + ([("B", t.mb, k + 1)] if k < v * p - 1 else [])
@@ -147,6 +153,41 @@ def _place(orders: list[list[Task]], p: int, v: int) -> list[list[Task | None]]:
     return table
 
 
+def _place_zb(orders: list[list[Task]], p: int, m: int) -> list[list[Task | None]]:
+    """ZB-H1 per-op timeline: each stage runs its 1F1B order of F and B as soon as inputs exist and a
+    pending W whenever the next F/B must wait. W's are deferred (B first keeps the critical path
+    short, so the cool-down is filled with W's), but a stage never holds more than min(p, m)
+    microbatches whose W has not run: 1F1B's peak (stage 0), so the same activation memory."""
+    done: dict[tuple[str, int, int], int] = {}
+    ptr, held, pend = [0] * p, [0] * p, [[] for _ in range(p)]  # held: F run, W not yet
+    table, limit = [], min(p, m)
+    while any(ptr[s] < len(orders[s]) or pend[s] for s in range(p)):
+        t, row = len(table), [None] * p
+        for s in range(p):
+            op = orders[s][ptr[s]] if ptr[s] < len(orders[s]) else None
+            ready = op is not None and all(done.get(d, t) < t for d in _deps(op, s, p, 1))
+            if ready and not (op.kind == "F" and held[s] >= limit and pend[s]):
+                row[s] = op
+            elif pend[s]:
+                row[s] = Task("W", pend[s][0])
+        if not any(row):
+            raise ScheduleError(f"zb-h1 deadlock at tick {t}")
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            done[(op.kind, op.mb, s)] = t
+            if op.kind == "W":
+                pend[s].pop(0)
+                held[s] -= 1
+            else:
+                ptr[s] += 1
+                held[s] += op.kind == "F"
+                if op.kind == "B":
+                    pend[s].append(op.mb)
+        table.append(row)
+    return table
+
+
 # ---------------------------------------------------------------- builders
 
 
@@ -165,8 +206,13 @@ def interleaved(p: int, m: int, v: int) -> list[list[Task | None]]:
     return _place(_interleaved_orders(p, m, v), p, v)
 
 
+def zb_h1(p: int, m: int) -> list[list[Task | None]]:
+    _check_args("zb-h1", p, m, 1)
+    return _place_zb(_1f1b_orders(p, m), p, m)
+
+
 def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
-    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved')."""
+    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved', 'zb-h1')."""
     if schedule_name not in SCHEDULES:
         raise ConfigError("pipeline.schedule", schedule_name, f"use one of {', '.join(SCHEDULES)}", "unknown schedule")
     if schedule_name == "interleaved":
@@ -174,6 +220,8 @@ def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | No
     _check_args(schedule_name, p, m, v)
     if schedule_name == "gpipe":
         return gpipe(p, m)
+    if schedule_name == "zb-h1":
+        return zb_h1(p, m)
     return one_f_one_b(p, m)
 
 
@@ -240,8 +288,8 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
 
 
 def check(table, p: int, m: int, v: int = 1) -> None:
-    """Raise ScheduleError unless every (mb, virtual stage) has exactly one F and one B and all
-    dependencies hold. Accepts per-op and lockstep tables."""
+    """Raise ScheduleError unless every (mb, virtual stage) has exactly one F and one B (and one W
+    if the table has any: zb-h1) and all dependencies hold. Accepts per-op and lockstep tables."""
     when: dict[tuple[str, int, int], tuple[int, int]] = {}  # key -> (tick, position within the tick)
     for t, row in enumerate(table):
         if len(row) != p:
@@ -253,15 +301,16 @@ def check(table, p: int, m: int, v: int = 1) -> None:
             for pos, op in enumerate(cell if lock else (cell,)):
                 if op is None:
                     continue
-                if op.kind not in "FB" or not (0 <= op.mb < m and 0 <= op.chunk < v):
+                if op.kind not in "FBW" or not (0 <= op.mb < m and 0 <= op.chunk < v):
                     raise ScheduleError(f"tick {t} stage {s}: task {op} out of range (m={m}, v={v})")
                 key = (op.kind, op.mb, op.chunk * p + s)
                 if key in when:
                     raise ScheduleError(f"{op} on stage {s} appears twice (ticks {when[key][0]} and {t})")
                 when[key] = (t, pos)
+    kinds = "FBW" if any(key[0] == "W" for key in when) else "FB"
     for mb in range(m):
         for k in range(v * p):
-            for kind in "FB":
+            for kind in kinds:
                 if (kind, mb, k) not in when:
                     raise ScheduleError(f"missing {kind} of microbatch {mb} at virtual stage {k}")
     for (kind, mb, k), (t, pos) in when.items():
@@ -273,14 +322,14 @@ def check(table, p: int, m: int, v: int = 1) -> None:
 
 
 def _residual_intervals(table, stage: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """(mb, chunk) -> (tick of F, tick of B) on one stage."""
+    """(mb, chunk) -> (tick of F, tick of its last backward op: B, or W for zb-h1) on one stage."""
     iv: dict[tuple[int, int], list[int]] = {}
     for t, op in _stage_orders(table)[stage]:
         key = (op.mb, op.chunk)
         if op.kind == "F":
             iv[key] = [t, t]
         else:
-            iv[key][1] = t
+            iv[key][1] = max(iv[key][1], t)
     return {k: (a, b) for k, (a, b) in iv.items()}
 
 
@@ -355,11 +404,13 @@ def lockstep_arrays(lock: list[list[Step]]) -> dict[str, list[list[int]]]:
 # ---------------------------------------------------------------- bubble math
 
 
-def stage_bubbles(table, f: float = 1.0, b: float | None = None) -> list[float]:
+def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float | None = None) -> list[float]:
     """Idle / makespan per stage when each stage runs its ops in table order as soon as their inputs
-    are done, with costs f (forward) and b (backward, default 2f). Zero communication latency."""
-    b = 2.0 * f if b is None else b
-    cost = {"F": f, "B": b}
+    are done, with costs f (forward), b (backward, default 2f) and, for tables with W ops (zb-h1),
+    b = w = f by default (the same backward work, split in two). Zero communication latency."""
+    split = any(op.kind == "W" for ops in _stage_orders(table) for _, op in ops)
+    b = (f if split else 2.0 * f) if b is None else b
+    cost = {"F": f, "B": b, "W": f if w is None else w}
     p = len(table[0])
     v = 1 + max(op.chunk for ops in _stage_orders(table) for _, op in ops)
     free, busy, fin = [0.0] * p, [0.0] * p, {}
@@ -375,17 +426,20 @@ def stage_bubbles(table, f: float = 1.0, b: float | None = None) -> list[float]:
     return [(span - x) / span for x in busy]
 
 
-def bubble_fraction(table, f: float = 1.0, b: float | None = None) -> float:
+def bubble_fraction(table, f: float = 1.0, b: float | None = None, w: float | None = None) -> float:
     """Mean over stages of idle time / makespan (see `stage_bubbles`)."""
-    per = stage_bubbles(table, f, b)
+    per = stage_bubbles(table, f, b, w)
     return sum(per) / len(per)
 
 
 def bubble_closed_form(name: str, p: int, m: int, v: int = 1) -> float:
-    """(p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan 2021)."""
+    """(p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan 2021);
+    (p-1)/(3m+p-1) for ZB-H1 with F = B = W (bubble (p-1)(F+B-W), Qi et al. 2023)."""
     if name not in SCHEDULES:
-        raise ConfigError("pipeline.schedule", name, "use gpipe, 1f1b or interleaved", "no closed form")
+        raise ConfigError("pipeline.schedule", name, f"use one of {', '.join(SCHEDULES)}", "no closed form")
     _check_args(name, p, m, v)
+    if name == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
 

@@ -1,4 +1,4 @@
-"""Per-stage building blocks of the pipeline executor: residual split and layer layout.
+"""Per-stage building blocks of the pipeline executor: residual split and uneven chunks.
 
 Residuals. `jax.vjp(f, params, x)` returns a pytree whose leaves are everything the backward
 needs: values computed from the activation `x` AND the weights themselves (dx = dy @ W^T needs W).
@@ -8,10 +8,8 @@ into the fixed-size buffer; the backward re-traces `jax.vjp` on a dummy input to
 weight-only leaves (XLA removes the dead dummy forward: the audit in tests/test_pipeline.py
 checks that no extra collectives stay in the tick loop).
 
-Layer layout. The stacked `layers` axis of length L is sharded over 'pipe'. Virtual stage
-k = c*p + s (chunk c of stage s) runs layers [k*L/(v*p), (k+1)*L/(v*p)). `to_pipeline_layout`
-reorders the stacked axis [v, p, Lc] -> [p, v, Lc] so that a contiguous P('pipe') shard holds a
-device's v chunks; for v = 1 it is the identity.
+Uneven stages. Every stage holds its chunks padded to the largest count (`split.py`);
+`uneven_apply` runs a chunk's real entries and skips the padding.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 
@@ -94,25 +93,23 @@ def _eqn_dep(eqn, ins: list[bool]) -> list[bool]:
     return [True] * n_out
 
 
-def to_pipeline_layout(layers, p: int, v: int):
-    """Stacked layer tree in model order -> pipeline order ([v, p, Lc] -> [p, v, Lc] on axis 0)."""
-    if v == 1:
-        return layers
+def uneven_apply(apply_layers: Callable, lmin: int, n, params, x):
+    """`apply_layers` over the first `n` entries of a chunk padded to lmax entries (`split.py`):
+    the first `lmin` (every chunk holds at least that many) run as one call; each further entry
+    runs under `lax.cond(j < n)`, so a shorter stage skips its padding (no FLOPs, zero gradients).
+    `n` is traced (it depends on the stage), so one program serves every stage."""
+    head = jax.tree.map(lambda a: a[:lmin], params)
+    tail = jax.tree.map(lambda a: a[lmin:], params)
+    y, aux = apply_layers(head, x)
+    lmax = jax.tree.leaves(params)[0].shape[0]
 
-    def one(a):
-        lc = a.shape[0] // (v * p)
-        return a.reshape(v, p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    def unit(carry, inp):
+        y, aux = carry
+        p_j, j = inp
+        run = lambda: apply_layers(jax.tree.map(lambda a: a[None], p_j), y)  # noqa: E731
+        skip = lambda: (y, jax.tree.map(jnp.zeros_like, aux))  # noqa: E731
+        y, a_j = jax.lax.cond(j < n, run, skip)
+        return (y, jax.tree.map(jnp.add, aux, a_j)), None
 
-    return jax.tree.map(one, layers)
-
-
-def from_pipeline_layout(layers, p: int, v: int):
-    """Inverse of `to_pipeline_layout`."""
-    if v == 1:
-        return layers
-
-    def one(a):
-        lc = a.shape[0] // (v * p)
-        return a.reshape(p, v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-
-    return jax.tree.map(one, layers)
+    (y, aux), _ = jax.lax.scan(unit, (y, aux), (tail, jnp.arange(lmin, lmax)))
+    return y, aux

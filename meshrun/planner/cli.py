@@ -189,7 +189,8 @@ def format_table(
     tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time[k] > 0)
     split = best.time["split"]
     even = len(set(split)) == 1
-    lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else f"#1 layers per stage: {list(split)}"]
+    uneven = f"#1 layers per stage: {list(split)} (train it with pipeline.balance=auto, which splits per virtual stage)"
+    lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
     lines += [f"#1 time (s): {tm}", "", "#1 memory per device (GB)"]
     stages = best.memory["stages"]
     lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))

@@ -112,7 +112,8 @@ def layer_seconds(
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
     if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
         local = model.n_experts / expert
-        routed = tok * model.top_k * model.capacity_factor / local
+        padding = 1.0 if model.moe_dispatch == "dropless" else model.capacity_factor  # grouped GEMM: real rows
+        routed = tok * model.top_k * padding / local
         parts += [
             linear_seconds(routed, h, up, gpu, cal, local),
             linear_seconds(routed, model.d_ff / t, h, gpu, cal, local),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from meshrun.config import ModelConfig
-from meshrun.flops import param_counts
+from meshrun.flops import moe_routed, param_counts
 from meshrun.pipeline import schedules
 from meshrun.planner.cost import precision_of, zero_divisors
 
@@ -183,7 +183,7 @@ def predict_collective_bytes(
     Per forward of a layer, TP all-reduces b·s·h once after attention and once after the MLP; per
     backward, once for each of their input gradients. The vocab-parallel embedding adds one per
     forward and the head's input gradient one more (b·s·h). In MoE layers the FFN's all-reduce runs
-    on the k·cf routed copies (b·s·k·cf·h). EP: dispatch + combine all_to_all of the routed copies
+    on the k·cf routed copies (b·s·k·cf·h; see moe_routed). EP: dispatch + combine all_to_all of the routed copies
     per forward and per backward of an MoE layer. Without a pipeline every micro-batch runs one
     forward and one backward of all layers. With one, the lockstep executor runs one chunk's forward
     on every tick that has a forward and one chunk's backward on every tick that has a backward,
@@ -221,13 +221,15 @@ def predict_collective_bytes(
             out[a] = out.get(a, 0.0) + n * nbytes
         count[op] = count.get(op, 0.0) + n
 
-    routed = act * model.top_k * model.capacity_factor
+    routed = act * moe_routed(model, e)
     if t > 1:
         per_pass = 2 * layers - moe_layers
         add("all-reduce", ("tensor",), act, f_ticks * (per_pass + 2) + b_ticks * per_pass)
         add("all-reduce", ("tensor",), routed, (f_ticks + b_ticks) * moe_layers)
     if e > 1 and moe_layers:
         add("all-to-all", ("expert",), routed, 2 * (f_ticks + b_ticks) * moe_layers)
+        if model.moe_dispatch == "dropless":  # per-expert row counts first: int32 [ep, E/ep], forward only
+            add("all-to-all", ("expert",), 4.0 * model.n_experts, f_ticks * moe_layers)
     counts = param_counts(model)
     pb = prec.grad
     norms = 2 * h * model.n_layers

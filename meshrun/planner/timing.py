@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 from meshrun.config import ModelConfig
+from meshrun.flops import moe_routed
 from meshrun.planner import kernels
 from meshrun.planner.balance import split_layers
 from meshrun.planner.cost import Layout, Precision, precision_of
@@ -181,7 +182,7 @@ def predict_time(
     t_ep = 0.0
     n_moe = model.n_moe_layers * split[slow] / model.n_layers
     if n_moe and e > 1:  # dispatch + combine all-to-all, forward and backward (+ recompute)
-        a2a = act * model.top_k * model.capacity_factor / (t if sp else 1)
+        a2a = act * moe_routed(model, e) / (t if sp else 1)
         one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t)
         t_ep = n_moe * (4 + 2 * (layout.remat == "full")) * one
     zero_mb, t_dp = _dp_comm(model, layout, cluster, prec, framework)

@@ -1,0 +1,160 @@
+"""Which stacked layers each pipeline stage runs, and the padded layout that holds them.
+
+Virtual stage k = c*p + s (chunk c of stage s) runs `counts[k]` consecutive stacked layers (units),
+in model order. The executor's SPMD program needs one shape on every stage, so in the pipeline
+layout every chunk is padded to `lmax = max(counts)` entries: the stacked axis becomes
+[p, v, lmax] (a contiguous P('pipe') shard is one device's v chunks). Padding entries are zeros,
+their gradients are zero, and the stage skips them (`executor`: `lax.cond` on a per-chunk count).
+Checkpoints keep model order ([L]), so they restore into any split.
+
+Even splits keep the old layouts: v = 1 is the identity, v > 1 a reshape ([v, p, Lc] -> [p, v, Lc]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshrun.config import ModelConfig, PipelineConfig
+from meshrun.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    counts: tuple[int, ...]  # stacked layers per virtual stage k = c*p + s
+    p: int
+    v: int
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def lmax(self) -> int:
+        return max(self.counts)
+
+    @property
+    def lmin(self) -> int:
+        return min(self.counts)
+
+    @property
+    def even(self) -> bool:
+        return self.lmin == self.lmax
+
+    @property
+    def identity(self) -> bool:
+        """Model order is already the pipeline layout."""
+        return self.even and self.v == 1
+
+    @property
+    def padded(self) -> int:
+        return self.p * self.v * self.lmax
+
+    def stage_counts(self) -> list[int]:
+        """Layers each device runs per step (its v chunks)."""
+        return [sum(self.counts[c * self.p + s] for c in range(self.v)) for s in range(self.p)]
+
+    def pipeline_index(self) -> np.ndarray:
+        """[p*v*lmax]: the model-order unit at each padded position, -1 for padding."""
+        starts = np.concatenate([[0], np.cumsum(self.counts)])
+        out = np.full((self.p, self.v, self.lmax), -1, np.int32)
+        for c in range(self.v):
+            for s in range(self.p):
+                k = c * self.p + s
+                out[s, c, : self.counts[k]] = np.arange(starts[k], starts[k + 1])
+        return out.reshape(-1)
+
+    def model_index(self) -> np.ndarray:
+        """[n]: the padded position of each model-order unit (inverse of `pipeline_index`)."""
+        idx = self.pipeline_index()
+        pos = np.empty(self.n, np.int32)
+        pos[idx[idx >= 0]] = np.nonzero(idx >= 0)[0]
+        return pos
+
+    def to_pipeline(self, layers):
+        """Stacked layer tree in model order [n, ...] -> pipeline layout [p*v*lmax, ...]."""
+        if self.identity:
+            return layers
+        if self.even:
+            lc = self.lmax
+            one = lambda a: a.reshape(self.v, self.p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)  # noqa: E731
+            return jax.tree.map(one, layers)
+        idx = self.pipeline_index()
+        take = np.where(idx >= 0, idx, self.n)  # padding reads an appended zero entry
+
+        def one(a):
+            a = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+            return jnp.take(a, take, axis=0)
+
+        return jax.tree.map(one, layers)
+
+    def from_pipeline(self, layers):
+        """Inverse of `to_pipeline` (padding entries are dropped)."""
+        if self.identity:
+            return layers
+        if self.even:
+            lc = self.lmax
+            one = lambda a: a.reshape(self.p, self.v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)  # noqa: E731
+            return jax.tree.map(one, layers)
+        pos = self.model_index()
+        return jax.tree.map(lambda a: jnp.take(a, pos, axis=0), layers)
+
+
+def layer_split(pcfg: PipelineConfig, n_units: int, p: int, model: ModelConfig | None = None, seq_len: int = 0):
+    """The split a config asks for; ConfigError (naming the fix) for a bad one. `model` and
+    `seq_len` feed the cost model of balance=auto."""
+    v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
+    n_v = p * v
+    what = f"{n_v} virtual stages (pipe={p} x virtual={v})" if v > 1 else f"pipe={p} stages"
+    if pcfg.layers_per_stage:
+        counts = tuple(pcfg.layers_per_stage)
+        if len(counts) != n_v:
+            raise ConfigError(
+                "pipeline.layers_per_stage",
+                list(counts),
+                f"give one count per stage: {n_v} numbers for {what}, in model order (chunk-major)",
+                "wrong length",
+            )
+        if sum(counts) != n_units:
+            raise ConfigError(
+                "pipeline.layers_per_stage",
+                list(counts),
+                f"make the counts sum to the {n_units} stacked layers, e.g. {list(_even(n_units, n_v))}",
+                f"sum {sum(counts)} != {n_units} stacked layers",
+            )
+        return LayerSplit(counts, p, v)
+    if n_units < n_v:
+        raise ConfigError(
+            "model.n_layers",
+            n_units,
+            f"use at least {n_v} stacked layers (MoE: layer groups of moe_every), or fewer stages",
+            f"{n_units} stacked layers leave a stage empty on {what}",
+        )
+    if pcfg.balance == "auto":
+        from meshrun.planner.balance import split_layers, stage_costs
+
+        if model is None:
+            raise ConfigError("pipeline.balance", "auto", "pass the model config, or set pipeline.layers_per_stage")
+        layer, first, last = stage_costs(model, seq_len or model.max_seq_len)
+        per_unit = layer * (model.moe_every if model.is_moe else 1)  # a stacked MoE unit is moe_every layers
+        return LayerSplit(split_layers(n_units, n_v, layer_cost=per_unit, first_cost=first, last_cost=last), p, v)
+    if n_units % n_v:
+        raise ConfigError(
+            "model.n_layers",
+            n_units,
+            f"use a multiple of pipe*virtual={n_v} stacked layers (MoE: layer groups of moe_every), or set "
+            f"pipeline.layers_per_stage={list(_even(n_units, n_v))} or pipeline.balance=auto",
+            f"{n_units} stacked layers do not split evenly into {what}",
+        )
+    return LayerSplit((n_units // n_v,) * n_v, p, v)
+
+
+def _even(n: int, k: int) -> tuple[int, ...]:
+    """As even as possible, the larger counts in the middle stages (the ends embed / run the head)."""
+    base, extra = divmod(n, k)
+    order = sorted(range(k), key=lambda i: (abs(i - (k - 1) / 2), i))
+    more = set(order[:extra])
+    return tuple(base + (i in more) for i in range(k))

@@ -1,0 +1,104 @@
+"""Dropless MoE dispatch (`model.moe_dispatch=dropless`): every (token, choice) assignment is computed.
+
+Tokens are sorted by expert and the local experts run as one grouped matmul (`jax.lax.ragged_dot`,
+MegaBlocks-style, Gale et al. 2022); no capacity, no padding to a per-expert buffer, no drops.
+
+Expert parallelism over `axis` (ep devices, E/ep experts each): the per-destination row counts are
+exchanged first (an all_to_all of ep x E/ep int32), then the rows travel in a *fixed-size* all_to_all
+sized to the worst case, M = T * min(k, E/ep) rows per destination (T local tokens: each token's k
+choices are distinct experts, so at most min(k, E/ep) of them land on one device). Send and receive
+buffers are ep * M * D each, i.e. ep * min(k, E/ep) / k times the T*k*D rows that are actually
+routed (Mixtral E=8, k=2 on expert=8: 4x; capacity routing at capacity_factor=1 sends 1x). Why not
+`jax.lax.ragged_all_to_all`, which would move only the routed rows: XLA:CPU does not implement it
+(jax 0.10.2: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), and this path must run on the
+simulated CPU devices the tests use. The receiver sorts the rows it got by local expert, runs the
+grouped matmul and sends the results back the same way.
+
+On XLA:CPU ragged_dot is lowered as a masked dense matmul over all local experts (E/ep times the
+FLOPs, an [E/ep, rows, D] temporary); GPU/TPU lower it to a grouped GEMM.
+
+Shape letters as in layers.py; A = T*k assignments, M rows per destination, R = ep*M received rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from meshrun_models.layers import dtype_of
+from meshrun_models.router import router_stats, top_k_gates
+
+from meshrun.config import ModelConfig
+from meshrun.sharding import constrain
+
+
+def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused).
+    'mlp' stays column/row-parallel over tensor, as in the dense MLP."""
+    dt = dtype_of(cfg.dtype)
+    sizes_E = sizes_E.astype(jnp.int32)
+
+    def mm(x, w):
+        return jax.lax.ragged_dot(x, w.astype(dt), sizes_E)
+
+    if cfg.mlp == "swiglu":
+        # gate and up in one grouped matmul (one input-gradient all-reduce over tensor in backward, not
+        # two): [E, D, F, 2] -> [E, D, 2F] keeps each tensor shard's F slice contiguous.
+        e, d, f = p["up"].shape
+        w_ExDx2F = jnp.stack([p["gate"], p["up"]], axis=-1).reshape(e, d, 2 * f)
+        gu = constrain(mm(x_RxD, w_ExDx2F).reshape(-1, f, 2), (None, "mlp", None))
+        a_RxF = jax.nn.silu(gu[..., 0]) * gu[..., 1]
+    else:
+        a_RxF = jax.nn.gelu(constrain(mm(x_RxD, p["up"]), (None, "mlp")))
+    return mm(a_RxF, p["down"])
+
+
+def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+    """Route local groups with no capacity; experts local (axis None) or spread over mesh axis `axis`."""
+    g, s, d = h_GxSxD.shape
+    e, k, t = cfg.n_experts, cfg.top_k, g * s
+    logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
+    probs, top_i_GxSxk, gates_GxSxk = top_k_gates(logits, cfg)
+    stats = router_stats(logits, probs, top_i_GxSxk, jnp.zeros((), jnp.float32))
+
+    expert_A = top_i_GxSxk.reshape(t * k)  # token-major: assignment a is token a // k
+    order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> assignment
+    counts_E = jnp.sum(jax.nn.one_hot(expert_A, e, dtype=jnp.int32), axis=0)
+    x_AxD = h_GxSxD.reshape(t, d)[order_A // k]
+    if axis is None:
+        y_AxD = grouped_ffn(p, x_AxD, counts_E, cfg)
+    else:
+        y_AxD = _expert_parallel(p, x_AxD, counts_E, cfg, axis)
+    where_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * k, dtype=order_A.dtype))
+    y_TxkxD = y_AxD[where_A].reshape(t, k, d)
+    out_TxD = jnp.einsum("tkd,tk->td", y_TxkxD, gates_GxSxk.reshape(t, k).astype(y_TxkxD.dtype))
+    return out_TxD.reshape(g, s, d), stats
+
+
+def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig, axis: str) -> jax.Array:
+    """Rows sorted by (global) expert -> this device's rows through their experts, over `axis`."""
+    a, d = x_AxD.shape
+    ep = jax.lax.axis_size(axis)
+    e_loc = cfg.n_experts // ep
+    m = (a // cfg.top_k) * min(cfg.top_k, e_loc)  # worst case rows for one destination
+    # Send buffer [ep, M, D]: destination j's rows (contiguous in expert order) at the front of block j.
+    per_dev_J = counts_E.reshape(ep, e_loc).sum(axis=1)
+    start_J = jnp.cumsum(per_dev_J) - per_dev_J
+    src_JxM = start_J[:, None] + jnp.arange(m)[None, :]
+    valid_JxM = jnp.arange(m)[None, :] < per_dev_J[:, None]
+    send = jnp.where(valid_JxM[..., None], x_AxD[jnp.minimum(src_JxM, a - 1)], 0)
+    # Counts first: recv_counts[i, j] = rows device i sends for my local expert j.
+    recv_counts = jax.lax.all_to_all(counts_E.reshape(ep, e_loc), axis, 0, 0, tiled=True)
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep, M, D]: block i came from device i
+    # Each source's block is sorted by local expert; regroup all R = ep*M rows by local expert
+    # (padding rows get key e_loc and sort last, past the groups; their outputs are never read).
+    ends_IxE = jnp.cumsum(recv_counts, axis=1)
+    key_IxM = jnp.sum(jnp.arange(m)[None, :, None] >= ends_IxE[:, None, :], axis=-1)
+    order_R = jnp.argsort(key_IxM.reshape(ep * m), stable=True)
+    y_sorted = grouped_ffn(p, recv.reshape(ep * m, d)[order_R], recv_counts.sum(axis=0), cfg)
+    back_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(ep * m, dtype=order_R.dtype))
+    y = jax.lax.all_to_all(y_sorted[back_R].reshape(ep, m, d), axis, 0, 0, tiled=True)
+    # Row r of the sorted input went to destination j = dest_A[r], slot r - start_J[j].
+    dest_A = jnp.sum(jnp.arange(a)[:, None] >= jnp.cumsum(per_dev_J)[None, :], axis=1)
+    return y.reshape(ep * m, d)[dest_A * m + jnp.arange(a) - start_J[dest_A]]
