@@ -259,7 +259,7 @@ class _StageRun:
         if pl.residuals == "store":
             # segment ids are data, not activations: leaves that depend on them alone are rebuilt
             # in the backward from the same microbatch's ids, like the weight-only leaves
-            stage0 = lambda lp, x, seg: self.apply(0, seg)(lp, x)  # noqa: E731
+            stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)  # noqa: E731
             self.mask, avals = activation_residuals(stage0, self.chunk(0), self.x_zero, self._seg(0))
             self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
