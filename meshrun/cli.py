@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "meshrun.pipeline.cli",
     "meshrun.planner.cli",
     "meshrun.train_cli",
+    "meshrun.prepare_data",
     "meshrun.explain",
     "meshrun.checkpoints_cli",
     "meshrun.supervise",

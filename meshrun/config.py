@@ -214,6 +214,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
+    eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
+    eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"
     profile: bool = False
     # Adam moments (and param_dtype master weights when they differ from model.dtype) live in pinned
@@ -224,9 +226,11 @@ class TrainConfig:
     grad_reduce_dtype: str = "float32"
 
     def __post_init__(self):
-        for f in ("steps", "global_batch", "seq_len", "log_every"):
+        for f in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"train.{f}", getattr(self, f), "use a positive integer")
+        if self.eval_every < 0:
+            raise ConfigError("train.eval_every", self.eval_every, "use 0 (no evaluation) or a positive step count")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         if self.lr <= 0:
@@ -236,15 +240,27 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "text"  # synthetic | text | tokens
+    kind: str = "text"  # synthetic | text | tokens | prepared
     glob: str = ""  # text: files to read; empty = the Python standard library's own .py sources
-    path: str = ""  # tokens: flat uint16/uint32 .bin file
+    path: str = ""  # tokens: flat uint16/uint32 .bin file; prepared: a `meshrun prepare-data` directory
     token_dtype: str = "uint16"
     seed: int = 0
+    val_fraction: float = 0.0  # prepared: share of documents held out for validation (train.eval_every)
+    pack_documents: bool = False  # prepared: attention, positions and loss stay inside each document
 
     def __post_init__(self):
-        _choice("data.kind", self.kind, ("synthetic", "text", "tokens"))
+        _choice("data.kind", self.kind, ("synthetic", "text", "tokens", "prepared"))
         _choice("data.token_dtype", self.token_dtype, ("uint16", "uint32"))
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError("data.val_fraction", self.val_fraction, "use a fraction in [0, 1), e.g. 0.01")
+        if self.kind != "prepared" and (self.val_fraction or self.pack_documents):
+            raise ConfigError(
+                "data.kind",
+                self.kind,
+                "use data.kind=prepared (a `meshrun prepare-data` directory), or drop "
+                "data.val_fraction / data.pack_documents",
+                "validation split and packing need document boundaries",
+            )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ kinds
   Empty glob: the Python standard library's own .py sources (a real corpus on every machine with
   Python; it differs between Python versions, so pin `data.glob` when runs must match across machines).
 - tokens: nanoGPT/Megatron-style flat .bin of uint16/uint32 token ids, memory-mapped (np.memmap).
+- prepared: the shards of `meshrun prepare-data` with a validation split held out by document and
+  optional document packing (segment ids); see meshrun/prepared.py.
 text/tokens rows are random windows of L+1 tokens; tokens = window[:-1], labels = window[1:].
 """
 
@@ -41,7 +43,10 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 class Dataset:
-    """Base: `batch(step, rows)` -> (tokens_BxL, labels_BxL) int32, deterministic in (seed, step, row)."""
+    """Base: `batch(step, rows)` -> (tokens_BxL, labels_BxL) int32, deterministic in (seed, step, row).
+    Packed datasets add segment_ids_BxL as a third array; `val` is the held-out split (or None)."""
+
+    val: Dataset | None = None
 
     def __init__(self, seed: int, seq_len: int, global_batch: int, vocab: int):
         self.seed, self.seq_len, self.global_batch, self.vocab = seed, seq_len, global_batch, vocab
@@ -194,7 +199,7 @@ def make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: in
     try:
         return _make_dataset(dcfg, vocab=vocab, seq_len=seq_len, global_batch=global_batch)
     except OSError as e:
-        field, value = ("data.path", dcfg.path) if dcfg.kind == "tokens" else ("data.glob", dcfg.glob)
+        field, value = ("data.glob", dcfg.glob) if dcfg.kind == "text" else ("data.path", dcfg.path)
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         raise DataError(
             f"{field}={value!r}: cannot read{where} ({e.strerror or e}); fix the file's permissions or "
@@ -205,6 +210,12 @@ def make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: in
 def _make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: int) -> Dataset:
     if dcfg.kind == "synthetic":
         return SyntheticDataset(dcfg.seed, seq_len, global_batch, vocab)
+    if dcfg.kind == "prepared":
+        from meshrun.prepared import make_prepared
+
+        train, val = make_prepared(dcfg, vocab=vocab, seq_len=seq_len, global_batch=global_batch)
+        train.val = val
+        return train
     if dcfg.kind == "text":
         if vocab < 256:
             raise ConfigError("model.vocab", vocab, "use model.vocab >= 256 for byte-level text (data.kind=text)")
@@ -223,8 +234,9 @@ def _local_slices(index_map: dict, dim: int) -> list[slice]:
     return [out[k] for k in sorted(out, key=lambda k: k[0])]
 
 
-def global_batch_arrays(ds: Dataset, step: int, mesh: Mesh, batch_spec: PartitionSpec) -> tuple[jax.Array, jax.Array]:
-    """Global (tokens, labels) sharded as NamedSharding(mesh, batch_spec); each process builds only its rows.
+def global_batch_arrays(ds: Dataset, step: int, mesh: Mesh, batch_spec: PartitionSpec) -> tuple[jax.Array, ...]:
+    """Global (tokens, labels[, segment_ids]) sharded as NamedSharding(mesh, batch_spec); each process
+    builds only its rows.
 
     The process's rows are the distinct row blocks of its addressable devices (in global order,
     concatenated), which is what `jax.make_array_from_process_local_data` expects as local data.
@@ -235,9 +247,9 @@ def global_batch_arrays(ds: Dataset, step: int, mesh: Mesh, batch_spec: Partitio
     row_blocks, col_blocks = _local_slices(index_map, 0), _local_slices(index_map, 1)
     parts = [ds.batch(step, rows) for rows in row_blocks]
     out = []
-    for k in (0, 1):
+    for k in range(len(parts[0])):
         local = np.concatenate([p[k] for p in parts], axis=0)
         if col_blocks != [slice(None)]:
             local = np.concatenate([local[:, c] for c in col_blocks], axis=1)
         out.append(jax.make_array_from_process_local_data(sharding, local, shape))
-    return out[0], out[1]
+    return tuple(out)

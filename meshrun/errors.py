@@ -36,9 +36,12 @@ class ConfigError(MeshrunError, ValueError):
     exit_code = EXIT_CONFIG
 
     def __init__(self, field: str, value, fix: str, what: str | None = None):
-        self.field, self.value, self.fix = field, value, fix
+        self.field, self.value, self.fix, self.what = field, value, fix, what
         what = what or "invalid value"
         super().__init__(f"{field}: {what} (got {value!r}); {fix}")
+
+    def __reduce__(self):  # picklable, so that it crosses process pools (prepare-data workers) intact
+        return (type(self), (self.field, self.value, self.fix, self.what))
 
 
 class TrainingError(MeshrunError, RuntimeError):

@@ -154,7 +154,8 @@ def compile_step(cfg):
     fns = make_train_step(cfg, mesh)
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sharding)
-    return fns.step.lower(fns.abstract_run, tokens, tokens).compile(), mesh
+    n_batch = 3 if cfg.data.pack_documents else 2  # tokens, labels[, segment_ids]
+    return fns.step.lower(fns.abstract_run, *(tokens,) * n_batch).compile(), mesh
 
 
 def explain(cfg) -> dict:

@@ -63,6 +63,13 @@ def prepare(cfg: RunConfig, devices: list | None = None):
         warn(msg)
     fns = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
+    if cfg.train.eval_every and ds.val is None:
+        raise ConfigError(
+            "train.eval_every",
+            cfg.train.eval_every,
+            "hold out documents with data.kind=prepared and data.val_fraction > 0, or set train.eval_every=0",
+            "there is no validation split",
+        )
     if cfg.checkpoint.init_params:
         check_params(cfg.checkpoint.init_params, fns.abstract_state.params)
     return mesh, fns, ds
@@ -253,13 +260,18 @@ def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, f
     bubble = _bubble(cfg, mesh)
     logger = MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet)
     closers.insert(0, logger.close)
-    first_loss = loss = None
+    first_loss = loss = val_loss = None
     timed_s, timed_steps, ran = 0.0, 0, 0
+    eval_step = None
+    if t.eval_every:
+        from meshrun.evaluate import evaluate, make_eval_step
+
+        eval_step = make_eval_step(cfg, mesh, fns)
     with _maybe_profile(t):
         for step in range(start, t.steps):
-            tokens, labels = global_batch_arrays(ds, step, mesh, P(DP_AXES))
+            batch = global_batch_arrays(ds, step, mesh, P(DP_AXES))  # tokens, labels[, segment_ids]
             t0 = time.perf_counter()
-            state, metrics = fns.step(state, tokens, labels)
+            state, metrics = fns.step(state, *batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             dt = time.perf_counter() - t0
             loss = metrics["loss"]
@@ -274,7 +286,11 @@ def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, f
                 timed_s, timed_steps = timed_s + dt, timed_steps + 1
             stop = flag.should_stop()  # agreed by all processes, so they save and leave at the same step
             cut = stop_after is not None and ran >= stop_after
-            if _should_log(cfg, step + 1, ran, last=stop or cut or step + 1 == t.steps):
+            last = stop or cut or step + 1 == t.steps
+            if eval_step is not None and ((step + 1) % t.eval_every == 0 or last):
+                metrics |= evaluate(eval_step, state.params, ds.val, t.eval_batches, mesh)
+                val_loss = metrics["val_loss"]
+            if _should_log(cfg, step + 1, ran, last=last) or "val_loss" in metrics:
                 tflops = flops / dt / mesh.size / 1e12
                 logger.log(
                     step + 1,
@@ -305,6 +321,7 @@ def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, f
         "tokens_per_s": tps,
         "run_dir": t.run_dir,
         "preempted": flag.is_set(),
+        **({"val_loss": val_loss} if val_loss is not None else {}),
     }
 
 

@@ -103,6 +103,8 @@ class MetricsLogger:
         parts = [f"step {step}/{self.total_steps}"]
         if isinstance(row.get("loss"), float):
             parts.append(f"loss {row['loss']:.4f}")
+        if isinstance(row.get("val_loss"), float):
+            parts.append(f"val_loss {row['val_loss']:.4f}")
         if isinstance(row.get("tokens_per_s"), float):
             parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
         if isinstance(row.get("mfu"), float):

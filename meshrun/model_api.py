@@ -8,6 +8,11 @@ any layout, and the logged metrics are the same whatever the layout.
     x_BxSxD, aux = apply_layers(layer_params, x_BxSxD)   # a contiguous slice of params['layers']
     loss_sum, n_tokens = head_loss(params, x_BxSxD, labels_BxS)
 
+Packed documents: a model with `segments=True` also takes `apply_layers(lp, x, segment_ids=seg_BxS)`
+(attention inside each segment, positions restarting per segment); both training paths and the
+evaluation call it through `layers_fn`, and the data marks the label after each segment's last
+token -1, so `head_loss` needs nothing new.
+
 `aux` holds float32 SUMS over the given layers and sequences (e.g. MoE router losses). The loss is
 linear in the sums, so it is exact over any split into microbatches, stages and data shards:
 
@@ -38,12 +43,21 @@ class ModelFns:
     """A model as meshrun drives it (closed over the model's own config)."""
 
     embed: Callable  # (params, tokens_BxS) -> x_BxSxD
-    apply_layers: Callable  # (layer_params, x_BxSxD) -> (x_BxSxD, {name: float32 sum})
+    apply_layers: Callable  # (layer_params, x_BxSxD[, segment_ids=]) -> (x_BxSxD, {name: float32 sum})
     head_loss: Callable  # (params, x_BxSxD, labels_BxS) -> (loss_sum, n_tokens)
     aux_weights: Callable[[int], Mapping[str, float]] = _no_aux  # n_sequences -> {aux name: weight}
     metrics: Callable | None = None  # (loss_sum, n_tokens, aux_sums, n_sequences) -> {name: scalar}
     param_names: Any = None  # tree of logical-axis-name tuples, same structure as params
     sequence_parallel: bool = False
+    segments: bool = False  # apply_layers takes segment_ids= (packed documents)
+
+
+def layers_fn(fns: ModelFns, segment_ids_BxS=None) -> Callable:
+    """(layer_params, x) -> (x, aux) for one batch: `apply_layers` with that batch's segment ids
+    bound (None: plain rows). The one way the scan, the pipeline and the evaluation call the layers."""
+    if segment_ids_BxS is None:
+        return fns.apply_layers
+    return lambda lp, x: fns.apply_layers(lp, x, segment_ids=segment_ids_BxS)
 
 
 def loss_share(fns: ModelFns, loss_sum, aux: Mapping[str, Any], n_tokens, n_sequences: int):
@@ -73,14 +87,14 @@ def token_count(fns: ModelFns, params, tokens_BxS, labels_BxS):
     return jnp.asarray(fns.head_loss(params, jnp.zeros(x.shape, x.dtype), labels_BxS)[1], jnp.float32)
 
 
-def forward_sums(fns: ModelFns, params, tokens_BxS, labels_BxS):
+def forward_sums(fns: ModelFns, params, tokens_BxS, labels_BxS, segment_ids_BxS=None):
     """One batch through the whole model: (loss_sum, n_tokens, aux sums)."""
-    x, aux = fns.apply_layers(params["layers"], fns.embed(params, tokens_BxS))
+    x, aux = layers_fn(fns, segment_ids_BxS)(params["layers"], fns.embed(params, tokens_BxS))
     loss_sum, n_tokens = fns.head_loss(params, x, labels_BxS)
     return loss_sum, jnp.asarray(n_tokens, jnp.float32), aux
 
 
-def loss_fn(fns: ModelFns, params, tokens_BxS, labels_BxS):
+def loss_fn(fns: ModelFns, params, tokens_BxS, labels_BxS, segment_ids_BxS=None):
     """Full-batch (loss, metrics) on one device: the reference every layout must reproduce."""
-    loss_sum, n_tokens, aux = forward_sums(fns, params, tokens_BxS, labels_BxS)
+    loss_sum, n_tokens, aux = forward_sums(fns, params, tokens_BxS, labels_BxS, segment_ids_BxS)
     return finish(fns, loss_sum, n_tokens, aux, tokens_BxS.shape[0])

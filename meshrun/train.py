@@ -43,7 +43,7 @@ class TrainState(NamedTuple):
 class StepFns:
     """What `make_train_step` returns: the jitted step plus the layouts a loop needs."""
 
-    step: Any  # (state, tokens, labels) -> (state, metrics)
+    step: Any  # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
     init: Any  # () -> TrainState, jitted with out_shardings
     init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
@@ -51,8 +51,9 @@ class StepFns:
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
     to_run: Any  # model-order state (checkpoints) -> the layout the step runs on
     to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline layout)
-    loss_and_grads: Any  # (params, tokens, labels) -> (loss, grads, metrics), traced inside `step`
+    loss_and_grads: Any  # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
     abstract_run: TrainState  # as abstract_state, in the layout `step` takes
+    zero: ZeroLayout | None = None  # the parameter layouts (the evaluation reuses them)
 
 
 def lr_schedule(cfg: RunConfig) -> optax.Schedule:
@@ -136,34 +137,36 @@ def split_of(cfg: RunConfig, mesh: Mesh):
     return layer_split(cfg.pipeline, cfg.model.n_units, mesh.shape["pipe"], cfg.model, cfg.train.seq_len)
 
 
-def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels):
+def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels, segment_ids=None):
     """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
     reduction after the loop. Returns (loss, grads in the ZeRO grad layout, metrics)."""
     mesh, m = zl.mesh, microbatches
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
     psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
+    batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
 
-    def body(params, tokens, labels):
+    def body(params, *batch):
+        tokens, labels = batch[:2]
         with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
             n_tok = psum(model_api.token_count(fns, params, tokens, labels))  # global counts: shares add up
             n_seq = tokens.shape[0] * dp_degree(mesh)
             b = tokens.shape[0] // m
 
-            def share(p, tok, lab):
-                loss_sum, _, aux = model_api.forward_sums(fns, p, tok, lab)
+            def share(p, *mb):
+                loss_sum, _, aux = model_api.forward_sums(fns, p, *mb)
                 return model_api.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
 
             grad_fn = jax.grad(share, has_aux=True)
 
-            def micro(acc, xy):
-                g, sums = grad_fn(params, *xy)
+            def micro(acc, mb):
+                g, sums = grad_fn(params, *mb)
                 return jax.tree.map(jnp.add, acc, (g, sums)), None
 
-            shapes = jax.eval_shape(grad_fn, params, tokens[:b], labels[:b])
+            shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
             zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
-            (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, (split(tokens), split(labels)))
+            (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, tuple(split(a) for a in batch))
             loss, metrics = model_api.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
             return loss, zl.reduce_local(gsum), metrics
 
@@ -171,12 +174,12 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(zl.local_compute(), batch_spec, batch_spec),
+        in_specs=(zl.local_compute(), *(batch_spec,) * len(batch)),
         out_specs=(P(), zl.partial_specs(), P()),
         axis_names=set(MANUAL),
         check_vma=False,
     )
-    loss, grads, metrics = fn(params, tokens, labels)
+    loss, grads, metrics = fn(params, *batch)
     return loss, zl.finish(grads), metrics
 
 
@@ -216,6 +219,13 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     validate(cfg, mesh)
     tx = make_optimizer(cfg)
     fns = models.model_fns(cfg.model)
+    if cfg.data.pack_documents and not fns.segments:
+        raise ConfigError(
+            "data.pack_documents",
+            True,
+            "use a model whose ModelFns has segments=True, or set it false",
+            "the model cannot take segment ids",
+        )
 
     def state_from(params) -> TrainState:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
@@ -250,17 +260,18 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
-    def train_step(state: TrainState, tokens, labels):
+    def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
-        loss, grads, aux = loss_and_grads(state.params, tokens, labels)
+        loss, grads, aux = loss_and_grads(state.params, *batch)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return host(TrainState(params, opt_state, state.step + 1)), metrics
 
+    n_batch = 3 if cfg.data.pack_documents else 2
     step = jax.jit(
-        train_step, in_shardings=(state_sh, batch_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,)
+        train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
     return StepFns(
@@ -274,6 +285,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         to_model,
         loss_and_grads,
         with_sh(abstract_run, state_sh),
+        zl,
     )
 
 

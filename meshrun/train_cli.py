@@ -1,6 +1,7 @@
 """`meshrun train CONFIG [section.key=value ...]`: the main job.
 
-The last line on stdout is one JSON object: step, loss, first_loss, tokens_per_s, run_dir.
+The last line on stdout is one JSON object: step, loss, first_loss, val_loss (with train.eval_every),
+tokens_per_s, run_dir.
 Failures: one line on stderr and the exit status of `meshrun/errors.py` (2 bad input, 3 NaN/Inf
 loss, 4 I/O, 5 checkpoint, 6 distributed), reported by `meshrun.cli`.
 """
@@ -49,5 +50,6 @@ def run_train(args) -> int:
     from meshrun.loop import run
 
     result = run(cfg, quiet=args.quiet)
-    print(json.dumps({k: result[k] for k in ("step", "loss", "first_loss", "tokens_per_s", "run_dir")}))
+    keys = ("step", "loss", "first_loss", "val_loss", "tokens_per_s", "run_dir")
+    print(json.dumps({k: result[k] for k in keys if k in result}))
     return 0

@@ -33,10 +33,11 @@ def model_fns(cfg: ModelConfig) -> ModelFns:
 
     return ModelFns(
         embed=lambda prm, tok: embed(prm, tok, cfg),
-        apply_layers=lambda lp, x: apply_layers(lp, x, cfg),
+        apply_layers=lambda lp, x, segment_ids=None: apply_layers(lp, x, cfg, segment_ids),
         head_loss=lambda prm, x, lab: head_loss(prm, x, lab, cfg),
         aux_weights=aux_weights,
         metrics=metrics,
         param_names=state_names(abstract_params(cfg)),
         sequence_parallel=cfg.sequence_parallel,
+        segments=True,
     )

@@ -2,6 +2,11 @@
 
 q/k/v are column-parallel (heads / kv_heads sharded), the output projection row-parallel; the
 attention core itself is local to each head shard. Shape letters as in `layers.py`.
+
+Packed documents: `segments` = (positions_BxL, mask_Bx1xLxL) from `segment_info`; the mask keeps
+attention inside each document (block-diagonal, and causal through `is_causal`). XLA applies it
+in its softmax; jax.nn.dot_product_attention's cuDNN path (jax 0.10/0.11) takes no segment ids
+(cuDNN's packed-offset layout is private API), so there the mask becomes a B x 1 x L x L bias.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from meshrun_models.layers import Lead, dtype_of, normal_param, rope, rope_freqs, zeros_param
+from meshrun_models.layers import Lead, dtype_of, normal_param, rope, rope_freqs, segment_positions, zeros_param
 
 from meshrun.config import ModelConfig
 from meshrun.sharding import constrain
@@ -38,7 +43,15 @@ def _impl(name: str) -> str | None:
     return name
 
 
-def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+def segment_info(segment_ids_BxL: jax.Array | None):
+    """(positions_BxL, same-document mask_Bx1xLxL) of packed rows, or None for plain rows."""
+    if segment_ids_BxL is None:
+        return None
+    same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+    return segment_positions(segment_ids_BxL), same
+
+
+def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, segments=None) -> jax.Array:
     """Self-attention on normed input (full length). Returns the row-parallel output before the
     residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter)."""
     dt = dtype_of(cfg.dtype)
@@ -57,13 +70,15 @@ def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) 
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     freq = rope_freqs(cfg)
-    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, freq), ("batch", None, "heads", "head_dim"))
-    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, freq), ("batch", None, "kv_heads", "head_dim"))
+    pos_BxL, mask = segments if segments is not None else (None, None)
+    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, freq, pos_BxL), ("batch", None, "heads", "head_dim"))
+    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, freq, pos_BxL), ("batch", None, "kv_heads", "head_dim"))
     window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
     o_BxLxHxDh = jax.nn.dot_product_attention(
         q_BxLxHxDh,
         k_BxLxKxDh,
         v_BxLxKxDh,
+        mask=mask,
         is_causal=True,
         local_window_size=window,
         implementation=_impl(cfg.attention_impl),

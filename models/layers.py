@@ -112,17 +112,31 @@ def rope_freqs(cfg: ModelConfig) -> jax.Array:
     return freq
 
 
-def rope(x_BxLxHxDh: jax.Array, freq: jax.Array) -> jax.Array:
+def rope(x_BxLxHxDh: jax.Array, freq: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX and Hugging Face's
-    checkpoints, whose q/k rows are already permuted for it), positions 0..L-1; `freq` from rope_freqs."""
+    checkpoints, whose q/k rows are already permuted for it); `freq` from rope_freqs; positions 0..L-1
+    unless `positions_BxL` is given (packed documents: positions restart at each document)."""
     _, length, _, dh = x_BxLxHxDh.shape
     half = dh // 2
-    ang_LxHalf = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(ang_LxHalf)[None, :, None, :], jnp.sin(ang_LxHalf)[None, :, None, :]
+    pos = jnp.arange(length)[None] if positions_BxL is None else positions_BxL
+    ang_BxLxHalf = pos.astype(jnp.float32)[..., None] * freq
+    cos, sin = jnp.cos(ang_BxLxHalf)[:, :, None, :], jnp.sin(ang_BxLxHalf)[:, :, None, :]
     x = x_BxLxHxDh.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxDh.dtype)
+
+
+def segment_positions(segment_ids_BxL: jax.Array) -> jax.Array:
+    """Position of each token inside its segment (0 at each segment's first token); segments are
+    contiguous runs of equal ids."""
+    length = segment_ids_BxL.shape[1]
+    idx = jnp.arange(length, dtype=jnp.int32)[None]
+    first = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BxL[:, :1], bool), segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1
+    )
+    start = jax.lax.cummax(jnp.where(first, idx, 0), axis=1)
+    return idx - start
 
 
 def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from meshrun_models.attention import Attention, attention
+from meshrun_models.attention import Attention, attention, segment_info
 from meshrun_models.layers import (
     MLP,
     SAVED_NAMES,
@@ -121,9 +121,9 @@ def embed(params: Any, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
     return embed_lookup(arrays(params["embed"]["embedding"]), tokens_BxL, cfg)
 
 
-def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool):
+def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments=None):
     h = constrain(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), FULL)
-    x = x_BxLxD + constrain(attention(p["attn"], h, cfg), RESID)
+    x = x_BxLxD + constrain(attention(p["attn"], h, cfg, segments), RESID)
     x = checkpoint_name(x, "resid_mid")
     h = constrain(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), FULL)
     if moe:
@@ -133,12 +133,12 @@ def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool):
     return constrain(x + constrain(y, RESID), RESID), stats
 
 
-def _unit(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig):
+def _unit(p: Mapping, x_BxLxD: jax.Array, segments, cfg: ModelConfig):
     if not cfg.is_moe:
-        return _block(p, x_BxLxD, cfg, moe=False)
+        return _block(p, x_BxLxD, cfg, moe=False, segments=segments)
     for i in range(cfg.moe_every - 1):
-        x_BxLxD, _ = _block(jax.tree.map(lambda w, i=i: w[i], p["dense"]), x_BxLxD, cfg, moe=False)
-    return _block(p["moe"], x_BxLxD, cfg, moe=True)
+        x_BxLxD, _ = _block(jax.tree.map(lambda w, i=i: w[i], p["dense"]), x_BxLxD, cfg, False, segments)
+    return _block(p["moe"], x_BxLxD, cfg, moe=True, segments=segments)
 
 
 def _remat(fn, policy: str):
@@ -164,12 +164,12 @@ def _grouped(unit, k: int):
     kept; the backward re-runs the k units without remat (the same recompute as full remat, one
     forward), so saved layer inputs fall by k and the working set is one group's activations."""
 
-    def group(p_group, x):
+    def group(p_group, x, segments=None):
         # Unrolled (k is small): differentiating an inner lax.scan left one dead matmul per layer in
         # the backward loop (measured: +1 down-projection transpose per layer vs full remat).
         total = None
         for i in range(k):
-            x, stats = unit(jax.tree.map(lambda a, i=i: a[i], p_group), x)
+            x, stats = unit(jax.tree.map(lambda a, i=i: a[i], p_group), x, segments)
             total = stats if total is None else {n: total[n] + stats[n] for n in stats}
         return x, total
 
@@ -188,9 +188,10 @@ def _varying(z: jax.Array, vma: frozenset) -> jax.Array:
     return jax.lax.pcast(z, missing, to="varying") if missing else z
 
 
-def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig):
+def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segment_ids_BxL: jax.Array | None = None):
     """Run stacked units [a, b) (any contiguous slice of params['layers'] along axis 0; units are
-    homogeneous, so the math does not depend on where the slice starts).
+    homogeneous, so the math does not depend on where the slice starts). `segment_ids_BxL`
+    (packed documents): attention stays inside each segment and positions restart at its start.
 
     Returns (x_BxLxD, aux) with aux = {moe_aux_loss, moe_z_loss, dropped_tokens}: float32 sums over
     these units' MoE layers and over the batch's sequences (zeros for a dense model).
@@ -210,10 +211,11 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig):
 
     x = constrain(x_BxLxD, RESID)
     vma = _vma(x)
+    segments = segment_info(segment_ids_BxL)  # once, outside the layer scan
 
     def step(carry, p_unit):
         x, aux = carry
-        x, stats = unit(p_unit, x)
+        x, stats = unit(p_unit, x, segments)
         return (x, {k: aux[k] + _varying(stats[k], vma) for k in STATS}), None
 
     aux0 = {k: _varying(jnp.zeros((), jnp.float32), vma) for k in STATS}
@@ -248,13 +250,13 @@ def total_loss(loss_sum, n_tokens, aux: Mapping[str, jax.Array], n_sequences: in
     return model_api.loss_share(model_fns(cfg), loss_sum, aux, n_tokens, n_sequences)
 
 
-def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig):
+def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig, segment_ids_BxL=None):
     """Full-batch (loss, metrics) on one device, through the same `ModelFns` the train step drives:
     metrics = {ce_loss, n_tokens} and, for MoE, {moe_aux_loss, moe_z_loss (per layer and sequence),
     dropped_tokens}."""
     from meshrun_models.api import model_fns
 
-    return model_api.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL)
+    return model_api.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL, segment_ids_BxL)
 
 
 # ---------------------------------------------------------------- validation

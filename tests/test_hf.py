@@ -189,7 +189,8 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
     from meshrun.config import to_dict
     from meshrun.param_ckpt import save_params
 
-    moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0) if moe else {}
+    moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0, moe_dispatch="dropless")
+    moe_fields = moe_fields if moe else {}  # Mixtral: dropless on import
     cfg = ModelConfig(
         vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
         tie_embeddings=not moe, qkv_bias=not moe, norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3",

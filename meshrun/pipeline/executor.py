@@ -147,13 +147,13 @@ class Pipeline:
                 self.zero = build(params)
         return self.zero
 
-    def __call__(self, params, tokens, labels):
+    def __call__(self, params, tokens, labels, segment_ids=None):
         from flax import nnx
 
         arrays = params.to_pure_dict() if isinstance(params, nnx.State) else dict(params)
         self.check(arrays, tokens)
         self._layout_for(arrays)
-        loss, grads, metrics = self._jit(arrays, tokens, labels)
+        loss, grads, metrics = self._jit(arrays, tokens, labels, segment_ids)
         if isinstance(params, nnx.State):
             out = jax.tree.map(lambda a: a, params)
             nnx.replace_by_pure_dict(out, grads)
@@ -170,43 +170,50 @@ class Pipeline:
 
     # ------------------------------------------------------------ the step
 
-    def loss_and_grads(self, params, tokens, labels):
-        """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit."""
-        mesh, m, lsplit = self.mesh, self.program.m, self.split
-        if lsplit is None:
-            raise ConfigError("Pipeline.split", None, "call the Pipeline (or .lower) once, or pass split=")
-        zl = self._layout_for(params)
-        wsc = lambda t, s: jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), t, s)
-        if self.layout == "model":  # model order [L] -> padded pipeline layout [p*v*lmax] (moves weights)
-            params = wsc(params, self._model_zero.store)
-            params = {**params, "layers": wsc(lsplit.to_pipeline(params["layers"]), zl.sub("layers").store)}
-        params = zl.gather(wsc(params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
+    def loss_and_grads(self, params, tokens, labels, segment_ids=None):
+        """(loss, grads in the ZeRO grad layout, metrics); traceable inside a caller's jit.
+        `segment_ids` (packed documents) reach every stage's layers with the microbatch's tokens."""
+        mesh, lsplit, zl = self.mesh, self.split, self._layout_for(params)
+        params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
-        # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
-        # microbatches without moving token ids between devices (row order does not change the sums).
-        bspec = P(None, DP_AXES)
-        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
-        tok, lab = (lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in (tokens, labels))
         f = jax.shard_map(
             functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
             mesh=mesh,
-            in_specs=(zl_l.local_compute(), zl_o.local_compute(), bspec, bspec),
+            in_specs=(zl_l.local_compute(), zl_o.local_compute(), *(bspec,) * len(batch)),
             out_specs=(P(), zl_l.partial_specs(), zl_o.partial_specs(), P()),
             axis_names=set(MANUAL),
             check_vma=False,
         )
-        loss, gl, go, metrics = f(layers, other, tok, lab)
+        loss, gl, go, metrics = f(layers, other, *batch)
         gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
         gspec = zl.grads
         if self.layout == "model":
             gl, gspec = lsplit.from_pipeline(gl), self._model_zero.grads
         grads = jax.tree.map(lambda g, a: g.astype(a.dtype), {**go, "layers": gl}, params)  # fp32 sums -> param dtype
-        return loss, wsc(grads, gspec), metrics
+        return loss, _wsc(mesh, grads, gspec), metrics
 
-    def _body(self, layers, other, tok, lab, *, zl_l: ZeroLayout, zl_o: ZeroLayout):
+    def placed(self, params, tokens, labels, segment_ids=None):
+        """(params in the padded pipeline layout, gathered; the batch arrays as [M, B, S] microbatches;
+        their spec): what the shard_map over the tick loop takes (also `pipeline/forward.py`)."""
+        mesh, m, lsplit = self.mesh, self.program.m, self.split
+        if lsplit is None:
+            raise ConfigError("Pipeline.split", None, "call the Pipeline (or .lower) once, or pass split=")
+        zl = self._layout_for(params)
+        if self.layout == "model":  # model order [L] -> padded pipeline layout [p*v*lmax] (moves weights)
+            params = _wsc(mesh, params, self._model_zero.store)
+            params = {**params, "layers": _wsc(mesh, lsplit.to_pipeline(params["layers"]), zl.sub("layers").store)}
+        params = zl.gather(_wsc(mesh, params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
+        # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
+        # microbatches without moving token ids between devices (row order does not change the sums).
+        bspec = P(None, DP_AXES)
+        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
+        batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
+        return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
+
+    def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
-            run = _StageRun(self, layers, other, tok, lab)
+            run = _StageRun(self, layers, other, tok, lab, seg[0] if seg else None)
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroLayout.finish`.
@@ -225,9 +232,10 @@ class _StageRun:
     """One device's view of the tick loop inside the shard_map: its stage's chunks, the microbatches
     of its data shard, the carry (activations in flight, residual buffer, gradient sums)."""
 
-    def __init__(self, pl: Pipeline, layers, other, tok, lab):
+    def __init__(self, pl: Pipeline, layers, other, tok, lab, seg=None):
         prog = pl.program
         self.pl, self.fns, self.prog, self.other, self.tok, self.lab = pl, pl.fns, prog, other, tok, lab
+        self.seg = seg  # [M, B, S] segment ids (packed documents) or None
         self.p, self.v, self.m, self.split = pl.p, prog.v, prog.m, pl.split
         self.stage = lax.axis_index("pipe")
         self.fill = jnp.nan if pl.nan_bubbles else 0.0
@@ -249,7 +257,10 @@ class _StageRun:
         weights = dict(self.fns.aux_weights(self.n_seq))
         self.aux_cot = {k: jnp.asarray(float(weights.get(k, 0.0)), a.dtype) for k, a in self.aux_aval.items()}
         if pl.residuals == "store":
-            self.mask, avals = activation_residuals(self.apply(0), self.chunk(0), self.x_zero)
+            # segment ids are data, not activations: leaves that depend on them alone are rebuilt
+            # in the backward from the same microbatch's ids, like the weight-only leaves
+            stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)  # noqa: E731
+            self.mask, avals = activation_residuals(stage0, self.chunk(0), self.x_zero, self._seg(0))
             self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
             self.mask, self.res_avals = None, [self.x_aval]
@@ -257,13 +268,13 @@ class _StageRun:
 
     # ------------------------------------------------------------ helpers
 
-    def apply(self, c):
-        """The stage function of chunk c: the model's `apply_layers`, or with an uneven split one
-        that skips the chunk's padding entries (its count is counts[c*p + stage])."""
-        if self.split.even:
-            return self.fns.apply_layers
-        n = self.counts[c * self.p + self.stage]
-        return functools.partial(uneven_apply, self.fns.apply_layers, self.split.lmin, n)
+    def _seg(self, mb):
+        return None if self.seg is None else _take(self.seg, mb)
+
+    def apply(self, c, seg=None):
+        """The stage function of chunk c (segment ids `seg` bound): the model's `apply_layers`, or with
+        an uneven split one that skips the chunk's padding entries (its count is counts[c*p + stage])."""
+        return stage_fn(self.pl, model_api.layers_fn(self.fns, seg), c, self.stage)
 
     def chunk(self, c):
         if self.v == 1:
@@ -319,7 +330,7 @@ class _StageRun:
 
         def run():
             x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
-            (y, aux), vjp = jax.vjp(self.apply(ch), self.chunk(ch), x)
+            (y, aux), vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), x)
             keep = [x]
             if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
                 keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
@@ -371,12 +382,12 @@ class _StageRun:
 
         def run():
             if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
-                _, tmpl = jax.vjp(self.apply(ch), self.chunk(ch), self.x_zero)
+                _, tmpl = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), self.x_zero)
                 leaves, tdef = jax.tree.flatten(tmpl)
                 it = iter(saved)
                 vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
             else:
-                _, vjp = jax.vjp(self.apply(ch), self.chunk(ch), saved[0])
+                _, vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), saved[0])
             d_p, dx = vjp((dy, self.aux_cot))
 
             def embed_grad():
@@ -440,6 +451,19 @@ class _StageRun:
 
 
 SWAP = [(0, 1), (1, 0)]
+
+
+def stage_fn(pl: Pipeline, apply, c, stage):
+    """`apply` (layer_params, x) -> (x, aux) as chunk c of `stage` runs it: as is for an even split,
+    else skipping the chunk's padding entries (`stage.uneven_apply`, count split.counts[c*p + stage])."""
+    if pl.split.even:
+        return apply
+    n = jnp.asarray(pl.split.counts, jnp.int32)[c * pl.p + stage]
+    return functools.partial(uneven_apply, apply, pl.split.lmin, n)
+
+
+def _wsc(mesh, tree, specs):
+    return jax.tree.map(lambda a, sp: lax.with_sharding_constraint(a, NamedSharding(mesh, sp)), tree, specs)
 
 
 def _put(buf, i, x):

@@ -21,19 +21,22 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 
-def activation_residuals(fn: Callable, params, x) -> tuple[tuple[bool, ...], list]:
+def activation_residuals(fn: Callable, params, x, extra=None) -> tuple[tuple[bool, ...], list]:
     """For the leaves of `jax.vjp(fn, params, x)[1]`: (True where the leaf depends on `x`, avals).
+    `extra` (e.g. segment ids): a further input of `fn(params, x, extra)` that is not differentiated
+    and counts as not dependent (the caller rebuilds such leaves from the same `extra`).
 
     Dependence is traced through nested jaxprs (jit, remat, custom_jvp/vjp, scan and while with a
     fixpoint over the carry, cond); any other equation with a dependent input makes all its outputs
     dependent (conservative: a leaf wrongly marked dependent is only stored, never wrong)."""
 
-    def leaves(p, a):
-        return jax.tree.leaves(jax.vjp(fn, p, a)[1])
+    def leaves(p, a, e):
+        f = fn if e is None else (lambda p_, a_: fn(p_, a_, e))
+        return jax.tree.leaves(jax.vjp(f, p, a)[1])
 
-    closed = jax.make_jaxpr(leaves)(params, x)
-    n_p = len(jax.tree.leaves(params))
-    flags = [False] * n_p + [True] * (len(closed.jaxpr.invars) - n_p)
+    closed = jax.make_jaxpr(leaves)(params, x, extra)
+    n_p, n_x = len(jax.tree.leaves(params)), len(jax.tree.leaves(x))
+    flags = [False] * n_p + [True] * n_x + [False] * (len(closed.jaxpr.invars) - n_p - n_x)
     return tuple(_dep(closed.jaxpr, flags)), list(closed.out_avals)
 
 

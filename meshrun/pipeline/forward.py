@@ -1,0 +1,89 @@
+"""Forward-only pipeline (evaluation): loss sums of a batch on a pipelined mesh, no backward.
+
+Same placement as the training step (`Pipeline.placed`: layers in pipeline layout sharded over
+'pipe', microbatch j = local rows j, m+j, ...; a shard_map manual over 'pipe' and the data-parallel
+axes). GPipe forward in v rounds, one per virtual chunk: in round c, stage s runs microbatch t - s
+of chunk c at tick t (m + p - 1 ticks), activations move s -> s+1 by `ppermute`; with v > 1 the
+last stage's output wraps to stage 0, which keeps it (an [M, B, S, D] buffer: one activation per
+local row) for round c + 1. The last stage of the last round runs the head and sums the loss.
+Idle cells skip the compute in a `lax.cond` whose predicate is shared by the tensor group.
+v(m + p - 1) ticks, against v·m + p - 1 for a schedule that interleaves rounds: evaluation is rare.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshrun import model_api
+from meshrun.pipeline.executor import stage_fn
+from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
+
+
+def forward_sums(pl, params, tokens, labels, segment_ids=None):
+    """(loss_sum, n_tokens) over the global batch, through `Pipeline` `pl`'s stages (traceable)."""
+    zl = pl._layout_for(params)
+    params, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
+    layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
+    f = jax.shard_map(
+        lambda lay, oth, *b: _body(pl, lay, oth, *b),
+        mesh=pl.mesh,
+        in_specs=(zl.sub("layers").local_compute(), zl.without("layers").local_compute(), *(bspec,) * len(batch)),
+        out_specs=(P(), P()),
+        axis_names=set(MANUAL),
+        check_vma=False,
+    )
+    return f(layers, other, *batch)
+
+
+def _take(buf, i):
+    return lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def _body(pl, layers, other, tok, lab, seg=None):
+    fns, p, v, m = pl.fns, pl.p, pl.program.v, pl.program.m
+    stage = lax.axis_index("pipe")
+    with use_rules(pl.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
+        lc = pl.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
+        x_aval = jax.eval_shape(fns.embed, other, tok[0])
+        x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
+        perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+        buf = jnp.zeros((m, *x_aval.shape), x_aval.dtype) if v > 1 else None
+        loss = jnp.zeros((), jnp.float32)
+        for c in range(v):
+            chunk = jax.tree.map(lambda a, c=c: a[c * lc : (c + 1) * lc], layers)
+
+            def tick(carry, t, c=c, chunk=chunk):
+                x_in, buf, loss = carry
+                j = jnp.clip(t - stage, 0, m - 1)
+
+                def run():
+                    if c == 0:
+                        x0 = lax.cond(
+                            stage == 0, lambda: fns.embed(other, _take(tok, j)).astype(x_aval.dtype), lambda: x_in
+                        )
+                    else:
+                        x0 = jnp.where(stage == 0, _take(buf, j), x_in)
+                    apply = model_api.layers_fn(fns, None if seg is None else _take(seg, j))
+                    y, _ = stage_fn(pl, apply, c, stage)(chunk, x0)
+                    if c < v - 1:
+                        return y, jnp.zeros((), jnp.float32)
+                    head = lambda: fns.head_loss(other, y, _take(lab, j))[0].astype(jnp.float32)  # noqa: E731
+                    return y, lax.cond(stage == p - 1, head, lambda: jnp.zeros((), jnp.float32))
+
+                valid = (t - stage >= 0) & (t - stage < m)
+                y, ls = lax.cond(valid, run, lambda: (x_zero, jnp.zeros((), jnp.float32)))
+                x_next = lax.ppermute(y, "pipe", perm)
+                if buf is not None and c < v - 1:  # stage 0 keeps what the last stage finished this tick
+                    jw = t - (p - 1)
+                    keep = (stage == 0) & (jw >= 0)
+                    i = jnp.clip(jw, 0, m - 1)
+                    buf = lax.dynamic_update_index_in_dim(buf, jnp.where(keep, x_next, _take(buf, i)), i, 0)
+                return (x_next, buf, loss + ls), None
+
+            (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
+        flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        n_tok = model_api.token_count(fns, other, flat(tok), flat(lab))
+        return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in DP_AXES if a in pl.mesh.shape))
