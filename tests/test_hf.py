@@ -123,12 +123,37 @@ def test_hub_id_and_bad_dirs_exit_2(tmp_path, capsys):
     assert "hidden_act" in capsys.readouterr().err
 
 
-def test_train_starts_from_imported_params(imported, tmp_path):
-    """A param-only start on another mesh (tensor 2, 2 devices): step 0, and the first loss is
-    the imported model's loss on that batch (a random init would give ~log(vocab))."""
+def _word_tokenizer(path: Path, words: list[str]) -> None:
+    """A tokenizer.json a model directory could ship (word level, within the tiny model's vocab)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["</s>", "<unk>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def test_import_prepare_data_train_with_val_loss(imported, tmp_path):
+    """The README's three commands on files made here: import-hf (the fixture), prepare-data with the
+    model's tokenizer, then `meshrun train` from the imported params on another mesh (tensor 2, 2
+    devices) with a held-out split and val_loss. Step 0 start, and the first loss is the imported
+    model's loss on that batch (a random init would give ~log(vocab))."""
     from meshrun.config import load_config
     from meshrun.data import global_batch_arrays
     from meshrun.loop import prepare, run
+    from meshrun.prepare_data import prepare as prepare_data
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rng = np.random.default_rng(0)
+    (tmp_path / "corpus").mkdir()
+    for i in range(12):  # twelve documents of 20-60 words
+        (tmp_path / "corpus" / f"d{i}.txt").write_text(" ".join(rng.choice(words, int(rng.integers(20, 60)))))
+    _word_tokenizer(tmp_path / "tok", words)
+    corpus, data = str(tmp_path / "corpus" / "*.txt"), str(tmp_path / "data")
+    summary = prepare_data(corpus, data, tokenizer=str(tmp_path / "tok"), workers=1, quiet=True)
+    assert summary["n_docs"] == 12
 
     src, _ = imported["llama2"]
     over = [
@@ -138,7 +163,11 @@ def test_train_starts_from_imported_params(imported, tmp_path):
         "train.global_batch=4",
         "train.seq_len=16",
         f"train.run_dir={tmp_path / 'run'}",
-        "data.kind=synthetic",
+        "data.kind=prepared",
+        f"data.path={tmp_path / 'data'}",
+        "data.val_fraction=0.25",
+        "train.eval_every=1",
+        "train.eval_batches=1",
     ]
     cfg = load_config(src / "config.yaml", over)
     assert cfg.checkpoint.init_params == str(src / "hf_import")
@@ -155,6 +184,10 @@ def test_train_starts_from_imported_params(imported, tmp_path):
     result = run(cfg, devices=devices, quiet=True)
     assert result["step"] == 1
     np.testing.assert_allclose(result["first_loss"], want, rtol=1e-5)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if "val_loss" in r]
+    assert len(val) == 1 and np.isfinite(val[0]["val_loss"]) and val[0]["val_loss"] == result["val_loss"]
+    np.testing.assert_allclose(val[0]["val_perplexity"], np.exp(val[0]["val_loss"]), rtol=1e-5)
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="torch/transformers not installed")
