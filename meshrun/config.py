@@ -21,6 +21,7 @@ from meshrun.pipeline.schedules import SCHEDULES
 
 AXES = ("data", "pipe", "expert", "tensor")
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
+REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 
@@ -91,7 +92,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
-    remat: str = "none"  # none | full | selective
+    remat: str = "none"  # none | full | selective | offload (selective's names kept in host memory)
+    remat_every: int = 1  # k > 1 (with remat=full): keep only every k-th layer's input (groups of k units)
     sequence_parallel: bool = False
     n_experts: int = 0  # 0: dense model
     top_k: int = 2
@@ -117,7 +119,16 @@ class ModelConfig:
                 raise ConfigError(f"model.{f}", getattr(self, f), "use float32, bfloat16 or float16")
         _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
-        _choice("model.remat", self.remat, ("none", "full", "selective"))
+        _choice("model.remat", self.remat, REMATS)
+        if self.remat_every < 1:
+            raise ConfigError("model.remat_every", self.remat_every, "use a positive layer count, e.g. 2")
+        if self.remat_every > 1 and self.remat != "full":
+            raise ConfigError(
+                "model.remat_every",
+                self.remat_every,
+                "set model.remat=full (a group of k layers is rematerialised from its input), or remat_every=1",
+                f"grouping layers needs full remat (model.remat={self.remat})",
+            )
         _choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling == "llama3" and not (
@@ -207,6 +218,9 @@ class TrainConfig:
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"
     profile: bool = False
+    # Adam moments (and param_dtype master weights when they differ from model.dtype) live in pinned
+    # host memory between steps; the step moves them to the device for the update and back.
+    offload_optimizer: bool = False
     # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
     # gradients accumulate in float32 either way and are cast back before the optimizer
     grad_reduce_dtype: str = "float32"

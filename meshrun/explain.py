@@ -6,7 +6,9 @@ planner's prediction is printed beside what XLA reports:
 
 * memory per device: predicted parts (`planner.step_model.predict_memory_jax`, the model of meshrun's
   own step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
-  total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp).
+  total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp),
+  then split per memory space (`meshrun.memory.memory_spaces`): device bytes and pinned-host bytes
+  (state offloaded by train.offload_optimizer; activations offloaded by model.remat=offload on GPU).
 * collectives per step: result bytes on one device per mesh axis (`meshrun.hlo`; an op over several
   axes counts for each), and counts by op. A collective inside a while loop appears once in the HLO
   text but runs once per iteration: compiled numbers multiply each by the known trip counts of the
@@ -41,6 +43,7 @@ def register(sub) -> None:
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--json", action="store_true", help="print one JSON object (memory, collectives)")
+    p.add_argument("--cluster", help="also predict the step time on this cluster, e.g. h100-80g:1x8 (`meshrun plan`)")
     add_fast_compile_flag(p)
     p.set_defaults(func=run_explain)
 
@@ -64,13 +67,30 @@ def layout(cfg, mesh_shape: dict[str, int]) -> dict:
     )
 
 
+def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
+    """The planner's step time of this config on `cluster_text`, memory levers included
+    (remat=offload: selective's compute + host traffic; remat_every: full's compute)."""
+    from meshrun.planner import offload
+    from meshrun.planner.cost import Layout
+    from meshrun.planner.hardware import parse_cluster
+
+    kw = layout(cfg, mesh_shape)
+    remat = {"offload": "selective"}.get(cfg.model.remat, cfg.model.remat)
+    kw.pop("seq_len")
+    lay = Layout(**kw, virtual=cfg.pipeline.virtual, remat=remat, sequence_parallel=cfg.model.sequence_parallel,
+                 schedule=cfg.pipeline.schedule)  # fmt: skip
+    levers = ("optimizer",) * cfg.train.offload_optimizer + ("activations",) * (cfg.model.remat == "offload")
+    cluster = parse_cluster(cluster_text)
+    return offload.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
+
+
 def predict(cfg, mesh_shape: dict[str, int]) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives."""
     from meshrun.planner import cost, step_model
 
     kw = layout(cfg, mesh_shape)
     sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
-    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched)
+    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched, offload_optimizer=cfg.train.offload_optimizer)
     megatron = cost.predict_memory(cfg.model, **kw, **sched, framework="megatron")
     permutes = None
     if kw["pipe"] > 1:
@@ -79,7 +99,7 @@ def predict(cfg, mesh_shape: dict[str, int]) -> dict:
         permutes = tick_program(cfg.pipeline, kw["pipe"]).permute_counts()
     rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]
     comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes, grad_reduce_bytes=rb)
-    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total")
+    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host")
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
         "collectives": {k: int(v) for k, v in comm["bytes"].items()},
@@ -171,6 +191,10 @@ def explain(cfg) -> dict:
         "alias": int(ma.alias_size_in_bytes),
     }
     mem["total"] = mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+    from meshrun.memory import memory_spaces  # imports jax: only after the devices are set up
+
+    spaces = memory_spaces(compiled)
+    mem |= {"device": spaces["device"], "host": spaces["host"]}
     comm = compiled_collectives(compiled.as_text(), shape)
     out |= {
         "mesh": shape,
@@ -209,11 +233,16 @@ def format_report(rep: dict, title: str) -> str:
         ("output", None, cm.get("output")),
         ("alias (donated)", None, cm.get("alias")),
         ("total", pm["total"], cm.get("total")),
+        ("  in device memory", pm.get("device"), cm.get("device")),
+        ("  in pinned host memory", pm.get("host"), cm.get("host")),
     ]
     for name, p, c in rows:
         lines.append(f"{name:<28}{_mb(p):>12}{_mb(c):>12}")
     if cm:
         lines.append(f"{'predicted / compiled':<28}{pm['total'] / cm['total']:>12.2f}")
+    if "step_time_s" in rep:
+        st = rep["step_time_s"]
+        lines.append(f"{'step time (s) on ' + st['cluster']:<28}{st['predicted']:>12.4g}")
     lines.append(f"{'(Megatron accounting)':<28}{_mb(pm['megatron_total']):>12}")
     pc, cc = rep["collectives"]["predicted"], rep["collectives"]["compiled"] or {}
     axes = [a for a in AXES if a in pc or a in cc]
@@ -276,6 +305,8 @@ def run_explain(args) -> int:
             simulate_cpu_devices(max(n, _flag_devices()), fast_compile=args.fast_compile)
     rep = explain(cfg)
     rep["config"] = str(args.config)
+    if args.cluster:
+        rep["step_time_s"] = {"cluster": args.cluster, "predicted": step_time(cfg, rep["mesh"], args.cluster)}
     if args.json:
         print(json.dumps(rep))
     else:

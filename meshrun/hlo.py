@@ -244,6 +244,30 @@ def op_bytes_per_step(hlo_text: str, ops: tuple[str, ...] = ("copy", "copy-start
     return total
 
 
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*[a-z][a-z0-9]*\[([0-9,]*)\]")
+
+
+def dot_flops_per_step(hlo_text: str) -> int:
+    """FLOPs of every `dot` (2 x result elements x contracted size), each times the runs of its
+    computation per step: the matmul work a compiled step really does, recomputation included
+    (XLA's cost_analysis counts a loop body once, whatever its trip count)."""
+    comps, total = computations(hlo_text), 0
+    runs = _runs(comps, _ENTRY.search(hlo_text))
+    for name, body in comps.items():
+        named = (m for m in map(_NAMED.match, body.splitlines()) if m)
+        dims = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in named}
+        for line in body.splitlines():
+            m = _OP.match(line)
+            if not (m and m.group("op") == "dot" and runs[name]):
+                continue
+            lhs = re.search(r"\bdot\(%([\w.\-]+)", line).group(1)
+            contracted = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line).group(1)
+            k = int(np.prod([dims[lhs][int(i)] for i in contracted.split(",") if i]))
+            out = int(np.prod([int(d) for d in _ARRAY.search(m.group("shape")).group(2).split(",") if d]))
+            total += runs[name] * 2 * out * k
+    return total
+
+
 def _in_loop(comps: dict[str, str]) -> set[str]:
     """Computations run inside a while loop: loop bodies and everything they call, transitively."""
     todo = [b for body in comps.values() for b in re.findall(r"\bbody=%?([\w.\-]+)", body)]

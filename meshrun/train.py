@@ -95,7 +95,37 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
         from meshrun.pipeline.program import tick_program
 
         tick_program(cfg.pipeline, mesh.shape["pipe"])
-        split_of(cfg, mesh)
+    check_remat_every(cfg, mesh)
+    if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
+        field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
+        check_host_memory(mesh.devices.flat[0], field)
+
+
+def check_remat_every(cfg: RunConfig, mesh: Mesh) -> None:
+    """remat_every=k groups k stacked units inside each call of the layer stack: the whole stack, or
+    one pipeline chunk (an even split's n_units / (pipe * virtual)); groups never straddle a stage."""
+    k, split = cfg.model.remat_every, split_of(cfg, mesh)
+    if split is not None and not split.even and k > 1:
+        raise ConfigError(
+            "model.remat_every", k, f"use 1, or an even layer split (layers per chunk now {list(split.counts)})",
+            "grouped remat needs the same layer count in every pipeline chunk",
+        )  # fmt: skip
+    per_chunk = cfg.model.n_units if split is None else split.lmax
+    if k > 1 and per_chunk % k:
+        where = f"each pipeline chunk holds {per_chunk}" if split is not None else f"the model stacks {per_chunk}"
+        raise ConfigError(
+            "model.remat_every", k, f"use a divisor of {per_chunk} ({where} layers)", "does not divide the layers"
+        )
+
+
+def check_host_memory(device, field: str) -> None:
+    """Host offload needs a 'pinned_host' memory space on the device (GPU, TPU and XLA:CPU have one)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ConfigError(
+            field, True, f"turn host offload off on {device.platform} (its memories: {sorted(kinds)})",
+            "this platform has no pinned_host memory",
+        )  # fmt: skip
 
 
 def split_of(cfg: RunConfig, mesh: Mesh):
@@ -165,6 +195,14 @@ def relayout(state: TrainState, tx, fn) -> TrainState:
     return state._replace(params=params, opt_state=opt)
 
 
+def offloaded(cfg: RunConfig) -> tuple[str, ...]:
+    """ZeroLayout parts resting in host memory: the optimizer moments with train.offload_optimizer, and
+    the parameters too when they are fp32 master weights of a lower-precision compute dtype."""
+    if not cfg.train.offload_optimizer:
+        return ()
+    return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
+
+
 def make_loss_and_grads(cfg: RunConfig, mesh: Mesh, fns: ModelFns, zl: ZeroLayout):
     """(params, tokens, labels) -> (loss, grads in the ZeRO grad layout, metrics), traced inside the
     step: the pipeline executor when mesh.pipe > 1 (params in pipeline layout), else the microbatch scan."""
@@ -201,30 +239,35 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
     abstract_run = jax.eval_shape(run_state) if relay else abstract
     build = lambda shapes: ZeroLayout.build(  # noqa: E731
-        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype
+        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
     )
     zl = build(abstract_run.params)
     state_sh = state_shardings(zl, tx, abstract_run)
     batch_sh = NamedSharding(mesh, P(DP_AXES))
-    init = jax.jit(run_state, out_shardings=state_sh)
+    # Offloaded state rests in host memory: whatever computes on it moves it in and back out.
+    host = lambda st, sh=state_sh: zl.to_host(st, sh)  # noqa: E731
+    init = jax.jit(lambda: host(run_state()), out_shardings=state_sh)
     if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
         model_sh = state_shardings(build(abstract.params), tx, abstract)
-        to_run = jax.jit(lambda st: relayout(st, tx, split.to_pipeline), out_shardings=state_sh)
-        to_model = jax.jit(lambda st: relayout(st, tx, split.from_pipeline), out_shardings=model_sh)
-        init_from = jax.jit(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), out_shardings=state_sh)
+        to_run = jax.jit(lambda st: host(relayout(zl.to_device(st, model_sh), tx, split.to_pipeline)),
+                         out_shardings=state_sh)  # fmt: skip
+        to_model = jax.jit(lambda st: host(relayout(zl.to_device(st, state_sh), tx, split.from_pipeline), model_sh),
+                           out_shardings=model_sh)  # fmt: skip
+        init_from = jax.jit(lambda prm: host(relayout(state_from(prm), tx, split.to_pipeline)), out_shardings=state_sh)
     else:
         model_sh = state_sh
         to_run = to_model = lambda st: st  # noqa: E731
-        init_from = jax.jit(state_from, out_shardings=state_sh)
+        init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
 
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
+        state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, *batch)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return host(TrainState(params, opt_state, state.step + 1)), metrics
 
     n_batch = 3 if cfg.data.pack_documents else 2
     step = jax.jit(
@@ -247,14 +290,15 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
 
 
 def state_shardings(zl: ZeroLayout, tx, abstract: TrainState) -> TrainState:
-    """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`."""
+    """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`, each in
+    the memory `zl` rests it in (pinned host when offloaded)."""
     sh = lambda spec: NamedSharding(zl.mesh, spec)  # noqa: E731
     opt_sh = optax.tree_map_params(
         tx,
         lambda _, s: s,
         abstract.opt_state,
-        jax.tree.map(sh, zl.opt, is_leaf=is_spec),
+        jax.tree.map(lambda s: zl.sharding("opt", s), zl.opt, is_leaf=is_spec),
         transform_non_params=lambda _: sh(P()),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return TrainState(jax.tree.map(sh, zl.store, is_leaf=is_spec), opt_sh, sh(P()))
+    return TrainState(jax.tree.map(lambda s: zl.sharding("store", s), zl.store, is_leaf=is_spec), opt_sh, sh(P()))

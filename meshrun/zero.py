@@ -10,6 +10,11 @@ four trees of PartitionSpecs over the whole mesh:
 * grads   -- reduced gradients as the step returns them (ZeRO >= 1: scattered over the DP axes),
 * opt     -- optimizer moments (ZeRO >= 1: scattered like the gradients).
 
+Host offload (`offload`: the parts kept in pinned host memory between steps, e.g. {'opt'} or
+{'opt', 'store'}): the same specs with memory_kind='pinned_host', so each rank offloads exactly its
+own ZeRO shard. `sharding(part, spec)` gives a leaf's resting place, `device(spec)` where the step
+computes on it; the step moves offloaded state in with `to_device` and back with `to_host`.
+
 Gradients accumulate in float32 (`accum_zeros`, also for 16-bit params) and the one data-parallel
 reduction per step can run in a narrower dtype (`reduce_dtype`, `train.grad_reduce_dtype`): the
 partial sums are cast down just before the DP collective and back to float32 right after it, so the
@@ -29,10 +34,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshrun.sharding import DP_AXES, dims_with, is_spec, names_to_specs, param_rules, restrict_spec
+
+HOST = "pinned_host"  # where offloaded state rests between steps (page-locked: DMA at full PCIe/C2C speed)
+OFFLOADABLE = ("store", "opt")
 
 
 def _map(fn: Callable, *trees: Any) -> Any:
@@ -61,27 +69,53 @@ class ZeroLayout:
     grads: Any
     opt: Any
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
+    offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
 
     @classmethod
-    def build(cls, names: Any, shapes: Any, mesh: Mesh, stage: int, reduce_dtype: Any = None) -> ZeroLayout:
+    def build(
+        cls, names: Any, shapes: Any, mesh: Mesh, stage: int, reduce_dtype: Any = None, offload: tuple[str, ...] = ()
+    ) -> ZeroLayout:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
-        reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16."""
+        reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host memory."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)  # noqa: E731
         rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
         rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
         trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
-        return cls(mesh, stage, *trees, reduce_dtype=rd)
+        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload))
 
     def sub(self, key: str) -> ZeroLayout:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
         trees = (t[key] for t in (self.store, self.compute, self.grads, self.opt))
-        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype)
+        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
 
     def without(self, key: str) -> ZeroLayout:
         """The layout of every top-level entry but `key`."""
         drop = lambda t: {k: v for k, v in t.items() if k != key}  # noqa: E731
         trees = (drop(t) for t in (self.store, self.compute, self.grads, self.opt))
-        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype)
+        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
+
+    # ------------------------------------------------------------ memory kinds (host offload)
+
+    def sharding(self, part: str, spec: P) -> NamedSharding:
+        """Where a leaf of `part` ('store' or 'opt') rests between steps."""
+        return NamedSharding(self.mesh, spec, memory_kind=HOST if part in self.offload else None)
+
+    def device(self, spec: P) -> NamedSharding:
+        """The same layout in device memory (where the step computes)."""
+        return NamedSharding(self.mesh, spec, memory_kind="device")
+
+    def to_device(self, tree: Any, shardings: Any) -> Any:
+        """Inside the step: offloaded leaves (resting shardings `shardings`) -> device memory."""
+        if not self.offload:
+            return tree
+        move = lambda x, s: jax.device_put(x, self.device(s.spec)) if s.memory_kind == HOST else x  # noqa: E731
+        return jax.tree.map(move, tree, shardings)
+
+    def to_host(self, tree: Any, shardings: Any) -> Any:
+        """Inside the step: leaves whose resting place is host memory go back there."""
+        if not self.offload:
+            return tree
+        return jax.tree.map(lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, tree, shardings)
 
     # ------------------------------------------------------------ what the loop's shard_map sees
 

@@ -31,7 +31,8 @@ residual stream ('batch','length','embed') -- 'length' over tensor with compute_
 sequence parallelism -- and full length inside blocks; logits ('batch', None, 'vocab'). Per layer
 under TP: 2 all-reduces of b·s·h forward, 2 backward (q/k/v and gate/up are fused at run time).
 Remat (cfg.remat): none | full (jax.checkpoint of the whole unit) | selective (saves the names in
-layers.SAVED_NAMES, recomputes the attention core). attention_impl='cudnn' falls back to XLA off-GPU.
+layers.SAVED_NAMES, recomputes the attention core) | offload (those names in pinned host memory);
+cfg.remat_every=k with full: one checkpoint per group of k units. attention_impl='cudnn' falls back to XLA off-GPU.
 
 Stacked units: a dense model has n_layers units; an MoE model with moe_every=k has n_layers/k
 units, each k-1 dense blocks (params['layers']['dense'], axes ['layers', None, ...]) then one MoE

@@ -146,9 +146,34 @@ def _remat(fn, policy: str):
         return fn
     if policy == "full":  # Chen et al. 2016: keep only the unit input, recompute everything
         return jax.checkpoint(fn, prevent_cse=False)
+    if policy == "offload":  # selective's names, kept in pinned host memory between forward and backward
+        return jax.checkpoint(fn, prevent_cse=False, policy=OFFLOAD_POLICY)
     # selective (Korthikanti et al. 2022): keep matmul outputs, recompute the attention core's
     # softmax and the element-wise ops.
     return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES))
+
+
+OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_NAMES),
+    offload_src="device", offload_dst="pinned_host",
+)  # fmt: skip
+
+
+def _grouped(unit, k: int):
+    """remat_every=k: one rematerialised function over k stacked units. Only the group's input is
+    kept; the backward re-runs the k units without remat (the same recompute as full remat, one
+    forward), so saved layer inputs fall by k and the working set is one group's activations."""
+
+    def group(p_group, x, segments=None):
+        # Unrolled (k is small): differentiating an inner lax.scan left one dead matmul per layer in
+        # the backward loop (measured: +1 down-projection transpose per layer vs full remat).
+        total = None
+        for i in range(k):
+            x, stats = unit(jax.tree.map(lambda a, i=i: a[i], p_group), x, segments)
+            total = stats if total is None else {n: total[n] + stats[n] for n in stats}
+        return x, total
+
+    return jax.checkpoint(group, prevent_cse=False)
 
 
 def _vma(x: jax.Array) -> frozenset:
@@ -172,7 +197,17 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segmen
     these units' MoE layers and over the batch's sequences (zeros for a dense model).
     """
     p = arrays(layer_params)
-    unit = _remat(functools.partial(_unit, cfg=cfg), cfg.remat)
+    k = cfg.remat_every
+    if k > 1:
+        n = jax.tree.leaves(p)[0].shape[0]
+        if n % k:
+            raise ConfigError(
+                "model.remat_every", k, f"use a divisor of the {n} stacked units each call runs", "does not divide"
+            )
+        unit = _grouped(functools.partial(_unit, cfg=cfg), k)
+        p = jax.tree.map(lambda a: a.reshape(n // k, k, *a.shape[1:]), p)
+    else:
+        unit = _remat(functools.partial(_unit, cfg=cfg), cfg.remat)
 
     x = constrain(x_BxLxD, RESID)
     vma = _vma(x)

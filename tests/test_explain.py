@@ -70,6 +70,7 @@ def test_cli_json_tiny_cpu_pipeline(capsys):
     assert set(mem) >= {"predicted", "compiled"} and set(comm) >= {"predicted", "compiled"}
     for k in ("argument", "temp", "output", "total"):
         assert mem["compiled"][k] > 0
+    assert mem["compiled"]["host"] == 0 and mem["compiled"]["device"] == mem["compiled"]["total"]  # no offload
     for k in ("params", "grads", "optimizer", "activations", "logits", "total"):
         assert mem["predicted"][k] > 0
     assert abs(_ratio(rep) - 1) <= TOL, mem
@@ -122,3 +123,17 @@ def test_planner_matches_meshrun_step(name):
     assert set(cc) == live
     for a in live:
         assert pc[a] == pytest.approx(cc[a], rel=0.05), a
+
+
+def test_importing_explain_leaves_jax_unimported():
+    """`meshrun explain` sets the simulated device count before jax starts: its module imports must not
+    pull jax in (hlo.py and memory.py do, so explain imports them late)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, meshrun.explain; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, cwd=root, env=env).returncode == 0

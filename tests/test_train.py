@@ -1,5 +1,6 @@
 """Train step: parity with one device across layouts and ZeRO stages, HLO audit, memory, loop."""
 
+import functools
 import json
 import math
 
@@ -165,7 +166,13 @@ def test_metric_keys_do_not_depend_on_the_layout(config):
 
 
 def _compiled(over, config="tiny_cpu.yaml"):
-    cfg = _cfg(config, over)
+    """(compiled step, mesh), compiled once per session for each (overrides, config)."""
+    return _compiled_once(tuple(over), config)
+
+
+@functools.cache
+def _compiled_once(over, config):
+    cfg = _cfg(config, list(over))
     mesh = build_mesh(cfg.mesh)
     fns = make_train_step(cfg, mesh)
     state = fns.abstract_run

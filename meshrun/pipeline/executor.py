@@ -297,7 +297,8 @@ class _StageRun:
         carry = {
             "x_in": self.full(xs.shape, xs.dtype),
             "g_in": self.full(xs.shape, xs.dtype),
-            "res": [self.full((self.nslot, *a.shape), a.dtype) for a in self.res_avals],
+            # model.remat=offload: residuals the policy put in host memory keep their slots there too
+            "res": [_placed(self.full((self.nslot, *a.shape), a.dtype), a) for a in self.res_avals],
             "g_layers": accum_zeros(self.layers_v),  # float32 sums, also for 16-bit params
             "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),
@@ -345,7 +346,7 @@ class _StageRun:
 
         def idle():
             aux = {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
-            keep = [self.full(a.shape, a.dtype) for a in self.res_avals]
+            keep = [_placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]
             return (
                 self.full(xs.shape, xs.dtype),
                 keep,
@@ -467,6 +468,12 @@ def _wsc(mesh, tree, specs):
 
 def _put(buf, i, x):
     return lax.dynamic_update_index_in_dim(buf, x, i, 0)
+
+
+def _placed(x, aval):
+    """x in the memory space of `aval` (host for residuals an offloading remat policy put there)."""
+    space = getattr(aval, "memory_space", None)
+    return x if space is None or space == jax.typeof(x).memory_space else jax.device_put(x, space)
 
 
 def _take(buf, i):

@@ -62,6 +62,9 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense); 141 GB HBM3e 4.8 TB/s;
     # NVLink 900 GB/s. DGX/HGX H200: 8x NDR 400 Gb/s = 50 GB/s per GPU.
     "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB),
+    # NVIDIA GH200 Grace Hopper datasheet: H100 compute, 96 GB HBM3 4 TB/s, NVLink 900 GB/s; the host
+    # link is NVLink-C2C, 900 GB/s total = 450 GB/s each way (what host offload runs over).
+    "gh200": GPU("gh200", 989e12, 96 * GB, 4000 * GB, 900 * GB, 400e9 / 8, 132, 450 * GB),
 }
 
 

@@ -213,6 +213,8 @@ def search(
             f"(e.g. {cluster.n_devices})",
             "no layout divides the global batch",
         )
+    if not fitting and (offloaded := _offload_proposals(model, cluster, global_batch, seq_len, top, kw)):
+        return offloaded
     if not fitting:
         p = smallest.layout
         raise ConfigError(
@@ -225,3 +227,13 @@ def search(
         )
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
+
+
+def _offload_proposals(model, cluster, global_batch, seq_len, top, kw) -> list[Result]:
+    """Nothing fits in device memory: layouts that fit with host offload (planner/offload.py)."""
+    from meshrun.planner import offload
+
+    rs = (evaluate(model, lay, cluster, global_batch, seq_len, **kw)
+          for lay in candidates(model, cluster, global_batch))  # fmt: skip
+    rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch)]
+    return offload.propose(rs, model, cluster, seq_len, top)

@@ -42,6 +42,15 @@ def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: flo
     return 6 * act * sb * h + (attn + ffn) / t
 
 
+def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float) -> float:
+    """Bytes per layer of the activations `selective` keeps and `offload` moves to host
+    (layers.SAVED_NAMES): fused qkv, attention output, mid-block residual, MLP hidden (gate+up)."""
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    ff = (2 if m.mlp == "swiglu" else 1) * m.d_ff
+    resid = m.d_model / (t if m.sequence_parallel else 1)
+    return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
+
+
 def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
     """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
     GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1)."""
@@ -80,6 +89,7 @@ def predict_memory_jax(
     zero: int = 0,
     schedule: str = "1f1b",
     virtual: int = 1,
+    offload_optimizer: bool = False,
     remat: str | None = None,
     sequence_parallel: bool | None = None,
     layers: float | None = None,
@@ -98,7 +108,11 @@ def predict_memory_jax(
     Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
     (b·s·h, /t with sequence parallelism) plus one layer's residuals while its backward runs;
     selective drops the s x s attention core. remat and sequence_parallel default to the model's;
-    `layers` is the layers of a stage (default n_layers / pipe)."""
+    `layers` is the layers of a stage (default n_layers / pipe). Memory levers: remat_every=k keeps
+    every k-th input and rebuilds k layers at once; remat=offload keeps the unit input on the device
+    and the selective names in host memory; offload_optimizer moves Adam m, v (and fp32 master weights
+    under a lower compute dtype) to host. `device` / `host` split the total (as on a GPU: XLA:CPU
+    elides in-step transfers)."""
     prec = precision_of(model)
     remat = model.remat if remat is None else remat
     sp = model.sequence_parallel if sequence_parallel is None else sequence_parallel
@@ -127,9 +141,13 @@ def predict_memory_jax(
     dense_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash)
     moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if n_moe else 0.0
     per_layer = (1 - moe_frac) * dense_res + moe_frac * moe_res
-    working = 0.0
+    working, host_acts = 0.0, 0.0
+    layer_in = ab * s * b * h / (t if sp else 1)
     if remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
-        per_layer, working = ab * s * b * h / (t if sp else 1), max(dense_res, moe_res)
+        k = model.remat_every  # k > 1: one input per group of k; the backward rebuilds a whole group
+        per_layer, working = layer_in / k, k * max(dense_res, moe_res)
+    elif remat == "offload":  # the unit input stays; the selective names go to host memory
+        per_layer, host_acts = layer_in, saved_name_bytes(model, b, s, t, act=ab)
     elif remat == "selective" and not flash:  # the s x s attention core is recomputed
         per_layer -= 2.0 * ab * b * model.n_heads * s * s / t
     stage_layers = model.n_layers * frac
@@ -137,15 +155,24 @@ def predict_memory_jax(
         chunk = stage_layers / v
         slots = _pipeline_slots(schedule, p, microbatches, v)
         acts = (slots + 2) * chunk * per_layer + working
+        host_acts *= (slots + 1) * chunk
     else:
         acts = stage_layers * per_layer + working
+        host_acts *= stage_layers
     if not flash and remat == "none":
         unit = model.moe_every if model.is_moe else 1
         acts += unit * b * model.n_heads * s * s / t * (ab + 1)
     logits = s * b * model.vocab / t * (ab + 4 + 4 + 1)
-    total = params + grads + opt + acts + logits
-    state = stored + 2 * pb * (dense / shard[2] + experts / eshard[2])  # the step's arguments
+    total = params + grads + opt + acts + logits + host_acts
+    moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
+    state = stored + moments  # the step's arguments
+    host_state = 0.0
+    if offload_optimizer:
+        host_state = moments + (stored if model.param_dtype != model.dtype else 0.0)
+    host = host_state + host_acts
     return {
+        "device": total - host,
+        "host": host,
         "params": params,
         "grads": grads,
         "optimizer": opt,

@@ -1,0 +1,60 @@
+"""Memory levers side by side, each measured by `meshrun explain` (a script, not a test).
+
+    python bench/levers.py [CONFIG] [--cluster h100-80g:1x8] [extra section.key=value ...]
+
+One `meshrun explain CONFIG <lever> --json --cluster C` process per row; prints a Markdown table of
+compiled device GB and pinned-host GB per device (XLA's memory_analysis, split by memory space),
+the step model's predicted device / host GB, and the planner's predicted step time on C.
+XLA:CPU elides in-step host transfers, so `offload activations` compiles like `selective` there:
+its compiled columns show selective's bytes, the predicted ones what a GPU would hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEVERS = (
+    ("none", ["model.remat=none"]),
+    ("selective", ["model.remat=selective"]),
+    ("full", ["model.remat=full"]),
+    ("remat_every=2", ["model.remat=full", "model.remat_every=2"]),
+    ("offload optimizer", ["model.remat=selective", "train.offload_optimizer=true"]),
+    ("offload activations", ["model.remat=offload"]),
+)
+
+
+def explain(config: str, over: list[str], cluster: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "meshrun.cli", "explain", config, *over, "--json", "--cluster", cluster]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default="configs/llama7b_h100.yaml")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--cluster", default="h100-80g:1x8")
+    args = ap.parse_args()
+    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
+    print(f"{args.config} {' '.join(args.overrides)} on {args.cluster}\n")
+    print("| lever | device GB | host GB | predicted device GB | predicted host GB | predicted step s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, over in LEVERS:
+        rep = explain(args.config, [*args.overrides, *over], args.cluster)
+        cm, pm = rep["memory"]["compiled"], rep["memory"]["predicted"]
+        row = [name, gb(cm["device"]), gb(cm["host"]), gb(pm["device"]), gb(pm["host"])]
+        print(f"| {' | '.join(row)} | {rep['step_time_s']['predicted']:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
