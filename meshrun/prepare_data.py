@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -319,7 +320,9 @@ def prepare(
     new_tokens = 0
     if todo:
         n = min(workers or os.cpu_count() or 1, len(todo))
-        with ProcessPoolExecutor(n) as pool:
+        # spawn, not fork: the parent may hold JAX's and the tokenizer's threads, and a forked child
+        # of a multithreaded process can deadlock
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
             futs = {
                 pool.submit(
                     tokenize_shard,

@@ -75,7 +75,7 @@ def test_layer_split_error_exits_2_before_the_run_dir_exists(tmp_path, capsys):
     )
     assert rc == 2, err
     line = one_error_line(err)
-    assert "model.n_layers" in line and "pipe*virtual=6" in line
+    assert "model.n_layers" in line and "6 virtual stages (pipe=2 x virtual=3)" in line and "or fewer stages" in line
     assert not (tmp_path / "new").exists()
 
 
@@ -326,7 +326,7 @@ def test_explain_checks_a_layout_it_does_not_compile(capsys):
     interleaved_v3 = ["pipeline.schedule=interleaved", "pipeline.virtual=3"]
     rc = main(["explain", CONFIG, "mesh.data=32", "train.global_batch=128", *interleaved_v3])
     out, err = capsys.readouterr()
-    assert rc == 2 and "pipe*virtual=6" in one_error_line(err, "explain")
+    assert rc == 2 and "6 virtual stages (pipe=2 x virtual=3)" in one_error_line(err, "explain")
 
 
 def test_lock_without_flock_falls_back_to_the_recorded_pid(tmp_path, monkeypatch):
