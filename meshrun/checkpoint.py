@@ -138,6 +138,13 @@ def _path_key(path) -> str:
     return ".".join(parts)
 
 
+def tree_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'a.b.0': shape} of every leaf with a shape: arrays, ShapeDtypeStructs, orbax array metadata."""
+    return {
+        _path_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")
+    }
+
+
 def _abstract(x: Any) -> Any:
     """Array leaf -> ShapeDtypeStruct with its sharding (what StandardRestore reads into)."""
     if isinstance(x, jax.Array):
@@ -256,12 +263,7 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - metadata is a courtesy check; orbax reports what it can't read
             return
         tree = getattr(tree, "tree", tree)
-        saved_shapes = {
-            _path_key(p): tuple(m.shape)
-            for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if hasattr(m, "shape")
-        }
-        want = {_path_key(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+        saved_shapes, want = tree_shapes(tree), tree_shapes(target)
         fix = "use a new train.run_dir or the settings the checkpoint was written with"
         missing = sorted(set(want) - set(saved_shapes))
         if missing and set(saved_shapes):

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-from meshrun.checkpoint import _path_key as _key
+from meshrun.checkpoint import tree_shapes
 from meshrun.errors import ConfigError
 
 PARAMS, META_FILE = "params", "meta.json"
@@ -64,8 +63,7 @@ def check_params(directory: str | Path, target: Any, field: str = FIELD) -> None
         ckptr.close()
     saved = getattr(saved, "item_metadata", saved)
     saved = getattr(saved, "tree", saved)
-    have = {_key(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")}
-    want = {_key(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    have, want = tree_shapes(saved), tree_shapes(target)
     bad = [k for k in want if have.get(k) != want[k]]
     if bad:
         k = bad[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshrun.data import Dataset
 from meshrun.errors import ConfigError, DataError
 
 VAL_SALT = 0x7A1D  # validation rows draw from their own RNG stream
@@ -76,9 +77,9 @@ class Corpus:
         return np.flatnonzero(~val), np.flatnonzero(val)
 
 
-class PreparedDataset:
-    """Rows of one split of a `Corpus` (see the module docstring); the `Dataset` interface of data.py:
-    `batch(step, rows)` -> (tokens_BxL, labels_BxL[, segment_ids_BxL]) int32."""
+class PreparedDataset(Dataset):
+    """Rows of one split of a `Corpus` (see the module docstring): `batch(step, rows)` ->
+    (tokens_BxL, labels_BxL[, segment_ids_BxL]) int32."""
 
     def __init__(
         self,
@@ -93,8 +94,8 @@ class PreparedDataset:
         salt: tuple[int, ...] = (),
         name: str = "train",
     ):
+        super().__init__(seed, seq_len, global_batch, vocab)
         self.corpus, self.docs, self.pack, self.salt = corpus, docs, pack, salt
-        self.seed, self.seq_len, self.global_batch, self.vocab = seed, seq_len, global_batch, vocab
         self.cum = np.cumsum(corpus.doc_len[docs])  # end of each doc in the split's virtual stream
         total = int(self.cum[-1]) if len(docs) else 0
         if total < seq_len + 1:
@@ -106,12 +107,15 @@ class PreparedDataset:
             )
         self.total = total
 
+    def _rng(self, step: int, row: int) -> np.random.Generator:  # validation rows: their own stream
+        return np.random.default_rng([self.seed, *self.salt, step, row])
+
     def _rows(self, step: int, idx: range) -> tuple[np.ndarray, np.ndarray]:
         n = self.seq_len + 1
         win, seg = np.empty((len(idx), n), np.int32), np.empty((len(idx), n), np.int32)
         c = self.corpus
         for i, r in enumerate(idx):
-            rng = np.random.default_rng([self.seed, *self.salt, step, r])
+            rng = self._rng(step, r)
             pos = int(rng.integers(0, self.total - n + 1))
             j = int(np.searchsorted(self.cum, pos, side="right"))  # the split's doc holding `pos`
             filled, s = 0, 0
