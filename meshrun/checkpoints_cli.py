@@ -115,6 +115,12 @@ def scan(run_dir: str | Path, verify: bool = False) -> list[StepInfo]:
     return sorted(out, key=lambda s: (s.step, s.name))
 
 
+def newest_complete(run_dir: str | Path) -> StepInfo | None:
+    """The newest complete checkpoint of RUN_DIR (where a resume starts), or None."""
+    complete = [e for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
+    return complete[-1] if complete else None  # scan sorts by step
+
+
 def model_summary(model: dict[str, Any] | None) -> str:
     if not model:
         return "?"

@@ -187,15 +187,14 @@ def nest_tree(flat: dict[tuple[str, ...], Any]) -> dict:
 
 def find_source(run_dir: str | Path) -> tuple[str, Path, dict[str, Any]]:
     """('step', STEP dir, meta) of the newest complete checkpoint, else ('import', hf_import dir, meta)."""
-    from meshrun.checkpoints_cli import scan
+    from meshrun.checkpoints_cli import newest_complete
 
     if not Path(run_dir).is_dir():
         raise ConfigError(
             "RUN_DIR", str(run_dir), "give the train.run_dir of a run or of `meshrun import-hf`", "no such directory"
         )
-    complete = [e for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
-    if complete:
-        e = max(complete, key=lambda e: e.step)
+    e = newest_complete(run_dir)
+    if e is not None:
         d = Path(run_dir) / "checkpoints" / e.name
         return "step", d, json.loads((d / "meta" / "metadata").read_text())
     if (Path(run_dir) / IMPORT_DIR).is_dir():

@@ -12,7 +12,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from meshrun.checkpoint import CheckpointDamaged, Checkpointer, PreemptionFlag, check_run_dir_writable
-from meshrun.checkpoints_cli import scan
+from meshrun.checkpoints_cli import newest_complete, scan
 from meshrun.config import PipelineConfig, RunConfig, to_dict
 from meshrun.data import global_batch_arrays, make_dataset
 from meshrun.errors import CheckpointError, ConfigError, DistributedError, TrainingError
@@ -233,8 +233,8 @@ def lost_peer(e: BaseException) -> str | None:
 
 
 def _resume_hint(run_dir: str) -> str:
-    complete = [e.step for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
-    newest = f"newest: step {max(complete)}" if complete else "none written yet"
+    newest = newest_complete(run_dir)
+    newest = f"newest: step {newest.step}" if newest else "none written yet"
     return (
         f"checkpoints already in {run_dir} are intact ({newest}); rerun to resume, or launch with "
         "MAX_RESTARTS=K to restart automatically"

@@ -92,10 +92,10 @@ def metrics_rows(run_dir: Path) -> int:
 
 
 def newest_intact(run_dir: Path) -> int | None:
-    from meshrun.checkpoints_cli import scan
+    from meshrun.checkpoints_cli import newest_complete
 
-    steps = [e.step for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
-    return max(steps) if steps else None
+    newest = newest_complete(run_dir)
+    return newest.step if newest else None
 
 
 def shrink(cfg, processes: int, to: int) -> list[str] | None:
