@@ -10,12 +10,14 @@
 #
 # The coordinator listens on a free loopback port. Each rank writes RUN_DIR/logs/rank<i>.log
 # (RUN_DIR = train.run_dir of the config; LOG_DIR overrides; with MAX_RESTARTS, LOG_DIR/attempt<j>/).
-# When any rank fails, the others get SIGTERM (they save a checkpoint when they can), then SIGKILL
+# When any rank fails, the others get PEER_WAIT_S to end by themselves, then SIGTERM (they save a
+# checkpoint when they can), then SIGKILL
 # after GRACE_S; the exit status is the failed rank's. On success the last stdout line is rank 0's JSON result.
 #
 # Environment:
 #   WALL_LIMIT_S   stop everything after this many seconds (default 3600; exit 124)
 #   GRACE_S        seconds between SIGTERM and SIGKILL when stopping (default 20)
+#   PEER_WAIT_S    seconds the other ranks get to end by themselves after one failed (default 5)
 #   LOG_DIR        where the per-rank logs go (default RUN_DIR/logs)
 #   PYTHON         interpreter (default: the checkout's .venv/bin/python, else python3)
 #   MESHRUN_HEARTBEAT_S, MESHRUN_INIT_TIMEOUT_S   passed through (see meshrun/distributed.py)
@@ -40,6 +42,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 WALL_LIMIT_S=${WALL_LIMIT_S:-3600}
 GRACE_S=${GRACE_S:-20}
+PEER_WAIT_S=${PEER_WAIT_S:-5}
 
 # train.run_dir after the overrides (the config loader is the only YAML reader we trust).
 RUN_DIR=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
@@ -125,6 +128,15 @@ while [ "$FINISHED" -lt "$N" ]; do
     echo "local.sh: rank $i (pid ${PIDS[$i]}) failed with $(describe_status "$rc"); stopping the other ranks" >&2
     echo "local.sh: --- last lines of $LOG_DIR/rank$i.log ---" >&2
     grep -v '^ *@ ' "$LOG_DIR/rank$i.log" | tail -n 5 >&2 || true
+    # first give the others PEER_WAIT_S to notice the dead peer and end with their own line (exit 6);
+    # a SIGTERM right away would cut that line off
+    t=0
+    while [ $t -lt $((PEER_WAIT_S * 10)) ]; do
+      alive=0
+      for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+      [ $alive = 0 ] && break
+      sleep 0.1; t=$((t + 1))
+    done
     stop_all
     exit "$rc"
   fi
