@@ -58,6 +58,7 @@ class Collective:
     dtypes: tuple[str, ...] = ()  # element type of each part, e.g. ('bf16', 'f32')
     dims: tuple[tuple[int, ...], ...] = ()  # shape of each part
     promoted: bool = False  # a 16-bit reduction XLA:CPU widened to f32 (its reducer is `*_promoted`)
+    name: str = ""  # the HLO instruction's name (e.g. 'all-reduce.6', 'ppermute.3'): profiler events carry it
 
     @property
     def wire_bytes(self) -> int:
@@ -244,6 +245,21 @@ def op_bytes_per_step(hlo_text: str, ops: tuple[str, ...] = ("copy", "copy-start
     return total
 
 
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
+
+
+def opcodes(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Instruction name -> (opcode, name of its first operand or ''), over every computation: what a
+    profiler event's `hlo_op` was (e.g. 'conditional.23' -> ('conditional', ...))."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m, n = _OP.match(line), _NAME.match(line)
+        if m and n:
+            arg = re.match(r"\s*%([\w.\-]+)", line[m.end() :])
+            out[n.group(1)] = (m.group("op"), arg.group(1) if arg else "")
+    return out
+
+
 _NAMED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*[a-z][a-z0-9]*\[([0-9,]*)\]")
 
 
@@ -296,6 +312,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
             axes = _axes_of(_groups(line), mesh_shape)
             dts, dims = _shape_parts(m.group("shape"))
             promoted = bool(re.search(r"to_apply=%?[\w.\-]+_promoted\b", line))
-            c = Collective(m.group("op"), nbytes, axes, parts, name in looped, runs[name], dts, dims, promoted)
+            inst = _NAME.match(line)
+            c = Collective(m.group("op"), nbytes, axes, parts, name in looped, runs[name], dts, dims, promoted,
+                           inst.group(1) if inst else "")  # fmt: skip
             out.append(c)
     return out

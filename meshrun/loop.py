@@ -313,6 +313,8 @@ def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, f
         else:
             ckpt.save(t.steps, fns.to_model(state), force=True)
     ckpt.wait()
+    if t.profile and ran:
+        _profile_report(cfg, mesh, fns, state, batch, ran)
     tps = t.global_batch * t.seq_len * timed_steps / timed_s if timed_s else 0.0
     return {
         "step": start + ran,
@@ -339,6 +341,21 @@ def _bubble(cfg: RunConfig, mesh) -> float:
 
     pc = cfg.pipeline
     return bubble_fraction(build(pc.schedule, p, pc.microbatches, pc.virtual))
+
+
+def _profile_report(cfg: RunConfig, mesh, fns, state, batch, ran: int) -> None:
+    """train.profile=true: the `meshrun profile` report of the traced steps, on stderr and in
+    RUN_DIR/profile/profile.json. Best effort: a failure is a warning, never the run's end."""
+    if jax.process_index() != 0:
+        return
+    from meshrun.profile import format_report, report_of_trace
+
+    try:
+        text = fns.step.lower(state, *batch).compile().as_text()  # the step's cached executable
+        rep = report_of_trace(Path(cfg.train.run_dir) / "profile", text, cfg, mesh, ran)
+        print(format_report(rep, "train.profile"), file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001
+        warn(f"train.profile: no bubble report ({type(e).__name__}: {e})")
 
 
 def _maybe_profile(t):

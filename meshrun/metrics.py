@@ -141,11 +141,12 @@ class MetricsLogger:
 
 @contextlib.contextmanager
 def profile_trace(run_dir: str | Path, enabled: bool) -> Iterator[Path | None]:
-    """jax.profiler.trace into run_dir/profile when enabled (open it with TensorBoard or Perfetto)."""
+    """jax.profiler.trace into run_dir/profile when enabled (open it with TensorBoard or Perfetto; the
+    Perfetto file is what `meshrun.profile` reads)."""
     if not enabled:
         yield None
         return
     out = Path(run_dir) / "profile"
     out.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(out)):
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
         yield out
