@@ -1,4 +1,5 @@
-"""`meshrun train | plan | mesh | schedule | explain | profile | checkpoints | supervise | import-hf | export-hf`: a thin shell.
+"""`meshrun train | plan | mesh | schedule | explain | profile | checkpoints | supervise | import-hf | export-hf`:
+a thin shell.
 
 Every failure is one line on stderr and an exit status from the table in `meshrun/errors.py` (bad
 input 2, training 3, I/O 4, checkpoint 5, distributed 6, anything else 1); the traceback only with

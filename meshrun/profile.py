@@ -182,12 +182,11 @@ def stage_report(times: dict[int, dict], mesh, predicted: list[float]) -> dict:
     rows = []
     for s, devs in sorted(stages.items()):
         ts = [times[d] for d in devs]
-        mean = lambda f: sum(f(t) / t["steps"] for t in ts) / len(ts)  # noqa: E731
         axes = sorted({a for t in ts for a in t["collective"] if a != "total"}, key=_axis_key(mesh))
         rows.append({
             "stage": s, "devices": devs,
-            "span_s": mean(lambda t: t["span"]), "busy_s": mean(lambda t: t["busy"]), "idle_s": mean(lambda t: t["idle"]),
-            "collective_s": {a: mean(lambda t, a=a: t["collective"].get(a, 0.0)) for a in [*axes, "total"]},
+            **{f"{k}_s": _mean(ts, lambda t, k=k: t[k]) for k in ("span", "busy", "idle")},
+            "collective_s": {a: _mean(ts, lambda t, a=a: t["collective"].get(a, 0.0)) for a in [*axes, "total"]},
             "measured_bubble": sum((t["span"] - t["busy"]) / t["span"] if t["span"] else 0.0 for t in ts) / len(ts),
             "predicted_bubble": predicted[s] if s < len(predicted) else None,
         })  # fmt: skip
@@ -203,6 +202,11 @@ def stage_report(times: dict[int, dict], mesh, predicted: list[float]) -> dict:
             "collective_share": share}  # fmt: skip
 
 
+def _mean(ts: list[dict], f) -> float:
+    """Mean over devices of f(device times) per step."""
+    return sum(f(t) / t["steps"] for t in ts) / len(ts)
+
+
 def _axis_key(mesh):
     order = list(mesh.axis_names)
     return lambda a: order.index(a) if a in order else len(order)
@@ -211,7 +215,8 @@ def _axis_key(mesh):
 def format_report(rep: dict, title: str) -> str:
     shape = " x ".join(f"{a}={n}" for a, n in rep["mesh"].items() if n != 1) or "1 device"
     sc = rep.get("schedule") or {}
-    sched = f", {sc['name']} m={sc['microbatches']}" + (f" v={sc['virtual']}" if sc["virtual"] > 1 else "") if sc else ""
+    sched = f", {sc['name']} m={sc['microbatches']}" if sc else ""
+    sched += f" v={sc['virtual']}" if sc and sc["virtual"] > 1 else ""
     lines = [f"{title}: mesh {shape}{sched}, {rep['steps']} traced steps (per step, ms; means over a stage's devices)"]
     axes = [a for a in rep["collective_share"]]
     head = f"{'stage':<7}{'devices':<12}{'span':>9}{'busy':>9}{'idle':>9}" + "".join(f"{a[:8]:>9}" for a in axes)

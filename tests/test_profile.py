@@ -44,13 +44,15 @@ def _events(gpu: bool) -> list[dict]:
     """XLA:CPU style: device_ordinal + run_id in args, 2 steps. GPU style: the device in the process
     name, no run ids, 1 step."""
     meta = [{"ph": "M", "pid": 10 + d, "name": "process_name", "args": {"name": f"/device:GPU:{d}"}} for d in (0, 2)]
+    other = {"hlo_op": "fusion.1", "hlo_module": "jit_other", "device_ordinal": "0"}  # another module: ignored
     out = [{"ph": "X", "pid": 1, "ts": 5.0, "dur": 500.0, "name": "Wait: pending", "args": {}},
-           {"ph": "X", "pid": 1, "ts": 0.0, "dur": 999.0, "name": "x", "args": {"hlo_op": "fusion.1", "hlo_module": "jit_other", "device_ordinal": "0"}}]  # fmt: skip
+           {"ph": "X", "pid": 1, "ts": 0.0, "dur": 999.0, "name": "x", "args": other}]  # fmt: skip
     for step in (0,) if gpu else (0, 1):
         for dev, op, s, e in STEP:
             args = {"hlo_op": op, "hlo_module": "jit_step"}
             args |= {} if gpu else {"device_ordinal": str(dev), "run_id": str(7 + step)}
-            out.append({"ph": "X", "pid": 10 + dev if gpu else 1, "ts": 1000.0 * step + s, "dur": e - s, "name": op, "args": args})
+            pid = 10 + dev if gpu else 1
+            out.append({"ph": "X", "pid": pid, "ts": 1000.0 * step + s, "dur": e - s, "name": op, "args": args})
     return (meta if gpu else []) + out
 
 
@@ -81,7 +83,8 @@ def test_device_times_and_stages_from_a_synthetic_trace(gpu):
 
 def test_profile_cli_on_a_pipelined_run(tmp_path, capsys):
     over = ["mesh.data=1", "mesh.pipe=4", "mesh.tensor=2", "pipeline.microbatches=4", "train.global_batch=8",
-            "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
+            "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic"]  # fmt: skip
+    over.append(f"train.run_dir={tmp_path / 'run'}")
     assert main(["profile", str(ROOT / "configs/tiny_cpu.yaml"), *over, "--steps", "2", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rep["steps"] == 2 and rep["mesh"]["pipe"] == 4
