@@ -139,6 +139,14 @@ class MetricsLogger:
         self.close()
 
 
+def trace_options() -> jax.profiler.ProfileOptions:
+    """meshrun's profiler settings: no Python function events (compiling a step alone fills the
+    trace's 1M-event cap with them, crowding out the device ops `meshrun.profile` reads)."""
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    return opts
+
+
 @contextlib.contextmanager
 def profile_trace(run_dir: str | Path, enabled: bool) -> Iterator[Path | None]:
     """jax.profiler.trace into run_dir/profile when enabled (open it with TensorBoard or Perfetto; the
@@ -148,5 +156,5 @@ def profile_trace(run_dir: str | Path, enabled: bool) -> Iterator[Path | None]:
         return
     out = Path(run_dir) / "profile"
     out.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+    with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=trace_options()):
         yield out

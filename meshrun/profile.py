@@ -18,8 +18,9 @@ and reports per pipeline stage, per step:
 
 Span: each traced execution of the step module (events that share a `run_id`) runs from the first to
 the last op event of any device; without run ids (not XLA:CPU), the whole traced window divided by
-the step count. Devices come from the events' `device_ordinal`, else from a '/device:GPU:N' process
-name (untested on GPUs). Only this process's devices are traced.
+the step count. A trace cut at the profiler's 1M-event cap loses its last (partial) step. Devices
+come from the events' `device_ordinal`, else from a '/device:GPU:N' process name (untested on GPUs).
+Only this process's devices are traced.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from meshrun.devices import add_fast_compile_flag, needed_devices, setup_devices
 from meshrun.errors import ConfigError
 
 CONTROL = ("conditional", "while", "call")  # events that span the ops they run
+EVENT_CAP = 1_000_000  # the profiler keeps at most this many events: a longer trace ends mid-step
 
 
 def register(sub) -> None:
@@ -113,7 +115,7 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
     head = re.match(r"HloModule\s+([\w.\-]+)", hlo_text)
     module = head.group(1) if head else None
     ops = hlo.opcodes(hlo_text)
-    axes_of = {c.name: c.axes or ("other",) for c in hlo.collectives(hlo_text, dict(mesh.shape)) if c.name}
+    axes_of = {c.name: c.axes or ("none",) for c in hlo.collectives(hlo_text, dict(mesh.shape)) if c.name}
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     runs: dict[str, list] = defaultdict(list)  # run id -> [(device, start, end, kind)]
     for e in events:
@@ -135,6 +137,8 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
         kind = axes_of.get(name, "compute")
         ts = float(e["ts"]) * 1e-6
         runs[str(a.get("run_id", ""))].append((int(dev), ts, ts + float(e.get("dur", 0)) * 1e-6, kind))
+    if len(events) >= EVENT_CAP and "" not in runs and len(runs) > 1:  # the profiler cut the last step short
+        del runs[max(runs, key=lambda r: min(e[1] for e in runs[r]))]
     n = len(runs) if "" not in runs else max(steps or 1, 1)
     out: dict[int, dict] = {}
     for evs in runs.values():
@@ -231,10 +235,9 @@ def format_report(rep: dict, title: str) -> str:
     if axes:
         ratio = " : ".join(f"{a} {100 * v:.0f}%" for a, v in rep["collective_share"].items())
         lines.append(f"\ncollective time by mesh axis: {ratio}")
-    lines.append(
-        "bubble = (span - busy) / span: waiting inside a collective counts as not busy. On simulated CPU "
-        "devices all devices share the host's cores: idle there is not a GPU bubble."
-    )
+    lines.append("bubble = (span - busy) / span: waiting in a collective is not busy; none: one-device groups")
+    if rep.get("platform", "cpu") == "cpu":
+        lines.append("on simulated CPU devices all devices share the host's cores: idle there is not a GPU bubble")
     return "\n".join(lines)
 
 
@@ -248,6 +251,7 @@ def report_of_trace(trace_dir: str | Path, hlo_text: str, cfg, mesh, steps: int)
     rep["schedule"] = {"name": cfg.pipeline.schedule, "microbatches": cfg.pipeline.microbatches,
                        "virtual": cfg.pipeline.virtual}  # fmt: skip
     rep["trace_dir"] = str(trace_dir)
+    rep["platform"] = next(iter(mesh.devices.flat)).platform
     Path(trace_dir, "profile.json").write_text(json.dumps(rep, indent=1) + "\n")
     return rep
 
@@ -259,6 +263,7 @@ def profile(cfg, steps: int, out: str | Path) -> dict:
 
     from meshrun.data import global_batch_arrays
     from meshrun.loop import prepare
+    from meshrun.metrics import trace_options
     from meshrun.param_ckpt import restore_params
     from meshrun.sharding import DP_AXES
 
@@ -270,7 +275,7 @@ def profile(cfg, steps: int, out: str | Path) -> dict:
     state, metrics = compiled(state, *batch(0))
     jax.block_until_ready(metrics)
     Path(out).mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+    with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=trace_options()):
         for s in range(1, steps + 1):
             state, metrics = compiled(state, *batch(s))
             jax.block_until_ready(metrics)
