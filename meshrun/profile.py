@@ -218,10 +218,11 @@ def _axis_key(mesh):
 
 def format_report(rep: dict, title: str) -> str:
     shape = " x ".join(f"{a}={n}" for a, n in rep["mesh"].items() if n != 1) or "1 device"
-    sc = rep.get("schedule") or {}
-    sched = f", {sc['name']} m={sc['microbatches']}" if sc else ""
+    sc = rep.get("schedule") if rep["mesh"].get("pipe", 1) > 1 else None
+    sched = f", {sc['name']} m={sc['microbatches']}" if sc else ", no pipeline"
     sched += f" v={sc['virtual']}" if sc and sc["virtual"] > 1 else ""
-    lines = [f"{title}: mesh {shape}{sched}, {rep['steps']} traced steps (per step, ms; means over a stage's devices)"]
+    n = f"{rep['steps']} traced step" + ("s" if rep["steps"] != 1 else "")
+    lines = [f"{title}: mesh {shape}{sched}, {n} (per step, ms; means over a stage's devices)"]
     axes = [a for a in rep["collective_share"]]
     head = f"{'stage':<7}{'devices':<12}{'span':>9}{'busy':>9}{'idle':>9}" + "".join(f"{a[:8]:>9}" for a in axes)
     lines += ["", head + f"{'bubble':>9}{'predicted':>11}"]
