@@ -144,6 +144,13 @@ TOY_CASES = {
     "p2d2t2-1f1b-m4-recompute": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("residuals", "recompute"),)),
     "p4t2-1f1b-m8-no-skip": ((4, 1, 1, 2), "1f1b", 8, 1, 8, (("skip_idle", False),)),
     "p2d2t2-interleaved-m4-pipeline-layout": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("layout", "pipeline"),)),
+    # zb-h1 (B and W split) for p in {2, 4}, m in {p, 2p, 4p}
+    "p2d2t2-zb-h1-m2": ((2, 2, 1, 2), "zb-h1", 2, 1, 4, ()),
+    "p2d2t2-zb-h1-m4": ((2, 2, 1, 2), "zb-h1", 4, 1, 8, ()),
+    "p2d2t2-zb-h1-m8": ((2, 2, 1, 2), "zb-h1", 8, 1, 16, ()),
+    "p4t2-zb-h1-m4": ((4, 1, 1, 2), "zb-h1", 4, 1, 4, ()),
+    "p4t2-zb-h1-m8": ((4, 1, 1, 2), "zb-h1", 8, 1, 8, ()),
+    "p4t2-zb-h1-m16": ((4, 1, 1, 2), "zb-h1", 16, 1, 16, ()),
 }
 
 
@@ -213,6 +220,7 @@ MODEL_CASES = {
     "dense-p2d2t2-interleaved-m4-dict": (DENSE, (2, 2, 1, 2), "interleaved", 4, 2, False),
     "dense-p4t2-gpipe-m8-dict": (DENSE, (4, 1, 1, 2), "gpipe", 8, 1, False),
     "moe-p2e2t2-1f1b-m4-state": (MOE, (2, 1, 2, 2), "1f1b", 4, 1, True),
+    "dense-p2d2t2-zb-h1-m4-dict": (DENSE, (2, 2, 1, 2), "zb-h1", 4, 1, False),
 }
 
 
@@ -258,6 +266,7 @@ def test_residual_buffer_holds_activations_not_weights():
         ((4, 1, 1, 2), "1f1b", 8, 1, False),  # idle cells really run on the NaN fill
         ((2, 2, 1, 2), "interleaved", 4, 2, True),
         ((2, 2, 1, 2), "gpipe", 4, 1, True),
+        ((4, 1, 1, 2), "zb-h1", 8, 1, True),  # inbox and dy trash slots too
     ],
 )
 def test_nan_bubbles_do_not_leak(dims, schedule, m, v, skip):
@@ -291,6 +300,32 @@ def test_1f1b_temp_memory_does_not_grow_with_m(dims):
     # Residual slots = max in-flight per stage: min(m, 2p-1) for lockstep 1F1B, m for GPipe.
     for m in (2 * p, 8 * p):
         assert toy_compiled(dims, "1f1b", m, 1, b=m * dims[1] * dims[2])[0].program.slots == min(m, 2 * p - 1)
+
+
+def test_zb_h1_temp_memory_flat_in_m():
+    """ZB-H1 holds at most p microbatches whose W has not run (1F1B's peak), so its buffers do not
+    grow with m: compiled temp bytes within +15% from m = 2p to m = 8p."""
+    dims, p = (4, 1, 1, 2), 4
+    small, large = temp_bytes(dims, "zb-h1", 2 * p), temp_bytes(dims, "zb-h1", 8 * p)
+    print(f"zb-h1 p={p}: temp {small} B at m={2 * p}, {large} B at m={8 * p}")
+    assert large <= 1.15 * small
+    assert toy_compiled(dims, "zb-h1", 8 * p, 1, b=8 * p)[0].program.slots == p
+
+
+def test_zb_h1_b_and_w_rerun_no_forward():
+    """B and W are two pullbacks of the residuals F stored: neither re-runs the forward. Re-running it
+    (`residuals='recompute'`) adds the toy MLP's one tensor all-reduce per layer to both the B and
+    the W branch of the per-op tick (each branch of the switch counts once per tick in the HLO)."""
+    count, ticks = {}, None
+    for res in ("store", "recompute"):
+        kw = {} if res == "store" else {"residuals": res}
+        pl, c, args = toy_compiled((4, 1, 1, 2), "zb-h1", 8, 1, b=8, **kw)
+        count[res] = sum(k for x, k in executed(c.as_text(), pl.mesh) if x.op == "all-reduce" and x.axes == ("tensor",))
+        ticks = pl.program.ticks
+        loss, grads, _ = c(*args)
+        np.testing.assert_allclose(float(loss), toy_ref(8)[0], rtol=RTOL)
+        assert_tree_close(grads, toy_ref(8)[1])
+    assert count["recompute"] - count["store"] == ticks * 2 * (L // 4)
 
 
 def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:

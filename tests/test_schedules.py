@@ -430,10 +430,62 @@ def test_cli_draws_zb_h1_with_both_bubbles(capsys):
     assert "0.2727" in out
 
 
-def test_executor_refuses_zb_h1_with_a_clear_message():
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16)])
+def test_zb_h1_per_op_program_delivers_every_value(p, m):
+    """Play the executor's zb-h1 index tables in Python: sends arrive one tick later into the inbox
+    slot the table names, every F / B reads its own microbatch's input from its inbox slot, B and W
+    find their microbatch's residuals (and dy) in the slot F (B) wrote, and no slot is overwritten
+    while its value is still needed."""
     from meshrun.config import PipelineConfig
     from meshrun.pipeline.program import tick_program
 
-    with pytest.raises(ConfigError, match="zb-h1") as e:
-        tick_program(PipelineConfig(schedule="zb-h1", microbatches=8), 4)
-    assert e.value.field == "pipeline.schedule"
+    prog = tick_program(PipelineConfig(schedule="zb-h1", microbatches=m), p)
+    assert prog.per_op and prog.slots == p and prog.ticks == len(S.zb_h1(p, m))
+    tb = prog.tables
+    fbox = [dict() for _ in range(p)]
+    gbox = [dict() for _ in range(p)]
+    res = [dict() for _ in range(p)]
+    dyb = [dict() for _ in range(p)]
+    sent_f, sent_b = [None] * p, [None] * p  # what each stage sent last tick
+    done = set()
+    send_ticks = {t for _, t0, t1, sf, sb in prog.phases if sf or sb for t in range(t0, t1)}
+    for t in range(prog.ticks):
+        for s in range(p):
+            arr_f = sent_f[s - 1] if s > 0 else None
+            arr_b = sent_b[s + 1] if s < p - 1 else None
+            if tb["f_put"][t, s] >= 0:
+                assert arr_f is not None and (t - 1) in send_ticks
+                fbox[s][int(tb["f_put"][t, s])] = arr_f
+            else:
+                assert arr_f is None
+            if tb["g_put"][t, s] >= 0:
+                assert arr_b is not None
+                gbox[s][int(tb["g_put"][t, s])] = arr_b
+            else:
+                assert arr_b is None
+        sent_f, sent_b = [None] * p, [None] * p
+        for s in range(p):
+            kind, mb, slot = (int(tb[k][t, s]) for k in ("kind", "mb", "slot"))
+            if kind <= 0:
+                continue
+            if kind == 1:  # F
+                if s > 0:
+                    assert fbox[s].pop(int(tb["f_get"][t, s])) == mb
+                res[s][slot] = mb
+                if s == p - 1:
+                    dyb[s][slot] = mb
+                else:
+                    sent_f[s] = mb
+            elif kind == 2:  # B
+                assert res[s][slot] == mb
+                if s < p - 1:
+                    assert gbox[s].pop(int(tb["g_get"][t, s])) == mb
+                    dyb[s][slot] = mb
+                assert dyb[s][slot] == mb
+                if s > 0:
+                    sent_b[s] = mb
+            else:  # W: frees the slot
+                assert res[s].pop(slot) == mb and dyb[s].pop(slot) == mb
+            done.add((kind, mb, s))
+    assert len(done) == 3 * m * p and not any(res) and not any(fbox) and not any(gbox)
+    assert prog.bubble == pytest.approx(S.bubble_fraction(S.zb_h1(p, m)))

@@ -29,7 +29,9 @@ def run_schedule(args) -> int:
     table = S.build(args.schedule, p, m, v)
     bubble = S.bubble_fraction(table)  # F = 1, B + W = 2 (zb-h1: B = W = 1)
     if args.lockstep and args.schedule == "zb-h1":
-        raise ConfigError("--lockstep", True, "drop --lockstep: zb-h1 is a per-op timeline only")
+        raise ConfigError(
+            "--lockstep", True, "drop --lockstep: the executor runs zb-h1's per-op timeline as is (one op per tick)"
+        )
     shown = S.lockstep(table) if args.lockstep else table
     in_flight = [S.max_in_flight(shown, s) for s in range(p)]
     if args.png:

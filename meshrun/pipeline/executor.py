@@ -213,7 +213,11 @@ class Pipeline:
 
     def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroLayout, zl_o: ZeroLayout):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
-            run = _StageRun(self, layers, other, tok, lab, seg[0] if seg else None)
+            if self.program.per_op:  # zb-h1 (imported here: per_op builds on this module's _StageRun)
+                from meshrun.pipeline.per_op import OpRun as run_cls
+            else:
+                run_cls = _StageRun
+            run = run_cls(self, layers, other, tok, lab, seg[0] if seg else None)
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroLayout.finish`.
@@ -324,25 +328,12 @@ class _StageRun:
         """This tick's forward on this stage. With `skip_idle`, idle stages skip the compute (`lax.cond`
         on a predicate shared by the whole tensor/expert group, so collectives inside stay matched);
         either way an idle cell writes into the trash slot and adds nothing to the sums."""
-        fns, xs = self.fns, self.x_aval
+        xs = self.x_aval
         valid, mb, ch, slot, first, last = self.cell(row, "f")
         x_in = c["x_in"]
 
         def run():
-            x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
-            (y, aux), vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), x)
-            keep = [x]
-            if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
-                keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
-
-            def head():
-                hl = lambda o, a: fns.head_loss(o, a, _take(self.lab, mb))  # noqa: E731
-                ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
-                d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
-                return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
-
-            head_out = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), self.zeros_other(), self.x_zero))
-            return (y, keep, aux, *head_out)
+            return self.stage_forward(ch, mb, first, last, x_in)
 
         def idle():
             aux = {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
@@ -372,7 +363,6 @@ class _StageRun:
 
     def backward(self, c, row, dy_head):
         """This tick's backward on this stage (idle cells as in `forward`)."""
-        fns = self.fns
         valid, mb, ch, slot, first, last = self.cell(row, "b")
         if not self.prog.fused_head:
             dy_head = _take(c["dy"], slot)
@@ -381,20 +371,8 @@ class _StageRun:
         chunk_aval = jax.eval_shape(lambda: self.chunk(ch))
 
         def run():
-            if self.mask is not None:  # rebuild the vjp: stored activation leaves + weight-only leaves
-                _, tmpl = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), self.x_zero)
-                leaves, tdef = jax.tree.flatten(tmpl)
-                it = iter(saved)
-                vjp = jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
-            else:
-                _, vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), saved[0])
-            d_p, dx = vjp((dy, self.aux_cot))
-
-            def embed_grad():
-                _, evjp = jax.vjp(lambda o: fns.embed(o, _take(self.tok, mb)), self.other)
-                return evjp(dx.astype(self.x_aval.dtype))[0]
-
-            return d_p, dx, lax.cond(first, embed_grad, self.zeros_other)
+            d_p, dx = self.pullback(ch, mb, saved)((dy, self.aux_cot))
+            return d_p, dx, self.embed_grad(first, mb, dx)
 
         def idle():
             d_p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)
@@ -411,7 +389,57 @@ class _StageRun:
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         return c, dx
 
+    def stage_forward(self, ch, mb, first, last, x_in):
+        """Chunk `ch` forward on microbatch `mb` (stage input: its embedding on the first virtual
+        stage, else `x_in`): (y, residuals to store, aux, loss sum, head param grads, dL/dy of the
+        head), the last three from the head + loss on the last virtual stage (zeros elsewhere)."""
+        fns, xs = self.fns, self.x_aval
+        x = lax.cond(first, lambda: fns.embed(self.other, _take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
+        (y, aux), vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), x)
+        keep = [x]
+        if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
+            keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
+
+        def head():
+            hl = lambda o, a: fns.head_loss(o, a, _take(self.lab, mb))  # noqa: E731
+            ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
+            d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
+            return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
+
+        head_out = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), self.zeros_other(), self.x_zero))
+        return (y, keep, aux, *head_out)
+
+    def pullback(self, ch, mb, saved):
+        """The vjp of chunk `ch` on microbatch `mb` from its saved residuals: the stored activation
+        leaves plus the weight-only leaves rebuilt by a dummy forward XLA removes ('store'), or a
+        forward re-run from the saved stage input ('recompute')."""
+        if self.mask is None:
+            return jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), saved[0])[1]
+        _, tmpl = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), self.x_zero)
+        leaves, tdef = jax.tree.flatten(tmpl)
+        it = iter(saved)
+        return jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
+
+    def embed_grad(self, first, mb, dx):
+        """The embedding's gradient from the first virtual stage's input gradient (zeros elsewhere)."""
+
+        def run():
+            _, evjp = jax.vjp(lambda o: self.fns.embed(o, _take(self.tok, mb)), self.other)
+            return evjp(dx.astype(self.x_aval.dtype))[0]
+
+        return lax.cond(first, run, self.zeros_other)
+
     # ------------------------------------------------------------ the tick loop
+
+    def run_tick(self, c, row, kind):
+        """This stage's work in one tick of a phase of `kind`: (carry, activation to send forward,
+        gradient to send back)."""
+        y = dx = dy = self.x_zero
+        if "F" in kind:
+            c, y, dy = self.forward(c, row)
+        if "B" in kind:
+            c, dx = self.backward(c, row, dy)
+        return c, y, dx
 
     def ticks(self) -> dict:
         """Run every phase of the program (one `lax.scan` per run of same-kind ticks)."""
@@ -422,11 +450,7 @@ class _StageRun:
 
         def tick(kind, send_f, send_b):
             def body(c, row):
-                dy = self.x_zero
-                if "F" in kind:
-                    c, y, dy = self.forward(c, row)
-                if "B" in kind:
-                    c, dx = self.backward(c, row, dy)
+                c, y, dx = self.run_tick(c, row, kind)
                 if send_f and send_b and p == 2:
                     # Two stages: both directions are one swap, so activations and gradients travel in
                     # ONE collective-permute (one rendezvous of every device per tick, not two).

@@ -1,6 +1,9 @@
 """The executor's static program: the schedule's lockstep table as per-tick index arrays, grouped
 into phases of same-kind ticks (pure Python + numpy, no JAX: `meshrun explain` and the tests read it).
 
+ZB-H1 runs its per-op timeline as is (`per_op`): one op (F, B = input gradient, W = weight gradient)
+per stage per tick, values that arrive before their consumer runs waiting in inbox slots.
+
 A lockstep tick gives each stage at most one forward and one backward (`schedules.lockstep`). Ticks
 are grouped into maximal runs of one kind ('F' forwards only, 'B' backwards only, 'FB' both), one
 `lax.scan` each in the executor, so a warm-up tick costs one forward and a cool-down tick one
@@ -55,6 +58,10 @@ class TickProgram:
     fused_head: bool  # every last-virtual-stage backward runs in its forward's tick
     phases: tuple[tuple[str, int, int, bool, bool], ...]  # (kind, first tick, end tick, send fwd, send bwd)
     tables: Mapping[str, np.ndarray]  # [ticks, p] int32: f_mb f_chunk f_slot b_mb b_chunk b_slot
+    # per_op (zb-h1): tables are kind (0 idle, 1 F, 2 B, 3 W) mb slot f_put f_get g_put g_get; the
+    # inboxes hold received activations / gradients from their arrival tick to their consumer's
+    per_op: bool = False
+    inbox: tuple[int, int] = (0, 0)  # (activation, gradient) inbox slots, trash slot not counted
 
     @property
     def bubble(self) -> float:
@@ -78,13 +85,10 @@ class TickProgram:
 
 
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
-    if pcfg.schedule == "zb-h1":  # `schedules.zb_h1` builds and checks the table; no executor yet
-        raise ConfigError(
-            "pipeline.schedule",
-            pcfg.schedule,
-            "use gpipe, 1f1b or interleaved to train (zb-h1 is drawn by `meshrun schedule` only so far)",
-            "the executor does not run zb-h1 yet",
-        )
+    if pcfg.schedule == "zb-h1":
+        if pcfg.virtual != 1:
+            raise ConfigError("pipeline.virtual", pcfg.virtual, "use virtual=1 with zb-h1 (one chunk per stage)")
+        return _per_op_program(pcfg, p)
     v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
     if pcfg.schedule != "interleaved" and pcfg.virtual != 1:
         raise ConfigError("pipeline.virtual", pcfg.virtual, "use schedule=interleaved, or virtual=1")
@@ -99,3 +103,48 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
         for row in lock
     )
     return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
+
+
+KINDS = {"F": 1, "B": 2, "W": 3}  # per-op kind codes; 0 = idle
+
+
+def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
+    """The per-op timeline as index arrays. A value sent at tick t arrives at t+1; it goes into an
+    inbox slot then (-1: nothing arrives, the trash slot) and its consumer reads that slot when it
+    runs, so a consumer may run later than the arrival. Residual slots live from F to W."""
+    m = pcfg.microbatches
+    table = schedules.build(pcfg.schedule, p, m)
+    when = {(op.kind, op.mb, s): t for t, row in enumerate(table) for s, op in enumerate(row) if op is not None}
+    ticks = len(table)
+    arrs = {k: np.full((ticks, p), -1, np.int32) for k in ("kind", "mb", "slot", "f_put", "f_get", "g_put", "g_get")}
+    slots, inbox = 0, [0, 0]
+    for s in range(p):
+        res = schedules.residual_slots(table, s)
+        slots = max(slots, 1 + max(res.values()))
+        for t, row in enumerate(table):
+            op = row[s]
+            if op is not None:
+                arrs["kind"][t, s], arrs["mb"][t, s], arrs["slot"][t, s] = KINDS[op.kind], op.mb, res[(op.mb, 0)]
+        # inboxes: activations from stage s-1's F, gradients from stage s+1's B
+        for i, (kind, src, pre) in enumerate((("F", s - 1, "f"), ("B", s + 1, "g"))):
+            if not 0 <= src < p:
+                continue
+            iv = {mb: (when[(kind, mb, src)] + 1, when[(kind, mb, s)]) for mb in range(m)}
+            box = schedules.assign_slots(iv)
+            inbox[i] = max(inbox[i], 1 + max(box.values()))
+            for mb, (a, b) in iv.items():
+                arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[mb]
+    # phases: runs of ticks with the same sends (some F with a consumer / some B with a consumer)
+    sends = [
+        (
+            any(op is not None and op.kind == "F" and s < p - 1 for s, op in enumerate(row)),
+            any(op is not None and op.kind == "B" and s > 0 for s, op in enumerate(row)),
+        )
+        for row in table
+    ]
+    phases, t0 = [], 0
+    for t in range(1, ticks + 1):
+        if t == ticks or sends[t] != sends[t0]:
+            phases.append(("FBW", t0, t, *sends[t0]))
+            t0 = t
+    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox))

@@ -16,7 +16,7 @@ B(mb, k+1) and F(mb, k).
 
 Zero bubble (ZB-H1, Qi et al. 2023): the backward is split into B (input gradient, on the critical
 path) and W (weight gradient, needs only B(mb, k) on the same stage), and W's fill the bubbles.
-Per-op timeline only (no lockstep view: the executor does not run it yet).
+The executor runs its per-op timeline directly (one op per stage per tick: `program.tick_program`).
 """
 
 from __future__ import annotations
@@ -352,10 +352,16 @@ def max_in_flight(table, stage: int) -> int:
 
 def residual_slots(table, stage: int) -> dict[tuple[int, int], int]:
     """A slot in [0, max_in_flight) per (mb, chunk) such that no two live residuals share one."""
+    return assign_slots(_residual_intervals(table, stage))
+
+
+def assign_slots(intervals: dict) -> dict:
+    """A buffer slot per key of {key: (first tick, last tick)} (closed intervals) such that no two
+    keys live at one tick share a slot; uses as many slots as the most intervals covering one tick."""
     free: list[int] = []
     busy: list[tuple[int, int]] = []  # (last tick, slot)
     out, n = {}, 0
-    for key, (a, b) in sorted(_residual_intervals(table, stage).items(), key=lambda kv: kv[1]):
+    for key, (a, b) in sorted(intervals.items(), key=lambda kv: kv[1]):
         while busy and busy[0][0] < a:
             heapq.heappush(free, heapq.heappop(busy)[1])
         slot = heapq.heappop(free) if free else n
