@@ -9,6 +9,8 @@ import pytest
 from jax.sharding import Mesh
 
 from meshrun.cli import main
+from meshrun.config import load_config
+from meshrun.loop import run
 from meshrun.profile import device_times, stage_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,3 +107,15 @@ def test_profile_bad_input_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "config" in err[0] and err[1].startswith("meshrun profile: error: --steps:")
     assert "Traceback" not in "\n".join(err)
+
+
+def test_train_profile_true_writes_the_report(tmp_path, capsys):
+    over = ["mesh.data=1", "mesh.pipe=2", "mesh.tensor=1", "model.n_layers=2", "pipeline.microbatches=2",
+            "train.global_batch=4", "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic",
+            "train.steps=1", "train.profile=true", "checkpoint.async_save=false"]  # fmt: skip
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, f"train.run_dir={tmp_path}"])
+    run(cfg, devices=jax.devices()[:2], quiet=True)
+    rep = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert rep["steps"] == 1 and [r["stage"] for r in rep["stages"]] == [0, 1]
+    assert all(r["busy_s"] > 0 and r["collective_s"]["pipe"] > 0 for r in rep["stages"])
+    assert "train.profile: mesh pipe=2" in capsys.readouterr().err
