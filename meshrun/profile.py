@@ -33,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshrun.devices import add_fast_compile_flag, needed_devices, setup_devices
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, DataError
 
 CONTROL = ("conditional", "while", "call")  # events that span the ops they run
 EVENT_CAP = 1_000_000  # the profiler keeps at most this many events: a longer trace ends mid-step
@@ -248,6 +248,11 @@ def format_report(rep: dict, title: str) -> str:
 def report_of_trace(trace_dir: str | Path, hlo_text: str, cfg, mesh, steps: int) -> dict:
     """Read the trace, compute the report, write trace_dir/profile.json; returns the report."""
     times = device_times(load_trace(trace_dir), hlo_text, mesh, steps)
+    if not times:
+        raise DataError(
+            f"the trace in {trace_dir} holds no device op events of the train step (a profiler without "
+            "device tracing, or an event cap reached before the step ran); trace fewer steps with `meshrun profile`"
+        )
     rep = stage_report(times, mesh, predicted_bubbles(cfg, mesh))
     rep["schedule"] = {"name": cfg.pipeline.schedule, "microbatches": cfg.pipeline.microbatches,
                        "virtual": cfg.pipeline.virtual}  # fmt: skip
