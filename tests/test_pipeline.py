@@ -312,10 +312,11 @@ def test_zb_h1_temp_memory_flat_in_m():
     assert toy_compiled(dims, "zb-h1", 8 * p, 1, b=8 * p)[0].program.slots == p
 
 
-def test_zb_h1_b_and_w_rerun_no_forward():
-    """B and W are two pullbacks of the residuals F stored: neither re-runs the forward. Re-running it
-    (`residuals='recompute'`) adds the toy MLP's one tensor all-reduce per layer to both the B and
-    the W branch of the per-op tick (each branch of the switch counts once per tick in the HLO)."""
+def test_zb_h1_w_reruns_neither_forward_nor_chain():
+    """W reads what B stashed: with residuals recomputed (`residuals='recompute'`) only B re-runs the
+    forward (the toy MLP's one tensor all-reduce per layer, in the B branch of each per-op tick;
+    each branch of the switch counts once per tick in the HLO): W takes the activations it needs
+    from B's stash too, and never forms an activation cotangent (no all-reduce at all)."""
     count, ticks = {}, None
     for res in ("store", "recompute"):
         kw = {} if res == "store" else {"residuals": res}
@@ -325,7 +326,51 @@ def test_zb_h1_b_and_w_rerun_no_forward():
         loss, grads, _ = c(*args)
         np.testing.assert_allclose(float(loss), toy_ref(8)[0], rtol=RTOL)
         assert_tree_close(grads, toy_ref(8)[1])
-    assert count["recompute"] - count["store"] == ticks * 2 * (L // 4)
+    assert count["recompute"] - count["store"] == ticks * (L // 4)
+
+
+def _count(jaxpr, prim: str) -> int:
+    """Equations named `prim` in a jaxpr and the jaxprs nested in it (each body once)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == prim
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count(inner, prim)
+    return n
+
+
+def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls():
+    """`zb_split` cuts the stage backward's jaxpr: B keeps the activation-cotangent chain (2 matmuls
+    per toy layer: through w2 and w1), W only the weight-gradient matmuls (2 per layer), where the
+    unsplit backward has 4. The stash is per-layer activation-sized values, never a weight; B's dx
+    and W's grads equal the unsplit backward's."""
+    from meshrun.pipeline import zb_split
+
+    lp = toy_params()["layers"]
+    x = jax.random.normal(jax.random.key(5), (2, S, D))
+    (y, aux), vjp = jax.vjp(toy_layers, lp, x)
+    leaves, tdef = jax.tree.flatten(vjp)
+    cot = (jnp.ones_like(y), {"sq": jnp.asarray(0.1)})
+    full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))  # noqa: E731
+    cj = jax.make_jaxpr(full)(leaves, cot)
+    n = len(cj.jaxpr.outvars) - 1
+    plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+    args = jax.tree.leaves((leaves, cot))
+    b = lambda a: zb_split.run_b(cj.jaxpr, plan, cj.consts, a)  # noqa: E731
+    w = lambda a, st: zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st)[:n]  # noqa: E731
+    dx_and_stash = b(args)
+    dx, stash = dx_and_stash[0][-1], dx_and_stash[1]
+    ref = full(leaves, cot)
+    for got, want in zip([*w(args, stash), dx], ref, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=1e-6)
+    assert _count(cj.jaxpr, "dot_general") == 4
+    assert _count(jax.make_jaxpr(lambda a: b(a))(args).jaxpr, "dot_general") == 2
+    assert _count(jax.make_jaxpr(w)(args, stash).jaxpr, "dot_general") == 2
+    shapes = {a.shape for a in jax.tree.leaves(stash)}
+    assert shapes == {(L, 2, S, D), (L, 2, S, F)}, shapes
 
 
 def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:
@@ -463,6 +508,7 @@ UNEVEN_CASES = {
     "p2-5-layers-1f1b": ((2, 2, 1, 2), "1f1b", 4, 1, 5, (3, 2)),
     "p4-7-layers-1f1b": ((4, 1, 1, 2), "1f1b", 8, 1, 7, (1, 2, 2, 2)),
     "p2v2-7-layers-interleaved": ((2, 2, 1, 2), "interleaved", 4, 2, 7, (2, 2, 1, 2)),
+    "p2-5-layers-zb-h1": ((2, 2, 1, 2), "zb-h1", 4, 1, 5, (3, 2)),  # the padding's cond: B, and W again
 }
 
 

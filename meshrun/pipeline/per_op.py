@@ -22,11 +22,34 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshrun.pipeline import zb_split
 from meshrun.pipeline.executor import _placed, _put, _StageRun, _take
 
 
 class OpRun(_StageRun):
     """`_StageRun` for a per-op program (zb-h1): `run_tick` is one op per stage."""
+
+    def split_backward(self, mb, saved, dy):
+        """(B, W) for microbatch `mb`: B(saved, dy) -> (dx, stash), W(saved, dy, stash) -> weight
+        grads, from one split of the stage backward's jaxpr (`zb_split`)."""
+        chunk_def = jax.tree.structure(jax.eval_shape(lambda: self.chunk(0)))
+
+        def bwd(saved, dy):
+            return jax.tree.leaves(self.pullback(0, mb, saved)((dy, self.aux_cot)))
+
+        cj = jax.make_jaxpr(bwd)(saved, dy)
+        n = len(cj.jaxpr.outvars) - 1  # weight-gradient leaves, then dx
+        plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+        flat = lambda saved, dy: jax.tree.leaves((saved, dy))  # noqa: E731
+
+        def b(saved, dy):
+            outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(saved, dy))
+            return outs[-1], stash
+
+        def w(saved, dy, stash):
+            return jax.tree.unflatten(chunk_def, zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(saved, dy), stash)[:n])
+
+        return b, w
 
     def init_carry(self) -> dict:
         c = super().init_carry()  # a per-op program is never fused_head: c holds the dy buffer
@@ -34,6 +57,11 @@ class OpRun(_StageRun):
         fi, gi = self.prog.inbox
         c["f_box"] = self.full((fi + 1, *xs.shape), xs.dtype)  # last slot: the trash
         c["g_box"] = self.full((gi + 1, *xs.shape), xs.dtype)
+        # B's stash (what W reads of B's work: per layer, the cotangents at the weights' uses)
+        saved = [jnp.zeros(a.shape, a.dtype) for a in self.res_avals]
+        b, _ = self.split_backward(0, saved, self.x_zero)
+        self.stash_avals = jax.eval_shape(lambda: b(saved, self.x_zero)[1])
+        c["stash"] = jax.tree.map(lambda a: self.full((self.nslot, *a.shape), a.dtype), self.stash_avals)
         return c
 
     def run_tick(self, c, row, kind):
@@ -53,36 +81,41 @@ class OpRun(_StageRun):
         x_in = _take(c["f_box"], slot_or(at("f_get"), fi))
         g_in = _take(c["g_box"], slot_or(at("g_get"), gi))
 
+        b_part, w_part = self.split_backward(mb, saved, dy_kept)
+        stash_kept = jax.tree.map(lambda buf: _take(buf, slot), c["stash"])
         xs = self.x_aval
         chunk_aval = jax.eval_shape(lambda: self.chunk(0))
+        no_stash = lambda: jax.tree.map(lambda a: self.full(a.shape, a.dtype), self.stash_avals)  # noqa: E731
         fill = lambda: self.full(xs.shape, xs.dtype)  # noqa: E731
         no_keep = lambda: [_placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]  # noqa: E731
         no_dp = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)  # noqa: E731
         no_aux = lambda: {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}  # noqa: E731
         zero = jnp.zeros((), jnp.float32)
 
-        # every branch: (y, dx, residuals, dy to keep, weight grads, other grads, loss sum, aux)
+        # every branch: (y, dx, residuals, dy to keep, B's stash, weight grads, other grads, loss sum, aux)
         def idle():
-            return fill(), fill(), no_keep(), fill(), no_dp(), self.zeros_other(), zero, no_aux()
+            return fill(), fill(), no_keep(), fill(), no_stash(), no_dp(), self.zeros_other(), zero, no_aux()
 
         def forward():
             y, keep, aux, ls, d_o, dy = self.stage_forward(0, mb, first, last, x_in)
-            return y, fill(), keep, dy, no_dp(), d_o, ls, aux
+            return y, fill(), keep, dy, no_stash(), no_dp(), d_o, ls, aux
 
         def backward_input():
             dy = jnp.where(last, dy_kept, g_in)
-            _, dx = self.pullback(0, mb, saved)((dy, self.aux_cot))
-            return fill(), dx, no_keep(), dy, no_dp(), self.embed_grad(first, mb, dx), zero, no_aux()
+            dx, stash = b_part(saved, dy)
+            return fill(), dx, no_keep(), dy, stash, no_dp(), self.embed_grad(first, mb, dx), zero, no_aux()
 
         def backward_weights():
-            d_p, _ = self.pullback(0, mb, saved)((dy_kept, self.aux_cot))
-            return fill(), fill(), no_keep(), dy_kept, d_p, self.zeros_other(), zero, no_aux()
+            d_p = w_part(saved, dy_kept, stash_kept)
+            return fill(), fill(), no_keep(), dy_kept, no_stash(), d_p, self.zeros_other(), zero, no_aux()
 
-        y, dx, keep, dy, d_p, d_o, ls, aux = lax.switch(op, [idle, forward, backward_input, backward_weights])
+        branches = [idle, forward, backward_input, backward_weights]
+        y, dx, keep, dy, stash, d_p, d_o, ls, aux = lax.switch(op, branches)
         res_slot = jnp.where(op == 1, slot, trash)
         dy_slot = jnp.where(((op == 1) & last) | (op == 2), slot, trash)
         c["res"] = [_put(b, res_slot, r) for b, r in zip(c["res"], keep, strict=True)]
         c["dy"] = _put(c["dy"], dy_slot, dy)
+        c["stash"] = jax.tree.map(lambda buf, v: _put(buf, jnp.where(op == 2, slot, trash), v), c["stash"], stash)
         c["g_layers"] = self.add_grads(c["g_layers"], d_p, 0)
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         c["loss"] = c["loss"] + ls

@@ -1,0 +1,235 @@
+"""Split a stage's backward into B (input gradient) and W (weight gradients) without redoing work.
+
+A backward pass interleaves two things: the chain of activation cotangents (dx = dy @ W^T, through
+every nonlinearity) and, hanging off it, the weight gradients (dW = x^T @ dy). ZB-H1 wants the chain
+now (B, on the critical path) and the weight gradients later (W, in a bubble). Calling the vjp twice,
+once for each, makes W re-derive the chain. Here the backward's jaxpr is split instead:
+
+* `make_plan` walks the jaxpr backwards from the outputs B needs and the outputs W needs. An equation
+  B needs runs in B; one only W needs runs in W; values B computes that W reads are the stash (per
+  microbatch: the cotangents at each matmul output, about one activation set). A `scan` (the model's
+  layer loop, transposed) that serves both is split into two scans over the same iterations: the B
+  scan carries the chain and emits each iteration's stash as ys, the W scan reads them. `jit` and
+  `checkpoint` calls are split through their bodies. Any other equation serving both (e.g. a `cond`)
+  runs in B and again in W, so no weight-sized value is ever stashed.
+* `run_b` / `run_w` evaluate the plan by binding each equation's primitive (as `jax.core.eval_jaxpr`
+  does), re-creating split scans with `lax.scan`; their outputs match the unsplit backward's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax import lax
+from jax.extend import core as jc
+
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
+
+
+@dataclass
+class Plan:
+    """Roles per equation of one jaxpr: None (dead), 'B', 'W', 'BW' (B, and again in W) or a `Split`."""
+
+    roles: list
+    stash: list  # vars B computes and W reads, in order
+    in_b: list  # per invar: B reads it
+    in_w: list  # per invar: W reads it
+
+
+@dataclass
+class Split:
+    kind: str  # 'scan' or 'call'
+    body: Plan
+    b_out: list  # per eqn output: the B part produces it
+    w_out: list  # per eqn output: the W part produces it
+    b_car: list = field(default_factory=list)  # scan: carry indices B runs
+    w_car: list = field(default_factory=list)  # scan: carry indices W runs
+    car_stash: list = field(default_factory=list)  # scan: B carries whose per-iteration input W reads
+
+
+def _is_var(v) -> bool:
+    return isinstance(v, jc.Var) and not isinstance(v, jc.DropVar)
+
+
+def _inner(eqn):
+    j = eqn.params[CALLS[eqn.primitive.name]]
+    return (j.jaxpr, list(j.consts)) if hasattr(j, "consts") else (j, [])
+
+
+def make_plan(jaxpr, need_b: list[bool], need_w: list[bool]) -> Plan:
+    live_b = {v for v, n in zip(jaxpr.outvars, need_b, strict=True) if n and _is_var(v)}
+    live_w = {v for v, n in zip(jaxpr.outvars, need_w, strict=True) if n and _is_var(v)}
+    roles: list[Any] = [None] * len(jaxpr.eqns)
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        ob = [_is_var(v) and v in live_b for v in eqn.outvars]
+        ow = [_is_var(v) and v in live_w for v in eqn.outvars]
+        if not any(ob) and not any(ow):
+            continue
+        name = eqn.primitive.name
+        split = None
+        if any(ob) and any(ow):
+            split = _split_scan(eqn, ob, ow) if name == "scan" else _split_call(eqn, ob, ow) if name in CALLS else None
+        if split is not None:
+            roles[i], (ib, iw) = split[0], split[1:]
+        else:  # B computes it (W reads what it needs from the stash) unless W needs outputs B does not:
+            # then W runs it again (a cond's weight gradients are never stashed)
+            w_only = any(w and not b for b, w in zip(ob, ow, strict=True))
+            roles[i] = ("BW" if w_only else "B") if any(ob) else "W"
+            ib = iw = [True] * len(eqn.invars)
+            ib, iw = (ib if "B" in roles[i] else [False] * len(ib)), (iw if "W" in roles[i] else [False] * len(iw))
+        live_b.update(v for v, n in zip(eqn.invars, ib, strict=True) if n and _is_var(v))
+        live_w.update(v for v, n in zip(eqn.invars, iw, strict=True) if n and _is_var(v))
+    stash, seen = [], set()
+    for eqn, r in zip(jaxpr.eqns, roles, strict=True):
+        made = eqn.outvars if r == "B" else []
+        if isinstance(r, Split):
+            made = [v for v, n in zip(eqn.outvars, r.b_out, strict=True) if n]
+        for v in made:
+            if _is_var(v) and v in live_w and v not in seen:
+                stash.append(v)
+                seen.add(v)
+    return Plan(roles, stash, [v in live_b for v in jaxpr.invars], [v in live_w for v in jaxpr.invars])
+
+
+def _split_call(eqn, ob, ow):
+    body, _ = _inner(eqn)
+    plan = make_plan(body, ob, ow)
+    return Split("call", plan, ob, ow), plan.in_b, plan.in_w
+
+
+def _split_scan(eqn, ob, ow):
+    body = eqn.params["jaxpr"].jaxpr
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    b_car = {j for j in range(ncar) if ob[j]}
+    w_car = {j for j in range(ncar) if ow[j]} - b_car
+    while True:  # carries either part reads must be run by some part: B's if B reads them
+        car_b, car_w = [j in b_car for j in range(ncar)], [j in w_car for j in range(ncar)]
+        plan = make_plan(body, car_b + ob[ncar:], car_w + ow[ncar:])
+        nb = b_car | {j for j in range(ncar) if plan.in_b[nc + j]}
+        nw = (w_car | {j for j in range(ncar) if plan.in_w[nc + j]}) - nb
+        if (nb, nw) == (b_car, w_car):
+            break
+        b_car, w_car = nb, nw
+    b_out = [j in b_car for j in range(ncar)] + ob[ncar:]
+    w_out = [j in w_car for j in range(ncar)] + ow[ncar:]
+    car_stash = sorted(j for j in b_car if plan.in_w[nc + j])
+    sp = Split("scan", plan, b_out, w_out, sorted(b_car), sorted(w_car), car_stash)
+    in_b = plan.in_b[:nc] + [j in b_car for j in range(ncar)] + plan.in_b[nc + ncar :]
+    in_w = plan.in_w[:nc] + [j in w_car for j in range(ncar)] + plan.in_w[nc + ncar :]
+    return sp, in_b, in_w
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def _bind(eqn, invals):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ([], params)  # older jax: (subfuns, params)
+    ctx = getattr(eqn, "ctx", None)
+    with contextlib.nullcontext() if ctx is None else ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _env(jaxpr, consts, args):
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update((v, a) for v, a in zip(jaxpr.invars, args, strict=True) if a is not None)
+    return env
+
+
+def _read(env, v):
+    return v.val if isinstance(v, jc.Literal) else env.get(v)
+
+
+def run_b(jaxpr, plan: Plan, consts, args):
+    """(outputs, None where B does not produce them; stash pytree) of the B part."""
+    env, sub = _env(jaxpr, consts, args), {}
+    for i, (eqn, r) in enumerate(zip(jaxpr.eqns, plan.roles, strict=True)):
+        if r is None or r == "W":
+            continue
+        ins = [_read(env, v) for v in eqn.invars]
+        if isinstance(r, Split) and r.kind == "scan":
+            outs, sub[i] = _scan_b(eqn, r, ins)
+        elif isinstance(r, Split):
+            body, bc = _inner(eqn)
+            outs, sub[i] = run_b(body, r.body, bc, ins)
+        else:
+            outs = _bind(eqn, ins)
+        env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if o is not None and _is_var(v))
+    return [_read(env, v) for v in jaxpr.outvars], {"v": [env[v] for v in plan.stash], "s": sub}
+
+
+def run_w(jaxpr, plan: Plan, consts, args, stash):
+    """Outputs of the W part (None where W does not produce them), given B's stash."""
+    env = _env(jaxpr, consts, args)
+    env.update(zip(plan.stash, stash["v"], strict=True))
+    for i, (eqn, r) in enumerate(zip(jaxpr.eqns, plan.roles, strict=True)):
+        if r is None or r == "B":
+            continue
+        ins = [_read(env, v) for v in eqn.invars]
+        if isinstance(r, Split) and r.kind == "scan":
+            outs = _scan_w(eqn, r, ins, stash["s"][i])
+        elif isinstance(r, Split):
+            body, bc = _inner(eqn)
+            outs = run_w(body, r.body, bc, ins, stash["s"][i])
+        else:
+            outs = _bind(eqn, ins)
+        env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if o is not None and _is_var(v))
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _scan_parts(eqn, ins):
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    return eqn.params["jaxpr"], nc, ncar, ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+
+
+def _scan_b(eqn, sp: Split, ins):
+    body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
+    xs = [x if n else None for x, n in zip(xs, sp.body.in_b[nc + ncar :], strict=True)]
+
+    def step(carry, x):
+        car = [None] * ncar
+        for j, c in zip(sp.b_car, carry, strict=True):
+            car[j] = c
+        outs, st = run_b(body.jaxpr, sp.body, body.consts, consts + car + list(x))
+        ys = [o for o, n in zip(outs[ncar:], sp.b_out[ncar:], strict=True) if n]
+        return [outs[j] for j in sp.b_car], (ys, st, [car[j] for j in sp.car_stash])
+
+    p = eqn.params
+    last, (ys, st, cin) = lax.scan(step, [init[j] for j in sp.b_car], xs, length=p["length"], reverse=p["reverse"])
+    outs, it = [None] * len(eqn.outvars), iter(ys)
+    for j, c in zip(sp.b_car, last, strict=True):
+        outs[j] = c
+    for k, n in enumerate(sp.b_out[ncar:]):
+        if n:
+            outs[ncar + k] = next(it)
+    return outs, {"body": st, "carry_in": cin}
+
+
+def _scan_w(eqn, sp: Split, ins, stash):
+    body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
+    xs = [x if n else None for x, n in zip(xs, sp.body.in_w[nc + ncar :], strict=True)]
+
+    def step(carry, x):
+        xv, st, cin = x
+        car = [None] * ncar
+        for j, c in zip(sp.w_car, carry, strict=True):
+            car[j] = c
+        for j, c in zip(sp.car_stash, cin, strict=True):
+            car[j] = c
+        outs = run_w(body.jaxpr, sp.body, body.consts, consts + car + list(xv), st)
+        return [outs[j] for j in sp.w_car], [o for o, n in zip(outs[ncar:], sp.w_out[ncar:], strict=True) if n]
+
+    p = eqn.params
+    xs_all = (xs, stash["body"], stash["carry_in"])
+    last, ys = lax.scan(step, [init[j] for j in sp.w_car], xs_all, length=p["length"], reverse=p["reverse"])
+    outs, it = [None] * len(eqn.outvars), iter(ys)
+    for j, c in zip(sp.w_car, last, strict=True):
+        outs[j] = c
+    for k, n in enumerate(sp.w_out[ncar:]):
+        if n:
+            outs[ncar + k] = next(it)
+    return outs
