@@ -1,17 +1,20 @@
 """Pipeline schedules side by side on 8 simulated CPU devices (a script, not a test).
 
-    python bench/pipeline.py [--pipes 2 4] [--ms 2 8] [--tensor 2] [--repeats 3]
+    python bench/pipeline.py [--pipes 4] [--ms 2 4] [--tensor 2] [--repeats 3] [--schedules ...]
 
 First a table-only block (no compile): for p = 4, m = 8 and 16, the bubble of the schedule tables
 with F = 1 and B + W = 2 (1F1B, interleaved v = 2, zb-h1 with B = W = 1) and the peak in-flight
-microbatches (activation memory). zb-h1 is a table only: the executor does not run it yet.
+microbatches (activation memory).
 
-Per row: schedule, p, m, v, bubble from the schedule table (F = 1, B = 2), residual slots, compiled
-per-device temp memory, collective-permute bytes per step over 'pipe', and the step time over the
-non-pipelined step (same model, same global batch, data x tensor parallel on the same 8 devices).
-`--ms` are multiples of p. Microbatch size is fixed (1 sequence per data shard), so the global batch
-grows with m: 1F1B temp memory should stay flat, GPipe's grows with m. On simulated devices the
-time ratio mostly shows bubble and per-tick overhead on 2 CPU cores, not real parallel speed.
+Then per compiled row (1F1B, interleaved v = 2, zb-h1 by default; `--ms` are multiples of p): the
+table bubble, residual slots, compiled per-device temp memory, collective-permute bytes per step over
+'pipe', the median step time and its ratio to the non-pipelined step (same model and global batch,
+data x tensor parallel on the same 8 devices), and from a `jax.profiler` trace of two steps
+(`meshrun.profile`): the measured bubble per stage ((span - busy) / span) and the compute time per
+step summed over the stages (all ops' busy time: the work the schedule does, bubbles excluded).
+Microbatch size is fixed (1 sequence per data shard), so the global batch grows with m. On simulated
+devices 8 devices share the host's cores: the step ratio and the measured idle mostly show per-tick
+overhead and core sharing, not a GPU's bubble; the compute sum compares the schedules' work.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 
 from meshrun.devices import simulate_cpu_devices
@@ -31,9 +35,10 @@ import meshrun_models as mm  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from meshrun import hlo  # noqa: E402
+from meshrun import hlo, profile  # noqa: E402
 from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
 from meshrun.mesh import build_mesh  # noqa: E402
+from meshrun.metrics import trace_options  # noqa: E402
 from meshrun.pipeline import schedules  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
@@ -74,12 +79,22 @@ def baseline(mesh, params, tok, lab, repeats):
     return timeit(fn, (params, tok, lab), repeats)
 
 
+def measured(compiled, args, mesh, sched: str, p: int, m: int, v: int, steps: int = 2) -> dict:
+    """`meshrun.profile`'s per-stage report of `steps` traced executions of `compiled`."""
+    with tempfile.TemporaryDirectory() as out:
+        with jax.profiler.trace(out, create_perfetto_trace=True, profiler_options=trace_options()):
+            for _ in range(steps):
+                jax.block_until_ready(compiled(*args))
+        times = profile.device_times(profile.load_trace(out), compiled.as_text(), mesh, steps)
+    return profile.stage_report(times, mesh, schedules.stage_bubbles(schedules.build(sched, p, m, v)))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pipes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--ms", type=int, nargs="+", default=[2, 8], help="m as multiples of p")
+    ap.add_argument("--pipes", type=int, nargs="+", default=[4])
+    ap.add_argument("--ms", type=int, nargs="+", default=[2, 4], help="m as multiples of p")
     ap.add_argument("--tensor", type=int, default=2)
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"])
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     print(f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble (table)':>16}{'peak in-flight chunks':>23}")
@@ -90,9 +105,9 @@ def main(argv=None) -> None:
             print(f"{sched:<12}{4:>3}{m:>4}{v:>3}{schedules.bubble_fraction(table):>16.4f}{peak:>23}")
     _, params = mm.init_params(CFG, 0)
     devs = f"{jax.device_count()} {jax.devices()[0].platform} devices"
-    print(f"model: d_model={CFG.d_model} layers={CFG.n_layers} seq={SEQ}; {devs}")
+    print(f"\nmodel: d_model={CFG.d_model} layers={CFG.n_layers} seq={SEQ}; {devs}")
     head = f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble':>8}{'slots':>6}{'temp KiB':>10}{'permute KiB':>12}"
-    head += f"{'step s':>8}{'ratio':>7}"
+    head += f"{'step s':>8}{'ratio':>7}  {'measured bubble per stage':<28}{'compute ms':>11}"
     print(head)
     for p in a.pipes:
         data = 8 // (p * a.tensor)
@@ -122,12 +137,17 @@ def main(argv=None) -> None:
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)
                 t = timeit(compiled, (pure, tok, lab), a.repeats)
+                rep = measured(compiled, (pure, tok, lab), mesh, sched, p, m, v)
+                per_stage = " ".join(f"{r['measured_bubble']:.2f}" for r in rep["stages"])
+                work = 1e3 * sum(r["busy_s"] * len(r["devices"]) for r in rep["stages"]) / a.tensor / data
                 print(
                     f"{sched:<12}{p:>3}{m:>4}{v:>3}{pl.program.bubble:>8.3f}{pl.program.slots:>6}{temp / 1024:>10.1f}"
-                    f"{pb / 1024:>12.1f}{t:>8.3f}{t / base:>7.2f}",
+                    f"{pb / 1024:>12.1f}{t:>8.3f}{t / base:>7.2f}  {per_stage:<28}{work:>11.1f}",
                     flush=True,
                 )
     print(f"# baseline: non-pipelined data={8 // a.tensor} x tensor={a.tensor} step on the same devices")
+    print("# bubble: table (F = 1, B + W = 2); measured bubble: (span - busy) / span per stage from a trace")
+    print("# compute ms: busy time per step summed over stages (mean over each stage's devices)")
 
 
 if __name__ == "__main__":

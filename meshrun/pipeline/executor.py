@@ -367,10 +367,10 @@ class _StageRun:
         if not self.prog.fused_head:
             dy_head = _take(c["dy"], slot)
         dy = jnp.where(last, dy_head, c["g_in"])
-        saved = [_take(b, slot) for b in c["res"]]
         chunk_aval = jax.eval_shape(lambda: self.chunk(ch))
 
-        def run():
+        def run():  # reads its residuals itself: an operand slice taken outside the cond is a copy
+            saved = [_take(b, slot) for b in c["res"]]
             d_p, dx = self.pullback(ch, mb, saved)((dy, self.aux_cot))
             return d_p, dx, self.embed_grad(first, mb, dx)
 

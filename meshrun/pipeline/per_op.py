@@ -76,46 +76,47 @@ class OpRun(_StageRun):
         op, mb = jnp.maximum(at("kind"), 0), jnp.maximum(at("mb"), 0)
         slot = jnp.where(op > 0, at("slot"), trash)
         first, last = self.stage == 0, self.stage == self.p - 1
-        saved = [_take(b, slot) for b in c["res"]]
-        dy_kept = _take(c["dy"], slot)
         x_in = _take(c["f_box"], slot_or(at("f_get"), fi))
         g_in = _take(c["g_box"], slot_or(at("g_get"), gi))
+        res_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res_avals]
+        b_part, w_part = self.split_backward(mb, res_avals, self.x_aval)
 
-        b_part, w_part = self.split_backward(mb, saved, dy_kept)
-        stash_kept = jax.tree.map(lambda buf: _take(buf, slot), c["stash"])
+        # Branches read the buffers they need themselves (a buffer a branch only reads is not copied;
+        # one it returned would be) and return one microbatch's values, written below into the
+        # op's slot or the trash slot: (y, dx, residuals, dy to keep, B's stash, weight grads,
+        # other grads, loss sum, aux).
         xs = self.x_aval
         chunk_aval = jax.eval_shape(lambda: self.chunk(0))
-        no_stash = lambda: jax.tree.map(lambda a: self.full(a.shape, a.dtype), self.stash_avals)  # noqa: E731
+        take = lambda bufs: jax.tree.map(lambda b: _take(b, slot), bufs)  # noqa: E731
         fill = lambda: self.full(xs.shape, xs.dtype)  # noqa: E731
         no_keep = lambda: [_placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]  # noqa: E731
+        no_stash = lambda: jax.tree.map(lambda a: self.full(a.shape, a.dtype), self.stash_avals)  # noqa: E731
         no_dp = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)  # noqa: E731
         no_aux = lambda: {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}  # noqa: E731
         zero = jnp.zeros((), jnp.float32)
 
-        # every branch: (y, dx, residuals, dy to keep, B's stash, weight grads, other grads, loss sum, aux)
         def idle():
             return fill(), fill(), no_keep(), fill(), no_stash(), no_dp(), self.zeros_other(), zero, no_aux()
 
-        def forward():
+        def forward():  # on the last stage F also gives the head's dL/dy (zeros elsewhere)
             y, keep, aux, ls, d_o, dy = self.stage_forward(0, mb, first, last, x_in)
             return y, fill(), keep, dy, no_stash(), no_dp(), d_o, ls, aux
 
         def backward_input():
-            dy = jnp.where(last, dy_kept, g_in)
-            dx, stash = b_part(saved, dy)
+            dy = jnp.where(last, _take(c["dy"], slot), g_in)
+            dx, stash = b_part(take(c["res"]), dy)
             return fill(), dx, no_keep(), dy, stash, no_dp(), self.embed_grad(first, mb, dx), zero, no_aux()
 
         def backward_weights():
-            d_p = w_part(saved, dy_kept, stash_kept)
-            return fill(), fill(), no_keep(), dy_kept, no_stash(), d_p, self.zeros_other(), zero, no_aux()
+            d_p = w_part(take(c["res"]), _take(c["dy"], slot), take(c["stash"]))
+            return fill(), fill(), no_keep(), fill(), no_stash(), d_p, self.zeros_other(), zero, no_aux()
 
         branches = [idle, forward, backward_input, backward_weights]
         y, dx, keep, dy, stash, d_p, d_o, ls, aux = lax.switch(op, branches)
-        res_slot = jnp.where(op == 1, slot, trash)
-        dy_slot = jnp.where(((op == 1) & last) | (op == 2), slot, trash)
-        c["res"] = [_put(b, res_slot, r) for b, r in zip(c["res"], keep, strict=True)]
-        c["dy"] = _put(c["dy"], dy_slot, dy)
-        c["stash"] = jax.tree.map(lambda buf, v: _put(buf, jnp.where(op == 2, slot, trash), v), c["stash"], stash)
+        at_op = lambda *ops: jnp.where(jnp.isin(op, jnp.asarray(ops)), slot, trash)  # noqa: E731
+        c["res"] = [_put(b, at_op(1), r) for b, r in zip(c["res"], keep, strict=True)]
+        c["dy"] = _put(c["dy"], at_op(1, 2), dy)
+        c["stash"] = jax.tree.map(lambda b, v: _put(b, at_op(2), v), c["stash"], stash)
         c["g_layers"] = self.add_grads(c["g_layers"], d_p, 0)
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         c["loss"] = c["loss"] + ls
