@@ -153,6 +153,12 @@ def test_bubble_at_m_equals_4p(gpt3, p):
     v = 4
     tm = timing.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p, virtual=v, schedule="interleaved"), cluster, 2048)
     assert tm["bubble_fraction"] == pytest.approx((p - 1) / (v * 4 * p + p - 1), abs=1e-12)
+    zb = timing.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p, schedule="zb-h1"), cluster, 2048)
+    assert zb["bubble_fraction"] == pytest.approx((p - 1) / (3 * 4 * p + p - 1), abs=1e-12)
+    one = timing.predict_time(gpt3, Layout(pipe=p, microbatches=4 * p), cluster, 2048)
+    assert zb["compute"] == one["compute"] and zb["bubble"] == pytest.approx(one["bubble"] / 3, rel=1e-9)
+    busy = sum(zb[k] for k in ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm"))
+    assert zb["bubble"] / (zb["bubble"] + busy) == pytest.approx(zb["bubble_fraction"], rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -412,3 +418,22 @@ def test_model_configs_load(path):
         assert cfg.model.mlp == "gelu" and cfg.model.d_ff == 4 * cfg.model.d_model
     assert cfg.train.seq_len <= cfg.model.max_seq_len
     assert math.isfinite(n) and n > 1
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_pipeline_slots_closed_form_matches_the_tables(schedule, v):
+    """The closed form the planner uses for big tables equals the executor's tables: max in-flight
+    (mb, chunk) pairs of the lockstep view; zb-h1 (per-op) twice its in-flight count (residuals +
+    B's stash until W)."""
+    from meshrun.pipeline import schedules
+    from meshrun.planner.step_model import pipeline_slots_formula
+
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 4 * p):
+            table = schedules.build(schedule, p, m, v)
+            if schedule == "zb-h1":
+                want = 2 * max(schedules.max_in_flight(table, s) for s in range(p))
+            else:
+                lock = schedules.lockstep(table)
+                want = max(schedules.max_in_flight(lock, s) for s in range(p))
+            assert pipeline_slots_formula(schedule, p, m, v) == want, (p, m)

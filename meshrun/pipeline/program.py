@@ -134,17 +134,15 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
             inbox[i] = max(inbox[i], 1 + max(box.values()))
             for mb, (a, b) in iv.items():
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[mb]
-    # phases: runs of ticks with the same sends (some F with a consumer / some B with a consumer)
-    sends = [
-        (
-            any(op is not None and op.kind == "F" and s < p - 1 for s, op in enumerate(row)),
-            any(op is not None and op.kind == "B" and s > 0 for s, op in enumerate(row)),
-        )
-        for row in table
-    ]
-    phases, t0 = [], 0
-    for t in range(1, ticks + 1):
-        if t == ticks or sends[t] != sends[t0]:
-            phases.append(("FBW", t0, t, *sends[t0]))
-            t0 = t
+    # Phases (one scan each, i.e. one compiled copy of the tick): the warm-up that sends only
+    # activations, the cool-down that sends only gradients, and between them ticks that send both
+    # ways (some of them have nothing to send one way: a spare permute is cheaper than a copy of the
+    # tick per run of same-send ticks, which the mixed middle of a short pipeline has many of).
+    sf = [any(op is not None and op.kind == "F" and s < p - 1 for s, op in enumerate(row)) for row in table]
+    sb = [any(op is not None and op.kind == "B" and s > 0 for s, op in enumerate(row)) for row in table]
+    a = next((t for t in range(ticks) if sb[t]), ticks)
+    b = max((t + 1 for t in range(ticks) if sf[t]), default=0)
+    b = max(a, b)
+    bounds = [(0, a, any(sf[:a]), False), (a, b, any(sf[a:b]), any(sb[a:b])), (b, ticks, False, any(sb[b:]))]
+    phases = [("FBW", t0, t1, f, g) for t0, t1, f, g in bounds if t1 > t0]
     return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox))

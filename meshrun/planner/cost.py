@@ -122,11 +122,14 @@ def layer_activation_bytes(
 def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak, in units of its layers.
     GPipe: all m. 1F1B: p - stage (p on the first stage). Interleaved (Korthikanti 2022, 4.2.3):
-    the first stage holds p (1 + (p-1)/(p v)) micro-batches' worth."""
+    the first stage holds p (1 + (p-1)/(p v)) micro-batches' worth. ZB-H1: 2 min(p, m) (see
+    `step_model.pipeline_slots_formula`)."""
     if p == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
+    if schedule == "zb-h1":  # min(p, m) from F to W on every stage, plus the stash after B (~ one more set)
+        return 2.0 * min(p, m)
     n = float(min(p - stage, m))
     if schedule == "interleaved" and stage == 0:
         n *= 1.0 + (p - 1) / (p * v)

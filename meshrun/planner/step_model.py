@@ -53,9 +53,13 @@ def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float) -> f
 
 def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
     """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
-    GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1)."""
+    GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1); zb-h1 2 min(m, p) (its per-op
+    timeline holds min(m, p) microbatches from F to W, each with its residuals and, after B, the
+    stash W reads: modelled as a second activation set)."""
     if schedule == "gpipe":
         return m
+    if schedule == "zb-h1":
+        return 2 * min(m, p)
     if schedule == "interleaved" and v > 1:
         return min(m * v, (v + 1) * p - 1)
     return min(m, 2 * p - 1)
@@ -67,7 +71,7 @@ def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
     Large tables (the planner's search over big clusters) use the closed form instead of building them."""
     from meshrun.errors import ConfigError
 
-    if p * m * v > 256:
+    if p * m * v > 256 or schedule == "zb-h1":
         return pipeline_slots_formula(schedule, p, m, v)
     try:
         lock = schedules.lockstep(schedules.build(schedule, p, m, v))
@@ -230,7 +234,10 @@ def predict_collective_bytes(
     act = prec.act * b * s * h
     v = virtual if schedule == "interleaved" and p > 1 else 1
     f_ticks = b_ticks = m  # forwards and backwards of one (chunk of a) stage per step
-    if p > 1:
+    if p > 1 and schedule == "zb-h1":  # per-op ticks: each tick's switch holds an F and a B branch
+        f_ticks = b_ticks = len(schedules.build(schedule, p, m))  # (W's weight gradients need no collective)
+        permutes = permutes or (f_ticks, f_ticks)
+    elif p > 1:
         lock = schedules.lockstep(schedules.build(schedule, p, m, v))
         f_ticks = sum(any(c.fwd for c in row) for row in lock)
         b_ticks = sum(any(c.bwd for c in row) for row in lock)

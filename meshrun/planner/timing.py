@@ -191,6 +191,9 @@ def predict_time(
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
     per_mb = t_mb + t_tp + t_pp + t_ep + t_zero
     bubble_slots = (p - 1) / v
+    bubble_fraction = (p - 1) / (v * m + p - 1)
+    if layout.schedule == "zb-h1":  # F = B = W: the bubble is (p - 1) x (F + B - W), a third of a micro-batch
+        bubble_slots, bubble_fraction = (p - 1) / 3, (p - 1) / (3 * m + p - 1)
     total = (m + bubble_slots) * per_mb + t_dp + t_opt
     return {
         "compute": m * t_mb,
@@ -203,7 +206,7 @@ def predict_time(
         "optimizer": t_opt,
         "total": total,
         "dp_sync_full": t_dp + m * zero_mb,
-        "bubble_fraction": (p - 1) / (v * m + p - 1),
+        "bubble_fraction": bubble_fraction,
         "split": split,
         "stage_seconds": times,
     }
