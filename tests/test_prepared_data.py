@@ -179,11 +179,15 @@ def _train(tmp_path, name, out, over, n_devices):
 
 def test_packed_training_with_val_loss_pipeline_matches_one_device(prepared, tmp_path):
     """prepare-data -> train with packed documents and val_loss: pipe2 x data2 x tensor2 (the pipeline
-    executor) equals one device (the microbatch scan) in loss per step and val_loss per evaluation."""
+    executor; 1F1B, and zb-h1 for the loss) equals one device (the microbatch scan) in loss per step
+    and val_loss per evaluation."""
     _, out, _, _ = prepared
     one, rows1 = _train(tmp_path, "one", out, ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1"], 1)
     par, rows8 = _train(tmp_path, "par", out, [], 8)
+    _, rows_zb = _train(tmp_path, "zb", out, ["pipeline.schedule=zb-h1"], 8)  # segment ids through B/W split
     assert [r["step"] for r in rows1 if "val_loss" in r] == [2, 3]
+    for r1, rz in zip(rows1, rows_zb, strict=True):
+        np.testing.assert_allclose(rz["loss"], r1["loss"], rtol=1e-5)
     for r1, r8 in zip(rows1, rows8, strict=True):
         np.testing.assert_allclose(r8["loss"], r1["loss"], rtol=1e-5)
         if "val_loss" in r1:
