@@ -342,16 +342,30 @@ def _count(jaxpr, prim: str) -> int:
     return n
 
 
-def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls():
+def toy_layers_remat(lp, x):
+    """toy_layers with each layer under jax.checkpoint (the backward recomputes its forward)."""
+
+    def body(x, w):
+        h = jnp.tanh(jnp.einsum("bsd,df->bsf", x, w["w1"]))
+        x = x + jnp.einsum("bsf,fd->bsd", h, w["w2"])
+        return x, jnp.sum(jnp.mean(x**2, axis=(1, 2)))
+
+    x, sq = jax.lax.scan(jax.checkpoint(body), x, lp)
+    return x, {"sq": jnp.sum(sq)}
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
     """`zb_split` cuts the stage backward's jaxpr: B keeps the activation-cotangent chain (2 matmuls
-    per toy layer: through w2 and w1), W only the weight-gradient matmuls (2 per layer), where the
-    unsplit backward has 4. The stash is per-layer activation-sized values, never a weight; B's dx
-    and W's grads equal the unsplit backward's."""
+    per toy layer: through w2 and w1; with remat also the recomputed forward's 2), W only the
+    weight-gradient matmuls (2 per layer), where the unsplit backward has 4 (6). The stash is
+    per-layer activation-sized values, never a weight; B's dx and W's grads equal the unsplit
+    backward's."""
     from meshrun.pipeline import zb_split
 
     lp = toy_params()["layers"]
     x = jax.random.normal(jax.random.key(5), (2, S, D))
-    (y, aux), vjp = jax.vjp(toy_layers, lp, x)
+    (y, aux), vjp = jax.vjp(toy_layers_remat if remat else toy_layers, lp, x)
     leaves, tdef = jax.tree.flatten(vjp)
     cot = (jnp.ones_like(y), {"sq": jnp.asarray(0.1)})
     full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))  # noqa: E731
@@ -366,11 +380,11 @@ def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls():
     ref = full(leaves, cot)
     for got, want in zip([*w(args, stash), dx], ref, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=1e-6)
-    assert _count(cj.jaxpr, "dot_general") == 4
-    assert _count(jax.make_jaxpr(lambda a: b(a))(args).jaxpr, "dot_general") == 2
+    assert _count(cj.jaxpr, "dot_general") == 4 + 2 * remat
+    assert _count(jax.make_jaxpr(lambda a: b(a))(args).jaxpr, "dot_general") == 2 + 2 * remat
     assert _count(jax.make_jaxpr(w)(args, stash).jaxpr, "dot_general") == 2
     shapes = {a.shape for a in jax.tree.leaves(stash)}
-    assert shapes == {(L, 2, S, D), (L, 2, S, F)}, shapes
+    assert shapes <= {(L, 2, S, D), (L, 2, S, F)} and len(shapes) == 2, shapes
 
 
 def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:

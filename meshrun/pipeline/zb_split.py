@@ -10,7 +10,7 @@ once for each, makes W re-derive the chain. Here the backward's jaxpr is split i
   microbatch: the cotangents at each matmul output, about one activation set). A `scan` (the model's
   layer loop, transposed) that serves both is split into two scans over the same iterations: the B
   scan carries the chain and emits each iteration's stash as ys, the W scan reads them. `jit` and
-  `checkpoint` calls are split through their bodies. Any other equation serving both (e.g. a `cond`)
+  remat (`checkpoint`) calls are split through their bodies. Any other equation serving both (e.g. a `cond`)
   runs in B and again in W, so no weight-sized value is ever stashed.
 * `run_b` / `run_w` evaluate the plan by binding each equation's primitive (as `jax.core.eval_jaxpr`
   does), re-creating split scans with `lax.scan`; their outputs match the unsplit backward's.
@@ -25,7 +25,10 @@ from typing import Any
 from jax import lax
 from jax.extend import core as jc
 
-CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
+# calls split through their bodies (inlined in B and W): jit, and remat's checkpoint (its body in
+# the backward is the recomputed forward plus the layer's backward; B runs the recompute, and what W
+# needs of it, the weights' inputs, goes into the stash rather than being recomputed a second time)
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
 
 
 @dataclass
