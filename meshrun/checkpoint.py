@@ -5,8 +5,11 @@ StandardSave: every process writes its own shards, OCDBT); `meta` is a JSON dict
 written with every checkpoint and compared with the current config before restoring.
 Restoring is layout-independent: the target's shardings decide how the arrays are read back, so a
 run saved on (data 2, pipe 2, tensor 2) resumes on (data 8) or (pipe 4, tensor 2).
-A step that fails to restore (corrupt array files or metadata) raises CheckpointDamaged; the loop
-moves it aside (`move_aside`: STEP -> STEP.damaged-TIME, never deleted) and tries the next older one.
+`meta` also holds per-array content checksums (`checksum.py`: OCDBT does not detect bytes overwritten
+inside an array chunk), checked after each restore.
+A step that fails to restore (corrupt array files or metadata, a checksum mismatch) raises
+CheckpointDamaged; the loop moves it aside (`move_aside`: STEP -> STEP.damaged-TIME, never deleted)
+and tries the next older one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from meshrun import checksum
 from meshrun.checkpoints_cli import DAMAGED_TAG, META, STATE
 from meshrun.config import CheckpointConfig, ModelConfig, to_dict
 from meshrun.errors import CheckpointError, ConfigError
@@ -196,7 +200,8 @@ class Checkpointer:
                 return False  # already on disk (a resumed run's last step)
             self.move_aside(step)  # an unusable STEP/ (no state or meta): orbax would skip the save
         self._started.add(step)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(self.meta)})
+        meta = {**self.meta, "checksums": checksum.checksums(state, _path_key)}  # checked on restore
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         with self._saving(step):
             return bool(self.manager.save(step, args=args, force=True))
 
@@ -287,7 +292,11 @@ class Checkpointer:
             self.check_compatible(step, target)
             abstract = jax.tree.map(_abstract, target)
             args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
-            return self.manager.restore(step, args=args)[STATE]
+            state = self.manager.restore(step, args=args)[STATE]
+            bad = checksum.mismatches(self.saved_meta(step).get("checksums", {}), state, _path_key)
+            if bad:  # OCDBT reads overwritten chunk bytes without an error
+                raise ValueError(f"array data does not match its checksum: {', '.join(bad[:3])}")
+            return state
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - TensorStore, JSON, orbax and OS errors all mean "unreadable"

@@ -81,12 +81,17 @@ def verify_arrays(entry: Path) -> str:
             target = jax.tree.map(
                 lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), tree, is_leaf=is_array
             )
-            jax.block_until_ready(ck.restore(entry / STATE, target))
+            state = jax.block_until_ready(ck.restore(entry / STATE, target))
     except Exception as e:  # noqa: BLE001 - TensorStore, JSON, orbax and OS errors all mean "unreadable"
         _quiet_leftover_reads()
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
         return f"arrays unreadable ({type(e).__name__}: {first[:160]})"
-    return ""
+    from meshrun import checksum
+    from meshrun.checkpoint import _path_key
+
+    meta, _ = _read_json(entry / META / "metadata")
+    bad = checksum.mismatches((meta or {}).get("checksums", {}), state, _path_key)
+    return f"array data does not match its checksum: {', '.join(bad[:3])}" if bad else ""
 
 
 def scan(run_dir: str | Path, verify: bool = False) -> list[StepInfo]:
