@@ -28,11 +28,10 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-from meshrun.devices import add_fast_compile_flag, needed_devices, setup_devices
+from meshrun.devices import add_fast_compile_flag, start_command
 from meshrun.errors import ConfigError, DataError
 
 CONTROL = ("conditional", "while", "call")  # events that span the ops they run
@@ -294,16 +293,7 @@ def run_profile(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.steps < 1:
         raise ConfigError("--steps", args.steps, "trace at least 1 step, e.g. --steps 3")
-    if args.devices < 0:
-        raise ConfigError("--devices", args.devices, "use a positive device count")
-    platform = setup_devices(
-        args.devices or needed_devices(cfg), force=bool(args.devices), fast_compile=args.fast_compile
-    )
-    if platform != "cpu" and (args.devices or args.fast_compile):
-        print(f"meshrun profile: platform {platform}: --devices and --fast-compile act on CPU only", file=sys.stderr)
-    from meshrun.distributed import initialize
-
-    initialize()
+    start_command(cfg, args, "profile")
     out = Path(args.out) if args.out else Path(cfg.train.run_dir) / "profile"
     rep = profile(cfg, args.steps, out)
     print(json.dumps(rep) if args.json else format_report(rep, str(args.config)))

@@ -9,10 +9,9 @@ loss, 4 I/O, 5 checkpoint, 6 distributed), reported by `meshrun.cli`.
 from __future__ import annotations
 
 import json
-import sys
 
-from meshrun.devices import add_fast_compile_flag, needed_devices, setup_devices
-from meshrun.errors import EXIT_TRAINING, ConfigError
+from meshrun.devices import add_fast_compile_flag, start_command
+from meshrun.errors import EXIT_TRAINING
 
 EXIT_TRAINING_ERROR = EXIT_TRAINING  # the run started but could not go on (NaN loss); bad input is 2
 
@@ -37,16 +36,7 @@ def run_train(args) -> int:
     from meshrun.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.devices < 0:
-        raise ConfigError("--devices", args.devices, "use a positive device count")
-    platform = setup_devices(
-        args.devices or needed_devices(cfg), force=bool(args.devices), fast_compile=args.fast_compile
-    )
-    if platform != "cpu" and (args.devices or args.fast_compile):
-        print(f"meshrun train: platform {platform}: --devices and --fast-compile act on CPU only", file=sys.stderr)
-    from meshrun.distributed import initialize
-
-    initialize()
+    start_command(cfg, args, "train")
     from meshrun.loop import run
 
     result = run(cfg, quiet=args.quiet)

@@ -203,13 +203,7 @@ def _scan_b(eqn, sp: Split, ins):
 
     p = eqn.params
     last, (ys, st, cin) = lax.scan(step, [init[j] for j in sp.b_car], xs, length=p["length"], reverse=p["reverse"])
-    outs, it = [None] * len(eqn.outvars), iter(ys)
-    for j, c in zip(sp.b_car, last, strict=True):
-        outs[j] = c
-    for k, n in enumerate(sp.b_out[ncar:]):
-        if n:
-            outs[ncar + k] = next(it)
-    return outs, {"body": st, "carry_in": cin}
+    return _scan_outs(len(eqn.outvars), ncar, sp.b_car, last, sp.b_out, ys), {"body": st, "carry_in": cin}
 
 
 def _scan_w(eqn, sp: Split, ins, stash):
@@ -229,10 +223,15 @@ def _scan_w(eqn, sp: Split, ins, stash):
     p = eqn.params
     xs_all = (xs, stash["body"], stash["carry_in"])
     last, ys = lax.scan(step, [init[j] for j in sp.w_car], xs_all, length=p["length"], reverse=p["reverse"])
-    outs, it = [None] * len(eqn.outvars), iter(ys)
-    for j, c in zip(sp.w_car, last, strict=True):
+    return _scan_outs(len(eqn.outvars), ncar, sp.w_car, last, sp.w_out, ys)
+
+
+def _scan_outs(n_out: int, ncar: int, car: list, last, made: list, ys) -> list:
+    """A split scan's results in the original scan's output order (None where this part made none)."""
+    outs, it = [None] * n_out, iter(ys)
+    for j, c in zip(car, last, strict=True):
         outs[j] = c
-    for k, n in enumerate(sp.w_out[ncar:]):
+    for k, n in enumerate(made[ncar:]):
         if n:
             outs[ncar + k] = next(it)
     return outs
