@@ -245,9 +245,10 @@ class Checkpointer:
         with _quiet_absl():
             return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
-    def check_compatible(self, step: int, target: Any) -> None:
-        """ConfigError when the saved model config or the saved array shapes differ from the current ones."""
-        saved = self.saved_meta(step).get("model")
+    def check_compatible(self, step: int, target: Any, meta: dict[str, Any] | None = None) -> None:
+        """ConfigError when the saved model config or the saved array shapes differ from the current ones
+        (`meta`: the step's saved meta when the caller has read it already)."""
+        saved = (self.saved_meta(step) if meta is None else meta).get("model")
         current = self.meta.get("model")
         if saved is not None:  # a field added since that checkpoint was written has its default there
             saved = {**to_dict(ModelConfig()), **saved}
@@ -289,11 +290,12 @@ class Checkpointer:
         shardings, or of arrays (their shardings are used). Any mesh works (resharding).
         ConfigError: written for another model / shapes; CheckpointDamaged: the files cannot be read."""
         try:
-            self.check_compatible(step, target)
+            meta = self.saved_meta(step)
+            self.check_compatible(step, target, meta)
             abstract = jax.tree.map(_abstract, target)
             args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
             state = self.manager.restore(step, args=args)[STATE]
-            bad = checksum.mismatches(self.saved_meta(step).get("checksums", {}), state, _path_key)
+            bad = checksum.mismatches(meta.get("checksums", {}), state, _path_key)
             if bad:  # OCDBT reads overwritten chunk bytes without an error
                 raise ValueError(f"array data does not match its checksum: {', '.join(bad[:3])}")
             return state

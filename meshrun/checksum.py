@@ -12,6 +12,7 @@ against its restore on any other.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -44,23 +45,24 @@ def _sums(x) -> jax.Array:
     return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
 
 
-def _on_device(x):
-    """An offloaded (pinned_host) leaf is summed on the device, like the step uses it."""
+def _device_sharding(x):
+    """Where an offloaded (pinned_host) leaf is summed: its sharding in device memory; else None."""
     s = getattr(x, "sharding", None)
-    if getattr(s, "memory_kind", None) == "pinned_host":
-        return jax.device_put(x, s.with_memory_kind("device"))
-    return x
+    return s.with_memory_kind("device") if getattr(s, "memory_kind", None) == "pinned_host" else None
 
 
-@jax.jit
-def _all_sums(leaves: list) -> list:
-    return [_sums(x) for x in leaves]
+@functools.partial(jax.jit, static_argnums=1)
+def _all_sums(leaves: list, to_device: tuple) -> list:
+    # offloaded leaves move to the device inside the jit, where XLA can free each one once it is
+    # summed (an eager device_put first would hold all of them in device memory at once)
+    return [_sums(x if s is None else jax.device_put(x, s)) for x, s in zip(leaves, to_device, strict=True)]
 
 
 def checksums(tree: Any, key) -> dict[str, list[int]]:
     """{leaf key: [sum, weighted sum]} of every array leaf; `key(path)` names a leaf."""
     flat = [(key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "dtype")]
-    sums = jax.device_get(_all_sums([_on_device(x) for _, x in flat]))
+    leaves = [x for _, x in flat]
+    sums = jax.device_get(_all_sums(leaves, tuple(_device_sharding(x) for x in leaves)))
     return {k: [int(v) for v in np.asarray(s)] for (k, _), s in zip(flat, sums, strict=True)}
 
 

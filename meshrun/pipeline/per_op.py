@@ -51,6 +51,10 @@ class OpRun(_StageRun):
 
         return b, w
 
+    def res_structs(self) -> list:
+        """Shapes and dtypes of one microbatch's stored residuals (what B and W are traced on)."""
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res_avals]
+
     def init_carry(self) -> dict:
         c = super().init_carry()  # a per-op program is never fused_head: c holds the dy buffer
         xs = self.x_aval
@@ -58,9 +62,9 @@ class OpRun(_StageRun):
         c["f_box"] = self.full((fi + 1, *xs.shape), xs.dtype)  # last slot: the trash
         c["g_box"] = self.full((gi + 1, *xs.shape), xs.dtype)
         # B's stash (what W reads of B's work: per layer, the cotangents at the weights' uses)
-        saved = [jnp.zeros(a.shape, a.dtype) for a in self.res_avals]
-        b, _ = self.split_backward(0, saved, self.x_zero)
-        self.stash_avals = jax.eval_shape(lambda: b(saved, self.x_zero)[1])
+        res = self.res_structs()
+        b, _ = self.split_backward(0, res, self.x_aval)
+        self.stash_avals = jax.eval_shape(lambda r, d: b(r, d)[1], res, self.x_aval)
         c["stash"] = jax.tree.map(lambda a: self.full((self.nslot, *a.shape), a.dtype), self.stash_avals)
         return c
 
@@ -78,8 +82,7 @@ class OpRun(_StageRun):
         first, last = self.stage == 0, self.stage == self.p - 1
         x_in = _take(c["f_box"], slot_or(at("f_get"), fi))
         g_in = _take(c["g_box"], slot_or(at("g_get"), gi))
-        res_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res_avals]
-        b_part, w_part = self.split_backward(mb, res_avals, self.x_aval)
+        b_part, w_part = self.split_backward(mb, self.res_structs(), self.x_aval)
 
         # Branches read the buffers they need themselves (a buffer a branch only reads is not copied;
         # one it returned would be) and return one microbatch's values, written below into the

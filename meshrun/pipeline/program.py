@@ -114,7 +114,6 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     runs, so a consumer may run later than the arrival. Residual slots live from F to W."""
     m = pcfg.microbatches
     table = schedules.build(pcfg.schedule, p, m)
-    when = {(op.kind, op.mb, s): t for t, row in enumerate(table) for s, op in enumerate(row) if op is not None}
     ticks = len(table)
     arrs = {k: np.full((ticks, p), -1, np.int32) for k in ("kind", "mb", "slot", "f_put", "f_get", "g_put", "g_get")}
     slots, inbox = 0, [0, 0]
@@ -126,14 +125,13 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
             if op is not None:
                 arrs["kind"][t, s], arrs["mb"][t, s], arrs["slot"][t, s] = KINDS[op.kind], op.mb, res[(op.mb, 0)]
         # inboxes: activations from stage s-1's F, gradients from stage s+1's B
-        for i, (kind, src, pre) in enumerate((("F", s - 1, "f"), ("B", s + 1, "g"))):
-            if not 0 <= src < p:
+        for i, (pre, iv) in enumerate(zip("fg", schedules.inbox_intervals(table, s), strict=True)):
+            if not iv:
                 continue
-            iv = {mb: (when[(kind, mb, src)] + 1, when[(kind, mb, s)]) for mb in range(m)}
             box = schedules.assign_slots(iv)
             inbox[i] = max(inbox[i], 1 + max(box.values()))
-            for mb, (a, b) in iv.items():
-                arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[mb]
+            for key, (a, b) in iv.items():
+                arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
     # Phases (one scan each, i.e. one compiled copy of the tick): the warm-up that sends only
     # activations, the cool-down that sends only gradients, and between them ticks that send both
     # ways (some of them have nothing to send one way: a spare permute is cheaper than a copy of the

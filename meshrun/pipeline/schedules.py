@@ -371,24 +371,32 @@ def assign_slots(intervals: dict) -> dict:
     return out
 
 
-def buffer_sizes(table, stage: int) -> BufferSizes:
-    """Fixed buffer sizes for `stage`. Inbox slots count values that arrive (one tick after the
-    producer's op) before the tick that consumes them; a value consumed in its arrival tick needs
-    none (it is read straight from the ppermute result)."""
+def inbox_intervals(table, stage: int) -> tuple[dict, dict]:
+    """What `stage` receives, per (mb, chunk): (tick it arrives, tick its consumer runs), for the
+    activations its F's take and for the gradients its B's take. A value sent at tick t arrives at
+    t+1 (per-op and lockstep tables)."""
     p = len(table[0])
     when: dict[tuple[str, int, int], int] = {}
     for s, ops in enumerate(_stage_orders(table)):
         for t, op in ops:
             when[(op.kind, op.mb, op.chunk * p + s)] = t
     v = 1 + max(k for _, _, k in when) // p
-    fin, bin_ = [], []
+    fin, bin_ = {}, {}
     for t, op in _stage_orders(table)[stage]:
         k = op.chunk * p + stage
         if op.kind == "F" and k > 0:
-            fin.append((when[("F", op.mb, k - 1)] + 1, t - 1))
+            fin[(op.mb, op.chunk)] = (when[("F", op.mb, k - 1)] + 1, t)
         elif op.kind == "B" and k < v * p - 1:
-            bin_.append((when[("B", op.mb, k + 1)] + 1, t - 1))
-    held = lambda iv: _max_overlap([(a, b) for a, b in iv if a <= b])
+            bin_[(op.mb, op.chunk)] = (when[("B", op.mb, k + 1)] + 1, t)
+    return fin, bin_
+
+
+def buffer_sizes(table, stage: int) -> BufferSizes:
+    """Fixed buffer sizes for `stage`. Inbox slots count values that arrive (one tick after the
+    producer's op) before the tick that consumes them; a value consumed in its arrival tick needs
+    none (it is read straight from the ppermute result)."""
+    fin, bin_ = inbox_intervals(table, stage)
+    held = lambda iv: _max_overlap([(a, b - 1) for a, b in iv.values() if a <= b - 1])  # noqa: E731
     return BufferSizes(max_in_flight(table, stage), held(fin), held(bin_))
 
 
