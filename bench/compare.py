@@ -126,7 +126,7 @@ def groups(quick: bool) -> list[tuple[Layout, list[tuple[Layout, Layout | None, 
 def run_one(lay: Layout, steps: int, timeout: float) -> tuple[float | None, str]:
     """Steady step seconds of one `meshrun train` process (median of steps 3..steps), or an error."""
     with tempfile.TemporaryDirectory(prefix="meshrun-compare-") as tmp:
-        cmd = [sys.executable, "-m", "meshrun.cli", "train", str(CONFIG), *MODEL, *lay.overrides(),
+        cmd = [sys.executable, "-m", "meshrun.cli.main", "train", str(CONFIG), *MODEL, *lay.overrides(),
                f"train.steps={steps}", f"train.run_dir={tmp}/run", "--quiet"]  # fmt: skip
         env = {
             **os.environ,

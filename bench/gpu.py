@@ -17,7 +17,7 @@ processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocato
 line records them (`xla_flags`) and, parsed, the overlap and bucket-fusion ones (`comm_flags`). The output
 is ONE JSON line: the remat=none numbers at the top level, the remat=full ones under `remat_full`,
 and an `error` field (null when everything ran). Steady step = median of the steps after the first
-two; model FLOPs and MFU follow meshrun.metrics (Megatron's count: no recomputation, full attention
+two; model FLOPs and MFU follow meshrun.train.metrics (Megatron's count: no recomputation, full attention
 matrix) against its dense bf16 peak table.
 """
 
@@ -79,12 +79,12 @@ def emit(**kw) -> None:
 def child(a) -> int:
     import jax
 
+    from meshrun.analysis.flops import model_flops
     from meshrun.config import load_config
-    from meshrun.data import global_batch_arrays, make_dataset
-    from meshrun.flops import model_flops
-    from meshrun.mesh import build_mesh
-    from meshrun.metrics import peak_flops
-    from meshrun.train import make_train_step
+    from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.metrics import peak_flops
+    from meshrun.train.step import make_train_step
 
     cfg = load_config(None, a.child_overrides)
     t = cfg.train
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     model = TINY if dry else REAL
     steps = a.steps or (3 if dry else 30)
     micro, accum = a.micro_batch or (2 if dry else 4), a.accum or (2 if dry else 4)
-    from meshrun.devices import default_platform  # imports no jax
+    from meshrun.runtime.devices import default_platform  # imports no jax
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     if dry:

@@ -27,7 +27,7 @@ DTYPES = ("float32", "bfloat16")
 
 def train(config: str, steps: int, dtype: str, extra: list[str], run_dir: Path) -> tuple[list[float], float]:
     """Per-step losses of one `meshrun train` run, and its wall-clock seconds (whole process)."""
-    cmd = [sys.executable, "-m", "meshrun.cli", "train", "--quiet", config, f"train.steps={steps}",
+    cmd = [sys.executable, "-m", "meshrun.cli.main", "train", "--quiet", config, f"train.steps={steps}",
            f"train.grad_reduce_dtype={dtype}", f"train.run_dir={run_dir}", "checkpoint.every=0", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     t0 = time.monotonic()

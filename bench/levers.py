@@ -31,7 +31,7 @@ LEVERS = (
 
 def explain(config: str, over: list[str], cluster: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "meshrun.cli", "explain", config, *over, "--json", "--cluster", cluster]
+    cmd = [sys.executable, "-m", "meshrun.cli.main", "explain", config, *over, "--json", "--cluster", cluster]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")

@@ -10,7 +10,7 @@ Then per compiled row (1F1B, interleaved v = 2, zb-h1 by default; `--ms` are mul
 table bubble, residual slots, compiled per-device temp memory, collective-permute bytes per step over
 'pipe', the median step time and its ratio to the non-pipelined step (same model and global batch,
 data x tensor parallel on the same 8 devices), and from a `jax.profiler` trace of two steps
-(`meshrun.profile`): the measured bubble per stage ((span - busy) / span) and the compute time per
+(`meshrun.analysis.trace`): the measured bubble per stage ((span - busy) / span) and the compute time per
 step summed over the stages (all ops' busy time: the work the schedule does, bubbles excluded).
 Microbatch size is fixed (1 sequence per data shard), so the global batch grows with m. On simulated
 devices 8 devices share the host's cores: the step ratio and the measured idle mostly show per-tick
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from meshrun.devices import simulate_cpu_devices
+from meshrun.runtime.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
@@ -35,14 +35,15 @@ import meshrun_models as mm  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from meshrun import hlo, profile  # noqa: E402
+from meshrun.analysis import hlo  # noqa: E402
+from meshrun.analysis import trace as profile  # noqa: E402
 from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
-from meshrun.mesh import build_mesh  # noqa: E402
-from meshrun.metrics import trace_options  # noqa: E402
+from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 from meshrun.pipeline import schedules  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
-from meshrun.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
+from meshrun.runtime.mesh import build_mesh  # noqa: E402
+from meshrun.train.metrics import trace_options  # noqa: E402
 
 SEQ = 32
 CFG = ModelConfig(vocab=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, max_seq_len=SEQ)
@@ -80,7 +81,7 @@ def baseline(mesh, params, tok, lab, repeats):
 
 
 def measured(compiled, args, mesh, sched: str, p: int, m: int, v: int, steps: int = 2) -> dict:
-    """`meshrun.profile`'s per-stage report of `steps` traced executions of `compiled`."""
+    """`meshrun.analysis.trace`'s per-stage report of `steps` traced executions of `compiled`."""
     with tempfile.TemporaryDirectory() as out:
         with jax.profiler.trace(out, create_perfetto_trace=True, profiler_options=trace_options()):
             for _ in range(steps):

@@ -27,8 +27,8 @@ import shutil
 import tempfile
 import time
 
-from meshrun.data import stdlib_sources
-from meshrun.prepare_data import prepare
+from meshrun.data.datasets import stdlib_sources
+from meshrun.data.tokenize import prepare
 
 
 def _cpu_s() -> float:

@@ -4,7 +4,7 @@
 
 For tiny_cpu.yaml (data2 x pipe2 x tensor2, 1F1B m=4), the same dense model with pipe=1 data=4, and
 tiny_moe_cpu.yaml (data2 x expert2 x tensor2): tokens/s (median over --steps timed steps after
---warmup untimed ones, real batches from meshrun.data) and compiled argument + temp bytes per device,
+--warmup untimed ones, real batches from meshrun.data.datasets) and compiled argument + temp bytes per device,
 against the same model, global batch and microbatches on ONE device, with the ratios of this run.
 Wall-clock on 8 simulated CPU devices sharing 2 cores says little about GPU speed: compare the
 ratios within one run only, never absolute times across machines (XLA's default flags; export
@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-from meshrun.devices import simulate_cpu_devices
+from meshrun.runtime.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
@@ -25,11 +25,11 @@ import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshrun.config import load_config  # noqa: E402
-from meshrun.data import global_batch_arrays, make_dataset  # noqa: E402
-from meshrun.devices import cpu_devices  # noqa: E402
-from meshrun.mesh import build_mesh  # noqa: E402
-from meshrun.sharding import DP_AXES  # noqa: E402
-from meshrun.train import make_train_step  # noqa: E402
+from meshrun.data.datasets import global_batch_arrays, make_dataset  # noqa: E402
+from meshrun.parallel.sharding import DP_AXES  # noqa: E402
+from meshrun.runtime.devices import cpu_devices  # noqa: E402
+from meshrun.runtime.mesh import build_mesh  # noqa: E402
+from meshrun.train.step import make_train_step  # noqa: E402
 
 CASES = (
     ("tiny_cpu (d2 p2 t2)", "configs/tiny_cpu.yaml", []),

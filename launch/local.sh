@@ -20,7 +20,7 @@
 #   PEER_WAIT_S    seconds the other ranks get to end by themselves after one failed (default 5)
 #   LOG_DIR        where the per-rank logs go (default RUN_DIR/logs)
 #   PYTHON         interpreter (default: the checkout's .venv/bin/python, else python3)
-#   MESHRUN_HEARTBEAT_S, MESHRUN_INIT_TIMEOUT_S   passed through (see meshrun/distributed.py)
+#   MESHRUN_HEARTBEAT_S, MESHRUN_INIT_TIMEOUT_S   passed through (see meshrun/runtime/distributed.py)
 #   DRY_RUN=1      print each rank's command line instead of running it
 #   MAX_RESTARTS=K when a rank dies (or the job exits 3 on a NaN loss), restart the whole job from
 #                  its newest intact checkpoint, up to K times (`meshrun supervise`; one line each)

@@ -10,16 +10,16 @@ from meshrun.errors import ConfigError
 __version__ = "0.1.0"
 
 _LAZY = {
-    "build_mesh": "meshrun.mesh",
-    "describe": "meshrun.mesh",
-    "describe_dict": "meshrun.mesh",
-    "axis_groups": "meshrun.mesh",
-    "param_rules": "meshrun.sharding",
-    "compute_rules": "meshrun.sharding",
-    "logical_to_spec": "meshrun.sharding",
-    "tree_shardings": "meshrun.sharding",
-    "use_rules": "meshrun.sharding",
-    "constrain": "meshrun.sharding",
+    "build_mesh": "meshrun.runtime.mesh",
+    "describe": "meshrun.runtime.mesh",
+    "describe_dict": "meshrun.runtime.mesh",
+    "axis_groups": "meshrun.runtime.mesh",
+    "param_rules": "meshrun.parallel.sharding",
+    "compute_rules": "meshrun.parallel.sharding",
+    "logical_to_spec": "meshrun.parallel.sharding",
+    "tree_shardings": "meshrun.parallel.sharding",
+    "use_rules": "meshrun.parallel.sharding",
+    "constrain": "meshrun.parallel.sharding",
 }
 
 __all__ = ["ConfigError", "MeshConfig", "ModelConfig", "RunConfig", "load_config", *_LAZY]

@@ -6,13 +6,13 @@ Functional API (what the train step and the pipeline executor call)::
     # params keys: 'embed' {'embedding' [V,D] ('vocab','embed')}, 'layers' (every leaf has the leading
     # stacked 'layers' axis), 'final_norm' {'scale' [D] ('norm',)}, 'head' {'kernel' [D,V] ('embed','vocab')}
     # ('head' absent when cfg.tie_embeddings; attn q_bias/k_bias/v_bias only with cfg.qkv_bias).
-    # Shardings: meshrun.sharding.tree_shardings(params, mesh, rules).
+    # Shardings: meshrun.parallel.sharding.tree_shardings(params, mesh, rules).
     x_BxLxD = embed(params, tokens_BxL, cfg)
     x_BxLxD, aux = apply_layers(jax.tree.map(lambda w: w[a:b], params['layers']), x_BxLxD, cfg)
     loss_sum, n_tokens = head_loss(params, x_BxLxD, labels_BxL, cfg)   # sums; labels < 0 are ignored
     loss = total_loss(loss_sum, n_tokens, aux, n_sequences, cfg)        # after summing over microbatches
     loss, metrics = loss_fn(params, tokens_BxL, labels_BxL, cfg)       # the whole thing, one batch
-    fns = model_fns(cfg)   # the same functions as a meshrun.model_api.ModelFns (what train/pipeline drive)
+    fns = model_fns(cfg)   # the same functions as a meshrun.family.contract.ModelFns (what train/pipeline drive)
 
 `aux` = {'moe_aux_loss', 'moe_z_loss', 'dropped_tokens'}: float32 sums over the given units' MoE
 layers and over sequences (zeros for dense). loss = loss_sum/n_tokens + aux_loss_coef * moe_aux /
@@ -37,7 +37,7 @@ cfg.remat_every=k with full: one checkpoint per group of k units. attention_impl
 Stacked units: a dense model has n_layers units; an MoE model with moe_every=k has n_layers/k
 units, each k-1 dense blocks (params['layers']['dense'], axes ['layers', None, ...]) then one MoE
 block (params['layers']['moe']). All functions accept nnx.State or plain dicts of arrays, and run
-under `meshrun.sharding.use_rules(mesh, compute_rules(sp))` (activation constraints) or without a mesh.
+under `meshrun.parallel.sharding.use_rules(mesh, compute_rules(sp))` (activation constraints) or without a mesh.
 """
 
 from flax import nnx

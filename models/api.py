@@ -1,12 +1,12 @@
-"""The meshrun_models transformer as a `meshrun.model_api.ModelFns` (what train and pipeline drive)."""
+"""The meshrun_models transformer as a `meshrun.family.contract.ModelFns` (what train and pipeline drive)."""
 
 from __future__ import annotations
 
 import functools
 
 from meshrun.config import ModelConfig
-from meshrun.model_api import ModelFns
-from meshrun.sharding import state_names
+from meshrun.family.contract import ModelFns
+from meshrun.parallel.sharding import state_names
 
 
 @functools.cache

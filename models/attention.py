@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshrun_models.layers import Lead, dtype_of, normal_param, rope, rope_freqs, segment_positions, zeros_param
 
 from meshrun.config import ModelConfig
-from meshrun.sharding import constrain
+from meshrun.parallel.sharding import constrain
 
 
 class Attention(nnx.Module):

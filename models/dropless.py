@@ -30,7 +30,7 @@ from meshrun_models.layers import dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
-from meshrun.sharding import constrain
+from meshrun.parallel.sharding import constrain
 
 
 def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig) -> jax.Array:

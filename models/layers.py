@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshrun.config import ModelConfig
-from meshrun.sharding import constrain
+from meshrun.parallel.sharding import constrain
 
 Lead = tuple[tuple[int, str | None], ...]
 

@@ -36,7 +36,7 @@ from meshrun_models.layers import Lead, dtype_of, normal_param
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
-from meshrun.sharding import constrain, current_rules, use_rules
+from meshrun.parallel.sharding import constrain, current_rules, use_rules
 
 STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens")
 MOE_AXES = ("data", "expert")  # manual in the MoE shard_map: tokens are routed where they live

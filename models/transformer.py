@@ -31,10 +31,10 @@ from meshrun_models.layers import (
 )
 from meshrun_models.moe import STATS, MoE, moe_ffn
 
-from meshrun import model_api
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.sharding import constrain
+from meshrun.family import contract
+from meshrun.parallel.sharding import constrain
 
 RESID = ("batch", "length", "embed")  # the residual stream between blocks ('length' sharded under SP)
 FULL = ("batch", None, "embed")  # inside a block: full sequence (an all-gather under SP)
@@ -247,7 +247,7 @@ def total_loss(loss_sum, n_tokens, aux: Mapping[str, jax.Array], n_sequences: in
     i.e. the router losses are averaged over MoE layers and over sequences (routing groups)."""
     from meshrun_models.api import model_fns
 
-    return model_api.loss_share(model_fns(cfg), loss_sum, aux, n_tokens, n_sequences)
+    return contract.loss_share(model_fns(cfg), loss_sum, aux, n_tokens, n_sequences)
 
 
 def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig, segment_ids_BxL=None):
@@ -256,7 +256,7 @@ def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: Mode
     dropped_tokens}."""
     from meshrun_models.api import model_fns
 
-    return model_api.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL, segment_ids_BxL)
+    return contract.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL, segment_ids_BxL)
 
 
 # ---------------------------------------------------------------- validation

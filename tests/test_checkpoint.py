@@ -12,10 +12,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshrun.checkpoint import Checkpointer, PreemptionFlag, check_run_dir_writable
+from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir_writable
 from meshrun.config import CheckpointConfig, MeshConfig, ModelConfig, to_dict
 from meshrun.errors import ConfigError
-from meshrun.mesh import build_mesh
+from meshrun.runtime.mesh import build_mesh
 
 MODEL = to_dict(ModelConfig())
 META = {"model": MODEL, "mesh": {"data": 2, "pipe": 2, "tensor": 2}}
@@ -84,8 +84,8 @@ def test_checksums_catch_changed_data_on_any_mesh(tmp_path, mesh_a):
     with one element or with two swapped elements, and a mismatch is a damaged checkpoint."""
     import json
 
-    from meshrun import checksum
-    from meshrun.checkpoint import CheckpointDamaged, _path_key
+    from meshrun.checkpoint import checksum
+    from meshrun.checkpoint.state import CheckpointDamaged, path_key
 
     state = _state(mesh_a, SPECS_A)
     with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta=META) as ck:
@@ -97,7 +97,7 @@ def test_checksums_catch_changed_data_on_any_mesh(tmp_path, mesh_a):
     with Checkpointer(tmp_path, CheckpointConfig(), meta=META) as ck:
         _assert_tree_equal(ck.restore(1, other), state)
     w = np.asarray(state["params"]["w_DxF"])
-    sums = lambda a: checksum.checksums({"w": jnp.asarray(a)}, _path_key)["w"]  # noqa: E731
+    sums = lambda a: checksum.checksums({"w": jnp.asarray(a)}, path_key)["w"]  # noqa: E731
     one, swapped = w.copy(), w.copy()
     one[3, 5] += 1.0
     swapped[[0, 1]] = swapped[[1, 0]]

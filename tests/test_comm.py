@@ -9,16 +9,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_train import SMALL, _cfg, full_batch_reference
 
-from meshrun import ConfigError, MeshConfig, build_mesh, describe, describe_dict, hlo
-from meshrun.cli import main
+from meshrun import ConfigError, MeshConfig, build_mesh, describe, describe_dict
+from meshrun.analysis import hlo
+from meshrun.cli.main import main
 from meshrun.config import load_config
-from meshrun.data import global_batch_arrays, make_dataset
-from meshrun.explain import buckets, format_buckets
-from meshrun.mesh import rack_of
+from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.parallel.sharding import DP_AXES
 from meshrun.planner import step_model, timing
 from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
-from meshrun.sharding import DP_AXES
-from meshrun.train import make_train_step
+from meshrun.runtime.mesh import rack_of
+from meshrun.train.explain import buckets, format_buckets
+from meshrun.train.step import make_train_step
 
 BF16 = "train.grad_reduce_dtype=bfloat16"
 TINY = ["model.n_layers=2"]

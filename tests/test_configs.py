@@ -58,10 +58,10 @@ def test_every_config_loads(path):
 def test_run_config_runs_one_step_on_cpu(path, tmp_path):
     import jax
 
-    from meshrun.data import global_batch_arrays, make_dataset
-    from meshrun.mesh import build_mesh
-    from meshrun.sharding import DP_AXES
-    from meshrun.train import make_train_step
+    from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.parallel.sharding import DP_AXES
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
 
     base = load_config(path)
     over = [*TINY, *tiny_mesh(base)] if "cpu" not in path.name else ["train.steps=1"]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshrun import data
 from meshrun.config import DataConfig, MeshConfig
-from meshrun.data import global_batch_arrays, make_dataset, synthetic_entropy
+from meshrun.data import datasets as data
+from meshrun.data.datasets import global_batch_arrays, make_dataset, synthetic_entropy
 from meshrun.errors import ConfigError
-from meshrun.mesh import build_mesh
+from meshrun.runtime.mesh import build_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,8 +166,8 @@ _WORKER = textwrap.dedent(
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     from jax.sharding import PartitionSpec as P
     from meshrun.config import DataConfig, MeshConfig
-    from meshrun.data import global_batch_arrays, make_dataset
-    from meshrun.mesh import build_mesh
+    from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.runtime.mesh import build_mesh
     ds = make_dataset(DataConfig(kind="synthetic"), vocab=256, seq_len=16, global_batch=8)
     built = []
     orig = ds.batch

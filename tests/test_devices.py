@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.config import load_config
-from meshrun.devices import (
+from meshrun.runtime.devices import (
     DEVICE_COUNT_FLAG,
     FAST_COMPILE_FLAG,
     default_platform,
@@ -20,7 +20,7 @@ from meshrun.devices import (
 ROOT = Path(__file__).resolve().parents[1]
 LEVEL = "xla_backend_optimization_level"
 
-# Runs `meshrun train ARGS` as `python -m meshrun.cli` does and, at exit, reports the XLA_FLAGS the
+# Runs `meshrun train ARGS` as `python -m meshrun.cli.main` does and, at exit, reports the XLA_FLAGS the
 # process ended with and the devices jax saw.
 HOOK = """
 import atexit, os, runpy, sys
@@ -36,7 +36,7 @@ def report():
 
 atexit.register(report)
 sys.argv = ["meshrun", *sys.argv[1:]]
-runpy.run_module("meshrun.cli", run_name="__main__")
+runpy.run_module("meshrun.cli.main", run_name="__main__")
 """
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from test_reliability import CONFIG, SMALL, metrics_steps, one_error_line
 
-from meshrun.checkpoints_cli import scan
-from meshrun.cli import main
+from meshrun.checkpoint.store import scan
+from meshrun.cli.main import main
 
 pytestmark = pytest.mark.serial  # real ranks with start-up timeouts: run alone (tasks.py test)
 
@@ -46,7 +46,7 @@ def _status(run_dir: Path) -> list[tuple[int, str]]:
 def _child(code: str, *train_args: str) -> subprocess.Popen:
     """`meshrun train` in a fresh interpreter after running `code` (the fault), stdout/stderr piped."""
     argv = ["train", "--quiet", CONFIG, *SMALL, *train_args]
-    script = f"import sys\n{code}\nfrom meshrun.cli import main\nsys.exit(main({argv!r}))\n"
+    script = f"import sys\n{code}\nfrom meshrun.cli.main import main\nsys.exit(main({argv!r}))\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
@@ -183,7 +183,7 @@ def test_two_runs_at_once_then_sigterm_during_compile(tmp_path):
 
 # ------------------------------------------------------------------ the supervisor, with stand-in ranks
 
-# Stand-in for PYTHON in launch/local.sh: real python for `-c` and `meshrun.cli supervise`; as a rank,
+# Stand-in for PYTHON in launch/local.sh: real python for `-c` and `meshrun.cli.main supervise`; as a rank,
 # it follows `plan`: one word per attempt: ok (rank 0 logs a metrics row, prints the result line,
 # all exit 0), kill1 (rank 1 SIGKILLs itself, rank 0 logs a row), nan (rank 0
 # exits 3), bad (exit 2), down (rank 1 SIGKILLs itself at once, no row). It records its arguments.

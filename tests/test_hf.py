@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from meshrun_models import apply_layers, embed, logits
 
-from meshrun.cli import main
+from meshrun.checkpoint.params import restore_params
+from meshrun.cli.main import main
 from meshrun.config import MeshConfig, ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hf import export_hf, import_hf, load_params
-from meshrun.hf_convert import model_config
-from meshrun.mesh import build_mesh
-from meshrun.param_ckpt import restore_params
-from meshrun.safetensors_io import SafeTensors
+from meshrun.hf.convert import model_config
+from meshrun.hf.io import export_hf, import_hf, load_params
+from meshrun.hf.safetensors_io import SafeTensors
+from meshrun.runtime.mesh import build_mesh
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral")
@@ -141,9 +141,9 @@ def test_import_prepare_data_train_with_val_loss(imported, tmp_path):
     devices) with a held-out split and val_loss. Step 0 start, and the first loss is the imported
     model's loss on that batch (a random init would give ~log(vocab))."""
     from meshrun.config import load_config
-    from meshrun.data import global_batch_arrays
-    from meshrun.loop import prepare, run
-    from meshrun.prepare_data import prepare as prepare_data
+    from meshrun.data.datasets import global_batch_arrays
+    from meshrun.data.tokenize import prepare as prepare_data
+    from meshrun.train.loop import prepare, run
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     rng = np.random.default_rng(0)
@@ -219,8 +219,8 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
     from meshrun_models import abstract_params
     from meshrun_models.layers import arrays
 
+    from meshrun.checkpoint.params import save_params
     from meshrun.config import to_dict
-    from meshrun.param_ckpt import save_params
 
     moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0, moe_dispatch="dropless")
     moe_fields = moe_fields if moe else {}  # Mixtral: dropless on import
@@ -268,7 +268,7 @@ def test_bfloat16_checkpoint_round_trips(tmp_path):
     """Real checkpoints are bfloat16: read exactly into float32 masters, written back bit for bit."""
     import ml_dtypes
 
-    from meshrun.safetensors_io import write
+    from meshrun.hf.safetensors_io import write
 
     src = SafeTensors(FIX / "llama2")
     bf = {k: np.asarray(src.get(k)).astype(ml_dtypes.bfloat16) for k in src.keys()}
@@ -287,7 +287,7 @@ def test_bfloat16_checkpoint_round_trips(tmp_path):
 def test_checkpoints_written_before_the_new_model_fields_still_resume(tmp_path):
     """qkv_bias, rope_scaling*, sliding_window did not exist before: an older checkpoint's meta lacks
     them and is read as holding their defaults (a real difference is still refused)."""
-    from meshrun.checkpoint import Checkpointer
+    from meshrun.checkpoint.state import Checkpointer
     from meshrun.config import CheckpointConfig, to_dict
 
     new = {"qkv_bias", "sliding_window", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor"}

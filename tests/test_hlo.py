@@ -1,8 +1,8 @@
-"""meshrun.hlo on hand-written HLO text: computations, runs per step through nested while loops
+"""meshrun.analysis.hlo on hand-written HLO text: computations, runs per step through nested while loops
 (known and unknown trip counts), conditional branches and unreachable code, and each collective's
 bytes, tuple parts, mesh axes and `per_step`. Compiled steps are covered by test_pipeline/test_explain."""
 
-from meshrun import hlo
+from meshrun.analysis import hlo
 
 MESH = {"data": 2, "tensor": 2}  # partition id = 2 * data + tensor
 

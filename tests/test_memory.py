@@ -18,15 +18,16 @@ from jax.sharding import PartitionSpec as P
 from meshrun_models.layers import SAVED_NAMES, arrays
 from test_train import DP4, _cfg, _compiled, assert_same, reference
 
-from meshrun import explain, hlo
-from meshrun.cli import main
+from meshrun.analysis import hlo
+from meshrun.analysis.memory import host_layout_bytes, memory_spaces
+from meshrun.cli.main import main
 from meshrun.config import ModelConfig
-from meshrun.data import global_batch_arrays, make_dataset
+from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.errors import ConfigError
-from meshrun.memory import host_layout_bytes, memory_spaces
-from meshrun.mesh import build_mesh
-from meshrun.sharding import DP_AXES
-from meshrun.train import check_host_memory, make_train_step
+from meshrun.parallel.sharding import DP_AXES
+from meshrun.runtime.mesh import build_mesh
+from meshrun.train import explain
+from meshrun.train.step import check_host_memory, make_train_step
 
 
 def _train(cfg, steps=3):
@@ -115,7 +116,7 @@ def test_remat_every_k_keeps_one_input_per_group():
     assert [saved_inputs(runs[k][0]) for k in ("k1", "k2", "k4")] == [8, 4, 2]
     assert max(temp["k1"], temp["k2"], temp["k4"]) < temp["none"]
     # remat=offload (its numbers: the pipelined test): the traced backward moves exactly selective's
-    # names to host and back; XLA:CPU then drops the transfers (meshrun/memory.py)
+    # names to host and back; XLA:CPU then drops the transfers (meshrun/analysis/memory.py)
     cfg = dataclasses.replace(base, remat="offload")
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: models.loss_fn(p, tok, tok, cfg)[0]))(params))
     assert len(re.findall(r":f32<host>\[[\d,]+\] = device_put", jaxpr)) == len(SAVED_NAMES)

@@ -7,8 +7,8 @@ import jax
 import pytest
 
 from meshrun import ConfigError, MeshConfig, build_mesh, describe, describe_dict
-from meshrun.cli import main
-from meshrun.mesh import axis_groups, host_of
+from meshrun.cli.main import main
+from meshrun.runtime.mesh import axis_groups, host_of
 
 
 def _hosts_of(groups, host_map):
@@ -121,7 +121,7 @@ def test_cli_subprocess_fresh_process_sets_devices():
     """`--devices` works in a fresh process (before jax is imported) and errors carry no traceback."""
     env = {"PATH": "", "JAX_PLATFORMS": "cpu"}
     ok = subprocess.run(
-        [sys.executable, "-m", "meshrun.cli", "mesh", "--devices", "4", "--json"],
+        [sys.executable, "-m", "meshrun.cli.main", "mesh", "--devices", "4", "--json"],
         capture_output=True,
         text=True,
         env=env,
@@ -130,7 +130,7 @@ def test_cli_subprocess_fresh_process_sets_devices():
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["shape"]["data"] == 4
     bad = subprocess.run(
-        [sys.executable, "-m", "meshrun.cli", "mesh", "--devices", "4", "mesh.tensr=2"],
+        [sys.executable, "-m", "meshrun.cli.main", "mesh", "--devices", "4", "mesh.tensr=2"],
         capture_output=True,
         text=True,
         env=env,

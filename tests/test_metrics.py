@@ -8,9 +8,9 @@ import json
 import jax
 import pytest
 
+from meshrun.analysis.flops import model_flops
 from meshrun.config import ModelConfig
-from meshrun.flops import model_flops
-from meshrun.metrics import MetricsLogger, peak_flops, profile_trace, throughput
+from meshrun.train.metrics import MetricsLogger, peak_flops, profile_trace, throughput
 
 
 def gpt(h, L, heads, V, s):

@@ -21,11 +21,11 @@ from meshrun_models import (
     validate_model_for_mesh,
 )
 
+from meshrun.analysis.hlo import collectives
 from meshrun.config import MeshConfig, ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hlo import collectives
-from meshrun.mesh import build_mesh
-from meshrun.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
+from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
+from meshrun.runtime.mesh import build_mesh
 
 # heads/kv_heads/vocab/d_ff divisible by 8 so that every tensor degree up to 8 really shards; GQA (G=2).
 DENSE = ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=64, max_seq_len=16)

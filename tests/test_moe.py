@@ -14,10 +14,10 @@ from meshrun_models import apply_layers, capacity, init_params, loss_fn, moe_ffn
 from meshrun_models.layers import arrays
 from test_models import ATOL, RTOL, assert_same, batch, loss_and_grads, mesh_of
 
+from meshrun.analysis.hlo import collectives
 from meshrun.config import ModelConfig
-from meshrun.hlo import collectives
+from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
 from meshrun.planner.step_model import predict_collective_bytes
-from meshrun.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
 
 # Groups of (1 dense + 1 MoE), top-2 with capacity factor 1.0: tokens do get dropped.
 MOE = ModelConfig(
@@ -283,7 +283,7 @@ def test_dropless_parity_and_worst_case_all_to_all():
 
 
 def test_bad_moe_dispatch_exits_2(capsys):
-    from meshrun.cli import main
+    from meshrun.cli.main import main
 
     config = str(Path(__file__).resolve().parents[1] / "configs/tiny_moe_cpu.yaml")
     rc = main(["train", config, "model.moe_dispatch=sorted", "--quiet"])

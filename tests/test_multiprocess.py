@@ -105,7 +105,7 @@ def _wait(ps: list[subprocess.Popen], timeout: float) -> list[int]:
 
 
 def _train_cmd(*overrides: str) -> list[str]:
-    return [sys.executable, "-m", "meshrun.cli", "train", "--quiet", CONFIG, *SMALL, *overrides]
+    return [sys.executable, "-m", "meshrun.cli.main", "train", "--quiet", CONFIG, *SMALL, *overrides]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -150,13 +150,13 @@ def _local_sh_train(run_dir: Path, *overrides: str, timeout: float = 240) -> dic
 
 PSUM_WORKER = """
 import json
-from meshrun.distributed import initialize
+from meshrun.runtime.distributed import initialize
 info = initialize(timeout_s=60, heartbeat_s=10)
 again = initialize()  # a second call reports the running job instead of failing
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshrun.config import MeshConfig
-from meshrun.mesh import build_mesh, describe, describe_dict
+from meshrun.runtime.mesh import build_mesh, describe, describe_dict
 mesh = build_mesh(MeshConfig(data=2, pipe=2, tensor=2))
 axes = mesh.axis_names
 # position j of the flattened mesh holds j + 1; a psum over every axis gives 1 + ... + 8 = 36 everywhere
@@ -265,7 +265,7 @@ def _rank_pid(run: Path, attempt: int, rank: int, deadline: float) -> int:
         for d in Path("/proc").iterdir():
             try:
                 cmd = (d / "cmdline").read_bytes()
-                if b"meshrun.cli\0train" in cmd and f"train.run_dir={run}".encode() in cmd:
+                if b"meshrun.cli.main\0train" in cmd and f"train.run_dir={run}".encode() in cmd:
                     if want <= set((d / "environ").read_bytes().split(b"\0")):
                         return int(d.name)
             except (OSError, ValueError):

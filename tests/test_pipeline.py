@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshrun import hlo
+from meshrun.analysis import hlo
 from meshrun.config import ModelConfig, PipelineConfig
 from meshrun.errors import ConfigError
-from meshrun.mesh import build_mesh
-from meshrun.model_api import ModelFns
+from meshrun.family.contract import ModelFns
+from meshrun.parallel.sharding import constrain
 from meshrun.pipeline import schedules
 from meshrun.pipeline.executor import Pipeline
 from meshrun.pipeline.split import layer_split
 from meshrun.pipeline.stage import activation_residuals
-from meshrun.sharding import constrain
+from meshrun.runtime.mesh import build_mesh
 
 RTOL = 1e-5
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun import flops
+from meshrun.analysis import flops
 from meshrun.config import ModelConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.planner import calibrate, cost, search, timing
@@ -33,7 +33,7 @@ def gpt3() -> ModelConfig:
 
 
 def run_cli(argv, capsys):
-    from meshrun.cli import main
+    from meshrun.cli.main import main
 
     rc = main(["plan", *argv])
     out = capsys.readouterr()
@@ -55,7 +55,7 @@ def test_gpt3_per_layer_params_and_tp8_bytes(gpt3):
 
 def test_dp_degree_and_global_batch(gpt3, capsys):
     cluster = parse_cluster("a100-80g:128x8")
-    from meshrun.planner.cli import parse_evaluate
+    from meshrun.cli.plan import parse_evaluate
 
     plan = parse_evaluate("tensor=8,pipe=16", gpt3, cluster, 1536)
     assert plan.data == 8  # 1024 / (8 * 16), not the seed's 112
@@ -395,7 +395,7 @@ def test_cli_errors_exit_2(argv, frag, capsys):
 
 
 def test_cli_subprocess_exit_2():
-    cmd = [sys.executable, "-m", "meshrun.cli", "plan", "--model", str(GPT3), "--cluster", "tpu:4x4"]
+    cmd = [sys.executable, "-m", "meshrun.cli.main", "plan", "--model", str(GPT3), "--cluster", "tpu:4x4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     assert "--cluster" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,12 +9,12 @@ import pytest
 from meshrun_models import apply_layers, embed, init_params, logits
 from meshrun_models.layers import arrays, segment_positions
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.config import DataConfig, ModelConfig, load_config
-from meshrun.data import make_dataset
+from meshrun.data.datasets import make_dataset
+from meshrun.data.prepared import Corpus
+from meshrun.data.tokenize import prepare
 from meshrun.errors import ConfigError
-from meshrun.prepare_data import prepare
-from meshrun.prepared import Corpus
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -169,7 +169,7 @@ SMALL = [
 
 
 def _train(tmp_path, name, out, over, n_devices):
-    from meshrun.loop import run
+    from meshrun.train.loop import run
 
     cfg = load_config("configs/tiny_cpu.yaml", [*SMALL, f"data.path={out}", f"train.run_dir={tmp_path / name}", *over])
     res = run(cfg, devices=jax.devices()[:n_devices], quiet=True)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from meshrun.cli import main
+from meshrun.analysis.trace import device_times, stage_report
+from meshrun.cli.main import main
 from meshrun.config import load_config
-from meshrun.loop import run
-from meshrun.profile import device_times, stage_report
+from meshrun.train.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_train_cli import SMALL as TRAIN_CLI_SMALL
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def snapshot(d: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     """A run dir with complete checkpoints at steps 1 and 2 (and metrics for steps 1, 2)."""
-    from meshrun.loop import run
+    from meshrun.train.loop import run
 
     d = tmp_path_factory.mktemp("saved") / "run"
     over = [*SMALL, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=3", f"train.run_dir={d}"]
@@ -82,7 +82,7 @@ def test_layer_split_error_exits_2_before_the_run_dir_exists(tmp_path, capsys):
 def test_binary_config_file_exits_2(tmp_path):
     bad = tmp_path / "model.yaml"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
-    cmd = [sys.executable, "-m", "meshrun.cli", "train", str(bad)]
+    cmd = [sys.executable, "-m", "meshrun.cli.main", "train", str(bad)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2, r.stderr
     line = one_error_line(r.stderr)
@@ -221,7 +221,7 @@ def test_checkpoints_command_lists_partial_and_damaged(saved, capsys):
 
 
 def test_second_run_on_a_locked_run_dir_is_refused(saved, capsys):
-    from meshrun.runlock import RunLock
+    from meshrun.runtime.runlock import RunLock
 
     before = snapshot(saved / "checkpoints")
     with RunLock(saved):  # a run in progress (an flock held by this process)
@@ -248,7 +248,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(saved, capsys):
 
 
 def test_unreadable_data_file_exits_4(tmp_path, capsys, monkeypatch):
-    import meshrun.data
+    import meshrun.data.datasets
 
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(b"\x01\x00" * 64)
@@ -256,7 +256,7 @@ def test_unreadable_data_file_exits_4(tmp_path, capsys, monkeypatch):
     def denied(path, *a, **k):  # chmod 000 does not stop root: inject the kernel's answer
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(meshrun.data.np, "memmap", denied)
+    monkeypatch.setattr(meshrun.data.datasets.np, "memmap", denied)
     rc, _, err = train(capsys, tmp_path / "r", "data.kind=tokens", f"data.path={tokens}")
     assert rc == 4, err
     line = one_error_line(err)
@@ -267,7 +267,7 @@ def test_unreadable_data_file_exits_4(tmp_path, capsys, monkeypatch):
 def test_distributed_failure_after_preflight_exits_6(tmp_path, capsys, monkeypatch):
     import jax
 
-    import meshrun.distributed as dist
+    import meshrun.runtime.distributed as dist
 
     def fail(*a, **k):
         raise RuntimeError("UNAVAILABLE: failed to connect to all addresses\nmore detail")
@@ -288,12 +288,12 @@ def test_distributed_failure_after_preflight_exits_6(tmp_path, capsys, monkeypat
 def test_internal_error_is_one_line_unless_debug(capsys, monkeypatch, debug):
     """An unexpected exception (a bug, e.g. a failed assert in explain) -> exit 1, one line; --debug
     adds the traceback."""
-    import meshrun.explain
+    import meshrun.train.explain
 
     def broken(cfg):
         raise AssertionError("layout mismatch")
 
-    monkeypatch.setattr(meshrun.explain, "explain", broken)
+    monkeypatch.setattr(meshrun.train.explain, "explain", broken)
     monkeypatch.delenv("MESHRUN_DEBUG", raising=False)
     rc = main(["explain", CONFIG, *SMALL, *(["--debug"] if debug else [])])
     err = capsys.readouterr().err
@@ -304,12 +304,12 @@ def test_internal_error_is_one_line_unless_debug(capsys, monkeypatch, debug):
 
 
 def test_out_of_device_memory_is_a_training_error_not_a_bug(capsys, monkeypatch):
-    import meshrun.explain
+    import meshrun.train.explain
 
     def oom(cfg):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB\nBufferAssignment...")
 
-    monkeypatch.setattr(meshrun.explain, "explain", oom)
+    monkeypatch.setattr(meshrun.train.explain, "explain", oom)
     rc = main(["explain", CONFIG, *SMALL])
     line = one_error_line(capsys.readouterr().err, "explain")
     assert rc == 3
@@ -334,7 +334,7 @@ def test_lock_without_flock_falls_back_to_the_recorded_pid(tmp_path, monkeypatch
     import errno
     import socket
 
-    import meshrun.runlock as runlock
+    import meshrun.runtime.runlock as runlock
     from meshrun.errors import ConfigError
 
     def no_flock(fd, op):

@@ -308,7 +308,7 @@ def test_task_is_frozen_and_labels():
 
 
 def _main():
-    from meshrun.cli import main
+    from meshrun.cli.main import main
 
     return main
 

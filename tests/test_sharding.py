@@ -6,7 +6,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshrun import MeshConfig, build_mesh
-from meshrun.sharding import (
+from meshrun.parallel.sharding import (
     compute_rules,
     constrain,
     logical_to_spec,

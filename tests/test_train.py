@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshrun import hlo
+from meshrun.analysis import hlo
 from meshrun.config import load_config
-from meshrun.data import global_batch_arrays, make_dataset
-from meshrun.mesh import build_mesh
-from meshrun.sharding import DP_AXES
-from meshrun.train import make_train_step
+from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.parallel.sharding import DP_AXES
+from meshrun.runtime.mesh import build_mesh
+from meshrun.train.step import make_train_step
 
 # adam_eps=1e-4 in the multi-step parity tests: gradients agree across layouts to a few ulp of the
 # largest partial sum (measured: <= 2e-8 absolute against max |g| = 0.05, see test_gradients_match),
@@ -224,7 +224,7 @@ def test_zero3_parameter_memory_is_one_over_dp():
 
 def test_loop_resumes_and_loss_falls(tmp_path):
     """The loop saves, a second call resumes from the newest checkpoint and sees the same batches."""
-    from meshrun.loop import run
+    from meshrun.train.loop import run
 
     over = [*SMALL, "mesh.pipe=1", "mesh.data=4", "checkpoint.every=2", "checkpoint.async_save=false"]
     full = run(

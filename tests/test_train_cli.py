@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.config import load_config
-from meshrun.loop import run
+from meshrun.train.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -43,7 +43,7 @@ def test_sigkill_then_restart_continues_with_the_same_losses(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "meshrun.cli",
+        "meshrun.cli.main",
         "train",
         str(ROOT / "configs/tiny_cpu.yaml"),
         *over,
@@ -114,10 +114,10 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, new_mesh):
 
 
 def _saved_params(cfg, run_dir, step):
-    from meshrun.checkpoint import Checkpointer
-    from meshrun.loop import checkpoint_meta
-    from meshrun.mesh import build_mesh
-    from meshrun.train import make_train_step
+    from meshrun.checkpoint.state import Checkpointer
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.loop import checkpoint_meta
+    from meshrun.train.step import make_train_step
 
     fns = make_train_step(cfg, build_mesh(cfg.mesh))
     with Checkpointer(str(run_dir), cfg.checkpoint, meta=checkpoint_meta(cfg)) as ck:
@@ -170,7 +170,7 @@ def test_cli_main_job_prints_json_last_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "meshrun.cli",
+            "meshrun.cli.main",
             "train",
             str(ROOT / "configs/tiny_cpu.yaml"),
             *SMALL,
@@ -195,7 +195,7 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_0(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "meshrun.cli",
+        "meshrun.cli.main",
         "train",
         str(ROOT / "configs/tiny_cpu.yaml"),
         *over,

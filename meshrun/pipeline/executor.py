@@ -27,7 +27,7 @@ How a step runs:
   virtual stage right after its forward (`lax.cond`, so other stages skip the vocab matmul); only
   the head's input gradient dL/dx (B·S·D) is kept, never the logits.
 * Loss = sum(loss_sum) / sum(n_tokens) + sum_k w_k · sum(aux_k), sums over microbatches, stages and
-  data-parallel shards, w = `ModelFns.aux_weights(global batch rows)` (`model_api.finish`);
+  data-parallel shards, w = `ModelFns.aux_weights(global batch rows)` (`contract.finish`);
   the token count depends only on labels, so it is known before the loop and each head backward
   uses the exact cotangent 1/N (aux cotangents are w_k).
 * Parameters: `params['layers']` leaves are stacked [L, ...] in model order. Stage s runs the counts
@@ -56,15 +56,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshrun import model_api
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
-from meshrun.model_api import ModelFns
+from meshrun.family import contract
+from meshrun.family.contract import ModelFns
+from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.zero import ZeroLayout, accum_zeros
 from meshrun.pipeline.program import tick_program
 from meshrun.pipeline.split import LayerSplit, layer_split
 from meshrun.pipeline.stage import activation_residuals, uneven_apply
-from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
-from meshrun.zero import ZeroLayout, accum_zeros
 
 
 class Pipeline:
@@ -76,7 +76,7 @@ class Pipeline:
     'layers' leaves are stacked [L, ...] in model order (unless layout='pipeline'); the other leaves
     (embedding, final norm, head) are replicated over 'pipe'. tokens, labels: [global batch, S] int.
     grads come back as the same container type, in the same layout, in the ZeRO grad layout
-    (`zero`: a stage, or the step's `ZeroLayout`). metrics: `model_api.finish`, as on one device."""
+    (`zero`: a stage, or the step's `ZeroLayout`). metrics: `contract.finish`, as on one device."""
 
     def __init__(
         self,
@@ -226,7 +226,7 @@ class Pipeline:
                 gl = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gl)
             gl = zl_l.reduce_local(gl)
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
-            loss, metrics = model_api.finish(
+            loss, metrics = contract.finish(
                 self.fns, lax.psum(carry["loss"], MANUAL), run.n_tok, lax.psum(carry["aux"], MANUAL), run.n_seq
             )
             return loss, gl, go, metrics
@@ -253,7 +253,7 @@ class _StageRun:
 
         # Total tokens first, from the labels alone: each head backward then uses the exact 1/N.
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-        n_local = model_api.token_count(self.fns, other, flat(tok), flat(lab))
+        n_local = contract.token_count(self.fns, other, flat(tok), flat(lab))
         self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
         self.n_seq = self.m * tok.shape[1] * pl.dp
 
@@ -278,7 +278,7 @@ class _StageRun:
     def apply(self, c, seg=None):
         """The stage function of chunk c (segment ids `seg` bound): the model's `apply_layers`, or with
         an uneven split one that skips the chunk's padding entries (its count is counts[c*p + stage])."""
-        return stage_fn(self.pl, model_api.layers_fn(self.fns, seg), c, self.stage)
+        return stage_fn(self.pl, contract.layers_fn(self.fns, seg), c, self.stage)
 
     def chunk(self, c):
         if self.v == 1:

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshrun import model_api
+from meshrun.family import contract
+from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.pipeline.executor import stage_fn
-from meshrun.sharding import DP_AXES, MANUAL, compute_rules, use_rules
 
 
 def forward_sums(pl, params, tokens, labels, segment_ids=None):
@@ -66,7 +66,7 @@ def _body(pl, layers, other, tok, lab, seg=None):
                         )
                     else:
                         x0 = jnp.where(stage == 0, _take(buf, j), x_in)
-                    apply = model_api.layers_fn(fns, None if seg is None else _take(seg, j))
+                    apply = contract.layers_fn(fns, None if seg is None else _take(seg, j))
                     y, _ = stage_fn(pl, apply, c, stage)(chunk, x0)
                     if c < v - 1:
                         return y, jnp.zeros((), jnp.float32)
@@ -85,5 +85,5 @@ def _body(pl, layers, other, tok, lab, seg=None):
 
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-        n_tok = model_api.token_count(fns, other, flat(tok), flat(lab))
+        n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
         return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in DP_AXES if a in pl.mesh.shape))

@@ -3,7 +3,7 @@
 Pure Python (no JAX): `meshrun plan` answers "what TP/PP/DP/EP should I use?" before anyone pays for GPUs.
 """
 
-from meshrun.flops import hardware_flops, model_flops, param_counts
+from meshrun.analysis.flops import hardware_flops, model_flops, param_counts
 from meshrun.planner.balance import split_layers
 from meshrun.planner.cost import Layout, Precision, precision_of, predict_memory
 from meshrun.planner.hardware import GPUS, Cluster, parse_cluster

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from meshrun import flops
+from meshrun.analysis import flops
 from meshrun.config import ModelConfig
 from meshrun.planner import timing
 from meshrun.planner.cost import Layout

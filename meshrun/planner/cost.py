@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshrun.analysis.flops import layer_params, param_counts
 from meshrun.config import ModelConfig
-from meshrun.flops import layer_params, param_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "overheads", "total")

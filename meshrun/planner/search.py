@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from meshrun import flops
+from meshrun.analysis import flops
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.planner import cost, timing

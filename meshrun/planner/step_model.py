@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 
+from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
-from meshrun.flops import moe_routed, param_counts
 from meshrun.pipeline import schedules
 from meshrun.planner.cost import precision_of, zero_divisors
 
@@ -209,7 +209,7 @@ def predict_collective_bytes(
     permutes: tuple[int, int] | None = None,  # (collective-permutes, activations moved) per step
     grad_reduce_bytes: float | None = None,  # bytes per element of the DP gradient reduction (train.grad_reduce_dtype)
 ) -> dict[str, dict[str, float]]:
-    """Per-step collective bytes on one device of meshrun's step, as `meshrun.hlo` counts them
+    """Per-step collective bytes on one device of meshrun's step, as `meshrun.analysis.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
     Per forward of a layer, TP all-reduces b·s·h once after attention and once after the MLP; per
     backward, once for each of their input gradients. The vocab-parallel embedding adds one per
@@ -219,7 +219,7 @@ def predict_collective_bytes(
     forward and one backward of all layers. With one, the lockstep executor runs one chunk's forward
     on every tick that has a forward and one chunk's backward on every tick that has a backward,
     idle (masked) ticks included, and the embedding and head conditionals on every forward tick
-    (`meshrun.hlo` counts collectives in conditional branches as taken). Pipe: one ppermute of
+    (`meshrun.analysis.hlo` counts collectives in conditional branches as taken). Pipe: one ppermute of
     b·s·h per sending tick and direction (`permutes`: the executor's collective-permutes and the
     activations they move per step, `TickProgram.permute_counts()`; with two stages a tick that
     sends both ways is one swap; the default, every lockstep tick both ways, is an upper bound) and

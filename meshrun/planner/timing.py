@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 
+from meshrun.analysis.flops import moe_routed
 from meshrun.config import ModelConfig
-from meshrun.flops import moe_routed
 from meshrun.planner import kernels
 from meshrun.planner.balance import split_layers
 from meshrun.planner.cost import Layout, Precision, precision_of
@@ -106,7 +106,7 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
     """(seconds per micro-batch, seconds once per step) of data-parallel / ZeRO traffic of one device
     of the first stage (the one holding the embedding). Dense params reduce over data x expert ranks
     (TP inner: stride t), expert params over data ranks."""
-    from meshrun.flops import param_counts
+    from meshrun.analysis.flops import param_counts
 
     t, d, e, p, zero = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero
     counts = param_counts(model)
@@ -132,7 +132,7 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
 
 def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Precision) -> float:
     """Adam is memory bound: read params, grads, optimizer state; write params and state back."""
-    from meshrun.flops import param_counts
+    from meshrun.analysis.flops import param_counts
 
     counts = param_counts(model)
     n = (counts["layers"] + counts["experts"] / layout.expert) / layout.pipe / layout.tensor

@@ -1,0 +1,248 @@
+"""`meshrun profile CONFIG [section.key=value ...] [--steps N] [--out DIR]`: a measured pipeline bubble.
+
+Builds the run as `meshrun train` does (`loop.prepare`: mesh, jitted step, data; fresh or
+`checkpoint.init_params` state), runs one untraced step (compilation), traces N steps with
+`jax.profiler` (a Perfetto trace under --out, default RUN_DIR/profile; no checkpoint, no run lock)
+and reports per pipeline stage, per step:
+
+* busy: the union of the intervals of the device's leaf compute ops (fusions, copies, dots; not the
+  control ops `conditional`/`while`/`call`, whose events span the ops they run, and not collectives);
+* collective time per mesh axis: the union of the collectives' intervals outside busy time (ops are
+  matched to axes by instruction name in the compiled HLO, `meshrun.analysis.hlo.collectives`; an op over
+  several axes counts for each); a collective's time includes waiting for its peer, which is where a
+  pipeline stage waits for its neighbour;
+* idle: span - busy - collectives (gaps between ops);
+* measured bubble = (span - busy) / span = idle / (idle + busy) with every non-compute moment idle,
+  next to the schedule's predicted one (`pipeline.schedules.stage_bubbles`: equal op costs, free
+  communication).
+
+Span: each traced execution of the step module (events that share a `run_id`) runs from the first to
+the last op event of any device; without run ids (not XLA:CPU), the whole traced window divided by
+the step count. A trace cut at the profiler's 1M-event cap loses its last (partial) step. Devices
+come from the events' `device_ordinal`, else from a '/device:GPU:N' process name (untested on GPUs).
+Only this process's devices are traced.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from meshrun.errors import DataError
+
+CONTROL = ("conditional", "while", "call")  # events that span the ops they run
+EVENT_CAP = 1_000_000  # the profiler keeps at most this many events: a longer trace ends mid-step
+
+
+# ----------------------------------------------------------------------------- the trace
+
+
+def load_trace(directory: str | Path) -> list[dict]:
+    """The events of the newest `perfetto_trace.json.gz` under `directory`."""
+    found = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda f: f.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
+    with gzip.open(found[-1], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(iv) -> float:
+    return sum(e - s for s, e in iv)
+
+
+def _outside(iv, busy) -> float:
+    """Length of the union of `iv` minus the (merged) intervals `busy`."""
+    iv = _union(iv)
+    inter, j = 0.0, 0
+    for s, e in iv:
+        while j < len(busy) and busy[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(busy) and busy[k][0] < e:
+            inter += min(e, busy[k][1]) - max(s, busy[k][0])
+            k += 1
+    return _length(iv) - inter
+
+
+def _local_ordinals(mesh) -> dict[int, dict[str, int]]:
+    """Device ordinal in this process's trace -> its mesh coordinates {axis: index}."""
+    import numpy as np
+
+    pidx = min(getattr(d, "process_index", 0) for d in mesh.devices.flat)
+    out = {}
+    for idx in np.ndindex(mesh.devices.shape):
+        d = mesh.devices[idx]
+        if getattr(d, "process_index", 0) == pidx:
+            hw = getattr(d, "local_hardware_id", None)
+            out[int(d.id if hw is None else hw)] = dict(zip(mesh.axis_names, map(int, idx), strict=True))
+    return out
+
+
+def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = None) -> dict[int, dict]:
+    """Per device ordinal, seconds over the traced steps of the module in `hlo_text`: span, busy,
+    collective {axis: s} (and 'total'), idle, steps. `steps`: the step count when the events carry no
+    run ids (the window is then split evenly)."""
+    from meshrun.analysis import hlo
+
+    head = re.match(r"HloModule\s+([\w.\-]+)", hlo_text)
+    module = head.group(1) if head else None
+    ops = hlo.opcodes(hlo_text)
+    axes_of = {c.name: c.axes or ("none",) for c in hlo.collectives(hlo_text, dict(mesh.shape)) if c.name}
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    runs: dict[str, list] = defaultdict(list)  # run id -> [(device, start, end, kind)]
+    for e in events:
+        a = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in a or (module and a.get("hlo_module", module) != module):
+            continue
+        dev = a.get("device_ordinal")
+        if dev is None:
+            m = re.search(r"/device:[A-Z]+:(\d+)", procs.get(e.get("pid"), ""))
+            if not m:
+                continue
+            dev = m.group(1)
+        name = a["hlo_op"]
+        code, arg = ops.get(name, (name.rsplit(".", 1)[0], ""))
+        if code in CONTROL:
+            continue
+        if code.endswith("-done"):  # an async collective's end: the axes of its start
+            name = arg
+        kind = axes_of.get(name, "compute")
+        ts = float(e["ts"]) * 1e-6
+        runs[str(a.get("run_id", ""))].append((int(dev), ts, ts + float(e.get("dur", 0)) * 1e-6, kind))
+    if len(events) >= EVENT_CAP and "" not in runs and len(runs) > 1:  # the profiler cut the last step short
+        del runs[max(runs, key=lambda r: min(e[1] for e in runs[r]))]
+    n = len(runs) if "" not in runs else max(steps or 1, 1)
+    out: dict[int, dict] = {}
+    for evs in runs.values():
+        span = max(e[2] for e in evs) - min(e[1] for e in evs)
+        per_dev: dict[int, list] = defaultdict(list)
+        for ev in evs:
+            per_dev[ev[0]].append(ev)
+        for dev, dev_evs in per_dev.items():
+            t = out.setdefault(dev, {"span": 0.0, "busy": 0.0, "collective": defaultdict(float), "steps": n})
+            busy = _union([(s, e) for _, s, e, k in dev_evs if k == "compute"])
+            t["span"] += span
+            t["busy"] += _length(busy)
+            colls = [(s, e, k) for _, s, e, k in dev_evs if k != "compute"]
+            t["collective"]["total"] += _outside([(s, e) for s, e, _ in colls], busy)
+            for ax in {a for *_, k in colls for a in k}:
+                t["collective"][ax] += _outside([(s, e) for s, e, k in colls if ax in k], busy)
+    for t in out.values():
+        t["collective"] = dict(t["collective"])
+        t["idle"] = max(t["span"] - t["busy"] - t["collective"].get("total", 0.0), 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------- per stage
+
+
+def predicted_bubbles(cfg, mesh) -> list[float]:
+    """The schedule's bubble per stage (`schedules.stage_bubbles`); [0.0] without a pipeline."""
+    p = mesh.shape["pipe"]
+    if p == 1:
+        return [0.0]
+    from meshrun.pipeline import schedules
+
+    pc = cfg.pipeline
+    return schedules.stage_bubbles(schedules.build(pc.schedule, p, pc.microbatches, pc.virtual))
+
+
+def stage_report(times: dict[int, dict], mesh, predicted: list[float]) -> dict:
+    """Per pipeline stage (devices grouped by their 'pipe' coordinate), seconds per step as means over
+    the stage's devices: span, busy, idle, collective {axis}, measured and predicted bubble; and the
+    share of collective time per mesh axis over all devices (the TP:PP:DP(:EP) ratio)."""
+    coords = _local_ordinals(mesh)
+    stages: dict[int, list[int]] = defaultdict(list)
+    for dev in sorted(times):
+        stages[coords.get(dev, {}).get("pipe", 0)].append(dev)
+    rows = []
+    for s, devs in sorted(stages.items()):
+        ts = [times[d] for d in devs]
+        axes = sorted({a for t in ts for a in t["collective"] if a != "total"}, key=_axis_key(mesh))
+        rows.append({
+            "stage": s, "devices": devs,
+            **{f"{k}_s": _mean(ts, lambda t, k=k: t[k]) for k in ("span", "busy", "idle")},
+            "collective_s": {a: _mean(ts, lambda t, a=a: t["collective"].get(a, 0.0)) for a in [*axes, "total"]},
+            "measured_bubble": sum((t["span"] - t["busy"]) / t["span"] if t["span"] else 0.0 for t in ts) / len(ts),
+            "predicted_bubble": predicted[s] if s < len(predicted) else None,
+        })  # fmt: skip
+    per_axis: dict[str, float] = defaultdict(float)
+    for t in times.values():
+        for a, v in t["collective"].items():
+            if a != "total":
+                per_axis[a] += v
+    total = sum(per_axis.values())
+    share = {a: per_axis[a] / total if total else 0.0 for a in sorted(per_axis, key=_axis_key(mesh))}
+    steps = next(iter(times.values()))["steps"] if times else 0
+    return {"mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names}, "steps": steps, "stages": rows,
+            "collective_share": share}  # fmt: skip
+
+
+def _mean(ts: list[dict], f) -> float:
+    """Mean over devices of f(device times) per step."""
+    return sum(f(t) / t["steps"] for t in ts) / len(ts)
+
+
+def _axis_key(mesh):
+    order = list(mesh.axis_names)
+    return lambda a: order.index(a) if a in order else len(order)
+
+
+def format_report(rep: dict, title: str) -> str:
+    shape = " x ".join(f"{a}={n}" for a, n in rep["mesh"].items() if n != 1) or "1 device"
+    sc = rep.get("schedule") if rep["mesh"].get("pipe", 1) > 1 else None
+    sched = f", {sc['name']} m={sc['microbatches']}" if sc else ", no pipeline"
+    sched += f" v={sc['virtual']}" if sc and sc["virtual"] > 1 else ""
+    n = f"{rep['steps']} traced step" + ("s" if rep["steps"] != 1 else "")
+    lines = [f"{title}: mesh {shape}{sched}, {n} (per step, ms; means over a stage's devices)"]
+    axes = [a for a in rep["collective_share"]]
+    head = f"{'stage':<7}{'devices':<12}{'span':>9}{'busy':>9}{'idle':>9}" + "".join(f"{a[:8]:>9}" for a in axes)
+    lines += ["", head + f"{'bubble':>9}{'predicted':>11}"]
+    for r in rep["stages"]:
+        ms = lambda x: f"{1e3 * x:>9.2f}"  # noqa: E731
+        pred = "-" if r["predicted_bubble"] is None else f"{r['predicted_bubble']:.3f}"
+        devs = ",".join(map(str, r["devices"]))
+        line = f"{r['stage']:<7}{devs[:11]:<12}{ms(r['span_s'])}{ms(r['busy_s'])}{ms(r['idle_s'])}"
+        line += "".join(ms(r["collective_s"].get(a, 0.0)) for a in axes)
+        lines.append(line + f"{r['measured_bubble']:>9.3f}{pred:>11}")
+    if axes:
+        ratio = " : ".join(f"{a} {100 * v:.0f}%" for a, v in rep["collective_share"].items())
+        lines.append(f"\ncollective time by mesh axis: {ratio}")
+    lines.append("bubble = (span - busy) / span: waiting in a collective is not busy; none: one-device groups")
+    if rep.get("platform", "cpu") == "cpu":
+        lines.append("on simulated CPU devices all devices share the host's cores: idle there is not a GPU bubble")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+def report_of_trace(trace_dir: str | Path, hlo_text: str, cfg, mesh, steps: int) -> dict:
+    """Read the trace, compute the report, write trace_dir/profile.json; returns the report."""
+    times = device_times(load_trace(trace_dir), hlo_text, mesh, steps)
+    if not times:
+        raise DataError(
+            f"the trace in {trace_dir} holds no device op events of the train step (a profiler without "
+            "device tracing, or an event cap reached before the step ran); trace fewer steps with `meshrun profile`"
+        )
+    rep = stage_report(times, mesh, predicted_bubbles(cfg, mesh))
+    rep["schedule"] = {"name": cfg.pipeline.schedule, "microbatches": cfg.pipeline.microbatches,
+                       "virtual": cfg.pipeline.virtual}  # fmt: skip
+    rep["trace_dir"] = str(trace_dir)
+    rep["platform"] = next(iter(mesh.devices.flat)).platform
+    Path(trace_dir, "profile.json").write_text(json.dumps(rep, indent=1) + "\n")
+    return rep

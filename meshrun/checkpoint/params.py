@@ -1,0 +1,86 @@
+"""Parameter-only checkpoints: what `meshrun import-hf` writes and `checkpoint.init_params` starts from.
+
+Layout: DIR/params (orbax StandardSave of the params pytree, model layer order, every process
+writing its own shards) and DIR/meta.json ({"model": ModelConfig dict, "hf": what export needs to
+write the Hugging Face config back}). Restoring reads each array straight into the target sharding,
+so a param-only start works on any mesh. A run that starts from one gets a fresh optimizer state
+and step 0 (`StepFns.init_from`); its own step checkpoints take precedence once written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from meshrun.checkpoint.state import tree_shapes
+from meshrun.errors import ConfigError
+
+PARAMS, META_FILE = "params", "meta.json"
+FIELD = "checkpoint.init_params"
+
+
+def save_params(directory: str | Path, params: Any, meta: dict[str, Any]) -> None:
+    """Write params (arrays of any sharding) and meta.json into `directory` (must not hold params yet)."""
+    d = Path(os.path.abspath(directory))
+    d.mkdir(parents=True, exist_ok=True)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(d / PARAMS, params)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    if jax.process_index() == 0:
+        (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def check_dir(directory: str | Path, field: str = FIELD) -> dict[str, Any]:
+    """meta.json of a param-only checkpoint, or ConfigError naming `field`."""
+    d = Path(directory)
+    if not (d / PARAMS).is_dir() or not (d / META_FILE).is_file():
+        raise ConfigError(
+            field,
+            str(directory),
+            "give a directory written by `meshrun import-hf` (it holds params/ and meta.json)",
+            "not a parameter checkpoint",
+        )
+    try:
+        return json.loads((d / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(field, str(directory), "re-run `meshrun import-hf`", f"meta.json unreadable ({e})") from None
+
+
+def check_params(directory: str | Path, target: Any, field: str = FIELD) -> None:
+    """ConfigError unless `directory` is a parameter checkpoint whose shapes equal `target`'s (reads
+    metadata only: what `meshrun train` checks before it writes anything)."""
+    check_dir(directory, field)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        saved = ckptr.metadata(Path(os.path.abspath(directory)) / PARAMS)
+    finally:
+        ckptr.close()
+    saved = getattr(saved, "item_metadata", saved)
+    saved = getattr(saved, "tree", saved)
+    have, want = tree_shapes(saved), tree_shapes(target)
+    bad = [k for k in want if have.get(k) != want[k]]
+    if bad:
+        k = bad[0]
+        raise ConfigError(
+            field,
+            str(directory),
+            "use the model section written with it (its config.yaml) or a matching config",
+            f"it holds {k} with shape {have.get(k)}, the model needs {want[k]}",
+        )
+
+
+def restore_params(directory: str | Path, target: Any, field: str = FIELD) -> Any:
+    """Params from `directory` into the layout of `target` (ShapeDtypeStructs with shardings, model
+    order); shapes checked first (`check_params`)."""
+    check_params(directory, target, field)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        return ckptr.restore(Path(os.path.abspath(directory)) / PARAMS, target)
+    finally:
+        ckptr.close()

@@ -1,0 +1,401 @@
+"""Checkpoints with orbax: async save, keep-N, restore onto any mesh (resharding), SIGTERM handling.
+
+Layout: RUN_DIR/checkpoints/STEP/{state, meta}. `state` is the training-state pytree (orbax
+StandardSave: every process writes its own shards, OCDBT); `meta` is a JSON dict (model config etc.)
+written with every checkpoint and compared with the current config before restoring.
+Restoring is layout-independent: the target's shardings decide how the arrays are read back, so a
+run saved on (data 2, pipe 2, tensor 2) resumes on (data 8) or (pipe 4, tensor 2).
+`meta` also holds per-array content checksums (`checksum.py`: OCDBT does not detect bytes overwritten
+inside an array chunk), checked after each restore.
+A step that fails to restore (corrupt array files or metadata, a checksum mismatch) raises
+CheckpointDamaged; the loop moves it aside (`move_aside`: STEP -> STEP.damaged-TIME, never deleted)
+and tries the next older one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from meshrun.checkpoint import checksum
+from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
+from meshrun.config import CheckpointConfig, ModelConfig, to_dict
+from meshrun.errors import CheckpointError, ConfigError
+
+
+class CheckpointDamaged(CheckpointError):
+    """Step `step` exists but cannot be restored (corrupt or missing array files / metadata)."""
+
+    def __init__(self, step: int, directory: Path, cause: BaseException):
+        self.step, self.directory = step, directory
+        first = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), "")
+        self.why = f"{type(cause).__name__}: {first[:200]}" if first else type(cause).__name__
+        super().__init__(f"checkpoint step {step} in {directory} cannot be restored ({self.why})")
+
+
+def _quiet_leftover_reads() -> None:
+    """After a failed restore orbax closes its event loop while TensorStore still completes the other
+    reads; each completion then reports 'Event loop is closed' as an unraisable exception (a screen of
+    tracebacks, harmless). Drop exactly those (not with MESHRUN_DEBUG=1); anything else goes through."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_meshrun", False) or os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
+        return
+
+    def hook(u):
+        tb, last = u.exc_traceback, None
+        while tb is not None:
+            last, tb = tb, tb.tb_next
+        if (
+            isinstance(u.exc_value, RuntimeError)
+            and str(u.exc_value) == "Event loop is closed"
+            and last is not None
+            and last.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+        ):
+            return
+        previous(u)
+
+    hook._meshrun = True
+    sys.unraisablehook = hook
+
+
+class _NoWriterTraceback(logging.Filter):
+    """A failed async save (disk full, permissions): orbax's writer threads log the exception with
+    its traceback (absl), and asyncio reports each failed write task once more. Keep one line per
+    absl message (our CheckpointError line follows with the cause), drop the asyncio repeats."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and "exception was never retrieved" in str(record.msg):
+            return False
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_writer_failures() -> None:
+    if os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
+        return
+    for name in ("absl", "asyncio"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoWriterTraceback) for f in log.filters):
+            log.addFilter(_NoWriterTraceback())
+    _quiet_leftover_reads()  # the writer's other TensorStore futures complete on a closed event loop
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Reading one item of a composite makes orbax warn that the other item was skipped."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_log.setLevel(level)
+
+
+def _is_resource_error(e: BaseException) -> bool:
+    """Out of memory while restoring says nothing about the files: not a reason to move them aside."""
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
+
+
+def check_run_dir_writable(run_dir: str | Path) -> None:
+    """Create `run_dir` and write a probe file in it, or raise ConfigError naming train.run_dir."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            "train.run_dir",
+            str(run_dir),
+            "choose a directory you can create and write, e.g. train.run_dir=runs/NAME",
+            f"cannot create or write it ({e.strerror or e})",
+        ) from None
+
+
+def _json_roundtrip(x: Any) -> Any:
+    return json.loads(json.dumps(x))  # tuples -> lists, as the saved copy reads back
+
+
+def path_key(path) -> str:
+    """Tree path as 'a.b.0', independent of the container types (dict, nnx.State, list)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def tree_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'a.b.0': shape} of every leaf with a shape: arrays, ShapeDtypeStructs, orbax array metadata."""
+    return {
+        path_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")
+    }
+
+
+def _abstract(x: Any) -> Any:
+    """Array leaf -> ShapeDtypeStruct with its sharding (what StandardRestore reads into)."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
+
+
+class Checkpointer:
+    """Save/restore the training state under RUN_DIR/checkpoints (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, *, meta: dict[str, Any]):
+        check_run_dir_writable(run_dir)
+        self.run_dir, self.cfg = str(run_dir), cfg
+        self.meta = _json_roundtrip(meta)  # fails here, not in a background thread, if not JSON-able
+        self.directory = Path(os.path.abspath(run_dir)) / "checkpoints"
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _quiet_writer_failures()
+        self._started: set[int] = set()  # steps saved by this object (an async one may not be listed yet)
+
+    # ------------------------------------------------------------------ steps
+
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints, oldest first. Orbax lists only finalized steps (an interrupted save
+        leaves a STEP.orbax-checkpoint-tmp[-*] directory that it skips); a step directory that also
+        lacks the state or meta item is skipped too."""
+        self.manager.reload()
+        return sorted(
+            s for s in self.manager.all_steps() if all((self.directory / str(s) / i).is_dir() for i in (STATE, META))
+        )
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        return self.cfg.every > 0 and step % self.cfg.every == 0
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: Any, force: bool = False) -> bool:
+        """Save when `should_save(step)` or `force` (the last step, preemption); async when configured.
+        Returns whether a save started. Arrays are copied to host before this returns, so the caller
+        may donate `state` to the next step."""
+        if not (force or self.should_save(step)) or step in self._started:
+            return False
+        if step in self.manager.all_steps():
+            if step in self.all_steps():
+                return False  # already on disk (a resumed run's last step)
+            self.move_aside(step)  # an unusable STEP/ (no state or meta): orbax would skip the save
+        self._started.add(step)
+        meta = {**self.meta, "checksums": checksum.checksums(state, path_key)}  # checked on restore
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        with self._saving(step):
+            return bool(self.manager.save(step, args=args, force=True))
+
+    @contextlib.contextmanager
+    def _saving(self, step: int | None):
+        """A failed (async) save -> CheckpointError naming the directory; the older steps stay."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - orbax/TensorStore/OS errors of the writer
+            which = f"step {step}" if step is not None else "a checkpoint"
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+            raise CheckpointError(
+                f"saving {which} in {self.directory} failed ({type(e).__name__}: {first[:200]}); the "
+                "checkpoints already there are intact; check free space and permissions"
+            ) from e
+
+    def _pending(self) -> int | None:
+        return max(self._started) if self._started else None  # an async failure: the last one started
+
+    def wait(self) -> None:
+        """Block until the pending async save is on disk."""
+        with self._saving(self._pending()):
+            self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        try:
+            with self._saving(self._pending()):
+                self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore
+
+    def saved_meta(self, step: int) -> dict[str, Any]:
+        with _quiet_absl():
+            return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    def check_compatible(self, step: int, target: Any, meta: dict[str, Any] | None = None) -> None:
+        """ConfigError when the saved model config or the saved array shapes differ from the current ones
+        (`meta`: the step's saved meta when the caller has read it already)."""
+        saved = (self.saved_meta(step) if meta is None else meta).get("model")
+        current = self.meta.get("model")
+        if saved is not None:  # a field added since that checkpoint was written has its default there
+            saved = {**to_dict(ModelConfig()), **saved}
+        if saved is not None and current is not None and saved != current:
+            keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+            fields = [f"model.{k}" for k in keys]
+            was = ", ".join(f"model.{k}={saved.get(k)!r}" for k in keys)
+            now = ", ".join(repr(current.get(k)) for k in keys)
+            raise ConfigError(
+                ", ".join(fields),
+                now if len(keys) > 1 else current.get(keys[0]),
+                "use a new train.run_dir or matching model settings",
+                f"checkpoint in {self.run_dir} was written for {was}, config has {now}",
+            )
+        try:
+            with _quiet_absl():
+                tree = self.manager.item_metadata(step)[STATE]
+        except Exception:  # noqa: BLE001 - metadata is a courtesy check; orbax reports what it can't read
+            return
+        tree = getattr(tree, "tree", tree)
+        saved_shapes, want = tree_shapes(tree), tree_shapes(target)
+        fix = "use a new train.run_dir or the settings the checkpoint was written with"
+        missing = sorted(set(want) - set(saved_shapes))
+        if missing and set(saved_shapes):
+            raise ConfigError(
+                "train.run_dir", self.run_dir, fix, f"checkpoint step {step} has no {missing[:3]} (the state needs it)"
+            )
+        for k, shape in want.items():
+            if k in saved_shapes and saved_shapes[k] != shape:
+                raise ConfigError(
+                    "train.run_dir",
+                    self.run_dir,
+                    fix,
+                    f"checkpoint step {step} holds {k} with shape {saved_shapes[k]}, the state needs {shape}",
+                )
+
+    def restore(self, step: int, target: Any) -> Any:
+        """Restore step `step` into the layout of `target`: a pytree of jax.ShapeDtypeStruct with
+        shardings, or of arrays (their shardings are used). Any mesh works (resharding).
+        ConfigError: written for another model / shapes; CheckpointDamaged: the files cannot be read."""
+        try:
+            meta = self.saved_meta(step)
+            self.check_compatible(step, target, meta)
+            abstract = jax.tree.map(_abstract, target)
+            args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
+            state = self.manager.restore(step, args=args)[STATE]
+            bad = checksum.mismatches(meta.get("checksums", {}), state, path_key)
+            if bad:  # OCDBT reads overwritten chunk bytes without an error
+                raise ValueError(f"array data does not match its checksum: {', '.join(bad[:3])}")
+            return state
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - TensorStore, JSON, orbax and OS errors all mean "unreadable"
+            _quiet_leftover_reads()
+            if _is_resource_error(e):
+                raise CheckpointError(
+                    f"restoring checkpoint step {step} in {self.directory} ran out of memory ({type(e).__name__}); "
+                    "the checkpoint is left as it is"
+                ) from e
+            raise CheckpointDamaged(step, self.directory, e) from e
+
+    def move_aside(self, step: int) -> Path:
+        """Rename STEP to STEP.damaged-TIME inside the checkpoints directory (process 0 only; never
+        deleted): orbax no longer lists it, `meshrun checkpoints` shows it as damaged."""
+        src = self.directory / str(step)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        dst, n = self.directory / f"{step}{DAMAGED_TAG}{stamp}", 1
+        while dst.exists():
+            n += 1
+            dst = self.directory / f"{step}{DAMAGED_TAG}{stamp}-{n}"
+        if jax.process_index() == 0:
+            os.rename(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"meshrun-move-aside-{step}")
+        self.manager.reload()
+        return dst
+
+
+class PreemptionFlag:
+    """Sets a flag on SIGTERM (cluster preemption, `scancel`) instead of dying. The train loop checks
+    `should_stop()` at each step boundary, saves a checkpoint and exits 0. `close()` restores the
+    previous handlers. Installed only from the main thread (Python allows signal handlers nowhere else)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self._event = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in signals:
+                self._previous[s] = signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = signum
+        self._event.set()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def should_stop(self) -> bool:
+        """True when any process got the signal. Multi-process: an all-gather, so every process must
+        call it at the same step (the scheduler may signal hosts at slightly different times)."""
+        if jax.process_count() == 1:
+            return self.is_set()
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([self.is_set()], np.int32))
+        return bool(np.asarray(flags).any())
+
+    def close(self) -> None:
+        for s, prev in self._previous.items():
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def __enter__(self) -> PreemptionFlag:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def verify_arrays(entry: Path) -> str:
+    """'' when every array of STEP/state reads back (onto one CPU device), else why not."""
+    is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    try:
+        with _quiet_absl():
+            ck = ocp.StandardCheckpointer()
+            meta = ck.metadata(entry / STATE)
+            tree = getattr(meta, "item_metadata", meta)
+            tree = getattr(tree, "tree", tree)
+            target = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), tree, is_leaf=is_array
+            )
+            state = jax.block_until_ready(ck.restore(entry / STATE, target))
+    except Exception as e:  # noqa: BLE001 - TensorStore, JSON, orbax and OS errors all mean "unreadable"
+        _quiet_leftover_reads()
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        return f"arrays unreadable ({type(e).__name__}: {first[:160]})"
+    meta, _ = read_json(entry / META / "metadata")
+    bad = checksum.mismatches((meta or {}).get("checksums", {}), state, path_key)
+    return f"array data does not match its checksum: {', '.join(bad[:3])}" if bad else ""

@@ -1,0 +1,63 @@
+"""`meshrun checkpoints RUN_DIR [--json] [--verify]`: the checkpoints of a run, their status and model config.
+
+Statuses: `meshrun.checkpoint.store`. --verify reads every array of each complete checkpoint back onto
+one CPU device (host memory for the whole state: meant for small and medium models; a run verifies the
+one it restores anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from meshrun.checkpoint.store import StepInfo, scan
+from meshrun.errors import ConfigError
+
+# ModelConfig fields shown in the table (all of them with --json)
+SUMMARY_KEYS = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype")
+
+
+def model_summary(model: dict[str, Any] | None) -> str:
+    if not model:
+        return "?"
+    keys = [k for k in SUMMARY_KEYS if k in model and not (k == "n_experts" and not model[k])]
+    return " ".join(f"{k}={model[k]}" for k in keys)
+
+
+def format_table(run_dir: str, steps: list[StepInfo]) -> str:
+    root = Path(run_dir) / "checkpoints"
+    if not steps:
+        return f"no checkpoints in {root}"
+    rows = [(str(s.step), s.status, model_summary(s.model), s.name + (f": {s.note}" if s.note else "")) for s in steps]
+    head = ("step", "status", "model", "entry")
+    width = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    lines = [f"checkpoints in {root} (a run resumes from the newest complete one)"]
+    for r in [head, *rows]:
+        lines.append("  ".join([r[0].rjust(width[0]), r[1].ljust(width[1]), r[2].ljust(width[2]), r[3]]).rstrip())
+    return "\n".join(lines)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("checkpoints", help="list a run's checkpoints: step, status, model config")
+    p.add_argument("run_dir", help="the run's train.run_dir")
+    p.add_argument("--json", action="store_true", help="print one JSON object with key `checkpoints`")
+    p.add_argument("--verify", action="store_true", help="read every array back (one CPU device; slow)")
+    p.set_defaults(func=run_checkpoints)
+
+
+def run_checkpoints(args) -> int:
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError("RUN_DIR", args.run_dir, "give a run's train.run_dir", "no such directory")
+    verify = None
+    if args.verify:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: no accelerator needed
+        from meshrun.checkpoint.state import verify_arrays as verify
+    steps = scan(args.run_dir, verify=verify)
+    if args.json:
+        print(json.dumps({"run_dir": args.run_dir, "checkpoints": [asdict(s) for s in steps]}))
+    else:
+        print(format_table(args.run_dir, steps))
+    return 0

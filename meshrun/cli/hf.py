@@ -1,0 +1,51 @@
+"""`meshrun import-hf MODEL_DIR RUN_DIR` and `meshrun export-hf RUN_DIR OUT_DIR`: a thin shell over `meshrun.hf.io`."""
+
+from __future__ import annotations
+
+import json
+
+from meshrun.errors import ConfigError
+from meshrun.hf.io import export_hf, import_hf, parse_size, read_hf_dir
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import-hf", help="convert a local Hugging Face model directory into a run dir")
+    p.add_argument("model_dir", help="directory with config.json and *.safetensors (local only)")
+    p.add_argument("run_dir", help="run directory to create (hf_import/ and config.yaml)")
+    p.add_argument(
+        "--vocab-multiple", type=int, default=128, help="pad the vocabulary to a multiple of this (default 128)"
+    )
+    p.add_argument("--devices", type=int, default=0, help="CPU only: simulate N devices to place the weights on")
+    p.add_argument(
+        "overrides", nargs="*", metavar="mesh.KEY=VALUE", help="the mesh the weights are placed on while converting"
+    )
+    p.set_defaults(func=_import_cmd)
+    q = sub.add_parser("export-hf", help="write a run's newest weights as a Hugging Face model directory")
+    q.add_argument("run_dir")
+    q.add_argument("out_dir")
+    q.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    q.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the imported model's)")
+    q.set_defaults(func=_export_cmd)
+
+
+def _import_cmd(args) -> int:
+    from meshrun.config import MeshConfig, load_section
+    from meshrun.runtime.devices import setup_devices
+
+    mesh_cfg = load_section(MeshConfig, args.overrides, "mesh")
+    if args.devices < 0:
+        raise ConfigError("--devices", args.devices, "use a positive device count")
+    read_hf_dir(args.model_dir)  # a hub id fails before jax starts
+    if args.devices:
+        setup_devices(args.devices, force=True)
+    from meshrun.runtime.mesh import build_mesh
+
+    result = import_hf(args.model_dir, args.run_dir, mesh=build_mesh(mesh_cfg), vocab_multiple=args.vocab_multiple)
+    print(json.dumps(result))
+    return 0
+
+
+def _export_cmd(args) -> int:
+    result = export_hf(args.run_dir, args.out_dir, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype)
+    print(json.dumps(result))
+    return 0

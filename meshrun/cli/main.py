@@ -1,0 +1,120 @@
+"""`meshrun train | plan | mesh | schedule | explain | profile | checkpoints | supervise | import-hf | export-hf`:
+a thin shell.
+
+Every failure is one line on stderr and an exit status from the table in `meshrun/errors.py` (bad
+input 2, training 3, I/O 4, checkpoint 5, distributed 6, anything else 1); the traceback only with
+`--debug` (anywhere on the command line) or MESHRUN_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+
+from meshrun.errors import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_IO,
+    EXIT_TRAINING,
+    DistributedError,
+    MeshrunError,
+)
+
+# Subcommand modules, each with `register(subparsers)`; imported lazily so `--devices` can act before jax.
+COMMAND_MODULES = (
+    "meshrun.cli.mesh",
+    "meshrun.cli.schedule",
+    "meshrun.cli.plan",
+    "meshrun.cli.train",
+    "meshrun.cli.prepare_data",
+    "meshrun.cli.explain",
+    "meshrun.cli.profile",
+    "meshrun.cli.checkpoints",
+    "meshrun.cli.supervise",
+    "meshrun.cli.hf",
+)
+DEBUG_FLAG, DEBUG_ENV = "--debug", "MESHRUN_DEBUG"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshrun", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        DEBUG_FLAG, action="store_true", help=f"print tracebacks (also {DEBUG_ENV}=1); may follow the subcommand"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def debug_enabled(argv_flag: bool = False) -> bool:
+    return argv_flag or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def report(command: str, exc: BaseException, debug: bool) -> int:
+    """One line on stderr for `exc` (the traceback above it when `debug`); returns the exit status."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, MeshrunError):
+        line, code = str(exc), exc.exit_code
+    elif isinstance(exc, KeyboardInterrupt):
+        line, code = "interrupted", EXIT_INTERRUPTED
+    elif "RESOURCE_EXHAUSTED" in str(exc):  # XLA: out of device memory (compile or run)
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        line = (
+            f"out of device memory ({first[:200]}); try model.remat=full, a higher train.zero, more "
+            "pipeline.microbatches or a smaller train.global_batch (`meshrun plan`/`explain` estimate memory)"
+        )
+        code = EXIT_TRAINING
+    elif isinstance(exc, OSError):  # a file we read or write: permissions, disk full, vanished
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        line, code = f"I/O error{where}: {exc.strerror or exc}", EXIT_IO
+    else:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        hint = "" if debug else f"; rerun with {DEBUG_FLAG} for the traceback"
+        line, code = f"internal error: {type(exc).__name__}: {first[:300]}{hint} (please report it)", EXIT_INTERNAL
+    print(f"meshrun {command}: error: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+def _distributed_started() -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flag = DEBUG_FLAG in argv  # a global flag, accepted after the subcommand too
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    debug = debug_enabled(flag)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # `section.key=value` overrides may come after flags (argparse stops filling positionals there)
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.debug = debug
+    saved_env = os.environ.get(DEBUG_ENV)
+    if flag:
+        os.environ[DEBUG_ENV] = "1"  # library code reads it too (e.g. which warnings to keep quiet)
+    try:
+        return int(args.func(args) or 0)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI's one place that reports failures
+        code = report(args.command, e, debug)
+        if isinstance(e, DistributedError) and _distributed_started():
+            sys.stdout.flush()
+            os._exit(code)  # skip jax's exit-time shutdown barrier: it would wait for the dead peer
+        return code
+    finally:
+        if flag and saved_env is None:
+            os.environ.pop(DEBUG_ENV, None)
+        elif flag:
+            os.environ[DEBUG_ENV] = saved_env
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""`meshrun plan`: which tensor/pipe/data/expert layout to use for a model on a cluster.
+
+meshrun plan --model configs/models/gpt3-175b.yaml --cluster a100-80g:128x8 --global-batch 1536
+meshrun plan --model gpt3-175b --cluster a100-80g:128x8,ib=8x200 --framework megatron \
+    --evaluate tensor=8,pipe=16,remat=full --json
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+from meshrun.analysis.flops import param_counts
+from meshrun.config import RunConfig, from_dict, load_yaml
+from meshrun.errors import ConfigError
+from meshrun.pipeline.schedules import SCHEDULES
+from meshrun.planner.cost import MEMORY_PARTS, Layout
+from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
+from meshrun.planner.search import REMATS, Result, evaluate, search
+from meshrun.planner.timing import FRAMEWORKS
+
+INT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "zero")
+EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule")
+# configs/models of the source tree, for `--model NAME`.
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="rank parallel layouts (TP/PP/DP/EP, ZeRO, remat) for a model")
+    p.add_argument("--model", required=True, help="model YAML (a `model:` section), or a name in configs/models")
+    p.add_argument("--cluster", required=True, help=f"{CLUSTER_HELP}; GPUs: {list(GPUS)}")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: train.global_batch)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
+    p.add_argument("--top", type=int, default=5, help="how many layouts to show")
+    p.add_argument("--evaluate", default=None, metavar="KEY=VALUE,...", help=f"one layout; keys: {list(EVAL_KEYS)}")
+    p.add_argument("--framework", default="meshrun", help=f"whose step semantics to cost: {list(FRAMEWORKS)}")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (megatron only; meshrun has none)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with key `configs`")
+    p.set_defaults(func=run_plan)
+
+
+def _model_path(text: str) -> Path:
+    for cand in (Path(text), Path("configs/models") / f"{text}.yaml", MODELS_DIR / f"{text}.yaml"):
+        if cand.is_file():
+            return cand
+    names = sorted(f.stem for f in MODELS_DIR.glob("*.yaml")) if MODELS_DIR.is_dir() else []
+    raise ConfigError("--model", text, f"give a YAML file with a `model:` section, or one of {names}", "no such model")
+
+
+def load_model(text: str):
+    """--model -> (ModelConfig, raw `train:` section of the YAML, name)."""
+    path = _model_path(text)
+    raw = load_yaml(path)
+    cfg = from_dict(RunConfig, raw)
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    return cfg.model, train, path.stem
+
+
+def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int) -> Layout:
+    """`tensor=8,pipe=16,...` -> a Layout; keys left out get defaults (data takes the devices left over)."""
+    given: dict = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep:
+            raise ConfigError("--evaluate", item, "write KEY=VALUE pairs separated by commas, e.g. tensor=8,pipe=16")
+        if key not in EVAL_KEYS:
+            close = difflib.get_close_matches(key, EVAL_KEYS, n=1, cutoff=0.5)
+            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {list(EVAL_KEYS)}"
+            raise ConfigError(f"--evaluate {key}", raw, fix, "unknown key")
+        given[key] = _parse_value(key, raw)
+    t, p, e = given.get("tensor", 1), given.get("pipe", 1), given.get("expert", 1)
+    n = cluster.n_devices
+    d = given.get("data", max(1, n // (t * p * e)))
+    b = given.get("micro_batch_size", 1)
+    m = given.get("microbatches", max(1, global_batch // (b * d * e)))
+    v = given.get("virtual", 1)
+    return Layout(
+        tensor=t,
+        pipe=p,
+        data=d,
+        expert=e,
+        virtual=v,
+        microbatches=m,
+        micro_batch_size=b,
+        zero=given.get("zero", 0),
+        remat=given.get("remat", model.remat),
+        sequence_parallel=given.get("sequence_parallel", model.sequence_parallel),
+        schedule=given.get("schedule", "interleaved" if v > 1 else "1f1b"),
+    )
+
+
+def _parse_value(key: str, raw: str):
+    field = f"--evaluate {key}"
+    if key in INT_KEYS:
+        if not raw.isdigit() or (int(raw) < 1 and key != "zero"):
+            raise ConfigError(field, raw, "use a positive whole number", "not a positive integer")
+        if key == "zero" and int(raw) not in (0, 1, 2, 3):
+            raise ConfigError(field, raw, "use a ZeRO stage 0, 1, 2 or 3")
+        return int(raw)
+    if key == "remat":
+        if raw not in REMATS:
+            raise ConfigError(field, raw, f"use one of {list(REMATS)}")
+        return raw
+    if key == "schedule":
+        if raw not in SCHEDULES:
+            raise ConfigError(field, raw, f"use one of {list(SCHEDULES)}")
+        return raw
+    low = raw.lower()
+    if low not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(field, raw, "use true or false", "not a boolean")
+    return low in ("true", "1", "yes")
+
+
+def run_plan(args) -> int:
+    model, train, name = load_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
+        if val is not None and val < 1:  # given on the command line: checked, never replaced by the YAML's
+            raise ConfigError(flag, val, "use a positive whole number")
+    seq = args.seq_len if args.seq_len is not None else train.get("seq_len") or model.max_seq_len
+    batch = args.global_batch if args.global_batch is not None else train.get("global_batch")
+    if not batch:
+        raise ConfigError("--global-batch", batch, "give the number of sequences per step, e.g. --global-batch 1536")
+    for flag, val in (("--global-batch", batch), ("--seq-len", seq)):
+        if int(val) < 1:
+            raise ConfigError(flag, val, "use a positive whole number")
+    batch, seq = int(batch), int(seq)
+    if args.framework not in FRAMEWORKS:
+        raise ConfigError("--framework", args.framework, f"use one of {list(FRAMEWORKS)}")
+    if not 0.0 <= args.dropout < 1.0 or (args.dropout and args.framework == "meshrun"):
+        raise ConfigError(
+            "--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)"
+        )
+    kw = dict(framework=args.framework, dropout=args.dropout)
+    if args.evaluate is not None:
+        results = [evaluate(model, parse_evaluate(args.evaluate, model, cluster, batch), cluster, batch, seq, **kw)]
+    else:
+        results = search(model, cluster, batch, seq, top=args.top, name=name, **kw)
+    counts = param_counts(model)
+    if args.json:
+        out = {
+            "model": name,
+            "params": counts["total"],
+            "cluster": str(cluster),
+            "framework": args.framework,
+            "devices": cluster.n_devices,
+            "usable_memory_gb": round(cluster.usable_memory / GB, 3),
+            "global_batch": batch,
+            "seq_len": seq,
+            "configs": [r.to_dict() for r in results],
+        }
+        print(json.dumps(out))
+    else:
+        print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework))
+    return 0
+
+
+def format_table(
+    name: str,
+    n_params: float,
+    cluster: Cluster,
+    batch: int,
+    seq: int,
+    results: list[Result],
+    framework: str = "meshrun",
+) -> str:
+    lines = [
+        f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
+        f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics",
+        "",
+        f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} {'remat':>9} "
+        f"{'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
+    ]
+    for i, r in enumerate(results, 1):
+        p = r.layout
+        lines.append(
+            f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {p.virtual:>2} {p.microbatches:>5} "
+            f"{p.micro_batch_size:>3} {p.zero:>4} {p.remat:>9} {'y' if p.sequence_parallel else 'n':>3} "
+            f"{r.memory['total'] / GB:>7.3g} {r.step_time:>9.4g} {r.tflops_per_device:>7.1f} {r.mfu:>6.1%} "
+            f"{r.time['bubble_fraction']:>6.1%}"
+        )
+        lines += [f"   ! {v}" for v in r.violations]
+    best = results[0]
+    parts = ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm", "bubble", "dp_sync", "optimizer")
+    tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time[k] > 0)
+    split = best.time["split"]
+    even = len(set(split)) == 1
+    uneven = f"#1 layers per stage: {list(split)} (train it with pipeline.balance=auto, which splits per virtual stage)"
+    lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
+    lines += [f"#1 time (s): {tm}", "", "#1 memory per device (GB)"]
+    stages = best.memory["stages"]
+    lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))
+    for label, part in stages.items():
+        lines.append(
+            f"  {label + ' (' + str(part['stage']) + ')':<14}" + "".join(f"{part[k] / GB:>12.3f}" for k in MEMORY_PARTS)
+        )
+    over = stages[next(iter(stages))]
+    lines.append(
+        "  overheads = "
+        + ", ".join(f"{k.removeprefix('overhead_')} {over[k] / GB:.2f}" for k in over if k.startswith("overhead_"))
+    )
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""`meshrun profile CONFIG [section.key=value ...] [--steps N] [--out DIR] [--json]`: a thin shell over
+`meshrun.train.profile` (trace N steps, report busy/idle/collective time per pipeline stage)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshrun.analysis.trace import format_report
+from meshrun.errors import ConfigError
+from meshrun.runtime.devices import add_fast_compile_flag, start_command
+from meshrun.train.profile import profile
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="trace a few train steps: busy/idle/collective time and the bubble per stage")
+    p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("--steps", type=int, default=3, help="steps to trace, after one untraced step (default 3)")
+    p.add_argument("--out", help="trace directory (default RUN_DIR/profile); profile.json is written there")
+    p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (as `meshrun train --devices`)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_fast_compile_flag(p)
+    p.set_defaults(func=run_profile)
+
+
+def run_profile(args) -> int:
+    from meshrun.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.steps < 1:
+        raise ConfigError("--steps", args.steps, "trace at least 1 step, e.g. --steps 3")
+    start_command(cfg, args, "profile")
+    out = Path(args.out) if args.out else Path(cfg.train.run_dir) / "profile"
+    rep = profile(cfg, args.steps, out)
+    print(json.dumps(rep) if args.json else format_report(rep, str(args.config)))
+    return 0

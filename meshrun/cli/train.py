@@ -1,0 +1,45 @@
+"""`meshrun train CONFIG [section.key=value ...]`: the main job.
+
+The last line on stdout is one JSON object: step, loss, first_loss, val_loss (with train.eval_every),
+tokens_per_s, run_dir.
+Failures: one line on stderr and the exit status of `meshrun/errors.py` (2 bad input, 3 NaN/Inf
+loss, 4 I/O, 5 checkpoint, 6 distributed), reported by `meshrun.cli.main`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from meshrun.errors import EXIT_TRAINING
+from meshrun.runtime.devices import add_fast_compile_flag, start_command
+
+EXIT_TRAINING_ERROR = EXIT_TRAINING  # the run started but could not go on (NaN loss); bad input is 2
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model (the main job)")
+    p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="simulated CPU devices on the CPU platform (default: the mesh's device count when it has no "
+        "-1 axis, else 8)",
+    )
+    add_fast_compile_flag(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    from meshrun.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    start_command(cfg, args, "train")
+    from meshrun.train.loop import run
+
+    result = run(cfg, quiet=args.quiet)
+    keys = ("step", "loss", "first_loss", "val_loss", "tokens_per_s", "run_dir")
+    print(json.dumps({k: result[k] for k in keys if k in result}))
+    return 0

@@ -1,0 +1,227 @@
+"""ZeRO layout of one step: where parameters, gradients and optimizer state live, and the
+data-parallel collectives that move between those layouts (Rajbhandari et al. 2020).
+
+`ZeroLayout` is built once per train step (`ZeroLayout.build`) and handed to whichever loop
+accumulates the gradients (the microbatch scan in `train.py` or the pipeline executor). It holds
+four trees of PartitionSpecs over the whole mesh:
+
+* store   -- parameters as the train state keeps them (ZeRO-3: also sharded over the DP axes),
+* compute -- parameters as the loop uses them (ZeRO-0 specs: replicated over the DP axes),
+* grads   -- reduced gradients as the step returns them (ZeRO >= 1: scattered over the DP axes),
+* opt     -- optimizer moments (ZeRO >= 1: scattered like the gradients).
+
+Host offload (`offload`: the parts kept in pinned host memory between steps, e.g. {'opt'} or
+{'opt', 'store'}): the same specs with memory_kind='pinned_host', so each rank offloads exactly its
+own ZeRO shard. `sharding(part, spec)` gives a leaf's resting place, `device(spec)` where the step
+computes on it; the step moves offloaded state in with `to_device` and back with `to_host`.
+
+Gradients accumulate in float32 (`accum_zeros`, also for 16-bit params) and the one data-parallel
+reduction per step can run in a narrower dtype (`reduce_dtype`, `train.grad_reduce_dtype`): the
+partial sums are cast down just before the DP collective and back to float32 right after it, so the
+wire carries half the bytes while the accumulation and the optimizer see float32.
+
+Everything here runs once per step, outside any microbatch/tick loop. Gathers (ZeRO-3) and
+reduce-scatters (ZeRO >= 1) run in shard_maps manual over EVERY mesh axis, so each device moves
+its local tensor shard as it is: the same collectives inside a shard_map that leaves 'tensor' to
+GSPMD made XLA all-gather the tensor shards first (measured in the compiled HLO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshrun.parallel.sharding import DP_AXES, dims_with, is_spec, names_to_specs, param_rules, restrict_spec
+
+HOST = "pinned_host"  # where offloaded state rests between steps (page-locked: DMA at full PCIe/C2C speed)
+OFFLOADABLE = ("store", "opt")
+
+
+def _map(fn: Callable, *trees: Any) -> Any:
+    return jax.tree.map(fn, *trees, is_leaf=is_spec)
+
+
+def accum_zeros(tree: Any) -> Any:
+    """Zero gradient accumulators for `tree` (arrays or ShapeDtypeStructs): float32 for every
+    floating leaf, 16-bit ones included ("gradients accumulated locally in FP32")."""
+
+    def one(a):
+        dt = jnp.promote_types(a.dtype, jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+        return jnp.zeros(a.shape, dt)
+
+    return jax.tree.map(one, tree)
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """PartitionSpec trees (plain nested dicts) of one model's parameters at one ZeRO stage."""
+
+    mesh: Mesh
+    stage: int
+    store: Any
+    compute: Any
+    grads: Any
+    opt: Any
+    reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
+    offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
+
+    @classmethod
+    def build(
+        cls, names: Any, shapes: Any, mesh: Mesh, stage: int, reduce_dtype: Any = None, offload: tuple[str, ...] = ()
+    ) -> ZeroLayout:
+        """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
+        reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host memory."""
+        specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)  # noqa: E731
+        rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+        rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
+        trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
+        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload))
+
+    def sub(self, key: str) -> ZeroLayout:
+        """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
+        trees = (t[key] for t in (self.store, self.compute, self.grads, self.opt))
+        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
+
+    def without(self, key: str) -> ZeroLayout:
+        """The layout of every top-level entry but `key`."""
+        drop = lambda t: {k: v for k, v in t.items() if k != key}  # noqa: E731
+        trees = (drop(t) for t in (self.store, self.compute, self.grads, self.opt))
+        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
+
+    # ------------------------------------------------------------ memory kinds (host offload)
+
+    def sharding(self, part: str, spec: P) -> NamedSharding:
+        """Where a leaf of `part` ('store' or 'opt') rests between steps."""
+        return NamedSharding(self.mesh, spec, memory_kind=HOST if part in self.offload else None)
+
+    def device(self, spec: P) -> NamedSharding:
+        """The same layout in device memory (where the step computes)."""
+        return NamedSharding(self.mesh, spec, memory_kind="device")
+
+    def to_device(self, tree: Any, shardings: Any) -> Any:
+        """Inside the step: offloaded leaves (resting shardings `shardings`) -> device memory."""
+        if not self.offload:
+            return tree
+        move = lambda x, s: jax.device_put(x, self.device(s.spec)) if s.memory_kind == HOST else x  # noqa: E731
+        return jax.tree.map(move, tree, shardings)
+
+    def to_host(self, tree: Any, shardings: Any) -> Any:
+        """Inside the step: leaves whose resting place is host memory go back there."""
+        if not self.offload:
+            return tree
+        return jax.tree.map(lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, tree, shardings)
+
+    # ------------------------------------------------------------ what the loop's shard_map sees
+
+    def local_compute(self) -> Any:
+        """in_specs of the compute-layout parameters in the loop's shard_map (manual axes only)."""
+        return _map(restrict_spec, self.compute)
+
+    def partial_specs(self) -> Any:
+        """out_specs of `reduce_local`'s output: scattered leaves leave as per-rank partial sums with
+        a leading axis over their reduction axes."""
+
+        def one(base, target):
+            if self._deferred(base, target):
+                return P(self._reduction_axes(base), *restrict_spec(base))
+            return restrict_spec(target)
+
+        return _map(one, self.compute, self.grads)
+
+    # ------------------------------------------------------------ collectives
+
+    def gather(self, params: Any) -> Any:
+        """ZeRO-3: all-gather every parameter's data-parallel shards (store -> compute layout) once per
+        step, before the loop. A no-op below stage 3."""
+        if self.stage < 3:
+            return params
+
+        def body(params):
+            def one(x, spec, base):
+                kept = dict(dims_with(base, DP_AXES))  # e.g. experts split over 'expert' stay split
+                for d, axes in dims_with(spec, DP_AXES):
+                    if axes := tuple(a for a in axes if a not in kept.get(d, ())):
+                        x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+                return x
+
+            return jax.tree.map(one, params, self.store, self.compute, is_leaf=lambda x: isinstance(x, jax.Array))
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.store,), out_specs=self.compute, check_vma=False)(
+            params
+        )
+
+    def reduce_local(self, grads: Any, extra: tuple[str, ...] = ()) -> Any:
+        """Inside the loop's shard_map, after the accumulation: psum what stays replicated; leaves that
+        ZeRO scatters leave as per-rank partial sums [1, ...] for `finish`. `extra`: axes summed in any
+        case (the pipeline sums embedding/head grads over 'pipe')."""
+
+        def one(g, base, target):
+            if self._deferred(base, target):
+                return (jax.lax.psum(g, extra) if extra else g)[None]
+            red = extra + self._reduction_axes(base)
+            return jax.lax.psum(g, red) if red else g
+
+        return jax.tree.map(one, grads, self.compute, self.grads)
+
+    def finish(self, grads: Any) -> Any:
+        """Sum the per-rank partials onto the ZeRO grad layout, one reduce-scatter per leaf, in a
+        shard_map manual over every axis: local tensor shards are reduce-scattered as they are (a
+        psum_scatter inside the tensor-auto loop made XLA all-gather the tensor shards first, and a
+        GSPMD sum gave a full all-reduce)."""
+        flat_g, tree = jax.tree.flatten(grads)
+        flat_b, flat_t = jax.tree.leaves(self.compute, is_leaf=is_spec), jax.tree.leaves(self.grads, is_leaf=is_spec)
+        idx = [i for i, (b, t) in enumerate(zip(flat_b, flat_t, strict=True)) if self._deferred(b, t)]
+        if not idx:
+            return grads
+
+        def body(*gs):
+            out = []
+            for g, i in zip(gs, idx, strict=True):
+                dt, g = g.dtype, self._down(g[0])
+                red = self._reduction_axes(flat_b[i])
+                for d, axes in dims_with(flat_t[i], DP_AXES):
+                    if axes := tuple(a for a in axes if a in red):
+                        g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+                        red = tuple(a for a in red if a not in axes)
+                out.append((jax.lax.psum(g, red) if red else g).astype(dt))
+            return tuple(out)
+
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=tuple(P(self._reduction_axes(flat_b[i]), *flat_b[i]) for i in idx),
+            out_specs=tuple(flat_t[i] for i in idx),
+            check_vma=False,
+        )
+        for i, g in zip(idx, fn(*(flat_g[i] for i in idx)), strict=True):
+            flat_g[i] = g
+        return jax.tree.unflatten(tree, flat_g)
+
+    # ------------------------------------------------------------ per-leaf rules
+
+    def _down(self, g: jax.Array) -> jax.Array:
+        """A gradient as the data-parallel collective carries it (`reduce_dtype`)."""
+        return g if self.reduce_dtype is None or g.dtype == self.reduce_dtype else g.astype(self.reduce_dtype)
+
+    def _reduction_axes(self, base: P) -> tuple[str, ...]:
+        """DP axes a gradient is summed over: all live ones, except those the weight is already split
+        over (experts over 'expert' are reduced over 'data' only)."""
+        used = {a for _, axes in dims_with(base, DP_AXES) for a in axes}
+        return tuple(a for a in DP_AXES if self.mesh.shape[a] > 1 and a not in used)
+
+    def _deferred(self, base: P, target: P) -> bool:
+        """Leaves reduced in `finish`: those whose reduced gradient is scattered over a DP axis
+        (ZeRO >= 1), and with a narrower `reduce_dtype` every leaf with a DP reduction. A 16-bit
+        all-reduce inside the loop's shard_map (manual over pipe/data/expert, auto over tensor)
+        aborted XLA:CPU's all-reduce promotion (jax 0.10.2: "Invalid binary instruction opcode
+        copy"); in `finish`'s shard_map, manual over every axis, it compiles and runs."""
+        red = self._reduction_axes(base)
+        if self.reduce_dtype is not None and red:
+            return True
+        return any(a in red for _, axes in dims_with(target, DP_AXES) for a in axes)

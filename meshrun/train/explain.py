@@ -1,0 +1,270 @@
+"""`meshrun explain CONFIG [section.key=value ...] [--json]`: compile the train step, never run it.
+
+A dry run before anyone pays for GPUs: the step is lowered with abstract state and a
+ShapeDtypeStruct batch on simulated CPU devices of the config's mesh and compiled, and the
+planner's prediction is printed beside what XLA reports:
+
+* memory per device: predicted parts (`planner.step_model.predict_memory_jax`, the model of meshrun's
+  own step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
+  total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp),
+  then split per memory space (`meshrun.analysis.memory.memory_spaces`): device bytes and pinned-host bytes
+  (state offloaded by train.offload_optimizer; activations offloaded by model.remat=offload on GPU).
+* collectives per step: result bytes on one device per mesh axis (`meshrun.analysis.hlo`; an op over several
+  axes counts for each), and counts by op. A collective inside a while loop appears once in the HLO
+  text but runs once per iteration: compiled numbers multiply each by the known trip counts of the
+  loops around it (`hlo.Collective.per_step`: layer scan, microbatch scan, pipeline tick phases);
+  `static` counts each once. Collectives inside `lax.cond` branches (pipeline embedding / head)
+  count as if taken, on every tick that runs the branch's conditional.
+
+Meshes of more than MAX_SIMULATED devices (GPT-3 175B: 1024) are not compiled: XLA's SPMD partitioner
+on that many simulated CPU devices takes far too long on a small host. There the prediction is
+printed alone with a note; shrink the mesh with overrides (e.g. `mesh.data=1 mesh.pipe=2
+model.n_layers=4`) to compile a scaled-down layout. On CPU the compiled step uses the CPU kernels
+(cudnn attention falls back to XLA's), so memory of GPU templates is indicative only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from meshrun.config import AXES
+from meshrun.runtime.devices import needed_devices
+
+MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
+
+
+# ----------------------------------------------------------------------------- prediction
+
+
+def layout(cfg, mesh_shape: dict[str, int]) -> dict:
+    """Planner keyword arguments for the config on a mesh of `mesh_shape`."""
+    m = cfg.pipeline.microbatches
+    dp = mesh_shape["data"] * mesh_shape["expert"]
+    return dict(
+        tensor=mesh_shape["tensor"],
+        pipe=mesh_shape["pipe"],
+        data=mesh_shape["data"],
+        expert=mesh_shape["expert"],
+        microbatches=m,
+        micro_batch_size=max(1, cfg.train.global_batch // (m * dp)),
+        seq_len=cfg.train.seq_len,
+        zero=cfg.train.zero,
+    )
+
+
+def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
+    """The planner's step time of this config on `cluster_text`, memory levers included
+    (remat=offload: selective's compute + host traffic; remat_every: full's compute)."""
+    from meshrun.planner import offload
+    from meshrun.planner.cost import Layout
+    from meshrun.planner.hardware import parse_cluster
+
+    kw = layout(cfg, mesh_shape)
+    remat = {"offload": "selective"}.get(cfg.model.remat, cfg.model.remat)
+    kw.pop("seq_len")
+    lay = Layout(**kw, virtual=cfg.pipeline.virtual, remat=remat, sequence_parallel=cfg.model.sequence_parallel,
+                 schedule=cfg.pipeline.schedule)  # fmt: skip
+    levers = ("optimizer",) * cfg.train.offload_optimizer + ("activations",) * (cfg.model.remat == "offload")
+    cluster = parse_cluster(cluster_text)
+    return offload.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
+
+
+def predict(cfg, mesh_shape: dict[str, int]) -> dict:
+    """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives."""
+    from meshrun.planner import cost, step_model
+
+    kw = layout(cfg, mesh_shape)
+    sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
+    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched, offload_optimizer=cfg.train.offload_optimizer)
+    megatron = cost.predict_memory(cfg.model, **kw, **sched, framework="megatron")
+    permutes = None
+    if kw["pipe"] > 1:
+        from meshrun.pipeline.program import tick_program  # the executor's phases: ticks that send
+
+        permutes = tick_program(cfg.pipeline, kw["pipe"]).permute_counts()
+    rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]
+    comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes, grad_reduce_bytes=rb)
+    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host")
+    return {
+        "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
+        "collectives": {k: int(v) for k, v in comm["bytes"].items()},
+        "counts": {k: int(v) for k, v in comm["count"].items()},
+    }
+
+
+# ----------------------------------------------------------------------------- compiled step
+
+
+def compiled_collectives(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
+    """Per-step and static collective bytes per axis and counts by op, from compiled HLO text."""
+    from meshrun.analysis import hlo
+
+    per_axis, static_axis = defaultdict(int), defaultdict(int)
+    per_op, static_op = defaultdict(int), defaultdict(int)
+    colls = hlo.collectives(hlo_text, mesh_shape)
+    for c in colls:
+        static_op[c.op] += 1
+        per_op[c.op] += c.per_step
+        for a in c.axes:  # wire bytes: a 16-bit reduction counts 16 bits even where XLA:CPU widened it
+            static_axis[a] += c.wire_bytes
+            per_axis[a] += c.per_step * c.wire_bytes
+    return {"bytes": dict(per_axis), "counts": dict(per_op), "static_bytes": dict(static_axis),
+            "static_counts": dict(static_op), "data_parallel": buckets(colls)}  # fmt: skip
+
+
+def buckets(colls) -> list[dict]:
+    """The data-parallel collectives of the step as XLA combined them (its gradient buckets), largest
+    first: op, axes, arrays, bytes as the program moves them (16-bit reductions at 16 bits), the
+    dtype the program asks for, runs per step."""
+    from meshrun.analysis import hlo
+
+    out = []
+    for c in hlo.data_parallel(colls):
+        dts = sorted({"bf16" if c.promoted and t == "f32" and d else t for t, d in zip(c.dtypes, c.dims, strict=True)})
+        out.append({"op": c.op, "axes": list(c.axes), "arrays": c.parts, "bytes": c.wire_bytes,
+                    "dtype": "+".join(dts), "per_step": c.per_step})  # fmt: skip
+    return sorted(out, key=lambda b: -b["bytes"])
+
+
+def compile_step(cfg):
+    """Lower + compile the jitted train step with abstract arguments. Returns (compiled, mesh)."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshrun.runtime.devices import cpu_devices
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
+
+    mesh = build_mesh(cfg.mesh, devices=cpu_devices(needed_devices(cfg)))
+    fns = make_train_step(cfg, mesh)
+    shape = (cfg.train.global_batch, cfg.train.seq_len)
+    tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sharding)
+    n_batch = 3 if cfg.data.pack_documents else 2  # tokens, labels[, segment_ids]
+    return fns.step.lower(fns.abstract_run, *(tokens,) * n_batch).compile(), mesh
+
+
+def explain(cfg) -> dict:
+    """The report: {config, mesh, devices, compiled: bool, note, memory {predicted, compiled},
+    collectives {predicted, compiled} (bytes per axis per step), counts {predicted, compiled}}."""
+    n = needed_devices(cfg)
+    shape = {a: getattr(cfg.mesh, a) for a in AXES}
+    out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
+    if n > MAX_SIMULATED:
+        from types import SimpleNamespace
+
+        from meshrun.train.step import validate
+
+        validate(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
+        pred = predict(cfg, shape)
+        out["note"] = (
+            f"compiling needs the real device count ({n}); this host simulates at most {MAX_SIMULATED} CPU "
+            "devices, so only the prediction is shown: shrink the mesh with overrides (e.g. mesh.data=1 "
+            "mesh.pipe=2 model.n_layers=4) to compile a scaled-down layout"
+        )
+        out |= {"memory": {"predicted": pred["memory"], "compiled": None},
+                "collectives": {"predicted": pred["collectives"], "compiled": None},
+                "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
+        return out
+    compiled, mesh = compile_step(cfg)
+    shape = dict(mesh.shape)
+    pred = predict(cfg, shape)
+    ma = compiled.memory_analysis()
+    mem = {
+        "argument": int(ma.argument_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+    }
+    mem["total"] = mem["argument"] + mem["temp"] + mem["output"] - mem["alias"]
+    from meshrun.analysis.memory import memory_spaces  # imports jax: only after the devices are set up
+
+    spaces = memory_spaces(compiled)
+    mem |= {"device": spaces["device"], "host": spaces["host"]}
+    comm = compiled_collectives(compiled.as_text(), shape)
+    out |= {
+        "mesh": shape,
+        "compiled": True,
+        "memory": {"predicted": pred["memory"], "compiled": mem},
+        "collectives": {"predicted": pred["collectives"], "compiled": comm["bytes"],
+                        "compiled_static": comm["static_bytes"]},
+        "counts": {"predicted": pred["counts"], "compiled": comm["counts"], "compiled_static": comm["static_counts"]},
+        "data_parallel": comm["data_parallel"],
+    }  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.3f}"
+
+
+def format_report(rep: dict, title: str) -> str:
+    shape = " x ".join(f"{a}={rep['mesh'][a]}" for a in AXES if rep["mesh"].get(a, 1) != 1) or "1 device"
+    lines = [f"{title}: mesh {shape} ({rep['devices']} devices)"]
+    if rep["note"]:
+        lines.append(f"note: {rep['note']}")
+    pm, cm = rep["memory"]["predicted"], rep["memory"]["compiled"] or {}
+    lines += ["", f"{'memory per device (MiB)':<28}{'predicted':>12}{'compiled':>12}"]
+    rows = [
+        ("argument (params + opt)", pm["argument"], cm.get("argument")),
+        ("temp (grads, acts, logits)", pm["temp"], cm.get("temp")),
+        ("  params", pm["params"], None),
+        ("  grads (+ accumulator)", pm["grads"], None),
+        ("  optimizer (+ update tmp)", pm["optimizer"], None),
+        ("  activations", pm["activations"], None),
+        ("  logits", pm["logits"], None),
+        ("output", None, cm.get("output")),
+        ("alias (donated)", None, cm.get("alias")),
+        ("total", pm["total"], cm.get("total")),
+        ("  in device memory", pm.get("device"), cm.get("device")),
+        ("  in pinned host memory", pm.get("host"), cm.get("host")),
+    ]
+    for name, p, c in rows:
+        lines.append(f"{name:<28}{_mb(p):>12}{_mb(c):>12}")
+    if cm:
+        lines.append(f"{'predicted / compiled':<28}{pm['total'] / cm['total']:>12.2f}")
+    if "step_time_s" in rep:
+        st = rep["step_time_s"]
+        lines.append(f"{'step time (s) on ' + st['cluster']:<28}{st['predicted']:>12.4g}")
+    lines.append(f"{'(Megatron accounting)':<28}{_mb(pm['megatron_total']):>12}")
+    pc, cc = rep["collectives"]["predicted"], rep["collectives"]["compiled"] or {}
+    axes = [a for a in AXES if a in pc or a in cc]
+    lines += ["", f"{'collectives per step (MiB)':<28}{'predicted':>12}{'compiled':>12}{'static':>12}"]
+    static = rep["collectives"].get("compiled_static", {})
+    for a in axes:
+        c = cc.get(a, 0) if rep["compiled"] else None
+        s = static.get(a, 0) if rep["compiled"] else None
+        lines.append(f"{'  ' + a:<28}{_mb(pc.get(a, 0)):>12}{_mb(c):>12}{_mb(s):>12}")
+    if not axes:
+        lines.append("  (none: one device)")
+    pn, cn = rep["counts"]["predicted"], rep["counts"]["compiled"] or {}
+    sn = rep["counts"].get("compiled_static", {})
+    lines += ["", f"{'collective ops per step':<28}{'predicted':>12}{'compiled':>12}{'static':>12}"]
+    for op in sorted(set(pn) | set(cn)):
+        c = cn.get(op, 0) if rep["compiled"] else "-"
+        lines.append(f"{'  ' + op:<28}{pn.get(op, 0):>12}{c:>12}{sn.get(op, 0) if rep['compiled'] else '-':>12}")
+    lines.append(
+        "\ncompiled per step = each HLO collective x the trip counts of its loops; static = each once. "
+        "Predicted omits scalar all-reduces (loss, token counts)."
+    )
+    if rep.get("data_parallel") is not None:
+        lines += ["", *format_buckets(rep["data_parallel"], rep.get("grad_reduce_dtype", "float32"))]
+    return "\n".join(lines)
+
+
+def format_buckets(dp: list[dict], grad_dtype: str) -> list[str]:
+    """The data-parallel collectives (gradient buckets) of the compiled step, one line each."""
+    runs = sum(b["per_step"] for b in dp)
+    total = sum(b["bytes"] * b["per_step"] for b in dp)
+    lines = [f"data-parallel collectives per step: {runs} ({_mb(total)} MiB; train.grad_reduce_dtype={grad_dtype})"]
+    for b in dp[:12]:
+        where = ",".join(b["axes"])
+        lines.append(f"  {b['op']:<15}{where:<12}{b['dtype']:<10}{b['arrays']:>4} arrays{_mb(b['bytes']):>10} MiB"
+                     + (f"  x{b['per_step']}" if b["per_step"] > 1 else ""))  # fmt: skip
+    if len(dp) > 12:
+        lines.append(f"  ... {len(dp) - 12} more")
+    if any(b["dtype"].startswith("bf16") for b in dp):
+        lines.append("  (bf16: XLA:CPU widens 16-bit reductions to f32 when it runs them; GPUs move 16 bits)")
+    return lines

@@ -1,0 +1,304 @@
+"""TrainState and the jitted 3D (+EP) train step.
+
+One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
+reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
+`ModelFns` (meshrun/family/contract.py) and the parameter/gradient/optimizer layouts come from one
+`ZeroLayout` (meshrun/parallel/zero.py), both built once here and handed to whichever loop accumulates the
+gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
+inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
+manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
+psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
+`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import meshrun_models as models
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from meshrun_models.layers import arrays  # nnx.State / Variables -> nested dicts of arrays
+
+from meshrun.config import RunConfig
+from meshrun.errors import ConfigError
+from meshrun.family import contract
+from meshrun.family.contract import ModelFns
+from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
+from meshrun.parallel.zero import ZeroLayout, accum_zeros
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar
+
+
+@dataclass(frozen=True)
+class StepFns:
+    """What `make_train_step` returns: the jitted step plus the layouts a loop needs."""
+
+    step: Any  # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
+    init: Any  # () -> TrainState, jitted with out_shardings
+    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
+    to_run: Any  # model-order state (checkpoints) -> the layout the step runs on
+    to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline layout)
+    loss_and_grads: Any  # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
+    abstract_run: TrainState  # as abstract_state, in the layout `step` takes
+    zero: ZeroLayout | None = None  # the parameter layouts (the evaluation reuses them)
+
+
+def lr_schedule(cfg: RunConfig) -> optax.Schedule:
+    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio·lr at train.steps."""
+    t = cfg.train
+    return optax.warmup_cosine_decay_schedule(
+        0.0, t.lr, max(t.warmup_steps, 1), max(t.steps, t.warmup_steps + 1), t.lr * t.min_lr_ratio
+    )
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping."""
+    t = cfg.train
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(lr_schedule(cfg), b1=t.beta1, b2=t.beta2, eps=t.adam_eps, weight_decay=t.weight_decay),
+    )
+
+
+def dp_degree(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["expert"]
+
+
+def validate(cfg: RunConfig, mesh: Mesh) -> None:
+    """Cross-component checks: batch divisibility, model vs mesh, schedule and layer split."""
+    t, m = cfg.train, cfg.pipeline.microbatches
+    dp = dp_degree(mesh)
+    if t.global_batch % (m * dp):
+        raise ConfigError(
+            "train.global_batch",
+            t.global_batch,
+            f"use a multiple of pipeline.microbatches ({m}) x data-parallel degree ({dp}) = {m * dp}",
+            "global batch not divisible by microbatches x data-parallel degree",
+        )
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
+    models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
+    if mesh.shape["pipe"] > 1:  # the schedule and the layer split, before anything is built or written
+        from meshrun.pipeline.program import tick_program
+
+        tick_program(cfg.pipeline, mesh.shape["pipe"])
+    check_remat_every(cfg, mesh)
+    if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
+        field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
+        check_host_memory(mesh.devices.flat[0], field)
+
+
+def check_remat_every(cfg: RunConfig, mesh: Mesh) -> None:
+    """remat_every=k groups k stacked units inside each call of the layer stack: the whole stack, or
+    one pipeline chunk (an even split's n_units / (pipe * virtual)); groups never straddle a stage."""
+    k, split = cfg.model.remat_every, split_of(cfg, mesh)
+    if split is not None and not split.even and k > 1:
+        raise ConfigError(
+            "model.remat_every", k, f"use 1, or an even layer split (layers per chunk now {list(split.counts)})",
+            "grouped remat needs the same layer count in every pipeline chunk",
+        )  # fmt: skip
+    per_chunk = cfg.model.n_units if split is None else split.lmax
+    if k > 1 and per_chunk % k:
+        where = f"each pipeline chunk holds {per_chunk}" if split is not None else f"the model stacks {per_chunk}"
+        raise ConfigError(
+            "model.remat_every", k, f"use a divisor of {per_chunk} ({where} layers)", "does not divide the layers"
+        )
+
+
+def check_host_memory(device, field: str) -> None:
+    """Host offload needs a 'pinned_host' memory space on the device (GPU, TPU and XLA:CPU have one)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ConfigError(
+            field, True, f"turn host offload off on {device.platform} (its memories: {sorted(kinds)})",
+            "this platform has no pinned_host memory",
+        )  # fmt: skip
+
+
+def split_of(cfg: RunConfig, mesh: Mesh):
+    """The pipeline's LayerSplit (pipeline.layers_per_stage / balance), or None without a pipeline."""
+    if mesh.shape["pipe"] == 1:
+        return None
+    from meshrun.pipeline.split import layer_split
+
+    return layer_split(cfg.pipeline, cfg.model.n_units, mesh.shape["pipe"], cfg.model, cfg.train.seq_len)
+
+
+def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels, segment_ids=None):
+    """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
+    reduction after the loop. Returns (loss, grads in the ZeRO grad layout, metrics)."""
+    mesh, m = zl.mesh, microbatches
+    live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
+    psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
+    params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
+    batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
+
+    def body(params, *batch):
+        tokens, labels = batch[:2]
+        with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
+            n_tok = psum(contract.token_count(fns, params, tokens, labels))  # global counts: shares add up
+            n_seq = tokens.shape[0] * dp_degree(mesh)
+            b = tokens.shape[0] // m
+
+            def share(p, *mb):
+                loss_sum, _, aux = contract.forward_sums(fns, p, *mb)
+                return contract.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
+
+            grad_fn = jax.grad(share, has_aux=True)
+
+            def micro(acc, mb):
+                g, sums = grad_fn(params, *mb)
+                return jax.tree.map(jnp.add, acc, (g, sums)), None
+
+            shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
+            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
+            split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
+            (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, tuple(split(a) for a in batch))
+            loss, metrics = contract.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
+            return loss, zl.reduce_local(gsum), metrics
+
+    batch_spec = P(DP_AXES)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(zl.local_compute(), *(batch_spec,) * len(batch)),
+        out_specs=(P(), zl.partial_specs(), P()),
+        axis_names=set(MANUAL),
+        check_vma=False,
+    )
+    loss, grads, metrics = fn(params, *batch)
+    return loss, zl.finish(grads), metrics
+
+
+def relayout(state: TrainState, tx, fn) -> TrainState:
+    """Apply a layer relayout `fn` (a LayerSplit's to_pipeline / from_pipeline) to params['layers']
+    and the matching optimizer leaves. Training runs with the layers in pipeline layout so that each
+    stage's chunks are local (no weight moves per step; interleaved: chunk order, uneven: padded);
+    checkpoints keep model order, so they restore into any layout and split."""
+    flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
+    one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x  # noqa: E731
+    params = {**state.params, "layers": fn(state.params["layers"])}
+    opt = optax.tree_map_params(tx, one, state.opt_state, flags)
+    return state._replace(params=params, opt_state=opt)
+
+
+def offloaded(cfg: RunConfig) -> tuple[str, ...]:
+    """ZeroLayout parts resting in host memory: the optimizer moments with train.offload_optimizer, and
+    the parameters too when they are fp32 master weights of a lower-precision compute dtype."""
+    if not cfg.train.offload_optimizer:
+        return ()
+    return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
+
+
+def make_loss_and_grads(cfg: RunConfig, mesh: Mesh, fns: ModelFns, zl: ZeroLayout):
+    """(params, tokens, labels) -> (loss, grads in the ZeRO grad layout, metrics), traced inside the
+    step: the pipeline executor when mesh.pipe > 1 (params in pipeline layout), else the microbatch scan."""
+    if mesh.shape["pipe"] > 1:
+        from meshrun.pipeline.executor import Pipeline
+
+        split = split_of(cfg, mesh)
+        return Pipeline(fns, cfg.pipeline, mesh, zero=zl, layout="pipeline", split=split).loss_and_grads
+    return functools.partial(accumulate_grads, fns, zl, cfg.pipeline.microbatches)
+
+
+def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
+    """Jitted train step with explicit in/out shardings and donated state."""
+    validate(cfg, mesh)
+    tx = make_optimizer(cfg)
+    fns = models.model_fns(cfg.model)
+    if cfg.data.pack_documents and not fns.segments:
+        raise ConfigError(
+            "data.pack_documents",
+            True,
+            "use a model whose ModelFns has segments=True, or set it false",
+            "the model cannot take segment ids",
+        )
+
+    def state_from(params) -> TrainState:
+        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+    def init_state() -> TrainState:
+        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
+
+    abstract = jax.eval_shape(init_state)
+    split = split_of(cfg, mesh)
+    relay = split is not None and not split.identity  # layers stored in pipeline layout while training
+    run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
+    abstract_run = jax.eval_shape(run_state) if relay else abstract
+    build = lambda shapes: ZeroLayout.build(  # noqa: E731
+        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
+    )
+    zl = build(abstract_run.params)
+    state_sh = state_shardings(zl, tx, abstract_run)
+    batch_sh = NamedSharding(mesh, P(DP_AXES))
+    # Offloaded state rests in host memory: whatever computes on it moves it in and back out.
+    host = lambda st, sh=state_sh: zl.to_host(st, sh)  # noqa: E731
+    init = jax.jit(lambda: host(run_state()), out_shardings=state_sh)
+    if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
+        model_sh = state_shardings(build(abstract.params), tx, abstract)
+        to_run = jax.jit(lambda st: host(relayout(zl.to_device(st, model_sh), tx, split.to_pipeline)),
+                         out_shardings=state_sh)  # fmt: skip
+        to_model = jax.jit(lambda st: host(relayout(zl.to_device(st, state_sh), tx, split.from_pipeline), model_sh),
+                           out_shardings=model_sh)  # fmt: skip
+        init_from = jax.jit(lambda prm: host(relayout(state_from(prm), tx, split.to_pipeline)), out_shardings=state_sh)
+    else:
+        model_sh = state_sh
+        to_run = to_model = lambda st: st  # noqa: E731
+        init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
+    loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
+
+    def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
+        state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
+        loss, grads, aux = loss_and_grads(state.params, *batch)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+        return host(TrainState(params, opt_state, state.step + 1)), metrics
+
+    n_batch = 3 if cfg.data.pack_documents else 2
+    step = jax.jit(
+        train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
+    )
+    with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
+    return StepFns(
+        step,
+        init,
+        init_from,
+        state_sh,
+        batch_sh,
+        with_sh(abstract, model_sh),
+        to_run,
+        to_model,
+        loss_and_grads,
+        with_sh(abstract_run, state_sh),
+        zl,
+    )
+
+
+def state_shardings(zl: ZeroLayout, tx, abstract: TrainState) -> TrainState:
+    """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`, each in
+    the memory `zl` rests it in (pinned host when offloaded)."""
+    sh = lambda spec: NamedSharding(zl.mesh, spec)  # noqa: E731
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract.opt_state,
+        jax.tree.map(lambda s: zl.sharding("opt", s), zl.opt, is_leaf=is_spec),
+        transform_non_params=lambda _: sh(P()),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    return TrainState(jax.tree.map(lambda s: zl.sharding("store", s), zl.store, is_leaf=is_spec), opt_sh, sh(P()))
