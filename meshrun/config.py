@@ -66,8 +66,10 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer (Llama-style by default); MoE when n_experts > 0."""
+    """Decoder-only transformer shape; `family` picks the code that builds it (`meshrun.family.registry`).
+    MoE when n_experts > 0."""
 
+    family: str = "llama"  # llama (also Mistral/Qwen2/Mixtral shapes) | gpt2
     vocab: int = 256
     d_model: int = 64
     n_layers: int = 4

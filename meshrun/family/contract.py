@@ -98,3 +98,22 @@ def loss_fn(fns: ModelFns, params, tokens_BxS, labels_BxS, segment_ids_BxS=None)
     """Full-batch (loss, metrics) on one device: the reference every layout must reproduce."""
     loss_sum, n_tokens, aux = forward_sums(fns, params, tokens_BxS, labels_BxS, segment_ids_BxS)
     return finish(fns, loss_sum, n_tokens, aux, tokens_BxS.shape[0])
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as the framework sees it: everything else about a model stays in its folder.
+
+    model_fns(cfg) -> ModelFns; init_params(cfg, seed) -> nested dict of arrays; abstract_params(cfg)
+    -> tree of jax.ShapeDtypeStruct-like leaves carrying logical names (nnx.State); check_mesh(cfg,
+    mesh_shape) raises ConfigError when the model cannot be split over the mesh; check_config(cfg)
+    raises ConfigError for a model field the family does not use; hf: its Hugging Face adapter (None:
+    no import/export)."""
+
+    name: str
+    model_fns: Callable
+    init_params: Callable
+    abstract_params: Callable
+    check_mesh: Callable
+    check_config: Callable = lambda cfg: None
+    hf: Any = None

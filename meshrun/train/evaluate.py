@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshrun.family import contract
+from meshrun.family import contract, registry
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroLayout
@@ -63,9 +63,7 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroLayout, microbatches: int) -> Callabl
 
 def make_eval_step(cfg, mesh, step_fns) -> Callable:
     """Jitted (params in the run layout, *batch) -> (loss_sum, n_tokens) for one global batch."""
-    import meshrun_models as models
-
-    fns = models.model_fns(cfg.model)
+    fns = registry.get(cfg.model.family).model_fns(cfg.model)
     if mesh.shape["pipe"] > 1:
         from meshrun.pipeline.executor import Pipeline
         from meshrun.pipeline.forward import forward_sums

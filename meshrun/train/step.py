@@ -19,15 +19,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import meshrun_models as models
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from meshrun_models.layers import arrays  # nnx.State / Variables -> nested dicts of arrays
 
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
-from meshrun.family import contract
+from meshrun.family import contract, registry
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroLayout, accum_zeros
@@ -90,7 +88,7 @@ def validate(cfg: RunConfig, mesh: Mesh) -> None:
         )
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
-    models.validate_model_for_mesh(cfg.model, dict(mesh.shape))
+    registry.get(cfg.model.family).check_mesh(cfg.model, dict(mesh.shape))
     if mesh.shape["pipe"] > 1:  # the schedule and the layer split, before anything is built or written
         from meshrun.pipeline.program import tick_program
 
@@ -218,7 +216,8 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
     """Jitted train step with explicit in/out shardings and donated state."""
     validate(cfg, mesh)
     tx = make_optimizer(cfg)
-    fns = models.model_fns(cfg.model)
+    family = registry.get(cfg.model.family)
+    fns = family.model_fns(cfg.model)
     if cfg.data.pack_documents and not fns.segments:
         raise ConfigError(
             "data.pack_documents",
@@ -231,7 +230,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
     def init_state() -> TrainState:
-        return state_from(arrays(models.init_params(cfg.model, cfg.train.seed)[1]))
+        return state_from(family.init_params(cfg.model, cfg.train.seed))
 
     abstract = jax.eval_shape(init_state)
     split = split_of(cfg, mesh)
