@@ -47,6 +47,7 @@ def main() -> None:
     elif what == "test":
         ensure_env("test")
         sh(PY, "-m", "ruff", "check", "meshrun", "models", "tests", "bench", "tasks.py")
+        sh(BIN / "lint-imports")  # the import layering contracts in pyproject.toml
         if args:  # a selection (`-k`, a file): one plain pytest run
             sh(PY, "-m", "pytest", *args)
         else:

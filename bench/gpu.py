@@ -91,19 +91,19 @@ def child(a) -> int:
     dev = jax.devices()[0]
     emit(event="start", platform=dev.platform, device_kind=dev.device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""))
     mesh = build_mesh(cfg.mesh, devices=[dev])
-    fns = make_train_step(cfg, mesh)
-    n_params = sum(x.size for x in jax.tree.leaves(fns.abstract_state.params))
+    train_step = make_train_step(cfg, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(train_step.abstract_state.params))
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
-    state = fns.init()
+    state = train_step.init()
     jax.block_until_ready(state)
     emit(event="init", n_params=int(n_params))
     flops = model_flops(cfg.model, t.global_batch, t.seq_len)
     peak = peak_flops(dev)
     times, losses = [], []
     for step in range(t.steps):
-        tokens, labels = global_batch_arrays(ds, step, mesh, fns.batch_sharding.spec)
+        tokens, labels = global_batch_arrays(ds, step, mesh, train_step.batch_sharding.spec)
         t0 = time.perf_counter()
-        state, metrics = fns.step(state, tokens, labels)
+        state, metrics = train_step.step(state, tokens, labels)
         loss = float(metrics["loss"])  # waits for the step
         dt = time.perf_counter() - t0
         times.append(dt)

@@ -131,9 +131,9 @@ def main(argv=None) -> None:
                     continue
                 # Interleaved: params stored in pipeline order, so no weights cross 'pipe' per step.
                 pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
-                pl = Pipeline(mm.model_fns(CFG), pc, mesh, layout="pipeline")
                 pure = params.to_pure_dict()
                 pure["layers"] = layer_split(pc, CFG.n_layers, p).to_pipeline(pure["layers"])
+                pl = Pipeline.for_params(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline")
                 compiled = pl.lower(pure, tok, lab).compile()
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)

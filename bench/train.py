@@ -44,15 +44,15 @@ def measure(path: str, overrides: list[str], steps: int, warmup: int) -> dict:
     cfg = load_config(path, overrides)
     n = cfg.mesh.data * cfg.mesh.pipe * cfg.mesh.tensor * cfg.mesh.expert
     mesh = build_mesh(cfg.mesh, devices=cpu_devices(n))
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     t = cfg.train
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
     batches = [global_batch_arrays(ds, i, mesh, P(DP_AXES)) for i in range(warmup + steps)]
     t0 = time.perf_counter()
-    compiled = fns.step.lower(fns.abstract_run, *batches[0]).compile()
+    compiled = train_step.step.lower(train_step.abstract_run, *batches[0]).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
-    state = fns.init()
+    state = train_step.init()
     times = []
     for i, (tokens, labels) in enumerate(batches):
         t0 = time.perf_counter()

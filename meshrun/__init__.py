@@ -4,6 +4,8 @@ Importing `meshrun` does not import jax (so the CLI can set up simulated devices
 and sharding helpers load on first use.
 """
 
+import importlib
+
 from meshrun.config import MeshConfig, ModelConfig, RunConfig, load_config
 from meshrun.errors import ConfigError
 
@@ -27,7 +29,5 @@ __all__ = ["ConfigError", "MeshConfig", "ModelConfig", "RunConfig", "load_config
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'meshrun' has no attribute {name!r}")

@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 
 from meshrun.errors import ConfigError
-from meshrun.pipeline.schedules import SCHEDULES
 
 AXES = ("data", "pipe", "expert", "tensor")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule (built by meshrun.pipeline.schedules)
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
 REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")

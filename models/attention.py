@@ -51,9 +51,19 @@ def segment_info(segment_ids_BxL: jax.Array | None):
     return segment_positions(segment_ids_BxL), same
 
 
-def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, segments=None) -> jax.Array:
+def attention(
+    p: Mapping[str, jax.Array],
+    h_BxLxD: jax.Array,
+    cfg: ModelConfig,
+    segments=None,
+    *,
+    rotary: bool = True,
+    bias: bool | None = None,
+) -> jax.Array:
     """Self-attention on normed input (full length). Returns the row-parallel output before the
-    residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter)."""
+    residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter).
+    `rotary=False`: no RoPE (a family with learned absolute positions); `bias`: q/k/v biases
+    (default cfg.qkv_bias). The output projection's bias, if any, is the caller's."""
     dt = dtype_of(cfg.dtype)
     n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     # Megatron's fused GQA layout [D, K, G+2, Dh] built on the fly: query head n = kv*G + g uses kv
@@ -62,17 +72,19 @@ def attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, 
     wq_DxKxGxDh = p["q"].reshape(cfg.d_model, n_kv, g, dh)
     w = jnp.concatenate([wq_DxKxGxDh, p["k"][:, :, None], p["v"][:, :, None]], axis=2).astype(dt)
     qkv = jnp.einsum("bld,dkgh->blkgh", h_BxLxD, w)
-    if cfg.qkv_bias:
+    if cfg.qkv_bias if bias is None else bias:
         b_q = p["q_bias"].reshape(n_kv, g, dh)
         qkv = qkv + jnp.concatenate([b_q, p["k_bias"][:, None], p["v_bias"][:, None]], axis=1).astype(dt)
     qkv = checkpoint_name(constrain(qkv, ("batch", None, "kv_heads", None, "head_dim")), "qkv")
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-    freq = rope_freqs(cfg)
     pos_BxL, mask = segments if segments is not None else (None, None)
-    q_BxLxHxDh = constrain(rope(q_BxLxHxDh, freq, pos_BxL), ("batch", None, "heads", "head_dim"))
-    k_BxLxKxDh = constrain(rope(k_BxLxKxDh, freq, pos_BxL), ("batch", None, "kv_heads", "head_dim"))
+    if rotary:
+        freq = rope_freqs(cfg)
+        q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)
+    q_BxLxHxDh = constrain(q_BxLxHxDh, ("batch", None, "heads", "head_dim"))
+    k_BxLxKxDh = constrain(k_BxLxKxDh, ("batch", None, "kv_heads", "head_dim"))
     window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
     o_BxLxHxDh = jax.nn.dot_product_attention(
         q_BxLxHxDh,

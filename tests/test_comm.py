@@ -17,6 +17,7 @@ from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.planner import step_model, timing
 from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
+from meshrun.planner.layout import Layout
 from meshrun.runtime.mesh import rack_of
 from meshrun.train.explain import buckets, format_buckets
 from meshrun.train.step import make_train_step
@@ -32,9 +33,10 @@ def _program_dp_collectives(over):
     reductions sit in fully manual shard_maps, so with tensor=1 their shapes are per-device."""
     cfg = _cfg("tiny_cpu.yaml", [*TINY, "mesh.tensor=1", *over])
     mesh = build_mesh(cfg.mesh)
-    fns = make_train_step(cfg, mesh)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=fns.batch_sharding)
-    text = fns.step.lower(fns.abstract_state, batch, batch).as_text(dialect="hlo")
+    train_step = make_train_step(cfg, mesh)
+    shape = (cfg.train.global_batch, cfg.train.seq_len)
+    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=train_step.batch_sharding)
+    text = train_step.step.lower(train_step.abstract_state, batch, batch).as_text(dialect="hlo")
     return hlo.data_parallel(hlo.collectives(text, dict(mesh.shape)))
 
 
@@ -58,11 +60,11 @@ def test_bf16_reduction_gradients_and_compiled_collectives():
     base = [x for x in SMALL if "adam_eps" not in x]
     cfg = load_config("configs/tiny_cpu.yaml", [*base, *TINY, "pipeline.microbatches=2", "train.zero=1", BF16])
     mesh = build_mesh(cfg.mesh)
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     tok, lab = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
-    params = fns.init().params
-    compiled = jax.jit(fns.loss_and_grads).lower(params, tok, lab).compile()
+    params = train_step.init().params
+    compiled = jax.jit(train_step.loss_and_grads).lower(params, tok, lab).compile()
     loss, grads, _ = jax.device_get(compiled(params, tok, lab))
     ref_loss, ref, _ = full_batch_reference(cfg, np.asarray(tok), np.asarray(lab))
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
@@ -98,8 +100,8 @@ def test_explain_buckets_report_program_dtype_and_bytes():
 def test_predicted_dp_bytes_halve_with_bf16_reduction():
     model = load_config("configs/tiny_cpu.yaml").model
     for kw in (dict(data=4), dict(data=2, pipe=2, tensor=2, microbatches=4)):  # ZeRO-0: all DP bytes are grads
-        f32 = step_model.predict_collective_bytes(model, **kw, seq_len=64)["bytes"]
-        bf16 = step_model.predict_collective_bytes(model, **kw, seq_len=64, grad_reduce_bytes=2)["bytes"]
+        f32 = step_model.predict_collective_bytes(model, Layout(**kw), seq_len=64)["bytes"]
+        bf16 = step_model.predict_collective_bytes(model, Layout(**kw), seq_len=64, grad_reduce_bytes=2)["bytes"]
         assert bf16["data"] == pytest.approx(f32["data"] / 2, rel=1e-12)
         assert {a: v for a, v in bf16.items() if a != "data"} == {a: v for a, v in f32.items() if a != "data"}
 

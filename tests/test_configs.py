@@ -67,9 +67,9 @@ def test_run_config_runs_one_step_on_cpu(path, tmp_path):
     over = [*TINY, *tiny_mesh(base)] if "cpu" not in path.name else ["train.steps=1"]
     cfg = load_config(path, [*over, f"train.run_dir={tmp_path}"])
     mesh = build_mesh(cfg.mesh)
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     tokens, labels = global_batch_arrays(ds, 0, mesh, jax.sharding.PartitionSpec(DP_AXES))
-    state, metrics = fns.step(fns.init(), tokens, labels)
+    state, metrics = train_step.step(train_step.init(), tokens, labels)
     assert int(state.step) == 1
     assert 0 < float(metrics["loss"]) < 20

@@ -24,8 +24,8 @@ def _planner_total(cfg, rep) -> float:
     """`meshrun plan --framework meshrun`'s per-device bytes for the layout (no GPU runtime overheads)."""
     from meshrun.planner import cost
 
-    kw = explain.layout(cfg, rep["mesh"])
-    return cost.predict_memory(cfg.model, **kw, schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)["total"]
+    lay = explain.planner_layout(cfg, rep["mesh"])
+    return cost.predict_memory(cfg.model, lay, seq_len=cfg.train.seq_len)["total"]
 
 
 # Widths, depths, meshes and schedules the step model's per-layer constants were not read from.

@@ -27,17 +27,18 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
 from meshrun.train import explain
-from meshrun.train.step import check_host_memory, make_train_step
+from meshrun.train.plan import check_host_memory
+from meshrun.train.step import make_train_step
 
 
 def _train(cfg, steps=3):
     """3 steps through one compiled executable; (losses, final state, compiled)."""
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     batches = [global_batch_arrays(ds, i, mesh, P(DP_AXES)) for i in range(steps)]
-    compiled = fns.step.lower(fns.abstract_state, *batches[0]).compile()
-    state, losses = fns.init(), []
+    compiled = train_step.step.lower(train_step.abstract_state, *batches[0]).compile()
+    state, losses = train_step.init(), []
     for tok, lab in batches:
         state, metrics = compiled(state, tok, lab)
         losses.append(float(metrics["loss"]))

@@ -17,6 +17,7 @@ from test_models import ATOL, RTOL, assert_same, batch, loss_and_grads, mesh_of
 from meshrun.analysis.hlo import collectives
 from meshrun.config import ModelConfig
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
+from meshrun.planner.layout import Layout
 from meshrun.planner.step_model import predict_collective_bytes
 
 # Groups of (1 dense + 1 MoE), top-2 with capacity factor 1.0: tokens do get dropped.
@@ -278,7 +279,7 @@ def test_dropless_parity_and_worst_case_all_to_all():
     a2a = sorted((x.axes, x.bytes, x.in_loop) for x in c if x.op == "all-to-all")
     assert a2a == sorted([(("expert",), ep * e_loc * 4, True)] + [(("expert",), rows_bytes, True)] * 4)
     # meshrun explain's step model counts the same all_to_alls per step (counts + rows, 2 layers)
-    pred = predict_collective_bytes(cfg, tensor=2, data=2, expert=2, micro_batch_size=2, seq_len=tok.shape[1])
+    pred = predict_collective_bytes(cfg, Layout(tensor=2, data=2, expert=2, micro_batch_size=2), seq_len=tok.shape[1])
     assert pred["count"]["all-to-all"] == sum(x.per_step for x in c if x.op == "all-to-all") == 10
 
 

@@ -108,12 +108,12 @@ def mesh_of(pipe, data, expert, tensor):
 def toy_compiled(dims, schedule, m, v, b, **kw):
     """(pipeline, compiled step, args) for the toy model; cached so tests share compiles."""
     kw = dict(kw)
-    layout = kw.get("layout", "model")
+    placement = kw.get("placement", "model")
     pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v)
-    pl = Pipeline(TOY, pc, mesh_of(*dims), **kw)
     params = toy_params()
-    if layout == "pipeline":
-        params = {**params, "layers": layer_split(pc, L, pl.p).to_pipeline(params["layers"])}
+    if placement == "pipeline":
+        params = {**params, "layers": layer_split(pc, L, dims[0]).to_pipeline(params["layers"])}
+    pl = Pipeline.for_params(TOY, pc, mesh_of(*dims), params, **kw)
     args = (params, *batch(b, V))
     return pl, pl.lower(*args).compile(), args
 
@@ -143,7 +143,7 @@ TOY_CASES = {
     "p2d2t2-1f1b-m4-zero3": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("zero", 3),)),
     "p2d2t2-1f1b-m4-recompute": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("residuals", "recompute"),)),
     "p4t2-1f1b-m8-no-skip": ((4, 1, 1, 2), "1f1b", 8, 1, 8, (("skip_idle", False),)),
-    "p2d2t2-interleaved-m4-pipeline-layout": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("layout", "pipeline"),)),
+    "p2d2t2-interleaved-m4-pipeline-layout": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("placement", "pipeline"),)),
     # zb-h1 (B and W split) for p in {2, 4}, m in {p, 2p, 4p}
     "p2d2t2-zb-h1-m2": ((2, 2, 1, 2), "zb-h1", 2, 1, 4, ()),
     "p2d2t2-zb-h1-m4": ((2, 2, 1, 2), "zb-h1", 4, 1, 8, ()),
@@ -164,7 +164,7 @@ def test_toy_parity(case):
     spec = grads["layers"]["w1"].sharding.spec
     want = P("pipe", "data" if pl.zero_stage >= 2 else None, "tensor" if dims[3] > 1 else None)
     assert tuple(spec) + (None,) * (3 - len(spec)) == tuple(want), spec
-    if pl.layout == "pipeline":
+    if pl.placement == "pipeline":
         grads = {**grads, "layers": pl.split.from_pipeline(grads["layers"])}
     np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
     np.testing.assert_allclose(float(aux["sq"]), float(ref_aux["sq"]), rtol=RTOL)
@@ -178,7 +178,7 @@ def test_pipeline_layout_moves_no_weights_across_pipe():
     ops = {}
     for layout, (pl, c, _) in {
         "model": toy_compiled(dims, "interleaved", 8, 2, b=32),
-        "pipeline": toy_compiled(dims, "interleaved", 4, 2, b=8, layout="pipeline"),
+        "pipeline": toy_compiled(dims, "interleaved", 4, 2, b=8, placement="pipeline"),
     }.items():
         ops[layout] = {(x.op, x.axes) for x in hlo.collectives(c.as_text(), dict(pl.mesh.shape))}
     assert ("all-to-all", ("pipe",)) in ops["model"]
@@ -228,7 +228,8 @@ MODEL_CASES = {
 def test_model_parity(case):
     cfg, dims, schedule, m, v, as_state = MODEL_CASES[case]
     params, (tok, lab), ref_loss, ref_grads, ref_aux = model_ref(cfg, 16)
-    pl = Pipeline(mm.model_fns(cfg), PipelineConfig(schedule=schedule, microbatches=m, virtual=v), mesh_of(*dims))
+    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v)
+    pl = Pipeline.for_params(mm.model_fns(cfg), pc, mesh_of(*dims), params)
     loss, grads, aux = pl(params if as_state else params.to_pure_dict(), tok, lab)
     if as_state:
         assert type(grads) is type(params)
@@ -471,7 +472,7 @@ def test_zero2_reduce_scatters_once():
 def test_config_errors():
     mesh4 = mesh_of(4, 1, 1, 2)
     mesh2 = mesh_of(2, 2, 1, 2)
-    mk = lambda mesh, **pc: Pipeline(TOY, PipelineConfig(**pc), mesh)
+    mk = lambda mesh, prm=None, **pc: Pipeline.for_params(TOY, PipelineConfig(**pc), mesh, prm or toy_params())  # noqa: E731
     with pytest.raises(ConfigError, match="m >= p") as e:
         mk(mesh4, schedule="1f1b", microbatches=2)
     assert e.value.field == "pipeline.microbatches"
@@ -484,7 +485,7 @@ def test_config_errors():
     tok, lab = batch(32, V)
     six = {**toy_params(), "layers": jax.tree.map(lambda a: a[:6], toy_params()["layers"])}
     with pytest.raises(ConfigError, match="stacked layers") as e:
-        mk(mesh4, schedule="1f1b", microbatches=4)(six, tok, lab)
+        mk(mesh4, six, schedule="1f1b", microbatches=4)(six, tok, lab)
     assert e.value.field == "model.n_layers"
     with pytest.raises(ConfigError, match="stacked layers"):  # 8 layers, 2 stages x 8 chunks
         mk(mesh2, schedule="interleaved", microbatches=8, virtual=8)(toy_params(), tok, lab)
@@ -530,8 +531,8 @@ UNEVEN_CASES = {
 def uneven_compiled(case):
     dims, schedule, m, v, n, counts = UNEVEN_CASES[case]
     pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, layers_per_stage=counts)
-    pl = Pipeline(TOY, pc, mesh_of(*dims))
     prm = {**toy_params(), "layers": jax.tree.map(lambda a: a[:n], toy_params()["layers"])}
+    pl = Pipeline.for_params(TOY, pc, mesh_of(*dims), prm)
     args = (prm, *batch(8, V))
     return pl, pl.lower(*args).compile(), args
 
@@ -587,6 +588,7 @@ def test_split_layouts_round_trip_across_splits():
 
 def test_bad_splits_name_the_fix():
     from meshrun.pipeline.split import layer_split
+    from meshrun.train.plan import unit_costs
 
     pc = lambda **k: PipelineConfig(microbatches=4, **k)  # noqa: E731
     with pytest.raises(ConfigError, match=r"sum 6 != 7.*e\.g\. \[2, 2, 2, 1\]"):
@@ -598,8 +600,8 @@ def test_bad_splits_name_the_fix():
     with pytest.raises(ConfigError, match="balance=auto"):
         layer_split(pc(), 7, 4)
     with pytest.raises(ConfigError, match="leave a stage empty"):
-        layer_split(pc(balance="auto"), 3, 4, DENSE)
-    assert layer_split(pc(balance="auto"), 7, 4, DENSE).n == 7
+        layer_split(pc(balance="auto"), 3, 4, unit_costs(DENSE))
+    assert layer_split(pc(balance="auto"), 7, 4, unit_costs(DENSE)).n == 7
 
 
 def test_balance_auto_gives_the_ends_fewer_layers():

@@ -4,6 +4,7 @@ Pure Python, no JAX: the cost model is arithmetic, so these tests pin exact form
 literature gives them and measured numbers (with the stated band) where it does not.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -21,6 +22,14 @@ from meshrun.planner.cost import Layout
 from meshrun.planner.hardware import GB, parse_cluster
 
 MEGA = dict(framework="megatron")
+LAYOUT_FIELDS = {f.name for f in dataclasses.fields(cost.Layout)}
+
+
+def predict_memory(model, **kw):
+    """`cost.predict_memory` with the layout given field by field (remat and sequence parallelism: the
+    model's unless given)."""
+    lay = cost.model_layout(model, **{k: v for k, v in kw.items() if k in LAYOUT_FIELDS})
+    return cost.predict_memory(model, lay, **{k: v for k, v in kw.items() if k not in LAYOUT_FIELDS})
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -72,14 +81,14 @@ def test_model_states_bytes_per_param(gpt3):
     prec = cost.precision_of(gpt3, "megatron")
     assert (prec.param, prec.grad, prec.opt) == (2, 4, 12)
     psi = cost.param_counts(gpt3)["total"]
-    mem = cost.predict_memory(gpt3, seq_len=2048, remat="full", **MEGA)
+    mem = predict_memory(gpt3, seq_len=2048, remat="full", **MEGA)
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     assert states == pytest.approx(18 * psi, rel=1e-9)
     assert states * 16 / 18 == pytest.approx(2.8e12, rel=0.01)  # the seed's 2.8 TB at 16 B/param
     # meshrun: grads and Adam m, v in the param dtype; + the float32 accumulator (m > 1) and the update temporary.
     assert cost.precision_of(gpt3) == cost.Precision(param=2, grad=2, opt=4, act=2)
-    one = cost.predict_memory(gpt3, seq_len=2048, remat="full")
-    acc = cost.predict_memory(gpt3, seq_len=2048, remat="full", microbatches=4)
+    one = predict_memory(gpt3, seq_len=2048, remat="full")
+    acc = predict_memory(gpt3, seq_len=2048, remat="full", microbatches=4)
     assert one["params"] + one["grads"] + one["optimizer"] == pytest.approx(10 * psi, rel=1e-3)
     assert acc["grads"] - one["grads"] == pytest.approx(4 * psi, rel=1e-3)  # zero.accum_zeros: fp32 sums
 
@@ -88,7 +97,7 @@ def test_model_states_bytes_per_param(gpt3):
 def test_zero_stage_formulas(gpt3, zero, expect):
     psi = cost.param_counts(gpt3)["total"]
     for d in (2, 8, 64):
-        mem = cost.predict_memory(gpt3, data=d, zero=zero, seq_len=2048, **MEGA)
+        mem = predict_memory(gpt3, data=d, zero=zero, seq_len=2048, **MEGA)
         assert mem["params"] + mem["grads"] + mem["optimizer"] == pytest.approx(expect(d) * psi, rel=1e-9)
 
 
@@ -97,7 +106,7 @@ def test_meshrun_vs_megatron_zero_semantics(gpt3):
     full size during the loop); Megatron/DeepSpeed ZeRO-2 reduce-scatters every micro-batch."""
     psi = cost.param_counts(gpt3)["total"]
     kw = dict(seq_len=2048, data=8, microbatches=4)
-    z0, z1, z3 = (cost.predict_memory(gpt3, zero=z, **kw) for z in (0, 1, 3))
+    z0, z1, z3 = (predict_memory(gpt3, zero=z, **kw) for z in (0, 1, 3))
     assert z1["grads"] == pytest.approx(z0["grads"], rel=1e-9)
     assert z1["optimizer"] == pytest.approx(4 * psi / 8 + 2 * psi, rel=1e-3)  # m, v sharded + update temp
     assert z3["params"] == pytest.approx(2 * psi / 8 + 2 * psi, rel=1e-3)  # all weights gathered before the loop
@@ -126,7 +135,7 @@ def test_hierarchical_allreduce_and_network():
 
 def test_zero3_shards_everything(gpt3):
     psi = cost.param_counts(gpt3)["total"]
-    mem = cost.predict_memory(gpt3, data=64, zero=3, seq_len=2048, **MEGA)
+    mem = predict_memory(gpt3, data=64, zero=3, seq_len=2048, **MEGA)
     assert mem["grads"] + mem["optimizer"] == pytest.approx(16 * psi / 64, rel=1e-9)
     gather = 2 * 2 * cost.layer_params(gpt3)  # two layers of bf16 weights gathered at a time
     assert mem["params"] == pytest.approx(2 * psi / 64 + gather, rel=1e-9)
@@ -193,13 +202,13 @@ def test_activation_bytes_match_korthikanti(gpt3):
 def test_full_remat_keeps_2sbh_per_layer_and_1f1b_holds_p_microbatches(gpt3):
     s, h, t, p = 2048, 12288, 8, 16
     common = dict(tensor=t, pipe=p, data=8, seq_len=s, dropout=True, zero=0, sequence_parallel=False, **MEGA)
-    a = cost.predict_memory(gpt3, microbatches=64, remat="full", **common)
-    b = cost.predict_memory(gpt3, microbatches=192, remat="full", **common)
+    a = predict_memory(gpt3, microbatches=64, remat="full", **common)
+    b = predict_memory(gpt3, microbatches=192, remat="full", **common)
     assert a["activations"] == b["activations"]  # 1F1B: peak does not grow with m
     working = cost.layer_activation_bytes(gpt3, 1, s, t, sp=False, remat="none", act=2, dropout=True, flash=False)
     embed = p * s * h * 3  # embedding output (bf16) + dropout mask, p micro-batches in flight
     assert a["activations"] == pytest.approx(96 / p * 2 * s * h * p + working + embed, rel=1e-12)
-    g = cost.predict_memory(gpt3, microbatches=64, remat="full", schedule="gpipe", **common)
+    g = predict_memory(gpt3, microbatches=64, remat="full", schedule="gpipe", **common)
     assert g["activations"] - working == pytest.approx((a["activations"] - working) * 64 / p, rel=1e-12)
 
 
@@ -209,7 +218,7 @@ def test_fp32_cpu_mode_bytes_per_param():
         prec = cost.precision_of(tiny, fw)
         assert (prec.param, prec.opt, prec.act) == (4, 8, 4)
     psi = cost.param_counts(tiny)["total"]
-    mem = cost.predict_memory(tiny, micro_batch_size=2, seq_len=64, remat="none", **MEGA)
+    mem = predict_memory(tiny, micro_batch_size=2, seq_len=64, remat="none", **MEGA)
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
     assert mem["total"] == pytest.approx(sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "logits")))
     assert mem["logits"] == 64 * 2 * tiny.vocab * (4 + 4) + 4 * 64 * 2 * tiny.d_model
@@ -217,8 +226,8 @@ def test_fp32_cpu_mode_bytes_per_param():
 
 def test_memory_overheads_and_stage_breakdown(gpt3):
     kw = dict(tensor=8, pipe=16, data=8, microbatches=192, seq_len=2048, remat="full", **MEGA)
-    bare = cost.predict_memory(gpt3, **kw)
-    full = cost.predict_memory(gpt3, **kw, overheads=True)
+    bare = predict_memory(gpt3, **kw)
+    full = predict_memory(gpt3, **kw, overheads=True)
     assert set(full["stages"]) == {"first", "middle", "last"}
     first = full["stages"]["first"]
     frag = cost.FRAGMENTATION * (first["activations"] + first["logits"])
@@ -226,7 +235,7 @@ def test_memory_overheads_and_stage_breakdown(gpt3):
     assert full["total"] - bare["total"] == pytest.approx(first["overheads"])  # 1F1B: stage 0 is fullest
     assert full["stages"]["last"]["logits"] > 0 == full["stages"]["first"]["logits"]
     # Dropout masks: one byte per masked element (Korthikanti 2022's 34 vs 2 x 11 + 2 x 5 + ...).
-    drop = cost.predict_memory(gpt3, **kw, dropout=True)
+    drop = predict_memory(gpt3, **kw, dropout=True)
     assert drop["activations"] > bare["activations"]
 
 
@@ -234,8 +243,8 @@ def test_moe_expert_params_divided_by_ep():
     mix = load_config(MODELS / "mixtral-8x7b.yaml").model
     counts = cost.param_counts(mix)
     assert counts["total"] == pytest.approx(46.7e9, rel=5e-3)
-    one = cost.predict_memory(mix, data=8, expert=1, seq_len=4096, **MEGA)
-    eight = cost.predict_memory(mix, data=1, expert=8, seq_len=4096, **MEGA)
+    one = predict_memory(mix, data=8, expert=1, seq_len=4096, **MEGA)
+    eight = predict_memory(mix, data=1, expert=8, seq_len=4096, **MEGA)
     assert one["params"] - eight["params"] == pytest.approx(2 * counts["experts"] * (1 - 1 / 8), rel=1e-9)
 
 

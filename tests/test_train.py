@@ -39,14 +39,14 @@ def _cfg(config, over):
 
 def run_steps(cfg, n_devices=8, steps=3):
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:n_devices])
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
-    state, losses = fns.init(), []
+    state, losses = train_step.init(), []
     for i in range(steps):
         tok, lab = global_batch_arrays(ds, i, mesh, P(DP_AXES))
-        state, metrics = fns.step(state, tok, lab)
+        state, metrics = train_step.step(state, tok, lab)
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(fns.to_model(state).params)  # model order, as checkpoints
+    return np.array(losses), jax.device_get(train_step.to_model(state).params)  # model order, as checkpoints
 
 
 _REF = {}
@@ -82,14 +82,14 @@ def test_interleaved_training_matches_one_device():
     after converting back to model order."""
     cfg = _cfg("tiny_cpu.yaml", ["pipeline.schedule=interleaved", "pipeline.virtual=2"])
     mesh = build_mesh(cfg.mesh)
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
-    state, losses = fns.init(), []
+    state, losses = train_step.init(), []
     for i in range(3):
         tok, lab = global_batch_arrays(ds, i, mesh, P(DP_AXES))
-        state, metrics = fns.step(state, tok, lab)
+        state, metrics = train_step.step(state, tok, lab)
         losses.append(float(metrics["loss"]))
-    assert_same((np.array(losses), jax.device_get(fns.to_model(state).params)), reference("tiny_cpu.yaml"))
+    assert_same((np.array(losses), jax.device_get(train_step.to_model(state).params)), reference("tiny_cpu.yaml"))
 
 
 @pytest.mark.parametrize("zero", [0, 3])
@@ -107,10 +107,10 @@ def first_grads(cfg):
     """(loss, grads, metrics) of the step's own loss-and-grads on the first batch, and that batch."""
     sizes = [getattr(cfg.mesh, a) for a in ("data", "pipe", "expert", "tensor")]
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[: 8 if -1 in sizes else math.prod(sizes)])
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     tok, lab = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
-    loss, grads, metrics = jax.jit(fns.loss_and_grads)(fns.init().params, tok, lab)
+    loss, grads, metrics = jax.jit(train_step.loss_and_grads)(train_step.init().params, tok, lab)
     return float(loss), jax.device_get(grads), jax.device_get(metrics), (np.asarray(tok), np.asarray(lab))
 
 
@@ -174,10 +174,11 @@ def _compiled(over, config="tiny_cpu.yaml"):
 def _compiled_once(over, config):
     cfg = _cfg(config, list(over))
     mesh = build_mesh(cfg.mesh)
-    fns = make_train_step(cfg, mesh)
-    state = fns.abstract_run
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=fns.batch_sharding)
-    return fns.step.lower(state, batch, batch).compile(), mesh
+    train_step = make_train_step(cfg, mesh)
+    state = train_step.abstract_run
+    shape = (cfg.train.global_batch, cfg.train.seq_len)
+    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=train_step.batch_sharding)
+    return train_step.step.lower(state, batch, batch).compile(), mesh
 
 
 DP4 = ["mesh.pipe=1", "mesh.data=4", "pipeline.microbatches=4", "train.global_batch=16"]

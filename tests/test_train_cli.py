@@ -119,9 +119,9 @@ def _saved_params(cfg, run_dir, step):
     from meshrun.train.loop import checkpoint_meta
     from meshrun.train.step import make_train_step
 
-    fns = make_train_step(cfg, build_mesh(cfg.mesh))
+    train_step = make_train_step(cfg, build_mesh(cfg.mesh))
     with Checkpointer(str(run_dir), cfg.checkpoint, meta=checkpoint_meta(cfg)) as ck:
-        return jax.device_get(ck.restore(step, fns.abstract_state).params)
+        return jax.device_get(ck.restore(step, train_step.abstract_state).params)
 
 
 def _snapshot(d: Path) -> dict[str, float]:

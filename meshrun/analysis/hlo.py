@@ -73,7 +73,7 @@ class Collective:
         return self.bytes - half
 
 
-def _shape_bytes(shape: str) -> tuple[int, int]:
+def shape_bytes(shape: str) -> tuple[int, int]:
     total, n = 0, 0
     for dt, dims in _ARRAY.findall(shape):
         if dt not in _DTYPE_BYTES:
@@ -241,7 +241,7 @@ def op_bytes_per_step(hlo_text: str, ops: tuple[str, ...] = ("copy", "copy-start
         for line in body.splitlines():
             m = _OP.match(line)
             if m and m.group("op") in ops:
-                total += runs[name] * _shape_bytes(m.group("shape"))[0]
+                total += runs[name] * shape_bytes(m.group("shape"))[0]
     return total
 
 
@@ -308,7 +308,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
             m = _LINE.search(line)
             if not m:
                 continue
-            nbytes, parts = _shape_bytes(m.group("shape"))
+            nbytes, parts = shape_bytes(m.group("shape"))
             axes = _axes_of(_groups(line), mesh_shape)
             dts, dims = _shape_parts(m.group("shape"))
             promoted = bool(re.search(r"to_apply=%?[\w.\-]+_promoted\b", line))

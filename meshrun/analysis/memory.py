@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from meshrun.analysis.hlo import _shape_bytes
+from meshrun.analysis.hlo import shape_bytes
 
 _ARRAY_LAYOUT = re.compile(r"[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?")
 _ALIAS = re.compile(r"\{(\d+)\}:\s*\((\d+),")
@@ -36,7 +36,7 @@ def _entry_layout(text: str) -> tuple[list[tuple[int, bool]], list[tuple[int, bo
             break
     body = text[i + 1 : j]
     args, _, results = body.partition(")->")
-    one = lambda s: [(_shape_bytes(a)[0], HOST_SPACE in a) for a in _ARRAY_LAYOUT.findall(s)]  # noqa: E731
+    one = lambda s: [(shape_bytes(a)[0], HOST_SPACE in a) for a in _ARRAY_LAYOUT.findall(s)]  # noqa: E731
     return one(args), one(results)
 
 

@@ -1,26 +1,15 @@
-"""`meshrun profile CONFIG [section.key=value ...] [--steps N] [--out DIR]`: a measured pipeline bubble.
+"""A `jax.profiler` trace of training steps -> busy, collective and idle time per pipeline stage and the
+measured bubble (`meshrun profile`, `train.profile`; the README's "Measured bubble" shows the report).
 
-Builds the run as `meshrun train` does (`loop.prepare`: mesh, jitted step, data; fresh or
-`checkpoint.init_params` state), runs one untraced step (compilation), traces N steps with
-`jax.profiler` (a Perfetto trace under --out, default RUN_DIR/profile; no checkpoint, no run lock)
-and reports per pipeline stage, per step:
-
-* busy: the union of the intervals of the device's leaf compute ops (fusions, copies, dots; not the
-  control ops `conditional`/`while`/`call`, whose events span the ops they run, and not collectives);
-* collective time per mesh axis: the union of the collectives' intervals outside busy time (ops are
-  matched to axes by instruction name in the compiled HLO, `meshrun.analysis.hlo.collectives`; an op over
-  several axes counts for each); a collective's time includes waiting for its peer, which is where a
-  pipeline stage waits for its neighbour;
-* idle: span - busy - collectives (gaps between ops);
-* measured bubble = (span - busy) / span = idle / (idle + busy) with every non-compute moment idle,
-  next to the schedule's predicted one (`pipeline.schedules.stage_bubbles`: equal op costs, free
-  communication).
-
-Span: each traced execution of the step module (events that share a `run_id`) runs from the first to
-the last op event of any device; without run ids (not XLA:CPU), the whole traced window divided by
-the step count. A trace cut at the profiler's 1M-event cap loses its last (partial) step. Devices
-come from the events' `device_ordinal`, else from a '/device:GPU:N' process name (untested on GPUs).
-Only this process's devices are traced.
+- busy: the union of a device's leaf compute ops (not the control ops `conditional`/`while`/`call`,
+  whose events span the ops they run, and not collectives);
+- collective time per mesh axis: the collectives' intervals outside busy time, matched to axes by
+  instruction name in the compiled HLO (`hlo.collectives`); it includes waiting for a peer;
+- idle: span - busy - collectives; measured bubble = (span - busy) / span, next to the schedule's
+  prediction (`pipeline.schedules.stage_bubbles`).
+Span: one traced execution of the step (events sharing a `run_id`), else the traced window divided by
+the step count. Only this process's devices are traced; a trace cut at the profiler's 1M-event cap
+loses its last (partial) step; devices come from `device_ordinal`, else a '/device:GPU:N' name.
 """
 
 from __future__ import annotations
@@ -31,6 +20,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
+from meshrun.analysis import hlo
 from meshrun.errors import DataError
 
 CONTROL = ("conditional", "while", "call")  # events that span the ops they run
@@ -80,8 +72,6 @@ def _outside(iv, busy) -> float:
 
 def _local_ordinals(mesh) -> dict[int, dict[str, int]]:
     """Device ordinal in this process's trace -> its mesh coordinates {axis: index}."""
-    import numpy as np
-
     pidx = min(getattr(d, "process_index", 0) for d in mesh.devices.flat)
     out = {}
     for idx in np.ndindex(mesh.devices.shape):
@@ -96,8 +86,6 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
     """Per device ordinal, seconds over the traced steps of the module in `hlo_text`: span, busy,
     collective {axis: s} (and 'total'), idle, steps. `steps`: the step count when the events carry no
     run ids (the window is then split evenly)."""
-    from meshrun.analysis import hlo
-
     head = re.match(r"HloModule\s+([\w.\-]+)", hlo_text)
     module = head.group(1) if head else None
     ops = hlo.opcodes(hlo_text)
@@ -148,17 +136,6 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
 
 
 # ----------------------------------------------------------------------------- per stage
-
-
-def predicted_bubbles(cfg, mesh) -> list[float]:
-    """The schedule's bubble per stage (`schedules.stage_bubbles`); [0.0] without a pipeline."""
-    p = mesh.shape["pipe"]
-    if p == 1:
-        return [0.0]
-    from meshrun.pipeline import schedules
-
-    pc = cfg.pipeline
-    return schedules.stage_bubbles(schedules.build(pc.schedule, p, pc.microbatches, pc.virtual))
 
 
 def stage_report(times: dict[int, dict], mesh, predicted: list[float]) -> dict:
@@ -231,15 +208,16 @@ def format_report(rep: dict, title: str) -> str:
 # ----------------------------------------------------------------------------- running it
 
 
-def report_of_trace(trace_dir: str | Path, hlo_text: str, cfg, mesh, steps: int) -> dict:
-    """Read the trace, compute the report, write trace_dir/profile.json; returns the report."""
+def report_of_trace(trace_dir: str | Path, hlo_text: str, cfg, mesh, steps: int, predicted: list[float]) -> dict:
+    """Read the trace, compute the report, write trace_dir/profile.json; returns the report.
+    `predicted`: the schedule's bubble per stage (the train step plan's `stage_bubbles`)."""
     times = device_times(load_trace(trace_dir), hlo_text, mesh, steps)
     if not times:
         raise DataError(
             f"the trace in {trace_dir} holds no device op events of the train step (a profiler without "
             "device tracing, or an event cap reached before the step ran); trace fewer steps with `meshrun profile`"
         )
-    rep = stage_report(times, mesh, predicted_bubbles(cfg, mesh))
+    rep = stage_report(times, mesh, list(predicted))
     rep["schedule"] = {"name": cfg.pipeline.schedule, "microbatches": cfg.pipeline.microbatches,
                        "virtual": cfg.pipeline.virtual}  # fmt: skip
     rep["trace_dir"] = str(trace_dir)

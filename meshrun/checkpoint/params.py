@@ -4,7 +4,7 @@ Layout: DIR/params (orbax StandardSave of the params pytree, model layer order, 
 writing its own shards) and DIR/meta.json ({"model": ModelConfig dict, "hf": what export needs to
 write the Hugging Face config back}). Restoring reads each array straight into the target sharding,
 so a param-only start works on any mesh. A run that starts from one gets a fresh optimizer state
-and step 0 (`StepFns.init_from`); its own step checkpoints take precedence once written.
+and step 0 (`TrainStep.init_from`); its own step checkpoints take precedence once written.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from meshrun.checkpoint import checksum
 from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
@@ -322,8 +323,6 @@ class Checkpointer:
         if jax.process_index() == 0:
             os.rename(src, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"meshrun-move-aside-{step}")
         self.manager.reload()
         return dst
@@ -361,8 +360,6 @@ class PreemptionFlag:
         call it at the same step (the scheduler may signal hosts at slightly different times)."""
         if jax.process_count() == 1:
             return self.is_set()
-        from jax.experimental import multihost_utils
-
         flags = multihost_utils.process_allgather(np.array([self.is_set()], np.int32))
         return bool(np.asarray(flags).any())
 

@@ -1,6 +1,6 @@
 """The checkpoints of a run dir, read from the files only (jax is not started).
 
-Status of each entry of RUN_DIR/checkpoints (read from the files only; jax is not started):
+Status of each entry of RUN_DIR/checkpoints:
 - complete: STEP/ with its `state` and `meta` items and readable metadata: a run resumes from the
   newest of these. Array data is verified when a run restores it (a failure moves it aside).
 - partial: an interrupted save (STEP.orbax-checkpoint-tmp[-*]) or a STEP/ lacking an item; ignored.
@@ -87,5 +87,3 @@ def newest_complete(run_dir: str | Path) -> StepInfo | None:
     """The newest complete checkpoint of RUN_DIR (where a resume starts), or None."""
     complete = [e for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
     return complete[-1] if complete else None  # scan sorts by step
-
-

@@ -8,8 +8,9 @@ import os
 import re
 import sys
 
+from meshrun.config import load_config
 from meshrun.errors import ConfigError
-from meshrun.runtime.devices import add_fast_compile_flag, needed_devices
+from meshrun.runtime.devices import add_fast_compile_flag, needed_devices, simulate_cpu_devices
 from meshrun.train.explain import MAX_SIMULATED, explain, format_report, step_time
 
 
@@ -24,9 +25,6 @@ def register(sub) -> None:
 
 
 def run_explain(args) -> int:
-    from meshrun.config import load_config
-    from meshrun.runtime.devices import simulate_cpu_devices
-
     cfg = load_config(args.config, args.overrides)
     n = needed_devices(cfg)
     if n <= MAX_SIMULATED:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+from meshrun.config import MeshConfig, load_section
 from meshrun.errors import ConfigError
 from meshrun.hf.io import export_hf, import_hf, parse_size, read_hf_dir
+from meshrun.runtime.devices import setup_devices
 
 
 def register(sub) -> None:
@@ -29,16 +31,13 @@ def register(sub) -> None:
 
 
 def _import_cmd(args) -> int:
-    from meshrun.config import MeshConfig, load_section
-    from meshrun.runtime.devices import setup_devices
-
     mesh_cfg = load_section(MeshConfig, args.overrides, "mesh")
     if args.devices < 0:
         raise ConfigError("--devices", args.devices, "use a positive device count")
     read_hf_dir(args.model_dir)  # a hub id fails before jax starts
     if args.devices:
         setup_devices(args.devices, force=True)
-    from meshrun.runtime.mesh import build_mesh
+    from meshrun.runtime.mesh import build_mesh  # imports jax: after the devices
 
     result = import_hf(args.model_dir, args.run_dir, mesh=build_mesh(mesh_cfg), vocab_multiple=args.vocab_multiple)
     print(json.dumps(result))

@@ -23,7 +23,21 @@ from meshrun.errors import (
     MeshrunError,
 )
 
-# Subcommand modules, each with `register(subparsers)`; imported lazily so `--devices` can act before jax.
+# Subcommand modules, each with `register(subparsers)`, all imported when the parser is built.
+#
+# Imports inside functions: the rule. Modules import at the top; an import inside a function is only
+# for one of these reasons, never to hide an import cycle or a layering violation (`lint-imports`
+# sees imports inside functions too and checks the contracts in pyproject.toml):
+# - jax must not be imported before the devices are set up (simulated CPU devices are XLA flags read
+#   when jax starts, and jax.distributed must start before any backend). Building the parser imports
+#   every meshrun/cli/*.py module, so these import jax-using code only in their run functions, after
+#   `setup_devices`/`start_command`; meshrun/runtime/devices.py and distributed.py, which set the
+#   devices up, import jax inside the functions that run afterwards; `import meshrun` defers its
+#   mesh/sharding helpers (meshrun/__init__.py).
+# - optional dependencies, imported where used: matplotlib (`meshrun schedule --plot`), tensorboardX
+#   (train.tensorboard, meshrun/train/metrics.py).
+# Check: `python -c "import sys, meshrun.cli.main as m; m.build_parser(); print('jax' in sys.modules)"`
+# prints False (tests/test_imports.py).
 COMMAND_MODULES = (
     "meshrun.cli.mesh",
     "meshrun.cli.schedule",

@@ -6,7 +6,9 @@ import json
 import sys
 import warnings
 
+from meshrun.config import MeshConfig, load_section
 from meshrun.errors import ConfigError
+from meshrun.runtime.devices import cpu_devices, simulate_cpu_devices
 
 
 def register(sub) -> None:
@@ -19,17 +21,13 @@ def register(sub) -> None:
 
 
 def run_mesh(args) -> int:
-    from meshrun.config import MeshConfig, load_section
-    from meshrun.runtime.devices import simulate_cpu_devices
-
     over = list(args.overrides) + ([f"mesh.hosts={args.hosts}"] if args.hosts is not None else [])
     cfg = load_section(MeshConfig, over, "mesh")
     if args.devices < 0:
         raise ConfigError("--devices", args.devices, "use a positive device count")
     if args.devices:
         simulate_cpu_devices(args.devices)
-    from meshrun.runtime.devices import cpu_devices
-    from meshrun.runtime.mesh import build_mesh, describe, describe_dict
+    from meshrun.runtime.mesh import build_mesh, describe, describe_dict  # imports jax: after the devices
 
     devices = cpu_devices(args.devices) if args.devices else None
     with warnings.catch_warnings(record=True) as caught:

@@ -17,7 +17,7 @@ from meshrun.errors import ConfigError
 from meshrun.pipeline.schedules import SCHEDULES
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
-from meshrun.planner.search import REMATS, Result, evaluate, search
+from meshrun.planner.search import SEARCHED_REMATS, Result, evaluate, search
 from meshrun.planner.timing import FRAMEWORKS
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "zero")
@@ -102,8 +102,8 @@ def _parse_value(key: str, raw: str):
             raise ConfigError(field, raw, "use a ZeRO stage 0, 1, 2 or 3")
         return int(raw)
     if key == "remat":
-        if raw not in REMATS:
-            raise ConfigError(field, raw, f"use one of {list(REMATS)}")
+        if raw not in SEARCHED_REMATS:
+            raise ConfigError(field, raw, f"use one of {list(SEARCHED_REMATS)}")
         return raw
     if key == "schedule":
         if raw not in SCHEDULES:

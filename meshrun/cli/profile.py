@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshrun.analysis.trace import format_report
+from meshrun.config import load_config
 from meshrun.errors import ConfigError
-from meshrun.runtime.devices import add_fast_compile_flag, start_command
-from meshrun.train.profile import profile
+from meshrun.runtime.devices import add_fast_compile_flag
+from meshrun.runtime.distributed import start_command
 
 
 def register(sub) -> None:
@@ -25,12 +25,13 @@ def register(sub) -> None:
 
 
 def run_profile(args) -> int:
-    from meshrun.config import load_config
-
     cfg = load_config(args.config, args.overrides)
     if args.steps < 1:
         raise ConfigError("--steps", args.steps, "trace at least 1 step, e.g. --steps 3")
     start_command(cfg, args, "profile")
+    from meshrun.analysis.trace import format_report  # imports jax: only once the devices are set up
+    from meshrun.train.profile import profile
+
     out = Path(args.out) if args.out else Path(cfg.train.run_dir) / "profile"
     rep = profile(cfg, args.steps, out)
     print(json.dumps(rep) if args.json else format_report(rep, str(args.config)))

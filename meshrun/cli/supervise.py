@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.runtime.supervise import Supervisor
 
@@ -23,8 +24,6 @@ def register(sub) -> None:
 
 
 def run_supervise(args) -> int:
-    from meshrun.config import load_config
-
     cfg = load_config(args.config, args.overrides)  # bad input: exit 2 before anything starts
     for name, v, lo in (("--processes", args.processes, 1), ("--max-restarts", args.max_restarts, 0),
                         ("--min-processes", args.min_processes, 1)):  # fmt: skip

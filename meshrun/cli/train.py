@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 
-from meshrun.errors import EXIT_TRAINING
-from meshrun.runtime.devices import add_fast_compile_flag, start_command
-
-EXIT_TRAINING_ERROR = EXIT_TRAINING  # the run started but could not go on (NaN loss); bad input is 2
+from meshrun.config import load_config
+from meshrun.runtime.devices import add_fast_compile_flag
+from meshrun.runtime.distributed import start_command
 
 
 def register(sub) -> None:
@@ -33,11 +32,9 @@ def register(sub) -> None:
 
 
 def run_train(args) -> int:
-    from meshrun.config import load_config
-
     cfg = load_config(args.config, args.overrides)
     start_command(cfg, args, "train")
-    from meshrun.train.loop import run
+    from meshrun.train.loop import run  # imports jax: only once the devices are set up
 
     result = run(cfg, quiet=args.quiet)
     keys = ("step", "loss", "first_loss", "val_loss", "tokens_per_s", "run_dir")

@@ -33,6 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrun.config import DataConfig
+from meshrun.data.base import Dataset
+from meshrun.data.prepared import make_prepared
 from meshrun.errors import ConfigError, DataError
 
 TEXT_CAP_BYTES = 8 << 20  # text corpus: first 8 MiB of the matched files
@@ -40,34 +42,6 @@ TEXT_SEP = b"\x00"  # document separator (NUL never occurs in source text)
 NOISE = 0.1  # synthetic: probability that the next token is uniform instead of nxt[prev]
 TOKEN_CHECK = 1 << 24  # tokens: ids checked against the vocab up front (then per batch)
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-class Dataset:
-    """Base: `batch(step, rows)` -> (tokens_BxL, labels_BxL) int32, deterministic in (seed, step, row).
-    Packed datasets add segment_ids_BxL as a third array; `val` is the held-out split (or None)."""
-
-    val: Dataset | None = None
-
-    def __init__(self, seed: int, seq_len: int, global_batch: int, vocab: int):
-        self.seed, self.seq_len, self.global_batch, self.vocab = seed, seq_len, global_batch, vocab
-
-    def _row(self, rng: np.random.Generator) -> np.ndarray:  # one window of L+1 token ids
-        raise NotImplementedError
-
-    def _rng(self, step: int, row: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, step, row])
-
-    def _windows(self, step: int, idx: range) -> np.ndarray:  # (rows, L+1)
-        win = np.empty((len(idx), self.seq_len + 1), np.int32)
-        for i, r in enumerate(idx):
-            win[i] = self._row(self._rng(step, r))
-        return win
-
-    def batch(self, step: int, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens_BxL, labels_BxL) int32 for global rows `rows` (default: all) of step `step`."""
-        rows = rows if rows is not None else slice(0, self.global_batch)
-        win_BxL1 = self._windows(step, range(*rows.indices(self.global_batch)))
-        return win_BxL1[:, :-1], win_BxL1[:, 1:]
 
 
 class SyntheticDataset(Dataset):
@@ -211,8 +185,6 @@ def _make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: i
     if dcfg.kind == "synthetic":
         return SyntheticDataset(dcfg.seed, seq_len, global_batch, vocab)
     if dcfg.kind == "prepared":
-        from meshrun.data.prepared import make_prepared
-
         train, val = make_prepared(dcfg, vocab=vocab, seq_len=seq_len, global_batch=global_batch)
         train.val = val
         return train

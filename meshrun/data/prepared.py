@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshrun.data.datasets import Dataset
+from meshrun.data.base import Dataset
 from meshrun.errors import ConfigError, DataError
 
 VAL_SALT = 0x7A1D  # validation rows draw from their own RNG stream

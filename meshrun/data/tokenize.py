@@ -33,6 +33,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshrun.errors import ConfigError, DataError
 
@@ -102,8 +103,6 @@ def files_hash(files: list[Path]) -> str:
 
 def load_tokenizer(spec: str):
     """A `tokenizers.Tokenizer` from a tokenizer.json file or a local directory holding one."""
-    from tokenizers import Tokenizer
-
     p = Path(os.path.expanduser(spec))
     path = p / "tokenizer.json" if p.is_dir() else p
     if not path.is_file():
@@ -141,8 +140,6 @@ def find_eos(tok, tok_path: Path | None, eos: str) -> tuple[str, int]:
 
 def train_bpe(files: list[Path], vocab: int, text_field: str):
     """Byte-level BPE (GPT-2 style) trained on the first BPE_SAMPLE_BYTES of the corpus; EOS is id 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if vocab < 257:
         raise ConfigError("--train-bpe", vocab, "use a vocabulary of at least 257 (256 bytes + EOS)")
 
@@ -198,8 +195,6 @@ def tokenize_shard(
     out: str, k: int, files: list[str], tok_json: str, eos_id: int, dtype: str, meta: dict, text_field: str
 ) -> dict:
     """Worker: tokenize one shard's files, write .bin/.idx/.json (temp + rename, marker last)."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_str(tok_json)
     out_p, parts, ends, total = Path(out), [], [], 0
     eos = np.array([eos_id], dtype)
@@ -258,22 +253,9 @@ def prepare(
     files = list_files(pattern) if files is None else files  # `files`: an explicit list instead of the glob
     out_p = Path(out)
     out_p.mkdir(parents=True, exist_ok=True)
-    tok_dst = out_p / "tokenizer.json"
-    source = out_p / "tokenizer_source.json"  # what made tokenizer.json (a rerun reuses a trained one)
-    if tokenizer:
-        tok, tok_path = load_tokenizer(tokenizer)
-        if tok_path.resolve() != tok_dst.resolve():
-            shutil.copyfile(tok_path, tok_dst)
-        _atomic_write(source, json.dumps({"tokenizer": str(tokenizer)}).encode())
-    elif tok_dst.is_file() and source.is_file() and json.loads(source.read_text()).get("train_bpe") == train_bpe:
-        tok, tok_path = load_tokenizer(str(tok_dst))[0], None
-        _say(quiet, f"reusing the BPE tokenizer trained by an earlier run ({tok_dst})")
-    else:
-        tok, tok_path = train_bpe_logged(files, train_bpe, text_field, quiet), None
-        _atomic_write(tok_dst, tok.to_str().encode())
-        _atomic_write(source, json.dumps({"train_bpe": train_bpe}).encode())
+    tok, tok_path = _tokenizer_for(out_p, tokenizer, train_bpe, files, text_field, quiet)
     eos_name, eos_id = find_eos(tok, tok_path, eos)
-    tok_json = tok_dst.read_text()
+    tok_json = (out_p / "tokenizer.json").read_text()
     tok_sha = hashlib.sha256(tok_json.encode()).hexdigest()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
@@ -286,35 +268,8 @@ def prepare(
         f"{len(files)} files in {len(shards)} shards, {len(done)} already done; vocab {vocab}, "
         f"eos {eos_name!r}={eos_id}, {dtype}",
     )
-    new_tokens = 0
-    if todo:
-        n = min(workers or os.cpu_count() or 1, len(todo))
-        # spawn, not fork: the parent may hold JAX's and the tokenizer's threads, and a forked child
-        # of a multithreaded process can deadlock
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futs = {
-                pool.submit(
-                    tokenize_shard,
-                    str(out_p),
-                    k,
-                    [str(f) for f in shards[k]],
-                    tok_json,
-                    eos_id,
-                    dtype,
-                    metas[k],
-                    text_field,
-                ): k
-                for k in todo
-            }
-            for fut in as_completed(futs):
-                done[futs[fut]] = m = fut.result()
-                new_tokens += m["n_tokens"]
-                rate = new_tokens / (time.perf_counter() - t0)
-                _say(
-                    quiet,
-                    f"[{len(done)}/{len(shards)}] shard {futs[fut]:05d}: {m['n_docs']} docs, "
-                    f"{m['n_tokens']} tokens ({rate:,.0f} tok/s)",
-                )
+    shard_args = {k: ([str(f) for f in shards[k]], tok_json, eos_id, dtype, metas[k], text_field) for k in todo}
+    new_tokens = _tokenize_shards(out_p, shard_args, done, len(shards), workers, quiet, t0)
     order = [done[k] for k in range(len(shards))]
     manifest = {
         "format": FORMAT,
@@ -339,6 +294,49 @@ def prepare(
         "seconds": round(dt, 3),
         "tokens_per_s": round(new_tokens / dt, 1),
     }
+
+
+def _tokenizer_for(out_p: Path, tokenizer, train_bpe, files, text_field, quiet):
+    """(tokenizer, its source file or None) for `prepare`, saved as OUT/tokenizer.json: copied from
+    `tokenizer`, else the BPE an earlier run trained with the same `train_bpe`, else trained now."""
+    tok_dst = out_p / "tokenizer.json"
+    source = out_p / "tokenizer_source.json"  # what made tokenizer.json (a rerun reuses a trained one)
+    if tokenizer:
+        tok, tok_path = load_tokenizer(tokenizer)
+        if tok_path.resolve() != tok_dst.resolve():
+            shutil.copyfile(tok_path, tok_dst)
+        _atomic_write(source, json.dumps({"tokenizer": str(tokenizer)}).encode())
+        return tok, tok_path
+    if tok_dst.is_file() and source.is_file() and json.loads(source.read_text()).get("train_bpe") == train_bpe:
+        _say(quiet, f"reusing the BPE tokenizer trained by an earlier run ({tok_dst})")
+        return load_tokenizer(str(tok_dst))[0], None
+    tok = train_bpe_logged(files, train_bpe, text_field, quiet)
+    _atomic_write(tok_dst, tok.to_str().encode())
+    _atomic_write(source, json.dumps({"train_bpe": train_bpe}).encode())
+    return tok, None
+
+
+def _tokenize_shards(out_p: Path, shard_args: dict, done: dict, n_shards: int, workers, quiet, t0) -> int:
+    """Run `tokenize_shard(out, k, *shard_args[k])` for every k in parallel processes, adding each
+    shard's marker to `done` as it finishes; returns the number of tokens written."""
+    if not shard_args:
+        return 0
+    new_tokens = 0
+    n = min(workers or os.cpu_count() or 1, len(shard_args))
+    # spawn, not fork: the parent may hold JAX's and the tokenizer's threads, and a forked child
+    # of a multithreaded process can deadlock
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futs = {pool.submit(tokenize_shard, str(out_p), k, *args): k for k, args in shard_args.items()}
+        for fut in as_completed(futs):
+            done[futs[fut]] = m = fut.result()
+            new_tokens += m["n_tokens"]
+            rate = new_tokens / (time.perf_counter() - t0)
+            _say(
+                quiet,
+                f"[{len(done)}/{n_shards}] shard {futs[fut]:05d}: {m['n_docs']} docs, "
+                f"{m['n_tokens']} tokens ({rate:,.0f} tok/s)",
+            )
+    return new_tokens
 
 
 def train_bpe_logged(files, vocab, text_field, quiet):

@@ -13,6 +13,7 @@ from meshrun.family.contract import Family
 
 FAMILIES = {
     "llama": "meshrun_models.llama",
+    "gpt2": "meshrun_models.gpt2",
 }
 
 

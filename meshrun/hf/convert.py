@@ -1,13 +1,11 @@
-"""Hugging Face Llama-family checkpoints <-> meshrun parameters and ModelConfig.
+"""Hugging Face checkpoints <-> meshrun parameters and ModelConfig: the generic part.
 
-Families: Llama 2/3/3.1 (rope_scaling llama3), Mistral (sliding_window), Qwen2 (q/k/v bias),
-Mixtral (MoE; capacity_factor = n_experts / top_k so that no token is ever dropped, as in the
-dropless reference). Layout facts, checked against transformers' forward by tests/test_hf.py:
-- RoPE: transformers' checkpoints are already in the rotate-half layout (their conversion script
-  permuted Meta's interleaved q/k rows), which is what models/layers.rope uses: no permutation.
-- GQA: query head n uses kv head n // G in both (transformers' repeat_kv; meshrun's [K, G] split).
-- Linear weights are [out, in] in transformers, [in, ...] here; heads split out of the out dim.
-- Vocab: padded with zero rows/columns to a multiple (tensor-parallel vocab split), stripped on export.
+Which family a transformers directory is comes from the registry: each family's adapter
+(`Family.hf`, e.g. models/llama/hf.py) lists the `architectures` and `model_type`s it accepts and
+holds its tables: config.json <-> ModelConfig (`model_config`, `hf_config`), meshrun leaf path <->
+tensor name (`top_map`: unstacked leaves, `layer_map`: per-layer leaves stacked on 'layers', with a
+transform kind below and a part index when several leaves share one tensor), `ignored` names.
+Vocab: padded with zero rows/columns to a multiple (tensor-parallel vocab split), stripped on export.
 
 A `Lazy` tensor is a shape plus a function of an index (a tuple of slices) that reads only that part
 of the memory-mapped files, so each device's shard is read on its own (jax.make_array_from_callback).
@@ -23,169 +21,62 @@ import numpy as np
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.family import registry
 
-FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "MixtralForCausalLM": "mixtral",
-}
-ARCH = {v: k for k, v in FAMILIES.items()}
 FIELD = "MODEL_DIR/config.json"
 
 
-def family_of(hf: dict) -> str:
-    archs = hf.get("architectures") or []
-    for a in archs:
-        if a in FAMILIES:
-            return FAMILIES[a]
-    mt = hf.get("model_type")
-    if mt in ARCH:
-        return mt
-    raise ConfigError(
-        f"{FIELD}: architectures",
-        archs or mt,
-        f"meshrun imports {sorted(FAMILIES)}",
-        "unsupported model architecture",
-    )
-
-
-def _rope(hf: dict) -> dict[str, Any]:
-    """rope_theta / rope_scaling (transformers 4.x keys) or rope_parameters (5.x) -> ModelConfig fields."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    out: dict[str, Any] = {"rope_theta": float(theta)}
-    if kind == "llama3":
-        out |= {
-            "rope_scaling": "llama3",
-            "rope_scaling_factor": float(scaling["factor"]),
-            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
-            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
-            "rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
-        }
-    elif kind != "default":
-        raise ConfigError(f"{FIELD}: rope_scaling", kind, "meshrun supports rope types default and llama3")
+def adapters() -> dict[str, Any]:
+    """model.family name -> its Hugging Face adapter, for the families that have one."""
+    out = {}
+    for name in registry.FAMILIES:
+        hf = registry.get(name).hf
+        if hf is not None:
+            out[name] = hf
     return out
 
 
-def _window(hf: dict, fam: str) -> int:
-    """Sliding window of every layer (0: full causal). transformers 5 lists `layer_types`; 4.x Qwen2
-    slides in layers >= max_window_layers when use_sliding_window. Mixed layers are not supported."""
-    w = hf.get("sliding_window") or 0
-    types = set(hf.get("layer_types") or ())
-    if not types and fam == "qwen2":
-        n = hf["num_hidden_layers"]
-        first = min(hf.get("max_window_layers", 0), n) if hf.get("use_sliding_window") and w else n
-        types = ({"full_attention"} if first > 0 else set()) | ({"sliding_attention"} if first < n else set())
-    if not types:
-        return int(w)
-    if types == {"full_attention"}:
-        return 0
-    if types == {"sliding_attention"} and w:
-        return int(w)
+def family_for(hf: dict) -> tuple[str, Any]:
+    """(model.family, adapter) of a transformers config.json: by `architectures`, else `model_type`."""
+    archs = hf.get("architectures") or []
+    found = adapters()
+    for a in archs:
+        for name, ad in found.items():
+            if a in ad.ARCHITECTURES:
+                return name, ad
+    mt = hf.get("model_type")
+    for name, ad in found.items():
+        if mt in ad.MODEL_TYPES:
+            return name, ad
+    known = sorted(a for ad in found.values() for a in ad.ARCHITECTURES)
     raise ConfigError(
-        f"{FIELD}: layer_types",
-        sorted(types),
-        "meshrun applies one attention kind to every layer: all full or all sliding_attention",
-        "layers mix full and sliding-window attention",
+        f"{FIELD}: architectures", archs or mt, f"meshrun imports {known}", "unsupported model architecture"
     )
+
+
+def family_of(hf: dict) -> str:
+    """The checkpoint's own family name (e.g. llama, mistral, qwen2, mixtral, gpt2)."""
+    return family_for(hf)[1].family_of(hf)
 
 
 def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     """ModelConfig of a transformers config.json dict (vocab padded to a multiple of `vocab_multiple`)."""
-    fam = family_of(hf)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{FIELD}: hidden_act", act, "meshrun's SwiGLU uses silu")
-    for k in ("attention_bias", "mlp_bias"):
-        if fam in ("llama", "mistral") and hf.get(k):
-            raise ConfigError(f"{FIELD}: {k}", True, "meshrun has q/k/v biases only (Qwen2); use a model without")
-    window = _window(hf, fam)
-    n_heads = hf["num_attention_heads"]
-    fields: dict[str, Any] = dict(
-        vocab=-(-hf["vocab_size"] // vocab_multiple) * vocab_multiple,
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        d_ff=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        mlp="swiglu",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        qkv_bias=fam == "qwen2",
-        sliding_window=int(window),
-        **_rope(hf),
-    )
-    if fam == "mixtral":
-        e, k = hf["num_local_experts"], hf["num_experts_per_tok"]
-        fields |= dict(
-            n_experts=e,
-            top_k=k,
-            moe_dispatch="dropless",  # Mixtral drops no token
-            capacity_factor=float(e) / k,  # used only if a user switches to capacity routing: nothing dropped
-            moe_every=1,
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
-            z_loss_coef=0.0,
+    return family_for(hf)[1].model_config(hf, vocab_multiple)
+
+
+def adapter(cfg: ModelConfig):
+    """The Hugging Face adapter of cfg's family; a ConfigError when it has none."""
+    ad = registry.get(cfg.family).hf
+    if ad is None:
+        raise ConfigError(
+            "model.family", cfg.family, f"use one of {sorted(adapters())}", "no Hugging Face import/export for it"
         )
-    return ModelConfig(**fields)
+    return ad
 
 
 def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     """A transformers config.json for a meshrun model (used when the run was not imported)."""
-    if cfg.mlp != "swiglu" or (cfg.is_moe and cfg.moe_every != 1):
-        raise ConfigError(
-            "model.mlp" if cfg.mlp != "swiglu" else "model.moe_every",
-            cfg.mlp if cfg.mlp != "swiglu" else cfg.moe_every,
-            "export-hf writes Llama/Qwen2/Mixtral: swiglu MLPs and, for MoE, every layer MoE",
-            "no Hugging Face architecture for this model",
-        )
-    fam = "mixtral" if cfg.is_moe else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
-    out: dict[str, Any] = {
-        "architectures": [ARCH[fam]],
-        "model_type": fam,
-        "vocab_size": vocab,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.d_ff,
-        "max_position_embeddings": cfg.max_seq_len,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "torch_dtype": dtype,
-    }
-    if cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
-        }
-    if fam in ("mistral", "mixtral"):
-        out["sliding_window"] = cfg.sliding_window or None
-    if fam == "mixtral":
-        out |= {
-            "num_local_experts": cfg.n_experts,
-            "num_experts_per_tok": cfg.top_k,
-            "router_aux_loss_coef": cfg.aux_loss_coef,
-        }
-    if fam == "qwen2":  # transformers' Qwen2 slides in layers >= max_window_layers
-        w = cfg.sliding_window
-        out |= {
-            "use_sliding_window": bool(w),
-            "sliding_window": w or None,
-            "max_window_layers": 0 if w else cfg.n_layers,
-        }
-    return out
+    return adapter(cfg).hf_config(cfg, vocab, dtype)
 
 
 # ---------------------------------------------------------------- per-layer tensor map
@@ -203,6 +94,10 @@ def _forward(kind: str, x: np.ndarray, n: int) -> np.ndarray:
         return x.T.reshape(n, x.shape[1] // n, x.shape[0])
     if kind == "bias":  # [n*Dh] -> [n, Dh]
         return x.reshape(n, -1)
+    if kind == "in_col":  # [D, n*Dh] (stored [in, out], GPT-2's Conv1D) -> [D, n, Dh]
+        return x.reshape(x.shape[0], n, x.shape[1] // n)
+    if kind == "in_row":  # [n*Dh, D] -> [n, Dh, D]
+        return x.reshape(n, x.shape[0] // n, x.shape[1])
     raise AssertionError(kind)
 
 
@@ -217,43 +112,11 @@ def _inverse(kind: str, y: np.ndarray) -> np.ndarray:
         return y.reshape(-1, y.shape[-1]).T
     if kind == "bias":
         return y.reshape(-1)
+    if kind == "in_col":  # [D, n, Dh] -> [D, n*Dh]
+        return y.reshape(y.shape[0], -1)
+    if kind == "in_row":  # [n, Dh, D] -> [n*Dh, D]
+        return y.reshape(-1, y.shape[-1])
     raise AssertionError(kind)
-
-
-def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str, int]]:
-    """meshrun leaf path -> (hf name template with {l} and {e}, transform, heads) for stacked leaves."""
-    pre = ("layers", "moe") if cfg.is_moe else ("layers",)
-    at = "model.layers.{l}.self_attn."
-    m = {
-        pre + ("attn_norm", "scale"): ("model.layers.{l}.input_layernorm.weight", "id", 0),
-        pre + ("mlp_norm", "scale"): ("model.layers.{l}.post_attention_layernorm.weight", "id", 0),
-        pre + ("attn", "q"): (at + "q_proj.weight", "col", cfg.n_heads),
-        pre + ("attn", "k"): (at + "k_proj.weight", "col", cfg.n_kv_heads),
-        pre + ("attn", "v"): (at + "v_proj.weight", "col", cfg.n_kv_heads),
-        pre + ("attn", "o"): (at + "o_proj.weight", "row", cfg.n_heads),
-    }
-    if cfg.qkv_bias:
-        m |= {
-            pre + ("attn", "q_bias"): (at + "q_proj.bias", "bias", cfg.n_heads),
-            pre + ("attn", "k_bias"): (at + "k_proj.bias", "bias", cfg.n_kv_heads),
-            pre + ("attn", "v_bias"): (at + "v_proj.bias", "bias", cfg.n_kv_heads),
-        }
-    if cfg.is_moe:
-        moe = "model.layers.{l}.block_sparse_moe."
-        m |= {
-            pre + ("moe", "router"): (moe + "gate.weight", "t", 0),
-            pre + ("moe", "gate"): (moe + "experts.{e}.w1.weight", "t", 0),
-            pre + ("moe", "up"): (moe + "experts.{e}.w3.weight", "t", 0),
-            pre + ("moe", "down"): (moe + "experts.{e}.w2.weight", "t", 0),
-        }
-    else:
-        mlp = "model.layers.{l}.mlp."
-        m |= {
-            pre + ("mlp", "gate"): (mlp + "gate_proj.weight", "t", 0),
-            pre + ("mlp", "up"): (mlp + "up_proj.weight", "t", 0),
-            pre + ("mlp", "down"): (mlp + "down_proj.weight", "t", 0),
-        }
-    return m
 
 
 @dataclass(frozen=True)
@@ -269,9 +132,23 @@ def _norm(index, shape) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
 
+def _entry(v: tuple) -> tuple[str, str, int, int, int]:
+    """A layer_map value (tmpl, kind, heads[, part, parts]) with its part (0 of 1 when whole)."""
+    return (*v, 0, 1) if len(v) == 3 else tuple(v)
+
+
+def _part(x: np.ndarray, part: int, parts: int) -> np.ndarray:
+    """Piece `part` of `parts` equal pieces along the last axis (e.g. GPT-2's fused c_attn)."""
+    if parts == 1:
+        return x
+    w = x.shape[-1] // parts
+    return x[..., part * w : (part + 1) * w]
+
+
 def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) -> dict[tuple[str, ...], Lazy]:
     """meshrun leaf path -> Lazy of that leaf, reading transformers tensors through `get(name)`
     (memory-mapped); the vocab dimension padded with zeros from `vocab` to cfg.vocab."""
+    ad = adapter(cfg)
 
     def padded(name: str, axis: int) -> Lazy:
         src = get(name) if axis == 0 else get(name).T  # lm_head [V, D] -> kernel [D, V]
@@ -289,15 +166,13 @@ def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) 
 
         return Lazy(shape, read)
 
-    out = {
-        ("embed", "embedding"): padded("model.embed_tokens.weight", 0),
-        ("final_norm", "scale"): _whole(get("model.norm.weight")),
-    }
-    if not cfg.tie_embeddings:
-        out[("head", "kernel")] = padded("lm_head.weight", 1)
-    for path, (tmpl, kind, n) in layer_map(cfg).items():
+    out = {}
+    for path, (name, kind) in ad.top_map(cfg).items():
+        out[path] = padded(name, 0) if kind == "vocab" else padded(name, 1) if kind == "vocab_t" else _whole(get(name))
+    for path, v in ad.layer_map(cfg).items():
+        tmpl, kind, n, part, parts = _entry(v)
         experts = "{e}" in tmpl
-        per = lambda i, e, t=tmpl, k=kind, n=n: _forward(k, get(t.format(l=i, e=e)), n)  # noqa: E731
+        per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)  # noqa: E731
         one = per(0, 0)
         lead = (cfg.n_layers, cfg.n_experts) if experts else (cfg.n_layers,)
         out[path] = _stacked(lead, one.shape, per)
@@ -327,28 +202,47 @@ def _stacked(lead: tuple[int, ...], shape: tuple[int, ...], per) -> Lazy:
 def hf_tensors(
     cfg: ModelConfig, leaf: Callable[[tuple[str, ...]], Any], vocab: int
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(transformers name, array) for every tensor, in model order, vocab stripped to `vocab`.
-    `leaf(path)` returns a meshrun leaf indexable by layer (a jax or numpy array); one layer at a time
-    is brought to host memory."""
-    yield "model.embed_tokens.weight", np.asarray(leaf(("embed", "embedding"))[:vocab])
-    lm = layer_map(cfg)
+    """(transformers name, array) for every tensor, vocab stripped to `vocab`. `leaf(path)` returns a
+    meshrun leaf indexable by layer (a jax or numpy array); one layer at a time is brought to host
+    memory. Leaves that are parts of one tensor are concatenated along its last axis."""
+    ad = adapter(cfg)
+    top = ad.top_map(cfg)
+    for path, (name, kind) in top.items():
+        if kind == "vocab":
+            yield name, np.asarray(leaf(path)[:vocab])
+    lm = {path: _entry(v) for path, v in ad.layer_map(cfg).items()}
     for layer in range(cfg.n_layers):
-        for path, (tmpl, kind, _) in lm.items():
+        pieces: dict[str, dict[int, np.ndarray]] = {}
+        for path, (tmpl, kind, _, part, parts) in lm.items():
             y = np.asarray(leaf(path)[layer])
             if "{e}" in tmpl:
                 for e in range(cfg.n_experts):
                     yield tmpl.format(l=layer, e=e), _inverse(kind, y[e])
-            else:
+            elif parts == 1:
                 yield tmpl.format(l=layer), _inverse(kind, y)
-    yield "model.norm.weight", np.asarray(leaf(("final_norm", "scale")))
-    if not cfg.tie_embeddings:
-        yield "lm_head.weight", np.asarray(leaf(("head", "kernel"))[:, :vocab]).T
+            else:
+                got = pieces.setdefault(tmpl.format(l=layer), {})
+                got[part] = _inverse(kind, y)
+                if len(got) == parts:
+                    yield tmpl.format(l=layer), np.concatenate([got[i] for i in range(parts)], axis=-1)
+    for path, (name, kind) in top.items():
+        if kind == "id":
+            yield name, np.asarray(leaf(path))
+        elif kind == "vocab_t":
+            yield name, np.asarray(leaf(path)[:, :vocab]).T
 
 
 def expected_names(cfg: ModelConfig) -> set[str]:
-    """Every transformers tensor name the model needs (lm_head absent when tied)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if cfg.tie_embeddings else {"lm_head.weight"})
-    for tmpl, _, _ in layer_map(cfg).values():
+    """Every transformers tensor name the model needs (a tied lm_head is not among them)."""
+    ad = adapter(cfg)
+    names = {name for name, _ in ad.top_map(cfg).values()}
+    for v in ad.layer_map(cfg).values():
+        tmpl = v[0]
         for layer in range(cfg.n_layers):
             names |= {tmpl.format(l=layer, e=e) for e in range(max(cfg.n_experts, 1))}
     return names
+
+
+def ignored(cfg: ModelConfig, name: str) -> bool:
+    """A checkpoint tensor the model has no use for (a buffer, a tied lm_head copy)."""
+    return adapter(cfg).ignored(cfg, name)

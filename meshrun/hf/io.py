@@ -64,11 +64,11 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     """Convert MODEL_DIR into RUN_DIR (see the module docstring). `mesh`: where the weights are placed
     while converting (default: all devices on 'data', parameters sharded as under ZeRO-3)."""
     import jax
-    import meshrun_models as models
 
     from meshrun.checkpoint.params import save_params
     from meshrun.config import MeshConfig, to_dict
-    from meshrun.hf.convert import expected_names, family_of, lazy_params, model_config
+    from meshrun.family import registry
+    from meshrun.hf.convert import expected_names, family_of, ignored, lazy_params, model_config
     from meshrun.hf.safetensors_io import FormatError, SafeTensors
     from meshrun.parallel.sharding import param_rules, tree_shardings
     from meshrun.runtime.mesh import build_mesh
@@ -97,19 +97,20 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
             "give a complete checkpoint of this architecture",
             f"{len(missing)} tensors missing, e.g. {missing[:3]}",
         )
-    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(k for k in set(st.keys()) - need - ignored if not k.endswith("rotary_emb.inv_freq"))
+    extra = sorted(k for k in set(st.keys()) - need if not ignored(cfg, k))
     if extra:
         raise ConfigError(
             "MODEL_DIR",
             str(model_dir),
-            "meshrun maps Llama/Mistral/Qwen2/Mixtral weights only",
+            f"give a checkpoint of the architecture its config.json names (model.family={cfg.family})",
             f"unknown tensors, e.g. {extra[:3]}",
         )
 
     mesh = mesh if mesh is not None else build_mesh(MeshConfig())
-    models.validate_model_for_mesh(cfg, dict(mesh.shape))
-    shardings = flat_tree(tree_shardings(models.abstract_params(cfg), mesh, param_rules(zero=3)))
+    family = registry.get(cfg.family)
+    family.check_config(cfg)
+    family.check_mesh(cfg, dict(mesh.shape))
+    shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
     lazies = lazy_params(cfg, st.get, hf["vocab_size"])
     dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     flat = {}
@@ -228,15 +229,15 @@ def load_params(run_dir: str | Path) -> tuple[Any, dict, dict[str, Any]]:
 def _restore(kind: str, directory: Path, cfg) -> dict:
     """Params only, onto one device (host memory for the parameters; never the optimizer state)."""
     import jax
-    import meshrun_models as models
     import orbax.checkpoint as ocp
 
     from meshrun.checkpoint.params import PARAMS
+    from meshrun.family import registry
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = {
         p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev)
-        for p, v in flat_tree(models.abstract_params(cfg)).items()
+        for p, v in flat_tree(registry.get(cfg.family).abstract_params(cfg)).items()
     }
     target = nest_tree(flat)
     ckptr = ocp.PyTreeCheckpointer()

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = dict[str, tuple[str, ...]]
@@ -141,15 +142,12 @@ def names_to_specs(names: Any, shapes: Any, rules: Rules, mesh: Mesh | None = No
 
 def state_names(state: Any) -> Any:
     """NNX State (Variables with logical names) -> plain nested dict of logical-name tuples."""
-    from flax import nnx
-
     tree = jax.tree.map(lambda v: logical_names(v) or (), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return tree.to_pure_dict() if hasattr(tree, "to_pure_dict") else tree
 
 
 def tree_specs(state: Any, rules: Rules, mesh: Mesh | None = None) -> Any:
     """NNX State (Variables with logical names) -> same tree of PartitionSpecs."""
-    from flax import nnx
 
     def one(var):
         value = var.get_value() if hasattr(var, "get_value") else var.value

@@ -1,7 +1,7 @@
-"""ZeRO layout of one step: where parameters, gradients and optimizer state live, and the
+"""ZeRO shardings of one step: where parameters, gradients and optimizer state live, and the
 data-parallel collectives that move between those layouts (Rajbhandari et al. 2020).
 
-`ZeroLayout` is built once per train step (`ZeroLayout.build`) and handed to whichever loop
+`ZeroShardings` is built once per train step (`ZeroShardings.build`) and handed to whichever loop
 accumulates the gradients (the microbatch scan in `train.py` or the pipeline executor). It holds
 four trees of PartitionSpecs over the whole mesh:
 
@@ -40,7 +40,6 @@ from jax.sharding import PartitionSpec as P
 from meshrun.parallel.sharding import DP_AXES, dims_with, is_spec, names_to_specs, param_rules, restrict_spec
 
 HOST = "pinned_host"  # where offloaded state rests between steps (page-locked: DMA at full PCIe/C2C speed)
-OFFLOADABLE = ("store", "opt")
 
 
 def _map(fn: Callable, *trees: Any) -> Any:
@@ -59,7 +58,7 @@ def accum_zeros(tree: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ZeroLayout:
+class ZeroShardings:
     """PartitionSpec trees (plain nested dicts) of one model's parameters at one ZeRO stage."""
 
     mesh: Mesh
@@ -74,7 +73,7 @@ class ZeroLayout:
     @classmethod
     def build(
         cls, names: Any, shapes: Any, mesh: Mesh, stage: int, reduce_dtype: Any = None, offload: tuple[str, ...] = ()
-    ) -> ZeroLayout:
+    ) -> ZeroShardings:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
         reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host memory."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)  # noqa: E731
@@ -83,16 +82,16 @@ class ZeroLayout:
         trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
         return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload))
 
-    def sub(self, key: str) -> ZeroLayout:
+    def sub(self, key: str) -> ZeroShardings:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
         trees = (t[key] for t in (self.store, self.compute, self.grads, self.opt))
-        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
+        return ZeroShardings(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
 
-    def without(self, key: str) -> ZeroLayout:
+    def without(self, key: str) -> ZeroShardings:
         """The layout of every top-level entry but `key`."""
         drop = lambda t: {k: v for k, v in t.items() if k != key}  # noqa: E731
         trees = (drop(t) for t in (self.store, self.compute, self.grads, self.opt))
-        return ZeroLayout(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
+        return ZeroShardings(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
 
     # ------------------------------------------------------------ memory kinds (host offload)
 

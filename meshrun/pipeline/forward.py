@@ -1,6 +1,6 @@
 """Forward-only pipeline (evaluation): loss sums of a batch on a pipelined mesh, no backward.
 
-Same placement as the training step (`Pipeline.placed`: layers in pipeline layout sharded over
+Same placement as the training step (`Pipeline.placed`: layers in pipeline placement sharded over
 'pipe', microbatch j = local rows j, m+j, ...; a shard_map manual over 'pipe' and the data-parallel
 axes). GPipe forward in v rounds, one per virtual chunk: in round c, stage s runs microbatch t - s
 of chunk c at tick t (m + p - 1 ticks), activations move s -> s+1 by `ppermute`; with v > 1 the
@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.family import contract
 from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
-from meshrun.pipeline.executor import stage_fn
+from meshrun.pipeline.stage_run import stage_fn, take
 
 
 def forward_sums(pl, params, tokens, labels, segment_ids=None):
     """(loss_sum, n_tokens) over the global batch, through `Pipeline` `pl`'s stages (traceable)."""
-    zl = pl._layout_for(params)
+    zl = pl.zero
     params, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
     layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
     f = jax.shard_map(
@@ -36,10 +36,6 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
         check_vma=False,
     )
     return f(layers, other, *batch)
-
-
-def _take(buf, i):
-    return lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
 
 def _body(pl, layers, other, tok, lab, seg=None):
@@ -62,15 +58,15 @@ def _body(pl, layers, other, tok, lab, seg=None):
                 def run():
                     if c == 0:
                         x0 = lax.cond(
-                            stage == 0, lambda: fns.embed(other, _take(tok, j)).astype(x_aval.dtype), lambda: x_in
+                            stage == 0, lambda: fns.embed(other, take(tok, j)).astype(x_aval.dtype), lambda: x_in
                         )
                     else:
-                        x0 = jnp.where(stage == 0, _take(buf, j), x_in)
-                    apply = contract.layers_fn(fns, None if seg is None else _take(seg, j))
-                    y, _ = stage_fn(pl, apply, c, stage)(chunk, x0)
+                        x0 = jnp.where(stage == 0, take(buf, j), x_in)
+                    apply = contract.layers_fn(fns, None if seg is None else take(seg, j))
+                    y, _ = stage_fn(pl.split, apply, c, stage)(chunk, x0)
                     if c < v - 1:
                         return y, jnp.zeros((), jnp.float32)
-                    head = lambda: fns.head_loss(other, y, _take(lab, j))[0].astype(jnp.float32)  # noqa: E731
+                    head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)  # noqa: E731
                     return y, lax.cond(stage == p - 1, head, lambda: jnp.zeros((), jnp.float32))
 
                 valid = (t - stage >= 0) & (t - stage < m)
@@ -80,7 +76,7 @@ def _body(pl, layers, other, tok, lab, seg=None):
                     jw = t - (p - 1)
                     keep = (stage == 0) & (jw >= 0)
                     i = jnp.clip(jw, 0, m - 1)
-                    buf = lax.dynamic_update_index_in_dim(buf, jnp.where(keep, x_next, _take(buf, i)), i, 0)
+                    buf = lax.dynamic_update_index_in_dim(buf, jnp.where(keep, x_next, take(buf, i)), i, 0)
                 return (x_next, buf, loss + ls), None
 
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))

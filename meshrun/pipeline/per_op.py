@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshrun.pipeline import zb_split
-from meshrun.pipeline.executor import _placed, _put, _StageRun, _take
+from meshrun.pipeline.stage_run import StageRun, placed, put, take
 
 
-class OpRun(_StageRun):
-    """`_StageRun` for a per-op program (zb-h1): `run_tick` is one op per stage."""
+class OpRun(StageRun):
+    """`StageRun` for a per-op program (zb-h1): `run_tick` is one op per stage."""
 
     def split_backward(self, mb, saved, dy):
         """(B, W) for microbatch `mb`: B(saved, dy) -> (dx, stash), W(saved, dy, stash) -> weight
@@ -75,13 +75,13 @@ class OpRun(_StageRun):
         trash = self.nslot - 1
         slot_or = lambda i, n: jnp.where(i >= 0, i, n)  # noqa: E731  (-1: the trash slot n)
         c = dict(c)
-        c["f_box"] = _put(c["f_box"], slot_or(at("f_put"), fi), c["x_in"])
-        c["g_box"] = _put(c["g_box"], slot_or(at("g_put"), gi), c["g_in"])
+        c["f_box"] = put(c["f_box"], slot_or(at("f_put"), fi), c["x_in"])
+        c["g_box"] = put(c["g_box"], slot_or(at("g_put"), gi), c["g_in"])
         op, mb = jnp.maximum(at("kind"), 0), jnp.maximum(at("mb"), 0)
         slot = jnp.where(op > 0, at("slot"), trash)
         first, last = self.stage == 0, self.stage == self.p - 1
-        x_in = _take(c["f_box"], slot_or(at("f_get"), fi))
-        g_in = _take(c["g_box"], slot_or(at("g_get"), gi))
+        x_in = take(c["f_box"], slot_or(at("f_get"), fi))
+        g_in = take(c["g_box"], slot_or(at("g_get"), gi))
         b_part, w_part = self.split_backward(mb, self.res_structs(), self.x_aval)
 
         # Branches read the buffers they need themselves (a buffer a branch only reads is not copied;
@@ -90,9 +90,9 @@ class OpRun(_StageRun):
         # other grads, loss sum, aux).
         xs = self.x_aval
         chunk_aval = jax.eval_shape(lambda: self.chunk(0))
-        take = lambda bufs: jax.tree.map(lambda b: _take(b, slot), bufs)  # noqa: E731
+        at_slot = lambda bufs: jax.tree.map(lambda b: take(b, slot), bufs)  # noqa: E731
         fill = lambda: self.full(xs.shape, xs.dtype)  # noqa: E731
-        no_keep = lambda: [_placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]  # noqa: E731
+        no_keep = lambda: [placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]  # noqa: E731
         no_stash = lambda: jax.tree.map(lambda a: self.full(a.shape, a.dtype), self.stash_avals)  # noqa: E731
         no_dp = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)  # noqa: E731
         no_aux = lambda: {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}  # noqa: E731
@@ -106,20 +106,20 @@ class OpRun(_StageRun):
             return y, fill(), keep, dy, no_stash(), no_dp(), d_o, ls, aux
 
         def backward_input():
-            dy = jnp.where(last, _take(c["dy"], slot), g_in)
-            dx, stash = b_part(take(c["res"]), dy)
+            dy = jnp.where(last, take(c["dy"], slot), g_in)
+            dx, stash = b_part(at_slot(c["res"]), dy)
             return fill(), dx, no_keep(), dy, stash, no_dp(), self.embed_grad(first, mb, dx), zero, no_aux()
 
         def backward_weights():
-            d_p = w_part(take(c["res"]), _take(c["dy"], slot), take(c["stash"]))
+            d_p = w_part(at_slot(c["res"]), take(c["dy"], slot), at_slot(c["stash"]))
             return fill(), fill(), no_keep(), fill(), no_stash(), d_p, self.zeros_other(), zero, no_aux()
 
         branches = [idle, forward, backward_input, backward_weights]
         y, dx, keep, dy, stash, d_p, d_o, ls, aux = lax.switch(op, branches)
         at_op = lambda *ops: jnp.where(jnp.isin(op, jnp.asarray(ops)), slot, trash)  # noqa: E731
-        c["res"] = [_put(b, at_op(1), r) for b, r in zip(c["res"], keep, strict=True)]
-        c["dy"] = _put(c["dy"], at_op(1, 2), dy)
-        c["stash"] = jax.tree.map(lambda b, v: _put(b, at_op(2), v), c["stash"], stash)
+        c["res"] = [put(b, at_op(1), r) for b, r in zip(c["res"], keep, strict=True)]
+        c["dy"] = put(c["dy"], at_op(1, 2), dy)
+        c["stash"] = jax.tree.map(lambda b, v: put(b, at_op(2), v), c["stash"], stash)
         c["g_layers"] = self.add_grads(c["g_layers"], d_p, 0)
         c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         c["loss"] = c["loss"] + ls

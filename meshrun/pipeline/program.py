@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshrun.config import PipelineConfig
-from meshrun.errors import ConfigError
 from meshrun.pipeline import schedules
 
 
@@ -86,13 +85,9 @@ class TickProgram:
 
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     if pcfg.schedule == "zb-h1":
-        if pcfg.virtual != 1:
-            raise ConfigError("pipeline.virtual", pcfg.virtual, "use virtual=1 with zb-h1 (one chunk per stage)")
         return _per_op_program(pcfg, p)
-    v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
-    if pcfg.schedule != "interleaved" and pcfg.virtual != 1:
-        raise ConfigError("pipeline.virtual", pcfg.virtual, "use schedule=interleaved, or virtual=1")
-    lock = schedules.lockstep(schedules.build(pcfg.schedule, p, pcfg.microbatches, v))
+    lock = schedules.lockstep(schedules.build(pcfg.schedule, p, pcfg.microbatches, pcfg.virtual))  # checks virtual
+    v = pcfg.virtual
     arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
     slots = max(schedules.max_in_flight(lock, s) for s in range(p))
     last = p - 1
@@ -113,7 +108,7 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     inbox slot then (-1: nothing arrives, the trash slot) and its consumer reads that slot when it
     runs, so a consumer may run later than the arrival. Residual slots live from F to W."""
     m = pcfg.microbatches
-    table = schedules.build(pcfg.schedule, p, m)
+    table = schedules.build(pcfg.schedule, p, m, pcfg.virtual)  # checks virtual = 1
     ticks = len(table)
     arrs = {k: np.full((ticks, p), -1, np.int32) for k in ("kind", "mb", "slot", "f_put", "f_get", "g_put", "g_get")}
     slots, inbox = 0, [0, 0]

@@ -25,9 +25,8 @@ import heapq
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from meshrun.config import SCHEDULES
 from meshrun.errors import ConfigError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
     if not isinstance(v, int) or v < 1:
         raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
     if name != "interleaved" and v != 1:
-        raise ConfigError("pipeline.virtual", v, "use --schedule interleaved, or virtual=1", f"{name} has 1 chunk")
+        raise ConfigError("pipeline.virtual", v, "use schedule=interleaved, or virtual=1", f"{name} has 1 chunk")
     if name in ("1f1b", "zb-h1") and m < p:
         raise ConfigError(
             "pipeline.microbatches",
@@ -212,17 +211,16 @@ def zb_h1(p: int, m: int) -> list[list[Task | None]]:
 
 
 def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
-    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved', 'zb-h1')."""
+    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved', 'zb-h1'), arguments checked once."""
     if schedule_name not in SCHEDULES:
         raise ConfigError("pipeline.schedule", schedule_name, f"use one of {', '.join(SCHEDULES)}", "unknown schedule")
-    if schedule_name == "interleaved":
-        return interleaved(p, m, v)
     _check_args(schedule_name, p, m, v)
-    if schedule_name == "gpipe":
-        return gpipe(p, m)
+    if schedule_name == "interleaved":
+        return _place(_interleaved_orders(p, m, v), p, v)
     if schedule_name == "zb-h1":
-        return zb_h1(p, m)
-    return one_f_one_b(p, m)
+        return _place_zb(_1f1b_orders(p, m), p, m)
+    orders = _gpipe_orders(p, m) if schedule_name == "gpipe" else _1f1b_orders(p, m)
+    return _place(orders, p, 1)
 
 
 # ---------------------------------------------------------------- lockstep view

@@ -1,13 +1,13 @@
-"""Which stacked layers each pipeline stage runs, and the padded layout that holds them.
+"""Which stacked layers each pipeline stage runs, and the padded placement that holds them.
 
 Virtual stage k = c*p + s (chunk c of stage s) runs `counts[k]` consecutive stacked layers (units),
 in model order. The executor's SPMD program needs one shape on every stage, so in the pipeline
-layout every chunk is padded to `lmax = max(counts)` entries: the stacked axis becomes
+placement every chunk is padded to `lmax = max(counts)` entries: the stacked axis becomes
 [p, v, lmax] (a contiguous P('pipe') shard is one device's v chunks). Padding entries are zeros,
 their gradients are zero, and the stage skips them (`executor`: `lax.cond` on a per-chunk count).
 Checkpoints keep model order ([L]), so they restore into any split.
 
-Even splits keep the old layouts: v = 1 is the identity, v > 1 a reshape ([v, p, Lc] -> [p, v, Lc]).
+Even splits keep the old placements: v = 1 is the identity, v > 1 a reshape ([v, p, Lc] -> [p, v, Lc]).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshrun.config import ModelConfig, PipelineConfig
+from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
+from meshrun.pipeline.stage_counts import split_layers
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class LayerSplit:
 
     @property
     def identity(self) -> bool:
-        """Model order is already the pipeline layout."""
+        """Model order is already the pipeline placement."""
         return self.even and self.v == 1
 
     @property
@@ -75,7 +76,7 @@ class LayerSplit:
         return pos
 
     def to_pipeline(self, layers):
-        """Stacked layer tree in model order [n, ...] -> pipeline layout [p*v*lmax, ...]."""
+        """Stacked layer tree in model order [n, ...] -> pipeline placement [p*v*lmax, ...]."""
         if self.identity:
             return layers
         if self.even:
@@ -103,9 +104,10 @@ class LayerSplit:
         return jax.tree.map(lambda a: jnp.take(a, pos, axis=0), layers)
 
 
-def layer_split(pcfg: PipelineConfig, n_units: int, p: int, model: ModelConfig | None = None, seq_len: int = 0):
-    """The split a config asks for; ConfigError (naming the fix) for a bad one. `model` and
-    `seq_len` feed the cost model of balance=auto."""
+def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, float, float] | None = None):
+    """The split a config asks for; ConfigError (naming the fix) for a bad one. balance=auto needs
+    `costs` = (cost of one stacked unit, extra cost of the first stage, of the last stage), e.g. the
+    planner's time model (`meshrun.train.plan.unit_costs`)."""
     v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
     n_v = p * v
     what = f"{n_v} virtual stages (pipe={p} x virtual={v})" if v > 1 else f"pipe={p} stages"
@@ -134,12 +136,9 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, model: ModelConfig |
             f"{n_units} stacked layers leave a stage empty on {what}",
         )
     if pcfg.balance == "auto":
-        from meshrun.planner.balance import split_layers, stage_costs
-
-        if model is None:
-            raise ConfigError("pipeline.balance", "auto", "pass the model config, or set pipeline.layers_per_stage")
-        layer, first, last = stage_costs(model, seq_len or model.max_seq_len)
-        per_unit = layer * (model.moe_every if model.is_moe else 1)  # a stacked MoE unit is moe_every layers
+        if costs is None:
+            raise ConfigError("pipeline.balance", "auto", "pass the per-layer costs, or set pipeline.layers_per_stage")
+        per_unit, first, last = costs
         return LayerSplit(split_layers(n_units, n_v, layer_cost=per_unit, first_cost=first, last_cost=last), p, v)
     if n_units % n_v:
         raise ConfigError(

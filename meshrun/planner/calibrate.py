@@ -117,12 +117,6 @@ def leave_one_out(rows=MEGATRON_TABLE1) -> list[tuple[float, float, float, float
     return out
 
 
-def table1_predictions(cal: Calibration | None = None) -> list[tuple[float, float, float]]:
-    """(params B, predicted, measured TFLOP/s per GPU) of every row at `cal` (default: the fitted constants)."""
-    cal = cal or timing.CALIBRATION
-    return [(r[0], predict_row(r, cal), r[-1]) for r in MEGATRON_TABLE1]
-
-
 def loo_table(rows=MEGATRON_TABLE1) -> str:
     """The README's leave-one-out table (markdown)."""
     lines = ["| params | TP | PP | measured | LOO predicted | error |", "|---:|---:|---:|---:|---:|---:|"]

@@ -9,12 +9,18 @@ Sources: Narayanan et al. 2021 (Megatron PTD-P, FLOPs eq. 3, schedules), Korthik
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 from meshrun.analysis.flops import layer_params, param_counts
 from meshrun.config import ModelConfig
+from meshrun.planner.layout import DTYPE_BYTES as DTYPE_BYTES
+from meshrun.planner.layout import Layout as Layout
+from meshrun.planner.layout import Precision as Precision
+from meshrun.planner.layout import layout_of as layout_of
+from meshrun.planner.layout import model_layout as model_layout
+from meshrun.planner.layout import precision_of, zero_divisors
+from meshrun.planner.step_model import predict_memory_jax
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "overheads", "total")
 
 # Runtime memory besides the model's tensors, charged on GPU plans (`overhead_bytes`):
@@ -31,65 +37,7 @@ COMM_BUFFER_BYTES = 16 * 2 * 4 * 2**20
 FRAGMENTATION = 0.10
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One candidate parallel layout. Dense layers' data-parallel group is data x expert (EP folded
-    into DP)."""
-
-    tensor: int = 1
-    pipe: int = 1
-    data: int = 1
-    expert: int = 1
-    virtual: int = 1
-    microbatches: int = 1
-    micro_batch_size: int = 1
-    zero: int = 0
-    remat: str = "full"  # none | selective | full
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (virtual > 1)
-
-    @property
-    def n_devices(self) -> int:
-        return self.tensor * self.pipe * self.data * self.expert
-
-    @property
-    def global_batch(self) -> int:
-        # Pipeline stages share each micro-batch, so PP does not multiply the batch: B = b x m x DP.
-        return self.micro_batch_size * self.microbatches * self.data * self.expert
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of each model state, and per activation element."""
-
-    param: float
-    grad: float
-    opt: float  # Adam m and v in fp32, plus an fp32 master copy when the params are 16-bit
-    act: float
-
-
-def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
-    """Bytes per param of params, grads, optimizer state, and per activation element.
-    megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
-    and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12).
-    meshrun: gradients and Adam m, v in the param dtype (optax keeps state like the params): bf16
-    params 2 + 2 + 4, fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
-    `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
-    temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
-    meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
-    pb = DTYPE_BYTES[model.param_dtype]
-    act = DTYPE_BYTES[model.dtype]
-    if framework == "megatron":
-        return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
-    return Precision(param=pb, grad=pb, opt=2 * pb, act=act)
-
-
 # ----------------------------------------------------------------------------- memory
-
-
-def zero_divisors(zero: int, dp: int) -> tuple[int, int, int]:
-    """How many ways ZeRO stage `zero` splits (params, grads, optimizer states) over `dp` ranks."""
-    return {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[zero]
 
 
 def layer_activation_bytes(
@@ -187,19 +135,9 @@ def stage_names(p: int) -> dict[str, int]:
 
 def predict_memory(
     model: ModelConfig,
+    layout: Layout,
     *,
-    tensor: int = 1,
-    pipe: int = 1,
-    data: int = 1,
-    expert: int = 1,
-    microbatches: int = 1,
-    micro_batch_size: int = 1,
     seq_len: int | None = None,
-    zero: int = 0,
-    remat: str | None = None,
-    sequence_parallel: bool | None = None,
-    schedule: str = "1f1b",
-    virtual: int = 1,
     framework: str = "meshrun",
     dropout: bool = False,
     flash: bool | None = None,
@@ -210,22 +148,22 @@ def predict_memory(
     overheads (when `overheads`: GPU runtime, see `overhead_bytes`), total; `stages` holds the same
     parts for the first, middle and last stage. framework='megatron' is Megatron-LM's accounting
     (Korthikanti 2022 activations, 1F1B in-flight micro-batches, fp32 grad buffers); 'meshrun' is
-    meshrun's own compiled step (`step_model.predict_memory_jax`). remat, sequence_parallel and flash
-    (attention_impl == 'cudnn') default to the model config; `split` is the layers per stage."""
-    p = pipe
+    meshrun's own compiled step (`step_model.predict_memory_jax`). remat and sequence_parallel are the
+    layout's (`model_layout`: the model's unless given); flash defaults to attention_impl == 'cudnn';
+    `split` is the layers per stage."""
+    p, tensor = layout.pipe, layout.tensor
     split = split or (model.n_layers / p,) * p
-    remat = model.remat if remat is None else remat
-    sp = (model.sequence_parallel if sequence_parallel is None else sequence_parallel) and tensor > 1
+    remat = layout.remat
+    sp = layout.sequence_parallel and tensor > 1
     s = seq_len or model.max_seq_len
-    kw = dict(tensor=tensor, pipe=p, data=data, expert=expert, microbatches=microbatches,
-              micro_batch_size=micro_batch_size, seq_len=s, zero=zero, schedule=schedule, virtual=virtual)  # fmt: skip
+    kw = dict(tensor=tensor, pipe=p, data=layout.data, expert=layout.expert, microbatches=layout.microbatches,
+              micro_batch_size=layout.micro_batch_size, seq_len=s, zero=layout.zero, schedule=layout.schedule,
+              virtual=layout.virtual)  # fmt: skip
     stages = {}
     spmd = None
     if framework == "meshrun":
-        from meshrun.planner.step_model import predict_memory_jax
-
         # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
-        spmd = predict_memory_jax(model, **kw, remat=remat, sequence_parallel=sp, layers=max(split))
+        spmd = predict_memory_jax(model, replace(layout, sequence_parallel=sp), seq_len=s, layers=max(split))
     for name, stage in stage_names(p).items():
         if spmd is not None:
             part = dict(spmd)
@@ -233,7 +171,7 @@ def predict_memory(
             part = _megatron_stage(model, stage, split[stage], remat=remat, sp=sp, dropout=dropout, flash=flash, **kw)
         part["overheads"] = 0.0
         if overheads:
-            axes = {"tensor": tensor, "pipe": p, "data": data, "expert": expert}
+            axes = {"tensor": tensor, "pipe": p, "data": layout.data, "expert": layout.expert}
             over = overhead_bytes(part["activations"] + part["logits"], axes)
             part |= {f"overhead_{k}": v for k, v in over.items()}
             part["overheads"] = sum(over.values())

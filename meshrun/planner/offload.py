@@ -69,15 +69,6 @@ def with_offload(result, model: ModelConfig, cluster: Cluster, seq_len: int, lev
     return {"memory": memory, "host": host, "time": tm["total"] + extra, "traffic": traffic, "transfer_s": extra}
 
 
-def predict_step_time(model: ModelConfig, layout, cluster: Cluster, global_batch: int, seq_len: int,
-                      levers: tuple[str, ...] = ()) -> float:  # fmt: skip
-    """Seconds per step of a layout with the given levers on (remat=offload: pass layout.remat='selective')."""
-    from meshrun.planner.search import evaluate
-
-    r = evaluate(model, layout, cluster, global_batch, seq_len)
-    return with_offload(r, model, cluster, seq_len, levers)["time"] if levers else r.step_time
-
-
 def propose(results, model: ModelConfig, cluster: Cluster, seq_len: int, top: int) -> list:
     """When no layout fits: the fastest layouts that fit with offloading, each saying why. `results`:
     planner Results that failed on memory only."""

@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass, field
 from meshrun.analysis import flops
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.planner import cost, timing
+from meshrun.planner import cost, offload, timing
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import GB, Cluster
 from meshrun.planner.kernels import Calibration
 
-REMATS = ("none", "selective", "full")
+# remat modes the layout search tries (not offload: a memory lever, `offload.propose`)
+SEARCHED_REMATS = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
 
 
@@ -108,23 +109,7 @@ def evaluate(
         model, layout, cluster, seq_len, calibration=calibration, framework=framework, dropout=dropout
     )
     mem = cost.predict_memory(
-        model,
-        tensor=layout.tensor,
-        pipe=layout.pipe,
-        data=layout.data,
-        expert=layout.expert,
-        microbatches=layout.microbatches,
-        micro_batch_size=layout.micro_batch_size,
-        seq_len=seq_len,
-        zero=layout.zero,
-        remat=layout.remat,
-        sequence_parallel=layout.sequence_parallel,
-        schedule=layout.schedule,
-        virtual=layout.virtual,
-        framework=framework,
-        dropout=dropout > 0,
-        split=tm["split"],
-        overheads=True,
+        model, layout, seq_len=seq_len, framework=framework, dropout=dropout > 0, split=tm["split"], overheads=True
     )
     if mem["total"] > cluster.usable_memory:
         where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
@@ -178,7 +163,7 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch: int):
                     vs = [1] + [v for v in (2, 4, 8) if p > 1 and L % (p * v) == 0 and m % p == 0]
                     for v in vs:
                         for zero in range(4) if d * e > 1 else (0,):
-                            for remat in REMATS:
+                            for remat in SEARCHED_REMATS:
                                 for sp in (False, True) if t > 1 else (False,):
                                     yield Layout(t, p, d, e, v, m, b, zero, remat, sp,
                                                "interleaved" if v > 1 else "1f1b")  # fmt: skip
@@ -231,9 +216,14 @@ def search(
 
 def _offload_proposals(model, cluster, global_batch, seq_len, top, kw) -> list[Result]:
     """Nothing fits in device memory: layouts that fit with host offload (planner/offload.py)."""
-    from meshrun.planner import offload
-
     rs = (evaluate(model, lay, cluster, global_batch, seq_len, **kw)
           for lay in candidates(model, cluster, global_batch))  # fmt: skip
     rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch)]
     return offload.propose(rs, model, cluster, seq_len, top)
+
+
+def predict_step_time(model: ModelConfig, layout, cluster: Cluster, global_batch: int, seq_len: int,
+                      levers: tuple[str, ...] = ()) -> float:  # fmt: skip
+    """Seconds per step of a layout with the given levers on (remat=offload: pass layout.remat='selective')."""
+    r = evaluate(model, layout, cluster, global_batch, seq_len)
+    return offload.with_offload(r, model, cluster, seq_len, levers)["time"] if levers else r.step_time

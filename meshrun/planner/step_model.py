@@ -14,7 +14,7 @@ import functools
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.pipeline import schedules
-from meshrun.planner.cost import precision_of, zero_divisors
+from meshrun.planner.layout import Layout, precision_of, zero_divisors
 
 
 def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe=False) -> float:
@@ -82,20 +82,10 @@ def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
 
 def predict_memory_jax(
     model: ModelConfig,
+    layout: Layout,
     *,
-    tensor: int = 1,
-    pipe: int = 1,
-    data: int = 1,
-    expert: int = 1,
-    microbatches: int = 1,
-    micro_batch_size: int = 1,
     seq_len: int | None = None,
-    zero: int = 0,
-    schedule: str = "1f1b",
-    virtual: int = 1,
     offload_optimizer: bool = False,
-    remat: str | None = None,
-    sequence_parallel: bool | None = None,
     layers: float | None = None,
 ) -> dict[str, float]:
     """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
@@ -111,39 +101,73 @@ def predict_memory_jax(
     * logits: a micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel.
     Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
     (b·s·h, /t with sequence parallelism) plus one layer's residuals while its backward runs;
-    selective drops the s x s attention core. remat and sequence_parallel default to the model's;
-    `layers` is the layers of a stage (default n_layers / pipe). Memory levers: remat_every=k keeps
-    every k-th input and rebuilds k layers at once; remat=offload keeps the unit input on the device
-    and the selective names in host memory; offload_optimizer moves Adam m, v (and fp32 master weights
-    under a lower compute dtype) to host. `device` / `host` split the total (as on a GPU: XLA:CPU
-    elides in-step transfers)."""
-    prec = precision_of(model)
-    remat = model.remat if remat is None else remat
-    sp = model.sequence_parallel if sequence_parallel is None else sequence_parallel
-    frac = (model.n_layers / pipe if layers is None else layers) / model.n_layers
-    pb, ab = prec.param, prec.act
+    selective drops the s x s attention core. remat and sequence_parallel are the layout's (a run
+    config's `layout_of`: the model's); `layers` is the layers of a stage (default n_layers / pipe).
+    Memory levers: remat_every=k keeps every k-th input and rebuilds k layers at once; remat=offload
+    keeps the unit input on the device and the selective names in host memory; offload_optimizer
+    moves Adam m, v (and fp32 master weights under a lower compute dtype) to host. `device` / `host`
+    split the total (as on a GPU: XLA:CPU elides in-step transfers)."""
+    frac = (model.n_layers / layout.pipe if layers is None else layers) / model.n_layers
     s = seq_len or model.max_seq_len
-    t, p, b, h = tensor, pipe, micro_batch_size, model.d_model
-    v = virtual if schedule == "interleaved" else 1
-    flash = model.attention_impl == "cudnn"
+    st = _state_bytes(model, layout, frac)
+    acts, host_acts = _activation_bytes(model, layout, s, frac)
+    logits = _logits_bytes(model, layout, s)
+    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
+    state = st["stored"] + st["moments"]  # the step's arguments
+    host_state = 0.0
+    if offload_optimizer:
+        host_state = st["moments"] + (st["stored"] if model.param_dtype != model.dtype else 0.0)
+    host = host_state + host_acts
+    return {
+        "device": total - host,
+        "host": host,
+        "params": st["params"],
+        "grads": st["grads"],
+        "optimizer": st["opt"],
+        "activations": acts,
+        "logits": logits,
+        "total": total,
+        "argument": state,
+        "temp": total - state,
+        "stage": 0,
+        "params_per_device": st["dense"] + st["experts"],
+    }
+
+
+def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, float]:
+    """Params (as stored, and as the step holds them), grads (+ the accumulator), optimizer (moments
+    + the update temporary) on one device holding `frac` of the layers; the element counts too."""
+    pb = precision_of(model).param
+    h = model.d_model
     counts = param_counts(model)
-    n_moe = model.n_moe_layers
     norms = 2 * h * model.n_layers  # RMSNorm scales are replicated over TP
+    t = lay.tensor
     dense = (counts["layers"] - norms) * frac / t + norms * frac + (counts["embedding"] + counts["head"]) / t + h
-    experts = counts["experts"] * frac / (t * expert)
-    dense_dp, expert_dp = data * expert, data
-    shard, eshard = zero_divisors(zero, dense_dp), zero_divisors(zero, expert_dp)
+    experts = counts["experts"] * frac / (t * lay.expert)
+    shard, eshard = zero_divisors(lay.zero, lay.data * lay.expert), zero_divisors(lay.zero, lay.data)
     params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
-    if microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
+    if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
     opt = 2 * pb * (dense / shard[2] + experts / eshard[2]) + pb * (dense + experts)
-    if zero == 3:  # all weights gathered before the loop (`train.gather_params`)
+    if lay.zero == 3:  # all weights gathered before the loop (`train.gather_params`)
         params += pb * (dense + experts)
+    moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
+    return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
+            "dense": dense, "experts": experts}  # fmt: skip
 
-    moe_frac = n_moe / model.n_layers
+
+def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> tuple[float, float]:
+    """(device, host) bytes of the activations kept for the backward on one device: per layer by remat
+    mode, times the layers of a stage (pipelined: the executor's residual slots of a chunk)."""
+    ab = precision_of(model).act
+    t, p, b, h = lay.tensor, lay.pipe, lay.micro_batch_size, model.d_model
+    remat, sp = lay.remat, lay.sequence_parallel
+    v = lay.virtual if lay.schedule == "interleaved" else 1
+    flash = model.attention_impl == "cudnn"
+    moe_frac = model.n_moe_layers / model.n_layers
     dense_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash)
-    moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if n_moe else 0.0
+    moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if model.n_moe_layers else 0.0
     per_layer = (1 - moe_frac) * dense_res + moe_frac * moe_res
     working, host_acts = 0.0, 0.0
     layer_in = ab * s * b * h / (t if sp else 1)
@@ -157,7 +181,7 @@ def predict_memory_jax(
     stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
-        slots = _pipeline_slots(schedule, p, microbatches, v)
+        slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v)
         acts = (slots + 2) * chunk * per_layer + working
         host_acts *= (slots + 1) * chunk
     else:
@@ -166,28 +190,13 @@ def predict_memory_jax(
     if not flash and remat == "none":
         unit = model.moe_every if model.is_moe else 1
         acts += unit * b * model.n_heads * s * s / t * (ab + 1)
-    logits = s * b * model.vocab / t * (ab + 4 + 4 + 1)
-    total = params + grads + opt + acts + logits + host_acts
-    moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
-    state = stored + moments  # the step's arguments
-    host_state = 0.0
-    if offload_optimizer:
-        host_state = moments + (stored if model.param_dtype != model.dtype else 0.0)
-    host = host_state + host_acts
-    return {
-        "device": total - host,
-        "host": host,
-        "params": params,
-        "grads": grads,
-        "optimizer": opt,
-        "activations": acts,
-        "logits": logits,
-        "total": total,
-        "argument": state,
-        "temp": total - state,
-        "stage": 0,
-        "params_per_device": dense + experts,
-    }
+    return acts, host_acts
+
+
+def _logits_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
+    """A micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel."""
+    ab = precision_of(model).act
+    return s * lay.micro_batch_size * model.vocab / lay.tensor * (ab + 4 + 4 + 1)
 
 
 # ----------------------------------------------------------------------------- collective bytes
@@ -195,17 +204,9 @@ def predict_memory_jax(
 
 def predict_collective_bytes(
     model: ModelConfig,
+    layout: Layout,
     *,
-    tensor: int = 1,
-    pipe: int = 1,
-    data: int = 1,
-    expert: int = 1,
-    microbatches: int = 1,
-    micro_batch_size: int = 1,
     seq_len: int | None = None,
-    zero: int = 0,
-    schedule: str = "1f1b",
-    virtual: int = 1,
     permutes: tuple[int, int] | None = None,  # (collective-permutes, activations moved) per step
     grad_reduce_bytes: float | None = None,  # bytes per element of the DP gradient reduction (train.grad_reduce_dtype)
 ) -> dict[str, dict[str, float]]:
@@ -230,42 +231,70 @@ def predict_collective_bytes(
     bytes per element, and the embedding/head gradients are first summed over 'pipe' in float32."""
     prec = precision_of(model)
     s = seq_len or model.max_seq_len
-    t, p, e, m, b, h = tensor, pipe, expert, microbatches, micro_batch_size, model.d_model
-    act = prec.act * b * s * h
-    v = virtual if schedule == "interleaved" and p > 1 else 1
-    f_ticks = b_ticks = m  # forwards and backwards of one (chunk of a) stage per step
-    if p > 1 and schedule == "zb-h1":  # per-op ticks: each tick's switch holds an F and a B branch
-        f_ticks = b_ticks = len(schedules.build(schedule, p, m))  # (W's weight gradients need no collective)
+    act = prec.act * layout.micro_batch_size * s * model.d_model
+    f_ticks, b_ticks, permutes = _pass_ticks(layout, permutes)
+    tally = _Tally()
+    _model_parallel(tally, model, layout, act, f_ticks, b_ticks)
+    _gradient_sync(tally, model, layout, act, permutes, grad_reduce_bytes)
+    return {"bytes": tally.out, "count": tally.count}
+
+
+class _Tally:
+    """Bytes per axis and ops per kind, as `meshrun.analysis.hlo` counts them."""
+
+    def __init__(self):
+        self.out: dict[str, float] = {}
+        self.count: dict[str, float] = {}
+
+    def add(self, op: str, axes: tuple[str, ...], nbytes: float, n: float = 1.0) -> None:
+        if nbytes <= 0 or n <= 0:
+            return
+        for a in axes:
+            self.out[a] = self.out.get(a, 0.0) + n * nbytes
+        self.count[op] = self.count.get(op, 0.0) + n
+
+
+def _pass_ticks(lay: Layout, permutes):
+    """(ticks that run a forward, ticks that run a backward, (permutes, activations moved)) of one
+    (chunk of a) stage per step; without a pipeline every micro-batch is one forward and one backward."""
+    p, m = lay.pipe, lay.microbatches
+    v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
+    f_ticks = b_ticks = m
+    if p > 1 and lay.schedule == "zb-h1":  # per-op ticks: each tick's switch holds an F and a B branch
+        f_ticks = b_ticks = len(schedules.build(lay.schedule, p, m))  # (W's weight gradients need no collective)
         permutes = permutes or (f_ticks, f_ticks)
     elif p > 1:
-        lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+        lock = schedules.lockstep(schedules.build(lay.schedule, p, m, v))
         f_ticks = sum(any(c.fwd for c in row) for row in lock)
         b_ticks = sum(any(c.bwd for c in row) for row in lock)
         if permutes is None:
             permutes = (len(lock), len(lock))
+    return f_ticks, b_ticks, permutes
+
+
+def _model_parallel(tally: _Tally, model: ModelConfig, lay: Layout, act: float, f_ticks, b_ticks) -> None:
+    """TP all-reduces per forward/backward of a layer (+ embedding and head), EP all-to-alls of MoE layers."""
+    t, p, e = lay.tensor, lay.pipe, lay.expert
+    v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
     layers = model.n_layers / (p * v)  # one forward or backward
     moe_layers = model.n_moe_layers / (p * v)
-    out: dict[str, float] = {}
-    count: dict[str, float] = {}
-
-    def add(op: str, axes: tuple[str, ...], nbytes: float, n: float = 1.0) -> None:
-        if nbytes <= 0 or n <= 0:
-            return
-        for a in axes:
-            out[a] = out.get(a, 0.0) + n * nbytes
-        count[op] = count.get(op, 0.0) + n
-
     routed = act * moe_routed(model, e)
     if t > 1:
         per_pass = 2 * layers - moe_layers
-        add("all-reduce", ("tensor",), act, f_ticks * (per_pass + 2) + b_ticks * per_pass)
-        add("all-reduce", ("tensor",), routed, (f_ticks + b_ticks) * moe_layers)
+        tally.add("all-reduce", ("tensor",), act, f_ticks * (per_pass + 2) + b_ticks * per_pass)
+        tally.add("all-reduce", ("tensor",), routed, (f_ticks + b_ticks) * moe_layers)
     if e > 1 and moe_layers:
-        add("all-to-all", ("expert",), routed, 2 * (f_ticks + b_ticks) * moe_layers)
+        tally.add("all-to-all", ("expert",), routed, 2 * (f_ticks + b_ticks) * moe_layers)
         if model.moe_dispatch == "dropless":  # per-expert row counts first: int32 [ep, E/ep], forward only
-            add("all-to-all", ("expert",), 4.0 * model.n_experts, f_ticks * moe_layers)
+            tally.add("all-to-all", ("expert",), 4.0 * model.n_experts, f_ticks * moe_layers)
+
+
+def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, permutes, grad_reduce_bytes) -> None:
+    """Pipe: activation permutes and the embedding/head gradient all-reduce; DP: the once-per-step
+    gradient reduction (ZeRO-0 all-reduce, else reduce-scatter + all-gather of the params)."""
+    t, p, e, data, h = lay.tensor, lay.pipe, lay.expert, lay.data, model.d_model
     counts = param_counts(model)
-    pb = prec.grad
+    pb = precision_of(model).grad
     norms = 2 * h * model.n_layers
     layer_g = pb * ((counts["layers"] - norms) / p / t + norms / p)
     edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
@@ -274,21 +303,20 @@ def predict_collective_bytes(
     dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
     if p > 1:
         ops, moved = permutes
-        add("collective-permute", ("pipe",), act * moved / ops, ops)
+        tally.add("collective-permute", ("pipe",), act * moved / ops, ops)
         if rb == pb:  # one all-reduce over pipe and the DP axes
-            add("all-reduce", ("pipe", *dense_axes), edge_g)
+            tally.add("all-reduce", ("pipe", *dense_axes), edge_g)
             edge_g = 0.0
         else:  # summed over pipe in float32, then reduced over DP with the other gradients
-            add("all-reduce", ("pipe",), edge_g)
+            tally.add("all-reduce", ("pipe",), edge_g)
     groups = [(layer_g + edge_g, dense_axes, data * e)]
     if expert_g:
         groups.append((expert_g, ("data",) if data > 1 else (), data))
     for nbytes, axes, dp in groups:
         if not axes:
             continue
-        if zero == 0:
-            add("all-reduce", axes, nbytes * rb / pb)
+        if lay.zero == 0:
+            tally.add("all-reduce", axes, nbytes * rb / pb)
         else:
-            add("reduce-scatter", axes, nbytes / dp * rb / pb)
-            add("all-gather", axes, nbytes)
-    return {"bytes": out, "count": count}
+            tally.add("reduce-scatter", axes, nbytes / dp * rb / pb)
+            tally.add("all-gather", axes, nbytes)

@@ -18,8 +18,8 @@ import functools
 
 from meshrun.analysis.flops import moe_routed
 from meshrun.config import ModelConfig
+from meshrun.pipeline.stage_counts import split_layers
 from meshrun.planner import kernels
-from meshrun.planner.balance import split_layers
 from meshrun.planner.cost import Layout, Precision, precision_of
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
 from meshrun.planner.kernels import Calibration
@@ -157,43 +157,24 @@ def predict_time(
     gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or CALIBRATION
     prec = precision or precision_of(model, framework)
-    t, p, v, m, b, e = (
-        layout.tensor,
-        layout.pipe,
-        layout.virtual,
-        layout.microbatches,
-        layout.micro_batch_size,
-        layout.expert,
-    )
-    s, gpu, h = seq_len, cluster.gpu, model.d_model
-    sp = layout.sequence_parallel and t > 1
-    kw = dict(sp=sp, dropout=dropout > 0, expert=e)
+    t, p, v, m, b = layout.tensor, layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size
+    s, gpu = seq_len, cluster.gpu
+    kw = dict(sp=layout.sequence_parallel and t > 1, dropout=dropout > 0, expert=layout.expert)
     compute = stage_seconds(model, b, s, t, gpu, layout.remat, cal, **kw)
     full = stage_seconds(model, b, s, t, gpu, layout.remat, cal, cluster=cluster, **kw)
     split = layers_per_stage(model.n_layers, p, v, full)
     times, busy = _stage_times(split, full), _stage_times(split, compute)
     slow = max(range(p), key=times.__getitem__)
     t_mb, t_tp = busy[slow], times[slow] - busy[slow]
-    act = prec.act * b * s * h
-    t_pp = 0.0
-    if p > 1:  # activations forward and gradients backward per micro-batch and chunk
-        sent = act / t if framework == "megatron" else act
-        t_pp = 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * e * layout.data))
-    t_ep = 0.0
-    n_moe = model.n_moe_layers * split[slow] / model.n_layers
-    if n_moe and e > 1:  # dispatch + combine all-to-all, forward and backward (+ recompute)
-        a2a = act * moe_routed(model, e) / (t if sp else 1)
-        one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t)
-        t_ep = n_moe * (4 + 2 * (layout.remat == "full")) * one
+    act = prec.act * b * s * model.d_model
+    t_pp = _pipe_seconds(layout, cluster, act, framework)
+    t_ep = _expert_seconds(model, layout, cluster, act, split[slow])
     zero_mb, t_dp = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
     t_zero = zero_mb - hidden + OVERLAP_COST * hidden
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
     per_mb = t_mb + t_tp + t_pp + t_ep + t_zero
-    bubble_slots = (p - 1) / v
-    bubble_fraction = (p - 1) / (v * m + p - 1)
-    if layout.schedule == "zb-h1":  # F = B = W: the bubble is (p - 1) x (F + B - W), a third of a micro-batch
-        bubble_slots, bubble_fraction = (p - 1) / 3, (p - 1) / (3 * m + p - 1)
+    bubble_slots, bubble_fraction = _bubble(layout)
     total = (m + bubble_slots) * per_mb + t_dp + t_opt
     return {
         "compute": m * t_mb,
@@ -210,3 +191,33 @@ def predict_time(
         "split": split,
         "stage_seconds": times,
     }
+
+
+def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) -> float:
+    """Per micro-batch: activations forward and gradients backward over 'pipe', per chunk."""
+    t, p, v = layout.tensor, layout.pipe, layout.virtual
+    if p == 1:
+        return 0.0
+    sent = act / t if framework == "megatron" else act
+    return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data))
+
+
+def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float) -> float:
+    """Per micro-batch: dispatch + combine all-to-all of the stage's MoE layers, forward and backward
+    (+ recompute)."""
+    t, e = layout.tensor, layout.expert
+    n_moe = model.n_moe_layers * stage_layers / model.n_layers
+    if not (n_moe and e > 1):
+        return 0.0
+    a2a = act * moe_routed(model, e) / (t if layout.sequence_parallel and t > 1 else 1)
+    one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t)
+    return n_moe * (4 + 2 * (layout.remat == "full")) * one
+
+
+def _bubble(layout: Layout) -> tuple[float, float]:
+    """(idle micro-batch slots, bubble fraction) of the schedule: (p - 1) / v slots for 1F1B and
+    interleaved; zb-h1 with F = B = W: (p - 1) x (F + B - W), a third of a micro-batch per stage."""
+    p, v, m = layout.pipe, layout.virtual, layout.microbatches
+    if layout.schedule == "zb-h1":
+        return (p - 1) / 3, (p - 1) / (3 * m + p - 1)
+    return (p - 1) / v, (p - 1) / (v * m + p - 1)

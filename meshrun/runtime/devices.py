@@ -125,23 +125,6 @@ def setup_devices(
     return platform
 
 
-def start_command(cfg, args, command: str) -> str:
-    """Devices for a command that runs `cfg` (`--devices N`, `--fast-compile`: CPU only), then
-    `jax.distributed` when the launcher asked for it; returns the platform."""
-    from meshrun.errors import ConfigError
-
-    if args.devices < 0:
-        raise ConfigError("--devices", args.devices, "use a positive device count")
-    force = bool(args.devices)
-    platform = setup_devices(args.devices or needed_devices(cfg), force=force, fast_compile=args.fast_compile)
-    if platform != "cpu" and (args.devices or args.fast_compile):
-        print(f"meshrun {command}: platform {platform}: --devices and --fast-compile act on CPU only", file=sys.stderr)
-    from meshrun.runtime.distributed import initialize
-
-    initialize()
-    return platform
-
-
 def add_fast_compile_flag(parser) -> None:
     """`--fast-compile` for a command that compiles on simulated CPU devices."""
     parser.add_argument(

@@ -25,8 +25,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from meshrun.errors import ConfigError, DistributedError
-from meshrun.runtime.devices import simulate_cpu_devices
+from meshrun.errors import EXIT_CONFIG, ConfigError, DistributedError
+from meshrun.runtime.devices import needed_devices, setup_devices, simulate_cpu_devices
 
 ENV_COORDINATOR = "MESHRUN_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHRUN_NUM_PROCESSES"
@@ -37,7 +37,6 @@ ENV_HEARTBEAT = "MESHRUN_HEARTBEAT_S"
 
 DEFAULT_TIMEOUT_S = 300  # jax's default: nodes of a large job may start minutes apart
 DEFAULT_HEARTBEAT_S = 30  # jax's default is 100 s; a dead peer should not idle 1000 GPUs that long
-EXIT_STARTUP_FAILED = 2  # like bad input: the fix is nearly always the address, a count or an id
 _GRACE_S = 10  # jax's own start-up deadline comes this much after ours, so our message wins
 
 
@@ -124,19 +123,34 @@ def plan(
             f"disagrees with the {sched[0]} job's {sched[1]} tasks",
         )
     if coordinator is None and num_processes is None and process_id is None:
-        if sched is None:
-            return JoinSettings("single", local_devices=local)
-        name, size, rank, per_node = sched
-        if name == "ompi" and "OMPI_MCA_orte_hnp_uri" not in env:
-            raise ConfigError(
-                ENV_COORDINATOR,
-                None,
-                "set it to HOST:PORT of rank 0 (count and id come from OMPI_COMM_WORLD_*)",
-                "this Open MPI (5.x) does not export OMPI_MCA_orte_hnp_uri, jax cannot find the coordinator",
-            )
-        # One task per node owns all of the node's GPUs; jax would otherwise give it only GPU LOCALID.
-        return JoinSettings(name, None, size, rank, local, [] if per_node == 1 else None)
-    # explicit
+        return _from_scheduler(sched, env, local)
+    return _explicit(coordinator, num_processes, process_id, sched, local)
+
+
+def _from_scheduler(sched: tuple[str, int, int, int] | None, env: Mapping[str, str], local: int | None) -> JoinSettings:
+    """Nothing explicit: the SLURM/Open MPI job's settings, or a single process without one."""
+    if sched is None:
+        return JoinSettings("single", local_devices=local)
+    name, size, rank, per_node = sched
+    if name == "ompi" and "OMPI_MCA_orte_hnp_uri" not in env:
+        raise ConfigError(
+            ENV_COORDINATOR,
+            None,
+            "set it to HOST:PORT of rank 0 (count and id come from OMPI_COMM_WORLD_*)",
+            "this Open MPI (5.x) does not export OMPI_MCA_orte_hnp_uri, jax cannot find the coordinator",
+        )
+    # One task per node owns all of the node's GPUs; jax would otherwise give it only GPU LOCALID.
+    return JoinSettings(name, None, size, rank, local, [] if per_node == 1 else None)
+
+
+def _explicit(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    sched: tuple[str, int, int, int] | None,
+    local: int | None,
+) -> JoinSettings:
+    """Explicit settings, a count or id left out taken from the scheduler's job when there is one."""
     if num_processes is None and sched:
         num_processes = sched[1]
     if process_id is None and sched:
@@ -236,7 +250,7 @@ def _watchdog(p: JoinSettings, wait_s: float, timeout_s: float, done: threading.
         file=sys.stderr,
         flush=True,
     )
-    os._exit(EXIT_STARTUP_FAILED)
+    os._exit(EXIT_CONFIG)  # like bad input: the fix is nearly always the address, a count or an id
 
 
 def _handshake(client, p: JoinSettings, local: int, nproc: int) -> None:
@@ -421,3 +435,16 @@ def initialize(
         flush=True,
     )
     return info
+
+
+def start_command(cfg, args, command: str) -> str:
+    """Devices for a command that runs `cfg` (`--devices N`, `--fast-compile`: CPU only), then
+    `jax.distributed` when the launcher asked for it; returns the platform."""
+    if args.devices < 0:
+        raise ConfigError("--devices", args.devices, "use a positive device count")
+    force = bool(args.devices)
+    platform = setup_devices(args.devices or needed_devices(cfg), force=force, fast_compile=args.fast_compile)
+    if platform != "cpu" and (args.devices or args.fast_compile):
+        print(f"meshrun {command}: platform {platform}: --devices and --fast-compile act on CPU only", file=sys.stderr)
+    initialize()
+    return platform

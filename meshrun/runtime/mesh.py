@@ -15,9 +15,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, MeshConfig
+from meshrun.config import AXES, MeshConfig, from_dict, to_dict
 from meshrun.errors import ConfigError
 
 # Pretend-host count per mesh built on one process (CPU simulation); real runs use process_index.
@@ -93,8 +94,6 @@ def _hybrid_array(groups: list[list], shape: tuple[int, ...]) -> np.ndarray:
             ici[i] = math.gcd(shape[i], left)
             left //= ici[i]
         if left == 1:
-            from jax.experimental import mesh_utils
-
             dcn = [s // c for s, c in zip(shape, ici)]
             try:
                 return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=flat, process_is_granule=True)
@@ -107,8 +106,6 @@ def build_mesh(cfg: MeshConfig | None = None, devices: list | None = None, **ove
     """Build the training mesh (Auto axis types). Keyword overrides are MeshConfig fields."""
     cfg = cfg or MeshConfig()
     if overrides:
-        from meshrun.config import from_dict, to_dict
-
         cfg = from_dict(MeshConfig, {**to_dict(cfg), **overrides}, "mesh.")
     devices = list(devices) if devices is not None else jax.devices()
     sizes = resolve_shape(cfg, len(devices))

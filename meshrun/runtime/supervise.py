@@ -1,26 +1,13 @@
 """`meshrun supervise`: restart a failed multi-process job from its newest intact checkpoint.
 
-    meshrun supervise --max-restarts K --processes N [--elastic] --launcher 'CMD {processes} ...' CONFIG [overrides]
-
-One attempt is one run of the launcher command (shell words, `{processes}` replaced by the current
-process count) followed by CONFIG and the overrides: `launch/local.sh` and `launch/slurm.sbatch`
-start it for you when `MAX_RESTARTS=K` is set. The launcher ends the whole job when one rank
-fails (local.sh stops the other ranks, `srun --kill-on-bad-exit` the other tasks); the supervisor
-then starts the job again, up to K times, and `meshrun train` resumes from the newest intact
-checkpoint (the batch of a step depends on (seed, step) only: the restarted job computes what an
-uninterrupted one would). One line per restart on stderr names the rank that died and why (read
-from the launcher's own report), and the step the job resumes from.
-
-Not restarted: success (0), bad input (2), no intact checkpoint (5), the launcher's wall-clock limit
-(124), an interrupt (130), or a SIGTERM/SIGINT to the supervisor (passed on to the job, which saves
-and exits). Everything else is: a rank killed by a signal, NaN/Inf loss (3, restarted from the last
-good checkpoint: a transient fault does not recur, a deterministic one uses up the K restarts), I/O
-(4), a lost peer (6), an internal error (1).
-
-`--elastic`: an attempt that failed because a rank died *before training got going* (no new row in
-metrics.jsonl: a host that stays down fails every start) is followed by one on one process fewer
-(down to `--min-processes`). Checkpoints are layout-independent: `mesh.data` shrinks in proportion
-(e.g. data 2 -> 1 on 2 -> 1 processes), `train.global_batch` stays, so the loss is unchanged.
+The README ("Restarting failed jobs") describes its use. One attempt is one run of the launcher command
+(`{processes}` replaced by the current process count) followed by CONFIG and the overrides; the
+launcher ends the whole job when one rank fails and the supervisor starts it again, up to
+`--max-restarts` times, naming on stderr the rank that died and the step the job resumes from.
+Restarted: a rank killed by a signal, NaN/Inf loss (3), I/O (4), a lost peer (6), an internal error (1).
+Not restarted: 0, 2, 5, the launcher's wall-clock limit (124), an interrupt (130), a SIGTERM/SIGINT
+to the supervisor (passed on to the job). `--elastic`: an attempt that failed before a new row in
+metrics.jsonl is followed by one on one process fewer (`mesh.data` shrinks in proportion).
 """
 
 from __future__ import annotations
@@ -36,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshrun.checkpoint.store import newest_complete
 from meshrun.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TRAINING
 
 NO_RESTART = {0: "done", EXIT_CONFIG: "bad input", EXIT_CHECKPOINT: "no intact checkpoint",
@@ -91,8 +79,6 @@ def metrics_rows(run_dir: Path) -> int:
 
 
 def newest_intact(run_dir: Path) -> int | None:
-    from meshrun.checkpoint.store import newest_complete
-
     newest = newest_complete(run_dir)
     return newest.step if newest else None
 

@@ -22,13 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshrun.family import contract, registry
+from meshrun.data.datasets import global_batch_arrays
+from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
-from meshrun.parallel.zero import ZeroLayout
+from meshrun.parallel.zero import ZeroShardings
+from meshrun.pipeline.executor import Pipeline
+from meshrun.pipeline.forward import forward_sums
+from meshrun.train.step import TrainStep
 
 
-def forward_sums_fn(fns: ModelFns, zl: ZeroLayout, microbatches: int) -> Callable:
+def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Callable:
     """(params, tokens, labels[, segment_ids]) -> (loss_sum, n_tokens), global sums, forward only."""
     mesh, m = zl.mesh, microbatches
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
@@ -61,27 +65,22 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroLayout, microbatches: int) -> Callabl
     return run
 
 
-def make_eval_step(cfg, mesh, step_fns) -> Callable:
-    """Jitted (params in the run layout, *batch) -> (loss_sum, n_tokens) for one global batch."""
-    fns = registry.get(cfg.model.family).model_fns(cfg.model)
-    if mesh.shape["pipe"] > 1:
-        from meshrun.pipeline.executor import Pipeline
-        from meshrun.pipeline.forward import forward_sums
-        from meshrun.train.step import split_of
-
-        # the layers as the train step stores them: padded pipeline layout, the same split
-        pl = Pipeline(fns, cfg.pipeline, mesh, zero=step_fns.zero, layout="pipeline", split=split_of(cfg, mesh))
+def make_eval_step(train_step: TrainStep, mesh) -> Callable:
+    """Jitted (params in the run placement, *batch) -> (loss_sum, n_tokens) for one global batch, on
+    the train step's plan: its model, layer split and parameter shardings."""
+    plan = train_step.plan
+    cfg, fns = plan.cfg, plan.model_fns
+    if plan.pipe > 1:  # the layers as the train step stores them: padded pipeline placement, the same split
+        pl = Pipeline(fns, cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline", program=plan.program)
         sums = lambda params, *batch: forward_sums(pl, params, *batch)  # noqa: E731
     else:
-        sums = forward_sums_fn(fns, step_fns.zero, cfg.pipeline.microbatches)
+        sums = forward_sums_fn(fns, plan.zero, cfg.pipeline.microbatches)
     n_batch = 3 if cfg.data.pack_documents else 2
-    return jax.jit(sums, in_shardings=(step_fns.state_shardings.params, *(step_fns.batch_sharding,) * n_batch))
+    return jax.jit(sums, in_shardings=(train_step.state_shardings.params, *(train_step.batch_sharding,) * n_batch))
 
 
 def evaluate(eval_step: Callable, params, val_ds, n_batches: int, mesh) -> dict[str, float]:
     """{val_loss, val_perplexity, val_tokens} over validation batches 0..n_batches-1."""
-    from meshrun.data.datasets import global_batch_arrays
-
     loss_sum = n_tok = 0.0
     for k in range(n_batches):
         ls, n = jax.device_get(eval_step(params, *global_batch_arrays(val_ds, k, mesh, P(DP_AXES))))

@@ -26,8 +26,13 @@ model.n_layers=4`) to compile a scaled-down layout. On CPU the compiled step use
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
+from types import SimpleNamespace
 
 from meshrun.config import AXES
+from meshrun.planner import cost, search, step_model
+from meshrun.planner.cost import layout_of
+from meshrun.planner.hardware import parse_cluster
 from meshrun.runtime.devices import needed_devices
 
 MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
@@ -36,54 +41,30 @@ MAX_SIMULATED = 64  # largest mesh compiled on simulated CPU devices
 # ----------------------------------------------------------------------------- prediction
 
 
-def layout(cfg, mesh_shape: dict[str, int]) -> dict:
-    """Planner keyword arguments for the config on a mesh of `mesh_shape`."""
-    m = cfg.pipeline.microbatches
-    dp = mesh_shape["data"] * mesh_shape["expert"]
-    return dict(
-        tensor=mesh_shape["tensor"],
-        pipe=mesh_shape["pipe"],
-        data=mesh_shape["data"],
-        expert=mesh_shape["expert"],
-        microbatches=m,
-        micro_batch_size=max(1, cfg.train.global_batch // (m * dp)),
-        seq_len=cfg.train.seq_len,
-        zero=cfg.train.zero,
-    )
+def planner_layout(cfg, mesh_shape: dict[str, int]):
+    """The planner's Layout of the config on a mesh of `mesh_shape` (`planner.cost.layout_of`)."""
+    return layout_of(cfg, mesh_shape)
 
 
 def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     """The planner's step time of this config on `cluster_text`, memory levers included
     (remat=offload: selective's compute + host traffic; remat_every: full's compute)."""
-    from meshrun.planner import offload
-    from meshrun.planner.cost import Layout
-    from meshrun.planner.hardware import parse_cluster
-
-    kw = layout(cfg, mesh_shape)
-    remat = {"offload": "selective"}.get(cfg.model.remat, cfg.model.remat)
-    kw.pop("seq_len")
-    lay = Layout(**kw, virtual=cfg.pipeline.virtual, remat=remat, sequence_parallel=cfg.model.sequence_parallel,
-                 schedule=cfg.pipeline.schedule)  # fmt: skip
+    lay = planner_layout(cfg, mesh_shape)
+    lay = replace(lay, remat={"offload": "selective"}.get(lay.remat, lay.remat))
     levers = ("optimizer",) * cfg.train.offload_optimizer + ("activations",) * (cfg.model.remat == "offload")
     cluster = parse_cluster(cluster_text)
-    return offload.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
+    return search.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
 
 
-def predict(cfg, mesh_shape: dict[str, int]) -> dict:
-    """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives."""
-    from meshrun.planner import cost, step_model
-
-    kw = layout(cfg, mesh_shape)
-    sched = dict(schedule=cfg.pipeline.schedule, virtual=cfg.pipeline.virtual)
-    mem = step_model.predict_memory_jax(cfg.model, **kw, **sched, offload_optimizer=cfg.train.offload_optimizer)
-    megatron = cost.predict_memory(cfg.model, **kw, **sched, framework="megatron")
-    permutes = None
-    if kw["pipe"] > 1:
-        from meshrun.pipeline.program import tick_program  # the executor's phases: ticks that send
-
-        permutes = tick_program(cfg.pipeline, kw["pipe"]).permute_counts()
+def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
+    """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives.
+    `program`: the step's tick program (its permutes per step) when there is a pipeline."""
+    lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
+    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.train.offload_optimizer)
+    megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
+    permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
     rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]
-    comm = step_model.predict_collective_bytes(cfg.model, **kw, **sched, permutes=permutes, grad_reduce_bytes=rb)
+    comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes, grad_reduce_bytes=rb)
     keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host")
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
@@ -127,7 +108,7 @@ def buckets(colls) -> list[dict]:
 
 
 def compile_step(cfg):
-    """Lower + compile the jitted train step with abstract arguments. Returns (compiled, mesh)."""
+    """Lower + compile the jitted train step with abstract arguments. Returns (compiled, mesh, plan)."""
     import jax
     import jax.numpy as jnp
 
@@ -136,11 +117,11 @@ def compile_step(cfg):
     from meshrun.train.step import make_train_step
 
     mesh = build_mesh(cfg.mesh, devices=cpu_devices(needed_devices(cfg)))
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     shape = (cfg.train.global_batch, cfg.train.seq_len)
-    tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=fns.batch_sharding)
+    tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=train_step.batch_sharding)
     n_batch = 3 if cfg.data.pack_documents else 2  # tokens, labels[, segment_ids]
-    return fns.step.lower(fns.abstract_run, *(tokens,) * n_batch).compile(), mesh
+    return train_step.step.lower(train_step.abstract_run, *(tokens,) * n_batch).compile(), mesh, train_step.plan
 
 
 def explain(cfg) -> dict:
@@ -150,12 +131,10 @@ def explain(cfg) -> dict:
     shape = {a: getattr(cfg.mesh, a) for a in AXES}
     out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
     if n > MAX_SIMULATED:
-        from types import SimpleNamespace
+        from meshrun.train.plan import build_plan
 
-        from meshrun.train.step import validate
-
-        validate(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
-        pred = predict(cfg, shape)
+        plan = build_plan(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
+        pred = predict(cfg, shape, plan.program)
         out["note"] = (
             f"compiling needs the real device count ({n}); this host simulates at most {MAX_SIMULATED} CPU "
             "devices, so only the prediction is shown: shrink the mesh with overrides (e.g. mesh.data=1 "
@@ -165,9 +144,9 @@ def explain(cfg) -> dict:
                 "collectives": {"predicted": pred["collectives"], "compiled": None},
                 "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
         return out
-    compiled, mesh = compile_step(cfg)
+    compiled, mesh, plan = compile_step(cfg)
     shape = dict(mesh.shape)
-    pred = predict(cfg, shape)
+    pred = predict(cfg, shape, plan.program)
     ma = compiled.memory_analysis()
     mem = {
         "argument": int(ma.argument_size_in_bytes),

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from meshrun.analysis.flops import model_flops
+from meshrun.analysis.trace import format_report, report_of_trace
 from meshrun.checkpoint.params import check_params, restore_params
 from meshrun.checkpoint.state import CheckpointDamaged, Checkpointer, PreemptionFlag, check_run_dir_writable
 from meshrun.checkpoint.store import newest_complete, scan
@@ -21,8 +26,9 @@ from meshrun.errors import CheckpointError, ConfigError, DistributedError, Train
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
 from meshrun.runtime.runlock import RunLock, note_takeover
-from meshrun.train.metrics import MetricsLogger, peak_flops
-from meshrun.train.step import make_train_step
+from meshrun.train.evaluate import evaluate, make_eval_step
+from meshrun.train.metrics import MetricsLogger, peak_flops, profile_trace
+from meshrun.train.step import TrainStep, lr_schedule, make_train_step
 
 __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # TrainingError: kept importable from here
 
@@ -57,11 +63,11 @@ def config_warnings(cfg: RunConfig, mesh) -> list[str]:
 
 def prepare(cfg: RunConfig, devices: list | None = None):
     """Everything that can be checked before a file is written: the mesh, the cross-component checks
-    (`train.validate`, inside make_train_step, which builds no arrays), the data. Returns (mesh, fns, ds)."""
+    (`build_plan`, inside make_train_step, which builds no arrays), the data. Returns (mesh, train_step, ds)."""
     mesh = build_mesh(cfg.mesh, devices=devices)
     for msg in config_warnings(cfg, mesh):
         warn(msg)
-    fns = make_train_step(cfg, mesh)
+    train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     if cfg.train.eval_every and ds.val is None:
         raise ConfigError(
@@ -71,8 +77,8 @@ def prepare(cfg: RunConfig, devices: list | None = None):
             "there is no validation split",
         )
     if cfg.checkpoint.init_params:
-        check_params(cfg.checkpoint.init_params, fns.abstract_state.params)
-    return mesh, fns, ds
+        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params)
+    return mesh, train_step, ds
 
 
 def check_checkpoints(cfg: RunConfig) -> list[int]:
@@ -111,13 +117,13 @@ def check_checkpoints(cfg: RunConfig) -> list[int]:
     return complete
 
 
-def restore_newest_intact(ckpt: Checkpointer, fns, steps: list[int]) -> tuple[Any, int | None]:
+def restore_newest_intact(ckpt: Checkpointer, train_step: TrainStep, steps: list[int]) -> tuple[Any, int | None]:
     """(state, step) from the newest checkpoint of `steps` that restores; each one that fails is
     reported in one line and moved aside. None of them -> CheckpointError. No steps -> (None, None)."""
     tried = []
     for step in reversed(steps):
         try:
-            state, err = fns.to_run(ckpt.restore(step, fns.abstract_state)), None
+            state, err = train_step.to_run(ckpt.restore(step, train_step.abstract_state)), None
         except CheckpointDamaged as e:
             state, err = None, e
         if _agree(err is None):
@@ -139,9 +145,6 @@ def _agree(ok: bool) -> bool:
     """True when every process says ok (one process: `ok`)."""
     if jax.process_count() == 1:
         return ok
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     return bool(np.asarray(multihost_utils.process_allgather(np.array([ok], np.int32))).all())
 
 
@@ -182,7 +185,7 @@ def run(
     closers: list = [flag.close]
     ckpt = None
     try:
-        mesh, fns, ds = prepare(cfg, devices)
+        mesh, train_step, ds = prepare(cfg, devices)
         check_run_dir_writable(t.run_dir)
         lock = _take_lock(t.run_dir)
         if lock is not None:
@@ -190,14 +193,8 @@ def run(
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
-        state, start = restore_newest_intact(ckpt, fns, steps) if steps else (None, None)
-        if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
-            state = fns.init_from(restore_params(cfg.checkpoint.init_params, fns.abstract_state.params))
-        state = state if state is not None else fns.init()
-        start = start or 0
-        if start >= t.steps:
-            warn(f"{t.run_dir} already holds the final checkpoint (step {start} = train.steps); nothing to train")
-        result = _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, flag)
+        state, start = _initial_state(cfg, ckpt, train_step, steps)
+        result = _train(Run(cfg, mesh, train_step, ds, ckpt, state, start, quiet, stop_after, closers, flag))
     except BaseException as e:
         lost = lost_peer(e)
         if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
@@ -253,116 +250,160 @@ def _close_all(closers: list, quiet: bool) -> None:
         raise first
 
 
-def _train(cfg, mesh, fns, ds, ckpt, state, start, quiet, stop_after, closers, flag) -> dict[str, Any]:
-    t = cfg.train
-    flops = model_flops(cfg.model, t.global_batch, t.seq_len)
-    peak = peak_flops(jax.devices()[0])
-    bubble = _bubble(cfg, mesh)
-    logger = MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet)
-    closers.insert(0, logger.close)
-    first_loss = loss = val_loss = None
-    timed_s, timed_steps, ran = 0.0, 0, 0
-    eval_step = None
-    if t.eval_every:
-        from meshrun.train.evaluate import evaluate, make_eval_step
+def _initial_state(cfg: RunConfig, ckpt: Checkpointer, train_step: TrainStep, steps: list[int]) -> tuple[Any, int]:
+    """(state, first step): the newest intact checkpoint, else checkpoint.init_params with a fresh
+    optimizer at step 0, else a fresh init."""
+    state, start = restore_newest_intact(ckpt, train_step, steps) if steps else (None, None)
+    if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
+        state = train_step.init_from(restore_params(cfg.checkpoint.init_params, train_step.abstract_state.params))
+    state = state if state is not None else train_step.init()
+    start = start or 0
+    if start >= cfg.train.steps:
+        warn(f"{cfg.train.run_dir} already holds the final checkpoint (step {start} = train.steps); nothing to train")
+    return state, start
 
-        eval_step = make_eval_step(cfg, mesh, fns)
+
+@dataclass
+class Run:
+    """One call of `run`: the config, the built step and data, the checkpointer, the state the loop
+    advances, and how it stops (`stop_after` steps in this call, or the preemption `flag`)."""
+
+    cfg: RunConfig
+    mesh: Any
+    train_step: TrainStep
+    ds: Any
+    ckpt: Checkpointer
+    state: Any
+    start: int
+    quiet: bool
+    stop_after: int | None
+    closers: list
+    flag: PreemptionFlag
+
+
+@dataclass
+class Tally:
+    """What the loop has seen so far in this call."""
+
+    first_loss: float | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    timed_s: float = 0.0  # step seconds after the first (compiling) step
+    timed_steps: int = 0
+    ran: int = 0
+
+
+def _train(r: Run) -> dict[str, Any]:
+    """Steps start..train.steps: step, check the loss, evaluate, log, checkpoint; stop early on
+    preemption or `stop_after`."""
+    t = r.cfg.train
+    logger = MetricsLogger(t.run_dir, total_steps=t.steps, quiet=r.quiet)
+    r.closers.insert(0, logger.close)
+    log_row = _row_fn(r)
+    eval_step = make_eval_step(r.train_step, r.mesh) if t.eval_every else None
+    tally, batch = Tally(), None
     with _maybe_profile(t):
-        for step in range(start, t.steps):
-            batch = global_batch_arrays(ds, step, mesh, P(DP_AXES))  # tokens, labels[, segment_ids]
-            t0 = time.perf_counter()
-            state, metrics = fns.step(state, *batch)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            dt = time.perf_counter() - t0
-            loss = metrics["loss"]
-            if not math.isfinite(loss):
-                raise TrainingError(
-                    f"loss is {loss} at step {step + 1}; stopped without saving. The last good checkpoint "
-                    f"(step {ckpt.latest_step()}) in {t.run_dir} is intact; lower train.lr or check the data"
-                )
-            first_loss = loss if first_loss is None else first_loss
-            ran += 1
-            if ran > 1:  # the first step includes compilation
-                timed_s, timed_steps = timed_s + dt, timed_steps + 1
-            stop = flag.should_stop()  # agreed by all processes, so they save and leave at the same step
-            cut = stop_after is not None and ran >= stop_after
+        for step in range(r.start, t.steps):
+            batch = global_batch_arrays(r.ds, step, r.mesh, P(DP_AXES))  # tokens, labels[, segment_ids]
+            metrics, dt = _step(r, tally, step, batch)
+            stop = r.flag.should_stop()  # agreed by all processes, so they save and leave at the same step
+            cut = r.stop_after is not None and tally.ran >= r.stop_after
             last = stop or cut or step + 1 == t.steps
             if eval_step is not None and ((step + 1) % t.eval_every == 0 or last):
-                metrics |= evaluate(eval_step, state.params, ds.val, t.eval_batches, mesh)
-                val_loss = metrics["val_loss"]
-            if _should_log(cfg, step + 1, ran, last=last) or "val_loss" in metrics:
-                tflops = flops / dt / mesh.size / 1e12
-                logger.log(
-                    step + 1,
-                    {
-                        **metrics,
-                        "lr": _lr(cfg, step),
-                        "step_time_s": dt,
-                        "tokens_per_s": t.global_batch * t.seq_len / dt,
-                        "tflops_per_device": tflops,
-                        "bubble_fraction": bubble,
-                        **({"mfu": tflops * 1e12 / peak} if peak else {}),
-                    },
-                )
+                metrics |= evaluate(eval_step, r.state.params, r.ds.val, t.eval_batches, r.mesh)
+                tally.val_loss = metrics["val_loss"]
+            if _should_log(r.cfg, step + 1, tally.ran, last=last) or "val_loss" in metrics:
+                logger.log(step + 1, log_row(metrics, step, dt))
             if cut:
                 break
-            if stop or ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
-                ckpt.save(step + 1, fns.to_model(state), force=stop)
+            if stop or r.ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
+                r.ckpt.save(step + 1, r.train_step.to_model(r.state), force=stop)
             if stop:
                 break
         else:
-            ckpt.save(t.steps, fns.to_model(state), force=True)
-    ckpt.wait()
-    if t.profile and ran:
-        _profile_report(cfg, mesh, fns, state, batch, ran)
-    tps = t.global_batch * t.seq_len * timed_steps / timed_s if timed_s else 0.0
+            r.ckpt.save(t.steps, r.train_step.to_model(r.state), force=True)
+    r.ckpt.wait()
+    if t.profile and tally.ran:
+        _profile_report(r, batch, tally.ran)
+    return _result(r, tally)
+
+
+def _step(r: Run, tally: Tally, step: int, batch) -> tuple[dict[str, float], float]:
+    """One train step on `batch`: advances r.state and the tally; (metrics, seconds). A NaN/Inf loss
+    stops the run without saving."""
+    t0 = time.perf_counter()
+    r.state, metrics = r.train_step.step(r.state, *batch)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    dt = time.perf_counter() - t0
+    loss = metrics["loss"]
+    if not math.isfinite(loss):
+        raise TrainingError(
+            f"loss is {loss} at step {step + 1}; stopped without saving. The last good checkpoint "
+            f"(step {r.ckpt.latest_step()}) in {r.cfg.train.run_dir} is intact; lower train.lr or check the data"
+        )
+    tally.loss = loss
+    tally.first_loss = loss if tally.first_loss is None else tally.first_loss
+    tally.ran += 1
+    if tally.ran > 1:  # the first step includes compilation
+        tally.timed_s, tally.timed_steps = tally.timed_s + dt, tally.timed_steps + 1
+    return metrics, dt
+
+
+def _row_fn(r: Run):
+    """(metrics, step, seconds) -> the metrics row: the step's metrics plus lr, throughput, bubble, MFU."""
+    t = r.cfg.train
+    flops = model_flops(r.cfg.model, t.global_batch, t.seq_len)
+    peak = peak_flops(jax.devices()[0])
+    bubble = r.train_step.plan.bubble
+
+    def row(metrics: dict, step: int, dt: float) -> dict:
+        tflops = flops / dt / r.mesh.size / 1e12
+        return {
+            **metrics,
+            "lr": _lr(r.cfg, step),
+            "step_time_s": dt,
+            "tokens_per_s": t.global_batch * t.seq_len / dt,
+            "tflops_per_device": tflops,
+            "bubble_fraction": bubble,
+            **({"mfu": tflops * 1e12 / peak} if peak else {}),
+        }
+
+    return row
+
+
+def _result(r: Run, tally: Tally) -> dict[str, Any]:
+    t = r.cfg.train
+    tps = t.global_batch * t.seq_len * tally.timed_steps / tally.timed_s if tally.timed_s else 0.0
     return {
-        "step": start + ran,
-        "loss": loss,
-        "first_loss": first_loss,
+        "step": r.start + tally.ran,
+        "loss": tally.loss,
+        "first_loss": tally.first_loss,
         "tokens_per_s": tps,
         "run_dir": t.run_dir,
-        "preempted": flag.is_set(),
-        **({"val_loss": val_loss} if val_loss is not None else {}),
+        "preempted": r.flag.is_set(),
+        **({"val_loss": tally.val_loss} if tally.val_loss is not None else {}),
     }
 
 
 def _lr(cfg: RunConfig, step: int) -> float:
-    from meshrun.train.step import lr_schedule
-
     return float(lr_schedule(cfg)(step))
 
 
-def _bubble(cfg: RunConfig, mesh) -> float:
-    p = mesh.shape["pipe"]
-    if p == 1:
-        return 0.0
-    from meshrun.pipeline.schedules import bubble_fraction, build
-
-    pc = cfg.pipeline
-    return bubble_fraction(build(pc.schedule, p, pc.microbatches, pc.virtual))
-
-
-def _profile_report(cfg: RunConfig, mesh, fns, state, batch, ran: int) -> None:
+def _profile_report(r: Run, batch, ran: int) -> None:
     """train.profile=true: the `meshrun profile` report of the traced steps, on stderr and in
     RUN_DIR/profile/profile.json. Best effort: a failure is a warning, never the run's end."""
     if jax.process_index() != 0:
         return
-    from meshrun.analysis.trace import format_report, report_of_trace
-
     try:
-        text = fns.step.lower(state, *batch).compile().as_text()  # the step's cached executable
-        rep = report_of_trace(Path(cfg.train.run_dir) / "profile", text, cfg, mesh, ran)
+        text = r.train_step.step.lower(r.state, *batch).compile().as_text()  # the step's cached executable
+        predicted = r.train_step.plan.stage_bubbles
+        rep = report_of_trace(Path(r.cfg.train.run_dir) / "profile", text, r.cfg, r.mesh, ran, predicted)
         print(format_report(rep, "train.profile"), file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001
         warn(f"train.profile: no bubble report ({type(e).__name__}: {e})")
 
 
 def _maybe_profile(t):
-    import contextlib
-
     if not t.profile:
         return contextlib.nullcontext()
-    from meshrun.train.metrics import profile_trace
-
     return profile_trace(t.run_dir, True)

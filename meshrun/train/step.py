@@ -2,13 +2,14 @@
 
 One step: forward, loss, grads (accumulated over microbatches in float32), ONE data-parallel
 reduction (in `train.grad_reduce_dtype`), optax update. The model is driven only through its
-`ModelFns` (meshrun/family/contract.py) and the parameter/gradient/optimizer layouts come from one
-`ZeroLayout` (meshrun/parallel/zero.py), both built once here and handed to whichever loop accumulates the
-gradients. Data-parallel reduction placement: left to itself GSPMD puts the gradient all-reduce
-inside the accumulation loop (once per microbatch), so the loop runs in a `shard_map` that is
-manual over the data-parallel axes ('data', 'expert') and auto over 'tensor'; the reduction is one
-psum (ZeRO-0) or psum_scatter (ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With
-`mesh.pipe > 1` the pipeline executor does the same around its tick loop.
+`ModelFns` (meshrun/family/contract.py) and the parameter/gradient/optimizer shardings come from one
+`ZeroShardings` (meshrun/parallel/zero.py), both decided once in the run's `StepPlan`
+(meshrun/train/plan.py) and handed to whichever loop accumulates the gradients. Data-parallel
+reduction placement: left to itself GSPMD puts the gradient all-reduce inside the accumulation loop
+(once per microbatch), so the loop runs in a `shard_map` that is manual over the data-parallel axes
+('data', 'expert') and auto over 'tensor'; the reduction is one psum (ZeRO-0) or psum_scatter
+(ZeRO >= 1, Rajbhandari et al. 2020) after the loop. With `mesh.pipe > 1` the pipeline executor
+does the same around its tick loop.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
-from meshrun.family import contract, registry
+from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
-from meshrun.parallel.zero import ZeroLayout, accum_zeros
+from meshrun.parallel.zero import ZeroShardings, accum_zeros
+from meshrun.pipeline.executor import Pipeline
+from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
 class TrainState(NamedTuple):
@@ -38,20 +41,20 @@ class TrainState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StepFns:
-    """What `make_train_step` returns: the jitted step plus the layouts a loop needs."""
+class TrainStep:
+    """What `make_train_step` returns: the jitted step plus the shardings and relayouts a loop needs."""
 
     step: Any  # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
     init: Any  # () -> TrainState, jitted with out_shardings
-    init_from: Any  # params (model order, stored layout) -> TrainState: fresh optimizer state, step 0
+    init_from: Any  # params (model order, stored placement) -> TrainState: fresh optimizer state, step 0
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
-    to_run: Any  # model-order state (checkpoints) -> the layout the step runs on
-    to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline layout)
+    to_run: Any  # model-order state (checkpoints) -> the placement the step runs on
+    to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline placement)
     loss_and_grads: Any  # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
-    abstract_run: TrainState  # as abstract_state, in the layout `step` takes
-    zero: ZeroLayout | None = None  # the parameter layouts (the evaluation reuses them)
+    abstract_run: TrainState  # as abstract_state, in the placement `step` takes
+    plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
 
 
 def lr_schedule(cfg: RunConfig) -> optax.Schedule:
@@ -71,73 +74,9 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     )
 
 
-def dp_degree(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["expert"]
-
-
-def validate(cfg: RunConfig, mesh: Mesh) -> None:
-    """Cross-component checks: batch divisibility, model vs mesh, schedule and layer split."""
-    t, m = cfg.train, cfg.pipeline.microbatches
-    dp = dp_degree(mesh)
-    if t.global_batch % (m * dp):
-        raise ConfigError(
-            "train.global_batch",
-            t.global_batch,
-            f"use a multiple of pipeline.microbatches ({m}) x data-parallel degree ({dp}) = {m * dp}",
-            "global batch not divisible by microbatches x data-parallel degree",
-        )
-    if t.seq_len > cfg.model.max_seq_len:
-        raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
-    registry.get(cfg.model.family).check_mesh(cfg.model, dict(mesh.shape))
-    if mesh.shape["pipe"] > 1:  # the schedule and the layer split, before anything is built or written
-        from meshrun.pipeline.program import tick_program
-
-        tick_program(cfg.pipeline, mesh.shape["pipe"])
-    check_remat_every(cfg, mesh)
-    if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
-        field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
-        check_host_memory(mesh.devices.flat[0], field)
-
-
-def check_remat_every(cfg: RunConfig, mesh: Mesh) -> None:
-    """remat_every=k groups k stacked units inside each call of the layer stack: the whole stack, or
-    one pipeline chunk (an even split's n_units / (pipe * virtual)); groups never straddle a stage."""
-    k, split = cfg.model.remat_every, split_of(cfg, mesh)
-    if split is not None and not split.even and k > 1:
-        raise ConfigError(
-            "model.remat_every", k, f"use 1, or an even layer split (layers per chunk now {list(split.counts)})",
-            "grouped remat needs the same layer count in every pipeline chunk",
-        )  # fmt: skip
-    per_chunk = cfg.model.n_units if split is None else split.lmax
-    if k > 1 and per_chunk % k:
-        where = f"each pipeline chunk holds {per_chunk}" if split is not None else f"the model stacks {per_chunk}"
-        raise ConfigError(
-            "model.remat_every", k, f"use a divisor of {per_chunk} ({where} layers)", "does not divide the layers"
-        )
-
-
-def check_host_memory(device, field: str) -> None:
-    """Host offload needs a 'pinned_host' memory space on the device (GPU, TPU and XLA:CPU have one)."""
-    kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" not in kinds:
-        raise ConfigError(
-            field, True, f"turn host offload off on {device.platform} (its memories: {sorted(kinds)})",
-            "this platform has no pinned_host memory",
-        )  # fmt: skip
-
-
-def split_of(cfg: RunConfig, mesh: Mesh):
-    """The pipeline's LayerSplit (pipeline.layers_per_stage / balance), or None without a pipeline."""
-    if mesh.shape["pipe"] == 1:
-        return None
-    from meshrun.pipeline.split import layer_split
-
-    return layer_split(cfg.pipeline, cfg.model.n_units, mesh.shape["pipe"], cfg.model, cfg.train.seq_len)
-
-
-def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, tokens, labels, segment_ids=None):
+def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):
     """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
-    reduction after the loop. Returns (loss, grads in the ZeRO grad layout, metrics)."""
+    reduction after the loop. Returns (loss, grads in the ZeRO grad sharding, metrics)."""
     mesh, m = zl.mesh, microbatches
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
     psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
@@ -182,10 +121,10 @@ def accumulate_grads(fns: ModelFns, zl: ZeroLayout, microbatches: int, params, t
 
 
 def relayout(state: TrainState, tx, fn) -> TrainState:
-    """Apply a layer relayout `fn` (a LayerSplit's to_pipeline / from_pipeline) to params['layers']
-    and the matching optimizer leaves. Training runs with the layers in pipeline layout so that each
+    """Apply a layer re-placement `fn` (a LayerSplit's to_pipeline / from_pipeline) to params['layers']
+    and the matching optimizer leaves. Training runs with the layers in pipeline placement so that each
     stage's chunks are local (no weight moves per step; interleaved: chunk order, uneven: padded);
-    checkpoints keep model order, so they restore into any layout and split."""
+    checkpoints keep model order, so they restore into any placement and split."""
     flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
     one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x  # noqa: E731
     params = {**state.params, "layers": fn(state.params["layers"])}
@@ -193,31 +132,21 @@ def relayout(state: TrainState, tx, fn) -> TrainState:
     return state._replace(params=params, opt_state=opt)
 
 
-def offloaded(cfg: RunConfig) -> tuple[str, ...]:
-    """ZeroLayout parts resting in host memory: the optimizer moments with train.offload_optimizer, and
-    the parameters too when they are fp32 master weights of a lower-precision compute dtype."""
-    if not cfg.train.offload_optimizer:
-        return ()
-    return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
+def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
+    """(params, tokens, labels) -> (loss, grads in the ZeRO grad sharding, metrics), traced inside the
+    step: the pipeline executor when mesh.pipe > 1 (params in pipeline placement), else the microbatch scan."""
+    if plan.pipe > 1:
+        pl = Pipeline(plan.model_fns, plan.cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline",
+                      program=plan.program)  # fmt: skip
+        return pl.loss_and_grads
+    return functools.partial(accumulate_grads, plan.model_fns, plan.zero, plan.cfg.pipeline.microbatches)
 
 
-def make_loss_and_grads(cfg: RunConfig, mesh: Mesh, fns: ModelFns, zl: ZeroLayout):
-    """(params, tokens, labels) -> (loss, grads in the ZeRO grad layout, metrics), traced inside the
-    step: the pipeline executor when mesh.pipe > 1 (params in pipeline layout), else the microbatch scan."""
-    if mesh.shape["pipe"] > 1:
-        from meshrun.pipeline.executor import Pipeline
-
-        split = split_of(cfg, mesh)
-        return Pipeline(fns, cfg.pipeline, mesh, zero=zl, layout="pipeline", split=split).loss_and_grads
-    return functools.partial(accumulate_grads, fns, zl, cfg.pipeline.microbatches)
-
-
-def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
-    """Jitted train step with explicit in/out shardings and donated state."""
-    validate(cfg, mesh)
+def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) -> TrainStep:
+    """Jitted train step with explicit in/out shardings and donated state (`plan`: `build_plan(cfg, mesh)`)."""
+    plan = plan or build_plan(cfg, mesh)
     tx = make_optimizer(cfg)
-    family = registry.get(cfg.model.family)
-    fns = family.model_fns(cfg.model)
+    fns = plan.model_fns
     if cfg.data.pack_documents and not fns.segments:
         raise ConfigError(
             "data.pack_documents",
@@ -230,24 +159,20 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
     def init_state() -> TrainState:
-        return state_from(family.init_params(cfg.model, cfg.train.seed))
+        return state_from(plan.family.init_params(cfg.model, cfg.train.seed))
 
-    abstract = jax.eval_shape(init_state)
-    split = split_of(cfg, mesh)
-    relay = split is not None and not split.identity  # layers stored in pipeline layout while training
+    abstract = jax.eval_shape(state_from, plan.abstract_params)
+    split, relay, zl = plan.split, plan.relaid, plan.zero  # relay: layers stored in pipeline placement
     run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
-    abstract_run = jax.eval_shape(run_state) if relay else abstract
-    build = lambda shapes: ZeroLayout.build(  # noqa: E731
-        fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
-    )
-    zl = build(abstract_run.params)
+    abstract_run = jax.eval_shape(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), plan.abstract_params) \
+        if relay else abstract  # fmt: skip
     state_sh = state_shardings(zl, tx, abstract_run)
     batch_sh = NamedSharding(mesh, P(DP_AXES))
     # Offloaded state rests in host memory: whatever computes on it moves it in and back out.
     host = lambda st, sh=state_sh: zl.to_host(st, sh)  # noqa: E731
     init = jax.jit(lambda: host(run_state()), out_shardings=state_sh)
     if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
-        model_sh = state_shardings(build(abstract.params), tx, abstract)
+        model_sh = state_shardings(plan.model_zero, tx, abstract)
         to_run = jax.jit(lambda st: host(relayout(zl.to_device(st, model_sh), tx, split.to_pipeline)),
                          out_shardings=state_sh)  # fmt: skip
         to_model = jax.jit(lambda st: host(relayout(zl.to_device(st, state_sh), tx, split.from_pipeline), model_sh),
@@ -257,7 +182,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         model_sh = state_sh
         to_run = to_model = lambda st: st  # noqa: E731
         init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
-    loss_and_grads = make_loss_and_grads(cfg, mesh, fns, zl)
+    loss_and_grads = make_loss_and_grads(plan, mesh)
 
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
@@ -273,7 +198,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
-    return StepFns(
+    return TrainStep(
         step,
         init,
         init_from,
@@ -284,11 +209,11 @@ def make_train_step(cfg: RunConfig, mesh: Mesh) -> StepFns:
         to_model,
         loss_and_grads,
         with_sh(abstract_run, state_sh),
-        zl,
+        plan,
     )
 
 
-def state_shardings(zl: ZeroLayout, tx, abstract: TrainState) -> TrainState:
+def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:
     """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`, each in
     the memory `zl` rests it in (pinned host when offloaded)."""
     sh = lambda spec: NamedSharding(zl.mesh, spec)  # noqa: E731

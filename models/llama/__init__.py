@@ -3,6 +3,7 @@
 from meshrun_models import transformer
 from meshrun_models.api import model_fns
 from meshrun_models.layers import arrays
+from meshrun_models.llama import hf
 
 from meshrun.family.contract import Family
 
@@ -12,4 +13,5 @@ FAMILY = Family(
     init_params=lambda cfg, seed: arrays(transformer.init_params(cfg, seed)[1]),
     abstract_params=transformer.abstract_params,
     check_mesh=transformer.validate_model_for_mesh,
+    hf=hf,
 )

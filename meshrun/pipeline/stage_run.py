@@ -1,0 +1,289 @@
+"""One device's view of the pipeline tick loop (`StageRun`), shared by the executor's lockstep
+programs (`executor.Pipeline`) and the per-op zb-h1 program (`per_op.OpRun`, a subclass); the buffer
+helpers `put` / `take` / `placed` and `stage_fn` (a chunk's layer function, uneven splits skipping
+their padding) are used by the forward-only pipeline too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshrun.family import contract
+from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.zero import accum_zeros
+from meshrun.pipeline.split import LayerSplit
+from meshrun.pipeline.stage import activation_residuals, uneven_apply
+
+
+class StageRun:
+    """One device's view of the tick loop inside the shard_map: its stage's chunks, the microbatches
+    of its data shard, the carry (activations in flight, residual buffer, gradient sums)."""
+
+    def __init__(self, pl, layers, other, tok, lab, seg=None):
+        prog = pl.program
+        self.pl, self.fns, self.prog, self.other, self.tok, self.lab = pl, pl.fns, prog, other, tok, lab
+        self.seg = seg  # [M, B, S] segment ids (packed documents) or None
+        self.p, self.v, self.m, self.split = pl.p, prog.v, prog.m, pl.split
+        self.stage = lax.axis_index("pipe")
+        self.fill = jnp.nan if pl.nan_bubbles else 0.0
+        self.counts = jnp.asarray(self.split.counts, jnp.int32)  # per virtual stage
+        lc = self.split.lmax
+        # v = 1: the stage's layers are used as they are (a dynamic chunk index would copy every
+        # weight, and its gradient accumulator, on every tick).
+        self.layers_v = layers if self.v == 1 else jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
+        self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
+        self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
+
+        # Total tokens first, from the labels alone: each head backward then uses the exact 1/N.
+        flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        n_local = contract.token_count(self.fns, other, flat(tok), flat(lab))
+        self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
+        self.n_seq = self.m * tok.shape[1] * pl.dp
+
+        _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)
+        weights = dict(self.fns.aux_weights(self.n_seq))
+        self.aux_cot = {k: jnp.asarray(float(weights.get(k, 0.0)), a.dtype) for k, a in self.aux_aval.items()}
+        if pl.residuals == "store":
+            # segment ids are data, not activations: leaves that depend on them alone are rebuilt
+            # in the backward from the same microbatch's ids, like the weight-only leaves
+            stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)  # noqa: E731
+            self.mask, avals = activation_residuals(stage0, self.chunk(0), self.x_zero, self._seg(0))
+            self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
+        else:
+            self.mask, self.res_avals = None, [self.x_aval]
+        self.nslot = prog.slots + 1  # the last slot takes idle ticks' writes
+
+    # ------------------------------------------------------------ helpers
+
+    def _seg(self, mb):
+        return None if self.seg is None else take(self.seg, mb)
+
+    def apply(self, c, seg=None):
+        """The stage function of chunk c (segment ids `seg` bound): the model's `apply_layers`, or with
+        an uneven split one that skips the chunk's padding entries (its count is counts[c*p + stage])."""
+        return stage_fn(self.split, contract.layers_fn(self.fns, seg), c, self.stage)
+
+    def chunk(self, c):
+        if self.v == 1:
+            return self.layers_v
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers_v)
+
+    def add_grads(self, g_layers, d_p, ch):
+        if self.v == 1:
+            return jax.tree.map(lambda g, d: g + d.astype(g.dtype), g_layers, d_p)
+        return jax.tree.map(lambda g, d: put(g, ch, take(g, ch) + d.astype(g.dtype)), g_layers, d_p)
+
+    def full(self, shape, dtype):
+        return jnp.full(shape, self.fill, dtype)
+
+    def zeros_other(self):
+        return jax.tree.map(jnp.zeros_like, self.other)
+
+    def init_carry(self) -> dict:
+        xs = self.x_aval
+        carry = {
+            "x_in": self.full(xs.shape, xs.dtype),
+            "g_in": self.full(xs.shape, xs.dtype),
+            # model.remat=offload: residuals the policy put in host memory keep their slots there too
+            "res": [placed(self.full((self.nslot, *a.shape), a.dtype), a) for a in self.res_avals],
+            "g_layers": accum_zeros(self.layers_v),  # float32 sums, also for 16-bit params
+            "g_other": accum_zeros(self.other),
+            "loss": jnp.zeros((), jnp.float32),
+            "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
+        }
+        if not self.prog.fused_head:
+            carry["dy"] = self.full((self.nslot, *xs.shape), xs.dtype)
+        return carry
+
+    def cell(self, row, kind):
+        """This stage's forward ('f') or backward ('b') task of a tick: idle cells (mb = -1) run on
+        microbatch/chunk 0 into the trash slot and are masked out."""
+        mb_raw = row[f"{kind}_mb"][self.stage]
+        valid = mb_raw >= 0
+        mb, ch = jnp.maximum(mb_raw, 0), jnp.maximum(row[f"{kind}_chunk"][self.stage], 0)
+        slot = jnp.where(valid, row[f"{kind}_slot"][self.stage], self.nslot - 1)
+        k = ch * self.p + self.stage  # virtual stage
+        return valid, mb, ch, slot, valid & (k == 0), valid & (k == self.v * self.p - 1)
+
+    # ------------------------------------------------------------ one forward / one backward
+
+    def forward(self, c, row):
+        """This tick's forward on this stage. With `skip_idle`, idle stages skip the compute (`lax.cond`
+        on a predicate shared by the whole tensor/expert group, so collectives inside stay matched);
+        either way an idle cell writes into the trash slot and adds nothing to the sums."""
+        xs = self.x_aval
+        valid, mb, ch, slot, first, last = self.cell(row, "f")
+        x_in = c["x_in"]
+
+        def run():
+            return self.stage_forward(ch, mb, first, last, x_in)
+
+        def idle():
+            aux = {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
+            keep = [placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]
+            return (
+                self.full(xs.shape, xs.dtype),
+                keep,
+                aux,
+                jnp.zeros((), jnp.float32),
+                self.zeros_other(),
+                self.x_zero,
+            )
+
+        if self.pl.skip_idle:
+            y, keep, aux, ls, d_o, dy = lax.cond(valid, run, idle)
+        else:  # compute anyway on fill values: the residuals go to the trash slot, the sums are masked
+            x_in = jnp.where(valid, x_in, self.fill)
+            y, keep, aux, ls, d_o, dy = run()
+            aux = {k: jnp.where(valid, a, 0) for k, a in aux.items()}
+        c = dict(c, res=[put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)])
+        c["aux"] = {k: c["aux"][k] + aux[k] for k in c["aux"]}
+        c["loss"] = c["loss"] + ls
+        c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
+        if not self.prog.fused_head:
+            c["dy"] = put(c["dy"], slot, dy)
+        return c, y, dy
+
+    def backward(self, c, row, dy_head):
+        """This tick's backward on this stage (idle cells as in `forward`)."""
+        valid, mb, ch, slot, first, last = self.cell(row, "b")
+        if not self.prog.fused_head:
+            dy_head = take(c["dy"], slot)
+        dy = jnp.where(last, dy_head, c["g_in"])
+        chunk_aval = jax.eval_shape(lambda: self.chunk(ch))
+
+        def run():  # reads its residuals itself: an operand slice taken outside the cond is a copy
+            saved = [take(b, slot) for b in c["res"]]
+            d_p, dx = self.pullback(ch, mb, saved)((dy, self.aux_cot))
+            return d_p, dx, self.embed_grad(first, mb, dx)
+
+        def idle():
+            d_p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)
+            return d_p, self.full(self.x_aval.shape, self.x_aval.dtype), self.zeros_other()
+
+        if self.pl.skip_idle:
+            d_p, dx, d_o = lax.cond(valid, run, idle)
+        else:  # compute anyway on fill values and mask the weight gradients
+            dy = jnp.where(valid, dy, self.fill)
+            d_p, dx, d_o = run()
+            d_p = jax.tree.map(lambda d: jnp.where(valid, d, 0), d_p)
+        c = dict(c)
+        c["g_layers"] = self.add_grads(c["g_layers"], d_p, ch)
+        c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
+        return c, dx
+
+    def stage_forward(self, ch, mb, first, last, x_in):
+        """Chunk `ch` forward on microbatch `mb` (stage input: its embedding on the first virtual
+        stage, else `x_in`): (y, residuals to store, aux, loss sum, head param grads, dL/dy of the
+        head), the last three from the head + loss on the last virtual stage (zeros elsewhere)."""
+        fns, xs = self.fns, self.x_aval
+        x = lax.cond(first, lambda: fns.embed(self.other, take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
+        (y, aux), vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), x)
+        keep = [x]
+        if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
+            keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
+
+        def head():
+            hl = lambda o, a: fns.head_loss(o, a, take(self.lab, mb))  # noqa: E731
+            ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
+            d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
+            return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
+
+        head_out = lax.cond(last, head, lambda: (jnp.zeros((), jnp.float32), self.zeros_other(), self.x_zero))
+        return (y, keep, aux, *head_out)
+
+    def pullback(self, ch, mb, saved):
+        """The vjp of chunk `ch` on microbatch `mb` from its saved residuals: the stored activation
+        leaves plus the weight-only leaves rebuilt by a dummy forward XLA removes ('store'), or a
+        forward re-run from the saved stage input ('recompute')."""
+        if self.mask is None:
+            return jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), saved[0])[1]
+        _, tmpl = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), self.x_zero)
+        leaves, tdef = jax.tree.flatten(tmpl)
+        it = iter(saved)
+        return jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])
+
+    def embed_grad(self, first, mb, dx):
+        """The embedding's gradient from the first virtual stage's input gradient (zeros elsewhere)."""
+
+        def run():
+            _, evjp = jax.vjp(lambda o: self.fns.embed(o, take(self.tok, mb)), self.other)
+            return evjp(dx.astype(self.x_aval.dtype))[0]
+
+        return lax.cond(first, run, self.zeros_other)
+
+    # ------------------------------------------------------------ the tick loop
+
+    def run_tick(self, c, row, kind):
+        """This stage's work in one tick of a phase of `kind`: (carry, activation to send forward,
+        gradient to send back)."""
+        y = dx = dy = self.x_zero
+        if "F" in kind:
+            c, y, dy = self.forward(c, row)
+        if "B" in kind:
+            c, dx = self.backward(c, row, dy)
+        return c, y, dx
+
+    def ticks(self) -> dict:
+        """Run every phase of the program (one `lax.scan` per run of same-kind ticks)."""
+        p, v = self.p, self.v
+        n = p if v > 1 else p - 1  # interleaved wraps: the last stage's chunk c feeds stage 0's chunk c+1
+        fwd_perm = [(i, (i + 1) % p) for i in range(n)]
+        bwd_perm = [((i + 1) % p, i) for i in range(n)]
+
+        def tick(kind, send_f, send_b):
+            def body(c, row):
+                c, y, dx = self.run_tick(c, row, kind)
+                if send_f and send_b and p == 2:
+                    # Two stages: both directions are one swap, so activations and gradients travel in
+                    # ONE collective-permute (one rendezvous of every device per tick, not two).
+                    if v == 1:  # stage 0 sends only activations, stage 1 only gradients
+                        c["x_in"] = c["g_in"] = lax.ppermute(jnp.where(self.stage == 0, y, dx), "pipe", SWAP)
+                    else:
+                        c["x_in"], c["g_in"] = lax.ppermute(jnp.stack([y, dx]), "pipe", SWAP)
+                    return c, None
+                if send_f:
+                    c["x_in"] = lax.ppermute(y, "pipe", fwd_perm)
+                if send_b:
+                    c["g_in"] = lax.ppermute(dx, "pipe", bwd_perm)
+                return c, None
+
+            return body
+
+        carry = self.init_carry()
+        for kind, t0, t1, send_f, send_b in self.prog.phases:
+            xs = {k: jnp.asarray(a[t0:t1]) for k, a in self.prog.tables.items()}
+            carry, _ = lax.scan(tick(kind, send_f, send_b), carry, xs)
+        return carry
+
+
+SWAP = [(0, 1), (1, 0)]
+
+
+def stage_fn(split: LayerSplit, apply, c, stage):
+    """`apply` (layer_params, x) -> (x, aux) as chunk c of `stage` runs it: as is for an even split,
+    else skipping the chunk's padding entries (`stage.uneven_apply`, count split.counts[c*p + stage])."""
+    if split.even:
+        return apply
+    n = jnp.asarray(split.counts, jnp.int32)[c * split.p + stage]
+    return functools.partial(uneven_apply, apply, split.lmin, n)
+
+
+def put(buf, i, x):
+    """buf[i] = x along the leading axis (traceable i)."""
+    return lax.dynamic_update_index_in_dim(buf, x, i, 0)
+
+
+def placed(x, aval):
+    """x in the memory space of `aval` (host for residuals an offloading remat policy put there)."""
+    space = getattr(aval, "memory_space", None)
+    return x if space is None or space == jax.typeof(x).memory_space else jax.device_put(x, space)
+
+
+def take(buf, i):
+    """buf[i] along the leading axis (traceable i)."""
+    return lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)

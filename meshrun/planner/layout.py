@@ -1,0 +1,96 @@
+"""The planner's view of one run: its parallel `Layout` (`layout_of` a run config: the one config ->
+Layout conversion) and the bytes per element of each model state (`precision_of`), shared by the
+Megatron-style memory model (cost.py), the model of meshrun's own step (step_model.py) and the time
+model (timing.py). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshrun.config import ModelConfig, RunConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate parallel layout. Dense layers' data-parallel group is data x expert (EP folded
+    into DP)."""
+
+    tensor: int = 1
+    pipe: int = 1
+    data: int = 1
+    expert: int = 1
+    virtual: int = 1
+    microbatches: int = 1
+    micro_batch_size: int = 1
+    zero: int = 0
+    remat: str = "full"  # none | selective | full (| offload: `layout_of` a run config)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (virtual > 1)
+
+    @property
+    def n_devices(self) -> int:
+        return self.tensor * self.pipe * self.data * self.expert
+
+    @property
+    def global_batch(self) -> int:
+        # Pipeline stages share each micro-batch, so PP does not multiply the batch: B = b x m x DP.
+        return self.micro_batch_size * self.microbatches * self.data * self.expert
+
+
+def model_layout(model: ModelConfig, **kw) -> Layout:
+    """A Layout whose remat and sequence parallelism are the model's unless given in `kw`."""
+    return Layout(**{"remat": model.remat, "sequence_parallel": model.sequence_parallel, **kw})
+
+
+def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
+    """The Layout of a run config on a mesh of `mesh_shape` (axis -> size): the one config -> planner
+    conversion. remat is the model's, remat=offload included (`step_model.predict_memory_jax` models it;
+    the time model costs it as selective plus its host traffic: `search.predict_step_time`)."""
+    m = cfg.pipeline.microbatches
+    dp = mesh_shape["data"] * mesh_shape["expert"]
+    return Layout(
+        tensor=mesh_shape["tensor"],
+        pipe=mesh_shape["pipe"],
+        data=mesh_shape["data"],
+        expert=mesh_shape["expert"],
+        virtual=cfg.pipeline.virtual,
+        microbatches=m,
+        micro_batch_size=max(1, cfg.train.global_batch // (m * dp)),
+        zero=cfg.train.zero,
+        remat=cfg.model.remat,
+        sequence_parallel=cfg.model.sequence_parallel,
+        schedule=cfg.pipeline.schedule,
+    )
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per activation element."""
+
+    param: float
+    grad: float
+    opt: float  # Adam m and v in fp32, plus an fp32 master copy when the params are 16-bit
+    act: float
+
+
+def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
+    """Bytes per param of params, grads, optimizer state, and per activation element.
+    megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
+    and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12).
+    meshrun: gradients and Adam m, v in the param dtype (optax keeps state like the params): bf16
+    params 2 + 2 + 4, fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
+    `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
+    temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
+    meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
+    pb = DTYPE_BYTES[model.param_dtype]
+    act = DTYPE_BYTES[model.dtype]
+    if framework == "megatron":
+        return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
+    return Precision(param=pb, grad=pb, opt=2 * pb, act=act)
+
+
+def zero_divisors(zero: int, dp: int) -> tuple[int, int, int]:
+    """How many ways ZeRO stage `zero` splits (params, grads, optimizer states) over `dp` ranks."""
+    return {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[zero]

@@ -1,0 +1,159 @@
+"""The static plan of a train step, computed once per run: `build_plan(cfg, mesh) -> StepPlan`.
+
+Everything the step, the evaluation, the loop, `explain` and `profile` need to know before any array
+exists: the checks across config and mesh (`validate`), the model family and its `ModelFns`, the
+pipeline's layer split (balance=auto: per-layer costs from the planner's time model) and tick
+program, the schedule's bubble, the ZeRO shardings of the parameters in run order and in model
+order, and the planner's `Layout` of this run (`planner.cost.layout_of`: the one config -> Layout
+conversion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from meshrun.config import AXES, ModelConfig, RunConfig
+from meshrun.errors import ConfigError
+from meshrun.family import registry
+from meshrun.family.contract import Family, ModelFns
+from meshrun.parallel.zero import ZeroShardings
+from meshrun.pipeline import schedules
+from meshrun.pipeline.program import TickProgram, tick_program
+from meshrun.pipeline.split import LayerSplit, layer_split
+from meshrun.planner.balance import stage_costs
+from meshrun.planner.cost import Layout, layout_of
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one run's step is, decided before anything is built. `abstract_params`, `zero` and
+    `model_zero` are None when the mesh is only a shape (explain's prediction for meshes too large to
+    simulate)."""
+
+    cfg: RunConfig
+    mesh_shape: MappingProxyType  # axis -> size
+    family: Family
+    model_fns: ModelFns
+    split: LayerSplit | None  # None without a pipeline
+    program: TickProgram | None  # None without a pipeline
+    stage_bubbles: tuple[float, ...]  # the schedule's idle fraction per stage ((0.0,) without a pipeline)
+    bubble: float  # their mean
+    layout: Layout  # the planner's view of this run
+    abstract_params: Any  # ShapeDtypeStructs of the parameters, model order (None: a mesh shape only)
+    zero: ZeroShardings | None  # parameter/gradient/optimizer shardings in run order (pipeline placement)
+    model_zero: ZeroShardings | None  # the same in model order (checkpoints; == zero unless relaid)
+
+    @property
+    def pipe(self) -> int:
+        return self.mesh_shape["pipe"]
+
+    @property
+    def relaid(self) -> bool:
+        """Training stores the layers in pipeline placement (interleaved or an uneven split)."""
+        return self.split is not None and not self.split.identity
+
+
+def dp_degree(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["expert"]
+
+
+def unit_costs(model: ModelConfig, seq_len: int | None = None) -> tuple[float, float, float]:
+    """(one stacked unit, first stage's extra, last stage's extra): the planner's seconds, the costs
+    pipeline.balance=auto splits by (a stacked MoE unit is moe_every layers)."""
+    layer, first, last = stage_costs(model, seq_len or model.max_seq_len)
+    return layer * (model.moe_every if model.is_moe else 1), first, last
+
+
+def offloaded(cfg: RunConfig) -> tuple[str, ...]:
+    """ZeroShardings parts resting in host memory: the optimizer moments with train.offload_optimizer, and
+    the parameters too when they are fp32 master weights of a lower-precision compute dtype."""
+    if not cfg.train.offload_optimizer:
+        return ()
+    return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
+
+
+def build_plan(cfg: RunConfig, mesh) -> StepPlan:
+    """Check the config against the mesh and decide the step (see the module doc). `mesh`: a jax Mesh,
+    or anything with a `.shape` mapping (then no shardings are built)."""
+    shape = {a: int(mesh.shape.get(a, 1)) for a in AXES}
+    validate(cfg, mesh)
+    family = registry.get(cfg.model.family)
+    fns = family.model_fns(cfg.model)
+    split = program = None
+    stage_bubbles: tuple[float, ...] = (0.0,)
+    if shape["pipe"] > 1:
+        pc = cfg.pipeline
+        program = tick_program(pc, shape["pipe"])  # checks the schedule first, then the layer split
+        costs = unit_costs(cfg.model, cfg.train.seq_len) if pc.balance == "auto" else None
+        split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
+        stage_bubbles = tuple(schedules.stage_bubbles(schedules.build(pc.schedule, shape["pipe"], pc.microbatches,
+                                                                      pc.virtual)))  # fmt: skip
+    check_remat_every(cfg, split)
+    if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
+        field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
+        check_host_memory(mesh.devices.flat[0], field)
+    abstract = zero = model_zero = None
+    if isinstance(mesh, Mesh):
+        abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
+        build = lambda shapes: ZeroShardings.build(  # noqa: E731
+            fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
+        )
+        model_zero = build(abstract)
+        relaid = split is not None and not split.identity
+        run = {**abstract, "layers": jax.eval_shape(split.to_pipeline, abstract["layers"])} if relaid else None
+        zero = build(run) if relaid else model_zero
+    return StepPlan(
+        cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
+        sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero,
+    )  # fmt: skip
+
+
+def validate(cfg: RunConfig, mesh) -> None:
+    """Cross-component checks before anything is built: batch divisibility, sequence length, the model
+    fields its family uses, model vs mesh."""
+    t, m = cfg.train, cfg.pipeline.microbatches
+    dp = dp_degree(mesh)
+    if t.global_batch % (m * dp):
+        raise ConfigError(
+            "train.global_batch",
+            t.global_batch,
+            f"use a multiple of pipeline.microbatches ({m}) x data-parallel degree ({dp}) = {m * dp}",
+            "global batch not divisible by microbatches x data-parallel degree",
+        )
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
+    family = registry.get(cfg.model.family)
+    family.check_config(cfg.model)
+    family.check_mesh(cfg.model, dict(mesh.shape))
+
+
+def check_remat_every(cfg: RunConfig, split: LayerSplit | None) -> None:
+    """remat_every=k groups k stacked units inside each call of the layer stack: the whole stack, or
+    one pipeline chunk (an even split's n_units / (pipe * virtual)); groups never straddle a stage."""
+    k = cfg.model.remat_every
+    if split is not None and not split.even and k > 1:
+        raise ConfigError(
+            "model.remat_every", k, f"use 1, or an even layer split (layers per chunk now {list(split.counts)})",
+            "grouped remat needs the same layer count in every pipeline chunk",
+        )  # fmt: skip
+    per_chunk = cfg.model.n_units if split is None else split.lmax
+    if k > 1 and per_chunk % k:
+        where = f"each pipeline chunk holds {per_chunk}" if split is not None else f"the model stacks {per_chunk}"
+        raise ConfigError(
+            "model.remat_every", k, f"use a divisor of {per_chunk} ({where} layers)", "does not divide the layers"
+        )
+
+
+def check_host_memory(device, field: str) -> None:
+    """Host offload needs a 'pinned_host' memory space on the device (GPU, TPU and XLA:CPU have one)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ConfigError(
+            field, True, f"turn host offload off on {device.platform} (its memories: {sorted(kinds)})",
+            "this platform has no pinned_host memory",
+        )  # fmt: skip

@@ -1,0 +1,227 @@
+"""The llama family's Hugging Face tables: transformers Llama 2/3/3.1, Mistral, Qwen2 and Mixtral
+config.json <-> ModelConfig, and tensor names <-> meshrun parameter paths (the generic reading,
+placement and writing is meshrun/hf/). The adapter on `FAMILY.hf`.
+
+Layout facts, checked against transformers' forward by tests/test_hf.py:
+- RoPE: transformers' checkpoints are already in the rotate-half layout (their conversion script
+  permuted Meta's interleaved q/k rows), which is what models/layers.rope uses: no permutation.
+- GQA: query head n uses kv head n // G in both (transformers' repeat_kv; meshrun's [K, G] split).
+- Linear weights are [out, in] in transformers, [in, ...] here; heads split out of the out dim.
+- Mixtral: capacity_factor = n_experts / top_k so that no token is ever dropped (dropless reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
+
+FAMILIES = {  # transformers architecture -> model_type
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+ARCH = {v: k for k, v in FAMILIES.items()}
+ARCHITECTURES, MODEL_TYPES = tuple(FAMILIES), tuple(ARCH)  # what this family imports
+FIELD = "MODEL_DIR/config.json"
+
+
+def family_of(hf: dict) -> str:
+    """The checkpoint's own family name (llama, mistral, qwen2, mixtral): by architecture, else model_type."""
+    for a in hf.get("architectures") or []:
+        if a in FAMILIES:
+            return FAMILIES[a]
+    return hf["model_type"]
+
+
+def _rope(hf: dict) -> dict[str, Any]:
+    """rope_theta / rope_scaling (transformers 4.x keys) or rope_parameters (5.x) -> ModelConfig fields."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    if kind == "llama3":
+        out |= {
+            "rope_scaling": "llama3",
+            "rope_scaling_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            "rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+        }
+    elif kind != "default":
+        raise ConfigError(f"{FIELD}: rope_scaling", kind, "meshrun supports rope types default and llama3")
+    return out
+
+
+def _window(hf: dict, fam: str) -> int:
+    """Sliding window of every layer (0: full causal). transformers 5 lists `layer_types`; 4.x Qwen2
+    slides in layers >= max_window_layers when use_sliding_window. Mixed layers are not supported."""
+    w = hf.get("sliding_window") or 0
+    types = set(hf.get("layer_types") or ())
+    if not types and fam == "qwen2":
+        n = hf["num_hidden_layers"]
+        first = min(hf.get("max_window_layers", 0), n) if hf.get("use_sliding_window") and w else n
+        types = ({"full_attention"} if first > 0 else set()) | ({"sliding_attention"} if first < n else set())
+    if not types:
+        return int(w)
+    if types == {"full_attention"}:
+        return 0
+    if types == {"sliding_attention"} and w:
+        return int(w)
+    raise ConfigError(
+        f"{FIELD}: layer_types",
+        sorted(types),
+        "meshrun applies one attention kind to every layer: all full or all sliding_attention",
+        "layers mix full and sliding-window attention",
+    )
+
+
+def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
+    """ModelConfig of a transformers config.json dict (vocab padded to a multiple of `vocab_multiple`)."""
+    fam = family_of(hf)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{FIELD}: hidden_act", act, "meshrun's SwiGLU uses silu")
+    for k in ("attention_bias", "mlp_bias"):
+        if fam in ("llama", "mistral") and hf.get(k):
+            raise ConfigError(f"{FIELD}: {k}", True, "meshrun has q/k/v biases only (Qwen2); use a model without")
+    window = _window(hf, fam)
+    n_heads = hf["num_attention_heads"]
+    fields: dict[str, Any] = dict(
+        vocab=-(-hf["vocab_size"] // vocab_multiple) * vocab_multiple,
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        d_ff=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        mlp="swiglu",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=fam == "qwen2",
+        sliding_window=int(window),
+        **_rope(hf),
+    )
+    if fam == "mixtral":
+        e, k = hf["num_local_experts"], hf["num_experts_per_tok"]
+        fields |= dict(
+            n_experts=e,
+            top_k=k,
+            moe_dispatch="dropless",  # Mixtral drops no token
+            capacity_factor=float(e) / k,  # used only if a user switches to capacity routing: nothing dropped
+            moe_every=1,
+            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+            z_loss_coef=0.0,
+        )
+    return ModelConfig(**fields)
+
+
+def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
+    """A transformers config.json for a meshrun model (used when the run was not imported)."""
+    if cfg.mlp != "swiglu" or (cfg.is_moe and cfg.moe_every != 1):
+        raise ConfigError(
+            "model.mlp" if cfg.mlp != "swiglu" else "model.moe_every",
+            cfg.mlp if cfg.mlp != "swiglu" else cfg.moe_every,
+            "export-hf writes Llama/Qwen2/Mixtral: swiglu MLPs and, for MoE, every layer MoE",
+            "no Hugging Face architecture for this model",
+        )
+    fam = "mixtral" if cfg.is_moe else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
+    out: dict[str, Any] = {
+        "architectures": [ARCH[fam]],
+        "model_type": fam,
+        "vocab_size": vocab,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.d_ff,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "torch_dtype": dtype,
+    }
+    if cfg.rope_scaling == "llama3":
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        }
+    if fam in ("mistral", "mixtral"):
+        out["sliding_window"] = cfg.sliding_window or None
+    if fam == "mixtral":
+        out |= {
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "router_aux_loss_coef": cfg.aux_loss_coef,
+        }
+    if fam == "qwen2":  # transformers' Qwen2 slides in layers >= max_window_layers
+        w = cfg.sliding_window
+        out |= {
+            "use_sliding_window": bool(w),
+            "sliding_window": w or None,
+            "max_window_layers": 0 if w else cfg.n_layers,
+        }
+    return out
+
+
+def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str, int]]:
+    """meshrun leaf path -> (hf name template with {l} and {e}, transform, heads) for stacked leaves."""
+    pre = ("layers", "moe") if cfg.is_moe else ("layers",)
+    at = "model.layers.{l}.self_attn."
+    m = {
+        pre + ("attn_norm", "scale"): ("model.layers.{l}.input_layernorm.weight", "id", 0),
+        pre + ("mlp_norm", "scale"): ("model.layers.{l}.post_attention_layernorm.weight", "id", 0),
+        pre + ("attn", "q"): (at + "q_proj.weight", "col", cfg.n_heads),
+        pre + ("attn", "k"): (at + "k_proj.weight", "col", cfg.n_kv_heads),
+        pre + ("attn", "v"): (at + "v_proj.weight", "col", cfg.n_kv_heads),
+        pre + ("attn", "o"): (at + "o_proj.weight", "row", cfg.n_heads),
+    }
+    if cfg.qkv_bias:
+        m |= {
+            pre + ("attn", "q_bias"): (at + "q_proj.bias", "bias", cfg.n_heads),
+            pre + ("attn", "k_bias"): (at + "k_proj.bias", "bias", cfg.n_kv_heads),
+            pre + ("attn", "v_bias"): (at + "v_proj.bias", "bias", cfg.n_kv_heads),
+        }
+    if cfg.is_moe:
+        moe = "model.layers.{l}.block_sparse_moe."
+        m |= {
+            pre + ("moe", "router"): (moe + "gate.weight", "t", 0),
+            pre + ("moe", "gate"): (moe + "experts.{e}.w1.weight", "t", 0),
+            pre + ("moe", "up"): (moe + "experts.{e}.w3.weight", "t", 0),
+            pre + ("moe", "down"): (moe + "experts.{e}.w2.weight", "t", 0),
+        }
+    else:
+        mlp = "model.layers.{l}.mlp."
+        m |= {
+            pre + ("mlp", "gate"): (mlp + "gate_proj.weight", "t", 0),
+            pre + ("mlp", "up"): (mlp + "up_proj.weight", "t", 0),
+            pre + ("mlp", "down"): (mlp + "down_proj.weight", "t", 0),
+        }
+    return m
+
+
+def top_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
+    """meshrun leaf path -> (hf name, kind) for the unstacked leaves; kind: id | vocab (rows padded to
+    cfg.vocab) | vocab_t (lm_head [V, D] -> kernel [D, V], columns padded)."""
+    out = {
+        ("embed", "embedding"): ("model.embed_tokens.weight", "vocab"),
+        ("final_norm", "scale"): ("model.norm.weight", "id"),
+    }
+    if not cfg.tie_embeddings:
+        out[("head", "kernel")] = ("lm_head.weight", "vocab_t")
+    return out
+
+
+def ignored(cfg: ModelConfig, name: str) -> bool:
+    """Checkpoint tensors the model has no use for (buffers, the tied lm_head copy)."""
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
