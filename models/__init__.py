@@ -45,7 +45,7 @@ from flax import nnx
 # Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
 nnx.use_eager_sharding(False)
 
-from meshrun_models.api import model_fns  # noqa: E402
+from meshrun_models.api import loss_fn, model_fns, total_loss  # noqa: E402
 from meshrun_models.moe import capacity, moe_ffn, route  # noqa: E402
 from meshrun_models.transformer import (  # noqa: E402
     Transformer,
@@ -55,10 +55,8 @@ from meshrun_models.transformer import (  # noqa: E402
     head_loss,
     init_params,
     logits,
-    loss_fn,
     n_moe_layers,
     n_units,
-    total_loss,
     validate_model_for_mesh,
 )
 

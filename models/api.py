@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from meshrun_models.transformer import abstract_params, apply_layers, embed, head_loss
 
 from meshrun.config import ModelConfig
+from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import state_names
 
@@ -12,8 +18,6 @@ from meshrun.parallel.sharding import state_names
 @functools.cache
 def model_fns(cfg: ModelConfig) -> ModelFns:
     """ModelFns of the transformer: router losses averaged over MoE layers and sequences."""
-    from meshrun_models.transformer import abstract_params, apply_layers, embed, head_loss
-
     n_moe = cfg.n_moe_layers
 
     def aux_weights(n_seq: int) -> dict[str, float]:
@@ -41,3 +45,17 @@ def model_fns(cfg: ModelConfig) -> ModelFns:
         sequence_parallel=cfg.sequence_parallel,
         segments=True,
     )
+
+
+def total_loss(loss_sum, n_tokens, aux: Mapping[str, jax.Array], n_sequences: int, cfg: ModelConfig):
+    """Combine sums (possibly accumulated over microbatches) into the training loss:
+    loss_sum/n_tokens + aux_loss_coef*moe_aux/(n_seq*n_moe) + z_loss_coef*moe_z/(n_seq*n_moe),
+    i.e. the router losses are averaged over MoE layers and over sequences (routing groups)."""
+    return contract.loss_share(model_fns(cfg), loss_sum, aux, n_tokens, n_sequences)
+
+
+def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig, segment_ids_BxL=None):
+    """Full-batch (loss, metrics) on one device, through the same `ModelFns` the train step drives:
+    metrics = {ce_loss, n_tokens} and, for MoE, {moe_aux_loss, moe_z_loss (per layer and sequence),
+    dropped_tokens}."""
+    return contract.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL, segment_ids_BxL)

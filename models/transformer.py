@@ -33,7 +33,6 @@ from meshrun_models.moe import STATS, MoE, moe_ffn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.family import contract
 from meshrun.parallel.sharding import constrain
 
 RESID = ("batch", "length", "embed")  # the residual stream between blocks ('length' sharded under SP)
@@ -239,24 +238,6 @@ def head_loss(params: Any, x_BxLxD: jax.Array, labels_BxL: jax.Array, cfg: Model
     """(loss_sum, n_tokens): summed vocab-parallel cross-entropy over labels >= 0 (negative labels
     are ignored) and their count, both float32 -- sums, so microbatches accumulate exactly."""
     return vocab_parallel_xent(logits(params, x_BxLxD, cfg), labels_BxL)
-
-
-def total_loss(loss_sum, n_tokens, aux: Mapping[str, jax.Array], n_sequences: int, cfg: ModelConfig):
-    """Combine sums (possibly accumulated over microbatches) into the training loss:
-    loss_sum/n_tokens + aux_loss_coef*moe_aux/(n_seq*n_moe) + z_loss_coef*moe_z/(n_seq*n_moe),
-    i.e. the router losses are averaged over MoE layers and over sequences (routing groups)."""
-    from meshrun_models.api import model_fns
-
-    return contract.loss_share(model_fns(cfg), loss_sum, aux, n_tokens, n_sequences)
-
-
-def loss_fn(params: Any, tokens_BxL: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig, segment_ids_BxL=None):
-    """Full-batch (loss, metrics) on one device, through the same `ModelFns` the train step drives:
-    metrics = {ce_loss, n_tokens} and, for MoE, {moe_aux_loss, moe_z_loss (per layer and sequence),
-    dropped_tokens}."""
-    from meshrun_models.api import model_fns
-
-    return contract.loss_fn(model_fns(cfg), params, tokens_BxL, labels_BxL, segment_ids_BxL)
 
 
 # ---------------------------------------------------------------- validation
