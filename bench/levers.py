@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--cluster", default="h100-80g:1x8")
     args = ap.parse_args()
-    gb = lambda x: f"{x / 1e9:.2f}"  # noqa: E731
+    gb = lambda x: f"{x / 1e9:.2f}"
     print(f"{args.config} {' '.join(args.overrides)} on {args.cluster}\n")
     print("| lever | device GB | host GB | predicted device GB | predicted host GB | predicted step s |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -97,7 +97,7 @@ def test_checksums_catch_changed_data_on_any_mesh(tmp_path, mesh_a):
     with Checkpointer(tmp_path, CheckpointConfig(), meta=META) as ck:
         _assert_tree_equal(ck.restore(1, other), state)
     w = np.asarray(state["params"]["w_DxF"])
-    sums = lambda a: checksum.checksums({"w": jnp.asarray(a)}, path_key)["w"]  # noqa: E731
+    sums = lambda a: checksum.checksums({"w": jnp.asarray(a)}, path_key)["w"]
     one, swapped = w.copy(), w.copy()
     one[3, 5] += 1.0
     swapped[[0, 1]] = swapped[[1, 0]]

@@ -56,7 +56,7 @@ def full_batch_reference(cfg, tok, lab):
     """Plain `jax.value_and_grad` of the gpt2 loss on the whole batch, one device, no microbatches."""
     fns = registry.get("gpt2").model_fns(cfg.model)
     params = jax.device_put(arrays(gpt2.init_params(cfg.model, cfg.train.seed)), jax.devices()[0])
-    loss_fn = lambda p: contract.loss_fn(fns, p, tok, lab)  # noqa: E731
+    loss_fn = lambda p: contract.loss_fn(fns, p, tok, lab)
     (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     return float(loss), jax.device_get(grads), jax.device_get(metrics)
 
@@ -139,7 +139,7 @@ def make_hf_gpt2(directory, seed=0):
 
     c, rng = HF_CONFIG, np.random.default_rng(seed)
     d, f, v, n = c["n_embd"], 4 * c["n_embd"], c["vocab_size"], c["n_positions"]
-    r = lambda *s, scale=0.08, base=0.0: (base + scale * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
+    r = lambda *s, scale=0.08, base=0.0: (base + scale * rng.standard_normal(s)).astype(np.float32)
     t = {"transformer.wte.weight": r(v, d), "transformer.wpe.weight": r(n, d)}
     for i in range(c["n_layer"]):
         h = f"transformer.h.{i}."

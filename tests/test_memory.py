@@ -82,7 +82,7 @@ def test_offload_optimizer_and_remat_every_data_parallel_match_one_device():
 
 
 def _grads_compiled(cfg, params, tok, fwd_only=False):
-    loss = lambda p: models.loss_fn(p, tok, tok, cfg)[0]  # noqa: E731
+    loss = lambda p: models.loss_fn(p, tok, tok, cfg)[0]
     fn = jax.jit(loss if fwd_only else jax.value_and_grad(loss))
     compiled = fn.lower(params).compile()
     return compiled, (None if fwd_only else compiled(params))

@@ -64,7 +64,7 @@ def test_flops_count_the_gemms_of_a_gqa_moe_model():
     B, s = 16, 64
     attn = [(64, 64), (64, 32), (64, 32), (64, 64)]  # Wq, Wk, Wv, Wo as (in, out)
     swiglu = [(64, 128), (64, 128), (128, 64)]  # gate, up, down
-    macs = lambda gemms: sum(i * o for i, o in gemms)  # noqa: E731
+    macs = lambda gemms: sum(i * o for i, o in gemms)
     dense_layer, moe_layer = macs(attn + swiglu), macs(attn + [(64, 8)] + 2 * swiglu)  # router, 2 experts
     scores = 4 * (s * 16 + s * 16)  # per token and layer: QK^T and A.V over s positions, 4 heads of 16
     logits = macs([(64, 256)])

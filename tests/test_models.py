@@ -303,7 +303,7 @@ def _hlo_collectives(cfg, grad: bool):
     _, params = init_params(cfg, 0)
     tok, lab = batch(cfg, b=2)
     placed = jax.device_put(params, tree_shardings(params, mesh, param_rules(0)))
-    fn = lambda p: loss_fn(p, tok, lab, cfg)[0]  # noqa: E731
+    fn = lambda p: loss_fn(p, tok, lab, cfg)[0]
     fn = jax.value_and_grad(fn) if grad else fn  # as a train step does: loss and grads
     with use_rules(mesh, compute_rules(cfg.sequence_parallel)):
         text = jax.jit(fn).lower(placed).compile().as_text()

@@ -369,13 +369,13 @@ def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
     (y, aux), vjp = jax.vjp(toy_layers_remat if remat else toy_layers, lp, x)
     leaves, tdef = jax.tree.flatten(vjp)
     cot = (jnp.ones_like(y), {"sq": jnp.asarray(0.1)})
-    full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))  # noqa: E731
+    full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))
     cj = jax.make_jaxpr(full)(leaves, cot)
     n = len(cj.jaxpr.outvars) - 1
     plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
     args = jax.tree.leaves((leaves, cot))
-    b = lambda a: zb_split.run_b(cj.jaxpr, plan, cj.consts, a)  # noqa: E731
-    w = lambda a, st: zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st)[:n]  # noqa: E731
+    b = lambda a: zb_split.run_b(cj.jaxpr, plan, cj.consts, a)
+    w = lambda a, st: zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st)[:n]
     dx_and_stash = b(args)
     dx, stash = dx_and_stash[0][-1], dx_and_stash[1]
     ref = full(leaves, cot)
@@ -472,7 +472,7 @@ def test_zero2_reduce_scatters_once():
 def test_config_errors():
     mesh4 = mesh_of(4, 1, 1, 2)
     mesh2 = mesh_of(2, 2, 1, 2)
-    mk = lambda mesh, prm=None, **pc: Pipeline.for_params(TOY, PipelineConfig(**pc), mesh, prm or toy_params())  # noqa: E731
+    mk = lambda mesh, prm=None, **pc: Pipeline.for_params(TOY, PipelineConfig(**pc), mesh, prm or toy_params())
     with pytest.raises(ConfigError, match="m >= p") as e:
         mk(mesh4, schedule="1f1b", microbatches=2)
     assert e.value.field == "pipeline.microbatches"
@@ -558,7 +558,7 @@ def test_uneven_stage_runs_lmax_layers_and_no_dummy_forward():
     all-reduce per layer forward, one backward)."""
     pl, c, _ = uneven_compiled("p2-5-layers-1f1b")
     pe, ce, _ = toy_compiled((2, 2, 1, 2), "1f1b", 4, 1, b=8)
-    tp = lambda pl, c: sum(  # noqa: E731
+    tp = lambda pl, c: sum(
         k for x, k in executed(c.as_text(), pl.mesh) if x.op == "all-reduce" and x.axes == ("tensor",)
     )
     ticks = sum((t1 - t0) * len(kind) for kind, t0, t1, _, _ in pl.program.phases)  # F ticks + B ticks
@@ -590,7 +590,7 @@ def test_bad_splits_name_the_fix():
     from meshrun.pipeline.split import layer_split
     from meshrun.train.plan import unit_costs
 
-    pc = lambda **k: PipelineConfig(microbatches=4, **k)  # noqa: E731
+    pc = lambda **k: PipelineConfig(microbatches=4, **k)
     with pytest.raises(ConfigError, match=r"sum 6 != 7.*e\.g\. \[2, 2, 2, 1\]"):
         layer_split(pc(layers_per_stage=(3, 1, 1, 1)), 7, 4)
     with pytest.raises(ConfigError, match="one count per stage: 4 numbers"):
@@ -614,7 +614,7 @@ def test_balance_auto_gives_the_ends_fewer_layers():
     c = dict(zip(("layer_cost", "first_cost", "last_cost"), stage_costs(big, 8192), strict=True))
     counts = split_layers(126, 16, **c)
     assert sum(counts) == 126 and min(counts) >= 1 and counts[-1] < max(counts)
-    cost = lambda cs: max(stage_cost(cs, **c))  # noqa: E731
+    cost = lambda cs: max(stage_cost(cs, **c))
     assert cost(counts) <= cost((8,) * 14 + (7, 7)) and cost(counts) <= cost((7, 7) + (8,) * 14)
     assert split_layers(8, 4, layer_cost=1.0) == (2, 2, 2, 2)
     assert split_layers(7, 4, layer_cost=1.0, last_cost=1.5) == (2, 2, 2, 1)

@@ -36,7 +36,7 @@ def _entry_layout(text: str) -> tuple[list[tuple[int, bool]], list[tuple[int, bo
             break
     body = text[i + 1 : j]
     args, _, results = body.partition(")->")
-    one = lambda s: [(shape_bytes(a)[0], HOST_SPACE in a) for a in _ARRAY_LAYOUT.findall(s)]  # noqa: E731
+    one = lambda s: [(shape_bytes(a)[0], HOST_SPACE in a) for a in _ARRAY_LAYOUT.findall(s)]
     return one(args), one(results)
 
 
@@ -61,7 +61,7 @@ def memory_spaces(compiled) -> dict[str, int]:
     """{device, host, device_argument, host_argument, temp, host_temp}: bytes per device of one
     compiled step; device/host = argument + output + temp - alias in that memory space."""
     ma = compiled.memory_analysis()
-    f = lambda name: int(getattr(ma, name, 0) or 0)  # noqa: E731
+    f = lambda name: int(getattr(ma, name, 0) or 0)
     arg, out, temp, alias = (f(f"{k}_size_in_bytes") for k in ("argument", "output", "temp", "alias"))
     host = {k: f(f"host_{k}_size_in_bytes") for k in ("argument", "output", "temp", "alias")}
     if not any(host.values()):  # XLA:CPU: host buffers are counted in the device fields

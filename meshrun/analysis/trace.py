@@ -190,7 +190,7 @@ def format_report(rep: dict, title: str) -> str:
     head = f"{'stage':<7}{'devices':<12}{'span':>9}{'busy':>9}{'idle':>9}" + "".join(f"{a[:8]:>9}" for a in axes)
     lines += ["", head + f"{'bubble':>9}{'predicted':>11}"]
     for r in rep["stages"]:
-        ms = lambda x: f"{1e3 * x:>9.2f}"  # noqa: E731
+        ms = lambda x: f"{1e3 * x:>9.2f}"
         pred = "-" if r["predicted_bubble"] is None else f"{r['predicted_bubble']:.3f}"
         devs = ",".join(map(str, r["devices"]))
         line = f"{r['stage']:<7}{devs[:11]:<12}{ms(r['span_s'])}{ms(r['busy_s'])}{ms(r['idle_s'])}"

@@ -20,7 +20,7 @@ linear in the sums, so it is exact over any split into microbatches, stages and 
 
 with `n_sequences` the global batch rows. `finish` turns the global sums into (loss, metrics); a
 model's `metrics` hook chooses what is logged (default: ce_loss, n_tokens and the aux sums).
-`param_names` is the tree of logical-axis-name tuples of the parameters (what `sharding.py` maps to
+`param_names` is the tree of logical-axis-name tuples of the parameters (what `meshrun.parallel.sharding` maps to
 mesh axes); `sequence_parallel` asks for the residual stream sharded over 'tensor' between blocks.
 """
 

@@ -172,7 +172,7 @@ def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) 
     for path, v in ad.layer_map(cfg).items():
         tmpl, kind, n, part, parts = _entry(v)
         experts = "{e}" in tmpl
-        per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)  # noqa: E731
+        per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)
         one = per(0, 0)
         lead = (cfg.n_layers, cfg.n_experts) if experts else (cfg.n_layers,)
         out[path] = _stacked(lead, one.shape, per)

@@ -299,7 +299,7 @@ def export_hf(
     if out.exists() and any(out.iterdir()):
         raise ConfigError("OUT_DIR", str(out), "give a new or empty directory", "it is not empty")
     cfg, params, _ = load_params(run_dir)
-    leaf = lambda path: _get(params, path)  # noqa: E731
+    leaf = lambda path: _get(params, path)
     tensors = ((k, v.astype(np_dtype)) for k, v in hf_tensors(cfg, leaf, vocab))
     names = write_sharded(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

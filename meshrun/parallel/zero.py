@@ -76,7 +76,7 @@ class ZeroShardings:
     ) -> ZeroShardings:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
         reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host memory."""
-        specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)  # noqa: E731
+        specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)
         rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
         rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
         trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
@@ -89,7 +89,7 @@ class ZeroShardings:
 
     def without(self, key: str) -> ZeroShardings:
         """The layout of every top-level entry but `key`."""
-        drop = lambda t: {k: v for k, v in t.items() if k != key}  # noqa: E731
+        drop = lambda t: {k: v for k, v in t.items() if k != key}
         trees = (drop(t) for t in (self.store, self.compute, self.grads, self.opt))
         return ZeroShardings(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
 
@@ -107,7 +107,7 @@ class ZeroShardings:
         """Inside the step: offloaded leaves (resting shardings `shardings`) -> device memory."""
         if not self.offload:
             return tree
-        move = lambda x, s: jax.device_put(x, self.device(s.spec)) if s.memory_kind == HOST else x  # noqa: E731
+        move = lambda x, s: jax.device_put(x, self.device(s.spec)) if s.memory_kind == HOST else x
         return jax.tree.map(move, tree, shardings)
 
     def to_host(self, tree: Any, shardings: Any) -> Any:

@@ -125,7 +125,7 @@ class Pipeline:
         split = layer_split(pcfg, sum(lps) if lps and placement == "pipeline" else n, p)
         if fns.param_names is None:
             raise ConfigError("ModelFns.param_names", None, "give the logical axis names of the params tree")
-        build = lambda t: ZeroShardings.build(fns.param_names, t, mesh, zero)  # noqa: E731
+        build = lambda t: ZeroShardings.build(fns.param_names, t, mesh, zero)
         model_zero = None
         if placement == "model":
             model_zero = build(arrays)
@@ -205,7 +205,7 @@ class Pipeline:
         # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
         # microbatches without moving token ids between devices (row order does not change the sums).
         bspec = P(None, DP_AXES)
-        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
+        split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
         batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
         return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
 

@@ -66,7 +66,7 @@ def _body(pl, layers, other, tok, lab, seg=None):
                     y, _ = stage_fn(pl.split, apply, c, stage)(chunk, x0)
                     if c < v - 1:
                         return y, jnp.zeros((), jnp.float32)
-                    head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)  # noqa: E731
+                    head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)
                     return y, lax.cond(stage == p - 1, head, lambda: jnp.zeros((), jnp.float32))
 
                 valid = (t - stage >= 0) & (t - stage < m)
@@ -80,6 +80,6 @@ def _body(pl, layers, other, tok, lab, seg=None):
                 return (x_next, buf, loss + ls), None
 
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
-        flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
         return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in DP_AXES if a in pl.mesh.shape))

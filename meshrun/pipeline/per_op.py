@@ -40,7 +40,7 @@ class OpRun(StageRun):
         cj = jax.make_jaxpr(bwd)(saved, dy)
         n = len(cj.jaxpr.outvars) - 1  # weight-gradient leaves, then dx
         plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
-        flat = lambda saved, dy: jax.tree.leaves((saved, dy))  # noqa: E731
+        flat = lambda saved, dy: jax.tree.leaves((saved, dy))
 
         def b(saved, dy):
             outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(saved, dy))
@@ -70,10 +70,10 @@ class OpRun(StageRun):
 
     def run_tick(self, c, row, kind):
         del kind  # every tick of a per-op program may run any op
-        at = lambda k: row[k][self.stage]  # noqa: E731
+        at = lambda k: row[k][self.stage]
         fi, gi = self.prog.inbox
         trash = self.nslot - 1
-        slot_or = lambda i, n: jnp.where(i >= 0, i, n)  # noqa: E731  (-1: the trash slot n)
+        slot_or = lambda i, n: jnp.where(i >= 0, i, n)  # -1: the trash slot n
         c = dict(c)
         c["f_box"] = put(c["f_box"], slot_or(at("f_put"), fi), c["x_in"])
         c["g_box"] = put(c["g_box"], slot_or(at("g_put"), gi), c["g_in"])
@@ -90,12 +90,12 @@ class OpRun(StageRun):
         # other grads, loss sum, aux).
         xs = self.x_aval
         chunk_aval = jax.eval_shape(lambda: self.chunk(0))
-        at_slot = lambda bufs: jax.tree.map(lambda b: take(b, slot), bufs)  # noqa: E731
-        fill = lambda: self.full(xs.shape, xs.dtype)  # noqa: E731
-        no_keep = lambda: [placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]  # noqa: E731
-        no_stash = lambda: jax.tree.map(lambda a: self.full(a.shape, a.dtype), self.stash_avals)  # noqa: E731
-        no_dp = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)  # noqa: E731
-        no_aux = lambda: {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}  # noqa: E731
+        at_slot = lambda bufs: jax.tree.map(lambda b: take(b, slot), bufs)
+        fill = lambda: self.full(xs.shape, xs.dtype)
+        no_keep = lambda: [placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]
+        no_stash = lambda: jax.tree.map(lambda a: self.full(a.shape, a.dtype), self.stash_avals)
+        no_dp = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)
+        no_aux = lambda: {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
         zero = jnp.zeros((), jnp.float32)
 
         def idle():
@@ -116,7 +116,7 @@ class OpRun(StageRun):
 
         branches = [idle, forward, backward_input, backward_weights]
         y, dx, keep, dy, stash, d_p, d_o, ls, aux = lax.switch(op, branches)
-        at_op = lambda *ops: jnp.where(jnp.isin(op, jnp.asarray(ops)), slot, trash)  # noqa: E731
+        at_op = lambda *ops: jnp.where(jnp.isin(op, jnp.asarray(ops)), slot, trash)
         c["res"] = [put(b, at_op(1), r) for b, r in zip(c["res"], keep, strict=True)]
         c["dy"] = put(c["dy"], at_op(1, 2), dy)
         c["stash"] = jax.tree.map(lambda b, v: put(b, at_op(2), v), c["stash"], stash)

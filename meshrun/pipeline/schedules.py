@@ -394,7 +394,7 @@ def buffer_sizes(table, stage: int) -> BufferSizes:
     producer's op) before the tick that consumes them; a value consumed in its arrival tick needs
     none (it is read straight from the ppermute result)."""
     fin, bin_ = inbox_intervals(table, stage)
-    held = lambda iv: _max_overlap([(a, b - 1) for a, b in iv.values() if a <= b - 1])  # noqa: E731
+    held = lambda iv: _max_overlap([(a, b - 1) for a, b in iv.values() if a <= b - 1])
     return BufferSizes(max_in_flight(table, stage), held(fin), held(bin_))
 
 

@@ -81,7 +81,7 @@ class LayerSplit:
             return layers
         if self.even:
             lc = self.lmax
-            one = lambda a: a.reshape(self.v, self.p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)  # noqa: E731
+            one = lambda a: a.reshape(self.v, self.p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
             return jax.tree.map(one, layers)
         idx = self.pipeline_index()
         take = np.where(idx >= 0, idx, self.n)  # padding reads an appended zero entry
@@ -98,7 +98,7 @@ class LayerSplit:
             return layers
         if self.even:
             lc = self.lmax
-            one = lambda a: a.reshape(self.p, self.v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)  # noqa: E731
+            one = lambda a: a.reshape(self.p, self.v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
             return jax.tree.map(one, layers)
         pos = self.model_index()
         return jax.tree.map(lambda a: jnp.take(a, pos, axis=0), layers)

@@ -106,8 +106,8 @@ def uneven_apply(apply_layers: Callable, lmin: int, n, params, x):
     def unit(carry, inp):
         y, aux = carry
         p_j, j = inp
-        run = lambda: apply_layers(jax.tree.map(lambda a: a[None], p_j), y)  # noqa: E731
-        skip = lambda: (y, jax.tree.map(jnp.zeros_like, aux))  # noqa: E731
+        run = lambda: apply_layers(jax.tree.map(lambda a: a[None], p_j), y)
+        skip = lambda: (y, jax.tree.map(jnp.zeros_like, aux))
         y, a_j = jax.lax.cond(j < n, run, skip)
         return (y, jax.tree.map(jnp.add, aux, a_j)), None
 

@@ -39,7 +39,7 @@ class StageRun:
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
         # Total tokens first, from the labels alone: each head backward then uses the exact 1/N.
-        flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_local = contract.token_count(self.fns, other, flat(tok), flat(lab))
         self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
         self.n_seq = self.m * tok.shape[1] * pl.dp
@@ -50,7 +50,7 @@ class StageRun:
         if pl.residuals == "store":
             # segment ids are data, not activations: leaves that depend on them alone are rebuilt
             # in the backward from the same microbatch's ids, like the weight-only leaves
-            stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)  # noqa: E731
+            stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)
             self.mask, avals = activation_residuals(stage0, self.chunk(0), self.x_zero, self._seg(0))
             self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
@@ -188,7 +188,7 @@ class StageRun:
             keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
 
         def head():
-            hl = lambda o, a: fns.head_loss(o, a, take(self.lab, mb))  # noqa: E731
+            hl = lambda o, a: fns.head_loss(o, a, take(self.lab, mb))
             ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
             d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
             return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)

@@ -12,7 +12,7 @@
   and writes the s x s scores; flash attention (attention_impl=cudnn) is its own term: its FLOPs (the
   masked half skipped, the backward recomputing the scores: 2.5x the forward) at FLASH_EFFICIENCY.
 
-`Calibration` (gemm, hbm) is fitted on Megatron-LM's PTD-P Table 1 by `search.fit_calibration`
+`Calibration` (gemm, hbm) is fitted on Megatron-LM's PTD-P Table 1 by `calibrate.fit_calibration`
 (leave-one-out errors in the README and tests/test_planner.py).
 """
 

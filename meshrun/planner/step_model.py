@@ -150,7 +150,7 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
     opt = 2 * pb * (dense / shard[2] + experts / eshard[2]) + pb * (dense + experts)
-    if lay.zero == 3:  # all weights gathered before the loop (`train.gather_params`)
+    if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
     return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,

@@ -193,7 +193,7 @@ def _rack_warnings(mesh: Mesh) -> list[str]:
     n = max(racks.values()) + 1
     if n == 1:
         return []
-    spans = lambda axis: max(len({racks[i] for i in g}) for g in axis_groups(mesh, axis))  # noqa: E731
+    spans = lambda axis: max(len({racks[i] for i in g}) for g in axis_groups(mesh, axis))
     if spans("pipe") > 1:
         return []
     out = []

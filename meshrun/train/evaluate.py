@@ -36,7 +36,7 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Call
     """(params, tokens, labels[, segment_ids]) -> (loss_sum, n_tokens), global sums, forward only."""
     mesh, m = zl.mesh, microbatches
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
-    psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
+    psum = lambda x: jax.lax.psum(x, live) if live else x
 
     def body(params, *batch):
         with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
@@ -46,7 +46,7 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Call
                 loss_sum, n_tok, _ = contract.forward_sums(fns, params, *mb)
                 return (acc[0] + loss_sum.astype(jnp.float32), acc[1] + n_tok), None
 
-            split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
+            split = lambda a: a.reshape(m, b, *a.shape[1:])
             zero = jnp.zeros((), jnp.float32)
             (loss_sum, n_tok), _ = jax.lax.scan(micro, (zero, zero), tuple(split(a) for a in batch))
             return psum(loss_sum), psum(n_tok)
@@ -72,7 +72,7 @@ def make_eval_step(train_step: TrainStep, mesh) -> Callable:
     cfg, fns = plan.cfg, plan.model_fns
     if plan.pipe > 1:  # the layers as the train step stores them: padded pipeline placement, the same split
         pl = Pipeline(fns, cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline", program=plan.program)
-        sums = lambda params, *batch: forward_sums(pl, params, *batch)  # noqa: E731
+        sums = lambda params, *batch: forward_sums(pl, params, *batch)
     else:
         sums = forward_sums_fn(fns, plan.zero, cfg.pipeline.microbatches)
     n_batch = 3 if cfg.data.pack_documents else 2

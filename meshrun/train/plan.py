@@ -100,7 +100,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
         abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
-        build = lambda shapes: ZeroShardings.build(  # noqa: E731
+        build = lambda shapes: ZeroShardings.build(
             fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
         )
         model_zero = build(abstract)

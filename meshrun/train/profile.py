@@ -20,7 +20,7 @@ def profile(cfg, steps: int, out: str | Path) -> dict:
     mesh, train_step, ds = prepare(cfg)
     init = cfg.checkpoint.init_params
     state = train_step.init_from(restore_params(init, train_step.abstract_state.params)) if init else train_step.init()
-    batch = lambda s: global_batch_arrays(ds, s, mesh, P(DP_AXES))  # noqa: E731
+    batch = lambda s: global_batch_arrays(ds, s, mesh, P(DP_AXES))
     compiled = train_step.step.lower(state, *batch(0)).compile()
     state, metrics = compiled(state, *batch(0))
     jax.block_until_ready(metrics)

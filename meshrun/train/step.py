@@ -79,7 +79,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
     reduction after the loop. Returns (loss, grads in the ZeRO grad sharding, metrics)."""
     mesh, m = zl.mesh, microbatches
     live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
-    psum = lambda x: jax.lax.psum(x, live) if live else x  # noqa: E731
+    psum = lambda x: jax.lax.psum(x, live) if live else x
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
     batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
 
@@ -102,7 +102,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
 
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
             zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
-            split = lambda a: a.reshape(m, b, *a.shape[1:])  # noqa: E731
+            split = lambda a: a.reshape(m, b, *a.shape[1:])
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, tuple(split(a) for a in batch))
             loss, metrics = contract.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
             return loss, zl.reduce_local(gsum), metrics
@@ -126,7 +126,7 @@ def relayout(state: TrainState, tx, fn) -> TrainState:
     stage's chunks are local (no weight moves per step; interleaved: chunk order, uneven: padded);
     checkpoints keep model order, so they restore into any placement and split."""
     flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
-    one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x  # noqa: E731
+    one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x
     params = {**state.params, "layers": fn(state.params["layers"])}
     opt = optax.tree_map_params(tx, one, state.opt_state, flags)
     return state._replace(params=params, opt_state=opt)
@@ -169,7 +169,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     state_sh = state_shardings(zl, tx, abstract_run)
     batch_sh = NamedSharding(mesh, P(DP_AXES))
     # Offloaded state rests in host memory: whatever computes on it moves it in and back out.
-    host = lambda st, sh=state_sh: zl.to_host(st, sh)  # noqa: E731
+    host = lambda st, sh=state_sh: zl.to_host(st, sh)
     init = jax.jit(lambda: host(run_state()), out_shardings=state_sh)
     if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
         model_sh = state_shardings(plan.model_zero, tx, abstract)
@@ -180,7 +180,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         init_from = jax.jit(lambda prm: host(relayout(state_from(prm), tx, split.to_pipeline)), out_shardings=state_sh)
     else:
         model_sh = state_sh
-        to_run = to_model = lambda st: st  # noqa: E731
+        to_run = to_model = lambda st: st
         init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(plan, mesh)
 
@@ -197,7 +197,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     step = jax.jit(
         train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
-    with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)  # noqa: E731
+    with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)
     return TrainStep(
         step,
         init,
@@ -216,7 +216,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
 def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:
     """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`, each in
     the memory `zl` rests it in (pinned host when offloaded)."""
-    sh = lambda spec: NamedSharding(zl.mesh, spec)  # noqa: E731
+    sh = lambda spec: NamedSharding(zl.mesh, spec)
     opt_sh = optax.tree_map_params(
         tx,
         lambda _, s: s,
