@@ -224,7 +224,7 @@ def test_local_dry_run():
         assert "MESHRUN_COORDINATOR=127.0.0.1:" in line and "JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:" in line
         assert "--xla_force_host_platform_device_count=4" in line and "JAX_PLATFORMS=cpu" in line
         assert line.split(" > ")[1] == f"runs/x/logs/rank{i}.log 2>&1"
-        assert "-m meshrun.cli.main train --quiet configs/tiny_cpu.yaml train.steps=3 train.run_dir=runs/x" in line
+        assert "-m meshrun.cli train --quiet configs/tiny_cpu.yaml train.steps=3 train.run_dir=runs/x" in line
     assert lines[0].split("MESHRUN_COORDINATOR=")[1].split()[0] == lines[1].split("MESHRUN_COORDINATOR=")[1].split()[0]
 
 
@@ -248,7 +248,7 @@ def test_hosts_dry_run(tmp_path):
     for i, line in enumerate(lines):
         assert f"MESHRUN_COORDINATOR=node1:7000 MESHRUN_NUM_PROCESSES=2 MESHRUN_PROCESS_ID={i} " in line
         assert "MESHRUN_HEARTBEAT_S=45" in line and "source launch/gpu_env.sh" in line
-        assert "-m meshrun.cli.main train --quiet configs/tiny_cpu.yaml train.steps=3" in line
+        assert "-m meshrun.cli train --quiet configs/tiny_cpu.yaml train.steps=3" in line
         assert line.endswith(f"> L/host{i}.log 2>&1")
 
 
@@ -258,7 +258,7 @@ def test_slurm_dry_run():
     xla, srun = r.stdout.strip().splitlines()
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in xla
     assert srun.startswith("srun --kill-on-bad-exit=1 ")
-    assert srun.endswith("-m meshrun.cli.main train --quiet configs/tiny_cpu.yaml train.steps=3")
+    assert srun.endswith("-m meshrun.cli train --quiet configs/tiny_cpu.yaml train.steps=3")
     text = (ROOT / "launch/slurm.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
 
