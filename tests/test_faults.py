@@ -183,7 +183,7 @@ def test_two_runs_at_once_then_sigterm_during_compile(tmp_path):
 
 # ------------------------------------------------------------------ the supervisor, with stand-in ranks
 
-# Stand-in for PYTHON in launch/local.sh: real python for `-c` and `meshrun.cli.main supervise`; as a rank,
+# Stand-in for PYTHON in launch/local.sh: real python for `-c` and `-m meshrun.cli supervise`; as a rank,
 # it follows `plan`: one word per attempt: ok (rank 0 logs a metrics row, prints the result line,
 # all exit 0), kill1 (rank 1 SIGKILLs itself, rank 0 logs a row), nan (rank 0
 # exits 3), bad (exit 2), down (rank 1 SIGKILLs itself at once, no row). It records its arguments.

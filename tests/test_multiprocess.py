@@ -265,7 +265,7 @@ def _rank_pid(run: Path, attempt: int, rank: int, deadline: float) -> int:
         for d in Path("/proc").iterdir():
             try:
                 cmd = (d / "cmdline").read_bytes()
-                if b"meshrun.cli.main\0train" in cmd and f"train.run_dir={run}".encode() in cmd:
+                if b"meshrun.cli\0train" in cmd and f"train.run_dir={run}".encode() in cmd:
                     if want <= set((d / "environ").read_bytes().split(b"\0")):
                         return int(d.name)
             except (OSError, ValueError):
