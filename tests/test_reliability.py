@@ -288,12 +288,12 @@ def test_distributed_failure_after_preflight_exits_6(tmp_path, capsys, monkeypat
 def test_internal_error_is_one_line_unless_debug(capsys, monkeypatch, debug):
     """An unexpected exception (a bug, e.g. a failed assert in explain) -> exit 1, one line; --debug
     adds the traceback."""
-    import meshrun.train.explain
+    import meshrun.cli.explain
 
     def broken(cfg):
         raise AssertionError("layout mismatch")
 
-    monkeypatch.setattr(meshrun.train.explain, "explain", broken)
+    monkeypatch.setattr(meshrun.cli.explain, "explain", broken)
     monkeypatch.delenv("MESHRUN_DEBUG", raising=False)
     rc = main(["explain", CONFIG, *SMALL, *(["--debug"] if debug else [])])
     err = capsys.readouterr().err
@@ -304,12 +304,12 @@ def test_internal_error_is_one_line_unless_debug(capsys, monkeypatch, debug):
 
 
 def test_out_of_device_memory_is_a_training_error_not_a_bug(capsys, monkeypatch):
-    import meshrun.train.explain
+    import meshrun.cli.explain
 
     def oom(cfg):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB\nBufferAssignment...")
 
-    monkeypatch.setattr(meshrun.train.explain, "explain", oom)
+    monkeypatch.setattr(meshrun.cli.explain, "explain", oom)
     rc = main(["explain", CONFIG, *SMALL])
     line = one_error_line(capsys.readouterr().err, "explain")
     assert rc == 3
