@@ -140,7 +140,7 @@ def _unit(p: Mapping, x_BxLxD: jax.Array, segments, cfg: ModelConfig):
     return _block(p["moe"], x_BxLxD, cfg, moe=True, segments=segments)
 
 
-def _remat(fn, policy: str):
+def remat_unit(fn, policy: str):
     if policy == "none":
         return fn
     if policy == "full":  # Chen et al. 2016: keep only the unit input, recompute everything
@@ -158,7 +158,7 @@ OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
 )  # fmt: skip
 
 
-def _grouped(unit, k: int):
+def grouped_remat(unit, k: int):
     """remat_every=k: one rematerialised function over k stacked units. Only the group's input is
     kept; the backward re-runs the k units without remat (the same recompute as full remat, one
     forward), so saved layer inputs fall by k and the working set is one group's activations."""
@@ -203,10 +203,10 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segmen
             raise ConfigError(
                 "model.remat_every", k, f"use a divisor of the {n} stacked units each call runs", "does not divide"
             )
-        unit = _grouped(functools.partial(_unit, cfg=cfg), k)
+        unit = grouped_remat(functools.partial(_unit, cfg=cfg), k)
         p = jax.tree.map(lambda a: a.reshape(n // k, k, *a.shape[1:]), p)
     else:
-        unit = _remat(functools.partial(_unit, cfg=cfg), cfg.remat)
+        unit = remat_unit(functools.partial(_unit, cfg=cfg), cfg.remat)
 
     x = constrain(x_BxLxD, RESID)
     vma = _vma(x)
@@ -265,8 +265,6 @@ def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> 
             "vocab not divisible by the tensor-parallel degree",
         )
     if cfg.is_moe:
-        if cfg.top_k > cfg.n_experts:
-            raise ConfigError("model.top_k", cfg.top_k, f"use 1 <= top_k <= n_experts={cfg.n_experts}")
         if cfg.n_experts % ep:
             raise ConfigError(
                 "model.n_experts",

@@ -31,6 +31,7 @@ def predict_memory(model, **kw):
     lay = cost.model_layout(model, **{k: v for k, v in kw.items() if k in LAYOUT_FIELDS})
     return cost.predict_memory(model, lay, **{k: v for k, v in kw.items() if k not in LAYOUT_FIELDS})
 
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
 GPT3 = MODELS / "gpt3-175b.yaml"

@@ -12,6 +12,7 @@ from meshrun.config import ModelConfig, RunConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+
 @dataclass(frozen=True)
 class Layout:
     """One candidate parallel layout. Dense layers' data-parallel group is data x expert (EP folded

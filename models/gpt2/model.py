@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshrun_models.attention import attention
 from meshrun_models.layers import Lead, arrays, dtype_of, embed_lookup, normal_param, ones_param, vocab_parallel_xent
 from meshrun_models.layers import zeros_param as zeros
-from meshrun_models.transformer import FULL, RESID, _grouped, _remat
+from meshrun_models.transformer import FULL, RESID, grouped_remat, remat_unit
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
@@ -135,10 +135,10 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig):
             raise ConfigError(
                 "model.remat_every", k, f"use a divisor of the {n} stacked units each call runs", "does not divide"
             )
-        unit = _grouped(block, k)
+        unit = grouped_remat(block, k)
         p = jax.tree.map(lambda a: a.reshape(n // k, k, *a.shape[1:]), p)
     else:
-        unit = _remat(block, cfg.remat)
+        unit = remat_unit(block, cfg.remat)
     x = constrain(x_BxLxD, RESID)
 
     def step(x, p_unit):
