@@ -11,6 +11,7 @@ in its softmax; jax.nn.dot_product_attention's cuDNN path (jax 0.10/0.11) takes 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -41,6 +42,52 @@ def _impl(name: str) -> str | None:
     if name == "cudnn" and jax.default_backend() != "gpu":
         return None
     return name
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def softmax_to(x: jax.Array, dtype) -> jax.Array:
+    """softmax(x) over the last axis (x float32), returned in `dtype`. Its backward reads only that
+    output (Megatron's fused softmax: dx = y (dy - sum(dy y))), so a remat policy that saves the
+    probabilities in the compute dtype keeps 2 bytes per score in bf16, not float32 scores and probabilities."""
+    return jax.nn.softmax(x, axis=-1).astype(dtype)
+
+
+def _softmax_fwd(x, dtype):
+    y = softmax_to(x, dtype)
+    return y, y
+
+
+def _softmax_bwd(dtype, y, dy):
+    y32, dy32 = y.astype(jnp.float32), dy.astype(jnp.float32)
+    return ((dy32 - jnp.sum(dy32 * y32, axis=-1, keepdims=True)) * y32,)
+
+
+softmax_to.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def attention_core(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_Bx1xLxS=None, window=None) -> jax.Array:
+    """Causal grouped-query attention on XLA (CPU, or GPU without flash): float32 scores and softmax,
+    probabilities in the compute dtype (named `probs`: the s x s tensor `remat=none` keeps, as
+    Megatron does), the same arithmetic as jax.nn.dot_product_attention's XLA path. `window`
+    (left, 0): a query attends to keys at most `left` positions back. Returns B x L x K x G x Dh."""
+    dt = q_BxLxKxGxDh.dtype
+    scale = q_BxLxKxGxDh.shape[-1] ** -0.5
+    prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if dt == jnp.bfloat16 else None
+    s_BxKxGxLxS = jnp.einsum(
+        "blkgd,bskd->bkgls", q_BxLxKxGxDh, k_BxSxKxDh, precision=prec, preferred_element_type=jnp.float32
+    )
+    s_BxKxGxLxS = s_BxKxGxLxS * jnp.float32(scale)
+    length, keys = s_BxKxGxLxS.shape[-2:]
+    qi, ki = jnp.arange(length)[:, None], jnp.arange(keys)[None, :]
+    keep = qi >= ki
+    if window is not None:
+        keep = keep & (qi - ki <= window[0])
+    keep = keep[None, None, None]
+    if mask_Bx1xLxS is not None:
+        keep = keep & mask_Bx1xLxS[:, :, None]
+    s_BxKxGxLxS = jnp.where(keep, s_BxKxGxLxS, jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))
+    p_BxKxGxLxS = checkpoint_name(softmax_to(s_BxKxGxLxS, dt), "probs")
+    return jnp.einsum("bkgls,bskd->blkgd", p_BxKxGxLxS, v_BxSxKxDh)
 
 
 def segment_info(segment_ids_BxL: jax.Array | None):
@@ -83,17 +130,17 @@ def attention(
     if rotary:
         freq = rope_freqs(cfg)
         q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)
-    q_BxLxHxDh = constrain(q_BxLxHxDh, ("batch", None, "heads", "head_dim"))
-    k_BxLxKxDh = constrain(k_BxLxKxDh, ("batch", None, "kv_heads", "head_dim"))
+    q_BxLxHxDh = checkpoint_name(constrain(q_BxLxHxDh, ("batch", None, "heads", "head_dim")), "q_rot")
+    k_BxLxKxDh = checkpoint_name(constrain(k_BxLxKxDh, ("batch", None, "kv_heads", "head_dim")), "k_rot")
+    v_BxLxKxDh = checkpoint_name(constrain(v_BxLxKxDh, ("batch", None, "kv_heads", "head_dim")), "v")
     window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
-    o_BxLxHxDh = jax.nn.dot_product_attention(
-        q_BxLxHxDh,
-        k_BxLxKxDh,
-        v_BxLxKxDh,
-        mask=mask,
-        is_causal=True,
-        local_window_size=window,
-        implementation=_impl(cfg.attention_impl),
-    )
+    impl = _impl(cfg.attention_impl)
+    if impl == "cudnn":  # flash attention: keeps its output and log-sum-exp, never the s x s scores
+        o_BxLxHxDh = jax.nn.dot_product_attention(
+            q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask, is_causal=True, local_window_size=window, implementation=impl
+        )
+    else:
+        q = q_BxLxHxDh.reshape(b, length, n_kv, g, dh)
+        o_BxLxHxDh = attention_core(q, k_BxLxKxDh, v_BxLxKxDh, mask, window).reshape(b, length, cfg.n_heads, dh)
     o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
     return jnp.einsum("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt))

@@ -23,8 +23,16 @@ from meshrun.parallel.sharding import constrain
 
 Lead = tuple[tuple[int, str | None], ...]
 
-# Activation names used by the `selective` remat policy (saved; everything else is recomputed).
+# Activation names used by the `selective` remat policy (saved; everything else is recomputed):
+# the matmul outputs the backward cannot rebuild without a matmul, less than Megatron's selective set
+# (RoPE, the norms and the attention core are recomputed).
 SAVED_NAMES = ("qkv", "attn_out", "resid_mid", "mlp_hidden")
+# `remat=none`: what Megatron keeps without recompute (Korthikanti et al. 2022, section 4): the norm
+# outputs (matmul inputs; named before the sequence-parallel all-gather, so kept split over
+# 'tensor'), roped q and k, v, the softmax output in the compute dtype, the attention output, the
+# mid-block residual, the MLP's pre-activation and activation output. Only element-wise work
+# (the norms' statistics, RoPE's rotation) is recomputed; nothing is saved in float32.
+KEPT_NAMES = ("attn_in", "q_rot", "k_rot", "v", "probs", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_act")
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -153,6 +161,7 @@ def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax
         u = jnp.einsum("bld,df->blf", h_BxLxD, p["up"].astype(dt))
         u = checkpoint_name(constrain(u, ("batch", None, "mlp")), "mlp_hidden")
         a_BxLxF = jax.nn.gelu(u)
+    a_BxLxF = checkpoint_name(constrain(a_BxLxF, ("batch", None, "mlp")), "mlp_act")
     out = jnp.einsum("blf,fd->bld", a_BxLxF, p["down"].astype(dt))
     return out
 

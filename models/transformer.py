@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from meshrun_models.attention import Attention, attention, segment_info
 from meshrun_models.layers import (
+    KEPT_NAMES,
     MLP,
     SAVED_NAMES,
     Lead,
@@ -121,10 +122,10 @@ def embed(params: Any, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments=None):
-    h = constrain(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), FULL)
+    h = constrain(checkpoint_name(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), "attn_in"), FULL)
     x = x_BxLxD + constrain(attention(p["attn"], h, cfg, segments), RESID)
     x = checkpoint_name(x, "resid_mid")
-    h = constrain(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), FULL)
+    h = constrain(checkpoint_name(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "mlp_in"), FULL)
     if moe:
         y, stats = moe_ffn(p["moe"], h, cfg)
     else:
@@ -140,9 +141,14 @@ def _unit(p: Mapping, x_BxLxD: jax.Array, segments, cfg: ModelConfig):
     return _block(p["moe"], x_BxLxD, cfg, moe=True, segments=segments)
 
 
-def remat_unit(fn, policy: str):
+def remat_unit(fn, policy: str, *, named: bool = True):
+    """A unit under the remat policy: none keeps Megatron's no-recompute set (`layers.KEPT_NAMES`,
+    element-wise work recomputed), selective `layers.SAVED_NAMES`, full only the unit input.
+    `named=False` (an MoE unit, whose routing and all_to_alls carry no names): none keeps everything."""
     if policy == "none":
-        return fn
+        if not named:
+            return fn
+        return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES))
     if policy == "full":  # Chen et al. 2016: keep only the unit input, recompute everything
         return jax.checkpoint(fn, prevent_cse=False)
     if policy == "offload":  # selective's names, kept in pinned host memory between forward and backward
@@ -206,7 +212,7 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segmen
         unit = grouped_remat(functools.partial(_unit, cfg=cfg), k)
         p = jax.tree.map(lambda a: a.reshape(n // k, k, *a.shape[1:]), p)
     else:
-        unit = remat_unit(functools.partial(_unit, cfg=cfg), cfg.remat)
+        unit = remat_unit(functools.partial(_unit, cfg=cfg), cfg.remat, named=not cfg.is_moe)
 
     x = constrain(x_BxLxD, RESID)
     vma = _vma(x)

@@ -64,15 +64,16 @@ def test_offload_optimizer_and_activations_pipelined_match_one_device():
 
 def test_offload_optimizer_and_remat_every_data_parallel_match_one_device():
     """data4 x tensor2, ZeRO-3, remat_every=2: same numbers; device argument bytes fall by the
-    optimizer state, which now sits in host memory (memory_analysis + the entry layout's S(5)).
-    The baseline is test_train's ZeRO-3 compile (cached there)."""
+    optimizer state, which now sits in host memory (memory_analysis + the entry layout's S(5)), against
+    the same layout and remat without the offload."""
     over = [*DP4, "train.zero=3"]
     cfg = _cfg("tiny_cpu.yaml", [*over, "train.offload_optimizer=true", "model.remat=full", "model.remat_every=2"])
     losses, state, compiled = _train(cfg)
     assert_same((losses, jax.device_get(state.params)), reference("tiny_cpu.yaml"))
     assert {x.sharding.memory_kind for x in _moments(state)} == {"pinned_host"}
     opt_bytes = sum(x.addressable_shards[0].data.nbytes for x in _moments(state))
-    on, off = memory_spaces(compiled), memory_spaces(_compiled(over)[0])
+    on = memory_spaces(compiled)
+    off = memory_spaces(_compiled([*over, "model.remat=full", "model.remat_every=2"])[0])
     assert off["host"] == 0 and on["host"] == opt_bytes  # arguments and outputs alias (donated)
     assert off["device_argument"] - on["device_argument"] >= opt_bytes
     assert off["device"] - on["device"] >= opt_bytes

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from meshrun.analysis.flops import layer_params, param_counts
 from meshrun.config import ModelConfig
+from meshrun.planner.activations import layer_activation_bytes as layer_activation_bytes
 from meshrun.planner.layout import DTYPE_BYTES as DTYPE_BYTES
 from meshrun.planner.layout import Layout as Layout
 from meshrun.planner.layout import Precision as Precision
@@ -38,33 +39,6 @@ FRAGMENTATION = 0.10
 
 
 # ----------------------------------------------------------------------------- memory
-
-
-def layer_activation_bytes(
-    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, dropout: bool, flash: bool, moe=False
-) -> float:
-    """Bytes one layer keeps for its backward, per micro-batch (Korthikanti 2022, section 4).
-    GPT-3 (a=2 bytes, dropout): sbh(34 + 5as/h); TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: sbh/t (34 + 5as/h);
-    selective drops 5as/h. Generalised to GQA, swiglu, MoE and no-dropout models by counting tensors."""
-    sbh = s * b * m.d_model
-    mask = 1.0 if dropout else 0.0
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    # Replicated across TP without SP: LN1 input, QKV input, LN2 input, MLP input (+ 2 dropout masks).
-    repl = 4 * act * sbh + 2 * mask * sbh
-    # Split by TP: Q, K, V; out-proj input; MLP intermediates (gelu: fc1 out + gelu out; swiglu: gate, up, prod).
-    mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
-    mlp = act * mlp_elems
-    if moe:  # routed copies of the tokens (top_k x capacity), router logits, dispatch + combine buffers
-        routed = m.top_k * m.capacity_factor
-        mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
-    split = act * s * b * (q + 2 * kv) + act * s * b * q + mlp
-    if flash:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores
-        core = 4.0 * b * m.n_heads * s
-    else:  # softmax output (+ dropout mask and dropout output)
-        core = b * m.n_heads * s * s * (act + (mask + act if dropout else 0.0))
-    if remat == "selective":
-        core = 0.0 if not flash else core
-    return (repl + split + core) / t if sp else repl + (split + core) / t
 
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:

@@ -5,7 +5,7 @@ Levers (the train step's `train.offload_optimizer` and `model.remat=offload`):
   pinned host memory; every step fetches it for the update and writes it back: 2 x its bytes over
   the host link, exposed (the update waits for it).
 * activations: the layer inputs stay on the device (full remat's footprint); the selective names
-  (`step_model.saved_name_bytes`) go to host in the forward and come back for the backward: 2 x
+  (`activations.saved_name_bytes`) go to host in the forward and come back for the backward: 2 x
   their bytes per layer and micro-batch over the host link, overlapped with compute (DMA engines),
   so only the excess over the compute time is charged. Compute is selective's (no matmul recompute).
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshrun.config import ModelConfig
+from meshrun.planner.activations import saved_name_bytes
 from meshrun.planner.cost import precision_of
 from meshrun.planner.hardware import COMM_EFFICIENCY, GB, Cluster
-from meshrun.planner.step_model import saved_name_bytes
 
 LEVERS = (("optimizer",), ("optimizer", "activations"))  # tried in this order when nothing fits
 

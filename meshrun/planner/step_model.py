@@ -14,41 +14,8 @@ import functools
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.pipeline import schedules
+from meshrun.planner.activations import autodiff_bytes, meshrun_layer_bytes, saved_name_bytes
 from meshrun.planner.layout import Layout, precision_of, zero_divisors
-
-
-def jax_layer_residual_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe=False) -> float:
-    """Bytes JAX autodiff keeps for one layer's backward in meshrun's model (no remat), per micro-batch
-    and device: counted with `jax.ad_checkpoint.print_saved_residuals` on `meshrun_models.apply_layers`
-    (and seen as the [L, ...] stacked buffers in XLA's buffer assignment). More than Korthikanti's
-    Megatron count, because JAX saves every elementwise intermediate it differentiates through:
-    6 b·s·h (layer input, two RMSNorm products, residual mid-point), q + 4 kv (roped q, k, v and the
-    fused k/v) split over TP, 6 b·s·d_ff (gate/up pair, silu/gelu intermediates and product, for
-    swiglu and tanh-gelu alike), 2 b·a·s² (scores and probabilities; flash keeps the fp32 lse and out).
-    MoE FFN: the 6 d_ff tensors (split over TP) for the k·cf routed copies of each token, 7 h-wide
-    routed buffers (dispatch/combine einsums and both all_to_alls' inputs and outputs, replicated
-    over TP: 7 under EP x TP in XLA's buffer assignment of tiny_moe_cpu, 2 on one device), plus the
-    fp32 dispatch/combine tensors [b, s, E, C] with E·C = cf·k·s."""
-    sb, h = s * b, m.d_model
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    core = 4.0 * b * m.n_heads * s * 2 if flash else 2.0 * act * b * m.n_heads * s * s
-    attn = act * sb * (q + 4 * kv) + core
-    if moe:
-        routed = m.top_k * m.capacity_factor
-        ffn = act * sb * routed * 6 * m.d_ff + 2 * 4.0 * sb * routed * s
-        attn += 7 * act * sb * routed * h * t  # not split over TP (divided by t below)
-    else:
-        ffn = act * sb * 6 * m.d_ff
-    return 6 * act * sb * h + (attn + ffn) / t
-
-
-def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float) -> float:
-    """Bytes per layer of the activations `selective` keeps and `offload` moves to host
-    (layers.SAVED_NAMES): fused qkv, attention output, mid-block residual, MLP hidden (gate+up)."""
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    ff = (2 if m.mlp == "swiglu" else 1) * m.d_ff
-    resid = m.d_model / (t if m.sequence_parallel else 1)
-    return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
 
 
 def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
@@ -94,7 +61,7 @@ def predict_memory_jax(
     * grads: the microbatch-loop carry plus the fresh microbatch gradient (2x when m > 1).
     * optimizer: Adam m and v in the param dtype, plus one param-sized temporary of the update
       (clipped gradients / updates; params, m and v are donated and updated in place).
-    * activations: `jax_layer_residual_bytes` per layer; without a pipeline one micro-batch's worth
+    * activations: `activations.meshrun_layer_bytes` per layer; without a pipeline one micro-batch's worth
       (the loop runs value_and_grad per micro-batch); with one, the executor's fixed residual buffer
       of `slots + 1` chunks (+1 trash slot) plus the chunk being produced or consumed; plus the
       loop-invariant causal-mask residual (f32 + bool [b, a, s, s]) of each layer of a unit.
@@ -149,7 +116,9 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     grads = pb * (dense / shard[1] + experts / eshard[1])
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
-    opt = 2 * pb * (dense / shard[2] + experts / eshard[2]) + pb * (dense + experts)
+    # Adam m, v and the update temporary, all where ZeRO puts the optimizer state (the update is computed
+    # on the shard the moments live on)
+    opt = 3 * pb * (dense / shard[2] + experts / eshard[2])
     if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
@@ -166,18 +135,20 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     v = lay.virtual if lay.schedule == "interleaved" else 1
     flash = model.attention_impl == "cudnn"
     moe_frac = model.n_moe_layers / model.n_layers
-    dense_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash)
-    moe_res = jax_layer_residual_bytes(model, b, s, t, act=ab, flash=flash, moe=True) if model.n_moe_layers else 0.0
-    per_layer = (1 - moe_frac) * dense_res + moe_frac * moe_res
+    kw = dict(sp=sp, act=ab, flash=flash)
+    res = lambda mode: (
+        (1 - moe_frac) * meshrun_layer_bytes(model, b, s, t, remat=mode, **kw)
+        + (moe_frac * meshrun_layer_bytes(model, b, s, t, remat=mode, moe=True, **kw) if model.n_moe_layers else 0.0)
+    )
+    per_layer = res("selective" if remat == "selective" else "none")
     working, host_acts = 0.0, 0.0
     layer_in = ab * s * b * h / (t if sp else 1)
-    if remat == "full":  # keep each unit's input; the backward rebuilds one layer at a time
-        k = model.remat_every  # k > 1: one input per group of k; the backward rebuilds a whole group
-        per_layer, working = layer_in / k, k * max(dense_res, moe_res)
+    if remat == "full":  # keep each unit's input; the backward rebuilds one unit (a group of k) at a time
+        k = model.remat_every
+        rebuilt = autodiff_bytes(model, b, s, t, act=ab, flash=flash, moe=model.n_moe_layers > 0)
+        per_layer, working = layer_in / k, k * rebuilt
     elif remat == "offload":  # the unit input stays; the selective names go to host memory
         per_layer, host_acts = layer_in, saved_name_bytes(model, b, s, t, act=ab)
-    elif remat == "selective" and not flash:  # the s x s attention core is recomputed
-        per_layer -= 2.0 * ab * b * model.n_heads * s * s / t
     stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
@@ -187,9 +158,8 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     else:
         acts = stage_layers * per_layer + working
         host_acts *= stage_layers
-    if not flash and remat == "none":
-        unit = model.moe_every if model.is_moe else 1
-        acts += unit * b * model.n_heads * s * s / t * (ab + 1)
+    if not flash and remat == "none" and model.is_moe:  # the causal mask, a residual of the unnamed MoE unit
+        acts += model.moe_every * b * model.n_heads * s * s / t * (ab + 1)
     return acts, host_acts
 
 

@@ -124,6 +124,29 @@ def compile_step(cfg):
     return train_step.step.lower(train_step.abstract_run, *(tokens,) * n_batch).compile(), mesh, train_step.plan
 
 
+def saved_bytes_per_layer(cfg, depths: tuple[int, int] = (2, 4)) -> float:
+    """Activation bytes one device keeps per layer and per sequence of a microbatch, from compiled
+    programs: the double difference of `memory_analysis().temp` over two depths and two microbatch
+    sizes (1 and 2 rows per microbatch on a device), so the working set (it does not grow with depth) and the
+    per-layer gradient and optimizer temporaries (they do not grow with the batch) cancel:
+    [T(L2, 2) - T(L1, 2) - T(L2, 1) + T(L1, 1)] / (L2 - L1). Needs mesh.pipe = 1.
+    Run it with the compute dtype float32 on CPU: XLA:CPU computes bf16 dots in float32 and hoists
+    the conversion of a whole stack of saved bf16 activations out of the backward loop, a float32
+    copy a GPU never makes (seen in the buffer assignment)."""
+    if cfg.mesh.pipe != 1:
+        raise ValueError("saved_bytes_per_layer needs mesh.pipe=1 (the pipeline holds several microbatches)")
+    mc = cfg.mesh
+    dp = (mc.data if mc.data > 0 else needed_devices(cfg) // (mc.tensor * mc.expert)) * mc.expert
+    temp = {}
+    for n in depths:
+        for b in (1, 2):  # rows per microbatch on one device
+            gb = b * dp * cfg.pipeline.microbatches
+            c = replace(cfg, model=replace(cfg.model, n_layers=n), train=replace(cfg.train, global_batch=gb))
+            temp[n, b] = compile_step(c)[0].memory_analysis().temp_size_in_bytes
+    l1, l2 = depths
+    return (temp[l2, 2] - temp[l1, 2] - temp[l2, 1] + temp[l1, 1]) / (l2 - l1)
+
+
 def explain(cfg) -> dict:
     """The report: {config, mesh, devices, compiled: bool, note, memory {predicted, compiled},
     collectives {predicted, compiled} (bytes per axis per step), counts {predicted, compiled}}."""

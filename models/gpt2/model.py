@@ -110,16 +110,17 @@ def _mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> ja
     dt = dtype_of(cfg.dtype)
     u = jnp.einsum("bld,df->blf", h_BxLxD, p["up"].astype(dt)) + p["up_bias"].astype(dt)
     u = checkpoint_name(constrain(u, ("batch", None, "mlp")), "mlp_hidden")
-    return jnp.einsum("blf,fd->bld", jax.nn.gelu(u, approximate=True), p["down"].astype(dt))
+    a = checkpoint_name(constrain(jax.nn.gelu(u, approximate=True), ("batch", None, "mlp")), "mlp_act")
+    return jnp.einsum("blf,fd->bld", a, p["down"].astype(dt))
 
 
 def _block(p: Mapping, x_BxLxD: jax.Array, segments, cfg: ModelConfig):
     dt = dtype_of(cfg.dtype)
-    h = constrain(layer_norm(x_BxLxD, p["ln_1"], cfg.norm_eps), FULL)
+    h = constrain(checkpoint_name(layer_norm(x_BxLxD, p["ln_1"], cfg.norm_eps), "attn_in"), FULL)
     a = attention(p["attn"], h, cfg, segments, rotary=False, bias=True)
     x = x_BxLxD + constrain(a, RESID) + p["attn"]["o_bias"].astype(dt)
     x = checkpoint_name(x, "resid_mid")
-    h = constrain(layer_norm(x, p["ln_2"], cfg.norm_eps), FULL)
+    h = constrain(checkpoint_name(layer_norm(x, p["ln_2"], cfg.norm_eps), "mlp_in"), FULL)
     y = constrain(_mlp(p["mlp"], h, cfg), RESID) + p["mlp"]["down_bias"].astype(dt)
     return constrain(x + y, RESID), {}
 

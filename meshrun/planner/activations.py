@@ -1,0 +1,88 @@
+"""Activation bytes one transformer layer keeps for its backward, per micro-batch and device:
+Megatron-LM's count (Korthikanti et al. 2022, section 4) and meshrun's own, which the remat
+policies of `meshrun_models` are built to match (`meshrun explain`'s `saved_bytes_per_layer`
+measures it on compiled programs; tests/test_memory.py asserts the two agree)."""
+
+from __future__ import annotations
+
+from meshrun.config import ModelConfig
+
+
+def layer_activation_bytes(
+    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, dropout: bool, flash: bool, moe=False
+) -> float:
+    """Bytes one layer keeps for its backward, per micro-batch (Korthikanti 2022, section 4).
+    GPT-3 (a=2 bytes, dropout): sbh(34 + 5as/h); TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: sbh/t (34 + 5as/h);
+    selective drops 5as/h. Generalised to GQA, swiglu, MoE and no-dropout models by counting tensors."""
+    sbh = s * b * m.d_model
+    mask = 1.0 if dropout else 0.0
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    # Replicated across TP without SP: LN1 input, QKV input, LN2 input, MLP input (+ 2 dropout masks).
+    repl = 4 * act * sbh + 2 * mask * sbh
+    # Split by TP: Q, K, V; out-proj input; MLP intermediates (gelu: fc1 out + gelu out; swiglu: gate, up, prod).
+    mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
+    mlp = act * mlp_elems
+    if moe:  # routed copies of the tokens (top_k x capacity), router logits, dispatch + combine buffers
+        routed = m.top_k * m.capacity_factor
+        mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
+    split = act * s * b * (q + 2 * kv) + act * s * b * q + mlp
+    if flash:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores
+        core = 4.0 * b * m.n_heads * s
+    else:  # softmax output (+ dropout mask and dropout output)
+        core = b * m.n_heads * s * s * (act + (mask + act if dropout else 0.0))
+    if remat == "selective":
+        core = 0.0 if not flash else core
+    return (repl + split + core) / t if sp else repl + (split + core) / t
+
+
+def meshrun_layer_bytes(
+    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, flash: bool, moe: bool = False
+) -> float:
+    """Bytes meshrun's compiled step keeps per layer (the unit's input, kept by the layer scan, included):
+    * none (dense): Megatron's no-recompute set without dropout (`layers.KEPT_NAMES`): equal to
+      `layer_activation_bytes(..., dropout=False)` on XLA's attention; on flash attention the kernel's
+      log-sum-exp is not kept (its forward is rerun in the backward).
+    * selective (and the device part of nothing else): the unit input plus `saved_name_bytes`; RoPE,
+      the norms and the attention core are recomputed, so it is below Megatron's selective count.
+    * MoE layers keep everything JAX saves (`autodiff_bytes`; selective less the s x s core): the
+      MoE block carries no names yet, and its routing and all_to_alls are not recomputed under none.
+    Sequence parallelism splits the unit input and the mid-block residual over 'tensor'."""
+    if moe:  # selective: the s x s core is recomputed
+        core = 0.0 if remat == "none" or flash else 2.0 * act * b * m.n_heads * s * s / t
+        return autodiff_bytes(m, b, s, t, act=act, flash=flash, moe=True) - core
+    if remat == "none":
+        full = layer_activation_bytes(m, b, s, t, sp=sp, remat="none", act=act, dropout=False, flash=flash)
+        return full - (4.0 * b * m.n_heads * s / t if flash else 0.0)
+    layer_in = act * s * b * m.d_model / (t if sp else 1)
+    return layer_in + saved_name_bytes(m, b, s, t, act=act, sp=sp)
+
+
+def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: bool | None = None) -> float:
+    """Bytes per layer of the activations `selective` keeps and `offload` moves to host
+    (layers.SAVED_NAMES): fused qkv, attention output, mid-block residual, MLP hidden (gate+up)."""
+    sp = m.sequence_parallel if sp is None else sp
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    ff = (2 if m.mlp == "swiglu" else 1) * m.d_ff
+    resid = m.d_model / (t if sp else 1)
+    return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
+
+
+def autodiff_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe: bool = False) -> float:
+    """A layer differentiated with no remat policy at all (an MoE layer; a layer rebuilt inside `full`
+    remat's backward): every elementwise intermediate JAX differentiates through, counted with
+    `print_saved_residuals` and XLA's buffer assignment of the tiny configs: 6 b·s·h (layer input,
+    two norm products, residual mid-point), q + 4 kv split over TP, the s x s core (scores and
+    probabilities; flash: fp32 lse and out), 6 b·s·d_ff (gate/up pair, activation intermediates and
+    product). MoE FFN: the 6 d_ff tensors for the k·cf routed copies of each token, 7 h-wide routed
+    buffers replicated over TP, and the fp32 dispatch/combine tensors [b, s, E, C] with E·C = cf·k·s."""
+    sb, h = s * b, m.d_model
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    core = 4.0 * b * m.n_heads * s * 2 if flash else 2.0 * act * b * m.n_heads * s * s
+    attn = act * sb * (q + 4 * kv) + core
+    if moe:
+        routed = m.top_k * m.capacity_factor
+        ffn = act * sb * routed * 6 * m.d_ff + 2 * 4.0 * sb * routed * s
+        attn += 7 * act * sb * routed * h * t  # not split over TP (divided by t below)
+    else:
+        ffn = act * sb * 6 * m.d_ff
+    return 6 * act * sb * h + (attn + ffn) / t
