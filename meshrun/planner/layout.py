@@ -80,8 +80,9 @@ def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
     """Bytes per param of params, grads, optimizer state, and per activation element.
     megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
     and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12).
-    meshrun: gradients and Adam m, v in the param dtype (optax keeps state like the params): bf16
-    params 2 + 2 + 4, fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
+    meshrun: gradients in the param dtype; Adam m, v in float32, plus a float32 master copy when the
+    params are stored below float32 (`train.step.with_master_weights`): bf16 params 2 + 2 + 12,
+    fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
     `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
     temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
     meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
@@ -89,7 +90,7 @@ def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
     act = DTYPE_BYTES[model.dtype]
     if framework == "megatron":
         return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
-    return Precision(param=pb, grad=pb, opt=2 * pb, act=act)
+    return Precision(param=pb, grad=pb, opt=8 + (4 if pb < 4 else 0), act=act)
 
 
 def zero_divisors(zero: int, dp: int) -> tuple[int, int, int]:

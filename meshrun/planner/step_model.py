@@ -116,12 +116,13 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     grads = pb * (dense / shard[1] + experts / eshard[1])
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
-    # Adam m, v and the update temporary, all where ZeRO puts the optimizer state (the update is computed
-    # on the shard the moments live on)
-    opt = 3 * pb * (dense / shard[2] + experts / eshard[2])
+    # Adam m, v (+ the fp32 master under bf16 params) and the float32 update temporary, all where ZeRO
+    # puts the optimizer state (the update is computed on the shard the moments live on)
+    ob = precision_of(model).opt
+    opt = (ob + 4) * (dense / shard[2] + experts / eshard[2])
     if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
-    moments = 2 * pb * (dense / shard[2] + experts / eshard[2])
+    moments = ob * (dense / shard[2] + experts / eshard[2])
     return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
             "dense": dense, "experts": experts}  # fmt: skip
 

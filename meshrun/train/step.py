@@ -66,12 +66,49 @@ def lr_schedule(cfg: RunConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping."""
+    """AdamW with global-norm clipping; with params stored below float32 (model.param_dtype=bfloat16)
+    Adam runs on a float32 master copy kept in the optimizer state (`with_master_weights`)."""
     t = cfg.train
-    return optax.chain(
+    tx = optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
         optax.adamw(lr_schedule(cfg), b1=t.beta1, b2=t.beta2, eps=t.adam_eps, weight_decay=t.weight_decay),
     )
+    return with_master_weights(tx) if jnp.dtype(cfg.model.param_dtype).itemsize < 4 else tx
+
+
+class MasterState(NamedTuple):
+    master: Any  # float32 copy of the params: the weights the optimizer updates
+    inner: Any  # the wrapped optimizer's state (Adam m, v in float32)
+
+
+def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Mixed-precision training (Micikevicius et al. 2018; Megatron-LM's fp32 main params): the model's
+    params stay in their low precision (what the forward reads, what ZeRO < 3 replicates); the
+    optimizer state holds a float32 master copy, updated by `inner` from float32 gradients, and the new
+    params are the master rounded to the param dtype (`apply_optimizer`). Master and moments are
+    parameter-shaped optimizer leaves, so ZeRO >= 1 shards all three over the data-parallel group
+    (12 bytes per parameter / DP) and offload_optimizer moves all three to host."""
+    f32 = lambda x: x.astype(jnp.float32) if hasattr(x, "astype") else x  # (optax's placeholders pass through)
+
+    def init(params):
+        master = jax.tree.map(f32, params)
+        return MasterState(master, inner.init(master))
+
+    def update(grads, state, params=None):
+        del params
+        updates, inner_state = inner.update(jax.tree.map(f32, grads), state.inner, state.master)
+        return updates, MasterState(optax.apply_updates(state.master, updates), inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):
+    """(new params, new optimizer state). With master weights the params are the updated master in
+    the param dtype (one rounding), not params + a rounded update."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    if isinstance(opt_state, MasterState):
+        return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, params), opt_state
+    return optax.apply_updates(params, updates), opt_state
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):
@@ -187,9 +224,9 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, *batch)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
+        params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return host(TrainState(params, opt_state, state.step + 1)), metrics
 
