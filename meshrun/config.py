@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +25,21 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule (buil
 DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
 REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+# Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
+# int32 indexing and per-element Python work stay bounded.
+MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...
+MAX_DEVICES = 2**17  # a mesh degree, hosts, racks
+MAX_MICROBATCHES = 2**16
+MAX_STEPS = 2**40
+MAX_SIMULATED_DEVICES = 1024  # --devices on CPU: XLA sets up ~250 simulated devices a second
+
+
+def check_device_count(flag: str, n: int | None) -> None:
+    """`--devices N` (None: not given): 1..MAX_SIMULATED_DEVICES, else a ConfigError (0 is not 'unset')."""
+    if n is not None and not 1 <= n <= MAX_SIMULATED_DEVICES:
+        raise ConfigError(
+            flag, n, f"use 1..{MAX_SIMULATED_DEVICES} simulated devices (or leave it out)", "out of range"
+        )
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class MeshConfig:
                     "use a positive degree, or -1 to take the devices left over",
                     "degree must be >= 1 or -1",
                 )
+            _bounded(f"mesh.{ax}", v, -1, MAX_DEVICES)
         fill = [ax for ax in AXES if getattr(self, ax) == -1]
         if len(fill) > 1:
             raise ConfigError("mesh", {a: -1 for a in fill}, "set at most one axis to -1", "two axes are -1")
@@ -62,6 +80,8 @@ class MeshConfig:
             raise ConfigError("mesh.hosts", self.hosts, "use 0 (one host per process) or a positive count")
         if self.racks < 0:
             raise ConfigError("mesh.racks", self.racks, "use 0 (one rack) or the number of hosts per rack")
+        _bounded("mesh.hosts", self.hosts, 0, MAX_DEVICES)
+        _bounded("mesh.racks", self.racks, 0, MAX_DEVICES)
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,9 @@ class ModelConfig:
 
     family: str = "llama"  # llama (also Mistral/Qwen2/Mixtral shapes) | gpt2
     vocab: int = 256
+    # > 0: ids >= vocab_used are padding (a Hugging Face import padded to a multiple): excluded from
+    # the softmax and never drawn as data
+    vocab_used: int = 0
     d_model: int = 64
     n_layers: int = 4
     n_heads: int = 4
@@ -107,8 +130,19 @@ class ModelConfig:
 
     def __post_init__(self):
         for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"model.{f}", getattr(self, f), "use a positive integer")
+            _bounded(f"model.{f}", getattr(self, f), 1, MAX_DIM)
+        if self.head_dim % 2 and self.family != "gpt2":  # RoPE rotates pairs of head dimensions
+            raise ConfigError("model.head_dim", self.head_dim, "use an even head_dim (RoPE rotates pairs)")
+        for f in ("rope_theta", "norm_eps"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"model.{f}", getattr(self, f), "use a positive number")
+        for f in ("init_std", "aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, f) >= 0:
+                raise ConfigError(f"model.{f}", getattr(self, f), "use a number >= 0")
+        for f in ("n_experts", "sliding_window", "rope_original_max_seq_len"):
+            _bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
+        if not 0 <= self.vocab_used <= self.vocab:
+            raise ConfigError("model.vocab_used", self.vocab_used, f"use 0 (no padding) or 1..model.vocab={self.vocab}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 "model.n_kv_heads",
@@ -177,13 +211,26 @@ class PipelineConfig:
     # empty: split by `balance` ('even': equal counts; 'auto': the planner's cost model).
     layers_per_stage: tuple[int, ...] = ()
     balance: str = "even"  # even | auto
+    # How ticks run: 'lockstep' (one forward and one backward per stage per tick; 1F1B holds
+    # min(m, 2p-1) microbatches' residuals on every stage), 'per_op' (one op per stage per tick, the
+    # schedule's own timeline: 1F1B holds p - s on stage s, Megatron's; zb-h1 always), 'auto'
+    # (per_op for zb-h1, lockstep otherwise). Same bubble either way.
+    executor: str = "auto"  # auto | lockstep | per_op
 
     def __post_init__(self):
         _choice("pipeline.schedule", self.schedule, SCHEDULES)
-        if self.microbatches < 1:
-            raise ConfigError("pipeline.microbatches", self.microbatches, "use a positive count")
-        if self.virtual < 1:
-            raise ConfigError("pipeline.virtual", self.virtual, "use a positive count")
+        _choice("pipeline.executor", self.executor, ("auto", "lockstep", "per_op"))
+        if self.executor == "lockstep" and self.schedule == "zb-h1":
+            raise ConfigError("pipeline.executor", self.executor, "use per_op or auto", "zb-h1 runs one op per tick")
+        if self.executor == "per_op" and self.schedule in ("gpipe", "interleaved"):
+            raise ConfigError(
+                "pipeline.executor",
+                self.executor,
+                "use lockstep or auto (or pipeline.schedule=1f1b)",
+                f"{self.schedule} runs on the lockstep executor only",
+            )
+        _bounded("pipeline.microbatches", self.microbatches, 1, MAX_MICROBATCHES)
+        _bounded("pipeline.virtual", self.virtual, 1, MAX_DIM)
         _choice("pipeline.balance", self.balance, ("even", "auto"))
         if any(n < 1 for n in self.layers_per_stage):
             raise ConfigError(
@@ -228,15 +275,27 @@ class TrainConfig:
     grad_reduce_dtype: str = "float32"
 
     def __post_init__(self):
-        for f in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
-            if getattr(self, f) < 1:
-                raise ConfigError(f"train.{f}", getattr(self, f), "use a positive integer")
+        for f in ("steps", "log_every", "eval_batches"):
+            _bounded(f"train.{f}", getattr(self, f), 1, MAX_STEPS)
+        for f in ("global_batch", "seq_len"):
+            _bounded(f"train.{f}", getattr(self, f), 1, MAX_DIM)
         if self.eval_every < 0:
             raise ConfigError("train.eval_every", self.eval_every, "use 0 (no evaluation) or a positive step count")
+        if self.warmup_steps < 0:
+            raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 (no warmup) or a positive step count")
+        _bounded("train.seed", self.seed, 0, 2**32 - 1)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
-        if self.lr <= 0:
+        if not self.lr > 0:
             raise ConfigError("train.lr", self.lr, "use a positive learning rate")
+        for f in ("beta1", "beta2", "min_lr_ratio"):
+            if not 0 <= getattr(self, f) <= 1:
+                raise ConfigError(f"train.{f}", getattr(self, f), "use a number in [0, 1]")
+        for f in ("weight_decay", "grad_clip"):
+            if not getattr(self, f) >= 0:
+                raise ConfigError(f"train.{f}", getattr(self, f), "use a number >= 0 (0: off)")
+        if not self.adam_eps > 0:
+            raise ConfigError("train.adam_eps", self.adam_eps, "use a small positive number, e.g. 1e-8")
         _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
 
 
@@ -292,6 +351,13 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
+def _bounded(name: str, value: int, lo: int, hi: int) -> None:
+    """ConfigError unless lo <= value <= hi: the upper bounds keep every command's work bounded (a size
+    past them would overflow an int32 index or take hours before failing)."""
+    if not lo <= value <= hi:
+        raise ConfigError(name, value, f"use a whole number in [{lo}, {hi}]", "out of range")
+
+
 def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(name, value, f"use one of {list(allowed)}")
@@ -321,9 +387,11 @@ def _coerce(name: str, tp, value):
         raise ConfigError(name, value, "use true or false", "not a boolean")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(name, value, "use a whole number, e.g. 2", "not an integer")
+            if not (isinstance(value, float) and value.is_integer()):
+                raise ConfigError(name, value, "use a whole number, e.g. 2", "not an integer")
+            value = int(value)
+        if abs(value) > 2**62:
+            raise ConfigError(name, value, "use a whole number of a sensible size", "out of range")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
@@ -333,7 +401,13 @@ def _coerce(name: str, tp, value):
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(name, value, "use a number, e.g. 0.5", "not a number")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int past float range
+            value = math.inf
+        if not math.isfinite(value):
+            raise ConfigError(name, value, "use a finite number, e.g. 0.5", "not a finite number")
+        return value
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(name, value, "use a string", "not a string")
@@ -377,6 +451,9 @@ def to_dict(cfg) -> dict[str, Any]:
     return fix(out)
 
 
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`section.key=value` strings -> nested dict (values parsed as YAML scalars)."""
     tree: dict[str, Any] = {}
@@ -386,12 +463,19 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
                 item, item, "write overrides as section.key=value, e.g. mesh.tensor=2", "not a key=value override"
             )
         key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2 or not all(_KEY.match(p) for p in parts):
+            raise ConfigError(
+                key or item,
+                item,
+                "write overrides as section.key=value, e.g. mesh.tensor=2",
+                "not a section.key name",
+            )
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         node = tree
-        parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
@@ -407,8 +491,34 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                dup = False
+            if dup:
+                raise ConfigError(
+                    "config",
+                    key,
+                    "give each key once (the later value would silently win)",
+                    f"duplicate key on line {key_node.start_mark.line + 1}",
+                )
+            seen.add(key) if not isinstance(key, (list, dict)) else None
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            "config", str(path), "give the path of a YAML file, e.g. configs/tiny_cpu.yaml", "a directory"
+        )
     if not p.is_file():
         raise ConfigError("config", str(path), "give the path of an existing YAML file", "no such file")
     try:
@@ -425,7 +535,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             "config", str(path), "give a YAML file you can read", f"cannot read it ({e.strerror or e})"
         ) from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except ConfigError as e:
+        raise ConfigError("config", str(path), e.fix, f"{e.what}: {e.value!r}") from None
     except yaml.YAMLError as e:
         why = " ".join(str(e).split())  # one line
         raise ConfigError("config", str(path), f"fix the YAML syntax ({why})", "not valid YAML") from None

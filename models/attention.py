@@ -135,7 +135,10 @@ def attention(
     v_BxLxKxDh = checkpoint_name(constrain(v_BxLxKxDh, ("batch", None, "kv_heads", "head_dim")), "v")
     window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
     impl = _impl(cfg.attention_impl)
-    if impl == "cudnn":  # flash attention: keeps its output and log-sum-exp, never the s x s scores
+    # remat=none keeps the softmax output (2 bytes per score, as Megatron): `attention_core` names it.
+    # Otherwise jax's kernel: flash attention (cudnn) or XLA's, recomputed in the backward (selective
+    # and full; measured: XLA:CPU kept one more copy of q, k, v per layer with `attention_core` there).
+    if impl == "cudnn" or cfg.remat != "none":
         o_BxLxHxDh = jax.nn.dot_product_attention(
             q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask, is_causal=True, local_window_size=window, implementation=impl
         )

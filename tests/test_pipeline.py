@@ -1,11 +1,11 @@
 """Pipeline executor on 8 simulated CPU devices (float32).
 
-Parity: loss and every gradient equal the single-device reference (rtol 1e-5) for GPipe, 1F1B and
-interleaved 1F1B, p in {2, 4}, m in {p, 2p, 4p}, with data / tensor / expert parallelism inside the
+Parity: loss and every gradient equal the single-device reference (rtol 1e-5) for GPipe, 1F1B (on the
+lockstep and the per-op executor), interleaved 1F1B and zb-h1, p in {2, 4}, m in {p, 2p, 4p}, with data / tensor / expert parallelism inside the
 stages, ZeRO-2/3 and recompute. A tiny stacked tanh-MLP ("toy", vocab-parallel head, an aux sum)
 covers the wide matrix because it compiles in seconds; the meshrun_models transformer (dense and
 MoE) covers the key layouts. Also: NaN-filled bubbles never leak, 1F1B temp memory does not grow
-with m, collective-permute bytes per step equal the schedule's, the data-parallel reduction runs
+with m (per-op: p slots, less temp than lockstep), collective-permute bytes per step equal the schedule's, the data-parallel reduction runs
 once after the tick loop, and bad input raises ConfigError.
 """
 
@@ -109,7 +109,7 @@ def toy_compiled(dims, schedule, m, v, b, **kw):
     """(pipeline, compiled step, args) for the toy model; cached so tests share compiles."""
     kw = dict(kw)
     placement = kw.get("placement", "model")
-    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v)
+    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, executor=kw.pop("executor", "auto"))
     params = toy_params()
     if placement == "pipeline":
         params = {**params, "layers": layer_split(pc, L, dims[0]).to_pipeline(params["layers"])}
@@ -151,6 +151,12 @@ TOY_CASES = {
     "p4t2-zb-h1-m4": ((4, 1, 1, 2), "zb-h1", 4, 1, 4, ()),
     "p4t2-zb-h1-m8": ((4, 1, 1, 2), "zb-h1", 8, 1, 8, ()),
     "p4t2-zb-h1-m16": ((4, 1, 1, 2), "zb-h1", 16, 1, 16, ()),
+    # 1F1B's per-op timeline (Megatron's: p - s microbatches in flight on stage s)
+    "p2d2t2-1f1b-per-op-m4": ((2, 2, 1, 2), "1f1b", 4, 1, 8, (("executor", "per_op"),)),
+    "p2d2t2-1f1b-per-op-m8": ((2, 2, 1, 2), "1f1b", 8, 1, 16, (("executor", "per_op"),)),
+    "p4t2-1f1b-per-op-m4": ((4, 1, 1, 2), "1f1b", 4, 1, 4, (("executor", "per_op"),)),
+    "p4t2-1f1b-per-op-m8": ((4, 1, 1, 2), "1f1b", 8, 1, 8, (("executor", "per_op"),)),
+    "p4-1f1b-per-op-m8-no-skip": ((4, 1, 1, 2), "1f1b", 8, 1, 8, (("executor", "per_op"), ("skip_idle", False))),
 }
 
 
@@ -221,14 +227,15 @@ MODEL_CASES = {
     "dense-p4t2-gpipe-m8-dict": (DENSE, (4, 1, 1, 2), "gpipe", 8, 1, False),
     "moe-p2e2t2-1f1b-m4-state": (MOE, (2, 1, 2, 2), "1f1b", 4, 1, True),
     "dense-p2d2t2-zb-h1-m4-dict": (DENSE, (2, 2, 1, 2), "zb-h1", 4, 1, False),
+    "dense-p4t2-1f1b-per-op-m8-dict": (DENSE, (4, 1, 1, 2), "1f1b", 8, 1, False, "per_op"),
 }
 
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
 def test_model_parity(case):
-    cfg, dims, schedule, m, v, as_state = MODEL_CASES[case]
+    cfg, dims, schedule, m, v, as_state, *executor = MODEL_CASES[case]
     params, (tok, lab), ref_loss, ref_grads, ref_aux = model_ref(cfg, 16)
-    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v)
+    pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, executor=(*executor, "auto")[0])
     pl = Pipeline.for_params(mm.model_fns(cfg), pc, mesh_of(*dims), params)
     loss, grads, aux = pl(params if as_state else params.to_pure_dict(), tok, lab)
     if as_state:
@@ -268,10 +275,14 @@ def test_residual_buffer_holds_activations_not_weights():
         ((2, 2, 1, 2), "interleaved", 4, 2, True),
         ((2, 2, 1, 2), "gpipe", 4, 1, True),
         ((4, 1, 1, 2), "zb-h1", 8, 1, True),  # inbox and dy trash slots too
+        ((4, 1, 1, 2), "1f1b/per_op", 8, 1, True),
+        ((4, 1, 1, 2), "1f1b/per_op", 8, 1, False),
     ],
 )
 def test_nan_bubbles_do_not_leak(dims, schedule, m, v, skip):
-    pl, compiled, args = toy_compiled(dims, schedule, m, v, b=32, nan_bubbles=True, skip_idle=skip)
+    schedule, *ex = schedule.split("/")
+    kw = {"executor": ex[0]} if ex else {}
+    pl, compiled, args = toy_compiled(dims, schedule, m, v, b=32, nan_bubbles=True, skip_idle=skip, **kw)
     assert re.search(r"f32\[\]\s+constant\(nan\)", compiled.as_text())  # the NaN fill is really there
     loss, grads, _ = compiled(*args)
     assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
@@ -281,6 +292,9 @@ def test_nan_bubbles_do_not_leak(dims, schedule, m, v, skip):
 
 
 # ---------------------------------------------------------------- memory and collectives
+
+
+PER_OP = {"executor": "per_op"}
 
 
 def temp_bytes(dims, schedule, m, **kw):
@@ -301,6 +315,38 @@ def test_1f1b_temp_memory_does_not_grow_with_m(dims):
     # Residual slots = max in-flight per stage: min(m, 2p-1) for lockstep 1F1B, m for GPipe.
     for m in (2 * p, 8 * p):
         assert toy_compiled(dims, "1f1b", m, 1, b=m * dims[1] * dims[2])[0].program.slots == min(m, 2 * p - 1)
+
+
+def test_per_op_1f1b_holds_p_slots_and_less_temp_than_lockstep():
+    """1F1B on the per-op executor (Megatron's timeline) holds min(m, p - s) microbatches on stage s:
+    a buffer of p slots, not the lockstep table's min(m, 2p - 1), with the same table bubble; the
+    compiled temp bytes are smaller at p = 4, m = 8 and do not grow with m."""
+    dims, p = (4, 1, 1, 2), 4
+    lock, per_op = (toy_compiled(dims, "1f1b", 2 * p, 1, b=2 * p, **kw)[0].program for kw in ({}, PER_OP))
+    assert (lock.slots, per_op.slots) == (2 * p - 1, p)
+    assert per_op.stage_slots() == tuple(p - s for s in range(p))
+    assert per_op.bubble == pytest.approx(lock.bubble) == pytest.approx((p - 1) / (2 * p + p - 1))
+    t_lock, t_small = temp_bytes(dims, "1f1b", 2 * p), temp_bytes(dims, "1f1b", 2 * p, **PER_OP)
+    t_large = temp_bytes(dims, "1f1b", 8 * p, **PER_OP)
+    print(f"1F1B p={p} m={2 * p}: temp lockstep {t_lock} B, per-op {t_small} B ({t_large} B at m={8 * p})")
+    assert t_small < t_lock and t_large <= 1.15 * t_small
+    # at least the residual slots saved (minus the bytes XLA's buffer sharing keeps anyway)
+    _, c, _ = toy_compiled(dims, "1f1b", 2 * p, 1, b=2 * p, **PER_OP)
+    lp = jax.tree.map(lambda a: a[: L // p], toy_params()["layers"])
+    mask, avals = activation_residuals(toy_layers, lp, jnp.zeros((1, S, D)))
+    residuals = sum(a.size * 4 for a, d in zip(avals, mask, strict=True) if d)
+    assert t_lock - t_small >= (lock.slots - per_op.slots) * residuals // 2
+
+
+@pytest.mark.parametrize("dims", [(2, 2, 1, 2), (4, 1, 1, 2)])
+def test_per_op_1f1b_permutes_one_activation_per_send(dims):
+    """The per-op 1F1B program's sends, as compiled: every collective-permute carries one microbatch
+    activation over 'pipe' and the count is the program's (one per tick of a sending phase)."""
+    dp, m = dims[1] * dims[2], 2 * dims[0]
+    pl, c, _ = toy_compiled(dims, "1f1b", m, 1, b=m * dp, **PER_OP)
+    perms = [(x, k) for x, k in executed(c.as_text(), pl.mesh) if x.op == "collective-permute"]
+    assert perms and all(x.axes == ("pipe",) and x.bytes == S * D * 4 * x.parts for x, k in perms)
+    assert (sum(k for _, k in perms), sum(x.parts * k for x, k in perms)) == pl.program.permute_counts()
 
 
 def test_zb_h1_temp_memory_flat_in_m():

@@ -489,3 +489,70 @@ def test_zb_h1_per_op_program_delivers_every_value(p, m):
             done.add((kind, mb, s))
     assert len(done) == 3 * m * p and not any(res) and not any(fbox) and not any(gbox)
     assert prog.bubble == pytest.approx(S.bubble_fraction(S.zb_h1(p, m)))
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 9, 16, 64) if m >= p])
+def test_one_op_1f1b_holds_p_minus_s_with_the_same_bubble(p, m):
+    """Megatron's 1F1B in one-op lockstep cells (`pipeline.executor=per_op`): stage s holds at most
+    min(m, p - s) microbatches (p on stage 0, not the lockstep table's min(m, 2p - 1)), every value is
+    consumed on the tick it arrives (no inbox), and the bubble is (p-1)/(m+p-1) in 2m + 2(p-1) ticks."""
+    from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import tick_program
+
+    table = S.one_f_one_b(p, m)
+    cells = S.one_op_steps(table)
+    S.check(cells, p, m)
+    assert len(cells) == len(table) == 2 * m + 2 * (p - 1)
+    assert all(c.fwd is None or c.bwd is None for row in cells for c in row)  # one op per cell
+    for s in range(p):
+        assert [op for _, op in S._stage_orders(cells)[s]] == [op for _, op in S._stage_orders(table)[s]]
+        assert S.buffer_sizes(cells, s) == (min(m, p - s), 0, 0)
+    assert S.bubble_fraction(cells) == pytest.approx(S.bubble_closed_form("1f1b", p, m))
+    if p > 1:
+        assert S.bubble_fraction(cells) == pytest.approx((p - 1) / (m + p - 1))
+    for ex, stage0 in (("per_op", min(m, p)), ("lockstep", min(m, 2 * p - 1))):
+        prog = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor=ex), p)
+        assert prog.executor == ex and not prog.per_op and prog.slots == stage0
+        assert prog.stage_slots()[0] == stage0
+        assert prog.bubble == pytest.approx(S.bubble_closed_form("1f1b", p, m))
+    per_op = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="per_op"), p)
+    assert per_op.stage_slots() == tuple(min(m, p - s) for s in range(p))
+    assert per_op.ticks == 2 * m + 2 * (p - 1) and not per_op.fused_head
+
+
+def test_one_op_1f1b_tables_deliver_every_value():
+    """Play the per-op 1F1B program's lockstep arrays (p = 4, m = 8) as the executor does: x_in / g_in
+    hold only what arrived this tick, so each F and B must find its own microbatch there, and B
+    finds its microbatch's residuals in the slot its F wrote."""
+    from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import tick_program
+
+    p, m = 4, 8
+    tb = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="per_op"), p).tables
+    x_in, g_in, res, ran = [None] * p, [None] * p, [dict() for _ in range(p)], 0
+    for t in range(len(tb["f_mb"])):
+        y, dx = [None] * p, [None] * p
+        for s in range(p):
+            f, b = int(tb["f_mb"][t, s]), int(tb["b_mb"][t, s])
+            if f >= 0:
+                assert s == 0 or x_in[s] == f
+                res[s][int(tb["f_slot"][t, s])], y[s], ran = f, f, ran + 1
+            if b >= 0:
+                assert res[s].pop(int(tb["b_slot"][t, s])) == b and (s == p - 1 or g_in[s] == b)
+                dx[s], ran = b, ran + 1
+        x_in = [None] + y[:-1]
+        g_in = dx[1:] + [None]
+    assert ran == 2 * m * p and not any(res)
+
+
+def test_executor_option_errors_name_the_fix():
+    from meshrun.config import PipelineConfig
+
+    with pytest.raises(ConfigError, match="per_op or auto") as e:
+        PipelineConfig(schedule="zb-h1", microbatches=4, executor="lockstep")
+    assert e.value.field == "pipeline.executor"
+    with pytest.raises(ConfigError, match="lockstep or auto") as e:
+        PipelineConfig(schedule="interleaved", microbatches=4, virtual=2, executor="per_op")
+    assert e.value.field == "pipeline.executor"
+    with pytest.raises(ConfigError, match="use one of"):
+        PipelineConfig(executor="async")

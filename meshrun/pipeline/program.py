@@ -4,6 +4,11 @@ into phases of same-kind ticks (pure Python + numpy, no JAX: `meshrun explain` a
 ZB-H1 runs its per-op timeline as is (`per_op`): one op (F, B = input gradient, W = weight gradient)
 per stage per tick, values that arrive before their consumer runs waiting in inbox slots.
 
+`pipeline.executor=per_op` runs 1F1B's per-op timeline too (Megatron's: p - s microbatches in flight
+on stage s, not the lockstep table's 2(p-1-s)+1), as lockstep cells of one op each
+(`schedules.one_op_steps`) on the lockstep tick loop: same bubble, 2m + 2(p-1) ticks of one op
+instead of m + 2(p-1) ticks of up to two (`executor`, `stage_slots`).
+
 A lockstep tick gives each stage at most one forward and one backward (`schedules.lockstep`). Ticks
 are grouped into maximal runs of one kind ('F' forwards only, 'B' backwards only, 'FB' both), one
 `lax.scan` each in the executor, so a warm-up tick costs one forward and a cool-down tick one
@@ -61,6 +66,13 @@ class TickProgram:
     # inboxes hold received activations / gradients from their arrival tick to their consumer's
     per_op: bool = False
     inbox: tuple[int, int] = (0, 0)  # (activation, gradient) inbox slots, trash slot not counted
+    executor: str = "lockstep"  # 'lockstep' (F and B per tick) or 'per_op' (one op per stage per tick)
+
+    def stage_slots(self) -> tuple[int, ...]:
+        """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
+        stage): lockstep 1F1B min(m, 2(p-1-s)+1), per-op 1F1B and zb-h1 min(m, p-s) on stage s."""
+        slot = self.tables["slot" if self.per_op else "f_slot"]
+        return tuple(1 + int(slot[:, s].max()) for s in range(self.p))
 
     @property
     def bubble(self) -> float:
@@ -83,10 +95,20 @@ class TickProgram:
         return f + b - both, f + b - (both if self.v == 1 else 0)
 
 
+def executor_of(pcfg: PipelineConfig) -> str:
+    """'lockstep' or 'per_op': `pipeline.executor` with 'auto' resolved (per_op for zb-h1 only)."""
+    if pcfg.executor != "auto":
+        return pcfg.executor
+    return "per_op" if pcfg.schedule == "zb-h1" else "lockstep"
+
+
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     if pcfg.schedule == "zb-h1":
         return _per_op_program(pcfg, p)
-    lock = schedules.lockstep(schedules.build(pcfg.schedule, p, pcfg.microbatches, pcfg.virtual))  # checks virtual
+    table = schedules.build(pcfg.schedule, p, pcfg.microbatches, pcfg.virtual)  # checks virtual
+    # per_op 1F1B: the timeline's one op per stage per tick, in lockstep cells (no inbox needed)
+    per_op = executor_of(pcfg) == "per_op"
+    lock = schedules.one_op_steps(table) if per_op else schedules.lockstep(table)
     v = pcfg.virtual
     arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
     slots = max(schedules.max_in_flight(lock, s) for s in range(p))
@@ -97,7 +119,8 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
         or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
         for row in lock
     )
-    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
+    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs,
+                       executor="per_op" if per_op else "lockstep")  # fmt: skip
 
 
 KINDS = {"F": 1, "B": 2, "W": 3}  # per-op kind codes; 0 = idle
@@ -138,4 +161,4 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     b = max(a, b)
     bounds = [(0, a, any(sf[:a]), False), (a, b, any(sf[a:b]), any(sb[a:b])), (b, ticks, False, any(sb[b:]))]
     phases = [("FBW", t0, t1, f, g) for t0, t1, f, g in bounds if t1 > t0]
-    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox))
+    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox), "per_op")

@@ -8,7 +8,9 @@ Two views of one schedule, both lists of ticks, each a list of `p` per-stage cel
 * lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`: at most one forward and one backward
   per stage per tick, as an SPMD executor runs them (one `ppermute` per direction per tick). A value
   sent at tick t is usable from tick t+1. Within a tick a stage runs `fwd` before `bwd`, so the last
-  virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused).
+  virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused). `one_op_steps(table)`
+  is the per-op timeline itself in lockstep cells (one op each): 1F1B's p - s microbatches in
+  flight on stage s, where `lockstep` runs forwards ahead and holds 2(p-1-s)+1.
 
 Virtual stages (Megatron interleaving): model chunk c of stage s holds virtual stage k = c*p + s of
 V = v*p; chunk 0 on every stage for GPipe and 1F1B. F(mb, k) needs F(mb, k-1); B(mb, k) needs
@@ -280,6 +282,25 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
             bi[s] += c.bwd is not None
         out.append(row)
     return out
+
+
+def one_op_steps(table: list[list[Task | None]]) -> list[list[Step]]:
+    """A per-op timeline of F and B ops (1F1B, GPipe) as lockstep cells of one op each, every
+    forward moved into idle ticks as late as its consumer on the next stage allows, so each value is
+    consumed on the tick it arrives (the lockstep tick loop needs no inbox). Stage orders, the tick
+    count and the bubble stay the table's; residuals are held no longer (1F1B: p - s on stage s)."""
+    p, n = len(table[0]), len(table)
+    if any(op is not None and (op.kind == "W" or op.chunk) for row in table for op in row):
+        raise ScheduleError("one_op_steps takes F and B ops of one chunk per stage (no W, v = 1)")
+    cells = [list(row) for row in table]
+    f_tick = lambda s, mb: next(t for t in range(n) if cells[t][s] == Task("F", mb))
+    for s in reversed(range(p - 1)):  # consumers' ticks are final before their producers move
+        for t in reversed([t for t in range(n) if cells[t][s] is not None and cells[t][s].kind == "F"]):
+            op = cells[t][s]
+            due = f_tick(s + 1, op.mb) - 1
+            if due > t and all(cells[u][s] is None for u in range(t + 1, due + 1)):
+                cells[due][s], cells[t][s] = op, None
+    return [[Step(c, None) if c is not None and c.kind == "F" else Step(None, c) for c in row] for row in cells]
 
 
 # ---------------------------------------------------------------- checks and buffer sizes

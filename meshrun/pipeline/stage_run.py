@@ -113,68 +113,61 @@ class StageRun:
 
     def forward(self, c, row):
         """This tick's forward on this stage. With `skip_idle`, idle stages skip the compute (`lax.cond`
-        on a predicate shared by the whole tensor/expert group, so collectives inside stay matched);
-        either way an idle cell writes into the trash slot and adds nothing to the sums."""
+        on a predicate shared by the whole tensor/expert group, so collectives inside stay matched)
+        and the idle branch passes the residual buffer and the sums through (XLA keeps them in place;
+        writing fill values into the trash slot cost a residual-sized copy per idle cell). Without
+        it an idle cell computes on fill values into the trash slot and adds nothing to the sums."""
         xs = self.x_aval
         valid, mb, ch, slot, first, last = self.cell(row, "f")
         x_in = c["x_in"]
 
         def run():
-            return self.stage_forward(ch, mb, first, last, x_in)
+            y, keep, aux, ls, d_o, dy = self.stage_forward(ch, mb, first, last, x_in)
+            res = [put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)]
+            return y, res, aux, ls, jax.tree.map(jnp.add, c["g_other"], d_o), dy
 
-        def idle():
+        def idle():  # the residual buffer and the head's gradient sums pass through
             aux = {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
-            keep = [placed(self.full(a.shape, a.dtype), a) for a in self.res_avals]
-            return (
-                self.full(xs.shape, xs.dtype),
-                keep,
-                aux,
-                jnp.zeros((), jnp.float32),
-                self.zeros_other(),
-                self.x_zero,
-            )
+            return self.full(xs.shape, xs.dtype), c["res"], aux, jnp.zeros((), jnp.float32), c["g_other"], self.x_zero
 
         if self.pl.skip_idle:
-            y, keep, aux, ls, d_o, dy = lax.cond(valid, run, idle)
+            y, res, aux, ls, g_o, dy = lax.cond(valid, run, idle)
         else:  # compute anyway on fill values: the residuals go to the trash slot, the sums are masked
             x_in = jnp.where(valid, x_in, self.fill)
-            y, keep, aux, ls, d_o, dy = run()
+            y, res, aux, ls, g_o, dy = run()
             aux = {k: jnp.where(valid, a, 0) for k, a in aux.items()}
-        c = dict(c, res=[put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)])
+        c = dict(c, res=res, g_other=g_o)
         c["aux"] = {k: c["aux"][k] + aux[k] for k in c["aux"]}
         c["loss"] = c["loss"] + ls
-        c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
         if not self.prog.fused_head:
             c["dy"] = put(c["dy"], slot, dy)
         return c, y, dy
 
     def backward(self, c, row, dy_head):
-        """This tick's backward on this stage (idle cells as in `forward`)."""
+        """This tick's backward on this stage (idle cells as in `forward`: the gradient sums pass
+        through, no zero gradients are made and added)."""
         valid, mb, ch, slot, first, last = self.cell(row, "b")
         if not self.prog.fused_head:
             dy_head = take(c["dy"], slot)
         dy = jnp.where(last, dy_head, c["g_in"])
-        chunk_aval = jax.eval_shape(lambda: self.chunk(ch))
 
         def run():  # reads its residuals itself: an operand slice taken outside the cond is a copy
             saved = [take(b, slot) for b in c["res"]]
             d_p, dx = self.pullback(ch, mb, saved)((dy, self.aux_cot))
-            return d_p, dx, self.embed_grad(first, mb, dx)
+            if not self.pl.skip_idle:  # computed on fill values: mask the weight gradients
+                d_p = jax.tree.map(lambda d: jnp.where(valid, d, 0), d_p)
+            d_o = self.embed_grad(first, mb, dx)
+            return self.add_grads(c["g_layers"], d_p, ch), dx, jax.tree.map(jnp.add, c["g_other"], d_o)
 
-        def idle():
-            d_p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), chunk_aval)
-            return d_p, self.full(self.x_aval.shape, self.x_aval.dtype), self.zeros_other()
+        def idle():  # the sums pass through: no zero gradients made and added on idle ticks
+            return c["g_layers"], self.full(self.x_aval.shape, self.x_aval.dtype), c["g_other"]
 
         if self.pl.skip_idle:
-            d_p, dx, d_o = lax.cond(valid, run, idle)
-        else:  # compute anyway on fill values and mask the weight gradients
+            g_l, dx, g_o = lax.cond(valid, run, idle)
+        else:  # compute anyway on fill values
             dy = jnp.where(valid, dy, self.fill)
-            d_p, dx, d_o = run()
-            d_p = jax.tree.map(lambda d: jnp.where(valid, d, 0), d_p)
-        c = dict(c)
-        c["g_layers"] = self.add_grads(c["g_layers"], d_p, ch)
-        c["g_other"] = jax.tree.map(jnp.add, c["g_other"], d_o)
-        return c, dx
+            g_l, dx, g_o = run()
+        return dict(c, g_layers=g_l, g_other=g_o), dx
 
     def stage_forward(self, ch, mb, first, last, x_in):
         """Chunk `ch` forward on microbatch `mb` (stage input: its embedding on the first virtual
