@@ -1,11 +1,12 @@
 """Pipeline executor on 8 simulated CPU devices (float32).
 
-Parity: loss and every gradient equal the single-device reference (rtol 1e-5) for GPipe, 1F1B (on the
-lockstep and the per-op executor), interleaved 1F1B and zb-h1, p in {2, 4}, m in {p, 2p, 4p}, with data / tensor / expert parallelism inside the
-stages, ZeRO-2/3 and recompute. A tiny stacked tanh-MLP ("toy", vocab-parallel head, an aux sum)
-covers the wide matrix because it compiles in seconds; the meshrun_models transformer (dense and
-MoE) covers the key layouts. Also: NaN-filled bubbles never leak, 1F1B temp memory does not grow
-with m (per-op: p slots, less temp than lockstep), collective-permute bytes per step equal the schedule's, the data-parallel reduction runs
+Parity: loss and every gradient equal the single-device reference (rtol 1e-5) for GPipe, 1F1B (on
+the lockstep and the per-op executor), interleaved 1F1B and zb-h1, p in {2, 4}, m in {p, 2p, 4p},
+with data / tensor / expert parallelism inside the stages, ZeRO-2/3 and recompute. A tiny stacked
+tanh-MLP ("toy", vocab-parallel head, an aux sum) covers the wide matrix because it compiles in
+seconds; the meshrun_models transformer (dense and MoE) covers the key layouts. Also: NaN-filled
+bubbles never leak, 1F1B temp memory does not grow with m (per-op: p slots, less temp than
+lockstep), collective-permute bytes per step equal the schedule's, the data-parallel reduction runs
 once after the tick loop, and bad input raises ConfigError.
 """
 
