@@ -176,17 +176,23 @@ def embed_lookup(table_VxD: jax.Array, tokens_BxL: jax.Array, cfg: ModelConfig) 
     return constrain(x, ("batch", "length", "embed"))
 
 
-def vocab_parallel_xent(logits_BxLxV: jax.Array, labels_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+def vocab_parallel_xent(
+    logits_BxLxV: jax.Array, labels_BxL: jax.Array, vocab_used: int = 0
+) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over tokens with label >= 0, and that token count (both float32).
 
     Logits stay sharded on 'vocab': max, sum-exp and the label logit are reductions over the vocab
     axis, which GSPMD lowers to all-reduces of b·s scalars (Megatron's vocab-parallel loss); the
-    label logit is picked with an iota comparison, never a gather of the full row.
+    label logit is picked with an iota comparison, never a gather of the full row. `vocab_used` > 0:
+    the ids from it up are padding (model.vocab_used) and take no part in the softmax (-inf), so a
+    padded import has its source model's loss.
     """
     logits = constrain(logits_BxLxV.astype(jnp.float32), ("batch", None, "vocab"))
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    if 0 < vocab_used < logits.shape[-1]:
+        logits = jnp.where(vocab_ids < vocab_used, logits, -jnp.inf)
     m_BxL = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
     lse_BxL = jnp.log(jnp.sum(jnp.exp(logits - m_BxL[..., None]), axis=-1)) + m_BxL
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
     label_logit_BxL = jnp.sum(jnp.where(vocab_ids == labels_BxL[..., None], logits, 0.0), axis=-1)
     valid = labels_BxL >= 0
     loss_sum = jnp.sum(jnp.where(valid, lse_BxL - label_logit_BxL, 0.0))

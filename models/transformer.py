@@ -243,7 +243,7 @@ def logits(params: Any, x_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
 def head_loss(params: Any, x_BxLxD: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig):
     """(loss_sum, n_tokens): summed vocab-parallel cross-entropy over labels >= 0 (negative labels
     are ignored) and their count, both float32 -- sums, so microbatches accumulate exactly."""
-    return vocab_parallel_xent(logits(params, x_BxLxD, cfg), labels_BxL)
+    return vocab_parallel_xent(logits(params, x_BxLxD, cfg), labels_BxL, cfg.vocab_used)
 
 
 # ---------------------------------------------------------------- validation

@@ -178,7 +178,8 @@ def test_import_prepare_data_train_with_val_loss(imported, tmp_path):
     mesh, fns, ds = prepare(cfg, devices)
     tokens, labels = global_batch_arrays(ds, 0, mesh, jax.sharding.PartitionSpec())
     params = restore_params(src / "hf_import", fns.abstract_state.params)
-    x = jax.jit(lambda p, t: _forward(cfg.model, p, t))(params, tokens)
+    x = jax.jit(lambda p, t: _forward(cfg.model, p, t))(params, tokens)[..., :100]  # the padded ids take no part
+    assert cfg.model.vocab_used == 100
     lse = jax.nn.logsumexp(x, axis=-1)
     want = float(np.mean(lse - np.take_along_axis(np.asarray(x), np.asarray(labels)[..., None], -1)[..., 0]))
     result = run(cfg, devices=devices, quiet=True)
@@ -188,6 +189,14 @@ def test_import_prepare_data_train_with_val_loss(imported, tmp_path):
     val = [r for r in rows if "val_loss" in r]
     assert len(val) == 1 and np.isfinite(val[0]["val_loss"]) and val[0]["val_loss"] == result["val_loss"]
     np.testing.assert_allclose(val[0]["val_perplexity"], np.exp(val[0]["val_loss"]), rtol=1e-5)
+    # a real run's checkpoint exports with its checksums verified (the names export checks are the saved ones)
+    from meshrun.hf.io import _restore
+
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "1" / "meta" / "metadata").read_text())
+    assert any(k.startswith("params.") for k in meta["checksums"])
+    _restore("step", tmp_path / "run" / "checkpoints" / "1", cfg.model, meta["checksums"])
+    res = export_hf(tmp_path / "run", tmp_path / "exported", quiet=True)
+    assert res["source"].endswith("checkpoints/1")
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="torch/transformers not installed")

@@ -205,7 +205,7 @@ def test_checkpoints_command_lists_partial_and_damaged(saved, capsys):
     rows = [ln.split()[0] + " " + ln.split()[1] for ln in out[2:]]
     assert rows == ["1 complete", "2 damaged", "5 complete", "7 partial"]
     assert "d_model=64" in out[2] and "n_layers=4" in out[2]
-    assert main(["checkpoints", str(saved), "--verify", "--json"]) == 0
+    assert main(["checkpoints", str(saved), "--verify", "--json"]) == 5  # damaged STEP/ dirs: not intact
     listed = json.loads(capsys.readouterr().out)["checkpoints"]
     assert [(c["step"], c["status"]) for c in listed] == [
         (1, "complete"),

@@ -378,6 +378,7 @@ class PreemptionFlag:
 def verify_arrays(entry: Path) -> str:
     """'' when every array of STEP/state reads back (onto one CPU device), else why not."""
     is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+    entry = Path(os.path.abspath(entry))  # orbax takes absolute paths only (`checkpoints runs/x --verify`)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     try:
         with _quiet_absl():

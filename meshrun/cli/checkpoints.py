@@ -1,6 +1,7 @@
 """`meshrun checkpoints RUN_DIR [--json] [--verify]`: the checkpoints of a run, their status and model config.
 
-Statuses: `meshrun.checkpoint.store`. --verify reads every array of each complete checkpoint back onto
+Statuses: `meshrun.checkpoint.store`. Exit status 0; with --verify 5 when a STEP/ a run would try is
+damaged. --verify reads every array of each complete checkpoint back onto
 one CPU device (host memory for the whole state: meant for small and medium models; a run verifies the
 one it restores anyway).
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.checkpoint.store import StepInfo, scan
-from meshrun.errors import ConfigError
+from meshrun.errors import EXIT_CHECKPOINT, ConfigError
 
 # ModelConfig fields shown in the table (all of them with --json)
 SUMMARY_KEYS = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype")
@@ -60,4 +61,8 @@ def run_checkpoints(args) -> int:
         print(json.dumps({"run_dir": args.run_dir, "checkpoints": [asdict(s) for s in steps]}))
     else:
         print(format_table(args.run_dir, steps))
+    # --verify answers "is this run's data intact?": a STEP/ a run would try that does not read back
+    # is a failure (5); one already moved aside (STEP.damaged-TIME) is history, not a failure
+    if args.verify and any(s.status == "damaged" and s.name.isdigit() for s in steps):
+        return EXIT_CHECKPOINT
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from meshrun.config import MeshConfig, load_section
+from meshrun.config import MAX_DIM, MeshConfig, check_device_count, load_section
 from meshrun.errors import ConfigError
 from meshrun.hf.io import export_hf, import_hf, parse_size, read_hf_dir
 from meshrun.runtime.devices import setup_devices
@@ -17,7 +17,7 @@ def register(sub) -> None:
     p.add_argument(
         "--vocab-multiple", type=int, default=128, help="pad the vocabulary to a multiple of this (default 128)"
     )
-    p.add_argument("--devices", type=int, default=0, help="CPU only: simulate N devices to place the weights on")
+    p.add_argument("--devices", type=int, default=None, help="CPU only: simulate N devices to place the weights on")
     p.add_argument(
         "overrides", nargs="*", metavar="mesh.KEY=VALUE", help="the mesh the weights are placed on while converting"
     )
@@ -32,8 +32,9 @@ def register(sub) -> None:
 
 def _import_cmd(args) -> int:
     mesh_cfg = load_section(MeshConfig, args.overrides, "mesh")
-    if args.devices < 0:
-        raise ConfigError("--devices", args.devices, "use a positive device count")
+    check_device_count("--devices", args.devices)
+    if args.vocab_multiple < 1 or args.vocab_multiple > MAX_DIM:
+        raise ConfigError("--vocab-multiple", args.vocab_multiple, f"use a multiple in 1..{MAX_DIM}, e.g. 128")
     read_hf_dir(args.model_dir)  # a hub id fails before jax starts
     if args.devices:
         setup_devices(args.devices, force=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from meshrun.data.tokenize import prepare
+from meshrun.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -18,12 +19,14 @@ def register(sub) -> None:
     p.add_argument("--text-field", default="text", help="jsonl: the field holding the text (default: text)")
     p.add_argument("--eos", default="", help="EOS token (default: from tokenizer_config.json or a common name)")
     p.add_argument("--shard-mb", type=float, default=8.0, help="input MiB per shard (default 8)")
-    p.add_argument("--workers", type=int, default=0, help="parallel processes (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: CPU count)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_prepare)
 
 
 def run_prepare(args) -> int:
+    if args.workers is not None and args.workers < 1:  # 0 is not "the default"
+        raise ConfigError("--workers", args.workers, "use a positive process count (or leave it out)")
     summary = prepare(
         args.glob,
         args.out,
@@ -32,7 +35,7 @@ def run_prepare(args) -> int:
         text_field=args.text_field,
         eos=args.eos,
         shard_mb=args.shard_mb,
-        workers=args.workers,
+        workers=args.workers or 0,
         quiet=args.quiet,
     )
     print(json.dumps(summary))

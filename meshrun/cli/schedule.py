@@ -20,12 +20,23 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_schedule)
 
 
+MAX_CELLS = 2**14  # p*m*v: p=16, m=256, v=4 answers in ~2 s on one shared CPU core
+
+
 def _label(op, v: int):
     return None if op is None else op.label(v)
 
 
 def run_schedule(args) -> int:
     p, m, v = args.pipe, args.microbatches, args.virtual
+    for flag, n in (("--pipe", p), ("--microbatches", m), ("--virtual", v)):
+        if n > MAX_CELLS:  # below 1: the schedule's own check names the field
+            raise ConfigError(flag, n, f"use a whole number in [1, {MAX_CELLS}]", "out of range")
+    # building and checking the table grows faster than p*m*v: bound the answer time
+    if p > 0 and m > 0 and v > 0 and p * m * v > MAX_CELLS:
+        raise ConfigError(
+            "--microbatches", m, f"keep pipe x microbatches x virtual <= {MAX_CELLS} (got {p * m * v})", "too large"
+        )
     table = S.build(args.schedule, p, m, v)
     bubble = S.bubble_fraction(table)  # F = 1, B + W = 2 (zb-h1: B = W = 1)
     if args.lockstep and args.schedule == "zb-h1":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from meshrun.config import load_config
@@ -29,6 +30,14 @@ def run_supervise(args) -> int:
                         ("--min-processes", args.min_processes, 1)):  # fmt: skip
         if v < lo:
             raise ConfigError(name, v, f"use a whole number >= {lo}")
+    try:
+        words = shlex.split(args.launcher)
+    except ValueError as e:  # an unbalanced quote
+        raise ConfigError("--launcher", args.launcher, "quote the command as a shell would", str(e)) from None
+    if not words:
+        raise ConfigError("--launcher", args.launcher, "give the command of one attempt, e.g. launch/local.sh")
+    if args.processes > 65536:
+        raise ConfigError("--processes", args.processes, "use a whole number in [1, 65536]")
     train_args = [args.config, *args.overrides, *(["--fast-compile"] if args.fast_compile else [])]
     sup = Supervisor(args.launcher, train_args, Path(cfg.train.run_dir), processes=args.processes,
                      max_restarts=args.max_restarts, elastic=args.elastic,

@@ -167,9 +167,12 @@ def load_tokens(path: str, token_dtype: str, vocab: int) -> np.ndarray:
     return arr
 
 
-def make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: int) -> Dataset:
+def make_dataset(dcfg: DataConfig, *, vocab: int, seq_len: int, global_batch: int, vocab_used: int = 0) -> Dataset:
     """Build the dataset named by `dcfg.kind` (see the module docstring). A file that exists but
-    cannot be read (permissions, I/O error) -> DataError naming the field and the file."""
+    cannot be read (permissions, I/O error) -> DataError naming the field and the file.
+    `vocab_used` > 0 (model.vocab_used): ids from it up are padding, never drawn and never accepted
+    as data (the data's id range is vocab_used)."""
+    vocab = vocab_used or vocab
     try:
         return _make_dataset(dcfg, vocab=vocab, seq_len=seq_len, global_batch=global_batch)
     except OSError as e:

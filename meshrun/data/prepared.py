@@ -51,14 +51,39 @@ class Corpus:
                 "give a directory written by `meshrun prepare-data` (it holds manifest.json)",
                 "not set" if not path else "no manifest.json there",
             )
+        try:
+            self._open(d, mf)
+        except DataError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged or edited directory
+            why = " ".join(str(e).split())[:160]
+            raise DataError(
+                f"data.path={path!r}: not a readable `meshrun prepare-data` directory ({type(e).__name__}: {why}); "
+                "rerun prepare-data"
+            ) from None
+
+    def _open(self, d: Path, mf: Path) -> None:
+        """Read and check the manifest, the shards and their document ends (memory-mapped)."""
+        path = str(d)
         self.manifest = m = json.loads(mf.read_text())
+        if m.get("dtype") not in ("uint16", "uint32"):
+            raise ValueError(f"manifest dtype {m.get('dtype')!r} is not uint16 or uint32")
         self.dir, self.vocab, self.eos_id = d, int(m["vocab"]), int(m["eos_id"])
         self.shards, starts, lens, shard_of = [], [], [], []
+        dtype = np.dtype(m["dtype"])
         for k, s in enumerate(m["shards"]):
             ends = np.fromfile(d / s["idx"], dtype=np.uint64).astype(np.int64)
-            arr = np.memmap(d / s["bin"], dtype=np.dtype(m["dtype"]), mode="r") if s["n_tokens"] else np.empty(0)
-            if len(arr) != s["n_tokens"] or (len(ends) and ends[-1] != len(arr)):
+            size = (d / s["bin"]).stat().st_size
+            if size != int(s["n_tokens"]) * dtype.itemsize:
+                raise DataError(
+                    f"data.path={path!r}: {s['bin']} holds {size} bytes, the manifest says {s['n_tokens']} "
+                    f"{dtype.name} tokens; rerun prepare-data"
+                )
+            arr = np.memmap(d / s["bin"], dtype=dtype, mode="r") if s["n_tokens"] else np.empty(0)
+            if len(arr) != s["n_tokens"] or (len(ends) and ends[-1] != len(arr)) or np.any(np.diff(ends) < 1):
                 raise DataError(f"data.path={path!r}: {s['bin']} does not match the manifest; rerun prepare-data")
+            if len(ends) and ends[0] < 1:
+                raise DataError(f"data.path={path!r}: {s['idx']} does not match the manifest; rerun prepare-data")
             self.shards.append(arr)
             starts.append(np.concatenate([[0], ends[:-1]]))
             lens.append(np.diff(np.concatenate([[0], ends])))

@@ -54,17 +54,30 @@ def list_files(pattern: str) -> list[Path]:
     return files
 
 
-def documents(path: Path, text_field: str):
-    """The documents of one file: the whole .txt file, or each line of a .jsonl file."""
+def _decode(raw: bytes, stats: dict | None) -> str:
+    """UTF-8 text; invalid bytes become U+FFFD and are counted in stats["invalid_utf8_bytes"]."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        if stats is not None:
+            stats["invalid_utf8_bytes"] = (
+                stats.get("invalid_utf8_bytes", 0) + len(raw) - len(raw.decode("utf-8", errors="ignore").encode())
+            )
+        return raw.decode("utf-8", errors="replace")
+
+
+def documents(path: Path, text_field: str, stats: dict | None = None):
+    """The documents of one file: the whole .txt file, or each line of a .jsonl file (`stats`: counts
+    of what was repaired, see `_decode`)."""
     if path.suffix != ".jsonl":
-        yield path.read_bytes().decode("utf-8", errors="replace")
+        yield _decode(path.read_bytes(), stats)
         return
     with path.open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(_decode(line, stats))
             except json.JSONDecodeError as e:
                 raise DataError(f"--glob: {path}:{n} is not JSON ({e.msg}); fix or remove that line") from e
             text = row.get(text_field) if isinstance(row, dict) else None
@@ -114,7 +127,13 @@ def load_tokenizer(spec: str):
             "downloaded: fetch the model first), or use --train-bpe VOCAB",
             why,
         )
-    return Tokenizer.from_file(str(path)), path
+    try:
+        return Tokenizer.from_file(str(path)), path
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception for any bad file
+        why = " ".join(str(e).split())[:160]
+        raise ConfigError(
+            "--tokenizer", spec, "give a Hugging Face tokenizer.json", f"not a tokenizer.json ({why})"
+        ) from None
 
 
 def find_eos(tok, tok_path: Path | None, eos: str) -> tuple[str, int]:
@@ -196,7 +215,7 @@ def tokenize_shard(
 ) -> dict:
     """Worker: tokenize one shard's files, write .bin/.idx/.json (temp + rename, marker last)."""
     tok = Tokenizer.from_str(tok_json)
-    out_p, parts, ends, total = Path(out), [], [], 0
+    out_p, parts, ends, total, stats = Path(out), [], [], 0, {"invalid_utf8_bytes": 0}
     eos = np.array([eos_id], dtype)
 
     def flush(batch):
@@ -209,7 +228,7 @@ def tokenize_shard(
 
     for f in files:
         batch = []
-        for doc in documents(Path(f), text_field):
+        for doc in documents(Path(f), text_field, stats):
             batch.append(doc)
             if len(batch) == ENCODE_BATCH:
                 flush(batch)
@@ -227,6 +246,7 @@ def tokenize_shard(
         "n_tokens": total,
         "n_docs": len(ends),
         "files": len(files),
+        "invalid_utf8_bytes": stats["invalid_utf8_bytes"],
     }
     _atomic_write(out_p / f"{name}.json", json.dumps(marker).encode())
     return marker
@@ -248,10 +268,20 @@ def prepare(
     """Tokenize the files matching `pattern` into shards in `out` (see the module docstring);
     returns the summary that is also in manifest.json, plus this run's timing."""
     t0 = time.perf_counter()
-    if shard_mb <= 0:
-        raise ConfigError("--shard-mb", shard_mb, "use a positive size in MiB")
+    if not 0 < shard_mb <= 1 << 20:
+        raise ConfigError("--shard-mb", shard_mb, "use a positive size in MiB (at most 1 TiB)")
+    if workers is not None and not 0 <= workers <= 1024:
+        raise ConfigError("--workers", workers, "use 1..1024 processes (or leave it out: the CPU count)")
+    if train_bpe is not None and not 257 <= train_bpe <= 1 << 24:
+        raise ConfigError(
+            "--train-bpe", train_bpe, "use a vocabulary size in 257..16777216 (256 bytes + EOS), e.g. 32000"
+        )
     files = list_files(pattern) if files is None else files  # `files`: an explicit list instead of the glob
+    if tokenizer:  # bad arguments are refused before --out is created
+        find_eos(*load_tokenizer(tokenizer), eos)
     out_p = Path(out)
+    if out_p.exists() and not out_p.is_dir():
+        raise ConfigError("--out", out, "give a directory (new, or one prepare-data wrote)", "not a directory")
     out_p.mkdir(parents=True, exist_ok=True)
     tok, tok_path = _tokenizer_for(out_p, tokenizer, train_bpe, files, text_field, quiet)
     eos_name, eos_id = find_eos(tok, tok_path, eos)
@@ -284,10 +314,17 @@ def prepare(
         "n_tokens": sum(m["n_tokens"] for m in order),
         "n_files": len(files),
         "shards": [{k: m[k] for k in ("bin", "idx", "n_tokens", "n_docs")} for m in order],
+        "invalid_utf8_bytes": sum(m.get("invalid_utf8_bytes", 0) for m in order),
     }
+    if manifest["invalid_utf8_bytes"]:
+        print(
+            f"meshrun: warning: {manifest['invalid_utf8_bytes']} bytes of the corpus are not valid UTF-8; "
+            "they were replaced by U+FFFD (manifest.json: invalid_utf8_bytes)",
+            file=sys.stderr,
+        )
     _atomic_write(out_p / "manifest.json", json.dumps(manifest, indent=1).encode())
     dt = time.perf_counter() - t0
-    return {k: manifest[k] for k in ("vocab", "eos_id", "dtype", "n_docs", "n_tokens")} | {
+    return {k: manifest[k] for k in ("vocab", "eos_id", "dtype", "n_docs", "n_tokens", "invalid_utf8_bytes")} | {
         "out": str(out_p),
         "shards": len(shards),
         "skipped": len(shards) - len(todo),

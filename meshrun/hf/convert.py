@@ -13,6 +13,7 @@ of the memory-mapped files, so each device's shard is read on its own (jax.make_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +61,22 @@ def family_of(hf: dict) -> str:
 
 
 def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
-    """ModelConfig of a transformers config.json dict (vocab padded to a multiple of `vocab_multiple`)."""
-    return family_for(hf)[1].model_config(hf, vocab_multiple)
+    """ModelConfig of a transformers config.json dict (vocab padded to a multiple of `vocab_multiple`;
+    the ids past the checkpoint's own `vocab_size` are marked as padding: model.vocab_used)."""
+    if not isinstance(hf, dict):
+        raise ConfigError(FIELD, type(hf).__name__, "give a transformers config.json (a JSON object)", "not an object")
+    vocab = hf.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(f"{FIELD}: vocab_size", vocab, "give the tokenizer's size, a positive integer")
+    try:
+        cfg = family_for(hf)[1].model_config(hf, vocab_multiple)
+    except KeyError as e:
+        raise ConfigError(f"{FIELD}: {e.args[0]}", None, "give a complete config.json", "missing key") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(FIELD, str(e), "fix config.json (numbers where numbers belong)", "unusable values") from None
+    return dataclasses.replace(cfg, vocab_used=hf["vocab_size"] if hf["vocab_size"] < cfg.vocab else 0)
 
 
 def adapter(cfg: ModelConfig):

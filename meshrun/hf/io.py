@@ -13,8 +13,10 @@ as config.json + safetensors shards that transformers loads; tokenizer files tra
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,7 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     from meshrun.checkpoint.params import save_params
     from meshrun.config import MeshConfig, to_dict
     from meshrun.family import registry
-    from meshrun.hf.convert import expected_names, family_of, ignored, lazy_params, model_config
+    from meshrun.hf.convert import expected_names, family_of, ignored, model_config
     from meshrun.hf.safetensors_io import FormatError, SafeTensors
     from meshrun.parallel.sharding import param_rules, tree_shardings
     from meshrun.runtime.mesh import build_mesh
@@ -111,7 +113,9 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     family.check_config(cfg)
     family.check_mesh(cfg, dict(mesh.shape))
     shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
-    lazies = lazy_params(cfg, st.get, hf["vocab_size"])
+    lazies = _checked_lazies(
+        cfg, st, hf, model_dir, {p: a.shape for p, a in flat_tree(family.abstract_params(cfg)).items()}
+    )
     dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     flat = {}
     for path, sh in shardings.items():
@@ -124,7 +128,7 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
         "hf": {"config": hf, "vocab": hf["vocab_size"], "family": family_of(hf), "dtype": src_dtype},
     }
     save_params(out, nest_tree(flat), meta)
-    yaml_path = Path(run_dir) / "config.yaml"
+    yaml_path = Path(os.path.abspath(run_dir)) / "config.yaml"  # absolute paths inside: train from anywhere
     if jax.process_index() == 0:
         files = out / "hf_files"
         files.mkdir(exist_ok=True)
@@ -141,13 +145,46 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     }
 
 
+def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
+    """lazy_params of the checkpoint, after checking every tensor's shape against config.json: a head
+    count or size that contradicts the stored tensors is a ConfigError naming both, before anything
+    is written."""
+    from meshrun.hf.convert import lazy_params
+
+    fix = "give a config.json that matches the checkpoint's tensors (or the tensors its config.json describes)"
+    try:
+        lazies = lazy_params(cfg, st.get, hf["vocab_size"])
+    except ValueError as e:  # a per-head reshape that does not fit the stored tensor
+        raise ConfigError(f"{model_dir}/config.json", str(e), fix, "contradicts the tensor shapes") from None
+    from meshrun.hf.convert import adapter
+
+    for name, kind in adapter(cfg).top_map(cfg).values():
+        if kind in ("vocab", "vocab_t") and st.get(name).shape[0] != hf["vocab_size"]:
+            raise ConfigError(
+                f"{model_dir}/config.json: vocab_size",
+                hf["vocab_size"],
+                fix,
+                f"{name} holds {st.get(name).shape[0]} rows",
+            )
+    for path, shape in want.items():
+        got = tuple(lazies[path].shape)
+        if got != tuple(shape):
+            raise ConfigError(
+                f"{model_dir}/config.json",
+                "/".join(path),
+                fix,
+                f"config.json implies shape {tuple(shape)} for this weight, the safetensors hold {got}",
+            )
+    return lazies
+
+
 def write_run_config(path: Path, cfg, hf: dict) -> None:
     """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning lr)."""
     import yaml
 
     from meshrun.config import to_dict
 
-    run_dir = path.parent
+    run_dir = Path(os.path.abspath(path.parent))
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     doc = {
         "model": to_dict(cfg),
@@ -186,26 +223,38 @@ def nest_tree(flat: dict[tuple[str, ...], Any]) -> dict:
 # ---------------------------------------------------------------- export
 
 
-def find_source(run_dir: str | Path) -> tuple[str, Path, dict[str, Any]]:
-    """('step', STEP dir, meta) of the newest complete checkpoint, else ('import', hf_import dir, meta)."""
-    from meshrun.checkpoint.store import newest_complete
+def _candidates(run_dir: str | Path) -> list[tuple[str, Path]]:
+    """(kind, dir) to export from, newest first: the complete step checkpoints, else the import."""
+    from meshrun.checkpoint.store import scan
 
     if not Path(run_dir).is_dir():
         raise ConfigError(
             "RUN_DIR", str(run_dir), "give the train.run_dir of a run or of `meshrun import-hf`", "no such directory"
         )
-    e = newest_complete(run_dir)
-    if e is not None:
-        d = Path(run_dir) / "checkpoints" / e.name
-        return "step", d, json.loads((d / "meta" / "metadata").read_text())
-    if (Path(run_dir) / IMPORT_DIR).is_dir():
-        from meshrun.checkpoint.params import check_dir
-
-        d = Path(run_dir) / IMPORT_DIR
-        return "import", d, check_dir(d, "RUN_DIR")
+    root = Path(os.path.abspath(run_dir))  # orbax takes absolute paths only
+    steps = [e for e in scan(root) if e.status == "complete" and e.name.isdigit()]
+    if steps:
+        return [("step", root / "checkpoints" / e.name) for e in reversed(steps)]
+    if (root / IMPORT_DIR).is_dir():
+        return [("import", root / IMPORT_DIR)]
     raise ConfigError(
         "RUN_DIR", str(run_dir), "train it first or import a model into it", "no complete checkpoint in it"
     )
+
+
+def _read_meta(kind: str, directory: Path) -> dict[str, Any]:
+    from meshrun.checkpoint.params import check_dir
+
+    if kind == "import":
+        return check_dir(directory, "RUN_DIR")
+    return json.loads((directory / "meta" / "metadata").read_text())
+
+
+def find_source(run_dir: str | Path) -> tuple[str, Path, dict[str, Any]]:
+    """('step', STEP dir, meta) of the newest complete checkpoint, else ('import', hf_import dir, meta)
+    (not read back: `load_params` verifies the arrays)."""
+    kind, directory = _candidates(run_dir)[0]
+    return kind, directory, _read_meta(kind, directory)
 
 
 def _hf_meta(run_dir: Path, meta: dict) -> tuple[dict | None, Path | None]:
@@ -216,22 +265,48 @@ def _hf_meta(run_dir: Path, meta: dict) -> tuple[dict | None, Path | None]:
     return None, None
 
 
-def load_params(run_dir: str | Path) -> tuple[Any, dict, dict[str, Any]]:
-    """(ModelConfig, params on one device, checkpoint meta) of a run's newest weights: its newest
-    complete step checkpoint, else its import."""
+def load_params(run_dir: str | Path, *, quiet: bool = False) -> tuple[Any, dict, dict[str, Any]]:
+    """(ModelConfig, params on one device, checkpoint meta) of a run's newest *intact* weights: its
+    newest complete step checkpoint whose arrays read back and match their checksums (a damaged one
+    is reported on stderr and the next older one used, as `meshrun train` does; none is moved or
+    deleted), else its import. CheckpointError (exit 5) when every step checkpoint is damaged."""
     from meshrun.config import ModelConfig, from_dict
+    from meshrun.errors import CheckpointError
 
-    kind, directory, meta = find_source(run_dir)
-    cfg = from_dict(ModelConfig, meta["model"], "model.")
-    return cfg, _restore(kind, directory, cfg), meta
+    cands = _candidates(run_dir)
+    damaged = []
+    for kind, directory in cands:
+        try:
+            meta = _read_meta(kind, directory)
+            cfg = from_dict(ModelConfig, meta["model"], "model.")
+            params = _restore(kind, directory, cfg, meta.get("checksums"))
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax, TensorStore, JSON and OS errors all mean "unreadable"
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+            why = f"{type(e).__name__}: {first[:160]}"
+            damaged.append(directory.name)
+            if not quiet:
+                print(f"meshrun: checkpoint {directory} is damaged ({why}); trying an older one", file=sys.stderr)
+            continue
+        if damaged and not quiet:
+            print(f"meshrun: exporting checkpoint {directory.name} (newest intact)", file=sys.stderr)
+        return cfg, params, meta
+    raise CheckpointError(
+        f"no intact checkpoint in {Path(run_dir) / 'checkpoints'}: steps {', '.join(damaged)} are damaged "
+        "(`meshrun checkpoints RUN_DIR --verify` lists them)"
+    )
 
 
-def _restore(kind: str, directory: Path, cfg) -> dict:
-    """Params only, onto one device (host memory for the parameters; never the optimizer state)."""
+def _restore(kind: str, directory: Path, cfg, checksums: dict | None = None) -> dict:
+    """Params only, onto one device (host memory for the parameters; never the optimizer state),
+    checked against the step's saved checksums (`meshrun.checkpoint.checksum`)."""
     import jax
     import orbax.checkpoint as ocp
 
+    from meshrun.checkpoint import checksum
     from meshrun.checkpoint.params import PARAMS
+    from meshrun.checkpoint.state import path_key
     from meshrun.family import registry
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -246,9 +321,18 @@ def _restore(kind: str, directory: Path, cfg) -> dict:
             return ckptr.restore(directory / PARAMS, args=ocp.args.PyTreeRestore(target, restore_args=_rargs(target)))
         item = {"params": target}
         args = ocp.args.PyTreeRestore(item, restore_args=_rargs(item), partial_restore=True)
-        return ckptr.restore(directory / "state", args=args)["params"]
+        restored = ckptr.restore(directory / "state", args=args)
     finally:
         ckptr.close()
+    if checksums:
+        now = checksum.checksums(restored, path_key)
+        unlisted = sorted(k for k in now if k not in checksums)
+        if unlisted:
+            raise ValueError(f"no checksum saved for {', '.join(unlisted[:3])}")
+        bad = [k for k, v in now.items() if list(checksums[k]) != v]
+        if bad:  # OCDBT reads overwritten chunk bytes without an error
+            raise ValueError(f"array data does not match its checksum: {', '.join(bad[:3])}")
+    return restored["params"]
 
 
 def _rargs(tree):
@@ -270,35 +354,100 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
 
 
+# ModelConfig fields that change what the exported weights compute (the rest are how meshrun trains)
+_RUNTIME_FIELDS = {
+    "vocab",
+    "vocab_used",
+    "dtype",
+    "param_dtype",
+    "init_std",
+    "attention_impl",
+    "remat",
+    "remat_every",
+    "sequence_parallel",
+    "capacity_factor",
+    "moe_dispatch",
+    "aux_loss_coef",
+    "z_loss_coef",
+}
+
+
+def _arch(cfg) -> dict[str, Any]:
+    from meshrun.config import to_dict
+
+    d = {k: v for k, v in to_dict(cfg).items() if k not in _RUNTIME_FIELDS}
+    if d.get("rope_scaling") == "none":  # the scaling parameters are unused then
+        d = {k: v for k, v in d.items() if not k.startswith("rope_") or k in ("rope_theta", "rope_scaling")}
+    if not d.get("n_experts"):
+        d = {k: v for k, v in d.items() if k not in ("top_k", "moe_every")}
+    return d
+
+
+def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any]:
+    """The config.json of the model that was trained: the import's own config.json when the trained
+    model is the imported one (overrides of runtime settings aside), else one written from `cfg`; the
+    result must read back as `cfg` (every field that changes the computation), else a ConfigError
+    naming the fields that Hugging Face cannot express."""
+    from meshrun.hf.convert import hf_config, model_config
+
+    config, keep = None, {}
+    if hf:
+        config = dict(hf["config"])
+        if _arch(model_config(config, cfg.vocab)) != _arch(cfg):
+            keep = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+            config = None
+    if config is None:
+        config = hf_config(cfg, vocab, dtype) | keep
+    if "dtype" in config and "torch_dtype" not in config:
+        config["dtype"] = dtype
+    else:
+        config["torch_dtype"] = dtype
+    want, got = _arch(cfg), _arch(model_config(config, cfg.vocab))
+    diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if diff:
+        raise ConfigError(
+            ", ".join(f"model.{k}" for k in diff),
+            {k: want.get(k) for k in diff},
+            "export a run trained with settings a transformers architecture has (Llama, Mistral, Qwen2, Mixtral)",
+            "the trained model cannot be written as a Hugging Face config.json",
+        )
+    return config
+
+
 def export_hf(
-    run_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 10**9, dtype: str | None = None
+    run_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+    dtype: str | None = None,
+    quiet: bool = False,
 ) -> dict[str, Any]:
-    """Write RUN_DIR's newest weights as a transformers model directory (see the module docstring)."""
+    """Write RUN_DIR's newest intact weights as a transformers model directory (see the module
+    docstring): the trained model's config (overrides included), its weights, and the tokenizer (the
+    import's files; a run on `meshrun prepare-data` shards: that data's tokenizer.json)."""
     import ml_dtypes
 
     from meshrun.config import ModelConfig, from_dict
-    from meshrun.hf.convert import hf_config, hf_tensors
+    from meshrun.hf.convert import hf_tensors
     from meshrun.hf.safetensors_io import write_sharded
 
     run_dir, out = Path(run_dir), Path(out_dir)
     _, directory, meta = find_source(run_dir)
     cfg = from_dict(ModelConfig, meta["model"], "model.")
     hf, files = _hf_meta(run_dir, meta)
-    vocab = hf["vocab"] if hf else cfg.vocab
+    vocab = hf["vocab"] if hf else (cfg.vocab_used or cfg.vocab)
     dtype = dtype or (hf["dtype"] if hf else "float32")
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ConfigError("--dtype", dtype, "use float32, bfloat16 or float16")
-    config = dict(hf["config"]) if hf else hf_config(cfg, vocab, dtype)
-    if "dtype" in config and "torch_dtype" not in config:
-        config["dtype"] = dtype
-    else:
-        config["torch_dtype"] = dtype
     if max_shard_bytes < 1:
         raise ConfigError("--max-shard-size", max_shard_bytes, "use a positive size, e.g. 5GB")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("OUT_DIR", str(out), "give a new or empty directory", "it is not empty")
-    cfg, params, _ = load_params(run_dir)
+    config = export_config(cfg, hf, vocab, dtype)
+    tokenizer = _data_tokenizer(meta)
+    cfg, params, meta = load_params(run_dir, quiet=quiet)
+    config = export_config(cfg, hf, vocab, dtype)  # the checkpoint used may be an older one
     leaf = lambda path: _get(params, path)
     tensors = ((k, v.astype(np_dtype)) for k, v in hf_tensors(cfg, leaf, vocab))
     names = write_sharded(out, tensors, max_shard_bytes)
@@ -306,7 +455,33 @@ def export_hf(
     if files is not None and files.is_dir():
         for f in files.iterdir():
             shutil.copyfile(f, out / f.name)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        _write_tokenizer_config(out, tokenizer.parent)
     return {"out_dir": str(out), "source": str(directory), "files": names, "dtype": dtype, "vocab": vocab}
+
+
+def _data_tokenizer(meta: dict) -> Path | None:
+    """tokenizer.json of the `meshrun prepare-data` directory the run trained on (checkpoint meta
+    `data`: {"kind", "path"}), if any."""
+    data = meta.get("data") if isinstance(meta.get("data"), dict) else {}
+    if data.get("kind") != "prepared" or not data.get("path"):
+        return None
+    tok = Path(data["path"]) / "tokenizer.json"
+    return tok if tok.is_file() else None
+
+
+def _write_tokenizer_config(out: Path, data_dir: Path) -> None:
+    """tokenizer_config.json naming the data's end-of-document token, unless the import brought one."""
+    if (out / "tokenizer_config.json").is_file():
+        return
+    try:
+        manifest = json.loads((data_dir / "manifest.json").read_text())
+        eos = manifest.get("eos")
+    except (OSError, ValueError, AttributeError):
+        eos = None
+    doc = {"tokenizer_class": "PreTrainedTokenizerFast"} | ({"eos_token": eos} if isinstance(eos, str) else {})
+    (out / "tokenizer_config.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def _get(tree, path):

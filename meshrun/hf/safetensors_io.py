@@ -56,13 +56,38 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def check_entry(path: Path, name: str, info, data_bytes: int) -> None:
+    """FormatError naming `path` unless tensor `name`'s header entry has a supported dtype, a shape and
+    offsets that fit its byte count and lie inside the file's `data_bytes` (checked when the file is
+    opened: a truncated file fails here, not in the middle of placing the weights)."""
+    if not isinstance(info, dict):
+        raise FormatError(f"{path}: tensor {name} has no header entry")
+    dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPES:
+        raise FormatError(f"{path}: tensor {name} has unsupported dtype {dtype} (meshrun reads {sorted(DTYPES)})")
+    ints = lambda v: isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v)
+    if not ints(shape) or not ints(offs) or len(offs) != 2:
+        raise FormatError(f"{path}: tensor {name} has a malformed shape or data_offsets")
+    b, e = offs
+    if e - b != int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize:
+        raise FormatError(f"{path}: tensor {name} has {e - b} bytes for shape {tuple(shape)} {dtype}")
+    if e > data_bytes:
+        raise FormatError(f"{path}: truncated: tensor {name} ends at byte {e} of {max(data_bytes, 0)} data bytes")
+
+
 class SafeTensors:
     """All tensors of one model directory (one file or an index of shards), memory-mapped."""
 
     def __init__(self, directory: str | Path):
         d = Path(directory)
         if (d / INDEX).is_file():
-            files = sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise FormatError(f"{d / INDEX}: not a safetensors index ({type(e).__name__})") from None
+            for name in files:
+                if not isinstance(name, str) or not (d / name).is_file():
+                    raise FormatError(f"{d / INDEX}: names {name!r}, which is not a file in {d}")
         elif (d / SINGLE).is_file():
             files = [SINGLE]
         else:
@@ -72,8 +97,12 @@ class SafeTensors:
         self.entries: dict[str, tuple[Path, dict, int]] = {}
         for name in files:
             header, start = read_header(d / name)
+            if not isinstance(header, dict):
+                raise FormatError(f"{d / name}: header is not a JSON object")
+            size = (d / name).stat().st_size
             for key, info in header.items():
                 if key != "__metadata__":
+                    check_entry(d / name, key, info, size - start)
                     self.entries[key] = (d / name, info, start)
         self._maps: dict[Path, np.memmap] = {}
 

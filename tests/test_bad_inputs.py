@@ -1,0 +1,109 @@
+"""Bad command-line input: refused with exit 2 and one line naming the flag, within seconds, before
+anything is written; zero is a value (never "not given"); the corpus' invalid UTF-8 is counted."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from meshrun.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _refused(capsys, argv: list[str], flag: str, seconds: float = 5.0) -> str:
+    t0 = time.perf_counter()
+    rc = main(argv)
+    took = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert flag in lines[0], lines[0]
+    assert took < seconds, f"{argv}: {took:.1f} s"
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["mesh", "--devices", "0"], "--devices"),
+        (["mesh", "--devices", "100000"], "--devices"),
+        (["mesh", "--devices", "8", "--hosts", "0"], "--hosts"),
+        (["mesh", "mesh.data=100000000"], "mesh.data"),
+        (["schedule", "--pipe", "100000", "--microbatches", "100000"], "--pipe"),
+        (["schedule", "--pipe", "64", "--microbatches", "4096"], "--microbatches"),
+        (["plan", "--model", "llama-7b", "--cluster", "h100-80g:1x8", "--global-batch", str(10**21)], "--global-batch"),
+        (["plan", "--model", "llama-7b", "--cluster", "h100-80g:1x8", "--top", str(10**9)], "--top"),
+        (["import-hf", "x", "y", "--devices", "0"], "--devices"),
+        (["import-hf", "x", "y", "--vocab-multiple", "0"], "--vocab-multiple"),
+        (["mesh", "=3"], "=3"),
+        (["mesh", "mesh..data=2"], "mesh..data"),
+    ],
+)
+def test_out_of_range_arguments_exit_2_quickly(capsys, argv, flag):
+    _refused(capsys, argv, flag)
+
+
+def test_supervise_launcher_is_checked_before_anything_starts(capsys, tmp_path):
+    cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
+    over = f"train.run_dir={tmp_path / 'run'}"
+    _refused(capsys, ["supervise", cfg, over, "--launcher", "", "--processes", "2"], "--launcher")
+    _refused(capsys, ["supervise", cfg, over, "--launcher", "launch/local.sh 'x", "--processes", "2"], "--launcher")
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_directory_is_not_no_such_file(capsys, tmp_path):
+    line = _refused(capsys, ["train", str(tmp_path)], "config")
+    assert "a directory" in line and "no such file" not in line
+
+
+def _corpus(tmp_path: Path) -> str:
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_bytes(b"alpha beta \xff\xfe gamma")
+    (tmp_path / "corpus" / "b.txt").write_bytes("delta épsilon".encode())
+    return str(tmp_path / "corpus" / "*.txt")
+
+
+def test_prepare_data_refuses_before_creating_out(capsys, tmp_path):
+    glob, out = _corpus(tmp_path), tmp_path / "data"
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)) * 4)
+    argv = ["prepare-data", "--glob", glob, "--out", str(out)]
+    _refused(capsys, [*argv, "--tokenizer", str(tmp_path / "binary.json")], "--tokenizer")
+    _refused(capsys, [*argv, "--train-bpe", "300", "--workers", "0"], "--workers")
+    _refused(capsys, [*argv, "--train-bpe", "10"], "--train-bpe")
+    assert not out.exists()
+
+
+def test_prepare_data_counts_and_reports_invalid_utf8(capsys, tmp_path):
+    glob, out = _corpus(tmp_path), tmp_path / "data"
+    assert main(["prepare-data", "--glob", glob, "--out", str(out), "--train-bpe", "300", "--workers", "1"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out.strip().splitlines()[-1])["invalid_utf8_bytes"] == 2
+    assert "2 bytes of the corpus are not valid UTF-8" in cap.err
+    assert json.loads((out / "manifest.json").read_text())["invalid_utf8_bytes"] == 2
+
+
+@pytest.mark.parametrize("tamper", ["manifest_not_json", "dtype_edited", "shard_odd_length", "no_shards"])
+def test_tampered_prepared_data_is_an_io_error_naming_the_path(capsys, tmp_path, tamper):
+    from meshrun.data.prepared import Corpus
+    from meshrun.errors import DataError
+
+    glob, out = _corpus(tmp_path), tmp_path / "data"
+    assert main(["prepare-data", "--glob", glob, "--out", str(out), "--train-bpe", "300", "--workers", "1"]) == 0
+    mf = out / "manifest.json"
+    m = json.loads(mf.read_text())
+    if tamper == "manifest_not_json":
+        mf.write_text("{not json")
+    elif tamper == "dtype_edited":
+        mf.write_text(json.dumps(m | {"dtype": "int7"}))
+    elif tamper == "no_shards":
+        mf.write_text(json.dumps(m | {"shards": []}))
+    else:
+        b = out / m["shards"][0]["bin"]
+        with open(b, "r+b") as f:
+            f.truncate(b.stat().st_size - 1)
+    with pytest.raises(DataError, match="data.path="):
+        Corpus(str(out))
