@@ -450,3 +450,30 @@ def test_pipeline_slots_closed_form_matches_the_tables(schedule, v):
                 lock = schedules.lockstep(table)
                 want = max(schedules.max_in_flight(lock, s) for s in range(p))
             assert pipeline_slots_formula(schedule, p, m, v) == want, (p, m)
+
+
+def test_per_op_1f1b_slots_and_time_match_its_table():
+    """pipeline.executor=per_op: the planner's slots (p on the first stage) and tick time (each tick
+    as long as its slowest op, B = 2F: 4(m + p - 1) - p forwards) equal `schedules.one_op_steps`'s table."""
+    from meshrun.pipeline import schedules
+    from meshrun.planner import timing
+    from meshrun.planner.step_model import pipeline_slots_formula
+
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            cells = schedules.one_op_steps(schedules.one_f_one_b(p, m))
+            slots = max(schedules.max_in_flight(cells, s) for s in range(p))
+            assert pipeline_slots_formula("1f1b", p, m, 1, "per_op") == slots == min(m, p)
+            ticks = sum(max(2 if c.bwd is not None else 1 if c.fwd is not None else 0 for c in row) for row in cells)
+            lay = Layout(pipe=p, microbatches=m, executor="per_op")
+            idle, _ = timing._bubble(lay)
+            assert (m + idle) * 3 == pytest.approx(ticks)
+
+
+def test_per_op_1f1b_trades_memory_for_time(gpt3):
+    cluster = parse_cluster("a100-80g:16x8")
+    lay = Layout(tensor=8, pipe=8, data=2, microbatches=32, zero=1, remat="selective", sequence_parallel=True)
+    lock = search.evaluate(gpt3, lay, cluster, 64, 2048)
+    per_op = search.evaluate(gpt3, dataclasses.replace(lay, executor="per_op"), cluster, 64, 2048)
+    assert per_op.memory["activations"] < lock.memory["activations"]
+    assert per_op.step_time > lock.step_time

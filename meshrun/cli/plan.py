@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from meshrun.analysis.flops import param_counts
-from meshrun.config import RunConfig, from_dict, load_yaml
+from meshrun.config import MAX_DIM, RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
 from meshrun.pipeline.schedules import SCHEDULES
 from meshrun.planner.cost import MEMORY_PARTS, Layout
@@ -21,7 +21,7 @@ from meshrun.planner.search import SEARCHED_REMATS, Result, evaluate, search
 from meshrun.planner.timing import FRAMEWORKS
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "zero")
-EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule")
+EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor")
 # configs/models of the source tree, for `--model NAME`.
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -90,6 +90,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int) -> Lay
         remat=given.get("remat", model.remat),
         sequence_parallel=given.get("sequence_parallel", model.sequence_parallel),
         schedule=given.get("schedule", "interleaved" if v > 1 else "1f1b"),
+        executor=given.get("executor", "per_op" if given.get("schedule") == "zb-h1" else "lockstep"),
     )
 
 
@@ -104,6 +105,10 @@ def _parse_value(key: str, raw: str):
     if key == "remat":
         if raw not in SEARCHED_REMATS:
             raise ConfigError(field, raw, f"use one of {list(SEARCHED_REMATS)}")
+        return raw
+    if key == "executor":
+        if raw not in ("lockstep", "per_op"):
+            raise ConfigError(field, raw, "use lockstep or per_op")
         return raw
     if key == "schedule":
         if raw not in SCHEDULES:
@@ -125,9 +130,9 @@ def run_plan(args) -> int:
     batch = args.global_batch if args.global_batch is not None else train.get("global_batch")
     if not batch:
         raise ConfigError("--global-batch", batch, "give the number of sequences per step, e.g. --global-batch 1536")
-    for flag, val in (("--global-batch", batch), ("--seq-len", seq)):
-        if int(val) < 1:
-            raise ConfigError(flag, val, "use a positive whole number")
+    for flag, val in (("--global-batch", batch), ("--seq-len", seq), ("--top", args.top)):
+        if not 1 <= int(val) <= MAX_DIM:  # the search's work grows with them: bounded answer time
+            raise ConfigError(flag, val, f"use a whole number in [1, {MAX_DIM}]")
     batch, seq = int(batch), int(seq)
     if args.framework not in FRAMEWORKS:
         raise ConfigError("--framework", args.framework, f"use one of {list(FRAMEWORKS)}")

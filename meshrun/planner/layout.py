@@ -29,6 +29,7 @@ class Layout:
     remat: str = "full"  # none | selective | full (| offload: `layout_of` a run config)
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (virtual > 1)
+    executor: str = "lockstep"  # lockstep | per_op (1F1B: p microbatches on the first stage; zb-h1 always)
 
     @property
     def n_devices(self) -> int:
@@ -63,7 +64,15 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         remat=cfg.model.remat,
         sequence_parallel=cfg.model.sequence_parallel,
         schedule=cfg.pipeline.schedule,
+        executor=executor_of(cfg.pipeline.schedule, cfg.pipeline.executor),
     )
+
+
+def executor_of(schedule: str, executor: str) -> str:
+    """`pipeline.executor` resolved: auto is per_op for zb-h1, lockstep otherwise."""
+    if executor == "auto":
+        return "per_op" if schedule == "zb-h1" else "lockstep"
+    return executor
 
 
 @dataclass(frozen=True)

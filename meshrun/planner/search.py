@@ -7,7 +7,7 @@ compute) are reported but the layout still ranks by time.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from meshrun.analysis import flops
 from meshrun.config import ModelConfig
@@ -185,6 +185,10 @@ def search(
     for layout in candidates(model, cluster, global_batch):
         n_seen += 1
         r = evaluate(model, layout, cluster, global_batch, seq_len, **kw)
+        if r.hard and layout.schedule == "1f1b" and layout.pipe > 1 and kw.get("framework", "meshrun") == "meshrun":
+            # lockstep 1F1B holds min(m, 2p - 1) microbatches; the per-op executor p, at a slower tick
+            r2 = evaluate(model, replace(layout, executor="per_op"), cluster, global_batch, seq_len, **kw)
+            r = r2 if not r2.hard else r
         if r.hard:
             if smallest is None or r.memory["total"] < smallest.memory["total"]:
                 smallest = r

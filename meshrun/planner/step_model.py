@@ -18,13 +18,15 @@ from meshrun.planner.activations import autodiff_bytes, meshrun_layer_bytes, sav
 from meshrun.planner.layout import Layout, precision_of, zero_divisors
 
 
-def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
+def pipeline_slots_formula(schedule: str, p: int, m: int, v: int, executor: str = "lockstep") -> int:
     """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
-    GPipe m; 1F1B min(m, 2p - 1); interleaved min(m v, (v + 1) p - 1); zb-h1 2 min(m, p) (its per-op
-    timeline holds min(m, p) microbatches from F to W, each with its residuals and, after B, the
-    stash W reads: modelled as a second activation set)."""
+    GPipe m; 1F1B min(m, 2p - 1) (per-op executor: min(m, p), Megatron's); interleaved
+    min(m v, (v + 1) p - 1); zb-h1 2 min(m, p) (its per-op timeline holds min(m, p) microbatches
+    from F to W, each with its residuals and, after B, the stash W reads: a second activation set)."""
     if schedule == "gpipe":
         return m
+    if schedule == "1f1b" and executor == "per_op":  # Megatron's 1F1B: p - s on stage s
+        return min(m, p)
     if schedule == "zb-h1":
         return 2 * min(m, p)
     if schedule == "interleaved" and v > 1:
@@ -33,13 +35,13 @@ def pipeline_slots_formula(schedule: str, p: int, m: int, v: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _pipeline_slots(schedule: str, p: int, m: int, v: int) -> int:
+def _pipeline_slots(schedule: str, p: int, m: int, v: int, executor: str = "lockstep") -> int:
     """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage.
     Large tables (the planner's search over big clusters) use the closed form instead of building them."""
     from meshrun.errors import ConfigError
 
-    if p * m * v > 256 or schedule == "zb-h1":
-        return pipeline_slots_formula(schedule, p, m, v)
+    if p * m * v > 256 or schedule == "zb-h1" or executor == "per_op":
+        return pipeline_slots_formula(schedule, p, m, v, executor)
     try:
         lock = schedules.lockstep(schedules.build(schedule, p, m, v))
     except ConfigError:  # a layout the executor rejects (e.g. 1F1B with m < p): every micro-batch in flight
@@ -153,8 +155,10 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
-        slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v)
+        slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v, lay.executor)
         acts = (slots + 2) * chunk * per_layer + working
+        if lay.executor == "per_op" and lay.schedule == "1f1b":  # each slot's output gradient waits for its B
+            acts += (slots + 1) * layer_in
         host_acts *= (slots + 1) * chunk
     else:
         acts = stage_layers * per_layer + working
