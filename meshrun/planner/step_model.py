@@ -65,7 +65,7 @@ def predict_memory_jax(
       (clipped gradients / updates; params, m and v are donated and updated in place).
     * activations: `activations.meshrun_layer_bytes` per layer; without a pipeline one micro-batch's worth
       (the loop runs value_and_grad per micro-batch); with one, the executor's fixed residual buffer
-      of `slots + 1` chunks (+1 trash slot) plus the chunk being produced or consumed; plus the
+      of `slots + 1` chunks (+1 trash slot) plus the chunk(s) being produced or consumed; plus the
       loop-invariant causal-mask residual (f32 + bool [b, a, s, s]) of each layer of a unit.
     * logits: a micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel.
     Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
@@ -156,7 +156,10 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     if p > 1:
         chunk = stage_layers / v
         slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v, lay.executor)
-        acts = (slots + 2) * chunk * per_layer + working
+        # + the chunk in flight: a lockstep tick that runs a forward and a backward (1F1B, interleaved)
+        # holds one being produced and one being consumed; GPipe's phases and the per-op ticks one
+        both = lay.schedule in ("1f1b", "interleaved", "zb-h1") and lay.executor == "lockstep"
+        acts = (slots + 1 + both) * chunk * per_layer + working
         if lay.executor == "per_op" and lay.schedule == "1f1b":  # each slot's output gradient waits for its B
             acts += (slots + 1) * layer_in
         host_acts *= (slots + 1) * chunk
