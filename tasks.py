@@ -54,9 +54,12 @@ def main() -> None:
             # Single-process tests spread over one worker per core (the suite is compile-bound, one core
             # per XLA compile); the multi-process and fault-injection tests, which time their ranks'
             # start-up, then run alone so that no other worker starves them.
+            # The default suite leaves out the tests marked slow (more layouts of the same parity checks,
+            # longer fault and multi-process runs); MESHRUN_TEST_ALL=1 runs them too.
             workers = str(max(1, min(os.cpu_count() or 1, 8)))
-            sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial")
-            sh(PY, "-m", "pytest", "-m", "serial")
+            slow = "" if os.environ.get("MESHRUN_TEST_ALL") == "1" else " and not slow"
+            sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial" + slow)
+            sh(PY, "-m", "pytest", "-m", "serial" + slow)
     else:
         sys.exit(__doc__)
 

@@ -153,7 +153,7 @@ def test_gradients_match_full_batch_value_and_grad(config, over):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "tiny_moe_cpu.yaml"])
+@pytest.mark.parametrize("config", ["tiny_cpu.yaml", pytest.param("tiny_moe_cpu.yaml", marks=pytest.mark.slow)])
 def test_metric_keys_do_not_depend_on_the_layout(config):
     """The scan path (pipe=1) and the pipeline log the same metrics: the model's `finish`."""
     base = [x for x in SMALL if "adam_eps" not in x]
