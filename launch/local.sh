@@ -66,7 +66,8 @@ rank_env() {  # the environment of rank $1, as shown by DRY_RUN (the launch loop
     "JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:$PORT MESHRUN_NUM_PROCESSES=$N MESHRUN_PROCESS_ID=$1" \
     "MESHRUN_LOCAL_DEVICES=$K PYTHONUNBUFFERED=1"
 }
-CMD=("$PYTHON" -m meshrun.cli train --quiet "$CONFIG" "$@")
+QUIET_FLAG=(); [ "${QUIET:-0}" = 1 ] && QUIET_FLAG=(--quiet)  # QUIET=1: no progress in the logs or here
+CMD=("$PYTHON" -m meshrun.cli train ${QUIET_FLAG[@]+"${QUIET_FLAG[@]}"} "$CONFIG" "$@")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   for ((i = 0; i < N; i++)); do echo "$(rank_env "$i") ${CMD[*]} > $LOG_DIR/rank$i.log 2>&1"; done
@@ -106,6 +107,15 @@ describe_status() {  # "status S" or "signal NAME" for an exit status
   if [ "$1" -gt 128 ]; then echo "signal $(kill -l $(($1 - 128)) 2>/dev/null || echo $(($1 - 128)))"; else echo "status $1"; fi
 }
 
+SHOWN=0  # lines of rank0.log already echoed: rank 0's start-up block and progress go to the console
+show_rank0() {
+  local n
+  n=$(wc -l <"$LOG_DIR/rank0.log" 2>/dev/null || echo 0)
+  [ "$n" -gt "$SHOWN" ] || return 0
+  sed -n "$((SHOWN + 1)),${n}p" "$LOG_DIR/rank0.log" | grep -v -e '^{' -e '^ *@ ' >&2 || true
+  SHOWN=$n
+}
+
 START=$SECONDS
 DONE=()  # DONE[i]=1 once rank i exited 0 (indexed arrays: bash 3 on macOS has no -A)
 FINISHED=0
@@ -115,7 +125,7 @@ while [ "$FINISHED" -lt "$N" ]; do
     [ -n "${DONE[$i]:-}" ] && continue
     pid=${PIDS[$i]}
     kill -0 "$pid" 2>/dev/null && continue
-    rc=0; wait "$pid" || rc=$?
+    rc=0; wait "$pid" 2>/dev/null || rc=$?  # 2>/dev/null: no bash "Killed (subshell ...)" job-status line
     DONE[$i]=1; FINISHED=$((FINISHED + 1))
     if [ "$rc" != 0 ]; then BAD+=("$i"); BAD_RC+=("$rc"); fi
   done
@@ -145,6 +155,8 @@ while [ "$FINISHED" -lt "$N" ]; do
     stop_all
     exit 124
   fi
+  show_rank0
   sleep 0.2
 done
+show_rank0
 grep '^{' "$LOG_DIR/rank0.log" | tail -n 1 || true

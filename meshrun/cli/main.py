@@ -1,4 +1,5 @@
-"""`meshrun train | plan | mesh | schedule | explain | profile | checkpoints | supervise | import-hf | export-hf`:
+"""`meshrun train | plan | mesh | schedule | explain | profile | prepare-data | checkpoints | supervise |
+import-hf | export-hf | plot`:
 a thin shell.
 
 Every failure is one line on stderr and an exit status from the table in `meshrun/errors.py` (bad
@@ -49,6 +50,7 @@ COMMAND_MODULES = (
     "meshrun.cli.checkpoints",
     "meshrun.cli.supervise",
     "meshrun.cli.hf",
+    "meshrun.cli.plot",
 )
 DEBUG_FLAG, DEBUG_ENV = "--debug", "MESHRUN_DEBUG"
 
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"  # library code reads it too (e.g. which warnings to keep quiet)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `meshrun ... --json | head`: the reader left; end quietly (Python's recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI's one place that reports failures
         code = report(args.command, e, debug)
         if isinstance(e, DistributedError) and _distributed_started():

@@ -7,6 +7,7 @@ meshrun plan --model gpt3-175b --cluster a100-80g:128x8,ib=8x200 --framework meg
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from pathlib import Path
@@ -144,7 +145,7 @@ def run_plan(args) -> int:
     if args.evaluate is not None:
         results = [evaluate(model, parse_evaluate(args.evaluate, model, cluster, batch), cluster, batch, seq, **kw)]
     else:
-        results = search(model, cluster, batch, seq, top=args.top, name=name, **kw)
+        results = fold_zero(search(model, cluster, batch, seq, top=4 * args.top, name=name, **kw))[: args.top]
     counts = param_counts(model)
     if args.json:
         out = {
@@ -162,6 +163,18 @@ def run_plan(args) -> int:
     else:
         print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework))
     return 0
+
+
+def fold_zero(results: list[Result]) -> list[Result]:
+    """One row per layout: ZeRO variants of the same TP/PP/DP/EP/schedule/remat layout fold into the
+    fastest one (results come best first, so its ZeRO stage is the best that fits)."""
+    seen, out = set(), []
+    for r in results:
+        key = dataclasses.replace(r.layout, zero=0)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
 
 
 def format_table(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from meshrun.config import load_config
@@ -35,4 +36,16 @@ def run_profile(args) -> int:
     out = Path(args.out) if args.out else Path(cfg.train.run_dir) / "profile"
     rep = profile(cfg, args.steps, out)
     print(json.dumps(rep) if args.json else format_report(rep, str(args.config)))
+    print(trace_hint(out), file=sys.stderr)
     return 0
+
+
+def trace_hint(out: Path) -> str:
+    """Where the trace is and how to look at it (the newest Perfetto file jax.profiler wrote)."""
+    traces = sorted(out.rglob("*perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    where = traces[-1] if traces else out
+    return (
+        f"trace: {where}\n"
+        "  open it at https://ui.perfetto.dev (Open trace file), or `tensorboard --logdir "
+        f"{out}` (Profile tab)"
+    )

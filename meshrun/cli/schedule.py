@@ -79,7 +79,9 @@ def run_schedule(args) -> int:
 
 
 def draw_png(table, v: int, path: str, title: str) -> None:
-    """Gantt chart of the per-op timeline: forward blue, backward orange, unit width per tick."""
+    """Gantt chart of the per-op timeline: forward blue, backward orange, weight-gradient green, each
+    op as wide as its cost (F = 1; B = 2 when it includes W, else B = W = 1); a tick lasts as long as its
+    longest op (the lockstep executor), so the gaps are idle time."""
     try:
         import matplotlib
 
@@ -90,17 +92,23 @@ def draw_png(table, v: int, path: str, title: str) -> None:
     p = len(table[0])
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(table)), 0.5 * p + 1.2))
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    split_w = any(op is not None and op.kind == "W" for row in table for op in row)
+    width = {"F": 1.0, "B": 1.0 if split_w else 2.0, "W": 1.0}
+    starts = [0.0]
+    for row in table:
+        starts.append(starts[-1] + max((width[op.kind] for op in row if op is not None), default=1.0))
     for t, row in enumerate(table):
         for s, op in enumerate(row):
             if op is None:
                 continue
             alpha = 1.0 - 0.5 * op.chunk / max(v - 1, 1)
-            ax.barh(s, 1, left=t, color=colors[op.kind], alpha=alpha, edgecolor="black", linewidth=0.3)
-            ax.text(t + 0.5, s, op.label(v), ha="center", va="center", fontsize=6)
+            w = width[op.kind]
+            ax.barh(s, w, left=starts[t], color=colors[op.kind], alpha=alpha, edgecolor="black", linewidth=0.3)
+            ax.text(starts[t] + w / 2, s, op.label(v), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
-    ax.set_xlim(0, len(table))
+    ax.set_xlim(0, starts[-1])
     ax.invert_yaxis()
-    ax.set_xlabel("tick")
+    ax.set_xlabel("time (F = 1)")
     ax.set_title(title)
     try:
         fig.savefig(path, dpi=120, bbox_inches="tight")

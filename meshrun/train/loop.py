@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
@@ -27,7 +30,7 @@ from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
 from meshrun.runtime.runlock import RunLock, note_takeover
 from meshrun.train.evaluate import evaluate, make_eval_step
-from meshrun.train.metrics import MetricsLogger, peak_flops, profile_trace
+from meshrun.train.metrics import MetricsLogger, peak_flops, profile_trace, startup_lines
 from meshrun.train.step import TrainStep, lr_schedule, make_train_step
 
 __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # TrainingError: kept importable from here
@@ -42,6 +45,50 @@ def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
 def warn(msg: str) -> None:
     if jax.process_index() == 0:
         print(f"meshrun: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def say(msg: str, quiet: bool = False) -> None:
+    """An informational line on stderr from process 0 (start-up block, lifecycle); none with --quiet."""
+    if not quiet and jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+CONFIG_FILE = "config.yaml"
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """`section.key old -> new` for every resolved field that differs between two config dicts."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def read_config(run_dir: str) -> dict | None:
+    """The config.yaml a previous run left in `run_dir` (a dict), None when there is none or it is unreadable."""
+    old = None
+    with contextlib.suppress(Exception):
+        old = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
+    return old if isinstance(old, dict) else None
+
+
+def write_config(cfg: RunConfig) -> None:
+    """RUN_DIR/config.yaml: the resolved config, the one a rerun should use (atomic: a temp file
+    renamed over it). Process 0 only."""
+    if jax.process_index() != 0:
+        return
+    path = Path(cfg.train.run_dir) / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
 
 
 def config_warnings(cfg: RunConfig, mesh) -> list[str]:
@@ -191,9 +238,15 @@ def run(
         if lock is not None:
             closers.append(lock.release)  # released last, after the final save is on disk
         steps = check_checkpoints(cfg)
+        for line in startup_lines(cfg, mesh, train_step.plan):
+            say(line, quiet)
+        old = read_config(t.run_dir)
+        if steps and old is not None and (diff := config_diff(old, to_dict(cfg))):
+            warn(f"resuming with a config that differs from {Path(t.run_dir) / CONFIG_FILE}: " + "; ".join(diff))
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
-        state, start = _initial_state(cfg, ckpt, train_step, steps)
+        state, start = _initial_state(cfg, ckpt, train_step, steps, quiet)
+        write_config(cfg)  # once the run dir's state was accepted: a refused rerun leaves the old one
         result = _train(Run(cfg, mesh, train_step, ds, ckpt, state, start, quiet, stop_after, closers, flag))
     except BaseException as e:
         lost = lost_peer(e)
@@ -250,12 +303,17 @@ def _close_all(closers: list, quiet: bool) -> None:
         raise first
 
 
-def _initial_state(cfg: RunConfig, ckpt: Checkpointer, train_step: TrainStep, steps: list[int]) -> tuple[Any, int]:
+def _initial_state(
+    cfg: RunConfig, ckpt: Checkpointer, train_step: TrainStep, steps: list[int], quiet: bool = False
+) -> tuple[Any, int]:
     """(state, first step): the newest intact checkpoint, else checkpoint.init_params with a fresh
-    optimizer at step 0, else a fresh init."""
+    optimizer at step 0, else a fresh init. Says which on stderr."""
     state, start = restore_newest_intact(ckpt, train_step, steps) if steps else (None, None)
+    if state is not None:
+        say(f"resumed from step {start} ({Path(ckpt.directory) / str(start)})", quiet)
     if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
         state = train_step.init_from(restore_params(cfg.checkpoint.init_params, train_step.abstract_state.params))
+        say(f"starting from parameters in {cfg.checkpoint.init_params}", quiet)
     state = state if state is not None else train_step.init()
     start = start or 0
     if start >= cfg.train.steps:
@@ -279,6 +337,8 @@ class Run:
     stop_after: int | None
     closers: list
     flag: PreemptionFlag
+    compiled: Any = None  # the step's executable, compiled ahead of step 1 (None: call the jitted step)
+    saving: list = field(default_factory=list)  # [(step, start time)] of saves not reported yet
 
 
 @dataclass
@@ -302,6 +362,8 @@ def _train(r: Run) -> dict[str, Any]:
     log_row = _row_fn(r)
     eval_step = make_eval_step(r.train_step, r.mesh) if t.eval_every else None
     tally, batch = Tally(), None
+    if r.start < t.steps:
+        r.compiled = _compile(r, global_batch_arrays(r.ds, r.start, r.mesh, P(DP_AXES)))
     with _maybe_profile(t):
         for step in range(r.start, t.steps):
             batch = global_batch_arrays(r.ds, step, r.mesh, P(DP_AXES))  # tokens, labels[, segment_ids]
@@ -314,15 +376,17 @@ def _train(r: Run) -> dict[str, Any]:
                 tally.val_loss = metrics["val_loss"]
             if _should_log(r.cfg, step + 1, tally.ran, last=last) or "val_loss" in metrics:
                 logger.log(step + 1, log_row(metrics, step, dt))
+            _report_saved(r)
             if cut:
                 break
             if stop or r.ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
-                r.ckpt.save(step + 1, r.train_step.to_model(r.state), force=stop)
+                _save(r, step + 1, force=stop)
             if stop:
                 break
         else:
-            r.ckpt.save(t.steps, r.train_step.to_model(r.state), force=True)
+            _save(r, t.steps, force=True)
     r.ckpt.wait()
+    _report_saved(r)
     if t.profile and tally.ran:
         _profile_report(r, batch, tally.ran)
     return _result(r, tally)
@@ -332,7 +396,7 @@ def _step(r: Run, tally: Tally, step: int, batch) -> tuple[dict[str, float], flo
     """One train step on `batch`: advances r.state and the tally; (metrics, seconds). A NaN/Inf loss
     stops the run without saving."""
     t0 = time.perf_counter()
-    r.state, metrics = r.train_step.step(r.state, *batch)
+    r.state, metrics = _call_step(r, batch)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     dt = time.perf_counter() - t0
     loss = metrics["loss"]
@@ -347,6 +411,46 @@ def _step(r: Run, tally: Tally, step: int, batch) -> tuple[dict[str, float], flo
     if tally.ran > 1:  # the first step includes compilation
         tally.timed_s, tally.timed_steps = tally.timed_s + dt, tally.timed_steps + 1
     return metrics, dt
+
+
+def _compile(r: Run, batch) -> Any:
+    """Compile the step ahead of step 1 so that step 1's time (and throughput) excludes compilation;
+    None (the jitted step compiles on its first call) if ahead-of-time compilation fails."""
+    say("compiling ...", r.quiet)
+    t0 = time.perf_counter()
+    try:
+        compiled = r.train_step.step.lower(r.state, *batch).compile()
+    except Exception as e:  # noqa: BLE001 - the jitted call below reports a real error itself
+        warn(f"ahead-of-time compilation failed ({type(e).__name__}); compiling at step 1")
+        return None
+    say(f"compiled in {time.perf_counter() - t0:.1f} s", r.quiet)
+    return compiled
+
+
+def _call_step(r: Run, batch):
+    if r.compiled is not None:
+        try:
+            return r.compiled(r.state, *batch)
+        except (TypeError, ValueError):  # arguments the executable was not compiled for (shardings)
+            r.compiled = None
+    return r.train_step.step(r.state, *batch)
+
+
+def _save(r: Run, step: int, force: bool) -> None:
+    _report_saved(r)  # orbax finishes the previous async save before it starts this one
+    t0 = time.perf_counter()
+    if r.ckpt.save(step, r.train_step.to_model(r.state), force=force):
+        r.saving.append((step, t0))
+
+
+def _report_saved(r: Run) -> None:
+    """`saved checkpoint N (size, seconds)` for the saves that finished (process 0)."""
+    done = [(s, t0) for s, t0 in r.saving if (Path(r.ckpt.directory) / str(s)).is_dir()]
+    for s, t0 in done:
+        r.saving.remove((s, t0))
+        path = Path(r.ckpt.directory) / str(s)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        say(f"saved checkpoint {s} ({size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s) in {path}", r.quiet)
 
 
 def _row_fn(r: Run):
@@ -366,9 +470,30 @@ def _row_fn(r: Run):
             "tflops_per_device": tflops,
             "bubble_fraction": bubble,
             **({"mfu": tflops * 1e12 / peak} if peak else {}),
+            **_memory_in_use(),
         }
 
     return row
+
+
+def _run_first_loss(run_dir: str, default: float | None) -> float | None:
+    """A resumed run's first loss: step 1's row of RUN_DIR/metrics.jsonl (the run's, not this attempt's;
+    what a supervised job's final JSON reports), else `default`."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step") == 1 and isinstance(row.get("loss"), float):
+                return row["loss"]
+    return default
+
+
+def _memory_in_use() -> dict[str, int]:
+    """{"memory_in_use": bytes} of the first local device where the backend reports it (GPU/TPU; not XLA:CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        return {}
+    return {"memory_in_use": int(stats["bytes_in_use"])} if "bytes_in_use" in stats else {}
 
 
 def _result(r: Run, tally: Tally) -> dict[str, Any]:
@@ -377,7 +502,7 @@ def _result(r: Run, tally: Tally) -> dict[str, Any]:
     return {
         "step": r.start + tally.ran,
         "loss": tally.loss,
-        "first_loss": tally.first_loss,
+        "first_loss": _run_first_loss(t.run_dir, tally.first_loss) if r.start else tally.first_loss,
         "tokens_per_s": tps,
         "run_dir": t.run_dir,
         "preempted": r.flag.is_set(),

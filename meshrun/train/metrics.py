@@ -7,6 +7,7 @@ no MoE capacity padding. Peaks come from the GPU catalogue (`meshrun.planner.har
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -68,6 +69,7 @@ class MetricsLogger:
         self._file = self._tb = self.path = None
         self._t0 = self._step0 = None
         self._bar_open = False
+        self._recent: collections.deque = collections.deque(maxlen=10)
         if not self.active:
             return
         run_dir = Path(run_dir)
@@ -98,17 +100,42 @@ class MetricsLogger:
             self._progress(step, row, now)
 
     def _progress(self, step: int, row: dict, now: float) -> None:
-        done = step - self._step0
-        eta = (now - self._t0) / done * (self.total_steps - step) if done > 0 else None
+        """loss, smoothed tokens/s (mean over the last logged steps), step time, lr, grad norm, MFU,
+        MoE counters, and an ETA from the smoothed step time (stable: no compile or eval time in it)."""
+        st = row.get("step_time_s")
+        if isinstance(st, float) and st > 0:
+            self._recent.append(st)
+        mean = sum(self._recent) / len(self._recent) if self._recent else None
         parts = [f"step {step}/{self.total_steps}"]
-        if isinstance(row.get("loss"), float):
+        f = lambda k: isinstance(row.get(k), float)  # noqa: E731
+        if f("loss"):
             parts.append(f"loss {row['loss']:.4f}")
-        if isinstance(row.get("val_loss"), float):
+        if f("val_loss"):
             parts.append(f"val_loss {row['val_loss']:.4f}")
-        if isinstance(row.get("tokens_per_s"), float):
-            parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
-        if isinstance(row.get("mfu"), float):
+        if f("tokens_per_s"):  # smoothed: tokens per step / the mean step time
+            parts.append(f"{row['tokens_per_s'] * (st / mean if mean and f('step_time_s') else 1):,.0f} tok/s")
+        if f("step_time_s"):
+            parts.append(f"{1000 * st:.0f} ms/step")
+        if f("lr"):
+            parts.append(f"lr {row['lr']:.2e}")
+        if f("grad_norm"):
+            parts.append(f"gnorm {row['grad_norm']:.3f}")
+        if f("mfu"):
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
+        if isinstance(row.get("memory_in_use"), (int, float)):
+            parts.append(f"mem {row['memory_in_use'] / 2**30:.2f} GiB")
+        if isinstance(row.get("dropped_tokens"), (int, float)):
+            parts.append(f"dropped {row['dropped_tokens']:.0f}")
+        if f("moe_aux_loss"):
+            parts.append(f"aux {row['moe_aux_loss']:.4f}")
+        done = step - self._step0
+        eta = (
+            mean * (self.total_steps - step)
+            if mean
+            else (now - self._t0) / done * (self.total_steps - step)
+            if done > 0
+            else None
+        )
         parts.append(f"ETA {_fmt_time(eta)}" if eta is not None else "ETA --")
         line = "  ".join(parts)
         if self.stream.isatty():
@@ -158,3 +185,43 @@ def profile_trace(run_dir: str | Path, enabled: bool) -> Iterator[Path | None]:
     out.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=trace_options()):
         yield out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
+    """The start-up block printed before compiling: model, mesh, batch, schedule, layer split and the
+    planner's predicted memory per device (`planner.step_model.predict_memory_jax` on `plan.layout`)."""
+    from meshrun.analysis.flops import param_counts
+    from meshrun.planner import predict_memory_jax
+    from meshrun.runtime.mesh import describe_dict
+
+    m, t, pc = cfg.model, cfg.train, cfg.pipeline
+    n = param_counts(m)["total"]
+    d = describe_dict(mesh)
+    shape = " x ".join(f"{a}{d['shape'][a]}" for a in d["axes"] if d["shape"][a] > 1) or "1 device"
+    racks = f" in {d['racks']} racks" if d["racks"] > 1 else ""
+    experts = f", {m.n_experts} experts, top-{m.top_k}" if m.n_experts else ""
+    lines = [
+        f"model     {plan.family.name}: {n / 1e6:.2f}M params ({m.n_layers} layers, d_model {m.d_model}{experts})",
+        f"mesh      {shape} = {mesh.size} devices on {d['hosts']} host(s){racks}; ZeRO {t.zero}",
+        f"batch     {t.global_batch} sequences x {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step",
+    ]
+    if plan.split is not None:
+        sched = pc.schedule + (f" (virtual {pc.virtual})" if pc.virtual > 1 else "")
+        lines.append(f"pipeline  {pc.microbatches} microbatches, {sched}, bubble {100 * plan.bubble:.1f}%")
+        lines.append(f"layers    per stage {list(plan.split.counts)} (pipeline.balance={pc.balance})")
+    elif pc.microbatches > 1:
+        lines.append(f"accum     {pc.microbatches} microbatches per step (no pipeline)")
+    try:
+        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer)
+        host = f", host {_gib(mem['host'])}" if mem.get("host") else ""
+        lines.append(
+            f"memory    predicted {_gib(mem['total'])} per device (params {_gib(mem['params'])}, optimizer "
+            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}{host})"
+        )
+    except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
+        lines.append(f"memory    no prediction ({type(e).__name__})")
+    return lines

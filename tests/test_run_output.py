@@ -1,0 +1,157 @@
+"""What `meshrun train` tells its user: the start-up block, lifecycle lines (resume, init_params,
+saves), RUN_DIR/config.yaml, the progress line; `meshrun plot` and a quiet broken pipe."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from meshrun.config import load_config, to_dict
+from meshrun.train import loop
+
+ROOT = Path(__file__).resolve().parents[1]
+# tiny_cpu's mesh (data2 x pipe2 x tensor2, 1F1B) with a smaller model: compiles in seconds.
+SMALL = [
+    "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+    "model.max_seq_len=16", "train.seq_len=16", "train.global_batch=8", "pipeline.microbatches=2",
+    "data.kind=synthetic",
+]  # fmt: skip
+
+
+def _cfg(run_dir: Path, *over: str):
+    return load_config("configs/tiny_cpu.yaml", [*SMALL, f"train.run_dir={run_dir}", *over])
+
+
+def test_startup_block_config_yaml_and_saves(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, "train.steps=2", "checkpoint.async_save=false")
+    out = loop.run(cfg)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    want = [
+        r"^model +llama: 0\.\d+M params \(2 layers, d_model 32\)$",
+        r"^mesh +pipe2 x data2 x tensor2 = 8 devices on 1 host\(s\); ZeRO 0$",
+        r"^batch +8 sequences x 16 tokens = 128 tokens/step$",
+        r"^pipeline +2 microbatches, 1f1b, bubble \d+\.\d%$",
+        r"^layers +per stage \[1, 1\] \(pipeline.balance=even\)$",
+        r"^memory +predicted \d+\.\d+ [MG]iB per device \(params .*optimizer .*activations .*\)$",
+        r"^compiling \.\.\.$",
+        r"^compiled in \d+\.\d s$",
+        r"^step 1/2  loss \d\.\d{4}  [\d,]+ tok/s  \d+ ms/step  lr .*  gnorm \d+\.\d{3}  ETA \d+:\d\d$",
+        rf"^saved checkpoint 2 \(\d+\.\d MiB, \d+\.\d s\) in {re.escape(str(run_dir.resolve()))}/checkpoints/2$",
+    ]
+    found = [next((i for i, ln in enumerate(lines) if re.match(w, ln)), None) for w in want]
+    assert None not in found, (want[found.index(None)], err)
+    assert found == sorted(found), err  # the block comes before compiling, compiling before step 1
+    # the planner's prediction is what the block prints
+    from meshrun.planner import predict_memory_jax
+
+    plan = loop.prepare(cfg)[1].plan
+    mib = predict_memory_jax(cfg.model, plan.layout, seq_len=16)["total"] / 2**20
+    assert f"memory    predicted {mib:.1f} MiB per device" in err
+    # config.yaml: the resolved config, one that loads back to the same run
+    assert load_config(run_dir / "config.yaml") == cfg
+    assert out["step"] == 2
+
+
+def test_resume_says_from_where_and_what_differs(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    first = loop.run(_cfg(run_dir, "train.steps=2", "checkpoint.async_save=false"), quiet=True)
+    assert capsys.readouterr().err == ""  # quiet: no block, no progress, no lifecycle lines
+    cfg = _cfg(run_dir, "train.steps=3", "mesh.pipe=1", "mesh.data=4")
+    second = loop.run(cfg)
+    assert second["first_loss"] == first["first_loss"]  # the run's first loss, not this attempt's
+    err = capsys.readouterr().err
+    ckpt = run_dir.resolve() / "checkpoints" / "2"
+    assert f"resumed from step 2 ({ckpt})" in err
+    diff = next(ln for ln in err.splitlines() if "differs from" in ln)
+    assert "mesh.data 2 -> 4" in diff and "mesh.pipe 2 -> 1" in diff and "train.steps 2 -> 3" in diff
+    assert "model." not in diff
+    assert load_config(run_dir / "config.yaml") == cfg  # the rerun's config replaces the old one
+    assert "step 3/3" in err and "step 1/" not in err
+
+
+def test_start_from_init_params_is_said(tmp_path, capsys):
+    from meshrun.checkpoint.params import save_params
+
+    cfg = _cfg(tmp_path / "run", "train.steps=1", "checkpoint.async_save=false")
+    _, train_step, _ = loop.prepare(cfg)
+    params = jax.device_get(train_step.to_model(train_step.init()).params)
+    save_params(tmp_path / "init", params, {"model": to_dict(cfg.model)})
+    loop.run(load_config("configs/tiny_cpu.yaml", [*SMALL, f"train.run_dir={tmp_path / 'run'}", "train.steps=1",
+                                                  f"checkpoint.init_params={tmp_path / 'init'}"]))  # fmt: skip
+    assert f"starting from parameters in {tmp_path / 'init'}" in capsys.readouterr().err
+
+
+def _metrics(run_dir: Path) -> None:
+    run_dir.mkdir()
+    rows = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "tokens_per_s": 1000.0 + s} for s in range(1, 11)]
+    rows.append({"step": 10, "val_loss": 4.2})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="meshrun plot needs matplotlib (the plot extra)")
+    from meshrun.cli.main import main
+
+    _metrics(tmp_path / "run")
+    assert main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "m.png")]) == 0
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "metrics.png").stat().st_size > 1000
+
+
+def test_plot_without_metrics_exits_2(tmp_path, capsys):
+    from meshrun.cli.main import main
+
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_broken_pipe_ends_quietly():
+    cmd = f"{sys.executable} -m meshrun.cli schedule --schedule 1f1b --pipe 4 --microbatches 64 | head -n 1"
+    r = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.count("\n") == 1
+    assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr and "error" not in r.stderr
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+def test_rank0_progress_under_local_sh(tmp_path):
+    import os
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHON": sys.executable, "WALL_LIMIT_S": "220", "GRACE_S": "5"}
+    env.pop("XLA_FLAGS", None)
+    cmd = ["bash", "launch/local.sh", "2", "4", "configs/tiny_cpu.yaml", *SMALL, f"train.run_dir={run_dir}",
+           "train.steps=2"]  # fmt: skip
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 1/2  loss" in r.stderr and "step 2/2  loss" in r.stderr, r.stderr  # rank 0's progress
+    assert "mesh      pipe2 x data2 x tensor2 = 8 devices on 2 host(s)" in r.stderr
+    assert r.stderr.count("step 2/2") == 1  # rank 0's lines only
+    assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 2
+    assert "Terminated" not in r.stderr and "Killed" not in r.stderr
+
+
+def test_plan_top_shows_distinct_layouts(capsys):
+    """`plan --top N`: N different layouts; ZeRO variants of one layout fold into its best row."""
+    from meshrun.cli.main import main
+
+    argv = ["plan", "--model", "configs/llama7b_h100.yaml", "--cluster", "h100-80g:1x8", "--top", "4", "--json"]
+    assert main(argv) == 0
+    configs = json.loads(capsys.readouterr().out)["configs"]
+    assert len(configs) == 4
+    keys = [tuple(sorted((k, v) for k, v in c.items() if k in LAYOUT_KEYS)) for c in configs]
+    assert len(set(keys)) == 4, configs
+    assert [c["step_time_s"] for c in configs] == sorted(c["step_time_s"] for c in configs)
+
+
+LAYOUT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "remat",
+               "sequence_parallel", "schedule")  # fmt: skip
