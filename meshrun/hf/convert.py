@@ -65,11 +65,12 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     the ids past the checkpoint's own `vocab_size` are marked as padding: model.vocab_used)."""
     if not isinstance(hf, dict):
         raise ConfigError(FIELD, type(hf).__name__, "give a transformers config.json (a JSON object)", "not an object")
+    family = family_for(hf)[1]  # an unsupported architecture is the first thing to say
     vocab = hf.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ConfigError(f"{FIELD}: vocab_size", vocab, "give the tokenizer's size, a positive integer")
     try:
-        cfg = family_for(hf)[1].model_config(hf, vocab_multiple)
+        cfg = family.model_config(hf, vocab_multiple)
     except KeyError as e:
         raise ConfigError(f"{FIELD}: {e.args[0]}", None, "give a complete config.json", "missing key") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:

@@ -158,4 +158,4 @@ def logits(params: Any, x_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def head_loss(params: Any, x_BxLxD: jax.Array, labels_BxL: jax.Array, cfg: ModelConfig):
-    return vocab_parallel_xent(logits(params, x_BxLxD, cfg), labels_BxL)
+    return vocab_parallel_xent(logits(params, x_BxLxD, cfg), labels_BxL, cfg.vocab_used)
