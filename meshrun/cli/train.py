@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from meshrun.config import load_config
+from meshrun.config import check_device_count, load_config
 from meshrun.runtime.devices import add_fast_compile_flag
 from meshrun.runtime.distributed import start_command
 
@@ -22,7 +22,7 @@ def register(sub) -> None:
     p.add_argument(
         "--devices",
         type=int,
-        default=0,
+        default=None,
         help="simulated CPU devices on the CPU platform (default: the mesh's device count when it has no "
         "-1 axis, else 8)",
     )
@@ -32,6 +32,8 @@ def register(sub) -> None:
 
 
 def run_train(args) -> int:
+    check_device_count("--devices", args.devices)  # 0 is a value, not "not given"
+    args.devices = args.devices or 0
     cfg = load_config(args.config, args.overrides)
     start_command(cfg, args, "train")
     from meshrun.train.loop import run  # imports jax: only once the devices are set up

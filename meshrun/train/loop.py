@@ -39,7 +39,8 @@ __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # TrainingErro
 def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint must agree on to be restored: the model (layouts are free to differ); also
     where its parameters came from (`meshrun export-hf` finds the Hugging Face config there)."""
-    return {"model": to_dict(cfg.model), "init_params": cfg.checkpoint.init_params}
+    data = {"kind": cfg.data.kind, "path": os.path.abspath(cfg.data.path) if cfg.data.path else ""}
+    return {"model": to_dict(cfg.model), "init_params": cfg.checkpoint.init_params, "data": data}
 
 
 def warn(msg: str) -> None:
@@ -115,7 +116,8 @@ def prepare(cfg: RunConfig, devices: list | None = None):
     for msg in config_warnings(cfg, mesh):
         warn(msg)
     train_step = make_train_step(cfg, mesh)
-    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
+                      vocab_used=cfg.model.vocab_used)  # fmt: skip
     if cfg.train.eval_every and ds.val is None:
         raise ConfigError(
             "train.eval_every",
