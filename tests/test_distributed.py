@@ -224,7 +224,7 @@ def test_local_dry_run():
         assert "MESHRUN_COORDINATOR=127.0.0.1:" in line and "JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:" in line
         assert "--xla_force_host_platform_device_count=4" in line and "JAX_PLATFORMS=cpu" in line
         assert line.split(" > ")[1] == f"runs/x/logs/rank{i}.log 2>&1"
-        assert "-m meshrun.cli train --quiet configs/tiny_cpu.yaml train.steps=3 train.run_dir=runs/x" in line
+        assert "-m meshrun.cli train configs/tiny_cpu.yaml train.steps=3 train.run_dir=runs/x" in line
     assert lines[0].split("MESHRUN_COORDINATOR=")[1].split()[0] == lines[1].split("MESHRUN_COORDINATOR=")[1].split()[0]
 
 

@@ -67,10 +67,16 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Fields a resume routinely changes (a run dir moved or copied, more steps): not worth a warning.
+RESUME_FREE = frozenset({"train.run_dir", "train.steps"})
+
+
 def config_diff(old: dict, new: dict) -> list[str]:
-    """`section.key old -> new` for every resolved field that differs between two config dicts."""
+    """`section.key old -> new` for every resolved field that differs between two config dicts
+    (RESUME_FREE left out)."""
     a, b = _flat(old), _flat(new)
-    return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    keys = sorted((a.keys() | b.keys()) - RESUME_FREE)
+    return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
 def read_config(run_dir: str) -> dict | None:
