@@ -48,7 +48,11 @@ PEER_WAIT_S=${PEER_WAIT_S:-5}
 RUN_DIR=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from meshrun.config import load_config
-print(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]).train.run_dir)' "$CONFIG" "$@") || exit 2
+from meshrun.errors import ConfigError
+try:
+    print(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]).train.run_dir)
+except ConfigError as e:  # one line, as the CLI says it, not a traceback
+    sys.exit(f"launch/local.sh: error: {e}")' "$CONFIG" "$@") || exit 2
 LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}${MESHRUN_ATTEMPT:+/attempt$MESHRUN_ATTEMPT}  # set by the supervisor
 if [ "${MAX_RESTARTS:-0}" != 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
   # The supervisor runs this script once per attempt (MAX_RESTARTS=0 there), {processes} = N or fewer.

@@ -333,3 +333,10 @@ echo REMOTE_PID=$$; exec sleep 60
     pid = int((tmp_path / "logs/host0.log").read_text().split("REMOTE_PID=")[1].split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_local_unknown_config_key_is_one_line_exit_2():
+    r = _run(["bash", "launch/local.sh", "2", "4", "configs/tiny_cpu.yaml", "train.stepz=3"], {"DRY_RUN": "1"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "train.stepz" in r.stderr and "steps" in r.stderr
