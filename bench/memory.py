@@ -53,7 +53,7 @@ BASE = {
 }
 SHAPES = {  # name -> model overrides
     "gelu MHA": {"mlp": "gelu", "n_kv_heads": 8, "d_ff": 1024},
-    "swiglu GQA": {"mlp": "swiglu", "n_kv_heads": 2, "d_ff": 768},
+    "swiglu GQA": {"mlp": "swiglu", "n_kv_heads": 4, "d_ff": 768},  # 8 query heads on 4 kv heads: TP up to 4
 }
 QUICK = [("gelu MHA", 4, True, "none"), ("gelu MHA", 4, True, "selective"),
          ("swiglu GQA", 2, False, "none"), ("swiglu GQA", 2, False, "selective")]  # fmt: skip
