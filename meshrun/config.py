@@ -20,9 +20,12 @@ import yaml
 
 from meshrun.errors import ConfigError
 
-AXES = ("data", "pipe", "expert", "tensor")
+AXES = ("data", "pipe", "expert", "context", "tensor")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule (built by meshrun.pipeline.schedules)
-DEFAULT_ORDER = ("pipe", "data", "expert", "tensor")
+DEFAULT_ORDER = ("pipe", "data", "expert", "context", "tensor")
+CONTEXT_KINDS = ("allgather", "ring")  # model.context_parallel
+# Model fields that decide how the step runs, not what it computes: a checkpoint resumes across them.
+EXECUTION_FIELDS = ("remat", "remat_every", "sequence_parallel", "attention_impl", "context_parallel")
 REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
@@ -50,6 +53,7 @@ class MeshConfig:
     pipe: int = 1
     expert: int = 1
     tensor: int = 1
+    context: int = 1  # context parallelism: each sequence split over this many devices
     order: tuple[str, ...] = DEFAULT_ORDER  # outer -> inner; `tensor` innermost keeps TP on NVLink
     hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
     racks: int = 0  # hosts per rack (consecutive hosts share a rack); 0: all hosts in one rack
@@ -69,6 +73,10 @@ class MeshConfig:
         fill = [ax for ax in AXES if getattr(self, ax) == -1]
         if len(fill) > 1:
             raise ConfigError("mesh", {a: -1 for a in fill}, "set at most one axis to -1", "two axes are -1")
+        if "context" not in self.order and sorted((*self.order, "context")) == sorted(AXES):
+            # an order written before the context axis existed: context sits just outside tensor
+            at = self.order.index("tensor") if "tensor" in self.order else len(self.order)
+            object.__setattr__(self, "order", (*self.order[:at], "context", *self.order[at:]))
         if sorted(self.order) != sorted(AXES):
             raise ConfigError(
                 "mesh.order",
@@ -120,6 +128,10 @@ class ModelConfig:
     remat: str = "none"  # none | full | selective | offload (selective's names kept in host memory)
     remat_every: int = 1  # k > 1 (with remat=full): keep only every k-th layer's input (groups of k units)
     sequence_parallel: bool = False
+    # mesh.context > 1: how attention crosses the sequence split. allgather: K/V all-gathered over
+    # 'context' (Llama 3's choice, cheap with GQA); ring: K/V blocks passed around a ring (Liu et al.
+    # 2023) with the causal work load-balanced (zigzag chunks)
+    context_parallel: str = "allgather"
     n_experts: int = 0  # 0: dense model
     top_k: int = 2
     capacity_factor: float = 1.25  # moe_dispatch=capacity only
@@ -156,6 +168,7 @@ class ModelConfig:
         _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, REMATS)
+        _choice("model.context_parallel", self.context_parallel, CONTEXT_KINDS)
         if self.remat_every < 1:
             raise ConfigError("model.remat_every", self.remat_every, "use a positive layer count, e.g. 2")
         if self.remat_every > 1 and self.remat != "full":

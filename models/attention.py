@@ -11,17 +11,29 @@ in its softmax; jax.nn.dot_product_attention's cuDNN path (jax 0.10/0.11) takes 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from meshrun_models.layers import Lead, dtype_of, normal_param, rope, rope_freqs, segment_positions, zeros_param
+from meshrun_models.context import allgather_attention, ring_attention
+from meshrun_models.layers import (
+    Lead,
+    dtype_of,
+    normal_param,
+    rope,
+    rope_freqs,
+    segment_positions,
+    softmax_to,
+    zeros_param,
+)
 
 from meshrun.config import ModelConfig
-from meshrun.parallel.sharding import constrain
+from meshrun.parallel.context import local_index, sequence_split, zigzag_index
+from meshrun.parallel.sharding import CONTEXT, constrain
 
 
 class Attention(nnx.Module):
@@ -42,27 +54,6 @@ def _impl(name: str) -> str | None:
     if name == "cudnn" and jax.default_backend() != "gpu":
         return None
     return name
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def softmax_to(x: jax.Array, dtype) -> jax.Array:
-    """softmax(x) over the last axis (x float32), returned in `dtype`. Its backward reads only that
-    output (Megatron's fused softmax: dx = y (dy - sum(dy y))), so a remat policy that saves the
-    probabilities in the compute dtype keeps 2 bytes per score in bf16, not float32 scores and probabilities."""
-    return jax.nn.softmax(x, axis=-1).astype(dtype)
-
-
-def _softmax_fwd(x, dtype):
-    y = softmax_to(x, dtype)
-    return y, y
-
-
-def _softmax_bwd(dtype, y, dy):
-    y32, dy32 = y.astype(jnp.float32), dy.astype(jnp.float32)
-    return ((dy32 - jnp.sum(dy32 * y32, axis=-1, keepdims=True)) * y32,)
-
-
-softmax_to.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def attention_core(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_Bx1xLxS=None, window=None) -> jax.Array:
@@ -90,12 +81,45 @@ def attention_core(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_Bx1xLxS=None, wind
     return jnp.einsum("bkgls,bskd->blkgd", p_BxKxGxLxS, v_BxSxKxDh)
 
 
-def segment_info(segment_ids_BxL: jax.Array | None):
-    """(positions_BxL, same-document mask_Bx1xLxL) of packed rows, or None for plain rows."""
+class ContextChunk(NamedTuple):
+    """This device's chunk of a sequence split over the `context` mesh axis: RoPE positions of its
+    tokens (global; restarting per packed document) and their segment ids (None: plain rows)."""
+
+    positions_BxL: jax.Array
+    segment_ids_BxL: jax.Array | None
+
+
+def segment_info(segment_ids_BxL: jax.Array | None, cfg: ModelConfig | None = None, length: int | None = None):
+    """Once per batch, outside the layer scan: (positions_BxL, same-document mask_Bx1xLxL) of
+    packed rows, or None for plain rows; under context parallelism a `ContextChunk` (the local
+    chunk's global positions; packed rows' positions come from the segment ids all-gathered over
+    'context', int32 per token)."""
+    split = sequence_split(cfg.context_parallel == "ring") if cfg is not None else None
+    if split is not None:
+        zigzag, c = cfg.context_parallel == "ring", split.c
+        index_L = local_index(length, CONTEXT, zigzag)
+        if segment_ids_BxL is None:
+            return ContextChunk(jnp.broadcast_to(index_L[None], (1, length)), None)
+        laid_BxS = jax.lax.all_gather(segment_ids_BxL, CONTEXT, axis=1, tiled=True)
+        natural_BxS = laid_BxS if not zigzag else laid_BxS[:, np.argsort(zigzag_index(length * c, c))]
+        return ContextChunk(jnp.take(segment_positions(natural_BxS), index_L, axis=1), segment_ids_BxL)
     if segment_ids_BxL is None:
         return None
     same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
     return segment_positions(segment_ids_BxL), same
+
+
+def context_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, chunk: ContextChunk, cfg: ModelConfig, window):
+    """Attention of this chunk's queries over the whole sequence: K/V all-gathered over 'context'
+    (allgather) or passed around its ring (ring). Returns B x L x H x Dh."""
+    b, length, h, dh = q_BxLxHxDh.shape
+    q = q_BxLxHxDh.reshape(b, length, cfg.n_kv_heads, h // cfg.n_kv_heads, dh)
+    left = None if window is None else window[0]
+    if cfg.context_parallel == "ring":
+        o = ring_attention(q, k_BxLxKxDh, v_BxLxKxDh, chunk.segment_ids_BxL, axis=CONTEXT, window=left, zigzag=True)
+    else:
+        o = allgather_attention(q, k_BxLxKxDh, v_BxLxKxDh, chunk.segment_ids_BxL, axis=CONTEXT, window=left)
+    return o.reshape(b, length, h, dh)
 
 
 def attention(
@@ -126,7 +150,8 @@ def attention(
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-    pos_BxL, mask = segments if segments is not None else (None, None)
+    chunk = segments if isinstance(segments, ContextChunk) else None
+    pos_BxL, mask = (chunk.positions_BxL, None) if chunk else segments if segments is not None else (None, None)
     if rotary:
         freq = rope_freqs(cfg)
         q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)
@@ -138,7 +163,9 @@ def attention(
     # remat=none keeps the softmax output (2 bytes per score, as Megatron): `attention_core` names it.
     # Otherwise jax's kernel: flash attention (cudnn) or XLA's, recomputed in the backward (selective
     # and full; measured: XLA:CPU kept one more copy of q, k, v per layer with `attention_core` there).
-    if impl == "cudnn" or cfg.remat != "none":
+    if chunk is not None:  # the sequence is split over 'context': attention crosses the axis
+        o_BxLxHxDh = context_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, chunk, cfg, window)
+    elif impl == "cudnn" or cfg.remat != "none":
         o_BxLxHxDh = jax.nn.dot_product_attention(
             q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask, is_causal=True, local_window_size=window, implementation=impl
         )

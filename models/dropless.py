@@ -30,6 +30,7 @@ from meshrun_models.layers import dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
+from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain
 
 
@@ -60,7 +61,8 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     e, k, t = cfg.n_experts, cfg.top_k, g * s
     logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
     probs, top_i_GxSxk, gates_GxSxk = top_k_gates(logits, cfg)
-    stats = router_stats(logits, probs, top_i_GxSxk, jnp.zeros((), jnp.float32))
+    split = sequence_split(cfg.context_parallel == "ring")  # statistics of the whole sequence
+    stats = router_stats(logits, probs, top_i_GxSxk, jnp.zeros((), jnp.float32), split)
 
     expert_A = top_i_GxSxk.reshape(t * k)  # token-major: assignment a is token a // k
     order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> assignment

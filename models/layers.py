@@ -10,6 +10,7 @@ Parameters are created already stacked: `lead` is a tuple of `(size, logical_nam
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,10 @@ SAVED_NAMES = ("qkv", "attn_out", "resid_mid", "mlp_hidden")
 # 'tensor'), roped q and k, v, the softmax output in the compute dtype, the attention output, the
 # mid-block residual, the MLP's pre-activation and activation output. Only element-wise work
 # (the norms' statistics, RoPE's rotation) is recomputed; nothing is saved in float32.
-KEPT_NAMES = ("attn_in", "q_rot", "k_rot", "v", "probs", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_act")
+# Context parallelism's ring kind keeps its output and float32 log-sum-exp (its custom backward
+# recomputes each block's probabilities from them, as flash attention does) instead of `probs`.
+KEPT_NAMES = ("attn_in", "q_rot", "k_rot", "v", "probs", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_act",
+              "ring_out", "ring_lse")  # fmt: skip
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -66,6 +70,27 @@ def arrays(tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {k: arrays(v) for k, v in tree.items()}
     return tree
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def softmax_to(x: jax.Array, dtype) -> jax.Array:
+    """softmax(x) over the last axis (x float32), returned in `dtype`. Its backward reads only that
+    output (Megatron's fused softmax: dx = y (dy - sum(dy y))), so a remat policy that saves the
+    probabilities in the compute dtype keeps 2 bytes per score in bf16, not float32 scores and probabilities."""
+    return jax.nn.softmax(x, axis=-1).astype(dtype)
+
+
+def _softmax_fwd(x, dtype):
+    y = softmax_to(x, dtype)
+    return y, y
+
+
+def _softmax_bwd(dtype, y, dy):
+    y32, dy32 = y.astype(jnp.float32), dy.astype(jnp.float32)
+    return ((dy32 - jnp.sum(dy32 * y32, axis=-1, keepdims=True)) * y32,)
+
+
+softmax_to.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 # ---------------------------------------------------------------- modules (parameter containers)

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from meshrun_models.dropless import dropless_local
@@ -36,6 +37,7 @@ from meshrun_models.layers import Lead, dtype_of, normal_param
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
+from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain, current_rules, use_rules
 
 STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens")
@@ -57,21 +59,52 @@ def capacity(cfg: ModelConfig, tokens_per_group: int) -> int:
     return max(1, math.ceil(cfg.capacity_factor * tokens_per_group * cfg.top_k / cfg.n_experts))
 
 
-def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int):
-    """Top-k routing with capacity. Returns dispatch and combine [G,S,E,C] (float32) and stats."""
+def queue_positions(choice_GxSxkxE: jax.Array, split=None) -> jax.Array:
+    """Each (token, choice)'s place in its expert's queue over the whole group, GShard priority: every
+    first choice before any second choice, then sequence order. [G, S, k] float32.
+
+    `split` (a sequence split over the context axis): the local tokens are chunks of the sequence;
+    the per-chunk counts of all shards (G*k*E numbers per chunk) are all-gathered, so a token's
+    place counts the choices of the tokens before it on other shards too."""
+    g, s, k, e = choice_GxSxkxE.shape
+    n = 1 if split is None else split.chunk_ids.shape[1]  # chunks on this shard
+    c_GxNxTxkxE = choice_GxSxkxE.reshape(g, n, s // n, k, e)
+    within = jnp.cumsum(c_GxNxTxkxE, axis=2) - c_GxNxTxkxE  # same choice rank, same expert, earlier in chunk
+    counts_GxNxkxE = jnp.sum(c_GxNxTxkxE, axis=2)
+    if split is None:
+        all_GxQxkxE, mine_N = counts_GxNxkxE, jnp.arange(n)
+    else:  # [c, G, n, k, E] -> chunks in sequence order
+        gathered = jax.lax.all_gather(counts_GxNxkxE, split.axis)
+        by_chunk = gathered.transpose(1, 0, 2, 3, 4).reshape(g, split.n_chunks, k, e)
+        all_GxQxkxE = by_chunk[:, np.argsort(split.chunk_ids.reshape(-1))]
+        mine_N = jnp.asarray(split.chunk_ids)[jax.lax.axis_index(split.axis)]
+    before_chunk = jnp.cumsum(all_GxQxkxE, axis=1) - all_GxQxkxE  # same choice, earlier chunks
+    total_GxkxE = jnp.sum(all_GxQxkxE, axis=1)
+    before_choice = jnp.cumsum(total_GxkxE, axis=1) - total_GxkxE  # every lower-rank choice
+    offset_GxNxkxE = before_choice[:, None] + jnp.take(before_chunk, mine_N, axis=1)
+    pos = (within + offset_GxNxkxE[:, :, None]).reshape(g, s, k, e)
+    return jnp.sum(pos * choice_GxSxkxE, axis=-1)
+
+
+def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int, split=None):
+    """Top-k routing with capacity. Returns dispatch and combine [G,S,E,C] (float32) and stats.
+    A sequence split over the context axis (`split`) routes as the whole sequence would: places
+    in the queue are global; a kept token's slot in this shard's buffer is its rank among this
+    shard's kept tokens (at most C of them), so the experts see the same rows."""
     g, s, e = logits_GxSxE.shape
     k = cfg.top_k
     probs_GxSxE, top_i_GxSxk, gates_GxSxk = top_k_gates(logits_GxSxE, cfg)
     choice_GxSxkxE = jax.nn.one_hot(top_i_GxSxk, e, dtype=jnp.float32)
-    # Position in the expert's buffer, choice-major: all first choices queue before second choices.
-    queue_GxkSxE = choice_GxSxkxE.transpose(0, 2, 1, 3).reshape(g, k * s, e)
-    pos_GxkSxE = jnp.cumsum(queue_GxkSxE, axis=1) - 1.0
-    pos_GxSxk = jnp.sum(pos_GxkSxE.reshape(g, k, s, e).transpose(0, 2, 1, 3) * choice_GxSxkxE, axis=-1)
+    pos_GxSxk = queue_positions(choice_GxSxkxE, split)
     keep_GxSxk = (pos_GxSxk < cap).astype(jnp.float32)
+    if split is not None:  # local slots: kept assignments, choice-major
+        kept_GxkSxE = (choice_GxSxkxE * keep_GxSxk[..., None]).transpose(0, 2, 1, 3).reshape(g, k * s, e)
+        slot_GxkSxE = jnp.cumsum(kept_GxkSxE, axis=1) - 1.0
+        pos_GxSxk = jnp.sum(slot_GxkSxE.reshape(g, k, s, e).transpose(0, 2, 1, 3) * choice_GxSxkxE, axis=-1)
     slot_GxSxkxC = jax.nn.one_hot(pos_GxSxk.astype(jnp.int32), cap, dtype=jnp.float32) * keep_GxSxk[..., None]
     dispatch = jnp.einsum("gske,gskc->gsec", choice_GxSxkxE, slot_GxSxkxC)
     combine = jnp.einsum("gske,gskc,gsk->gsec", choice_GxSxkxE, slot_GxSxkxC, gates_GxSxk)
-    stats = router_stats(logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk))
+    stats = router_stats(logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk), split)
     return jax.lax.stop_gradient(dispatch), combine, stats
 
 
@@ -98,9 +131,10 @@ def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, 
 def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
     """Capacity routing: dispatch to [E, G, C, D] buffers, all_to_all over `axis`, experts, combine."""
     g, s, d = h_GxSxD.shape
-    cap = capacity(cfg, s)
+    split = sequence_split(cfg.context_parallel == "ring")  # a sequence split over 'context': route it whole
+    cap = capacity(cfg, s * (1 if split is None else split.c))
     logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
-    dispatch_GxSxExC, combine_GxSxExC, stats = route(logits, cfg, cap)
+    dispatch_GxSxExC, combine_GxSxExC, stats = route(logits, cfg, cap, split)
     dt = h_GxSxD.dtype
     x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), h_GxSxD)
     if axis is not None:  # [E, G, C, D] -> [E/ep, G*ep, C, D]: buffers go to their expert's device

@@ -216,7 +216,7 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segmen
 
     x = constrain(x_BxLxD, RESID)
     vma = _vma(x)
-    segments = segment_info(segment_ids_BxL)  # once, outside the layer scan
+    segments = segment_info(segment_ids_BxL, cfg, x.shape[1])  # once, outside the layer scan
 
     def step(carry, p_unit):
         x, aux = carry

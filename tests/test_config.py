@@ -10,9 +10,9 @@ def test_defaults_and_overrides(tmp_path):
     cfg = load_config(p, ["mesh.data=2", "train.zero=3", "mesh.order=tensor,data,pipe,expert"])
     assert isinstance(cfg, RunConfig)
     assert (cfg.mesh.pipe, cfg.mesh.tensor, cfg.mesh.data) == (2, 2, 2)
-    assert cfg.mesh.order == ("tensor", "data", "pipe", "expert")
+    assert cfg.mesh.order == ("context", "tensor", "data", "pipe", "expert")  # context added
     assert cfg.model.d_model == 32 and cfg.train.zero == 3
-    assert to_dict(cfg)["mesh"]["order"] == ["tensor", "data", "pipe", "expert"]
+    assert to_dict(cfg)["mesh"]["order"] == ["context", "tensor", "data", "pipe", "expert"]
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ def _hosts_of(groups, host_map):
 
 def test_default_order_and_fill():
     mesh = build_mesh(MeshConfig(pipe=2, tensor=2))
-    assert mesh.axis_names == ("pipe", "data", "expert", "tensor")
-    assert dict(mesh.shape) == {"pipe": 2, "data": 2, "expert": 1, "tensor": 2}
+    assert mesh.axis_names == ("pipe", "data", "expert", "context", "tensor")
+    assert dict(mesh.shape) == {"pipe": 2, "data": 2, "expert": 1, "context": 1, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     # innermost axis = neighbouring devices
     assert axis_groups(mesh, "tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -81,8 +81,8 @@ def test_cli_json_keys(capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"axes", "shape", "hosts", "racks", "device_ids", "host_of", "rack_of", "groups", "warnings"}
-    assert d["axes"] == ["pipe", "data", "expert", "tensor"] and d["hosts"] == 2
-    assert d["device_ids"] == [[[[0, 1]], [[2, 3]]], [[[4, 5]], [[6, 7]]]]
+    assert d["axes"] == ["pipe", "data", "expert", "context", "tensor"] and d["hosts"] == 2
+    assert d["device_ids"] == [[[[[0, 1]]], [[[2, 3]]]], [[[[4, 5]]], [[[6, 7]]]]]
     assert all(len(h) == 1 for h in _hosts_of(d["groups"]["tensor"], d["host_of"]))
     assert all(len(h) == 2 for h in _hosts_of(d["groups"]["pipe"], d["host_of"]))
     assert d["warnings"] == []

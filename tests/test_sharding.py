@@ -80,7 +80,8 @@ def test_zero_stage_table_swap():
     """Stage 1 shards optimizer state and reduce-scatters grads (as stage 2), 3 also params."""
     expect = {0: (False, False, False), 1: (False, True, True), 2: (False, True, True), 3: (True, True, True)}
     for zero, (p, g, o) in expect.items():
-        got = tuple(param_rules(zero, part)["embed"] == ("data", "expert") for part in ("params", "grads", "opt"))
+        parts = ("params", "grads", "opt")
+        got = tuple(param_rules(zero, part)["embed"] == ("data", "expert", "context") for part in parts)
         assert got == (p, g, o), zero
 
 

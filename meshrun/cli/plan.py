@@ -3,6 +3,7 @@
 meshrun plan --model configs/models/gpt3-175b.yaml --cluster a100-80g:128x8 --global-batch 1536
 meshrun plan --model gpt3-175b --cluster a100-80g:128x8,ib=8x200 --framework megatron \
     --evaluate tensor=8,pipe=16,remat=full --json
+meshrun plan --model llama-70b --cluster h100-80g:16x8 --seq-len 131072 --global-batch 32   # context parallelism
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from meshrun.errors import ConfigError
 from meshrun.pipeline.schedules import SCHEDULES
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
-from meshrun.planner.search import SEARCHED_REMATS, Result, evaluate, search
+from meshrun.planner.layout import CONTEXT_KINDS
+from meshrun.planner.search import MAX_CONTEXT, SEARCHED_REMATS, Result, context_violations, evaluate, search
 from meshrun.planner.timing import FRAMEWORKS
 
-INT_KEYS = ("tensor", "pipe", "data", "expert", "virtual", "microbatches", "micro_batch_size", "zero")
-EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor")
+INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
+EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind")
+DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 # configs/models of the source tree, for `--model NAME`.
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -35,6 +38,12 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
     p.add_argument("--top", type=int, default=5, help="how many layouts to show")
     p.add_argument("--evaluate", default=None, metavar="KEY=VALUE,...", help=f"one layout; keys: {list(EVAL_KEYS)}")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=MAX_CONTEXT,
+        help=f"largest context-parallel degree the search tries (default {MAX_CONTEXT}; 1: no context parallelism)",
+    )
     p.add_argument("--framework", default="meshrun", help=f"whose step semantics to cost: {list(FRAMEWORKS)}")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (megatron only; meshrun has none)")
     p.add_argument("--json", action="store_true", help="print one JSON object with key `configs`")
@@ -58,8 +67,10 @@ def load_model(text: str):
     return cfg.model, train, path.stem
 
 
-def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int) -> Layout:
-    """`tensor=8,pipe=16,...` -> a Layout; keys left out get defaults (data takes the devices left over)."""
+def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_len: int | None = None) -> Layout:
+    """`tensor=8,pipe=16,...` -> a Layout; keys left out get defaults (data takes the devices left over).
+    Degrees above the device count, degrees whose product is not the device count, a context degree
+    that does not split `seq_len` and an unknown context_kind are ConfigErrors (exit 2)."""
     given: dict = {}
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -73,13 +84,33 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int) -> Lay
             fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {list(EVAL_KEYS)}"
             raise ConfigError(f"--evaluate {key}", raw, fix, "unknown key")
         given[key] = _parse_value(key, raw)
-    t, p, e = given.get("tensor", 1), given.get("pipe", 1), given.get("expert", 1)
     n = cluster.n_devices
-    d = given.get("data", max(1, n // (t * p * e)))
+    for key in DEGREES:
+        if given.get(key, 1) > n:
+            raise ConfigError(
+                f"--evaluate {key}", given[key], f"use a degree that divides the {n} devices of {cluster}", "too large"
+            )
+    t, p, e, c = (given.get(k, 1) for k in ("tensor", "pipe", "expert", "context"))
+    if "data" not in given and n % (t * p * e * c):
+        named = "*".join(k for k in DEGREES if k in given) or "tensor"
+        raise ConfigError(
+            f"--evaluate {named}",
+            t * p * e * c,
+            f"choose degrees whose product divides the {n} devices of {cluster} (data takes the rest)",
+            "does not divide the device count",
+        )
+    d = given.get("data", max(1, n // (t * p * e * c)))
+    if t * p * e * c * d != n:
+        raise ConfigError(
+            "--evaluate " + "*".join(DEGREES),
+            t * p * e * c * d,
+            f"make tensor*pipe*data*expert*context equal the {n} devices of {cluster} (or leave data out)",
+            "product is not the device count",
+        )
     b = given.get("micro_batch_size", 1)
     m = given.get("microbatches", max(1, global_batch // (b * d * e)))
     v = given.get("virtual", 1)
-    return Layout(
+    layout = Layout(
         tensor=t,
         pipe=p,
         data=d,
@@ -92,7 +123,19 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int) -> Lay
         sequence_parallel=given.get("sequence_parallel", model.sequence_parallel),
         schedule=given.get("schedule", "interleaved" if v > 1 else "1f1b"),
         executor=given.get("executor", "per_op" if given.get("schedule") == "zb-h1" else "lockstep"),
+        context=c,
+        context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
     )
+    if c > 1 and seq_len is not None and (bad := context_violations(layout, seq_len)):
+        need = 2 * c if layout.context_kind == "ring" else c
+        raise ConfigError(
+            "--evaluate context",
+            c,
+            f"use a context degree whose {'2 x context' if need > c else 'context'} divides --seq-len {seq_len} "
+            f"(e.g. a power of two)",
+            bad[0],
+        )
+    return layout
 
 
 def _parse_value(key: str, raw: str):
@@ -100,12 +143,20 @@ def _parse_value(key: str, raw: str):
     if key in INT_KEYS:
         if not raw.isdigit() or (int(raw) < 1 and key != "zero"):
             raise ConfigError(field, raw, "use a positive whole number", "not a positive integer")
+        if int(raw) > MAX_DIM:
+            raise ConfigError(field, raw, f"use a whole number in [1, {MAX_DIM}]", "too large")
         if key == "zero" and int(raw) not in (0, 1, 2, 3):
             raise ConfigError(field, raw, "use a ZeRO stage 0, 1, 2 or 3")
         return int(raw)
     if key == "remat":
         if raw not in SEARCHED_REMATS:
             raise ConfigError(field, raw, f"use one of {list(SEARCHED_REMATS)}")
+        return raw
+    if key == "context_kind":
+        if raw not in CONTEXT_KINDS:
+            close = difflib.get_close_matches(raw, CONTEXT_KINDS, n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(field, raw, f"{hint}use one of {list(CONTEXT_KINDS)}", "unknown context kind")
         return raw
     if key == "executor":
         if raw not in ("lockstep", "per_op"):
@@ -141,11 +192,15 @@ def run_plan(args) -> int:
         raise ConfigError(
             "--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)"
         )
+    if not 1 <= args.max_context <= MAX_DIM:
+        raise ConfigError("--max-context", args.max_context, "use 1 (no context parallelism) or a larger degree")
     kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
-        results = [evaluate(model, parse_evaluate(args.evaluate, model, cluster, batch), cluster, batch, seq, **kw)]
+        layout = parse_evaluate(args.evaluate, model, cluster, batch, seq)
+        results = [evaluate(model, layout, cluster, batch, seq, **kw)]
     else:
-        results = fold_zero(search(model, cluster, batch, seq, top=4 * args.top, name=name, **kw))[: args.top]
+        found = search(model, cluster, batch, seq, top=4 * args.top, name=name, max_context=args.max_context, **kw)
+        results = fold_zero(found)[: args.top]
     counts = param_counts(model)
     if args.json:
         out = {
@@ -177,6 +232,11 @@ def fold_zero(results: list[Result]) -> list[Result]:
     return out
 
 
+def _cp(lay: Layout) -> str:
+    """The table's CP cell: the degree, and its kind when > 1 (`4 ring`, `2 ag`)."""
+    return "1" if lay.context == 1 else f"{lay.context} {'ring' if lay.context_kind == 'ring' else 'ag'}"
+
+
 def format_table(
     name: str,
     n_params: float,
@@ -190,20 +250,30 @@ def format_table(
         f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
         f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics",
         "",
-        f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} {'remat':>9} "
-        f"{'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
+        f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'CP':>7} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} "
+        f"{'remat':>9} {'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
     ]
     for i, r in enumerate(results, 1):
         p = r.layout
         lines.append(
-            f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {p.virtual:>2} {p.microbatches:>5} "
-            f"{p.micro_batch_size:>3} {p.zero:>4} {p.remat:>9} {'y' if p.sequence_parallel else 'n':>3} "
-            f"{r.memory['total'] / GB:>7.3g} {r.step_time:>9.4g} {r.tflops_per_device:>7.1f} {r.mfu:>6.1%} "
-            f"{r.time['bubble_fraction']:>6.1%}"
+            f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {_cp(p):>7} {p.virtual:>2} "
+            f"{p.microbatches:>5} {p.micro_batch_size:>3} {p.zero:>4} {p.remat:>9} "
+            f"{'y' if p.sequence_parallel else 'n':>3} {r.memory['total'] / GB:>7.3g} {r.step_time:>9.4g} "
+            f"{r.tflops_per_device:>7.1f} {r.mfu:>6.1%} {r.time['bubble_fraction']:>6.1%}"
         )
         lines += [f"   ! {v}" for v in r.violations]
     best = results[0]
-    parts = ("compute", "tensor_comm", "pipe_comm", "expert_comm", "zero_comm", "bubble", "dp_sync", "optimizer")
+    parts = (
+        "compute",
+        "tensor_comm",
+        "context_comm",
+        "pipe_comm",
+        "expert_comm",
+        "zero_comm",
+        "bubble",
+        "dp_sync",
+        "optimizer",
+    )
     tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time[k] > 0)
     split = best.time["split"]
     even = len(set(split)) == 1

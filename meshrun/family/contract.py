@@ -20,6 +20,9 @@ linear in the sums, so it is exact over any split into microbatches, stages and 
 
 with `n_sequences` the global batch rows. `finish` turns the global sums into (loss, metrics); a
 model's `metrics` hook chooses what is logged (default: ce_loss, n_tokens and the aux sums).
+Context parallelism (`context=True`): with mesh.context = c > 1 every function sees L/c tokens
+of each row (in `meshrun.parallel.context`'s layout); embed and head_loss are per token, so only
+apply_layers' attention crosses the 'context' axis.
 `param_names` is the tree of logical-axis-name tuples of the parameters (what `meshrun.parallel.sharding` maps to
 mesh axes); `sequence_parallel` asks for the residual stream sharded over 'tensor' between blocks.
 """
@@ -50,6 +53,10 @@ class ModelFns:
     param_names: Any = None  # tree of logical-axis-name tuples, same structure as params
     sequence_parallel: bool = False
     segments: bool = False  # apply_layers takes segment_ids= (packed documents)
+    # mesh.context > 1: the step's shard_map gives every function only this device's chunk of each
+    # sequence (`meshrun.parallel.context` layout); a model with context=True attends across the
+    # 'context' axis itself and takes its positions from the chunk's global token indices
+    context: bool = False
 
 
 def layers_fn(fns: ModelFns, segment_ids_BxS=None) -> Callable:

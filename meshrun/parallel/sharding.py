@@ -4,8 +4,8 @@ Mesh axis names are defined here (and in `config.AXES`/configs); other modules n
 run collectives over through the constants below (`DP_AXES`, `MANUAL`).
 
 Two small tables (Levanter-style): PARAM_RULES for weights, COMPUTE_RULES for activations.
-ZeRO is a table swap (Rajbhandari et al. 2020): stage 1 shards optimizer state over the dense
-data-parallel group ('data','expert') and reduce-scatters the gradients onto it, stage 3 also
+ZeRO is a table swap (Rajbhandari et al. 2020): stage 1 shards optimizer state over the gradient
+group ('data','expert','context') and reduce-scatters the gradients onto it, stage 3 also
 shards parameters (FSDP). Stage 2 equals stage 1 here: gradients are accumulated locally over the
 microbatches and reduced once per step, so no stage keeps full reduced gradients.
 A mesh axis may appear once per PartitionSpec: a later dimension drops axes an earlier one used
@@ -26,9 +26,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = dict[str, tuple[str, ...]]
 
 DP_AXES = ("data", "expert")  # dense layers' data-parallel group: expert parallelism folds into DP
+# Context parallelism splits every sequence over this axis: the batch is not split over it, but a
+# replicated weight's gradient is summed over it like over DP (Megatron's dp x cp group).
+CONTEXT = "context"
+GRAD_AXES = (*DP_AXES, CONTEXT)  # gradient reduction and ZeRO sharding group
 # Manual axes of the step's shard_maps (the microbatch loop and the pipeline's tick loop): each device
-# runs its own pipeline stage and data shard; 'tensor' stays auto (GSPMD shards the weights inside).
-MANUAL = ("pipe", *DP_AXES)
+# runs its own pipeline stage, data shard and sequence chunk; 'tensor' stays auto (GSPMD shards the
+# weights inside).
+MANUAL = ("pipe", *GRAD_AXES)
+BATCH_SPEC = PartitionSpec(DP_AXES, CONTEXT)  # [batch, length] inputs: rows over DP, tokens over context
 
 # Weights. Megatron TP: q/k/v, gate, up column-parallel (heads/mlp), out/down row-parallel; vocab-parallel.
 PARAM_RULES: Rules = {
@@ -69,7 +75,7 @@ def param_rules(zero: int = 0, part: str = "params") -> Rules:
     sharded_from = {"opt": 1, "grads": 1, "params": 3}[part]
     rules = dict(PARAM_RULES)
     if zero >= sharded_from:
-        rules["embed"] = DP_AXES  # FSDP: every weight has an `embed` dimension
+        rules["embed"] = GRAD_AXES  # FSDP: every weight has an `embed` dimension
     return rules
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshrun.parallel.sharding import DP_AXES, dims_with, is_spec, names_to_specs, param_rules, restrict_spec
+from meshrun.parallel.sharding import GRAD_AXES, dims_with, is_spec, names_to_specs, param_rules, restrict_spec
 
 HOST = "pinned_host"  # where offloaded state rests between steps (page-locked: DMA at full PCIe/C2C speed)
 
@@ -143,8 +143,8 @@ class ZeroShardings:
 
         def body(params):
             def one(x, spec, base):
-                kept = dict(dims_with(base, DP_AXES))  # e.g. experts split over 'expert' stay split
-                for d, axes in dims_with(spec, DP_AXES):
+                kept = dict(dims_with(base, GRAD_AXES))  # e.g. experts split over 'expert' stay split
+                for d, axes in dims_with(spec, GRAD_AXES):
                     if axes := tuple(a for a in axes if a not in kept.get(d, ())):
                         x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
                 return x
@@ -184,7 +184,7 @@ class ZeroShardings:
             for g, i in zip(gs, idx, strict=True):
                 dt, g = g.dtype, self._down(g[0])
                 red = self._reduction_axes(flat_b[i])
-                for d, axes in dims_with(flat_t[i], DP_AXES):
+                for d, axes in dims_with(flat_t[i], GRAD_AXES):
                     if axes := tuple(a for a in axes if a in red):
                         g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
                         red = tuple(a for a in red if a not in axes)
@@ -211,8 +211,8 @@ class ZeroShardings:
     def _reduction_axes(self, base: P) -> tuple[str, ...]:
         """DP axes a gradient is summed over: all live ones, except those the weight is already split
         over (experts over 'expert' are reduced over 'data' only)."""
-        used = {a for _, axes in dims_with(base, DP_AXES) for a in axes}
-        return tuple(a for a in DP_AXES if self.mesh.shape[a] > 1 and a not in used)
+        used = {a for _, axes in dims_with(base, GRAD_AXES) for a in axes}
+        return tuple(a for a in GRAD_AXES if self.mesh.shape.get(a, 1) > 1 and a not in used)
 
     def _deferred(self, base: P, target: P) -> bool:
         """Leaves reduced in `finish`: those whose reduced gradient is scattered over a DP axis
@@ -223,4 +223,4 @@ class ZeroShardings:
         red = self._reduction_axes(base)
         if self.reduce_dtype is not None and red:
             return True
-        return any(a in red for _, axes in dims_with(target, DP_AXES) for a in axes)
+        return any(a in red for _, axes in dims_with(target, GRAD_AXES) for a in axes)

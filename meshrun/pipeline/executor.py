@@ -70,7 +70,7 @@ from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
-from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
 from meshrun.pipeline.program import TickProgram, tick_program
@@ -214,7 +214,7 @@ class Pipeline:
         params = zl.gather(_wsc(mesh, params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
         # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
         # microbatches without moving token ids between devices (row order does not change the sums).
-        bspec = P(None, DP_AXES)
+        bspec = P(None, DP_AXES, CONTEXT)  # [M, B, S]: rows over DP, tokens over 'context'
         split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
         batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
         return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec

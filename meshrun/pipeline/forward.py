@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshrun.family import contract
-from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, use_rules
 from meshrun.pipeline.stage_run import stage_fn, take
 
 
@@ -82,4 +82,4 @@ def _body(pl, layers, other, tok, lab, seg=None):
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
-        return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in DP_AXES if a in pl.mesh.shape))
+        return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in pl.mesh.shape))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshrun.family import contract
-from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
 from meshrun.pipeline.split import LayerSplit
 from meshrun.pipeline.stage import activation_residuals, uneven_apply
@@ -41,7 +41,7 @@ class StageRun:
         # Total tokens first, from the labels alone: each head backward then uses the exact 1/N.
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_local = contract.token_count(self.fns, other, flat(tok), flat(lab))
-        self.n_tok = lax.psum(n_local, tuple(a for a in DP_AXES if a in pl.mesh.shape))
+        self.n_tok = lax.psum(n_local, tuple(a for a in GRAD_AXES if a in pl.mesh.shape))
         self.n_seq = self.m * tok.shape[1] * pl.dp
 
         _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)

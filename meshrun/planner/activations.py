@@ -7,13 +7,59 @@ from __future__ import annotations
 
 from meshrun.config import ModelConfig
 
+# Context parallelism (`context` = c > 1): every per-token tensor holds the local s/c tokens of each
+# sequence; only attention sees the whole sequence. allgather: the local queries score against all s
+# gathered keys ((s/c) x s scores per head on XLA's attention) and the gathered K/V is a tensor of its
+# own (`context_kv_bytes`); ring: K/V blocks of s/c tokens travel around the ring, each scored with
+# an online softmax (flash-style), so no s x s (or (s/c) x s) tensor is kept.
+
+
+def context_kv_bytes(m: ModelConfig, b: int, s: int, t: int, c: int, *, act: float) -> float:
+    """Bytes of one layer's gathered K and V under the all-gather kind: 2·s·b·kv_heads·head_dim/t
+    elements (the whole sequence's keys and values of the device's kv heads). A ring block (the K/V of
+    s/c tokens) is this divided by c."""
+    return 0.0 if c <= 1 else 2.0 * act * s * b * m.n_kv_heads * m.head_dim / t
+
+
+def context_working_bytes(
+    m: ModelConfig, b: int, s: int, t: int, c: int, kind: str, *, remat: str, act: float, flash: bool
+) -> float:
+    """Bytes context parallelism adds for the ONE layer whose backward runs (not kept per layer):
+    allgather: the gathered K/V, rebuilt for the backward when the attention is recomputed (selective;
+    under full remat it is part of the rebuilt layer's `layer_activation_bytes`, under none it is
+    kept per layer); ring: the K/V block being scored and the one arriving, and in the backward the
+    dK/dV block travelling with them (4 blocks), plus on XLA's attention the (s/c) x (s/c) scores and
+    probabilities of the block being scored."""
+    if c <= 1:
+        return 0.0
+    if kind == "ring":
+        block = context_kv_bytes(m, b, s, t, c, act=act) / c
+        scores = 0.0 if flash else 2.0 * act * b * m.n_heads / t * (s / c) ** 2
+        return 4 * block + scores
+    return context_kv_bytes(m, b, s, t, c, act=act) if remat not in ("none", "full") else 0.0
+
+
+def _kv_len(s: int, c: int, kind: str, flash: bool) -> float | None:
+    """Keys each local query's kept score row spans: s (all-gathered) on XLA's attention; None when no
+    score matrix is kept (flash attention, or the ring's online softmax over blocks)."""
+    return None if flash or (c > 1 and kind == "ring") else float(s)
+
 
 def layer_activation_bytes(
-    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, dropout: bool, flash: bool, moe=False
-) -> float:
+    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, dropout: bool, flash: bool, moe=False,
+    context: int = 1, kind: str = "allgather",
+) -> float:  # fmt: skip
     """Bytes one layer keeps for its backward, per micro-batch (Korthikanti 2022, section 4).
     GPT-3 (a=2 bytes, dropout): sbh(34 + 5as/h); TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: sbh/t (34 + 5as/h);
-    selective drops 5as/h. Generalised to GQA, swiglu, MoE and no-dropout models by counting tensors."""
+    selective drops 5as/h. Generalised to GQA, swiglu, MoE and no-dropout models by counting tensors.
+    Context parallelism (c = `context`): s -> s/c in every term; the score term is (s/c) x s per head
+    for the all-gather kind (so the whole count falls as 1/c) and the ring keeps none (flash-style
+    blocks: the log-sum-exp of its s/c queries); under remat=none the all-gather kind also keeps the
+    layer's gathered K/V (`context_kv_bytes`)."""
+    kv_len = _kv_len(s, context, kind, flash)
+    # the gathered K/V of all TP ranks (split by t below with the other attention tensors)
+    gathered = context_kv_bytes(m, b, s, 1, context, act=act) if kind != "ring" and remat == "none" else 0.0
+    s = s / context if context > 1 else s
     sbh = s * b * m.d_model
     mask = 1.0 if dropout else 0.0
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
@@ -26,18 +72,20 @@ def layer_activation_bytes(
         routed = m.top_k * m.capacity_factor
         mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
     split = act * s * b * (q + 2 * kv) + act * s * b * q + mlp
-    if flash:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores
+    if kv_len is None:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores
         core = 4.0 * b * m.n_heads * s
     else:  # softmax output (+ dropout mask and dropout output)
-        core = b * m.n_heads * s * s * (act + (mask + act if dropout else 0.0))
+        core = b * m.n_heads * s * kv_len * (act + (mask + act if dropout else 0.0))
     if remat == "selective":
-        core = 0.0 if not flash else core
+        core = 0.0 if kv_len is not None else core
+    split += gathered
     return (repl + split + core) / t if sp else repl + (split + core) / t
 
 
 def meshrun_layer_bytes(
-    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, flash: bool, moe: bool = False
-) -> float:
+    m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, flash: bool, moe: bool = False,
+    context: int = 1, kind: str = "allgather",
+) -> float:  # fmt: skip
     """Bytes meshrun's compiled step keeps per layer (the unit's input, kept by the layer scan, included):
     * none (dense): Megatron's no-recompute set without dropout (`layers.KEPT_NAMES`): equal to
       `layer_activation_bytes(..., dropout=False)` on XLA's attention; on flash attention the kernel's
@@ -46,15 +94,19 @@ def meshrun_layer_bytes(
       the norms and the attention core are recomputed, so it is below Megatron's selective count.
     * MoE layers keep everything JAX saves (`autodiff_bytes`; selective less the s x s core): the
       MoE block carries no names yet, and its routing and all_to_alls are not recomputed under none.
-    Sequence parallelism splits the unit input and the mid-block residual over 'tensor'."""
+    Sequence parallelism splits the unit input and the mid-block residual over 'tensor'. Context
+    parallelism: the local s/c tokens (`layer_activation_bytes`)."""
+    cp = dict(context=context, kind=kind)
+    kv_len = _kv_len(s, context, kind, flash)
+    sl = s / context if context > 1 else s
     if moe:  # selective: the s x s core is recomputed
-        core = 0.0 if remat == "none" or flash else 2.0 * act * b * m.n_heads * s * s / t
-        return autodiff_bytes(m, b, s, t, act=act, flash=flash, moe=True) - core
+        core = 0.0 if remat == "none" or kv_len is None else 2.0 * act * b * m.n_heads * sl * kv_len / t
+        return autodiff_bytes(m, b, s, t, act=act, flash=flash, moe=True, **cp) - core
     if remat == "none":
-        full = layer_activation_bytes(m, b, s, t, sp=sp, remat="none", act=act, dropout=False, flash=flash)
-        return full - (4.0 * b * m.n_heads * s / t if flash else 0.0)
-    layer_in = act * s * b * m.d_model / (t if sp else 1)
-    return layer_in + saved_name_bytes(m, b, s, t, act=act, sp=sp)
+        full = layer_activation_bytes(m, b, s, t, sp=sp, remat="none", act=act, dropout=False, flash=flash, **cp)
+        return full - (4.0 * b * m.n_heads * sl / t if flash else 0.0)
+    layer_in = act * sl * b * m.d_model / (t if sp else 1)
+    return layer_in + saved_name_bytes(m, b, sl, t, act=act, sp=sp)
 
 
 def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: bool | None = None) -> float:
@@ -67,18 +119,26 @@ def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: 
     return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
 
 
-def autodiff_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe: bool = False) -> float:
+def autodiff_bytes(
+    m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe: bool = False, context: int = 1,
+    kind: str = "allgather",
+) -> float:  # fmt: skip
     """A layer differentiated with no remat policy at all (an MoE layer; a layer rebuilt inside `full`
     remat's backward): every elementwise intermediate JAX differentiates through, counted with
     `print_saved_residuals` and XLA's buffer assignment of the tiny configs: 6 b·s·h (layer input,
     two norm products, residual mid-point), q + 4 kv split over TP, the s x s core (scores and
     probabilities; flash: fp32 lse and out), 6 b·s·d_ff (gate/up pair, activation intermediates and
     product). MoE FFN: the 6 d_ff tensors for the k·cf routed copies of each token, 7 h-wide routed
-    buffers replicated over TP, and the fp32 dispatch/combine tensors [b, s, E, C] with E·C = cf·k·s."""
+    buffers replicated over TP, and the fp32 dispatch/combine tensors [b, s, E, C] with E·C = cf·k·s.
+    Context parallelism: s -> s/c (the score core (s/c) x s for the all-gather kind, none for the
+    ring), plus the all-gather kind's gathered K/V."""
+    kv_len = _kv_len(s, context, kind, flash)
+    gathered = context_kv_bytes(m, b, s, 1, context, act=act) if kind != "ring" else 0.0  # split by t below
+    s = s / context if context > 1 else s
     sb, h = s * b, m.d_model
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    core = 4.0 * b * m.n_heads * s * 2 if flash else 2.0 * act * b * m.n_heads * s * s
-    attn = act * sb * (q + 4 * kv) + core
+    core = 4.0 * b * m.n_heads * s * 2 if kv_len is None else 2.0 * act * b * m.n_heads * s * kv_len
+    attn = act * sb * (q + 4 * kv) + core + gathered
     if moe:
         routed = m.top_k * m.capacity_factor
         ffn = act * sb * routed * 6 * m.d_ff + 2 * 4.0 * sb * routed * s

@@ -2,7 +2,7 @@
 (the step time is in `timing.py`).
 
 Letters: B global batch (sequences), b micro-batch size, s sequence length, h d_model, L layers,
-V vocab, a heads, t/p/d/e tensor/pipe/data/expert degrees, m micro-batches, v virtual stages.
+V vocab, a heads, t/p/d/e/c tensor/pipe/data/expert/context degrees, m micro-batches, v virtual stages.
 Sources: Narayanan et al. 2021 (Megatron PTD-P, FLOPs eq. 3, schedules), Korthikanti et al. 2022
 (activation memory, sequence parallelism, selective recompute), Rajbhandari et al. 2020 (ZeRO).
 """
@@ -13,6 +13,8 @@ from dataclasses import replace
 
 from meshrun.analysis.flops import layer_params, param_counts
 from meshrun.config import ModelConfig
+from meshrun.planner.activations import context_kv_bytes as context_kv_bytes
+from meshrun.planner.activations import context_working_bytes
 from meshrun.planner.activations import layer_activation_bytes as layer_activation_bytes
 from meshrun.planner.layout import DTYPE_BYTES as DTYPE_BYTES
 from meshrun.planner.layout import Layout as Layout
@@ -59,23 +61,26 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> 
 
 
 def _layer_activations(
-    model: ModelConfig, b: int, s: int, t: int, *, remat: str, sp: bool, act: float, dropout: bool, flash: bool
-) -> tuple[float, float]:
+    model: ModelConfig, b: int, s: int, t: int, *, remat: str, sp: bool, act: float, dropout: bool, flash: bool,
+    context: int = 1, kind: str = "allgather",
+) -> tuple[float, float]:  # fmt: skip
     """(bytes each layer keeps per micro-batch, bytes of the one layer being recomputed). Full remat
-    keeps each layer's input and rebuilds one layer at a time in the backward."""
-    kw = dict(sp=sp, act=act, dropout=dropout, flash=flash)
+    keeps each layer's input and rebuilds one layer at a time in the backward. Context parallelism:
+    the local s/c tokens, plus the K/V exchange's working set (`context_working_bytes`)."""
+    kw = dict(sp=sp, act=act, dropout=dropout, flash=flash, context=context, kind=kind)
     n_moe = model.n_moe_layers
     moe_frac = n_moe / model.n_layers
     dense_act = layer_activation_bytes(model, b, s, t, remat=remat, **kw)
     moe_act = layer_activation_bytes(model, b, s, t, remat=remat, moe=True, **kw) if n_moe else 0.0
     per_layer = (1 - moe_frac) * dense_act + moe_frac * moe_act
+    cp_working = context_working_bytes(model, b, s, t, context, kind, remat=remat, act=act, flash=flash)
     if remat != "full":
-        return per_layer, 0.0
-    kept = act * s * b * model.d_model / (t if sp else 1)
+        return per_layer, cp_working
+    kept = act * s / context * b * model.d_model / (t if sp else 1)
     working = layer_activation_bytes(model, b, s, t, remat="none", **kw)
     if n_moe:
         working = max(working, layer_activation_bytes(model, b, s, t, remat="none", moe=True, **kw))
-    return kept, working
+    return kept, working + cp_working
 
 
 def _stage_params(counts: dict[str, int], h: int, p: int, t: int, expert: int, stage: int, frac: float) -> tuple:
@@ -132,7 +137,7 @@ def predict_memory(
     s = seq_len or model.max_seq_len
     kw = dict(tensor=tensor, pipe=p, data=layout.data, expert=layout.expert, microbatches=layout.microbatches,
               micro_batch_size=layout.micro_batch_size, seq_len=s, zero=layout.zero, schedule=layout.schedule,
-              virtual=layout.virtual)  # fmt: skip
+              virtual=layout.virtual, context=layout.context, kind=layout.context_kind)  # fmt: skip
     stages = {}
     spmd = None
     if framework == "meshrun":
@@ -145,7 +150,13 @@ def predict_memory(
             part = _megatron_stage(model, stage, split[stage], remat=remat, sp=sp, dropout=dropout, flash=flash, **kw)
         part["overheads"] = 0.0
         if overheads:
-            axes = {"tensor": tensor, "pipe": p, "data": layout.data, "expert": layout.expert}
+            axes = {
+                "tensor": tensor,
+                "pipe": p,
+                "data": layout.data,
+                "expert": layout.expert,
+                "context": layout.context,
+            }
             over = overhead_bytes(part["activations"] + part["logits"], axes)
             part |= {f"overhead_{k}": v for k, v in over.items()}
             part["overheads"] = sum(over.values())
@@ -159,9 +170,11 @@ def predict_memory(
 
 def _megatron_stage(
     model: ModelConfig, stage: int, layers: float, *, tensor, pipe, data, expert, microbatches, micro_batch_size,
-    seq_len, zero, remat, sp, schedule, virtual, dropout, flash,
+    seq_len, zero, remat, sp, schedule, virtual, dropout, flash, context=1, kind="allgather",
 ) -> dict[str, float]:  # fmt: skip
-    """Megatron-LM's bytes on one device of `stage` (holding `layers` layers)."""
+    """Megatron-LM's bytes on one device of `stage` (holding `layers` layers). Context parallelism
+    (Megatron-Core's cp): each device holds s/c tokens of every sequence; dense weights' gradients
+    and ZeRO (distributed optimizer) shards span data x expert x context (dp x cp)."""
     prec = precision_of(model, "megatron")
     pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
     flash = model.attention_impl == "cudnn" if flash is None else flash
@@ -169,8 +182,11 @@ def _megatron_stage(
     if schedule == "interleaved" and virtual == 1:
         schedule = "1f1b"
     counts = param_counts(model)
-    kept, working = _layer_activations(model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash)
-    dense_div, expert_div = zero_divisors(zero, data * expert), zero_divisors(zero, data)
+    kept, working = _layer_activations(
+        model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context, kind=kind
+    )
+    dense_div, expert_div = zero_divisors(zero, data * expert * context), zero_divisors(zero, data * context)
+    s = s / context if context > 1 else s  # per-token tensors below: the local tokens
     dense, experts = _stage_params(counts, h, p, t, expert, stage, layers / model.n_layers)
     params, grads, opt = (
         nbytes * (dense / dd + experts / ed) for nbytes, dd, ed in zip((pb, gb, ob), dense_div, expert_div)

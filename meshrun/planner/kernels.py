@@ -60,19 +60,27 @@ def hbm_seconds(nbytes: float, gpu: GPU, cal: Calibration) -> float:
 
 
 def attention_core_seconds(
-    model: ModelConfig, b: int, s: int, t: int, gpu: GPU, cal: Calibration, *, flash: bool, dropout: bool, act: float
-) -> tuple[float, float]:
-    """(forward, backward) of softmax(Q K^T) V for the a/t heads of one device."""
+    model: ModelConfig, b: int, s: int, t: int, gpu: GPU, cal: Calibration, *, flash: bool, dropout: bool, act: float,
+    context: int = 1, kind: str = "allgather",
+) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) of softmax(Q K^T) V for the a/t heads of one device. Context parallelism
+    (c > 1): the device's s/c queries against the s keys. Flash attention skips masked blocks: the
+    ring's zigzag layout gives every device s/2 visible keys per query on average (the causal half,
+    split evenly); the all-gather kind keeps contiguous shards, and the slowest device (the last
+    shard) sees s (2c - 1) / (2c) keys per query. XLA's attention computes the full (s/c) x s scores
+    either way (the ring in c blocks of (s/c) x (s/c))."""
     heads, d = model.n_heads / t, model.head_dim
+    q_len = s / context if context > 1 else s
     if flash:  # causal: fully masked blocks are skipped, half the 4 b s^2 a d FLOPs
-        fwd = 2.0 * b * heads * s * s * d / (gpu.peak_flops * FLASH_EFFICIENCY)
+        share = 1.0 if context <= 1 or kind == "ring" else (2 * context - 1) / context  # the slowest shard's
+        fwd = 2.0 * b * heads * q_len * s * d * share / (gpu.peak_flops * FLASH_EFFICIENCY)
         return fwd, 2.5 * fwd
     bh = b * heads
-    qk_f, qk_b = linear_seconds(s, d, s, gpu, cal, bh)  # scores = Q K^T
-    av_f, av_b = linear_seconds(s, s, d, gpu, cal, bh)  # out = P V
+    qk_f, qk_b = linear_seconds(q_len, d, s, gpu, cal, bh)  # scores = Q K^T
+    av_f, av_b = linear_seconds(q_len, s, d, gpu, cal, bh)  # out = P V
     # Fused scale-mask-softmax: read scores, write probs (fwd); read probs and their grad, write the
     # grad (bwd). Dropout on the probs writes a byte mask and a copy, read again backward.
-    elems = bh * s * s
+    elems = bh * q_len * s
     f_bytes = elems * (2 * act + (1 + act if dropout else 0))
     b_bytes = elems * (3 * act + (1 + act if dropout else 0))
     return qk_f + av_f + hbm_seconds(f_bytes, gpu, cal), qk_b + av_b + hbm_seconds(b_bytes, gpu, cal)
@@ -103,10 +111,13 @@ def layer_seconds(
     act: float = 2.0,
     moe: bool = False,
     expert: int = 1,
+    context: int = 1,
+    kind: str = "allgather",
 ) -> dict[str, float]:
     """Seconds of one layer for one micro-batch of b sequences on one device, by part:
-    {'gemm_fwd', 'gemm_bwd', 'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}."""
-    tok, h = b * s, model.d_model
+    {'gemm_fwd', 'gemm_bwd', 'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}. Context parallelism: every
+    per-token kernel runs on the local b s/c tokens (`attention_core_seconds` for the attention)."""
+    tok, h = b * (s / context if context > 1 else s), model.d_model
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     parts = [linear_seconds(tok, h, (q + 2 * kv) / t, gpu, cal), linear_seconds(tok, q / t, h, gpu, cal)]
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
@@ -121,7 +132,9 @@ def layer_seconds(
         parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
     else:
         parts += [linear_seconds(tok, h, up, gpu, cal), linear_seconds(tok, model.d_ff / t, h, gpu, cal)]
-    attn_f, attn_b = attention_core_seconds(model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act)
+    attn_f, attn_b = attention_core_seconds(
+        model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context, kind=kind
+    )
     mem = hbm_seconds(elementwise_bytes(model, tok, t, sp=sp, dropout=dropout, act=act), gpu, cal)
     return {
         "gemm_fwd": sum(f for f, _ in parts),

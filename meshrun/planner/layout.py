@@ -16,7 +16,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class Layout:
     """One candidate parallel layout. Dense layers' data-parallel group is data x expert (EP folded
-    into DP)."""
+    into DP). Context parallelism (`context` = c > 1) splits each sequence over c devices (tensor
+    innermost, then context: TP x CP inside a node where possible); it does not multiply the batch,
+    but the gradient reduction and the ZeRO shards run over data x expert x context
+    (`grad_group`). `context_kind`: how attention crosses the split (CONTEXT_KINDS)."""
 
     tensor: int = 1
     pipe: int = 1
@@ -30,10 +33,18 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (virtual > 1)
     executor: str = "lockstep"  # lockstep | per_op (1F1B: p microbatches on the first stage; zb-h1 always)
+    context: int = 1  # context parallelism: each sequence split over this many devices
+    context_kind: str = "allgather"  # allgather (K/V all-gathered over 'context') | ring (K/V blocks ring)
 
     @property
     def n_devices(self) -> int:
-        return self.tensor * self.pipe * self.data * self.expert
+        return self.tensor * self.pipe * self.data * self.expert * self.context
+
+    @property
+    def grad_group(self) -> int:
+        """Ranks that hold the same dense weights: the gradient reduction and ZeRO group, data x
+        expert x context (Megatron's dp x cp)."""
+        return self.data * self.expert * self.context
 
     @property
     def global_batch(self) -> int:
@@ -49,9 +60,10 @@ def model_layout(model: ModelConfig, **kw) -> Layout:
 def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
     """The Layout of a run config on a mesh of `mesh_shape` (axis -> size): the one config -> planner
     conversion. remat is the model's, remat=offload included (`step_model.predict_memory_jax` models it;
-    the time model costs it as selective plus its host traffic: `search.predict_step_time`)."""
+    the time model costs it as selective plus its host traffic: `search.predict_step_time`). Context
+    parallelism: `mesh_shape['context']` (else `mesh.context`) and `model.context_parallel`."""
     m = cfg.pipeline.microbatches
-    dp = mesh_shape["data"] * mesh_shape["expert"]
+    dp = mesh_shape["data"] * mesh_shape["expert"]  # the batch is split over data x expert only (not context)
     return Layout(
         tensor=mesh_shape["tensor"],
         pipe=mesh_shape["pipe"],
@@ -65,6 +77,8 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         sequence_parallel=cfg.model.sequence_parallel,
         schedule=cfg.pipeline.schedule,
         executor=executor_of(cfg.pipeline.schedule, cfg.pipeline.executor),
+        context=max(1, int(mesh_shape.get("context", getattr(cfg.mesh, "context", 1)))),  # -1 unresolved: 1
+        context_kind=getattr(cfg.model, "context_parallel", "allgather"),
     )
 
 
@@ -100,6 +114,9 @@ def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
     if framework == "megatron":
         return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
     return Precision(param=pb, grad=pb, opt=8 + (4 if pb < 4 else 0), act=act)
+
+
+CONTEXT_KINDS = ("allgather", "ring")
 
 
 def zero_divisors(zero: int, dp: int) -> tuple[int, int, int]:

@@ -33,8 +33,9 @@ def host_bw(cluster: Cluster) -> float:
 def _names_share(model: ModelConfig, lay, seq_len: int) -> tuple[float, float]:
     """(share of selective's kept activations that are the offloaded names, their bytes per layer)."""
     act = precision_of(model).act
-    names = saved_name_bytes(model, lay.micro_batch_size, seq_len, lay.tensor, act=act)
-    layer_in = act * seq_len * lay.micro_batch_size * model.d_model / lay.tensor
+    s = seq_len / lay.context if lay.context > 1 else seq_len  # the local tokens under context parallelism
+    names = saved_name_bytes(model, lay.micro_batch_size, s, lay.tensor, act=act)
+    layer_in = act * s * lay.micro_batch_size * model.d_model / lay.tensor
     return names / (names + layer_in), names
 
 

@@ -16,10 +16,18 @@ from meshrun.planner import cost, offload, timing
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import GB, Cluster
 from meshrun.planner.kernels import Calibration
+from meshrun.planner.layout import CONTEXT_KINDS
 
 # remat modes the layout search tries (not offload: a memory lever, `offload.propose`)
 SEARCHED_REMATS = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
+# Context parallelism is searched down to this many tokens of each sequence per device: below it the
+# per-device attention blocks are too small to hide a ring step behind and the all-gathered K/V is a
+# large share of the attention's input (Megatron-Core and Llama 3 use CP for sequences of 16K-128K+,
+# with 8K+ tokens per rank). So `--seq-len` < 2 x 4096 never gets a CP layout.
+MIN_CONTEXT_TOKENS = 4096
+# Context degrees tried: powers of two up to this (Llama 3 405B: CP 16 at 128K tokens).
+MAX_CONTEXT = 32
 
 
 @dataclass
@@ -59,10 +67,26 @@ class Result:
         return out
 
 
-def structural_violations(model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int) -> list[str]:
-    """Degrees that don't divide heads, kv heads, layers, experts, devices or the global batch."""
+def context_violations(layout: Layout, seq_len: int | None) -> list[str]:
+    """A context degree or kind the step cannot run: the sequence must split into c equal shards
+    (all-gather) or 2c equal chunks (ring's zigzag layout); the kind must be one of CONTEXT_KINDS."""
+    c, kind, out = layout.context, layout.context_kind, []
+    if kind not in CONTEXT_KINDS:
+        out.append(f"context_kind={kind!r} is not one of {list(CONTEXT_KINDS)}")
+    need = 2 * c if kind == "ring" else c
+    if c > 1 and seq_len is not None and seq_len % need:
+        what = "2 x context (ring's zigzag chunks)" if kind == "ring" else "context"
+        out.append(f"seq_len={seq_len} is not divisible by {what}={need}")
+    return out
+
+
+def structural_violations(
+    model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int | None = None
+) -> list[str]:
+    """Degrees that don't divide heads, kv heads, layers, experts, devices, the global batch or (context
+    parallelism) the sequence."""
     t, p, e, v = layout.tensor, layout.pipe, layout.expert, layout.virtual
-    out = []
+    out = context_violations(layout, seq_len)
     for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
         if n % t:
             out.append(f"model.{name}={n} is not divisible by tensor={t}")
@@ -73,7 +97,8 @@ def structural_violations(model: ModelConfig, layout: Layout, cluster: Cluster, 
     elif model.is_moe and model.n_experts % e:
         out.append(f"model.n_experts={model.n_experts} is not divisible by expert={e}")
     if layout.n_devices != cluster.n_devices:
-        out.append(f"tensor*pipe*data*expert = {layout.n_devices} != {cluster.n_devices} devices of {cluster}")
+        what = "tensor*pipe*data*expert" + ("*context" if layout.context > 1 else "")
+        out.append(f"{what} = {layout.n_devices} != {cluster.n_devices} devices of {cluster}")
     if layout.global_batch != global_batch:
         out.append(
             f"global batch {global_batch} != micro_batch_size*microbatches*data*expert = "
@@ -104,7 +129,7 @@ def evaluate(
     dropout: float = 0.0,
 ) -> Result:
     """Memory, time, throughput and rule violations of one layout under `framework` (meshrun | megatron)."""
-    hard = structural_violations(model, layout, cluster, global_batch)
+    hard = structural_violations(model, layout, cluster, global_batch, seq_len)
     tm = timing.predict_time(
         model, layout, cluster, seq_len, calibration=calibration, framework=framework, dropout=dropout
     )
@@ -124,6 +149,12 @@ def evaluate(
         soft.append(f"{what} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
     if tm["dp_sync_full"] > tm["compute"]:
         soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
+    tc = layout.tensor * layout.context
+    if layout.context > 1 and tc > cluster.gpus_per_node:
+        soft.append(
+            f"tensor*context={tc} > {cluster.gpus_per_node} GPUs per node: the K/V exchange "
+            f"({tm['context_comm']:.3g} s exposed) runs over the inter-node network"
+        )
     n = cluster.n_devices
     hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
     mf = flops.model_flops(model, global_batch, seq_len)
@@ -142,8 +173,31 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(model: ModelConfig, cluster: Cluster, global_batch: int):
-    """Layouts that use every device, keep TP inside a node and divide heads, layers, experts, batch."""
+def context_degrees(
+    cluster: Cluster, t: int, seq_len: int | None, max_context: int = MAX_CONTEXT
+) -> list[tuple[int, str]]:
+    """(context degree, kind) pairs to try beside tensor=t: (1, allgather) always; with `seq_len`, powers of
+    two c >= 2 (up to `max_context` and the devices left beside t) leaving at least MIN_CONTEXT_TOKENS per
+    device, each kind whose split divides the sequence (ring: 2c chunks). t x c beyond a node is allowed:
+    costed on the inter-node link and reported (`evaluate`'s soft rule)."""
+    out = [(1, "allgather")]
+    if seq_len is None:
+        return out
+    n = cluster.n_devices
+    c = 2
+    while c <= max_context and t * c <= n and seq_len // c >= MIN_CONTEXT_TOKENS:
+        for kind in CONTEXT_KINDS:
+            if seq_len % (2 * c if kind == "ring" else c) == 0:
+                out.append((c, kind))
+        c *= 2
+    return out
+
+
+def candidates(
+    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int | None = None, max_context: int = MAX_CONTEXT
+):
+    """Layouts that use every device, keep TP inside a node and divide heads, layers, experts, batch.
+    With `seq_len`, context-parallel layouts too (`context_degrees`); without it, c = 1 only."""
     n, gpn, L = cluster.n_devices, cluster.gpus_per_node, model.n_layers
     # Any pipe degree that divides the devices works: layers that do not divide split unevenly.
     tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
@@ -151,22 +205,29 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch: int):
     experts = _divisors(model.n_experts) if model.is_moe else [1]
     for t in tensors:
         for e in experts:
-            if n % (t * e):
-                continue
-            for p in (k for k in _divisors(n // (t * e)) if k <= L):
-                d = n // (t * e * p)
-                per_rank, rem = divmod(global_batch, d * e)
-                if rem:
-                    continue
-                for b in (k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH):
-                    m = per_rank // b
-                    vs = [1] + [v for v in (2, 4, 8) if p > 1 and L % (p * v) == 0 and m % p == 0]
-                    for v in vs:
-                        for zero in range(4) if d * e > 1 else (0,):
-                            for remat in SEARCHED_REMATS:
-                                for sp in (False, True) if t > 1 else (False,):
-                                    yield Layout(t, p, d, e, v, m, b, zero, remat, sp,
-                                               "interleaved" if v > 1 else "1f1b")  # fmt: skip
+            for c, kind in context_degrees(cluster, t, seq_len, max_context):
+                yield from _layouts(model, n, L, global_batch, t, e, c, kind)
+
+
+def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: int, c: int, kind: str):
+    """The layouts of `candidates` with tensor t, expert e and context c (kind)."""
+    if n % (t * e * c):
+        return
+    for p in (k for k in _divisors(n // (t * e * c)) if k <= L):
+        d = n // (t * e * c * p)
+        per_rank, rem = divmod(global_batch, d * e)
+        if rem:
+            continue
+        for b in (k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH):
+            m = per_rank // b
+            vs = [1] + [v for v in (2, 4, 8) if p > 1 and L % (p * v) == 0 and m % p == 0]
+            for v in vs:
+                for zero in range(4) if d * e * c > 1 else (0,):
+                    for remat in SEARCHED_REMATS:
+                        for sp in (False, True) if t > 1 else (False,):
+                            yield Layout(t, p, d, e, v, m, b, zero, remat, sp,
+                                       "interleaved" if v > 1 else "1f1b", context=c,
+                                       context_kind=kind)  # fmt: skip
 
 
 def search(
@@ -177,12 +238,14 @@ def search(
     *,
     top: int = 5,
     name: str = "model",
+    max_context: int = MAX_CONTEXT,
     **kw,
 ) -> list[Result]:
     """The `top` fastest layouts that fit in memory, best first (kw: `evaluate`'s framework, dropout,
-    calibration). Raises ConfigError when none fits."""
+    calibration). Context parallelism up to `max_context` (1: none) where the sequence is long enough
+    (`context_degrees`). Raises ConfigError when none fits."""
     fitting, smallest, n_seen = [], None, 0
-    for layout in candidates(model, cluster, global_batch):
+    for layout in candidates(model, cluster, global_batch, seq_len, max_context):
         n_seen += 1
         r = evaluate(model, layout, cluster, global_batch, seq_len, **kw)
         if r.hard and layout.schedule == "1f1b" and layout.pipe > 1 and kw.get("framework", "meshrun") == "meshrun":
@@ -202,7 +265,7 @@ def search(
             f"(e.g. {cluster.n_devices})",
             "no layout divides the global batch",
         )
-    if not fitting and (offloaded := _offload_proposals(model, cluster, global_batch, seq_len, top, kw)):
+    if not fitting and (offloaded := _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, kw)):
         return offloaded
     if not fitting:
         p = smallest.layout
@@ -210,7 +273,7 @@ def search(
             "--model",
             name,
             f"it needs at least {smallest.memory['total'] / GB:.1f} GB per device (tensor={p.tensor} pipe={p.pipe} "
-            f"data={p.data} zero={p.zero} remat={p.remat}) but {cluster.gpu.name} offers "
+            f"data={p.data}{_context_text(p)} zero={p.zero} remat={p.remat}) but {cluster.gpu.name} offers "
             f"{cluster.usable_memory / GB:.1f} GB usable; use more GPUs or GPUs with more memory",
             f"fits on no layout of {cluster}",
         )
@@ -218,11 +281,15 @@ def search(
     return fitting[:top]
 
 
-def _offload_proposals(model, cluster, global_batch, seq_len, top, kw) -> list[Result]:
+def _context_text(lay: Layout) -> str:
+    return f" context={lay.context} ({lay.context_kind})" if lay.context > 1 else ""
+
+
+def _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, kw) -> list[Result]:
     """Nothing fits in device memory: layouts that fit with host offload (planner/offload.py)."""
     rs = (evaluate(model, lay, cluster, global_batch, seq_len, **kw)
-          for lay in candidates(model, cluster, global_batch))  # fmt: skip
-    rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch)]
+          for lay in candidates(model, cluster, global_batch, seq_len, max_context))  # fmt: skip
+    rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch, seq_len)]
     return offload.propose(rs, model, cluster, seq_len, top)
 
 

@@ -14,7 +14,13 @@ import functools
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.pipeline import schedules
-from meshrun.planner.activations import autodiff_bytes, meshrun_layer_bytes, saved_name_bytes
+from meshrun.planner.activations import (
+    autodiff_bytes,
+    context_kv_bytes,
+    context_working_bytes,
+    meshrun_layer_bytes,
+    saved_name_bytes,
+)
 from meshrun.planner.layout import Layout, precision_of, zero_divisors
 
 
@@ -75,7 +81,9 @@ def predict_memory_jax(
     Memory levers: remat_every=k keeps every k-th input and rebuilds k layers at once; remat=offload
     keeps the unit input on the device and the selective names in host memory; offload_optimizer
     moves Adam m, v (and fp32 master weights under a lower compute dtype) to host. `device` / `host`
-    split the total (as on a GPU: XLA:CPU elides in-step transfers)."""
+    split the total (as on a GPU: XLA:CPU elides in-step transfers). Context parallelism (layout.context
+    = c): activations and logits of the local s/c tokens (`activations.layer_activation_bytes`), ZeRO
+    shards over data x expert x context."""
     frac = (model.n_layers / layout.pipe if layers is None else layers) / model.n_layers
     s = seq_len or model.max_seq_len
     st = _state_bytes(model, layout, frac)
@@ -113,7 +121,8 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     t = lay.tensor
     dense = (counts["layers"] - norms) * frac / t + norms * frac + (counts["embedding"] + counts["head"]) / t + h
     experts = counts["experts"] * frac / (t * lay.expert)
-    shard, eshard = zero_divisors(lay.zero, lay.data * lay.expert), zero_divisors(lay.zero, lay.data)
+    shard = zero_divisors(lay.zero, lay.data * lay.expert * lay.context)
+    eshard = zero_divisors(lay.zero, lay.data * lay.context)
     params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
@@ -138,20 +147,24 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     v = lay.virtual if lay.schedule == "interleaved" else 1
     flash = model.attention_impl == "cudnn"
     moe_frac = model.n_moe_layers / model.n_layers
-    kw = dict(sp=sp, act=ab, flash=flash)
+    c, kind = lay.context, lay.context_kind
+    cp = dict(context=c, kind=kind)
+    kw = dict(sp=sp, act=ab, flash=flash, **cp)
     res = lambda mode: (
         (1 - moe_frac) * meshrun_layer_bytes(model, b, s, t, remat=mode, **kw)
         + (moe_frac * meshrun_layer_bytes(model, b, s, t, remat=mode, moe=True, **kw) if model.n_moe_layers else 0.0)
     )
     per_layer = res("selective" if remat == "selective" else "none")
-    working, host_acts = 0.0, 0.0
-    layer_in = ab * s * b * h / (t if sp else 1)
+    working = context_working_bytes(model, b, s, t, c, kind, remat=remat, act=ab, flash=flash)
+    host_acts = 0.0
+    sl = s / c if c > 1 else s  # the local tokens of each sequence
+    layer_in = ab * sl * b * h / (t if sp else 1)
     if remat == "full":  # keep each unit's input; the backward rebuilds one unit (a group of k) at a time
         k = model.remat_every
-        rebuilt = autodiff_bytes(model, b, s, t, act=ab, flash=flash, moe=model.n_moe_layers > 0)
-        per_layer, working = layer_in / k, k * rebuilt
+        rebuilt = autodiff_bytes(model, b, s, t, act=ab, flash=flash, moe=model.n_moe_layers > 0, **cp)
+        per_layer, working = layer_in / k, k * rebuilt + working
     elif remat == "offload":  # the unit input stays; the selective names go to host memory
-        per_layer, host_acts = layer_in, saved_name_bytes(model, b, s, t, act=ab)
+        per_layer, host_acts = layer_in, saved_name_bytes(model, b, sl, t, act=ab)
     stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
@@ -166,14 +179,17 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     else:
         acts = stage_layers * per_layer + working
         host_acts *= stage_layers
-    if not flash and remat == "none" and model.is_moe:  # the causal mask, a residual of the unnamed MoE unit
-        acts += model.moe_every * b * model.n_heads * s * s / t * (ab + 1)
+    if not flash and remat == "none" and model.is_moe and not (c > 1 and kind == "ring"):
+        # the causal mask, a residual of the unnamed MoE unit: (s/c) x s under context parallelism
+        acts += model.moe_every * b * model.n_heads * sl * s / t * (ab + 1)
     return acts, host_acts
 
 
 def _logits_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
-    """A micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel."""
+    """A micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel, of
+    the local s/c tokens."""
     ab = precision_of(model).act
+    s = s / lay.context if lay.context > 1 else s
     return s * lay.micro_batch_size * model.vocab / lay.tensor * (ab + 4 + 4 + 1)
 
 
@@ -206,13 +222,21 @@ def predict_collective_bytes(
     all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
     reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
     loop and reduce-scatters. With a narrower `grad_reduce_bytes` the DP reductions carry that many
-    bytes per element, and the embedding/head gradients are first summed over 'pipe' in float32."""
+    bytes per element, and the embedding/head gradients are first summed over 'pipe' in float32.
+    Context (c > 1; not yet checked against compiled HLO): activations of the local s/c tokens; per
+    forward of a layer the all-gather kind all-gathers K and V (result: the gathered K/V,
+    `activations.context_kv_bytes`) and per backward reduce-scatters dK, dV (result: the local 1/c) and
+    all-gathers K, V again when the layer is recomputed (remat full or selective); the ring moves c - 1
+    K/V blocks per forward (and per recompute) and c - 1 K/V plus c - 1 dK/dV blocks per backward by
+    collective-permute. The DP reductions run over data x expert x context."""
     prec = precision_of(model)
     s = seq_len or model.max_seq_len
-    act = prec.act * layout.micro_batch_size * s * model.d_model
+    c = layout.context
+    act = prec.act * layout.micro_batch_size * (s / c if c > 1 else s) * model.d_model
     f_ticks, b_ticks, permutes = _pass_ticks(layout, permutes)
     tally = _Tally()
     _model_parallel(tally, model, layout, act, f_ticks, b_ticks)
+    _context_parallel(tally, model, layout, s, f_ticks, b_ticks)
     _gradient_sync(tally, model, layout, act, permutes, grad_reduce_bytes)
     return {"bytes": tally.out, "count": tally.count}
 
@@ -267,10 +291,29 @@ def _model_parallel(tally: _Tally, model: ModelConfig, lay: Layout, act: float, 
             tally.add("all-to-all", ("expert",), 4.0 * model.n_experts, f_ticks * moe_layers)
 
 
+def _context_parallel(tally: _Tally, model: ModelConfig, lay: Layout, s: int, f_ticks, b_ticks) -> None:
+    """The K/V exchange of every layer over 'context' (see `predict_collective_bytes`)."""
+    c = lay.context
+    if c <= 1:
+        return
+    p = lay.pipe
+    v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
+    layers = model.n_layers / (p * v)
+    gathered = context_kv_bytes(model, lay.micro_batch_size, s, lay.tensor, c, act=precision_of(model).act)
+    redo = lay.remat in ("full", "selective", "offload")
+    if lay.context_kind == "ring":
+        block = gathered / c
+        sends = (c - 1) * layers * (f_ticks * (1 + redo) + 2 * b_ticks)
+        tally.add("collective-permute", ("context",), block, sends)
+    else:
+        tally.add("all-gather", ("context",), gathered, layers * (f_ticks + redo * b_ticks))
+        tally.add("reduce-scatter", ("context",), gathered / c, layers * b_ticks)
+
+
 def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, permutes, grad_reduce_bytes) -> None:
     """Pipe: activation permutes and the embedding/head gradient all-reduce; DP: the once-per-step
     gradient reduction (ZeRO-0 all-reduce, else reduce-scatter + all-gather of the params)."""
-    t, p, e, data, h = lay.tensor, lay.pipe, lay.expert, lay.data, model.d_model
+    t, p, e, data, h, c = lay.tensor, lay.pipe, lay.expert, lay.data, model.d_model, lay.context
     counts = param_counts(model)
     pb = precision_of(model).grad
     norms = 2 * h * model.n_layers
@@ -278,7 +321,7 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
     edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
     expert_g = pb * counts["experts"] / p / (t * e)
     rb = pb if grad_reduce_bytes is None else grad_reduce_bytes
-    dense_axes = tuple(a for a, k in (("data", data), ("expert", e)) if k > 1)
+    dense_axes = tuple(a for a, k in (("data", data), ("expert", e), ("context", c)) if k > 1)
     if p > 1:
         ops, moved = permutes
         tally.add("collective-permute", ("pipe",), act * moved / ops, ops)
@@ -287,9 +330,9 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
             edge_g = 0.0
         else:  # summed over pipe in float32, then reduced over DP with the other gradients
             tally.add("all-reduce", ("pipe",), edge_g)
-    groups = [(layer_g + edge_g, dense_axes, data * e)]
+    groups = [(layer_g + edge_g, dense_axes, data * e * c)]
     if expert_g:
-        groups.append((expert_g, ("data",) if data > 1 else (), data))
+        groups.append((expert_g, tuple(a for a, k in (("data", data), ("context", c)) if k > 1), data * c))
     for nbytes, axes, dp in groups:
         if not axes:
             continue

@@ -10,6 +10,11 @@ Frameworks (`--framework`): the same model trained two ways.
   pipeline flush; ZeRO-1 is the distributed optimizer (reduce-scatter + all-gather once per step);
   ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch; ZeRO-3 gathers weights forward and
   backward); pipeline sends split over the TP ranks (scatter/gather optimisation, b s h / t).
+
+Context parallelism (layout.context = c, both frameworks): every per-token kernel runs on the local
+s/c tokens; attention adds the K/V exchange of each layer (`context_seconds`) over the context group
+(c ranks t apart: NVLink while t c fits in a node, the node's NICs once it leaves it); gradients
+reduce over data x expert x context.
 """
 
 from __future__ import annotations
@@ -64,14 +69,19 @@ def stage_seconds(
     sp: bool = False,
     dropout: bool = False,
     expert: int = 1,
+    context: int = 1,
+    kind: str = "allgather",
 ) -> tuple[float, float, float]:
     """(one layer, embedding, head + cross-entropy): seconds per micro-batch of b sequences on one
-    device, forward + backward, TP all-reduces included when `cluster` is given."""
+    device, forward + backward, TP all-reduces included when `cluster` is given (context parallelism:
+    the local s/c tokens; its K/V exchange is `context_seconds`)."""
     cal = cal or CALIBRATION
     act = precision_of(model).act
     kw = dict(sp=sp, dropout=dropout, act=act, flash=model.attention_impl == "cudnn", expert=expert)
+    if context > 1:
+        kw |= dict(context=context, kind=kind)
     layer = layer_compute_seconds(model, b, s, t, gpu, remat, cal, **kw)
-    tok = b * s
+    tok = b * (s / context if context > 1 else s)
     first = kernels.embed_seconds(model, tok, t, gpu, cal, act)
     last = kernels.head_seconds(model, tok, t, gpu, cal, act)
     if cluster is not None and t > 1:
@@ -80,6 +90,43 @@ def stage_seconds(
         first += ar  # vocab-parallel embedding output
         last += ar  # the head's input gradient
     return layer, first, last
+
+
+def context_seconds(
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, act: float, dropout: bool = False
+) -> float:
+    """Exposed seconds of one layer's K/V exchange over 'context', per micro-batch (0 when c = 1).
+    K/V of the whole sequence on one device: G = 2 s b kv_heads head_dim / t x bytes (`context_kv_bytes`).
+    * allgather: forward all-gather of K and V ((c-1)/c G received per device), backward reduce-scatter
+      of dK, dV (same bytes), and one more all-gather when the layer's attention is recomputed (remat
+      full or selective); not overlapped (Llama 3: small next to the attention with GQA).
+    * ring: c - 1 steps per pass, each sending a K/V block of s/c tokens (G/c; the backward also the dK/dV
+      block, 2 G/c) to the next rank while the current block is scored; a step lasts max(block compute,
+      block transfer), so only the transfer's excess over the block's attention compute is exposed,
+      plus OVERLAP_COST of the hidden part (NCCL takes SMs from the kernels it runs beside).
+    Bandwidth: the c ranks are t apart (tensor innermost, then context): NVLink while t c fits in a
+    node, else the inter-node link (`Cluster.allreduce_seconds` / `group_bw`)."""
+    from meshrun.planner.activations import context_kv_bytes
+
+    c, t, b = layout.context, layout.tensor, layout.micro_batch_size
+    if c <= 1:
+        return 0.0
+    gathered = context_kv_bytes(model, b, s, t, c, act=act)
+    redo = layout.remat in ("full", "selective", "offload")
+    if layout.context_kind != "ring":
+        ag = cluster.allreduce_seconds(gathered, c, t, half=True)  # (c-1)/c G at the group's bandwidth
+        return (2 + redo) * ag
+    flash = model.attention_impl == "cudnn"
+    f, bwd = kernels.attention_core_seconds(
+        model, b, s, t, cluster.gpu, cal, flash=flash, dropout=dropout, act=act, context=c, kind="ring"
+    )
+    bw = cluster.group_bw(t * c)
+
+    def steps(nbytes: float, block_compute: float) -> float:
+        xfer = COMM_LATENCY_S + nbytes / bw
+        return (c - 1) * (max(xfer, block_compute) - block_compute + OVERLAP_COST * min(xfer, block_compute))
+
+    return (1 + redo) * steps(gathered / c, f / c) + steps(2 * gathered / c, bwd / c)
 
 
 def layers_per_stage(n_layers: int, p: int, v: int, costs: tuple[float, float, float]) -> tuple[int, ...]:
@@ -104,16 +151,17 @@ def _stage_times(split: tuple[int, ...], costs: tuple[float, float, float]) -> l
 
 def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision, framework: str) -> tuple:
     """(seconds per micro-batch, seconds once per step) of data-parallel / ZeRO traffic of one device
-    of the first stage (the one holding the embedding). Dense params reduce over data x expert ranks
-    (TP inner: stride t), expert params over data ranks."""
+    of the first stage (the one holding the embedding). Dense params reduce over data x expert x
+    context ranks (TP inner: stride t), expert params over data x context ranks (stride t e without
+    context; with it the context ranks, t apart, are the inner part of the group)."""
     from meshrun.analysis.flops import param_counts
 
-    t, d, e, p, zero = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero
+    t, d, e, p, zero, c = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero, layout.context
     counts = param_counts(model)
     dense = (counts["layers"] / p + counts["embedding"]) / t
     experts = counts["experts"] / p / (t * e)
     per_mb = per_step = 0.0
-    for n, dp, stride in ((dense, d * e, t), (experts, d, t * e)):
+    for n, dp, stride in ((dense, d * e * c, t), (experts, d * c, t if c > 1 else t * e)):
         if dp <= 1 or n <= 0:
             continue
         grads, params = n * prec.grad, n * prec.param
@@ -138,7 +186,7 @@ def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Preci
     n = (counts["layers"] + counts["experts"] / layout.expert) / layout.pipe / layout.tensor
     n += counts["embedding"] / layout.tensor
     if layout.zero >= 1:
-        n /= layout.data * layout.expert
+        n /= layout.data * layout.expert * layout.context
     return n * (2 * prec.param + prec.grad + 2 * prec.opt) / gpu.hbm_bw
 
 
@@ -153,32 +201,39 @@ def predict_time(
     framework: str = "meshrun",
     dropout: float = 0.0,
 ) -> dict[str, float]:
-    """Seconds per step by part: compute (slowest stage), tensor/pipe/expert comm, exposed ZeRO and DP
-    gradient sync, pipeline bubble, optimizer update, plus the layer split."""
+    """Seconds per step by part: compute (slowest stage), tensor/context/pipe/expert comm, exposed ZeRO
+    and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or CALIBRATION
     prec = precision or precision_of(model, framework)
     t, p, v, m, b = layout.tensor, layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size
+    c = layout.context
     s, gpu = seq_len, cluster.gpu
     kw = dict(sp=layout.sequence_parallel and t > 1, dropout=dropout > 0, expert=layout.expert)
+    if c > 1:
+        kw |= dict(context=c, kind=layout.context_kind)
     compute = stage_seconds(model, b, s, t, gpu, layout.remat, cal, **kw)
     full = stage_seconds(model, b, s, t, gpu, layout.remat, cal, cluster=cluster, **kw)
-    split = layers_per_stage(model.n_layers, p, v, full)
-    times, busy = _stage_times(split, full), _stage_times(split, compute)
+    cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout > 0)
+    with_cp = (full[0] + cp_layer, *full[1:])
+    split = layers_per_stage(model.n_layers, p, v, with_cp)
+    times, busy = _stage_times(split, with_cp), _stage_times(split, compute)
     slow = max(range(p), key=times.__getitem__)
-    t_mb, t_tp = busy[slow], times[slow] - busy[slow]
-    act = prec.act * b * s * model.d_model
+    t_cp = split[slow] * cp_layer
+    t_mb, t_tp = busy[slow], times[slow] - busy[slow] - t_cp
+    act = prec.act * b * (s / c if c > 1 else s) * model.d_model
     t_pp = _pipe_seconds(layout, cluster, act, framework)
     t_ep = _expert_seconds(model, layout, cluster, act, split[slow])
     zero_mb, t_dp = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
     t_zero = zero_mb - hidden + OVERLAP_COST * hidden
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
-    per_mb = t_mb + t_tp + t_pp + t_ep + t_zero
+    per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
     total = (m + bubble_slots) * per_mb + t_dp + t_opt
     return {
         "compute": m * t_mb,
         "tensor_comm": m * t_tp,
+        "context_comm": m * t_cp,
         "pipe_comm": m * t_pp,
         "expert_comm": m * t_ep,
         "zero_comm": m * t_zero,
@@ -199,7 +254,7 @@ def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) 
     if p == 1:
         return 0.0
     sent = act / t if framework == "megatron" else act
-    return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data))
+    return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
 
 
 def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float) -> float:
@@ -210,7 +265,7 @@ def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: f
     if not (n_moe and e > 1):
         return 0.0
     a2a = act * moe_routed(model, e) / (t if layout.sequence_parallel and t > 1 else 1)
-    one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t)
+    one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
     return n_moe * (4 + 2 * (layout.remat == "full")) * one
 
 

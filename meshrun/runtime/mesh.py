@@ -1,8 +1,9 @@
-"""Host-aware mesh builder over the axes `data`, `pipe`, `expert`, `tensor`.
+"""Host-aware mesh builder over the axes `data`, `pipe`, `expert`, `context`, `tensor`.
 
 Devices are laid out host-major and the mesh is filled outer -> inner in `MeshConfig.order`
-(default `pipe, data, expert, tensor`, Megatron's tp-ep-dp-pp): the innermost axis varies fastest,
-so `tensor` groups are neighbouring devices of one host (NVLink), `pipe`/`data` cross hosts.
+(default `pipe, data, expert, context, tensor`, Megatron's tp-cp-ep-dp-pp): the innermost axis
+varies fastest, so `tensor` groups are neighbouring devices of one host (NVLink), `context` groups
+the next ones (inside a host while tensor x context fits), `pipe`/`data` cross hosts.
 Racks (`MeshConfig.racks` hosts each) are runs of consecutive hosts, so the device list is
 rack-major too: the outermost axis (`pipe` by default) is the one that crosses racks.
 """
@@ -159,10 +160,13 @@ def axis_groups(mesh: Mesh, axis: str) -> list[list[int]]:
 
 
 def check_placement(mesh: Mesh, cfg: MeshConfig) -> list[str]:
-    """Topology rules: a tensor group across hosts is an error unless allowed; expert across hosts warns."""
+    """Topology rules: a tensor group across hosts is an error unless allowed; expert or context
+    across hosts warns."""
     hosts = host_of(mesh)
     out = []
-    for axis in ("tensor", "expert"):
+    for axis in ("tensor", "context", "expert"):
+        if axis not in mesh.shape:
+            continue
         spans = max(len({hosts[i] for i in g}) for g in axis_groups(mesh, axis))
         if spans <= 1:
             continue
@@ -176,11 +180,12 @@ def check_placement(mesh: Mesh, cfg: MeshConfig) -> list[str]:
                 "mesh.allow_cross_host_tensor=true to accept it",
                 f"a tensor-parallel group spans {spans} hosts",
             )
-        why = (
-            "TP all-reduces run over the inter-node network, ~10x slower than NVLink"
-            if axis == "tensor"
-            else "expert all-to-all runs over the inter-node network"
-        )
+        why = {
+            "tensor": "TP all-reduces run over the inter-node network, ~10x slower than NVLink",
+            "context": "every layer's K/V exchange runs over the inter-node network (keep mesh.tensor x "
+            "mesh.context within a host where possible)",
+            "expert": "expert all-to-all runs over the inter-node network",
+        }[axis]
         out.append(f"mesh.{axis}={size}: a {axis} group spans {spans} hosts; {why}")
     return out + _rack_warnings(mesh)
 
@@ -233,12 +238,12 @@ def describe(mesh: Mesh) -> str:
     multi = d["racks"] > 1  # the rack column only where there is more than one rack
     in_racks = f" in {d['racks']} racks" if multi else ""
     lines = [f"mesh {shape}  ({d['hosts']} host(s){in_racks}, {len(hosts)} devices)"]
-    lines.append("  " + "  ".join(f"{a:>6}" for a in d["axes"]) + ("    rack" if multi else "") + "    host  device")
+    lines.append("  " + "  ".join(f"{a:>7}" for a in d["axes"]) + ("    rack" if multi else "") + "    host  device")
     ids = np.array(d["device_ids"])
     for coord in np.ndindex(ids.shape):
         dev = int(ids[coord])
         rack = f"    {racks[str(dev)]:>4}" if multi else ""
-        lines.append("  " + "  ".join(f"{c:>6}" for c in coord) + f"{rack}    {hosts[str(dev)]:>4}  {dev:>6}")
+        lines.append("  " + "  ".join(f"{c:>7}" for c in coord) + f"{rack}    {hosts[str(dev)]:>4}  {dev:>6}")
     for ax in d["axes"]:
         lines.append(f"{ax} groups: " + " ".join("[" + ",".join(map(str, g)) + "]" for g in d["groups"][ax]))
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
-from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.executor import Pipeline
 from meshrun.pipeline.forward import forward_sums
@@ -35,7 +35,7 @@ from meshrun.train.step import TrainStep
 def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Callable:
     """(params, tokens, labels[, segment_ids]) -> (loss_sum, n_tokens), global sums, forward only."""
     mesh, m = zl.mesh, microbatches
-    live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
+    live = tuple(a for a in MANUAL if mesh.shape.get(a, 1) > 1)
     psum = lambda x: jax.lax.psum(x, live) if live else x
 
     def body(params, *batch):
@@ -55,7 +55,7 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Call
         fn = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(zl.local_compute(), *(P(DP_AXES),) * len(batch)),
+            in_specs=(zl.local_compute(), *(BATCH_SPEC,) * len(batch)),
             out_specs=(P(), P()),
             axis_names=set(MANUAL),
             check_vma=False,
@@ -71,12 +71,14 @@ def make_eval_step(train_step: TrainStep, mesh) -> Callable:
     plan = train_step.plan
     cfg, fns = plan.cfg, plan.model_fns
     if plan.pipe > 1:  # the layers as the train step stores them: padded pipeline placement, the same split
-        pl = Pipeline(fns, cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline", program=plan.program)
+        pl = Pipeline(fns, cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline", program=plan.program,
+                      skip_idle=plan.skip_idle)  # fmt: skip
         sums = lambda params, *batch: forward_sums(pl, params, *batch)
     else:
         sums = forward_sums_fn(fns, plan.zero, cfg.pipeline.microbatches)
     n_batch = 3 if cfg.data.pack_documents else 2
-    return jax.jit(sums, in_shardings=(train_step.state_shardings.params, *(train_step.batch_sharding,) * n_batch))
+    laid = lambda params, *batch: sums(params, *plan.lay_out(batch))  # the context axis's token layout
+    return jax.jit(laid, in_shardings=(train_step.state_shardings.params, *(train_step.batch_sharding,) * n_batch))
 
 
 def evaluate(eval_step: Callable, params, val_ds, n_batches: int, mesh) -> dict[str, float]:

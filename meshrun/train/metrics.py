@@ -215,6 +215,9 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
         lines.append(f"layers    per stage {list(plan.split.counts)} (pipeline.balance={pc.balance})")
     elif pc.microbatches > 1:
         lines.append(f"accum     {pc.microbatches} microbatches per step (no pipeline)")
+    if plan.context > 1:
+        how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
+        lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
     try:
         mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer)
         host = f", host {_gib(mem['host'])}" if mem.get("host") else ""

@@ -21,9 +21,10 @@ from meshrun.config import AXES, ModelConfig, RunConfig
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
+from meshrun.parallel import context
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline import schedules
-from meshrun.pipeline.program import TickProgram, tick_program
+from meshrun.pipeline.program import TickProgram, executor_of, tick_program
 from meshrun.pipeline.split import LayerSplit, layer_split
 from meshrun.planner.balance import stage_costs
 from meshrun.planner.cost import Layout, layout_of
@@ -51,6 +52,24 @@ class StepPlan:
     @property
     def pipe(self) -> int:
         return self.mesh_shape["pipe"]
+
+    @property
+    def context(self) -> int:
+        return self.mesh_shape.get("context", 1)
+
+    def lay_out(self, batch: tuple) -> tuple:
+        """The step's [B, L] inputs in the layout the `context` axis splits (the ring kind's zigzag
+        chunks; anything else: unchanged), before they enter the shard_map."""
+        return context.lay_out(batch, self.context, self.cfg.model.context_parallel == "ring")
+
+    @property
+    def skip_idle(self) -> bool:
+        """Whether the pipeline's idle cells skip their compute under a `lax.cond`. Not with the ring
+        kind: its collective-permutes over 'context' inside that conditional gave wrong values on
+        XLA:CPU (jax 0.10.2; a permute's pairs span every device, the all-reduces and all-gathers
+        there have per-group replica groups), so idle cells compute on fill values instead (the
+        residuals go to the trash slot, nothing is added): the same numbers, work in the bubble."""
+        return not (self.context > 1 and self.cfg.model.context_parallel == "ring")
 
     @property
     def relaid(self) -> bool:
@@ -94,6 +113,8 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         stage_bubbles = tuple(schedules.stage_bubbles(schedules.build(pc.schedule, shape["pipe"], pc.microbatches,
                                                                       pc.virtual)))  # fmt: skip
     check_remat_every(cfg, split)
+    if shape["context"] > 1 and cfg.model.context_parallel == "ring":
+        check_ring_pipeline(cfg, split)
     if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
         field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
         check_host_memory(mesh.devices.flat[0], field)
@@ -130,6 +151,52 @@ def validate(cfg: RunConfig, mesh) -> None:
     family = registry.get(cfg.model.family)
     family.check_config(cfg.model)
     family.check_mesh(cfg.model, dict(mesh.shape))
+    check_context(cfg, int(mesh.shape.get("context", 1)), family, int(mesh.shape.get("pipe", 1)))
+
+
+def check_context(cfg: RunConfig, c: int, family: Family, pipe: int = 1) -> None:
+    """Context parallelism: a family that attends across the axis, and sequences that split evenly
+    (the ring kind's zigzag layout cuts each sequence into 2c chunks)."""
+    if c == 1:
+        return
+    if not family.model_fns(cfg.model).context:
+        raise ConfigError(
+            "mesh.context", c, f"use mesh.context=1: the {cfg.model.family} family has no context-parallel attention",
+            "the model cannot split a sequence",
+        )  # fmt: skip
+    kind = cfg.model.context_parallel
+    if kind == "ring" and pipe > 1:
+        check_ring_pipeline(cfg)
+    div = 2 * c if kind == "ring" else c
+    for field, n in (("train.seq_len", cfg.train.seq_len),):
+        if n % div:
+            how = f"2 x mesh.context = {div}" if kind == "ring" else f"mesh.context = {c}"
+            raise ConfigError(
+                field, n, f"use a multiple of {how} (model.context_parallel={kind}), or another mesh.context",
+                "the sequence does not split evenly over the context axis",
+            )  # fmt: skip
+
+
+def check_ring_pipeline(cfg: RunConfig, split: LayerSplit | None = None) -> None:
+    """The ring kind in a pipeline runs on the lockstep executor over an even layer split: its
+    collective-permutes cannot sit inside a per-stage conditional (the per-op executor's op switch,
+    the skipped padding of an uneven split), where XLA:CPU gave wrong values (`StepPlan.skip_idle`)."""
+    pc = cfg.pipeline
+    if executor_of(pc) == "per_op":
+        field, value = (
+            ("pipeline.schedule", pc.schedule) if pc.schedule == "zb-h1" else ("pipeline.executor", pc.executor)
+        )
+        raise ConfigError(
+            field, value, "use model.context_parallel=allgather, or 1f1b/gpipe/interleaved on the lockstep executor",
+            "the ring kind cannot run on the per-op executor",
+        )  # fmt: skip
+    if split is not None and not split.even:
+        field = "pipeline.layers_per_stage" if pc.layers_per_stage else "pipeline.balance"
+        value = list(pc.layers_per_stage) if pc.layers_per_stage else pc.balance
+        raise ConfigError(
+            field, value, f"use a layer count per stage that divides evenly (now {list(split.counts)}), or "
+            "model.context_parallel=allgather", "the ring kind needs the same layer count on every stage",
+        )  # fmt: skip
 
 
 def check_remat_every(cfg: RunConfig, split: LayerSplit | None) -> None:

@@ -28,7 +28,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
-from meshrun.parallel.sharding import DP_AXES, MANUAL, compute_rules, is_spec, use_rules
+from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline.executor import Pipeline
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
@@ -115,7 +115,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
     """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
     reduction after the loop. Returns (loss, grads in the ZeRO grad sharding, metrics)."""
     mesh, m = zl.mesh, microbatches
-    live = tuple(a for a in MANUAL if mesh.shape[a] > 1)
+    live = tuple(a for a in MANUAL if mesh.shape.get(a, 1) > 1)
     psum = lambda x: jax.lax.psum(x, live) if live else x
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
     batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
@@ -144,7 +144,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             loss, metrics = contract.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
             return loss, zl.reduce_local(gsum), metrics
 
-    batch_spec = P(DP_AXES)
+    batch_spec = BATCH_SPEC  # rows over the DP axes, tokens over 'context'
     fn = jax.shard_map(
         body,
         mesh=mesh,
@@ -174,6 +174,7 @@ def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
     step: the pipeline executor when mesh.pipe > 1 (params in pipeline placement), else the microbatch scan."""
     if plan.pipe > 1:
         pl = Pipeline(plan.model_fns, plan.cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline",
+                      skip_idle=plan.skip_idle,
                       program=plan.program)  # fmt: skip
         return pl.loss_and_grads
     return functools.partial(accumulate_grads, plan.model_fns, plan.zero, plan.cfg.pipeline.microbatches)
@@ -223,7 +224,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
 
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
-        loss, grads, aux = loss_and_grads(state.params, *batch)
+        loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
         if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
