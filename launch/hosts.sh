@@ -8,8 +8,10 @@
 # HOSTFILE: one host per line (`user@host` works; text after the host, e.g. `slots=8`, and lines
 # starting with # are ignored). Every host needs the same checkout at REMOTE_DIR (a shared file
 # system, or the same path everywhere) with its .venv, and passwordless ssh from here.
-# Per-host logs: LOG_DIR/host<i>.log. When one host fails, the others are stopped (their remote
-# pid is in the first log line) and the exit status is the failed host's.
+# Per-host logs: LOG_DIR/host<i>.log, each with its process's progress; host 0's start-up block and
+# progress also go to this console (stderr), and its JSON result is the last stdout line.
+# When one host fails, the others are stopped (their remote pid is in the first log line) and the
+# exit status is the failed host's.
 #
 # Environment:
 #   PORT           coordinator port on the first host (default 61234)
@@ -23,6 +25,7 @@
 #   WALL_LIMIT_S   stop everything after this many seconds (default 86400; exit 124)
 #   GRACE_S        seconds between SIGTERM and SIGKILL when stopping (default 30)
 #   MESHRUN_HEARTBEAT_S, MESHRUN_INIT_TIMEOUT_S   passed to every host when set
+#   QUIET=1        run with --quiet: no progress in the logs or here (warnings, errors and the JSON stay)
 #   DRY_RUN=1      print the commands instead of running them
 set -euo pipefail
 
@@ -61,7 +64,8 @@ remote_cmd() {  # the shell command run on host $1 (process id $1); $2... = trai
   local cmd="cd $(printf %q "$REMOTE_DIR") && "
   [ "$GPU_ENV" = 1 ] && cmd+="source launch/gpu_env.sh && "
   # `echo REMOTE_PID` first, then exec: the pid stays the training process, so stop_host can signal it.
-  cmd+="echo REMOTE_PID=\$\$ && exec env $env $(printf '%q ' "$PYTHON" -m meshrun.cli train --quiet "$CONFIG" "$@")"
+  local train=(train); [ "${QUIET:-0}" = 1 ] && train+=(--quiet)
+  cmd+="echo REMOTE_PID=\$\$ && exec env $env $(printf '%q ' "$PYTHON" -m meshrun.cli "${train[@]}" "$CONFIG" "$@")"
   printf '%s' "$cmd"
 }
 
@@ -101,6 +105,16 @@ stop_all() {
 }
 trap 'echo "hosts.sh: interrupted; stopping all hosts" >&2; stop_all; exit 130' INT TERM HUP
 
+SHOWN=0  # lines of host0.log already echoed: host 0's start-up block and progress go to the console
+show_host0() {
+  local n
+  [ -f "$LOG_DIR/host0.log" ] || return 0
+  n=$(wc -l <"$LOG_DIR/host0.log")
+  [ "$n" -gt "$SHOWN" ] || return 0
+  sed -n "$((SHOWN + 1)),${n}p" "$LOG_DIR/host0.log" | grep -v -e '^{' -e '^ *@ ' -e '^\[Gloo\] ' -e '^REMOTE_PID=' >&2 || true
+  SHOWN=$n
+}
+
 START=$SECONDS
 DONE=()
 FINISHED=0
@@ -108,11 +122,12 @@ while [ "$FINISHED" -lt "$N" ]; do
   for ((i = 0; i < N; i++)); do
     [ -n "${DONE[$i]:-}" ] && continue
     kill -0 "${PIDS[$i]}" 2>/dev/null && continue
-    rc=0; wait "${PIDS[$i]}" || rc=$?
+    rc=0; wait "${PIDS[$i]}" 2>/dev/null || rc=$?  # 2>/dev/null: no bash job-status line
     DONE[$i]=1; FINISHED=$((FINISHED + 1))
     if [ "$rc" != 0 ]; then
+      show_host0
       echo "hosts.sh: host $i (${HOSTS[$i]}) failed with status $rc; stopping the others" >&2
-      grep -v '^ *@ ' "$LOG_DIR/host$i.log" | tail -n 5 >&2 || true
+      grep -v -e '^ *@ ' -e '^REMOTE_PID=' "$LOG_DIR/host$i.log" | tail -n 5 >&2 || true
       stop_all
       exit "$rc"
     fi
@@ -122,6 +137,8 @@ while [ "$FINISHED" -lt "$N" ]; do
     stop_all
     exit 124
   fi
+  show_host0
   sleep 1
 done
+show_host0
 grep '^{' "$LOG_DIR/host0.log" | tail -n 1 || true

@@ -114,9 +114,10 @@ describe_status() {  # "status S" or "signal NAME" for an exit status
 SHOWN=0  # lines of rank0.log already echoed: rank 0's start-up block and progress go to the console
 show_rank0() {
   local n
-  n=$(wc -l <"$LOG_DIR/rank0.log" 2>/dev/null || echo 0)
+  [ -f "$LOG_DIR/rank0.log" ] || return 0
+  n=$(wc -l <"$LOG_DIR/rank0.log")
   [ "$n" -gt "$SHOWN" ] || return 0
-  sed -n "$((SHOWN + 1)),${n}p" "$LOG_DIR/rank0.log" | grep -v -e '^{' -e '^ *@ ' >&2 || true
+  sed -n "$((SHOWN + 1)),${n}p" "$LOG_DIR/rank0.log" | grep -v -e '^{' -e '^ *@ ' -e '^\[Gloo\] ' >&2 || true
   SHOWN=$n
 }
 

@@ -248,7 +248,7 @@ def test_hosts_dry_run(tmp_path):
     for i, line in enumerate(lines):
         assert f"MESHRUN_COORDINATOR=node1:7000 MESHRUN_NUM_PROCESSES=2 MESHRUN_PROCESS_ID={i} " in line
         assert "MESHRUN_HEARTBEAT_S=45" in line and "source launch/gpu_env.sh" in line
-        assert "-m meshrun.cli train --quiet configs/tiny_cpu.yaml train.steps=3" in line
+        assert "-m meshrun.cli train configs/tiny_cpu.yaml train.steps=3" in line
         assert line.endswith(f"> L/host{i}.log 2>&1")
 
 
@@ -258,7 +258,7 @@ def test_slurm_dry_run():
     xla, srun = r.stdout.strip().splitlines()
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in xla
     assert srun.startswith("srun --kill-on-bad-exit=1 ")
-    assert srun.endswith("-m meshrun.cli train --quiet configs/tiny_cpu.yaml train.steps=3")
+    assert srun.endswith("-m meshrun.cli train configs/tiny_cpu.yaml train.steps=3")
     text = (ROOT / "launch/slurm.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
 

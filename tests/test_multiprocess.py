@@ -211,7 +211,8 @@ def test_psum_across_two_processes(procs, tmp_path, via):
         assert "(2 host(s), 8 devices)" in out["text"]
     assert outs[0]["mesh"] == outs[1]["mesh"]
     d, proc = outs[0]["mesh"], outs[0]["process_of"]
-    assert d["shape"] == {"pipe": 2, "data": 2, "expert": 1, "tensor": 2} and d["hosts"] == 2
+    # the axes of size > 1 (size-1 axes, e.g. expert and context, may be listed too)
+    assert {a: n for a, n in d["shape"].items() if n != 1} == {"pipe": 2, "data": 2, "tensor": 2} and d["hosts"] == 2
     assert {k: v for k, v in d["host_of"].items()} == proc  # describe's host = the owning process
     assert sorted(proc.values()) == [0] * 4 + [1] * 4
     for g in d["groups"]["tensor"]:

@@ -88,7 +88,8 @@ def test_profile_cli_on_a_pipelined_run(tmp_path, capsys):
             "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic"]  # fmt: skip
     over.append(f"train.run_dir={tmp_path / 'run'}")
     assert main(["profile", str(ROOT / "configs/tiny_cpu.yaml"), *over, "--steps", "2", "--json"]) == 0
-    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    rep = json.loads(out.strip().splitlines()[-1])
     assert rep["steps"] == 2 and rep["mesh"]["pipe"] == 4
     assert [r["stage"] for r in rep["stages"]] == [0, 1, 2, 3]
     for r in rep["stages"]:
@@ -98,6 +99,17 @@ def test_profile_cli_on_a_pipelined_run(tmp_path, capsys):
     assert rep["stages"][0]["predicted_bubble"] == pytest.approx(3 / 7)  # 1F1B, p=4, m=4: (p-1)/(m+p-1)
     written = json.loads((tmp_path / "run" / "profile" / "profile.json").read_text())
     assert written == rep
+    # where the trace is and how to open it; the per-device timeline next to it (with matplotlib)
+    trace = next((tmp_path / "run" / "profile").rglob("perfetto_trace.json.gz"))
+    assert f"trace: {trace}" in err and "https://ui.perfetto.dev" in err
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no timeline picture: matplotlib is not installed" in err and rep["timeline_png"] is None
+    else:
+        png = tmp_path / "run" / "profile" / "timeline.png"
+        assert rep["timeline_png"] == str(png) and f"timeline: {png} (" in err
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -119,3 +131,74 @@ def test_train_profile_true_writes_the_report(tmp_path, capsys):
     assert rep["steps"] == 1 and [r["stage"] for r in rep["stages"]] == [0, 1]
     assert all(r["busy_s"] > 0 and r["collective_s"]["pipe"] > 0 for r in rep["stages"])
     assert "train.profile: mesh pipe=2" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the per-device timeline
+
+# Forward/backward from autodiff's op names; the per-op executor's tick switch decides F/B/W; a fusion
+# without op_name takes the phase of the computation it calls; the optimizer's add is "other".
+PHASE_HLO = """HloModule jit_step, is_scheduled=true
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %mul.9 = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(step)/transpose(jvp(layer))/mul"}
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %dot.1 = f32[4]{0} dot(%a, %a), metadata={op_name="jit(step)/jvp(layer)/dot_general"}
+  %fusion.2 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused, metadata={stack_frame_id=3}
+  %ppermute.3 = f32[4]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %dot.4 = f32[4]{0} dot(%a, %a), metadata={op_name="jit(step)/while/body/closed_call/cond/branch_3_fun/dot"}
+  ROOT %add.5 = f32[4]{0} add(%a, %a), metadata={op_name="jit(step)/add"}
+}
+"""
+
+
+def test_op_phases_from_op_names():
+    from meshrun.analysis.trace import op_phases
+
+    got = op_phases(PHASE_HLO)
+    # no W branch in the text (only branch_3 via dot.4 -> per-op executor detected: branch 3 is W)
+    assert got["dot.1"] == "forward" and got["fusion.2"] == "backward" and got["mul.9"] == "backward"
+    assert got["dot.4"] == "weight" and got["add.5"] == "other"
+    lockstep = PHASE_HLO.replace("cond/branch_3_fun/dot", "dot")  # no per-op switch: no W phase
+    assert op_phases(lockstep)["dot.4"] == "other"
+
+
+def test_device_intervals_split_one_step_by_phase():
+    from meshrun.analysis.trace import device_intervals
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("pipe",))
+    # device 0, run 7 (then run 8, ignored): forward [0,10], backward [10,20], permute [15,40] -> only
+    # [20,40] is collective time; weight [50,60]; other [60,65]; idle [40,50]
+    step = [("dot.1", 0, 10), ("fusion.2", 10, 20), ("ppermute.3", 15, 40), ("dot.4", 50, 60), ("add.5", 60, 65)]
+    events = []
+    for run_id, t0 in (("7", 1000.0), ("8", 2000.0)):
+        for op, s, e in step:
+            args = {"hlo_op": op, "hlo_module": "jit_step", "device_ordinal": "0", "run_id": run_id}
+            events.append({"ph": "X", "pid": 1, "ts": t0 + s, "dur": e - s, "name": op, "args": args})
+    got = device_intervals(events, PHASE_HLO, mesh)
+    us = 1e-6
+    want = [(0, 10, "forward"), (10, 20, "backward"), (20, 40, "collective"), (50, 60, "weight"), (60, 65, "other")]
+    assert list(got) == [0]
+    assert [(pytest.approx(s * us), pytest.approx(e * us), w) for s, e, w in want] == got[0]
+
+
+def test_timeline_without_matplotlib_is_a_note(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from meshrun.analysis.trace import draw_timeline
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with pytest.raises(ImportError):
+        draw_timeline(
+            {0: [(0.0, 1.0, "forward")]}, Mesh(np.array(jax.devices()[:1]), ("pipe",)), tmp_path / "t.png", ""
+        )
+    over = ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "model.n_layers=1", "train.global_batch=8",
+            "pipeline.microbatches=1", "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic",
+            f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert main(["profile", str(ROOT / "configs/tiny_cpu.yaml"), *over, "--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "meshrun profile: note: no timeline picture: matplotlib is not installed: pip install 'meshrun[plot]'" in err
+    assert not (tmp_path / "run" / "profile" / "timeline.png").exists()

@@ -82,10 +82,9 @@ def _local_ordinals(mesh) -> dict[int, dict[str, int]]:
     return out
 
 
-def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = None) -> dict[int, dict]:
-    """Per device ordinal, seconds over the traced steps of the module in `hlo_text`: span, busy,
-    collective {axis: s} (and 'total'), idle, steps. `steps`: the step count when the events carry no
-    run ids (the window is then split evenly)."""
+def _device_events(events: list[dict], hlo_text: str, mesh) -> dict[str, list]:
+    """Run id ('' when the events carry none) -> [(device, start s, end s, kind, op name)] of the
+    module in `hlo_text`'s leaf ops; kind: 'compute' or the axes tuple of a collective."""
     head = re.match(r"HloModule\s+([\w.\-]+)", hlo_text)
     module = head.group(1) if head else None
     ops = hlo.opcodes(hlo_text)
@@ -110,9 +109,17 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
             name = arg
         kind = axes_of.get(name, "compute")
         ts = float(e["ts"]) * 1e-6
-        runs[str(a.get("run_id", ""))].append((int(dev), ts, ts + float(e.get("dur", 0)) * 1e-6, kind))
+        runs[str(a.get("run_id", ""))].append((int(dev), ts, ts + float(e.get("dur", 0)) * 1e-6, kind, a["hlo_op"]))
     if len(events) >= EVENT_CAP and "" not in runs and len(runs) > 1:  # the profiler cut the last step short
         del runs[max(runs, key=lambda r: min(e[1] for e in runs[r]))]
+    return runs
+
+
+def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = None) -> dict[int, dict]:
+    """Per device ordinal, seconds over the traced steps of the module in `hlo_text`: span, busy,
+    collective {axis: s} (and 'total'), idle, steps. `steps`: the step count when the events carry no
+    run ids (the window is then split evenly)."""
+    runs = _device_events(events, hlo_text, mesh)
     n = len(runs) if "" not in runs else max(steps or 1, 1)
     out: dict[int, dict] = {}
     for evs in runs.values():
@@ -122,10 +129,10 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
             per_dev[ev[0]].append(ev)
         for dev, dev_evs in per_dev.items():
             t = out.setdefault(dev, {"span": 0.0, "busy": 0.0, "collective": defaultdict(float), "steps": n})
-            busy = _union([(s, e) for _, s, e, k in dev_evs if k == "compute"])
+            busy = _union([(s, e) for _, s, e, k, _ in dev_evs if k == "compute"])
             t["span"] += span
             t["busy"] += _length(busy)
-            colls = [(s, e, k) for _, s, e, k in dev_evs if k != "compute"]
+            colls = [(s, e, k) for _, s, e, k, _ in dev_evs if k != "compute"]
             t["collective"]["total"] += _outside([(s, e) for s, e, _ in colls], busy)
             for ax in {a for *_, k in colls for a in k}:
                 t["collective"][ax] += _outside([(s, e) for s, e, k in colls if ax in k], busy)
@@ -133,6 +140,143 @@ def device_times(events: list[dict], hlo_text: str, mesh, steps: int | None = No
         t["collective"] = dict(t["collective"])
         t["idle"] = max(t["span"] - t["busy"] - t["collective"].get("total", 0.0), 0.0)
     return out
+
+
+# ----------------------------------------------------------------------------- timeline
+
+PHASES = ("forward", "backward", "weight", "other")  # what a compute op does; plus "collective"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+# The per-op executor's tick (`pipeline/per_op.py`): lax.switch(op, [idle, F, B, W]) in the tick loop.
+_TICK_BRANCH = re.compile(r"while/body/closed_call/cond/branch_(\d)_fun")
+
+
+def _phase(op_name: str, per_op: bool) -> str:
+    if per_op and (m := _TICK_BRANCH.search(op_name)):
+        return {1: "forward", 2: "backward", 3: "weight"}.get(int(m.group(1)), "other")
+    if "transpose(" in op_name:  # autodiff's backward pass (weight gradients included: one fused backward)
+        return "backward"
+    if "jvp(" in op_name:  # the forward pass of a vjp
+        return "forward"
+    return "other"  # the optimizer update, the loss's reduction, data movement outside the model
+
+
+def op_phases(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> PHASES entry, from the op_name metadata jax writes into the HLO: under
+    autodiff's `transpose(` -> backward, under `jvp(` -> forward; with the per-op executor (zb-h1, its
+    tick switch has a W branch) the branch of the tick decides: F, B (input gradient), W (weight
+    gradients). An instruction without op_name (XLA's fusions) takes the phase of the first
+    instruction with one in the computation it calls, else the most common one of its computation."""
+    per_op = "closed_call/cond/branch_3_fun" in hlo_text
+    comps = hlo.computations(hlo_text)
+    named: dict[str, str | None] = {}  # instruction -> phase, None: no op_name
+    calls: dict[str, str] = {}
+    members: dict[str, list[str]] = {}
+    for comp, body in comps.items():
+        for line in body.splitlines():
+            n = _INSTR.match(line)
+            if not n:
+                continue
+            members.setdefault(comp, []).append(n.group(1))
+            m = _OP_NAME.search(line)
+            named[n.group(1)] = _phase(m.group(1), per_op) if m else None
+            c = _CALLS.search(line)
+            if c:
+                calls[n.group(1)] = c.group(1)
+    first = {c: next((named[i] for i in ms if named[i] is not None), None) for c, ms in members.items()}
+    common = {}
+    for c, ms in members.items():
+        counts = defaultdict(int)
+        for i in ms:
+            if named[i] is not None:
+                counts[named[i]] += 1
+        common[c] = max(counts, key=counts.get) if counts else "other"
+    out = {}
+    for comp, ms in members.items():
+        for i in ms:
+            out[i] = named[i] or first.get(calls.get(i, ""), None) or common[comp]
+    return out
+
+
+def device_intervals(events: list[dict], hlo_text: str, mesh) -> dict[int, list[tuple[float, float, str]]]:
+    """Per device ordinal, one traced step as [(start s, end s, what)] from the step's start, what in
+    PHASES or 'collective' (its time outside the device's compute; includes waiting for a peer); the
+    gaps are idle. The first traced execution of the step (its run id), else the whole window."""
+    runs = _device_events(events, hlo_text, mesh)
+    if not runs:
+        return {}
+    evs = runs[min(runs, key=lambda r: min(e[1] for e in runs[r]))] if "" not in runs else runs[""]
+    t0 = min(e[1] for e in evs)
+    phases = op_phases(hlo_text)
+    out: dict[int, list[tuple[float, float, str]]] = {}
+    for dev in sorted({e[0] for e in evs}):
+        mine = [e for e in evs if e[0] == dev]
+        rows = []
+        for ph in PHASES:
+            iv = [(s, e) for _, s, e, k, name in mine if k == "compute" and phases.get(name, "other") == ph]
+            rows += [(s - t0, e - t0, ph) for s, e in _union(iv)]
+        busy = _union([(s, e) for _, s, e, k, _ in mine if k == "compute"])
+        for s, e in _minus(_union([(s, e) for _, s, e, k, _ in mine if k != "compute"]), busy):
+            rows.append((s - t0, e - t0, "collective"))
+        out[dev] = sorted(rows)
+    return out
+
+
+def _minus(iv: list[tuple[float, float]], busy: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The merged intervals `iv` with the merged intervals `busy` cut out."""
+    out = []
+    for s, e in iv:
+        cur = s
+        for bs, be in busy:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+COLORS = {"forward": "#4c9be8", "backward": "#e8704c", "weight": "#9b59b6", "other": "#95a5a6",
+          "collective": "#f1c40f"}  # fmt: skip
+
+
+def draw_timeline(intervals: dict[int, list], mesh, path: str | Path, title: str) -> None:
+    """One row per device (grouped by pipeline stage, stage 0 on top): forward, backward,
+    weight-gradient, other compute and collective time of one step; white is idle. Needs matplotlib
+    (ImportError otherwise); OSError when `path` cannot be written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    coords = _local_ordinals(mesh)
+    devs = sorted(intervals, key=lambda d: (coords.get(d, {}).get("pipe", 0), d))
+    end = max((e for rows in intervals.values() for _, e, _ in rows), default=0.0) * 1e3
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.3 * len(devs)))
+    for y, dev in enumerate(devs):
+        for what in (*PHASES, "collective"):
+            bars = [(1e3 * s, 1e3 * (e - s)) for s, e, w in intervals[dev] if w == what]
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[what], linewidth=0)
+    ax.set_yticks(range(len(devs)), [f"stage {coords.get(d, {}).get('pipe', 0)} dev {d}" for d in devs])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end * 1.01 or 1)
+    ax.set_xlabel("ms from the start of the step")
+    used = {w for rows in intervals.values() for *_, w in rows}
+    names = {"weight": "weight gradient", "other": "other compute (optimizer, loss)"}
+    handles = [Patch(color=COLORS[w], label=names.get(w, w)) for w in (*PHASES, "collective") if w in used]
+    handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle"))
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=80)
+    finally:
+        plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- per stage

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from meshrun.checkpoint import checksum
 from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
-from meshrun.config import CheckpointConfig, ModelConfig, to_dict
+from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, ModelConfig, to_dict
 from meshrun.errors import CheckpointError, ConfigError
 
 
@@ -42,15 +42,36 @@ class CheckpointDamaged(CheckpointError):
 
     def __init__(self, step: int, directory: Path, cause: BaseException):
         self.step, self.directory = step, directory
+        while _ORBAX_WRAPPER in str(cause) and cause.__cause__ is not None:
+            cause = cause.__cause__  # orbax's "error while reading array index ..." wraps TensorStore's reason
         first = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), "")
         self.why = f"{type(cause).__name__}: {first[:200]}" if first else type(cause).__name__
         super().__init__(f"checkpoint step {step} in {directory} cannot be restored ({self.why})")
 
 
+_ORBAX_WRAPPER = "See full TensorStore details"  # orbax's read error: the reason is its __cause__
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
+
+
+def _abandoned_read(u) -> bool:
+    """An orbax read coroutine left pending by a failed restore, closed when it is garbage collected
+    (at the latest at exit): its `except BaseException` turns the GeneratorExit into a new exception
+    with the whole TensorStore spec (~70 lines each, thousands of lines for a large state)."""
+    code = getattr(u.object, "cr_code", None)
+    return (
+        code is not None
+        and code.co_filename.startswith(_ORBAX_DIR)
+        and isinstance(getattr(u.exc_value, "__cause__", None) or getattr(u.exc_value, "__context__", None),
+                       GeneratorExit)
+    )  # fmt: skip
+
+
 def _quiet_leftover_reads() -> None:
     """After a failed restore orbax closes its event loop while TensorStore still completes the other
-    reads; each completion then reports 'Event loop is closed' as an unraisable exception (a screen of
-    tracebacks, harmless). Drop exactly those (not with MESHRUN_DEBUG=1); anything else goes through."""
+    reads; each completion then reports 'Event loop is closed' as an unraisable exception, and each
+    read coroutine still pending reports its GeneratorExit when it is collected (a screen of
+    tracebacks, harmless: the restore already failed and said why). Drop exactly those (not with
+    MESHRUN_DEBUG=1); anything else goes through."""
     previous = sys.unraisablehook
     if getattr(previous, "_meshrun", False) or os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
         return
@@ -64,7 +85,7 @@ def _quiet_leftover_reads() -> None:
             and str(u.exc_value) == "Event loop is closed"
             and last is not None
             and last.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
-        ):
+        ) or _abandoned_read(u):
             return
         previous(u)
 
@@ -74,11 +95,15 @@ def _quiet_leftover_reads() -> None:
 
 class _NoWriterTraceback(logging.Filter):
     """A failed async save (disk full, permissions): orbax's writer threads log the exception with
-    its traceback (absl), and asyncio reports each failed write task once more. Keep one line per
-    absl message (our CheckpointError line follows with the cause), drop the asyncio repeats."""
+    its traceback (absl ERROR, also after meshrun's own line from threads still winding down), and
+    asyncio reports each failed write task once more. Drop orbax's ERROR records and the asyncio
+    repeats: meshrun's CheckpointError line names the step, the directory and the cause
+    (MESHRUN_DEBUG=1 keeps them all). Other records keep one line, without the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "asyncio" and "exception was never retrieved" in str(record.msg):
+            return False
+        if record.levelno >= logging.ERROR and record.pathname.startswith(_ORBAX_DIR):
             return False
         record.exc_info, record.exc_text = None, None
         return True
@@ -169,6 +194,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         _quiet_writer_failures()
         self._started: set[int] = set()  # steps saved by this object (an async one may not be listed yet)
+        self._pending: int | None = None  # the step of the async save in flight (not waited for yet)
 
     # ------------------------------------------------------------------ steps
 
@@ -200,11 +226,14 @@ class Checkpointer:
             if step in self.all_steps():
                 return False  # already on disk (a resumed run's last step)
             self.move_aside(step)  # an unusable STEP/ (no state or meta): orbax would skip the save
-        self._started.add(step)
         meta = {**self.meta, "checksums": checksum.checksums(state, path_key)}  # checked on restore
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        self.wait()  # the previous async save: a failure there names its own step, not this one
+        self._started.add(step)
         with self._saving(step):
-            return bool(self.manager.save(step, args=args, force=True))
+            started = bool(self.manager.save(step, args=args, force=True))
+        self._pending = step if started and self.cfg.async_save else None
+        return started
 
     @contextlib.contextmanager
     def _saving(self, step: int | None):
@@ -219,20 +248,20 @@ class Checkpointer:
                 "checkpoints already there are intact; check free space and permissions"
             ) from e
 
-    def _pending(self) -> int | None:
-        return max(self._started) if self._started else None  # an async failure: the last one started
-
     def wait(self) -> None:
-        """Block until the pending async save is on disk."""
-        with self._saving(self._pending()):
+        """Block until the pending async save is on disk; CheckpointError naming its step if it failed."""
+        with self._saving(self._pending):
             self.manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
         try:
-            with self._saving(self._pending()):
-                self.manager.wait_until_finished()
-        finally:
-            self.manager.close()
+            self.wait()
+        except BaseException:
+            with contextlib.suppress(Exception):  # orbax's close waits again and re-raises the same failure
+                self.manager.close()
+            raise
+        self.manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -253,6 +282,9 @@ class Checkpointer:
         current = self.meta.get("model")
         if saved is not None:  # a field added since that checkpoint was written has its default there
             saved = {**to_dict(ModelConfig()), **saved}
+        if saved is not None and current is not None:  # how the step runs may change (EXECUTION_FIELDS)
+            saved = {k: v for k, v in saved.items() if k not in EXECUTION_FIELDS}
+            current = {k: v for k, v in current.items() if k not in EXECUTION_FIELDS}
         if saved is not None and current is not None and saved != current:
             keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
             fields = [f"model.{k}" for k in keys]
@@ -322,7 +354,11 @@ class Checkpointer:
             dst = self.directory / f"{step}{DAMAGED_TAG}{stamp}-{n}"
         if jax.process_index() == 0:
             os.rename(src, dst)
-        if jax.process_count() > 1:
+        if jax.process_count() > 1:  # the others name process 0's choice (theirs may see its rename: -2)
+            buf = np.zeros(256, np.uint8)
+            buf[: len(dst.name.encode())] = np.frombuffer(dst.name.encode()[:256], np.uint8)
+            got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+            dst = self.directory / bytes(got[got != 0]).decode()
             multihost_utils.sync_global_devices(f"meshrun-move-aside-{step}")
         self.manager.reload()
         return dst

@@ -37,6 +37,11 @@ def run_profile(args) -> int:
     rep = profile(cfg, args.steps, out)
     print(json.dumps(rep) if args.json else format_report(rep, str(args.config)))
     print(trace_hint(out), file=sys.stderr)
+    if rep.get("timeline_png"):
+        print(f"timeline: {rep['timeline_png']} (one traced step per device: forward, backward, weight "
+              "gradient, collective; white is idle)", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"meshrun profile: note: no timeline picture: {rep.get('timeline_note')}", file=sys.stderr)
     return 0
 
 

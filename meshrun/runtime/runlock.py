@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, DataError
 
 LOCK_NAME = ".meshrun.lock"
 
@@ -88,9 +88,18 @@ class RunLock:
         pid, _, text = _holder(self.path)
         if text and pid != os.getpid():
             self.took_over = text
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, me.encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            if os.pwrite(fd, me.encode(), 0) != len(me.encode()):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.fsync(fd)
+        except OSError as e:  # a full disk: no empty or half-written lock file is left behind
+            self._fd = fd
+            self.release()
+            raise DataError(
+                f"cannot write the run lock {self.path} ({e.strerror or e}); free space on that file system "
+                "or use another train.run_dir"
+            ) from None
         self._fd = fd
         return self
 

@@ -263,7 +263,7 @@ def format_buckets(dp: list[dict], grad_dtype: str) -> list[str]:
     lines = [f"data-parallel collectives per step: {runs} ({_mb(total)} MiB; train.grad_reduce_dtype={grad_dtype})"]
     for b in dp[:12]:
         where = ",".join(b["axes"])
-        lines.append(f"  {b['op']:<15}{where:<12}{b['dtype']:<10}{b['arrays']:>4} arrays{_mb(b['bytes']):>10} MiB"
+        lines.append(f"  {b['op']:<15}{where:<13} {b['dtype']:<10}{b['arrays']:>4} arrays{_mb(b['bytes']):>10} MiB"
                      + (f"  x{b['per_step']}" if b["per_step"] > 1 else ""))  # fmt: skip
     if len(dp) > 12:
         lines.append(f"  ... {len(dp) - 12} more")

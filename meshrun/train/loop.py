@@ -94,8 +94,12 @@ def write_config(cfg: RunConfig) -> None:
         return
     path = Path(cfg.train.run_dir) / CONFIG_FILE
     tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no half-written temp file left, the message names the file
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def config_warnings(cfg: RunConfig, mesh) -> list[str]:
@@ -384,6 +388,9 @@ def _train(r: Run) -> dict[str, Any]:
                 tally.val_loss = metrics["val_loss"]
             if _should_log(r.cfg, step + 1, tally.ran, last=last) or "val_loss" in metrics:
                 logger.log(step + 1, log_row(metrics, step, dt))
+                if jax.process_index() and not r.quiet:  # other ranks: their progress in their own log
+                    print(f"step {step + 1}/{t.steps}  loss {metrics['loss']:.4f}  {1000 * dt:.0f} ms/step  "
+                          f"(process {jax.process_index()})", file=sys.stderr, flush=True)  # fmt: skip
             _report_saved(r)
             if cut:
                 break

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from meshrun.analysis.trace import report_of_trace
+from meshrun.analysis.trace import device_intervals, draw_timeline, load_trace, report_of_trace
 from meshrun.checkpoint.params import restore_params
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.parallel.sharding import DP_AXES
@@ -15,8 +16,10 @@ from meshrun.train.loop import prepare
 from meshrun.train.metrics import trace_options
 
 
-def profile(cfg, steps: int, out: str | Path) -> dict:
-    """Compile, run one step, trace `steps` steps into `out`; the report (see `report_of_trace`)."""
+def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
+    """Compile, run one step, trace `steps` steps into `out`; the report (see `report_of_trace`).
+    `timeline`: also draw out/timeline.png (one traced step per device by phase, `draw_timeline`):
+    rep["timeline_png"] is its path, or None with rep["timeline_note"] saying why not."""
     mesh, train_step, ds = prepare(cfg)
     init = cfg.checkpoint.init_params
     state = train_step.init_from(restore_params(init, train_step.abstract_state.params)) if init else train_step.init()
@@ -29,4 +32,19 @@ def profile(cfg, steps: int, out: str | Path) -> dict:
         for s in range(1, steps + 1):
             state, metrics = compiled(state, *batch(s))
             jax.block_until_ready(metrics)
-    return report_of_trace(out, compiled.as_text(), cfg, mesh, steps, train_step.plan.stage_bubbles)
+    text = compiled.as_text()
+    rep = report_of_trace(out, text, cfg, mesh, steps, train_step.plan.stage_bubbles)
+    if timeline:
+        png = Path(out) / "timeline.png"
+        sched = f"{cfg.pipeline.schedule}, {cfg.pipeline.microbatches} microbatches" if mesh.shape["pipe"] > 1 else ""
+        shape = " x ".join(f"{a}{n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
+        try:
+            title = f"one traced step: {cfg.model.family} on {shape}" + (f", {sched}" if sched else "")
+            draw_timeline(device_intervals(load_trace(out), text, mesh), mesh, png, title)
+            rep["timeline_png"] = str(png)
+        except ImportError:
+            rep["timeline_png"], rep["timeline_note"] = None, "matplotlib is not installed: pip install 'meshrun[plot]'"
+        except OSError as e:
+            rep["timeline_png"], rep["timeline_note"] = None, f"cannot write {png} ({e.strerror or e})"
+        Path(out, "profile.json").write_text(json.dumps(rep, indent=1) + "\n")  # with the picture's path
+    return rep
