@@ -300,13 +300,17 @@ def _context_parallel(tally: _Tally, model: ModelConfig, lay: Layout, s: int, f_
     v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
     layers = model.n_layers / (p * v)
     gathered = context_kv_bytes(model, lay.micro_batch_size, s, lay.tensor, c, act=precision_of(model).act)
-    redo = lay.remat in ("full", "selective", "offload")
     if lay.context_kind == "ring":
         block = gathered / c
-        sends = (c - 1) * layers * (f_ticks * (1 + redo) + 2 * b_ticks)
-        tally.add("collective-permute", ("context",), block, sends)
+        act = precision_of(model).act
+        # K/V blocks: c - 1 in the forward, c - 1 in the backward ring (a recomputed forward ring sends
+        # the same blocks to the same ranks: XLA shares those permutes, measured at every remat);
+        # dK/dV (float32) travel with them and take one more step home
+        tally.add("collective-permute", ("context",), block, (c - 1) * layers * (f_ticks + b_ticks))
+        tally.add("collective-permute", ("context",), block * 4 / act, c * layers * b_ticks)
     else:
-        tally.add("all-gather", ("context",), gathered, layers * (f_ticks + redo * b_ticks))
+        # the gathered K/V is in no remat policy's saved set: the backward always gathers it again
+        tally.add("all-gather", ("context",), gathered, layers * (f_ticks + b_ticks))
         tally.add("reduce-scatter", ("context",), gathered / c, layers * b_ticks)
 
 

@@ -98,10 +98,12 @@ def context_seconds(
     """Exposed seconds of one layer's K/V exchange over 'context', per micro-batch (0 when c = 1).
     K/V of the whole sequence on one device: G = 2 s b kv_heads head_dim / t x bytes (`context_kv_bytes`).
     * allgather: forward all-gather of K and V ((c-1)/c G received per device), backward reduce-scatter
-      of dK, dV (same bytes), and one more all-gather when the layer's attention is recomputed (remat
-      full or selective); not overlapped (Llama 3: small next to the attention with GQA).
-    * ring: c - 1 steps per pass, each sending a K/V block of s/c tokens (G/c; the backward also the dK/dV
-      block, 2 G/c) to the next rank while the current block is scored; a step lasts max(block compute,
+      of dK, dV (same bytes), and one more all-gather in the backward (meshrun keeps the local K/V,
+      not the gathered, under every remat policy); not overlapped (Llama 3: small next to the
+      attention with GQA).
+    * ring: c - 1 steps per pass, each sending a K/V block of s/c tokens (G/c; the backward also the
+      float32 dK/dV block, and one more step to bring it home) to the next rank while the current
+      block is scored; a step lasts max(block compute,
       block transfer), so only the transfer's excess over the block's attention compute is exposed,
       plus OVERLAP_COST of the hidden part (NCCL takes SMs from the kernels it runs beside).
     Bandwidth: the c ranks are t apart (tensor innermost, then context): NVLink while t c fits in a
@@ -115,7 +117,7 @@ def context_seconds(
     redo = layout.remat in ("full", "selective", "offload")
     if layout.context_kind != "ring":
         ag = cluster.allreduce_seconds(gathered, c, t, half=True)  # (c-1)/c G at the group's bandwidth
-        return (2 + redo) * ag
+        return 3 * ag  # gather, re-gather in the backward, reduce-scatter
     flash = model.attention_impl == "cudnn"
     f, bwd = kernels.attention_core_seconds(
         model, b, s, t, cluster.gpu, cal, flash=flash, dropout=dropout, act=act, context=c, kind="ring"
@@ -126,7 +128,10 @@ def context_seconds(
         xfer = COMM_LATENCY_S + nbytes / bw
         return (c - 1) * (max(xfer, block_compute) - block_compute + OVERLAP_COST * min(xfer, block_compute))
 
-    return (1 + redo) * steps(gathered / c, f / c) + steps(2 * gathered / c, bwd / c)
+    dkv = gathered / c * 4 / act  # dK/dV blocks travel in float32
+    home = COMM_LATENCY_S + dkv / bw  # the last dK/dV step, after the ring: nothing to hide it behind
+    # a recomputed forward ring (remat) scores its blocks beside the backward ring's, sharing its sends
+    return steps(gathered / c, f / c) + steps(gathered / c + dkv, (bwd + redo * f) / c) + home
 
 
 def layers_per_stage(n_layers: int, p: int, v: int, costs: tuple[float, float, float]) -> tuple[int, ...]:
