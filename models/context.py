@@ -27,21 +27,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from meshrun_models.layers import softmax_to
 
-from meshrun.parallel.context import local_index, zigzag_index
+from meshrun.parallel.context import local_index, shard_index, zigzag_index
 from meshrun.parallel.sharding import current_rules
 
 __all__ = ["allgather_attention", "local_index", "ring_attention", "zigzag_index"]
 
 TENSOR = "tensor"
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _shard_index(j, c: int, n: int, zigzag: bool) -> jax.Array:
-    """int32 [n]: the global indices of shard j's tokens (`local_index` for any shard j)."""
-    if not zigzag:
-        return j * n + jnp.arange(n, dtype=jnp.int32)
-    half = jnp.arange(n // 2, dtype=jnp.int32)
-    return jnp.concatenate([j * (n // 2) + half, (2 * c - 1 - j) * (n // 2) + half]).astype(jnp.int32)
 
 
 def _keep(qi_L, ki_S, qseg_BxL, kseg_BxS, window) -> jax.Array:
@@ -186,7 +178,7 @@ def _ring_forward(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, segs, axis, window, zigz
 
     def step(carry, kv, j, extra, rows, cols):
         m_BxKxGxL, l_BxKxGxL, acc_BxKxGxLxDh = carry
-        ki_S = _shard_index(j, c, n, zigzag)[cols]
+        ki_S = shard_index(j, c, n, zigzag)[cols]
         keep = _keep(qi_L[rows], ki_S, *_block_segments(segs, j, rows, cols), window)
         s_BxKxGxLxS = _scores(q_BxLxKxGxDh[:, rows], kv[:, cols, 0], keep)
         m_old = m_BxKxGxL[..., rows]
@@ -223,7 +215,7 @@ def _ring_backward(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, segs, out, lse_BxKxGxL,
     delta_BxKxGxL = jnp.einsum("blkgd,blkgd->bkgl", do.astype(f32), out.astype(f32))
 
     def step(dq_BxLxKxGxDh, kv, j, dkv_BxSx2xKxDh, rows, cols):
-        ki_S = _shard_index(j, c, n, zigzag)[cols]
+        ki_S = shard_index(j, c, n, zigzag)[cols]
         keep = _keep(qi_L[rows], ki_S, *_block_segments(segs, j, rows, cols), window)
         q, k, v, do_r = q_BxLxKxGxDh[:, rows], kv[:, cols, 0], kv[:, cols, 1], do[:, rows]
         p_BxKxGxLxS = jnp.exp(_scores(q, k, keep) - lse_BxKxGxL[..., rows, None])

@@ -40,16 +40,19 @@ def lay_out(batch: tuple, c: int, zigzag: bool) -> tuple:
     return tuple(jnp.take(a, idx, axis=1) for a in batch)
 
 
+def shard_index(j, c: int, local_len: int, zigzag: bool) -> jax.Array:
+    """int32 [local_len]: the global indices of shard j's tokens (j may be traced): a contiguous
+    shard, or the zigzag pair of chunks j and 2c-1-j."""
+    if not zigzag:
+        return j * local_len + jnp.arange(local_len, dtype=jnp.int32)
+    half = jnp.arange(local_len // 2, dtype=jnp.int32)
+    return jnp.concatenate([j * (local_len // 2) + half, (2 * c - 1 - j) * (local_len // 2) + half]).astype(jnp.int32)
+
+
 def local_index(local_len: int, axis: str, zigzag: bool) -> jax.Array:
     """Inside a shard_map manual over `axis`: int32 [local_len], the global indices of this device's
-    tokens (contiguous shard, or the zigzag pair of chunks)."""
-    i, c = jax.lax.axis_index(axis), jax.lax.axis_size(axis)
-    if not zigzag:
-        return i * local_len + jnp.arange(local_len, dtype=jnp.int32)
-    half = local_len // 2
-    first = i * half + jnp.arange(half, dtype=jnp.int32)
-    second = (2 * c - 1 - i) * half + jnp.arange(half, dtype=jnp.int32)
-    return jnp.concatenate([first, second]).astype(jnp.int32)
+    tokens (`shard_index` of this device)."""
+    return shard_index(jax.lax.axis_index(axis), jax.lax.axis_size(axis), local_len, zigzag)
 
 
 class SeqSplit(NamedTuple):
