@@ -1,23 +1,27 @@
 """1F1B's residual memory and step time per pipeline executor on 8 simulated CPU devices (a script,
 not a test; tests/test_pipeline.py asserts the slot counts and the temp-bytes order).
 
-    python bench/memory_pipeline.py [--pipes 2 4] [--ms 8 16] [--tensor 1] [--repeats 5]
+    python bench/memory_pipeline.py [--pipes 2 4] [--ms 8 16] [--tensor 1] [--repeats 5] [--d-model 64] [--seq 32]
 
 Rows per (p, m): 1F1B on the lockstep executor (`pipeline.executor=lockstep`: one forward and one
 backward per stage per tick, min(m, 2p-1) residual slots), 1F1B on the per-op executor (`per_op`:
-Megatron's timeline, one op per stage per tick, p - s slots on stage s) and zb-h1 (per-op, B and W
-split). Columns: ticks, the table bubble, stage 0's residual slots, one microbatch's stored
-residuals on a stage (per device with tensor = 1, as in the default), stage 0's residual bytes
-(slots x that), the compiled per-device temp bytes, the median step time and its ratio to lockstep
-1F1B, timed round-robin in one run so the ratios share the machine's load. The model is
-bench/pipeline.py's (d_model 64, 8 layers, seq 32), one sequence per microbatch and data shard.
-On simulated devices the cores are shared by all 8 devices, so time sums the stages' work plus the
-per-tick overhead; on an accelerator a tick waits for its slowest stage (see the executor's notes).
+Megatron's order, one op per stage per tick with each backward split into B and W in consecutive
+ticks, p - s slots on stage s and one stash) and zb-h1 (per-op, W's deferred). Columns: ticks, the
+table bubble (lockstep F = 1, B = 2; per-op F = B = W = 1), stage 0's residual slots, one
+microbatch's stored residuals on a stage (per device with tensor = 1, as in the default), stage 0's
+residual bytes (slots x that), the compiled per-device temp bytes, the median step time and its
+ratio to lockstep 1F1B, timed round-robin in one run so the ratios share the machine's load. The
+model is bench/pipeline.py's (d_model 64, 8 layers, seq 32; --d-model/--seq widen it, heads of
+d_model/4, d_ff 4 d_model), one sequence per microbatch and data shard. On simulated devices the
+cores are shared by all 8 devices, so time sums the stages' work plus the per-tick overhead (the
+toy's tiny ops make the per-op executor's extra ticks show; at d_model 256 they mostly vanish); on
+an accelerator a tick waits for its slowest stage (see the executor's notes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -54,12 +58,19 @@ def residual_bytes(p: int, rows: int) -> int:
 
 
 def main(argv=None) -> None:
+    global CFG, SEQ
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pipes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--ms", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--tensor", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--d-model", type=int, default=CFG.d_model)
+    ap.add_argument("--seq", type=int, default=SEQ)
     a = ap.parse_args(argv)
+    if (a.d_model, a.seq) != (CFG.d_model, SEQ):
+        d = a.d_model
+        CFG = dataclasses.replace(CFG, d_model=d, head_dim=d // CFG.n_heads, d_ff=4 * d, max_seq_len=a.seq)
+        SEQ = a.seq
     _, params = mm.init_params(CFG, 0)
     print(f"model: d_model={CFG.d_model} layers={CFG.n_layers} seq={SEQ} {CFG.dtype}; {jax.device_count()} devices")
     head = f"{'schedule':<7}{'executor':>9}{'p':>3}{'m':>4}{'ticks':>6}{'bubble':>8}{'slots s0':>9}"

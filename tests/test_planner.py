@@ -436,16 +436,19 @@ def test_model_configs_load(path):
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_pipeline_slots_closed_form_matches_the_tables(schedule, v):
     """The closed form the planner uses for big tables equals the executor's tables: max in-flight
-    (mb, chunk) pairs of the lockstep view; zb-h1 (per-op) twice its in-flight count (residuals +
-    B's stash until W)."""
+    (mb, chunk) pairs of the lockstep view; zb-h1 (per-op) its in-flight count from F to W, and its
+    stash slots (B to W) the most deferred W's."""
     from meshrun.pipeline import schedules
-    from meshrun.planner.step_model import pipeline_slots_formula
+    from meshrun.planner.step_model import pipeline_slots_formula, stash_slots_formula
 
     for p in (2, 3, 4):
         for m in (p, 2 * p, 4 * p):
             table = schedules.build(schedule, p, m, v)
             if schedule == "zb-h1":
-                want = 2 * max(schedules.max_in_flight(table, s) for s in range(p))
+                want = max(schedules.max_in_flight(table, s) for s in range(p))
+                stash = max(1 + max(schedules.assign_slots(schedules.stash_intervals(table, s)).values())
+                            for s in range(p))  # fmt: skip
+                assert stash_slots_formula(schedule, p, m) == stash == min(m, p)
             else:
                 lock = schedules.lockstep(table)
                 want = max(schedules.max_in_flight(lock, s) for s in range(p))
@@ -453,27 +456,33 @@ def test_pipeline_slots_closed_form_matches_the_tables(schedule, v):
 
 
 def test_per_op_1f1b_slots_and_time_match_its_table():
-    """pipeline.executor=per_op: the planner's slots (p on the first stage) and tick time (each tick
-    as long as its slowest op, B = 2F: 4(m + p - 1) - p forwards) equal `schedules.one_op_steps`'s table."""
-    from meshrun.pipeline import schedules
+    """pipeline.executor=per_op: the planner's slots (p on the first stage), stash slots (one) and
+    tick time (one-op ticks, F = B = W: 3m + 2(p - 1) of them) equal the per-op executor's program."""
+    from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import tick_program
     from meshrun.planner import timing
-    from meshrun.planner.step_model import pipeline_slots_formula
+    from meshrun.planner.step_model import pipeline_slots_formula, stash_slots_formula
 
     for p in (2, 3, 4, 8):
         for m in (p, 2 * p, 4 * p):
-            cells = schedules.one_op_steps(schedules.one_f_one_b(p, m))
-            slots = max(schedules.max_in_flight(cells, s) for s in range(p))
-            assert pipeline_slots_formula("1f1b", p, m, 1, "per_op") == slots == min(m, p)
-            ticks = sum(max(2 if c.bwd is not None else 1 if c.fwd is not None else 0 for c in row) for row in cells)
+            prog = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="per_op"), p)
+            assert pipeline_slots_formula("1f1b", p, m, 1, "per_op") == prog.slots == min(m, p)
+            assert stash_slots_formula("1f1b", p, m) == prog.stash_slots == 1
             lay = Layout(pipe=p, microbatches=m, executor="per_op")
-            idle, _ = timing._bubble(lay)
-            assert (m + idle) * 3 == pytest.approx(ticks)
+            idle, frac = timing._bubble(lay)
+            assert (m + idle) * 3 == pytest.approx(prog.ticks)
+            assert frac == pytest.approx(prog.bubble)
 
 
-def test_per_op_1f1b_trades_memory_for_time(gpt3):
+def test_per_op_1f1b_holds_less_and_idles_less(gpt3):
+    """The per-op executor's 1F1B (backward split into B and W) keeps p microbatches (+ one stash)
+    against lockstep's 2p - 1, and its one-op ticks idle 2(p - 1) op-ticks against 3(p - 1); the
+    search keeps the faster of the two executors."""
     cluster = parse_cluster("a100-80g:16x8")
     lay = Layout(tensor=8, pipe=8, data=2, microbatches=32, zero=1, remat="selective", sequence_parallel=True)
     lock = search.evaluate(gpt3, lay, cluster, 64, 2048)
     per_op = search.evaluate(gpt3, dataclasses.replace(lay, executor="per_op"), cluster, 64, 2048)
     assert per_op.memory["activations"] < lock.memory["activations"]
-    assert per_op.step_time > lock.step_time
+    assert per_op.time["bubble_fraction"] == pytest.approx(2 * 7 / (3 * 32 + 2 * 7))
+    assert lock.time["bubble_fraction"] == pytest.approx(7 / (32 + 7))
+    assert per_op.step_time < lock.step_time

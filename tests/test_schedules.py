@@ -426,26 +426,42 @@ def test_cli_draws_zb_h1_with_both_bubbles(capsys):
     main = _main()
     assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--schedule", "zb-h1"]) == 0
     out = capsys.readouterr().out
-    assert "W7" in out and "bubble fraction (F = B = W): 0.1111" in out and "1F1B at the same p, m" in out
+    assert "W7" in out and "bubble fraction (F = B = W): 0.1111" in out and "1F1B with whole backwards" in out
     assert "0.2727" in out
 
 
+def test_cli_draws_per_op_1f1b_and_refuses_other_schedules(capsys):
+    """`meshrun schedule --per-op`: 1F1B as the per-op executor plays it (each B followed by its W),
+    bubble 2(p-1)/(3m+2(p-1)); GPipe and interleaved have no per-op timeline (exit 2, field named)."""
+    main = _main()
+    assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--per-op", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_op"] and out["ticks"] == 3 * 8 + 2 * 3 and out["max_in_flight"] == [4, 3, 2, 1]
+    assert out["bubble_fraction"] == pytest.approx(out["bubble_closed_form"]) == pytest.approx(6 / 30)
+    assert out["table"][7][0] == "B0" and out["table"][8][0] == "W0"
+    assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--schedule", "gpipe", "--per-op"]) == 2
+    assert "--per-op" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16)])
-def test_zb_h1_per_op_program_delivers_every_value(p, m):
-    """Play the executor's zb-h1 index tables in Python: sends arrive one tick later into the inbox
-    slot the table names, every F / B reads its own microbatch's input from its inbox slot, B and W
-    find their microbatch's residuals (and dy) in the slot F (B) wrote, and no slot is overwritten
-    while its value is still needed."""
+def test_per_op_program_delivers_every_value(p, m, schedule):
+    """Play the per-op executor's index tables (zb-h1, 1F1B split) in Python: sends arrive one tick
+    later into the inbox slot the table names, every F / B reads its own microbatch's input from its
+    inbox slot, B and W find their microbatch's residuals (and dy) in the slot F (B) wrote, W finds
+    its B's stash in the stash slot B wrote, and no slot is overwritten while its value is still needed."""
     from meshrun.config import PipelineConfig
     from meshrun.pipeline.program import tick_program
 
-    prog = tick_program(PipelineConfig(schedule="zb-h1", microbatches=m), p)
-    assert prog.per_op and prog.slots == p and prog.ticks == len(S.zb_h1(p, m))
+    prog = tick_program(PipelineConfig(schedule=schedule, microbatches=m, executor="per_op"), p)
+    assert prog.per_op and prog.slots == p and prog.ticks == len(S.per_op_table(schedule, p, m))
+    assert prog.stash_slots == (p if schedule == "zb-h1" else 1)
     tb = prog.tables
     fbox = [dict() for _ in range(p)]
     gbox = [dict() for _ in range(p)]
     res = [dict() for _ in range(p)]
     dyb = [dict() for _ in range(p)]
+    stash = [dict() for _ in range(p)]
     sent_f, sent_b = [None] * p, [None] * p  # what each stage sent last tick
     done = set()
     send_ticks = {t for _, t0, t1, sf, sb in prog.phases if sf or sb for t in range(t0, t1)}
@@ -484,65 +500,44 @@ def test_zb_h1_per_op_program_delivers_every_value(p, m):
                 assert dyb[s][slot] == mb
                 if s > 0:
                     sent_b[s] = mb
-            else:  # W: frees the slot
+                st = int(tb["stash"][t, s])
+                assert 0 <= st < prog.stash_slots and st not in stash[s]
+                stash[s][st] = mb
+            else:  # W: frees the slots
                 assert res[s].pop(slot) == mb and dyb[s].pop(slot) == mb
+                assert stash[s].pop(int(tb["stash"][t, s])) == mb
             done.add((kind, mb, s))
-    assert len(done) == 3 * m * p and not any(res) and not any(fbox) and not any(gbox)
-    assert prog.bubble == pytest.approx(S.bubble_fraction(S.zb_h1(p, m)))
+    assert len(done) == 3 * m * p and not any(res) and not any(fbox) and not any(gbox) and not any(stash)
+    assert prog.bubble == pytest.approx(S.bubble_fraction(S.per_op_table(schedule, p, m), 1.0, 1.0, 1.0))
 
 
 @pytest.mark.parametrize("p, m", [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 9, 16, 64) if m >= p])
-def test_one_op_1f1b_holds_p_minus_s_with_the_same_bubble(p, m):
-    """Megatron's 1F1B in one-op lockstep cells (`pipeline.executor=per_op`): stage s holds at most
-    min(m, p - s) microbatches (p on stage 0, not the lockstep table's min(m, 2p - 1)), every value is
-    consumed on the tick it arrives (no inbox), and the bubble is (p-1)/(m+p-1) in 2m + 2(p-1) ticks."""
+def test_split_1f1b_holds_p_minus_s_with_one_op_ticks(p, m):
+    """1F1B on the per-op executor (`pipeline.executor=per_op`): Megatron's order of F and B per stage,
+    each B followed by its W in the next tick; stage s holds at most min(m, p - s) microbatches (p on
+    stage 0, not the lockstep table's min(m, 2p - 1)) and one B's stash, in 3m + 2(p - 1) ticks of
+    one op: bubble 2(p - 1) / (3m + 2(p - 1)) with F = B = W."""
     from meshrun.config import PipelineConfig
     from meshrun.pipeline.program import tick_program
 
-    table = S.one_f_one_b(p, m)
-    cells = S.one_op_steps(table)
-    S.check(cells, p, m)
-    assert len(cells) == len(table) == 2 * m + 2 * (p - 1)
-    assert all(c.fwd is None or c.bwd is None for row in cells for c in row)  # one op per cell
+    table, fused = S.one_f_one_b_split(p, m), S.one_f_one_b(p, m)
+    S.check(table, p, m)
+    assert len(table) == 3 * m + 2 * (p - 1)
     for s in range(p):
-        assert [op for _, op in S._stage_orders(cells)[s]] == [op for _, op in S._stage_orders(table)[s]]
-        assert S.buffer_sizes(cells, s) == (min(m, p - s), 0, 0)
-    assert S.bubble_fraction(cells) == pytest.approx(S.bubble_closed_form("1f1b", p, m))
-    if p > 1:
-        assert S.bubble_fraction(cells) == pytest.approx((p - 1) / (m + p - 1))
-    for ex, stage0 in (("per_op", min(m, p)), ("lockstep", min(m, 2 * p - 1))):
-        prog = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor=ex), p)
-        assert prog.executor == ex and not prog.per_op and prog.slots == stage0
-        assert prog.stage_slots()[0] == stage0
-        assert prog.bubble == pytest.approx(S.bubble_closed_form("1f1b", p, m))
-    per_op = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="per_op"), p)
-    assert per_op.stage_slots() == tuple(min(m, p - s) for s in range(p))
-    assert per_op.ticks == 2 * m + 2 * (p - 1) and not per_op.fused_head
-
-
-def test_one_op_1f1b_tables_deliver_every_value():
-    """Play the per-op 1F1B program's lockstep arrays (p = 4, m = 8) as the executor does: x_in / g_in
-    hold only what arrived this tick, so each F and B must find its own microbatch there, and B
-    finds its microbatch's residuals in the slot its F wrote."""
-    from meshrun.config import PipelineConfig
-    from meshrun.pipeline.program import tick_program
-
-    p, m = 4, 8
-    tb = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="per_op"), p).tables
-    x_in, g_in, res, ran = [None] * p, [None] * p, [dict() for _ in range(p)], 0
-    for t in range(len(tb["f_mb"])):
-        y, dx = [None] * p, [None] * p
-        for s in range(p):
-            f, b = int(tb["f_mb"][t, s]), int(tb["b_mb"][t, s])
-            if f >= 0:
-                assert s == 0 or x_in[s] == f
-                res[s][int(tb["f_slot"][t, s])], y[s], ran = f, f, ran + 1
-            if b >= 0:
-                assert res[s].pop(int(tb["b_slot"][t, s])) == b and (s == p - 1 or g_in[s] == b)
-                dx[s], ran = b, ran + 1
-        x_in = [None] + y[:-1]
-        g_in = dx[1:] + [None]
-    assert ran == 2 * m * p and not any(res)
+        ops = [op for _, op in S._stage_orders(table)[s]]
+        assert [op for op in ops if op.kind != "W"] == [op for _, op in S._stage_orders(fused)[s]]
+        for i, op in enumerate(ops):
+            assert (op.kind == "B") == (i + 1 < len(ops) and ops[i + 1] == S.Task("W", op.mb))
+        ticks = {(op.kind, op.mb): t for t, op in S._stage_orders(table)[s]}
+        assert all(ticks[("W", mb)] == ticks[("B", mb)] + 1 for mb in range(m))
+        assert S.max_in_flight(table, s) == min(m, p - s)
+    assert S.bubble_fraction(table, 1.0, 1.0, 1.0) == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
+    prog = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="per_op"), p)
+    assert prog.executor == "per_op" and prog.per_op and prog.ticks == len(table) and prog.stash_slots == 1
+    assert prog.stage_slots() == tuple(min(m, p - s) for s in range(p))
+    lock = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="lockstep"), p)
+    assert lock.executor == "lockstep" and not lock.per_op and lock.slots == min(m, 2 * p - 1)
+    assert lock.bubble == pytest.approx(S.bubble_closed_form("1f1b", p, m))
 
 
 def test_executor_option_errors_name_the_fix():

@@ -15,9 +15,21 @@ def register(subparsers) -> None:
     p.add_argument("--schedule", default="1f1b", choices=S.SCHEDULES)
     p.add_argument("--virtual", type=int, default=1, metavar="V", help="virtual chunks per stage (interleaved)")
     p.add_argument("--lockstep", action="store_true", help="show the lockstep (fwd, bwd) per tick view")
+    p.add_argument(
+        "--per-op",
+        action="store_true",
+        help="show what pipeline.executor=per_op plays (1F1B: each backward split into B and W, F = B = W)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, metavar="FILE", help="draw the per-op timeline (needs matplotlib)")
     p.set_defaults(func=run_schedule)
+
+
+def closed_form(name: str, p: int, m: int, v: int, per_op: bool) -> float:
+    """The schedule's bubble in closed form; per-op 1F1B (3m + 2(p - 1) one-op ticks): 2(p-1)/(3m+2(p-1))."""
+    if per_op and name == "1f1b":
+        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    return S.bubble_closed_form(name, p, m, v)
 
 
 MAX_CELLS = 2**14  # p*m*v: p=16, m=256, v=4 answers in ~2 s on one shared CPU core
@@ -37,16 +49,21 @@ def run_schedule(args) -> int:
         raise ConfigError(
             "--microbatches", m, f"keep pipe x microbatches x virtual <= {MAX_CELLS} (got {p * m * v})", "too large"
         )
-    table = S.build(args.schedule, p, m, v)
-    bubble = S.bubble_fraction(table)  # F = 1, B + W = 2 (zb-h1: B = W = 1)
-    if args.lockstep and args.schedule == "zb-h1":
+    per_op = args.per_op or args.schedule == "zb-h1"
+    if args.per_op and args.schedule not in ("1f1b", "zb-h1"):
+        fix, why = "drop --per-op or use --schedule 1f1b or zb-h1", "the per-op executor runs 1f1b and zb-h1 only"
+        raise ConfigError("--per-op", True, fix, why)
+    if args.lockstep and per_op:
         raise ConfigError(
-            "--lockstep", True, "drop --lockstep: the executor runs zb-h1's per-op timeline as is (one op per tick)"
+            "--lockstep", True, "drop --lockstep: the per-op executor runs its per-op timeline as is (one op per tick)"
         )
+    table = S.per_op_table(args.schedule, p, m, v) if per_op else S.build(args.schedule, p, m, v)
+    bubble = S.bubble_fraction(table, 1.0, 1.0, 1.0) if per_op else S.bubble_fraction(table)  # F = 1, B + W = 2
     shown = S.lockstep(table) if args.lockstep else table
     in_flight = [S.max_in_flight(shown, s) for s in range(p)]
     if args.png:
-        draw_png(table, v, args.png, f"{args.schedule} p={p} m={m} v={v}: bubble {bubble:.1%} (F=1, B+W=2)")
+        cost = "F=B=W" if per_op else "F=1, B+W=2"
+        draw_png(table, v, args.png, f"{args.schedule} p={p} m={m} v={v}: bubble {bubble:.1%} ({cost})")
     if args.json:
         cells = [
             [[_label(c.fwd, v), _label(c.bwd, v)] if args.lockstep else _label(c, v) for c in row] for row in shown
@@ -60,7 +77,8 @@ def run_schedule(args) -> int:
             "microbatches": m,
             "virtual": v,
             "lockstep": bool(args.lockstep),
-            "bubble_closed_form": S.bubble_closed_form(args.schedule, p, m, v),
+            "bubble_closed_form": closed_form(args.schedule, p, m, v, per_op),
+            "per_op": per_op,
             "max_in_flight": in_flight,
         }
         print(json.dumps(out))
@@ -68,12 +86,12 @@ def run_schedule(args) -> int:
     view = "lockstep (fwd+bwd per tick)" if args.lockstep else "per-op timeline"
     print(f"schedule {args.schedule}  p={p}  m={m}  v={v}  {view}: {len(shown)} ticks")
     print(S.render(shown, v))
-    closed = S.bubble_closed_form(args.schedule, p, m, v)
-    cost = "F = B = W" if args.schedule == "zb-h1" else "backward = 2 x forward"
+    closed = closed_form(args.schedule, p, m, v, per_op)
+    cost = "F = B = W" if per_op else "backward = 2 x forward"
     print(f"bubble fraction ({cost}): {bubble:.4f}  closed form {closed:.4f}")
-    if args.schedule == "zb-h1":
+    if per_op:
         same = S.bubble_fraction(S.build("1f1b", p, m))
-        print(f"1F1B at the same p, m (same peak in-flight microbatches): {same:.4f}")
+        print(f"1F1B with whole backwards (F = 1, B = 2) at the same p, m and peak in flight: {same:.4f}")
     print(f"max in-flight microbatch chunks per stage: {in_flight}")
     return 0
 

@@ -21,12 +21,12 @@ How a step runs:
   model's layer scan) are rebuilt in the backward by a dummy forward XLA removes (`stage.py`). For
   1F1B the lockstep table keeps at most min(m, 2(p-1-s)+1) microbatches in flight on stage s, so the
   buffer has min(m, 2p-1) slots whatever m is. `pipeline.executor=per_op` runs 1F1B's own timeline
-  instead (Megatron's: p-1-s warm-up forwards, then one forward and one backward alternately, one op
-  per stage per tick, `schedules.one_op_steps`) on the same tick loop: at most min(m, p-s) in flight
-  on stage s, so min(m, p) slots, the same bubble (p-1)/(m+p-1), 2m + 2(p-1) ticks of one op each.
-  On an accelerator a tick waits for its slowest stage and neighbours alternate F and B, so its
-  steady state costs about 2·B per microbatch against the lockstep tick's F+B: the planner's choice
-  (memory against time). `residuals='recompute'` keeps only the stage input and re-runs the forward
+  instead (Megatron's order: p-1-s warm-up forwards, then forwards and backwards alternately), one op
+  per stage per tick with each backward split into B (input gradient) and W (weight gradients) in
+  consecutive ticks (`per_op.OpRun`, `schedules.one_f_one_b_split`): at most min(m, p-s) in flight
+  on stage s, so min(m, p) slots plus one B's stash, 3m + 2(p-1) ticks of about one forward each
+  (bubble 2(p-1)/(3m+2(p-1)): B reaches the previous stage before W runs). The planner keeps the
+  faster of the two executors that fits. `residuals='recompute'` keeps only the stage input and re-runs the forward
   in the backward (one more TP all-reduce per layer; less memory).
 * Embedding on entry: stage 0 embeds microbatch i when its first forward runs (token ids are step
   arguments; embedding all M up front would hold M activations). Head + loss run on the last

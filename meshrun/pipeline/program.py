@@ -1,13 +1,11 @@
 """The executor's static program: the schedule's lockstep table as per-tick index arrays, grouped
 into phases of same-kind ticks (pure Python + numpy, no JAX: `meshrun explain` and the tests read it).
 
-ZB-H1 runs its per-op timeline as is (`per_op`): one op (F, B = input gradient, W = weight gradient)
-per stage per tick, values that arrive before their consumer runs waiting in inbox slots.
-
-`pipeline.executor=per_op` runs 1F1B's per-op timeline too (Megatron's: p - s microbatches in flight
-on stage s, not the lockstep table's 2(p-1-s)+1), as lockstep cells of one op each
-(`schedules.one_op_steps`) on the lockstep tick loop: same bubble, 2m + 2(p-1) ticks of one op
-instead of m + 2(p-1) ticks of up to two (`executor`, `stage_slots`).
+The per-op executor (`pipeline.executor=per_op`; zb-h1 always) runs a per-op timeline as is: one op
+(F, B = input gradient, W = weight gradient) per stage per tick, values that arrive before their
+consumer runs waiting in inbox slots. For 1F1B that timeline is Megatron's order with each backward
+split into B and W in consecutive ticks (`schedules.one_f_one_b_split`): p - s microbatches in flight
+on stage s, not the lockstep table's 2(p-1-s)+1, over 3m + 2(p-1) ticks of one op.
 
 A lockstep tick gives each stage at most one forward and one backward (`schedules.lockstep`). Ticks
 are grouped into maximal runs of one kind ('F' forwards only, 'B' backwards only, 'FB' both), one
@@ -67,6 +65,7 @@ class TickProgram:
     per_op: bool = False
     inbox: tuple[int, int] = (0, 0)  # (activation, gradient) inbox slots, trash slot not counted
     executor: str = "lockstep"  # 'lockstep' (F and B per tick) or 'per_op' (one op per stage per tick)
+    stash_slots: int = 0  # per_op: B's stash slots (B to W), trash slot not counted
 
     def stage_slots(self) -> tuple[int, ...]:
         """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
@@ -76,7 +75,9 @@ class TickProgram:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction from the per-op table (F = 1, B = 2)."""
+        """Idle fraction from the per-op table (F = 1, B = 2; per-op: F = B = W = 1)."""
+        if self.per_op:
+            return schedules.bubble_fraction(schedules.per_op_table(self.schedule, self.p, self.m), 1.0, 1.0, 1.0)
         return schedules.bubble_fraction(schedules.build(self.schedule, self.p, self.m, self.v))
 
     def permutes(self) -> tuple[int, int]:
@@ -103,12 +104,10 @@ def executor_of(pcfg: PipelineConfig) -> str:
 
 
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
-    if pcfg.schedule == "zb-h1":
+    if executor_of(pcfg) == "per_op":
         return _per_op_program(pcfg, p)
     table = schedules.build(pcfg.schedule, p, pcfg.microbatches, pcfg.virtual)  # checks virtual
-    # per_op 1F1B: the timeline's one op per stage per tick, in lockstep cells (no inbox needed)
-    per_op = executor_of(pcfg) == "per_op"
-    lock = schedules.one_op_steps(table) if per_op else schedules.lockstep(table)
+    lock = schedules.lockstep(table)
     v = pcfg.virtual
     arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
     slots = max(schedules.max_in_flight(lock, s) for s in range(p))
@@ -119,8 +118,7 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
         or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
         for row in lock
     )
-    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs,
-                       executor="per_op" if per_op else "lockstep")  # fmt: skip
+    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
 
 
 KINDS = {"F": 1, "B": 2, "W": 3}  # per-op kind codes; 0 = idle
@@ -131,17 +129,22 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     inbox slot then (-1: nothing arrives, the trash slot) and its consumer reads that slot when it
     runs, so a consumer may run later than the arrival. Residual slots live from F to W."""
     m = pcfg.microbatches
-    table = schedules.build(pcfg.schedule, p, m, pcfg.virtual)  # checks virtual = 1
+    table = schedules.per_op_table(pcfg.schedule, p, m, pcfg.virtual)  # checks virtual = 1
     ticks = len(table)
-    arrs = {k: np.full((ticks, p), -1, np.int32) for k in ("kind", "mb", "slot", "f_put", "f_get", "g_put", "g_get")}
-    slots, inbox = 0, [0, 0]
+    keys = ("kind", "mb", "slot", "stash", "f_put", "f_get", "g_put", "g_get")
+    arrs = {k: np.full((ticks, p), -1, np.int32) for k in keys}
+    slots, stash_slots, inbox = 0, 0, [0, 0]
     for s in range(p):
         res = schedules.residual_slots(table, s)
         slots = max(slots, 1 + max(res.values()))
+        st = schedules.assign_slots(schedules.stash_intervals(table, s))  # B's stash lives from B to W
+        stash_slots = max(stash_slots, 1 + max(st.values()))
         for t, row in enumerate(table):
             op = row[s]
             if op is not None:
                 arrs["kind"][t, s], arrs["mb"][t, s], arrs["slot"][t, s] = KINDS[op.kind], op.mb, res[(op.mb, 0)]
+                if op.kind != "F":
+                    arrs["stash"][t, s] = st[(op.mb, 0)]
         # inboxes: activations from stage s-1's F, gradients from stage s+1's B
         for i, (pre, iv) in enumerate(zip("fg", schedules.inbox_intervals(table, s), strict=True)):
             if not iv:
@@ -161,4 +164,5 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     b = max(a, b)
     bounds = [(0, a, any(sf[:a]), False), (a, b, any(sf[a:b]), any(sb[a:b])), (b, ticks, False, any(sb[b:]))]
     phases = [("FBW", t0, t1, f, g) for t0, t1, f, g in bounds if t1 > t0]
-    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox), "per_op")
+    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox), "per_op",
+                       stash_slots)  # fmt: skip

@@ -8,9 +8,10 @@ Two views of one schedule, both lists of ticks, each a list of `p` per-stage cel
 * lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`: at most one forward and one backward
   per stage per tick, as an SPMD executor runs them (one `ppermute` per direction per tick). A value
   sent at tick t is usable from tick t+1. Within a tick a stage runs `fwd` before `bwd`, so the last
-  virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused). `one_op_steps(table)`
-  is the per-op timeline itself in lockstep cells (one op each): 1F1B's p - s microbatches in
-  flight on stage s, where `lockstep` runs forwards ahead and holds 2(p-1-s)+1.
+  virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused). The per-op executor plays
+  a per-op timeline as is: zb-h1's, or 1F1B's with each backward split into B and W
+  (`one_f_one_b_split`): p - s microbatches in flight on stage s, where `lockstep` runs forwards
+  ahead and holds 2(p-1-s)+1.
 
 Virtual stages (Megatron interleaving): model chunk c of stage s holds virtual stage k = c*p + s of
 V = v*p; chunk 0 on every stage for GPipe and 1F1B. F(mb, k) needs F(mb, k-1); B(mb, k) needs
@@ -154,11 +155,12 @@ def _place(orders: list[list[Task]], p: int, v: int) -> list[list[Task | None]]:
     return table
 
 
-def _place_zb(orders: list[list[Task]], p: int, m: int) -> list[list[Task | None]]:
+def _place_zb(orders: list[list[Task]], p: int, m: int, defer: bool = True) -> list[list[Task | None]]:
     """ZB-H1 per-op timeline: each stage runs its 1F1B order of F and B as soon as inputs exist and a
     pending W whenever the next F/B must wait. W's are deferred (B first keeps the critical path
     short, so the cool-down is filled with W's), but a stage never holds more than min(p, m)
-    microbatches whose W has not run: 1F1B's peak (stage 0), so the same activation memory."""
+    microbatches whose W has not run: 1F1B's peak (stage 0), so the same activation memory.
+    `defer=False` is 1F1B with its backward split: each W runs in the tick right after its B."""
     done: dict[tuple[str, int, int], int] = {}
     ptr, held, pend = [0] * p, [0] * p, [[] for _ in range(p)]  # held: F run, W not yet
     table, limit = [], min(p, m)
@@ -167,7 +169,9 @@ def _place_zb(orders: list[list[Task]], p: int, m: int) -> list[list[Task | None
         for s in range(p):
             op = orders[s][ptr[s]] if ptr[s] < len(orders[s]) else None
             ready = op is not None and all(done.get(d, t) < t for d in _deps(op, s, p, 1))
-            if ready and not (op.kind == "F" and held[s] >= limit and pend[s]):
+            if pend[s] and not defer:
+                row[s] = Task("W", pend[s][0])
+            elif ready and not (op.kind == "F" and held[s] >= limit and pend[s]):
                 row[s] = op
             elif pend[s]:
                 row[s] = Task("W", pend[s][0])
@@ -210,6 +214,23 @@ def interleaved(p: int, m: int, v: int) -> list[list[Task | None]]:
 def zb_h1(p: int, m: int) -> list[list[Task | None]]:
     _check_args("zb-h1", p, m, 1)
     return _place_zb(_1f1b_orders(p, m), p, m)
+
+
+def one_f_one_b_split(p: int, m: int) -> list[list[Task | None]]:
+    """1F1B's per-op timeline with each backward split into B (input gradient) and W (weight
+    gradients) run in the next tick: every op is about one forward long (B + W = 2F), so a tick of
+    the per-op executor, which waits for its slowest op, wastes nothing; stage s holds min(m, p - s)
+    microbatches' residuals and one B's stash. Ticks 3m + 2(p - 1): the input gradient reaches the
+    previous stage before W runs, so the bubble is 2(p - 1) op-ticks where 1F1B's is 3(p - 1)."""
+    _check_args("1f1b", p, m, 1)
+    return _place_zb(_1f1b_orders(p, m), p, m, defer=False)
+
+
+def per_op_table(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
+    """The timeline the per-op executor plays: zb-h1's, or 1F1B's with its backward split."""
+    if schedule_name == "1f1b":
+        return one_f_one_b_split(p, m)
+    return build(schedule_name, p, m, v)
 
 
 def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
@@ -284,25 +305,6 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
     return out
 
 
-def one_op_steps(table: list[list[Task | None]]) -> list[list[Step]]:
-    """A per-op timeline of F and B ops (1F1B, GPipe) as lockstep cells of one op each, every
-    forward moved into idle ticks as late as its consumer on the next stage allows, so each value is
-    consumed on the tick it arrives (the lockstep tick loop needs no inbox). Stage orders, the tick
-    count and the bubble stay the table's; residuals are held no longer (1F1B: p - s on stage s)."""
-    p, n = len(table[0]), len(table)
-    if any(op is not None and (op.kind == "W" or op.chunk) for row in table for op in row):
-        raise ScheduleError("one_op_steps takes F and B ops of one chunk per stage (no W, v = 1)")
-    cells = [list(row) for row in table]
-    f_tick = lambda s, mb: next(t for t in range(n) if cells[t][s] == Task("F", mb))
-    for s in reversed(range(p - 1)):  # consumers' ticks are final before their producers move
-        for t in reversed([t for t in range(n) if cells[t][s] is not None and cells[t][s].kind == "F"]):
-            op = cells[t][s]
-            due = f_tick(s + 1, op.mb) - 1
-            if due > t and all(cells[u][s] is None for u in range(t + 1, due + 1)):
-                cells[due][s], cells[t][s] = op, None
-    return [[Step(c, None) if c is not None and c.kind == "F" else Step(None, c) for c in row] for row in cells]
-
-
 # ---------------------------------------------------------------- checks and buffer sizes
 
 
@@ -372,6 +374,12 @@ def max_in_flight(table, stage: int) -> int:
 def residual_slots(table, stage: int) -> dict[tuple[int, int], int]:
     """A slot in [0, max_in_flight) per (mb, chunk) such that no two live residuals share one."""
     return assign_slots(_residual_intervals(table, stage))
+
+
+def stash_intervals(table, stage: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(mb, chunk) -> (tick of B, tick of its W) on one stage: how long B's stash waits for W."""
+    b = {(op.mb, op.chunk): t for t, op in _stage_orders(table)[stage] if op.kind == "B"}
+    return {k: (b[k], t) for t, op in _stage_orders(table)[stage] if op.kind == "W" for k in [(op.mb, op.chunk)]}
 
 
 def assign_slots(intervals: dict) -> dict:

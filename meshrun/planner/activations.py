@@ -119,6 +119,22 @@ def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: 
     return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
 
 
+def stash_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: bool, remat: str) -> float:
+    """Bytes per layer of B's stash under a split backward (per-op executor: what W reads of B's work,
+    `pipeline/zb_split.py`): the cotangents at each weight's use, i.e. the outputs of the fused qkv and
+    MLP-in matmuls (column-parallel, / t), of the two row-parallel matmuls (whole hidden rows) and of
+    the two norms (/ t under sequence parallelism), plus each norm's statistic. Under full remat B
+    recomputes the layer, so the weights' inputs go into the stash too (the normed inputs, the
+    attention output and the MLP activation). MoE expert weights are counted as a dense MLP."""
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    ff_in = (2 if m.mlp == "swiglu" else 1) * m.d_ff
+    h = m.d_model
+    per_token = (q + 2 * kv + ff_in) / t + 2 * h + 2 * h / (t if sp else 1) + 2
+    if remat == "full":
+        per_token += 2 * h + (q + m.d_ff) / t
+    return act * s * b * per_token
+
+
 def autodiff_bytes(
     m: ModelConfig, b: int, s: int, t: int, *, act: float, flash: bool, moe: bool = False, context: int = 1,
     kind: str = "allgather",

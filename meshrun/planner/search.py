@@ -248,10 +248,12 @@ def search(
     for layout in candidates(model, cluster, global_batch, seq_len, max_context):
         n_seen += 1
         r = evaluate(model, layout, cluster, global_batch, seq_len, **kw)
-        if r.hard and layout.schedule == "1f1b" and layout.pipe > 1 and kw.get("framework", "meshrun") == "meshrun":
-            # lockstep 1F1B holds min(m, 2p - 1) microbatches; the per-op executor p, at a slower tick
+        if layout.schedule == "1f1b" and layout.pipe > 1 and kw.get("framework", "meshrun") == "meshrun":
+            # lockstep 1F1B holds min(m, 2p - 1) microbatches; the per-op executor p (+ one B's stash),
+            # with a smaller bubble when its ticks are one op each: keep whichever fits and is faster
             r2 = evaluate(model, replace(layout, executor="per_op"), cluster, global_batch, seq_len, **kw)
-            r = r2 if not r2.hard else r
+            if (r.hard and not r2.hard) or (r.hard == r2.hard and r2.step_time < r.step_time):
+                r = r2
         if r.hard:
             if smallest is None or r.memory["total"] < smallest.memory["total"]:
                 smallest = r

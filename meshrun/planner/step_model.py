@@ -20,6 +20,7 @@ from meshrun.planner.activations import (
     context_working_bytes,
     meshrun_layer_bytes,
     saved_name_bytes,
+    stash_bytes,
 )
 from meshrun.planner.layout import Layout, precision_of, zero_divisors
 
@@ -27,17 +28,21 @@ from meshrun.planner.layout import Layout, precision_of, zero_divisors
 def pipeline_slots_formula(schedule: str, p: int, m: int, v: int, executor: str = "lockstep") -> int:
     """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
     GPipe m; 1F1B min(m, 2p - 1) (per-op executor: min(m, p), Megatron's); interleaved
-    min(m v, (v + 1) p - 1); zb-h1 2 min(m, p) (its per-op timeline holds min(m, p) microbatches
-    from F to W, each with its residuals and, after B, the stash W reads: a second activation set)."""
+    min(m v, (v + 1) p - 1); zb-h1 min(m, p) (its per-op timeline holds min(m, p) microbatches from F
+    to W; B's stash W reads has slots of its own, `stash_slots_formula`)."""
     if schedule == "gpipe":
         return m
-    if schedule == "1f1b" and executor == "per_op":  # Megatron's 1F1B: p - s on stage s
+    if schedule == "zb-h1" or (schedule == "1f1b" and executor == "per_op"):  # Megatron's 1F1B: p - s on stage s
         return min(m, p)
-    if schedule == "zb-h1":
-        return 2 * min(m, p)
     if schedule == "interleaved" and v > 1:
         return min(m * v, (v + 1) * p - 1)
     return min(m, 2 * p - 1)
+
+
+def stash_slots_formula(schedule: str, p: int, m: int) -> int:
+    """B's stash slots on the per-op executor (checked against the tables in tests/test_planner.py):
+    1F1B runs each W in the tick after its B (one), zb-h1 defers up to min(m, p) W's."""
+    return 1 if schedule == "1f1b" else min(m, p)
 
 
 @functools.lru_cache(maxsize=256)
@@ -173,8 +178,10 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
         # holds one being produced and one being consumed; GPipe's phases and the per-op ticks one
         both = lay.schedule in ("1f1b", "interleaved", "zb-h1") and lay.executor == "lockstep"
         acts = (slots + 1 + both) * chunk * per_layer + working
-        if lay.executor == "per_op" and lay.schedule == "1f1b":  # each slot's output gradient waits for its B
-            acts += (slots + 1) * layer_in
+        if lay.executor == "per_op":  # each slot's output gradient waits for its W; B's stash until W
+            stash = stash_bytes(model, b, sl, t, act=ab, sp=sp, remat=remat)
+            n_stash = stash_slots_formula(lay.schedule, p, lay.microbatches)
+            acts += slots * layer_in + n_stash * chunk * stash
         host_acts *= (slots + 1) * chunk
     else:
         acts = stage_layers * per_layer + working

@@ -277,14 +277,13 @@ def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: f
 def _bubble(layout: Layout) -> tuple[float, float]:
     """(idle micro-batch slots, bubble fraction) of the schedule: (p - 1) / v slots for 1F1B and
     interleaved; zb-h1 with F = B = W: (p - 1) x (F + B - W), a third of a micro-batch per stage;
-    1F1B on the per-op executor: its ticks' waits for the slowest op as well."""
+    1F1B on the per-op executor (its backward split into B and W, F = B = W): 3m + 2(p - 1) one-op
+    ticks, i.e. 2(p - 1) / 3 micro-batches of F + B + W (the input gradient reaches the previous stage
+    before W runs)."""
     p, v, m = layout.pipe, layout.virtual, layout.microbatches
     if layout.schedule == "zb-h1":
         return (p - 1) / 3, (p - 1) / (3 * m + p - 1)
     if layout.schedule == "1f1b" and layout.executor == "per_op" and p > 1:
-        # 2(m + p - 1) ticks of one op, each as long as the slowest op in it (B = 2F): 4(m + p - 1) - p
-        # forwards' time (checked against `schedules.one_op_steps` in tests/test_planner.py), i.e.
-        # (4(m + p - 1) - p) / 3 micro-batches of F + B where lockstep takes m + p - 1.
-        slots = (4 * (m + p - 1) - p) / 3 - m
+        slots = 2 * (p - 1) / 3  # checked against `schedules.one_f_one_b_split` in tests/test_planner.py
         return slots, slots / (m + slots)
     return (p - 1) / v, (p - 1) / (v * m + p - 1)
