@@ -438,6 +438,42 @@ def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
     assert shapes <= {(L, 2, S, D), (L, 2, S, F)} and len(shapes) == 2, shapes
 
 
+def test_zb_split_w_adds_into_the_sums_layer_by_layer():
+    """`run_w(..., acc=sums)` returns sums + the weight gradients (float32 sums, bf16 gradients), adding
+    each layer's slice inside W's layer loop: the compiled W holds the sums and one layer's gradient,
+    so its temp bytes are below the plain W + add by the stacked gradients less one layer's gradient
+    and its float32 slice."""
+    from meshrun.pipeline import zb_split
+
+    lp = jax.tree.map(lambda a: a.astype(jnp.bfloat16), toy_params()["layers"])
+    x = jax.random.normal(jax.random.key(5), (2, S, D), jnp.bfloat16)
+    (y, aux), vjp = jax.vjp(toy_layers, lp, x)
+    leaves, tdef = jax.tree.flatten(vjp)
+    cot = (jnp.ones_like(y), {"sq": jnp.asarray(0.1, aux["sq"].dtype)})
+    full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))
+    cj = jax.make_jaxpr(full)(leaves, cot)
+    n = len(cj.jaxpr.outvars) - 1
+    plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+    args = jax.tree.leaves((leaves, cot))
+    _, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, args)
+    sums = [jax.random.normal(jax.random.key(k), a.shape, jnp.float32) for k, a in enumerate(jax.tree.leaves(lp))]
+
+    def plain(a, st, g):
+        return [s + d.astype(jnp.float32) for s, d in zip(g, zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st)[:n])]
+
+    def inplace(a, st, g):
+        return zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st, [*g, None])[:n]
+
+    for got, want in zip(inplace(args, stash, sums), plain(args, stash, sums), strict=True):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    compiled = lambda f: jax.jit(f, donate_argnums=2).lower(args, stash, sums).compile()
+    temp = lambda f: compiled(f).memory_analysis().temp_size_in_bytes
+    stacked = sum(a.size * 2 for a in jax.tree.leaves(lp))  # the stage's bf16 gradients, all layers
+    # in place, W still holds one layer's bf16 gradient and the float32 slice it is added to
+    assert temp(plain) - temp(inplace) >= stacked - 3 * stacked // L
+
+
 def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:
     """(collective, runs per step) for every collective in compiled HLO text."""
     return [(c, c.per_step) for c in hlo.collectives(text, dict(mesh.shape))]

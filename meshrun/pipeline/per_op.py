@@ -36,8 +36,9 @@ class OpRun(StageRun):
         self.nslot = self.prog.slots
 
     def split_backward(self, mb, saved, dy):
-        """(B, W) for microbatch `mb`: B(saved, dy) -> (dx, stash), W(saved, dy, stash) -> weight
-        grads, from one split of the stage backward's jaxpr (`zb_split`)."""
+        """(B, W) for microbatch `mb`: B(saved, dy) -> (dx, stash), W(saved, dy, stash, sums) -> the
+        float32 weight-gradient sums plus this microbatch's weight gradients, added layer by layer
+        inside W's layer loop (`zb_split.run_w`'s acc), from one split of the stage backward's jaxpr."""
         chunk_def = jax.tree.structure(jax.eval_shape(lambda: self.chunk(0)))
 
         def bwd(saved, dy):
@@ -52,8 +53,10 @@ class OpRun(StageRun):
             outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(saved, dy))
             return outs[-1], stash
 
-        def w(saved, dy, stash):
-            return jax.tree.unflatten(chunk_def, zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(saved, dy), stash)[:n])
+        def w(saved, dy, stash, sums):
+            acc = [*jax.tree.leaves(sums), None]
+            outs = zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(saved, dy), stash, acc)
+            return jax.tree.unflatten(chunk_def, outs[:n])
 
         return b, w
 
@@ -127,8 +130,8 @@ class OpRun(StageRun):
         dx, c["dy"], c["stash"], c["g_other"] = lax.cond(op == 2, backward_input, no_backward_input)
 
         def backward_weights():
-            d_p = w_part(at_slot(c["res"]), take(c["dy"], slot), jax.tree.map(lambda b: take(b, sslot), c["stash"]))
-            return self.add_grads(c["g_layers"], d_p, 0)
+            stash = jax.tree.map(lambda b: take(b, sslot), c["stash"])
+            return w_part(at_slot(c["res"]), take(c["dy"], slot), stash, c["g_layers"])  # per-op: v = 1
 
         c["g_layers"] = lax.cond(op == 3, backward_weights, lambda: c["g_layers"])
         c["loss"] = c["loss"] + ls

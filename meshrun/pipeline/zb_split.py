@@ -165,23 +165,55 @@ def run_b(jaxpr, plan: Plan, consts, args):
     return [_read(env, v) for v in jaxpr.outvars], {"v": [env[v] for v in plan.stash], "s": sub}
 
 
-def run_w(jaxpr, plan: Plan, consts, args, stash):
-    """Outputs of the W part (None where W does not produce them), given B's stash."""
+def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None):
+    """Outputs of the W part (None where W does not produce them), given B's stash.
+
+    `acc` (a list aligned with the outputs, None where not wanted): output k becomes acc[k] + its
+    value in acc[k]'s dtype. An output that is the stacked ys of a split scan (the layer loop's weight
+    gradients) and feeds nothing else is added in place inside that scan, one iteration's slice at a
+    time, so no stacked gradient of the whole stage is ever formed: gradient accumulation into the
+    float32 sums needs the sums plus one layer's gradient, not the sums plus the stage's."""
     env = _env(jaxpr, consts, args)
     env.update(zip(plan.stash, stash["v"], strict=True))
+    into = _accumulable(jaxpr, acc)
+    done = set()
     for i, (eqn, r) in enumerate(zip(jaxpr.eqns, plan.roles, strict=True)):
         if r is None or r == "B":
             continue
         ins = [_read(env, v) for v in eqn.invars]
         if isinstance(r, Split) and r.kind == "scan":
-            outs = _scan_w(eqn, r, ins, stash["s"][i])
+            ncar = eqn.params["num_carry"]
+            here = {k - ncar: into[v] for k, v in enumerate(eqn.outvars) if k >= ncar and v in into}
+            outs = _scan_w(eqn, r, ins, stash["s"][i], here)
+            done |= {v for k, v in enumerate(eqn.outvars) if k - ncar in here}
         elif isinstance(r, Split):
             body, bc = _inner(eqn)
             outs = run_w(body, r.body, bc, ins, stash["s"][i])
         else:
             outs = _bind(eqn, ins)
         env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if o is not None and _is_var(v))
-    return [_read(env, v) for v in jaxpr.outvars]
+    outs = [_read(env, v) for v in jaxpr.outvars]
+    for k, a in enumerate(acc or []):
+        if a is not None and jaxpr.outvars[k] not in done:
+            outs[k] = a + outs[k].astype(a.dtype)
+    return outs
+
+
+def _accumulable(jaxpr, acc) -> dict:
+    """{outvar: accumulator} for the outputs that may be accumulated inside their scan: produced by a
+    scan as ys, used by no other equation and returned once."""
+    if not acc:
+        return {}
+    uses: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if _is_var(v):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if _is_var(v):
+            uses[v] = uses.get(v, 0) + 1
+    ys = {v for eqn in jaxpr.eqns if eqn.primitive.name == "scan" for v in eqn.outvars[eqn.params["num_carry"] :]}
+    return {v: a for v, a in zip(jaxpr.outvars, acc, strict=True) if a is not None and v in ys and uses[v] == 1}
 
 
 def _scan_parts(eqn, ins):
@@ -206,24 +238,39 @@ def _scan_b(eqn, sp: Split, ins):
     return _scan_outs(len(eqn.outvars), ncar, sp.b_car, last, sp.b_out, ys), {"body": st, "carry_in": cin}
 
 
-def _scan_w(eqn, sp: Split, ins, stash):
+def _scan_w(eqn, sp: Split, ins, stash, acc=None):
+    """The W part of a split scan; `acc` {ys index: accumulator}: those ys are added into their
+    accumulator's slice of the iteration (carried, updated in place) instead of being stacked."""
     body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
     xs = [x if n else None for x, n in zip(xs, sp.body.in_w[nc + ncar :], strict=True)]
+    acc = acc or {}
+    keys = sorted(acc)
 
     def step(carry, x):
-        xv, st, cin = x
+        carry, sums = carry
+        xv, st, cin, i = x
         car = [None] * ncar
         for j, c in zip(sp.w_car, carry, strict=True):
             car[j] = c
         for j, c in zip(sp.car_stash, cin, strict=True):
             car[j] = c
         outs = run_w(body.jaxpr, sp.body, body.consts, consts + car + list(xv), st)
-        return [outs[j] for j in sp.w_car], [o for o, n in zip(outs[ncar:], sp.w_out[ncar:], strict=True) if n]
+        ys = outs[ncar:]
+        sums = [
+            lax.dynamic_update_index_in_dim(a, lax.dynamic_index_in_dim(a, i, 0, False) + ys[k].astype(a.dtype), i, 0)
+            for k, a in zip(keys, sums, strict=True)
+        ]  # fmt: skip
+        made = [o if k not in acc else None for k, (o, n) in enumerate(zip(ys, sp.w_out[ncar:], strict=True)) if n]
+        return ([outs[j] for j in sp.w_car], sums), made
 
     p = eqn.params
-    xs_all = (xs, stash["body"], stash["carry_in"])
-    last, ys = lax.scan(step, [init[j] for j in sp.w_car], xs_all, length=p["length"], reverse=p["reverse"])
-    return _scan_outs(len(eqn.outvars), ncar, sp.w_car, last, sp.w_out, ys)
+    xs_all = (xs, stash["body"], stash["carry_in"], lax.iota("int32", p["length"]))
+    init_all = ([init[j] for j in sp.w_car], [acc[k] for k in keys])
+    (last, sums), ys = lax.scan(step, init_all, xs_all, length=p["length"], reverse=p["reverse"])
+    outs = _scan_outs(len(eqn.outvars), ncar, sp.w_car, last, sp.w_out, ys)
+    for k, a in zip(keys, sums, strict=True):
+        outs[ncar + k] = a
+    return outs
 
 
 def _scan_outs(n_out: int, ncar: int, car: list, last, made: list, ys) -> list:
