@@ -381,10 +381,10 @@ def test_model_that_fits_nowhere_says_smallest_memory(gpt3):
         search.search(gpt3, parse_cluster("a100-80g:1x8"), 64, 2048, name="gpt3-175b")
     need = float(re.search(r"at least ([\d.]+) GB", str(e.value)).group(1))
     psi = cost.param_counts(gpt3)["total"]
-    # meshrun's model states, spread over 8 GPUs: bf16 params 2, grads 2 + fp32 accumulator 4, fp32 master,
-    # Adam m, v 12 + the fp32 update temporary 4.
-    assert need * GB >= 24 * psi / 8
-    assert need * GB == pytest.approx(24 * psi / 8, rel=0.03)
+    # meshrun's model states, spread over 8 GPUs: bf16 params 2, the fp32 gradient sums 4, fp32 master,
+    # Adam m, v 12 + the fp32 update temporary 4; the smallest layout is a per-op pipeline, whose fresh
+    # bf16 gradients are one layer's (W adds in place), not a whole stage's (+2 per parameter)
+    assert 22 * psi / 8 <= need * GB < 24 * psi / 8
     assert e.value.field == "--model"
 
 
