@@ -15,6 +15,7 @@ from jax import lax
 from meshrun.family import contract
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
+from meshrun.pipeline import zb_split
 from meshrun.pipeline.split import LayerSplit
 from meshrun.pipeline.stage import activation_residuals, uneven_apply
 
@@ -71,6 +72,15 @@ class StageRun:
         if self.v == 1:
             return self.layers_v
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers_v)
+
+    def pullback_into(self, vjp, dy, g_layers, ch):
+        """(g_layers + chunk ch's weight gradients, dx) from the chunk's vjp: the backward's layer
+        loop adds each layer's gradients into the float32 sums in place (`zb_split.vjp_into`), so
+        the chunk's whole fresh gradient (param dtype) is never held beside the sums."""
+        if self.v == 1:
+            return zb_split.vjp_into(vjp, (dy, self.aux_cot), g_layers)
+        g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: take(a, ch), g_layers))
+        return jax.tree.map(lambda a, n: put(a, ch, n), g_layers, g), dx
 
     def add_grads(self, g_layers, d_p, ch):
         if self.v == 1:
@@ -153,11 +163,15 @@ class StageRun:
 
         def run():  # reads its residuals itself: an operand slice taken outside the cond is a copy
             saved = [take(b, slot) for b in c["res"]]
-            d_p, dx = self.pullback(ch, mb, saved)((dy, self.aux_cot))
-            if not self.pl.skip_idle:  # computed on fill values: mask the weight gradients
+            vjp = self.pullback(ch, mb, saved)
+            if self.pl.skip_idle:  # the layer loop adds each layer's weight gradients into the sums
+                g_l, dx = self.pullback_into(vjp, dy, c["g_layers"], ch)
+            else:  # computed on fill values: mask the weight gradients
+                d_p, dx = vjp((dy, self.aux_cot))
                 d_p = jax.tree.map(lambda d: jnp.where(valid, d, 0), d_p)
+                g_l = self.add_grads(c["g_layers"], d_p, ch)
             d_o = self.embed_grad(first, mb, dx)
-            return self.add_grads(c["g_layers"], d_p, ch), dx, jax.tree.map(jnp.add, c["g_other"], d_o)
+            return g_l, dx, jax.tree.map(jnp.add, c["g_other"], d_o)
 
         def idle():  # the sums pass through: no zero gradients made and added on idle ticks
             return c["g_layers"], self.full(self.x_aval.shape, self.x_aval.dtype), c["g_other"]

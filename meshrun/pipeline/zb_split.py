@@ -22,6 +22,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 from jax import lax
 from jax.extend import core as jc
 
@@ -282,3 +283,44 @@ def _scan_outs(n_out: int, ncar: int, car: list, last, made: list, ys) -> list:
         if n:
             outs[ncar + k] = next(it)
     return outs
+
+
+# ---------------------------------------------------------------- whole backward, accumulating
+
+
+def _whole_plan(jaxpr) -> tuple[Plan, dict]:
+    """A plan that runs all of `jaxpr` as W, its top-level scans re-created (so `run_w`'s acc can add
+    their ys in place), and the empty stash it reads."""
+    roles, stash = [], {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "scan":
+            roles.append("W")
+            continue
+        body = eqn.params["jaxpr"].jaxpr
+        n_in, ncar, n_out = len(body.invars), eqn.params["num_carry"], len(eqn.outvars)
+        bp = Plan(["W"] * len(body.eqns), [], [False] * n_in, [True] * n_in)
+        roles.append(Split("scan", bp, [False] * n_out, [True] * n_out, [], list(range(ncar)), []))
+        stash[i] = {"body": {"v": [], "s": {}}, "carry_in": []}
+    n = len(jaxpr.invars)
+    return Plan(roles, [], [False] * n, [True] * n), {"v": [], "s": stash}
+
+
+def vjp_into(vjp_fn, cot, sums):
+    """`vjp_fn(cot)` = (weight cotangents, *others) with the weight cotangents added into `sums` (a
+    pytree like them, e.g. float32 gradient sums): ys of the backward's layer loop are added slice by
+    slice inside the loop (`run_w`'s acc), so the stage's whole fresh gradient is never formed.
+    Returns (sums + weight cotangents, *others)."""
+    leaves, tdef = jax.tree.flatten(vjp_fn)
+    out_tree = []
+
+    def bwd(lv, ct):
+        out = jax.tree.unflatten(tdef, lv)(ct)
+        out_tree.append(jax.tree.structure(out))
+        return jax.tree.leaves(out)
+
+    cj = jax.make_jaxpr(bwd)(leaves, cot)
+    plan, stash = _whole_plan(cj.jaxpr)
+    acc = jax.tree.leaves(sums)
+    acc = acc + [None] * (len(cj.jaxpr.outvars) - len(acc))
+    outs = run_w(cj.jaxpr, plan, cj.consts, jax.tree.leaves((leaves, cot)), stash, acc)
+    return jax.tree.unflatten(out_tree[0], outs)

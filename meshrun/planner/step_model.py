@@ -71,8 +71,8 @@ def predict_memory_jax(
     """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
     argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
     * SPMD: every pipeline stage holds the embedding, head and final norm (replicated over 'pipe').
-    * grads: the microbatch-loop carry plus the fresh microbatch gradient (2x when m > 1); on the
-      per-op pipeline executor the carry plus one layer's fresh gradient (W adds in place).
+    * grads: the microbatch gradient; when m > 1 the float32 sums plus one layer's fresh gradient
+      and the embedding/head's (the backward's layer loop adds in place, `zb_split.vjp_into`).
     * optimizer: Adam m and v in the param dtype, plus one param-sized temporary of the update
       (clipped gradients / updates; params, m and v are donated and updated in place).
     * activations: `activations.meshrun_layer_bytes` per layer; without a pipeline one micro-batch's worth
@@ -131,9 +131,9 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     eshard = zero_divisors(lay.zero, lay.data * lay.context)
     params = stored = pb * (dense / shard[0] + experts / eshard[0])
     grads = pb * (dense / shard[1] + experts / eshard[1])
-    if lay.pipe > 1 and lay.executor == "per_op":
-        # W adds each layer's weight gradients into the float32 sums inside its layer loop
-        # (`zb_split.run_w`): fresh gradients are one layer's and the embedding/head's
+    if lay.microbatches > 1:
+        # the backward's layer loop adds each layer's weight gradients into the float32 sums in place
+        # (`zb_split.vjp_into` / `run_w`): fresh gradients are one layer's and the embedding/head's
         one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
         other = (counts["embedding"] + counts["head"]) / t + h
         grads = pb * (other / shard[1] + one_layer)

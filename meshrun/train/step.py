@@ -30,6 +30,7 @@ from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
+from meshrun.pipeline import zb_split
 from meshrun.pipeline.executor import Pipeline
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
@@ -134,8 +135,14 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             grad_fn = jax.grad(share, has_aux=True)
 
             def micro(acc, mb):
-                g, sums = grad_fn(params, *mb)
-                return jax.tree.map(jnp.add, acc, (g, sums)), None
+                if m == 1:  # nothing to accumulate: the gradient is the sum
+                    g, sums = grad_fn(params, *mb)
+                    return jax.tree.map(jnp.add, acc, (g, sums)), None
+                # the backward's layer loop adds each layer's gradients into the float32 sums in
+                # place (`zb_split.vjp_into`): no whole fresh gradient beside the sums
+                loss, vjp, sums = jax.vjp(lambda p: share(p, *mb), params, has_aux=True)
+                (g,) = zb_split.vjp_into(vjp, jnp.ones_like(loss), (acc[0],))
+                return (g, jax.tree.map(jnp.add, acc[1], sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
             zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
