@@ -87,12 +87,16 @@ def test_model_states_bytes_per_param(gpt3):
     assert states == pytest.approx(18 * psi, rel=1e-9)
     assert states * 16 / 18 == pytest.approx(2.8e12, rel=0.01)  # the seed's 2.8 TB at 16 B/param
     # meshrun: grads in the param dtype, fp32 master + Adam m, v (12 B, as Megatron); + the float32
-    # accumulator (m > 1) and the float32 update temporary.
+    # update temporary. With m > 1 the float32 sums, into which the backward's layer loop adds each
+    # layer's gradient in place: fresh bf16 gradients are one layer's and the embedding/head's.
     assert cost.precision_of(gpt3) == cost.Precision(param=2, grad=2, opt=12, act=2)
     one = predict_memory(gpt3, seq_len=2048, remat="full")
     acc = predict_memory(gpt3, seq_len=2048, remat="full", microbatches=4)
     assert one["params"] + one["grads"] + one["optimizer"] == pytest.approx(20 * psi, rel=1e-3)
-    assert acc["grads"] - one["grads"] == pytest.approx(4 * psi, rel=1e-3)  # zero.accum_zeros: fp32 sums
+    c = cost.param_counts(gpt3)
+    fresh = c["embedding"] + c["head"] + gpt3.d_model + c["layers"] / gpt3.n_layers
+    assert acc["grads"] == pytest.approx(4 * psi + 2 * fresh, rel=1e-3)  # zero.accum_zeros: fp32 sums
+    assert acc["grads"] < 4.05 * psi
 
 
 @pytest.mark.parametrize("zero,expect", [(0, lambda d: 18), (1, lambda d: 6 + 12 / d), (2, lambda d: 2 + 16 / d)])
