@@ -110,8 +110,9 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         program = tick_program(pc, shape["pipe"])  # checks the schedule first, then the layer split
         costs = unit_costs(cfg.model, cfg.train.seq_len) if pc.balance == "auto" else None
         split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
-        stage_bubbles = tuple(schedules.stage_bubbles(schedules.build(pc.schedule, shape["pipe"], pc.microbatches,
-                                                                      pc.virtual)))  # fmt: skip
+        build = schedules.per_op_table if program.per_op else schedules.build
+        table = build(pc.schedule, shape["pipe"], pc.microbatches, pc.virtual)
+        stage_bubbles = tuple(schedules.stage_bubbles(table))  # per-op tables: F = B = W
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
