@@ -149,7 +149,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   %dot.1 = f32[4]{0} dot(%a, %a), metadata={op_name="jit(step)/jvp(layer)/dot_general"}
   %fusion.2 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused, metadata={stack_frame_id=3}
   %ppermute.3 = f32[4]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,1},{1,0}}
-  %dot.4 = f32[4]{0} dot(%a, %a), metadata={op_name="jit(step)/while/body/closed_call/cond/branch_3_fun/dot"}
+  %dot.4 = f32[4]{0} dot(%a, %a), metadata={op_name="jit(step)/while/body/closed_call/per_op_W/cond/branch_1_fun/dot"}
   ROOT %add.5 = f32[4]{0} add(%a, %a), metadata={op_name="jit(step)/add"}
 }
 """
@@ -159,10 +159,10 @@ def test_op_phases_from_op_names():
     from meshrun.analysis.trace import op_phases
 
     got = op_phases(PHASE_HLO)
-    # no W branch in the text (only branch_3 via dot.4 -> per-op executor detected: branch 3 is W)
+    # the per-op executor's W scope (dot.4) marks a per-op program: its ops take the tick op's phase
     assert got["dot.1"] == "forward" and got["fusion.2"] == "backward" and got["mul.9"] == "backward"
     assert got["dot.4"] == "weight" and got["add.5"] == "other"
-    lockstep = PHASE_HLO.replace("cond/branch_3_fun/dot", "dot")  # no per-op switch: no W phase
+    lockstep = PHASE_HLO.replace("per_op_W/cond/branch_1_fun/dot", "dot")  # no per-op tick: no W phase
     assert op_phases(lockstep)["dot.4"] == "other"
 
 

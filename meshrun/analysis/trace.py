@@ -148,13 +148,14 @@ PHASES = ("forward", "backward", "weight", "other")  # what a compute op does; p
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
-# The per-op executor's tick (`pipeline/per_op.py`): lax.switch(op, [idle, F, B, W]) in the tick loop.
-_TICK_BRANCH = re.compile(r"while/body/closed_call/cond/branch_(\d)_fun")
+# The per-op executor's tick (`pipeline/per_op.py`): one cond per op, each under its name scope
+# (`per_op.OP_SCOPES`: per_op_F, per_op_B, per_op_W).
+_TICK_OP = re.compile(r"/per_op_([FBW])/")
 
 
 def _phase(op_name: str, per_op: bool) -> str:
-    if per_op and (m := _TICK_BRANCH.search(op_name)):
-        return {1: "forward", 2: "backward", 3: "weight"}.get(int(m.group(1)), "other")
+    if per_op and (m := _TICK_OP.search(op_name)):
+        return {"F": "forward", "B": "backward", "W": "weight"}[m.group(1)]
     if "transpose(" in op_name:  # autodiff's backward pass (weight gradients included: one fused backward)
         return "backward"
     if "jvp(" in op_name:  # the forward pass of a vjp
@@ -164,11 +165,11 @@ def _phase(op_name: str, per_op: bool) -> str:
 
 def op_phases(hlo_text: str) -> dict[str, str]:
     """Instruction name -> PHASES entry, from the op_name metadata jax writes into the HLO: under
-    autodiff's `transpose(` -> backward, under `jvp(` -> forward; with the per-op executor (zb-h1, its
-    tick switch has a W branch) the branch of the tick decides: F, B (input gradient), W (weight
-    gradients). An instruction without op_name (XLA's fusions) takes the phase of the first
+    autodiff's `transpose(` -> backward, under `jvp(` -> forward; with the per-op executor (its
+    tick's ops run under the name scopes per_op_F/B/W) the op of the tick decides: F, B (input
+    gradient), W (weight gradients). An instruction without op_name (XLA's fusions) takes the phase of the first
     instruction with one in the computation it calls, else the most common one of its computation."""
-    per_op = "closed_call/cond/branch_3_fun" in hlo_text
+    per_op = "/per_op_W/" in hlo_text
     comps = hlo.computations(hlo_text)
     named: dict[str, str | None] = {}  # instruction -> phase, None: no op_name
     calls: dict[str, str] = {}

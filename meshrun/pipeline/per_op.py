@@ -25,6 +25,8 @@ from jax import lax
 from meshrun.pipeline import zb_split
 from meshrun.pipeline.stage_run import StageRun, put, take
 
+OP_SCOPES = {"F": "per_op_F", "B": "per_op_B", "W": "per_op_W"}  # name scopes of a tick's three ops
+
 
 class OpRun(StageRun):
     """`StageRun` for a per-op program (zb-h1, per-op 1F1B): `run_tick` is one op per stage."""
@@ -115,7 +117,8 @@ class OpRun(StageRun):
         def no_forward():
             return fill(), c["res"], c["dy"], c["g_other"], zero, no_aux()
 
-        y, c["res"], c["dy"], c["g_other"], ls, aux = lax.cond(op == 1, forward, no_forward)
+        with jax.named_scope(OP_SCOPES["F"]):  # the profile's timeline reads the op from these names
+            y, c["res"], c["dy"], c["g_other"], ls, aux = lax.cond(op == 1, forward, no_forward)
 
         def backward_input():
             dy = jnp.where(last, take(c["dy"], slot), g_in)
@@ -127,13 +130,15 @@ class OpRun(StageRun):
         def no_backward_input():
             return fill(), c["dy"], c["stash"], c["g_other"]
 
-        dx, c["dy"], c["stash"], c["g_other"] = lax.cond(op == 2, backward_input, no_backward_input)
+        with jax.named_scope(OP_SCOPES["B"]):
+            dx, c["dy"], c["stash"], c["g_other"] = lax.cond(op == 2, backward_input, no_backward_input)
 
         def backward_weights():
             stash = jax.tree.map(lambda b: take(b, sslot), c["stash"])
             return w_part(at_slot(c["res"]), take(c["dy"], slot), stash, c["g_layers"])  # per-op: v = 1
 
-        c["g_layers"] = lax.cond(op == 3, backward_weights, lambda: c["g_layers"])
+        with jax.named_scope(OP_SCOPES["W"]):
+            c["g_layers"] = lax.cond(op == 3, backward_weights, lambda: c["g_layers"])
         c["loss"] = c["loss"] + ls
         c["aux"] = {k: c["aux"][k] + aux[k] for k in c["aux"]}
         return c, y, dx
