@@ -71,8 +71,9 @@ def predict_memory_jax(
     """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
     argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
     * SPMD: every pipeline stage holds the embedding, head and final norm (replicated over 'pipe').
-    * grads: the microbatch gradient; when m > 1 the float32 sums plus one layer's fresh gradient
-      and the embedding/head's (the backward's layer loop adds in place, `zb_split.vjp_into`).
+    * grads: the microbatch gradient, whole at every ZeRO stage (the data-parallel reduction runs
+      once after the loop, so ZeRO-2 = ZeRO-1 here); when m > 1 the float32 sums plus one layer's
+      fresh gradient and the embedding/head's (the backward's layer loop adds in place, `zb_split.vjp_into`).
     * optimizer: Adam m and v in the param dtype, plus one param-sized temporary of the update
       (clipped gradients / updates; params, m and v are donated and updated in place).
     * activations: `activations.meshrun_layer_bytes` per layer; without a pipeline one micro-batch's worth
@@ -130,13 +131,16 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     shard = zero_divisors(lay.zero, lay.data * lay.expert * lay.context)
     eshard = zero_divisors(lay.zero, lay.data * lay.context)
     params = stored = pb * (dense / shard[0] + experts / eshard[0])
-    grads = pb * (dense / shard[1] + experts / eshard[1])
+    # Fresh gradients are whole on every device at every ZeRO stage: the one data-parallel reduction
+    # (reduce-scatter from ZeRO-1 on) runs after the loop, so ZeRO-2 holds what ZeRO-1 holds (no
+    # per-micro-batch reduce-scatter as in DeepSpeed); only the reduced output is a 1/dp shard.
+    grads = pb * (dense + experts)
     if lay.microbatches > 1:
         # the backward's layer loop adds each layer's weight gradients into the float32 sums in place
         # (`zb_split.vjp_into` / `run_w`): fresh gradients are one layer's and the embedding/head's
         one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
         other = (counts["embedding"] + counts["head"]) / t + h
-        grads = pb * (other / shard[1] + one_layer)
+        grads = pb * (other + one_layer)
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
     # Adam m, v (+ the fp32 master under bf16 params) and the float32 update temporary, all where ZeRO
