@@ -472,6 +472,14 @@ def test_zb_split_w_adds_into_the_sums_layer_by_layer():
     stacked = sum(a.size * 2 for a in jax.tree.leaves(lp))  # the stage's bf16 gradients, all layers
     # in place, W still holds one layer's bf16 gradient and the float32 slice it is added to
     assert temp(plain) - temp(inplace) >= stacked - 3 * stacked // L
+    # keep=False (an idle cell that computed on fill values): nothing is added, NaNs included
+    nan_cot = (jnp.full_like(y, jnp.nan), cot[1])
+    nan_args = jax.tree.leaves((leaves, nan_cot))
+    _, nan_stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, nan_args)
+    for keep, a, st, want in ((False, nan_args, nan_stash, sums), (True, args, stash, inplace(args, stash, sums))):
+        got = zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st, [*sums, None], keep=jnp.asarray(keep))[:n]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def executed(text: str, mesh) -> list[tuple[hlo.Collective, int]]:

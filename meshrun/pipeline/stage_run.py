@@ -73,19 +73,15 @@ class StageRun:
             return self.layers_v
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers_v)
 
-    def pullback_into(self, vjp, dy, g_layers, ch):
+    def pullback_into(self, vjp, dy, g_layers, ch, keep=None):
         """(g_layers + chunk ch's weight gradients, dx) from the chunk's vjp: the backward's layer
         loop adds each layer's gradients into the float32 sums in place (`zb_split.vjp_into`), so
-        the chunk's whole fresh gradient (param dtype) is never held beside the sums."""
+        the chunk's whole fresh gradient (param dtype) is never held beside the sums. `keep`: a cell
+        that computes when idle adds zeros where it is false (its gradients come from fill values)."""
         if self.v == 1:
-            return zb_split.vjp_into(vjp, (dy, self.aux_cot), g_layers)
-        g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: take(a, ch), g_layers))
+            return zb_split.vjp_into(vjp, (dy, self.aux_cot), g_layers, keep)
+        g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: take(a, ch), g_layers), keep)
         return jax.tree.map(lambda a, n: put(a, ch, n), g_layers, g), dx
-
-    def add_grads(self, g_layers, d_p, ch):
-        if self.v == 1:
-            return jax.tree.map(lambda g, d: g + d.astype(g.dtype), g_layers, d_p)
-        return jax.tree.map(lambda g, d: put(g, ch, take(g, ch) + d.astype(g.dtype)), g_layers, d_p)
 
     def full(self, shape, dtype):
         return jnp.full(shape, self.fill, dtype)
@@ -166,10 +162,8 @@ class StageRun:
             vjp = self.pullback(ch, mb, saved)
             if self.pl.skip_idle:  # the layer loop adds each layer's weight gradients into the sums
                 g_l, dx = self.pullback_into(vjp, dy, c["g_layers"], ch)
-            else:  # computed on fill values: mask the weight gradients
-                d_p, dx = vjp((dy, self.aux_cot))
-                d_p = jax.tree.map(lambda d: jnp.where(valid, d, 0), d_p)
-                g_l = self.add_grads(c["g_layers"], d_p, ch)
+            else:  # computed on fill values: each layer's weight gradients are masked as they are added
+                g_l, dx = self.pullback_into(vjp, dy, c["g_layers"], ch, valid)
             d_o = self.embed_grad(first, mb, dx)
             return g_l, dx, jax.tree.map(jnp.add, c["g_other"], d_o)
 

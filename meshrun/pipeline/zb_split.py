@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jc
 
@@ -166,14 +167,15 @@ def run_b(jaxpr, plan: Plan, consts, args):
     return [_read(env, v) for v in jaxpr.outvars], {"v": [env[v] for v in plan.stash], "s": sub}
 
 
-def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None):
+def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None, keep=None):
     """Outputs of the W part (None where W does not produce them), given B's stash.
 
     `acc` (a list aligned with the outputs, None where not wanted): output k becomes acc[k] + its
     value in acc[k]'s dtype. An output that is the stacked ys of a split scan (the layer loop's weight
     gradients) and feeds nothing else is added in place inside that scan, one iteration's slice at a
     time, so no stacked gradient of the whole stage is ever formed: gradient accumulation into the
-    float32 sums needs the sums plus one layer's gradient, not the sums plus the stage's."""
+    float32 sums needs the sums plus one layer's gradient, not the sums plus the stage's. `keep` (a
+    scalar bool, or None): where false, zeros are added instead (a cell that computed on fill values)."""
     env = _env(jaxpr, consts, args)
     env.update(zip(plan.stash, stash["v"], strict=True))
     into = _accumulable(jaxpr, acc)
@@ -185,7 +187,7 @@ def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None):
         if isinstance(r, Split) and r.kind == "scan":
             ncar = eqn.params["num_carry"]
             here = {k - ncar: into[v] for k, v in enumerate(eqn.outvars) if k >= ncar and v in into}
-            outs = _scan_w(eqn, r, ins, stash["s"][i], here)
+            outs = _scan_w(eqn, r, ins, stash["s"][i], here, keep)
             done |= {v for k, v in enumerate(eqn.outvars) if k - ncar in here}
         elif isinstance(r, Split):
             body, bc = _inner(eqn)
@@ -196,8 +198,12 @@ def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None):
     outs = [_read(env, v) for v in jaxpr.outvars]
     for k, a in enumerate(acc or []):
         if a is not None and jaxpr.outvars[k] not in done:
-            outs[k] = a + outs[k].astype(a.dtype)
+            outs[k] = a + _kept(outs[k].astype(a.dtype), keep)
     return outs
+
+
+def _kept(x, keep):
+    return x if keep is None else jnp.where(keep, x, jnp.zeros_like(x))
 
 
 def _accumulable(jaxpr, acc) -> dict:
@@ -239,7 +245,7 @@ def _scan_b(eqn, sp: Split, ins):
     return _scan_outs(len(eqn.outvars), ncar, sp.b_car, last, sp.b_out, ys), {"body": st, "carry_in": cin}
 
 
-def _scan_w(eqn, sp: Split, ins, stash, acc=None):
+def _scan_w(eqn, sp: Split, ins, stash, acc=None, keep=None):
     """The W part of a split scan; `acc` {ys index: accumulator}: those ys are added into their
     accumulator's slice of the iteration (carried, updated in place) instead of being stacked."""
     body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
@@ -257,10 +263,8 @@ def _scan_w(eqn, sp: Split, ins, stash, acc=None):
             car[j] = c
         outs = run_w(body.jaxpr, sp.body, body.consts, consts + car + list(xv), st)
         ys = outs[ncar:]
-        sums = [
-            lax.dynamic_update_index_in_dim(a, lax.dynamic_index_in_dim(a, i, 0, False) + ys[k].astype(a.dtype), i, 0)
-            for k, a in zip(keys, sums, strict=True)
-        ]  # fmt: skip
+        add = lambda a, y: lax.dynamic_index_in_dim(a, i, 0, False) + _kept(y.astype(a.dtype), keep)
+        sums = [lax.dynamic_update_index_in_dim(a, add(a, ys[k]), i, 0) for k, a in zip(keys, sums, strict=True)]
         made = [o if k not in acc else None for k, (o, n) in enumerate(zip(ys, sp.w_out[ncar:], strict=True)) if n]
         return ([outs[j] for j in sp.w_car], sums), made
 
@@ -305,11 +309,12 @@ def _whole_plan(jaxpr) -> tuple[Plan, dict]:
     return Plan(roles, [], [False] * n, [True] * n), {"v": [], "s": stash}
 
 
-def vjp_into(vjp_fn, cot, sums):
+def vjp_into(vjp_fn, cot, sums, keep=None):
     """`vjp_fn(cot)` = (weight cotangents, *others) with the weight cotangents added into `sums` (a
     pytree like them, e.g. float32 gradient sums): ys of the backward's layer loop are added slice by
     slice inside the loop (`run_w`'s acc), so the stage's whole fresh gradient is never formed.
-    Returns (sums + weight cotangents, *others)."""
+    `keep` (scalar bool or None): where false the sums come back unchanged (the cotangents are
+    computed but not added). Returns (sums + weight cotangents, *others)."""
     leaves, tdef = jax.tree.flatten(vjp_fn)
     out_tree = []
 
@@ -322,5 +327,5 @@ def vjp_into(vjp_fn, cot, sums):
     plan, stash = _whole_plan(cj.jaxpr)
     acc = jax.tree.leaves(sums)
     acc = acc + [None] * (len(cj.jaxpr.outvars) - len(acc))
-    outs = run_w(cj.jaxpr, plan, cj.consts, jax.tree.leaves((leaves, cot)), stash, acc)
+    outs = run_w(cj.jaxpr, plan, cj.consts, jax.tree.leaves((leaves, cot)), stash, acc, keep)
     return jax.tree.unflatten(out_tree[0], outs)
