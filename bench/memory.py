@@ -1,14 +1,17 @@
 """Activation, gradient and optimizer bytes of meshrun's compiled step against Megatron-LM's count
 (a script, not a test; tests/test_memory.py asserts a few of the same figures).
 
-    python bench/memory.py            # the grid below at d_model 256, seq 256, float32 (~10 min on 2 cores)
+    python bench/memory.py            # the grid below at d_model 256, seq 256, float32 (~25 min on 2 cores)
     python bench/memory.py --quick    # four rows
     python bench/memory.py --dtype bfloat16 --quick
 
 Saved activations per layer and sequence: `meshrun.train.explain.saved_bytes_per_layer`, the double
 difference of compiled temp bytes over two depths and two microbatch sizes (working set, gradients
-and optimizer temporaries cancel). Megatron's count: Korthikanti et al. 2022 section 4 without
-dropout (`planner.activations.layer_activation_bytes`); the planner's column is its model of
+and optimizer temporaries cancel): the bytes live at once (from XLA's buffer-assignment and
+live-range dumps), and beside them the same difference of `memory_analysis().temp`, the extent of
+the temp allocation, which adds the holes XLA's heap packing leaves (they do not grow with depth but
+move by up to a working set between compiles). Megatron's count: Korthikanti et al. 2022 section 4
+without dropout (`planner.activations.layer_activation_bytes`); the planner's column is its model of
 meshrun's step (`planner.activations.meshrun_layer_bytes`). float32 by default: XLA:CPU computes
 bf16 dots in float32 and hoists a float32 copy of each stack of saved bf16 activations out of the
 backward loop, which a GPU never does; `--dtype bfloat16` shows that CPU figure.
@@ -78,18 +81,19 @@ def grid(quick: bool):
 def activation_table(rows, dtype: str) -> list[str]:
     from meshrun.train.explain import saved_bytes_per_layer
 
-    out = ["| model | TP | SP | remat | compiled MB/layer | Megatron's count MB | ratio | planner MB "
-           "| planner/compiled |",
-           "|---|---:|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = ["| model | TP | SP | remat | compiled MB/layer | temp extent MB/layer | Megatron's count MB "
+           "| compiled / count | planner MB | planner / compiled |",
+           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     print("\n".join(out), flush=True)
     for shape, t, sp, remat in rows:
         cfg = config(shape, t, sp, remat, dtype)
         m, s, act = cfg.model, cfg.train.seq_len, DTYPE_BYTES[dtype]
-        got = saved_bytes_per_layer(cfg)
+        got = saved_bytes_per_layer(cfg)  # the bytes live at once
+        ext = saved_bytes_per_layer(cfg, measure="extent")  # memory_analysis().temp: with the packing's holes
         meg = activations.layer_activation_bytes(m, 1, s, t, sp=sp, remat=remat, act=act, dropout=False, flash=False)
         plan = activations.meshrun_layer_bytes(m, 1, s, t, sp=sp, remat=remat, act=act, flash=False)
-        row = [shape, str(t), "y" if sp else "n", remat, f"{got / 1e6:.3f}", f"{meg / 1e6:.3f}", f"{got / meg:.2f}",
-               f"{plan / 1e6:.3f}", f"{plan / got:.2f}"]  # fmt: skip
+        row = [shape, str(t), "y" if sp else "n", remat, f"{got / 1e6:.3f}", f"{ext / 1e6:.3f}", f"{meg / 1e6:.3f}",
+               f"{got / meg:.2f}", f"{plan / 1e6:.3f}", f"{plan / got:.2f}"]  # fmt: skip
         out.append("| " + " | ".join(row) + " |")
         print(out[-1], flush=True)
     return out
@@ -98,7 +102,7 @@ def activation_table(rows, dtype: str) -> list[str]:
 def state_bytes(dtype: str) -> list[str]:
     """Bytes per parameter of one layer's state and its non-activation temporaries on one device
     (depth difference of argument and temp bytes, less the activations), per ZeRO stage, m = 1 and 4."""
-    from meshrun.train.explain import compile_step, saved_bytes_per_layer
+    from meshrun.train.explain import compile_step, live_temp, saved_bytes_per_layer
 
     out = ["| ZeRO | microbatches | argument B/param | temp B/param (grads + optimizer temporaries) |",
            "|---:|---:|---:|---:|"]  # fmt: skip
@@ -108,10 +112,12 @@ def state_bytes(dtype: str) -> list[str]:
         cfg = replace(cfg, mesh=replace(cfg.mesh, data=8), train=replace(cfg.train, zero=zero, global_batch=8 * m),
                       pipeline=replace(cfg.pipeline, microbatches=m))  # fmt: skip
         acts = saved_bytes_per_layer(cfg)
-        ma = {n: compile_step(replace(cfg, model=replace(cfg.model, n_layers=n)))[0].memory_analysis() for n in (2, 4)}
+        depth = {n: replace(cfg, model=replace(cfg.model, n_layers=n)) for n in (2, 4)}
+        ma = {n: compile_step(c)[0].memory_analysis() for n, c in depth.items()}
+        live = {n: live_temp(c)["peak"] for n, c in depth.items()}  # temp bytes live at once, as `acts`
         per_layer = 12 * cfg.model.d_model**2 + 2 * cfg.model.d_model  # params of one gelu MHA layer (t = 1)
         arg = (ma[4].argument_size_in_bytes - ma[2].argument_size_in_bytes) / 2 / per_layer
-        temp = ((ma[4].temp_size_in_bytes - ma[2].temp_size_in_bytes) / 2 - acts) / per_layer
+        temp = ((live[4] - live[2]) / 2 - acts) / per_layer
         out.append(f"| {zero} | {m} | {arg:.2f} | {temp:.2f} |")
         print(out[-1], flush=True)
     return out

@@ -75,3 +75,54 @@ def memory_spaces(compiled) -> dict[str, int]:
         "temp": temp,
         "host_temp": host["temp"],
     }
+
+
+# ---------------------------------------------------------------- live bytes of the temp allocation
+
+_ALLOC = re.compile(r"^allocation \d+: size (\d+),(.*)$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+?)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
+_RANGE = re.compile(r"^\s+(\S+):(\d+)-(\d+)$")
+
+
+def live_temp_peak(buffer_assignment: str, live_range: str) -> dict[str, int]:
+    """{extent, peak}: the preallocated temp allocation's size (what `memory_analysis().temp` reports)
+    and the most bytes of it that are live at one point of the schedule (the union of the live values'
+    [offset, offset + size) ranges), from XLA's `*-buffer-assignment.txt` and `*-live-range.txt` dumps
+    of one module. extent - peak are the holes the heap packing left: they depend on the order and
+    sizes of everything else in the program, not on what the program must hold."""
+    values: dict[str, tuple[int, int]] = {}
+    extent, inside = 0, False
+    for line in buffer_assignment.splitlines():
+        a = _ALLOC.match(line)
+        if a:
+            inside = "preallocated-temp" in a.group(2)
+            extent = int(a.group(1)) if inside else extent
+            continue
+        v = _VALUE.match(line) if inside else None
+        if v:
+            name = v.group(1) if "{" in v.group(1) else v.group(1) + "{}"
+            values[name] = (int(v.group(3)), int(v.group(2)))
+    ranges: dict[str, tuple[int, int]] = {}
+    section = live_range.partition("BufferLiveRange:")[2]
+    for line in section.splitlines():
+        r = _RANGE.match(line)
+        if r:
+            ranges[r.group(1)] = (int(r.group(2)), int(r.group(3)))
+        elif line.strip() and not line.startswith(" "):
+            break
+    if not values or not ranges:
+        raise ValueError("no preallocated temp values or live ranges in the dumps (XLA's dump format changed?)")
+    missing = [n for n in values if n not in ranges]
+    if missing:
+        raise ValueError(f"{len(missing)} temp values without a live range in the dump, e.g. {missing[:3]}")
+    events = sorted({t for s, e in ranges.values() for t in (s, e)})
+    peak = 0
+    for t in events:  # the union only changes where a range starts or ends
+        live = sorted((o, o + n) for name, (o, n) in values.items() if ranges[name][0] <= t <= ranges[name][1])
+        used, end = 0, 0
+        for lo, hi in live:
+            if hi > end:
+                used += hi - max(lo, end)
+                end = hi
+        peak = max(peak, used)
+    return {"extent": extent, "peak": peak}
