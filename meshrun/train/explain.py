@@ -132,15 +132,27 @@ def compile_step(cfg, dump_to: str | None = None):
 def live_temp(cfg) -> dict[str, int]:
     """{extent, peak} of the compiled step's temp bytes (`analysis.memory.live_temp_peak`): the extent
     is `memory_analysis().temp`, the peak what is live at once, without the packing's holes."""
-    import glob
     import tempfile
-
-    from meshrun.analysis.memory import live_temp_peak
 
     with tempfile.TemporaryDirectory() as d:
         compile_step(cfg, dump_to=d)
+        return _read_live(d, strict=True)
+
+
+def _read_live(d: str, strict: bool = False) -> dict[str, int] | None:
+    """`live_temp_peak` of the train step's dumps in `d`; None when they cannot be read (another XLA's
+    dump format) unless `strict`."""
+    import glob
+
+    from meshrun.analysis.memory import live_temp_peak
+
+    try:
         read = lambda kind: open(max(glob.glob(f"{d}/*train_step*after_optimizations-{kind}.txt"), key=len)).read()
         return live_temp_peak(read("buffer-assignment"), read("live-range"))
+    except ValueError:  # no such dump (max of nothing), or one this parser does not know
+        if strict:
+            raise
+        return None
 
 
 def saved_bytes_per_layer(cfg, depths: tuple[int, int] = (2, 4), measure: str = "peak") -> float:
@@ -196,13 +208,18 @@ def explain(cfg) -> dict:
                 "collectives": {"predicted": pred["collectives"], "compiled": None},
                 "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
         return out
-    compiled, mesh, plan = compile_step(cfg)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        compiled, mesh, plan = compile_step(cfg, dump_to=d)
+        live = _read_live(d)
     shape = dict(mesh.shape)
     pred = predict(cfg, shape, plan.program)
     ma = compiled.memory_analysis()
     mem = {
         "argument": int(ma.argument_size_in_bytes),
         "temp": int(ma.temp_size_in_bytes),
+        "temp_live": None if live is None else live["peak"],  # without the heap packing's holes
         "output": int(ma.output_size_in_bytes),
         "alias": int(ma.alias_size_in_bytes),
     }
@@ -241,6 +258,7 @@ def format_report(rep: dict, title: str) -> str:
     rows = [
         ("argument (params + opt)", pm["argument"], cm.get("argument")),
         ("temp (grads, acts, logits)", pm["temp"], cm.get("temp")),
+        ("  live at once", None, cm.get("temp_live")),
         ("  params", pm["params"], None),
         ("  grads (+ accumulator)", pm["grads"], None),
         ("  optimizer (+ update tmp)", pm["optimizer"], None),
