@@ -551,3 +551,54 @@ def test_executor_option_errors_name_the_fix():
     assert e.value.field == "pipeline.executor"
     with pytest.raises(ConfigError, match="use one of"):
         PipelineConfig(executor="async")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_per_op_static_sends_cover_every_tick(p, m, schedule):
+    """The per-op program's static sends (`TickProgram.sends`): each phase repeats a period of u
+    ticks; the permutes of a tick's position in its period carry every value the tick's ops send
+    (F's activation to s + 1, B's input gradient to s - 1), and in each permute no stage sends or
+    receives twice (a collective-permute's pairs). Phases tile the ticks, each at least two periods
+    long unless it is the whole program."""
+    from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import tick_program
+
+    prog = tick_program(PipelineConfig(schedule=schedule, microbatches=m, executor="per_op"), p)
+    table = S.per_op_table(schedule, p, m)
+    assert len(prog.sends) == len(prog.phases)
+    assert [t0 for _, t0, _, _, _ in prog.phases] == [0] + [t1 for _, _, t1, _, _ in prog.phases[:-1]]
+    assert prog.phases[-1][2] == prog.ticks == len(table)
+    n = 0
+    for (_, t0, t1, sf, sb), period in zip(prog.phases, prog.sends, strict=True):
+        u = len(period)
+        assert (t1 - t0) % u == 0 and ((t1 - t0) // u >= 2 or (t0, t1) == (0, prog.ticks))
+        for perms in period:
+            for pairs in perms:
+                assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == len(pairs)
+                assert all(abs(a - b) == 1 for a, b in pairs)
+        pairs = {pr for perms in period for pairs in perms for pr in pairs}
+        assert sf == any(b > a for a, b in pairs) and sb == any(b < a for a, b in pairs)
+        for t in range(t0, t1):
+            need = {(s, s + 1) for s, op in enumerate(table[t]) if op is not None and op.kind == "F" and s < p - 1}
+            need |= {(s, s - 1) for s, op in enumerate(table[t]) if op is not None and op.kind == "B" and s > 0}
+            have = [set(pairs) for pairs in period[(t - t0) % u]]
+            assert need <= set().union(*have), (t, need, have)
+            n += len(have)
+    assert prog.permute_counts() == (n, n)
+
+
+@pytest.mark.parametrize("schedule, expected", [("1f1b", 28), ("zb-h1", 37)])
+def test_per_op_sends_one_permute_per_sending_tick(schedule, expected):
+    """p = 4, m = 8: per-op 1F1B sends in 28 collective-permutes per step (one per tick that sends;
+    there were 49, two per tick, before the sends were made static), zb-h1 in 37 (at least 33: its
+    ticks where a stage receives an activation and a gradient at once need two)."""
+    from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import _permutes, _tick_sends, tick_program
+
+    p, m = 4, 8
+    prog = tick_program(PipelineConfig(schedule=schedule, microbatches=m, executor="per_op"), p)
+    # the fewest any program could make: each tick's own sends, in one permute unless a stage receives twice
+    fewest = sum(len(_permutes(*_tick_sends(row, p))) for row in S.per_op_table(schedule, p, m))
+    assert prog.permute_counts()[0] == expected
+    assert fewest == (28 if schedule == "1f1b" else 33)

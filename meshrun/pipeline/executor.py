@@ -14,7 +14,9 @@ How a step runs:
   (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks.
 * Activations move with `ppermute` over 'pipe' (forward s -> s+1, gradients s -> s-1; interleaved
   wraps around: the last stage's chunk c feeds stage 0's chunk c+1). With two stages a tick that
-  sends both ways does it in one collective-permute (a swap).
+  sends both ways does it in one collective-permute (a swap). The per-op executor, one op per stage
+  per tick, sends each stage's one output in one collective-permute both ways at any p, its pairs
+  static per tick (`program._send_phases`: a phase's scan body runs a period of a few ticks).
 * Backward is an explicit per-stage `jax.vjp`. Residuals (default) : the activation-dependent leaves
   of the vjp pytree go into a fixed buffer of `slots` = max over stages of `max_in_flight` (+1 trash
   slot that idle ticks write to); weight-only leaves (found by tracing dependence through the

@@ -10,22 +10,33 @@ bubbles; 1F1B runs each W in the tick after its B (`schedules.one_f_one_b_split`
 about one forward long and a tick, which waits for its slowest op, wastes nothing.
 
 A tick runs one two-way `cond` per op kind (F, B, W): every stage of a tensor/expert group takes the
-same branch, so collectives inside stay matched. Values sent at tick t arrive at t+1 and go into an
-inbox slot (`program._per_op_program`); their consumer reads the slot when it runs. Residual slots
-live from F to W; the dy buffer holds each microbatch's output gradient from B (on the last stage
-from F's head) to W; B's stash has its own slots, from B to W.
+same branch, so collectives inside stay matched. A stage then sends its op's one output (F's
+activation forward, B's input gradient back): the tick's sends are static (`TickProgram.sends`:
+a phase's scan body runs a period of a few ticks), mostly one collective-permute both ways. Values
+sent at tick t arrive at t+1 and go into an inbox slot (`program._per_op_program`); their consumer
+reads the slot when it runs (values always consumed on arrival, 1F1B's gradients, skip the inbox).
+Residual slots live from F to W; the dy buffer holds each microbatch's output gradient from B (on
+the last stage from F's head) to W; B's stash has its own slots, from B to W.
+
+Per tick, a rendezvous of all devices costs more than the small ops around it (XLA:CPU, the d_model
+64 toy of bench/memory_pipeline.py: ~0.3 ms each, 8 simulated devices on 2 cores); 1F1B at p = 4,
+m = 8 made 49 per step, two per tick, where the lockstep executor makes 22; now 28.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshrun.pipeline import zb_split
 from meshrun.pipeline.stage_run import StageRun, put, take
 
 OP_SCOPES = {"F": "per_op_F", "B": "per_op_B", "W": "per_op_W"}  # name scopes of a tick's three ops
+IN = {"f": "x_in", "g": "g_in"}  # the carry's last received activation / gradient (unboxed directions)
+# a tick's table entries (`program._per_op_program`), then the inbox slots of what it sends
+TABLE_KEYS = ("kind", "mb", "slot", "stash", "f_put", "f_get", "g_put", "g_get", "f_next", "g_next")
 
 
 class OpRun(StageRun):
@@ -34,67 +45,92 @@ class OpRun(StageRun):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Each op writes its buffers inside its own branch, so idle ticks write nothing: the residual,
-        # dy and stash buffers need no trash slot (the inboxes, written every tick, keep theirs).
+        # dy and stash buffers need no trash slot (the inbox, written on every tick that sends, keeps one).
         self.nslot = self.prog.slots
+        self._split = self._inbox = None  # `split_backward`'s (B, W), `inbox_layout`
 
-    def split_backward(self, mb, saved, dy):
-        """(B, W) for microbatch `mb`: B(saved, dy) -> (dx, stash), W(saved, dy, stash, sums) -> the
-        float32 weight-gradient sums plus this microbatch's weight gradients, added layer by layer
-        inside W's layer loop (`zb_split.run_w`'s acc), from one split of the stage backward's jaxpr."""
+    def split_backward(self):
+        """(B, W): B(mb, saved, dy) -> (dx, stash), W(mb, saved, dy, stash, sums) -> the float32
+        weight-gradient sums plus microbatch mb's weight gradients, added layer by layer inside W's
+        layer loop (`zb_split.run_w`'s acc), from one split of the stage backward's jaxpr, traced
+        once (the microbatch is an input of it) and shared by every tick's B and W."""
+        if self._split is not None:
+            return self._split
         chunk_def = jax.tree.structure(jax.eval_shape(lambda: self.chunk(0)))
 
-        def bwd(saved, dy):
+        def bwd(mb, saved, dy):
             return jax.tree.leaves(self.pullback(0, mb, saved)((dy, self.aux_cot)))
 
-        cj = jax.make_jaxpr(bwd)(saved, dy)
+        mb_aval = jax.ShapeDtypeStruct((), jnp.int32)
+        cj = jax.make_jaxpr(bwd)(mb_aval, self.res_structs(), self.x_aval)
         n = len(cj.jaxpr.outvars) - 1  # weight-gradient leaves, then dx
         plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
-        flat = lambda saved, dy: jax.tree.leaves((saved, dy))
+        flat = lambda mb, saved, dy: jax.tree.leaves((mb, saved, dy))
 
-        def b(saved, dy):
-            outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(saved, dy))
+        def b(mb, saved, dy):
+            outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(mb, saved, dy))
             return outs[-1], stash
 
-        def w(saved, dy, stash, sums):
+        def w(mb, saved, dy, stash, sums):
             acc = [*jax.tree.leaves(sums), None]
-            outs = zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(saved, dy), stash, acc)
+            outs = zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(mb, saved, dy), stash, acc)
             return jax.tree.unflatten(chunk_def, outs[:n])
 
-        return b, w
+        self._split = (b, w)
+        return self._split
 
     def res_structs(self) -> list:
         """Shapes and dtypes of one microbatch's stored residuals (what B and W are traced on)."""
         return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res_avals]
 
+    def inbox_layout(self) -> tuple[dict, int]:
+        """The inbox: one buffer for received activations ('f') and gradients ('g') that wait for
+        their consumer, then one trash slot. ({direction: its first slot}, trash slot); a direction
+        whose every value is consumed in its arrival tick (1F1B's gradients) has none: it is read
+        straight from the permute's result, carried in x_in / g_in."""
+        if self._inbox is None:
+            t, first, n = self.prog.tables, {}, 0
+            for pre, slots in zip("fg", self.prog.inbox, strict=True):
+                if not np.array_equal(t[f"{pre}_put"], t[f"{pre}_get"]):
+                    first[pre], n = n, n + slots
+            self._inbox = first, n
+        return self._inbox
+
     def init_carry(self) -> dict:
         c = super().init_carry()  # a per-op program is never fused_head: c holds the dy buffer
         xs = self.x_aval
-        fi, gi = self.prog.inbox
-        c["f_box"] = self.full((fi + 1, *xs.shape), xs.dtype)  # last slot: the trash
-        c["g_box"] = self.full((gi + 1, *xs.shape), xs.dtype)
+        box, trash = self.inbox_layout()
+        if box:  # a received value goes straight into its slot (`ticks`)
+            c["inbox"] = self.full((trash + 1, *xs.shape), xs.dtype)
+        for pre in box:
+            del c[IN[pre]]
         # B's stash (what W reads of B's work: per layer, the cotangents at the weights' uses)
-        res = self.res_structs()
-        b, _ = self.split_backward(0, res, self.x_aval)
-        self.stash_avals = jax.eval_shape(lambda r, d: b(r, d)[1], res, self.x_aval)
+        b, _ = self.split_backward()
+        self.stash_avals = jax.eval_shape(lambda r, d: b(jnp.int32(0), r, d)[1], self.res_structs(), self.x_aval)
         n = self.prog.stash_slots  # 1F1B's W follows its B: one slot
         c["stash"] = jax.tree.map(lambda a: self.full((n, *a.shape), a.dtype), self.stash_avals)
+        c["w_runs"] = jnp.zeros((), jnp.int32)  # W ops run so far (orders a W before the next F: `run_tick`)
         return c
 
     def run_tick(self, c, row, kind):
+        """This stage's op of one tick: (carry, what it sends: F's activation, B's input gradient,
+        else the fill). `row`: the tick's table entries of this stage, [len(TABLE_KEYS)]."""
         del kind  # every tick of a per-op program may run any op
-        at = lambda k: row[k][self.stage]
-        fi, gi = self.prog.inbox
-        slot_or = lambda i, n: jnp.where(i >= 0, i, n)  # -1: the trash slot n
+        at = lambda k: row[TABLE_KEYS.index(k)]
+        box, trash = self.inbox_layout()
         c = dict(c)
-        c["f_box"] = put(c["f_box"], slot_or(at("f_put"), fi), c["x_in"])
-        c["g_box"] = put(c["g_box"], slot_or(at("g_put"), gi), c["g_in"])
-        op, mb = jnp.maximum(at("kind"), 0), jnp.maximum(at("mb"), 0)
-        slot = jnp.maximum(at("slot"), 0)  # (idle ticks read and write nothing)
-        sslot = jnp.maximum(at("stash"), 0)  # B's stash slot, read by its W
+        x_in, g_in = (
+            take(c["inbox"], jnp.where(at(f"{pre}_get") >= 0, at(f"{pre}_get") + box[pre], trash))
+            if pre in box
+            else c[IN[pre]]
+            for pre in "fg"
+        )
+        op = at("kind")
+        # the op's microbatch, residual slot and B's stash slot, read inside the op's branch (as
+        # operands of all three conds they were three more small kernels per tick)
+        mb, slot, sslot = (lambda k=k: jnp.maximum(at(k), 0) for k in ("mb", "slot", "stash"))
         first, last = self.stage == 0, self.stage == self.p - 1
-        x_in = take(c["f_box"], slot_or(at("f_get"), fi))
-        g_in = take(c["g_box"], slot_or(at("g_get"), gi))
-        b_part, w_part = self.split_backward(mb, self.res_structs(), self.x_aval)
+        b_part, w_part = self.split_backward()
 
         # One two-way `cond` per op, in turn: the op's branch reads the buffers it needs and writes its
         # results into them, the other passes them through. XLA then updates every buffer in place. A
@@ -103,42 +139,84 @@ class OpRun(StageRun):
         # residual set and a stash set per tick): zb-h1 cost 1.31x lockstep 1F1B's CPU time at equal
         # FLOPs (bench/memory_pipeline.py, d_model 256, p = 4, m = 8), now (see the bench) about 1.0x.
         xs = self.x_aval
-        at_slot = lambda bufs: jax.tree.map(lambda b: take(b, slot), bufs)
+        at_slot = lambda bufs: jax.tree.map(lambda b: take(b, slot()), bufs)
         fill = lambda: self.full(xs.shape, xs.dtype)
-        no_aux = lambda: {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
-        zero = jnp.zeros((), jnp.float32)
         add = lambda g, d: jax.tree.map(jnp.add, g, d)
 
         def forward():  # on the last stage F also gives the head's dL/dy (zeros elsewhere)
-            y, keep, aux, ls, d_o, dy = self.stage_forward(0, mb, first, last, x_in)
-            res = [put(b, slot, r) for b, r in zip(c["res"], keep, strict=True)]
-            return y, res, put(c["dy"], slot, dy), add(c["g_other"], d_o), ls, aux
+            y, keep, aux, ls, d_o, dy = self.stage_forward(0, mb(), first, last, x_in)
+            res = [put(b, slot(), r) for b, r in zip(c["res"], keep, strict=True)]
+            return y, res, put(c["dy"], slot(), dy), add(c["g_other"], d_o), add((c["loss"], c["aux"]), (ls, aux))
 
         def no_forward():
-            return fill(), c["res"], c["dy"], c["g_other"], zero, no_aux()
+            return fill(), c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"])
 
+        # F's predicate reads W's count (never negative): where a scan body runs several ticks, the
+        # previous tick's W, which reads the residual and dy buffers, then runs before this F writes
+        # them in place. Without that order XLA copied six residual buffers per tick.
+        run_f = (op == 1) & (c["w_runs"] >= 0)
         with jax.named_scope(OP_SCOPES["F"]):  # the profile's timeline reads the op from these names
-            y, c["res"], c["dy"], c["g_other"], ls, aux = lax.cond(op == 1, forward, no_forward)
+            y, c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"]) = lax.cond(run_f, forward, no_forward)
 
         def backward_input():
-            dy = jnp.where(last, take(c["dy"], slot), g_in)
-            dx, stash = b_part(at_slot(c["res"]), dy)
-            d_o = self.embed_grad(first, mb, dx)
-            st = jax.tree.map(lambda b, v: put(b, sslot, v), c["stash"], stash)
-            return dx, put(c["dy"], slot, dy), st, add(c["g_other"], d_o)
+            dy = jnp.where(last, take(c["dy"], slot()), g_in)
+            dx, stash = b_part(mb(), at_slot(c["res"]), dy)
+            d_o = self.embed_grad(first, mb(), dx)
+            st = jax.tree.map(lambda b, v: put(b, sslot(), v), c["stash"], stash)
+            return dx, put(c["dy"], slot(), dy), st, add(c["g_other"], d_o)
 
         def no_backward_input():
             return fill(), c["dy"], c["stash"], c["g_other"]
 
         with jax.named_scope(OP_SCOPES["B"]):
             dx, c["dy"], c["stash"], c["g_other"] = lax.cond(op == 2, backward_input, no_backward_input)
+        out = jnp.where(op == 1, y, dx)  # what the stage sends
 
         def backward_weights():
-            stash = jax.tree.map(lambda b: take(b, sslot), c["stash"])
-            return w_part(at_slot(c["res"]), take(c["dy"], slot), stash, c["g_layers"])  # per-op: v = 1
+            stash = jax.tree.map(lambda b: take(b, sslot()), c["stash"])
+            g = w_part(mb(), at_slot(c["res"]), take(c["dy"], slot()), stash, c["g_layers"])  # per-op: v = 1
+            return g, c["w_runs"] + 1
 
         with jax.named_scope(OP_SCOPES["W"]):
-            c["g_layers"] = lax.cond(op == 3, backward_weights, lambda: c["g_layers"])
-        c["loss"] = c["loss"] + ls
-        c["aux"] = {k: c["aux"][k] + aux[k] for k in c["aux"]}
-        return c, y, dx
+            c["g_layers"], c["w_runs"] = lax.cond(op == 3, backward_weights, lambda: (c["g_layers"], c["w_runs"]))
+        return c, out
+
+    def ticks(self) -> dict:
+        """Run the program's phases, one `lax.scan` each over its periods: the scan body runs the
+        period's u ticks in turn, each followed by its static sends (`TickProgram.sends`). Mostly one
+        collective-permute: no stage receives twice, and what a stage receives goes into its inbox
+        slot (a tick later's `f_put` / `g_put`, here `f_next` / `g_next`: that of whichever it is,
+        else the trash) or, unboxed, into x_in / g_in; two (activations, then gradients) where some
+        stage receives both, none where nothing is sent."""
+        tables = dict(self.prog.tables)
+        for pre in "fg":  # the inbox slot of what a tick sends, on its receiver (its put a tick later)
+            tables[f"{pre}_next"] = np.concatenate([tables[f"{pre}_put"][1:], tables[f"{pre}_put"][:1] * 0 - 1])
+        # one array [ticks, p, keys], this stage's column taken once: a tick reads one row of it
+        stacked = jnp.asarray(np.stack([tables[k] for k in TABLE_KEYS], axis=-1))
+        mine = lax.dynamic_index_in_dim(stacked, self.stage, 1, keepdims=False)
+        box, trash = self.inbox_layout()
+        carry = self.init_carry()
+        for (kind, t0, t1, _, _), period in zip(self.prog.phases, self.prog.sends, strict=True):
+            u = len(period)
+            xs = mine[t0:t1].reshape((t1 - t0) // u, u, len(TABLE_KEYS))
+
+            def body(c, rows, kind=kind, period=period):
+                for j, perms in enumerate(period):
+                    row = rows[j]
+                    c, out = self.run_tick(c, row, kind)
+                    got = [lax.ppermute(out, "pipe", list(pairs)) for pairs in perms]
+                    # one permute: a stage receives at most one value, so one put (of it, into its slot)
+                    for x, dirs in zip(got, ["fg"] if len(got) == 1 else ["f", "g"], strict=False):
+                        slot = trash
+                        for pre in dirs:
+                            if pre in box:
+                                i = row[TABLE_KEYS.index(f"{pre}_next")]
+                                slot = jnp.where(i >= 0, i + box[pre], slot)
+                            else:
+                                c[IN[pre]] = x
+                        if any(pre in box for pre in dirs):
+                            c["inbox"] = put(c["inbox"], slot, x)
+                return c, None
+
+            carry, _ = lax.scan(body, carry, xs)
+        return carry

@@ -5,7 +5,10 @@ The per-op executor (`pipeline.executor=per_op`; zb-h1 always) runs a per-op tim
 (F, B = input gradient, W = weight gradient) per stage per tick, values that arrive before their
 consumer runs waiting in inbox slots. For 1F1B that timeline is Megatron's order with each backward
 split into B and W in consecutive ticks (`schedules.one_f_one_b_split`): p - s microbatches in flight
-on stage s, not the lockstep table's 2(p-1-s)+1, over 3m + 2(p-1) ticks of one op.
+on stage s, not the lockstep table's 2(p-1-s)+1, over 3m + 2(p-1) ticks of one op. Its ticks are
+grouped into phases that each repeat a period of a few ticks with static sends (`_send_phases`):
+every collective is a rendezvous of all devices, so a tick sends both ways in one collective-permute
+where it can (zb-h1: two where a stage receives an activation and a gradient at once).
 
 A lockstep tick gives each stage at most one forward and one backward (`schedules.lockstep`). Ticks
 are grouped into maximal runs of one kind ('F' forwards only, 'B' backwards only, 'FB' both), one
@@ -16,6 +19,7 @@ the next tick.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -66,6 +70,9 @@ class TickProgram:
     inbox: tuple[int, int] = (0, 0)  # (activation, gradient) inbox slots, trash slot not counted
     executor: str = "lockstep"  # 'lockstep' (F and B per tick) or 'per_op' (one op per stage per tick)
     stash_slots: int = 0  # per_op: B's stash slots (B to W), trash slot not counted
+    # per_op: per phase, one period of u ticks (its scan body runs u ticks; u divides the phase's
+    # length), each tick's collective-permutes as their (source, target) stage pairs (mostly one)
+    sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], ...], ...] = ()
 
     def stage_slots(self) -> tuple[int, ...]:
         """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
@@ -82,7 +89,12 @@ class TickProgram:
 
     def permutes(self) -> tuple[int, int]:
         """(forward, backward) activation transfers over 'pipe' per step: one per tick of a phase that
-        sends. With p = 2 a tick that sends both ways does it in one collective-permute."""
+        sends. With p = 2 a tick that sends both ways does it in one collective-permute. Per-op: the
+        compiled collective-permutes that carry activations / gradients (one may carry both)."""
+        if self.per_op:
+            perms = [pr for (_, t0, t1, _, _), per in zip(self.phases, self.sends, strict=True)
+                     for _ in range((t1 - t0) // len(per)) for tick in per for pr in tick]  # fmt: skip
+            return sum(any(b > a for a, b in pr) for pr in perms), sum(any(b < a for a, b in pr) for pr in perms)
         f = sum(t1 - t0 for _, t0, t1, sf, _ in self.phases if sf)
         b = sum(t1 - t0 for _, t0, t1, _, sb in self.phases if sb)
         return f, b
@@ -90,7 +102,12 @@ class TickProgram:
     def permute_counts(self) -> tuple[int, int]:
         """(collective-permute ops, activation-sized payloads they carry) per step, as compiled: with
         p = 2 a tick that sends both ways is one swap (v = 1: each stage sends one of the two;
-        interleaved: both, stacked)."""
+        interleaved: both, stacked). Per-op: each stage sends its op's one output, so a tick's sends
+        both ways are one collective-permute unless a stage receives from both neighbours (`sends`)."""
+        if self.per_op:
+            n = sum((t1 - t0) // len(per) * sum(map(len, per))
+                    for (_, t0, t1, _, _), per in zip(self.phases, self.sends, strict=True))  # fmt: skip
+            return n, n
         f, b = self.permutes()
         both = sum(t1 - t0 for _, t0, t1, sf, sb in self.phases if sf and sb) if self.p == 2 else 0
         return f + b - both, f + b - (both if self.v == 1 else 0)
@@ -153,16 +170,81 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
             inbox[i] = max(inbox[i], 1 + max(box.values()))
             for key, (a, b) in iv.items():
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
-    # Phases (one scan each, i.e. one compiled copy of the tick): the warm-up that sends only
-    # activations, the cool-down that sends only gradients, and between them ticks that send both
-    # ways (some of them have nothing to send one way: a spare permute is cheaper than a copy of the
-    # tick per run of same-send ticks, which the mixed middle of a short pipeline has many of).
-    sf = [any(op is not None and op.kind == "F" and s < p - 1 for s, op in enumerate(row)) for row in table]
-    sb = [any(op is not None and op.kind == "B" and s > 0 for s, op in enumerate(row)) for row in table]
-    a = next((t for t in range(ticks) if sb[t]), ticks)
-    b = max((t + 1 for t in range(ticks) if sf[t]), default=0)
-    b = max(a, b)
-    bounds = [(0, a, any(sf[:a]), False), (a, b, any(sf[a:b]), any(sb[a:b])), (b, ticks, False, any(sb[b:]))]
-    phases = [("FBW", t0, t1, f, g) for t0, t1, f, g in bounds if t1 > t0]
-    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, tuple(phases), arrs, True, tuple(inbox), "per_op",
-                       stash_slots)  # fmt: skip
+    phases, sends = _send_phases(table, p)
+    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
+                       stash_slots, sends)  # fmt: skip
+
+
+MAX_PERIOD = 3  # longest period of ticks a per-op phase's scan body runs (1F1B's and zb-h1's steady state: 3)
+TICK_COPY_COST = 2  # collective-permutes per step a compiled copy of the tick must save to be made
+
+
+def _tick_sends(row, p: int) -> tuple[frozenset, frozenset]:
+    """(activation, gradient) sends of one per-op tick as (source, target) stage pairs: F's output to
+    the next stage, B's to the previous (each stage runs one op, so it sends at most one of them)."""
+    f = frozenset((s, s + 1) for s, op in enumerate(row) if op is not None and op.kind == "F" and s < p - 1)
+    b = frozenset((s, s - 1) for s, op in enumerate(row) if op is not None and op.kind == "B" and s > 0)
+    return f, b
+
+
+def _permutes(f: frozenset, b: frozenset) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The collective-permutes that make the sends `f` and `b`: none, one (no stage sends or receives
+    twice), else two (activations, then gradients)."""
+    pairs = f | b
+    if not pairs:
+        return ()
+    if len({a for a, _ in pairs}) == len({t for _, t in pairs}) == len(pairs):
+        return (tuple(sorted(pairs)),)
+    return tuple(tuple(sorted(x)) for x in (f, b) if x)
+
+
+def _send_phases(table, p: int):
+    """Phases of the per-op program (one `lax.scan` each) and their sends. A collective costs one
+    rendezvous of every device whatever it carries, so a tick makes its sends in as few
+    collective-permutes as it can: one (each stage sends its op's one output) unless some stage
+    receives an activation and a gradient at once. A permute's pairs are static, so a phase repeats
+    one period of u ticks (its scan body runs the u ticks, each with its own permutes; the steady
+    state of 1F1B and zb-h1 has period 3), each position's permutes covering the sends of all its
+    ticks (an extra pair carries what its receiver drops into the trash slot). The phases minimise
+    the permutes per step plus TICK_COPY_COST per compiled tick (dynamic programming over the phase
+    ends); each runs two periods or more (XLA inlines a one-trip loop, and there it copied the
+    residual buffers into each op's cond). Returns (phases, sends): ('FBW', t0, t1, sends
+    activations, sends gradients) and per phase its u ticks' permutes (`TickProgram.sends`). 1F1B at
+    p = 4, m = 8: 28 permutes per step in 5 compiled ticks (one per tick that sends; two per tick
+    before, 49); zb-h1: 37 in 6 (44 before; at least 33)."""
+    need = [_tick_sends(row, p) for row in table]
+    bits = {pr: 1 << i for i, pr in enumerate(sorted(set().union(*(f | b for f, b in need))))}
+    mask = [(sum(bits[x] for x in f), sum(bits[x] for x in b)) for f, b in need]
+    pairs_of = lambda m: frozenset(pr for pr, bit in bits.items() if m & bit)
+    cost = functools.cache(lambda f, b: len(_permutes(pairs_of(f), pairs_of(b))))  # f, b as bit masks
+    ticks = len(table)
+    best: list = [(0, None)] + [(float("inf"), None)] * ticks  # (cost, (t0, u)) of the best split of [0, t)
+    for t0 in range(ticks):
+        for u in range(1, min(MAX_PERIOD, ticks - t0) + 1):
+            pat, per_period = [(0, 0)] * u, 0  # each position's sends (masks); permutes per period
+            for t in range(t0, ticks):
+                j = (t - t0) % u
+                f, b = pat[j][0] | mask[t][0], pat[j][1] | mask[t][1]
+                if (f, b) != pat[j]:
+                    per_period += cost(f, b) - cost(*pat[j])
+                    pat[j] = (f, b)
+                if j == u - 1 and (t + 1 - t0 > u or (t0, t + 1) == (0, ticks)):  # two periods or more
+                    c = best[t0][0] + (t + 1 - t0) // u * per_period + TICK_COPY_COST * u
+                    if c < best[t + 1][0]:
+                        best[t + 1] = (c, (t0, u))
+    spans, t = [], ticks
+    while t:
+        t0, u = best[t][1]
+        spans.append((t0, t, u))
+        t = t0
+    phases, sends = [], []
+    for t0, t1, u in reversed(spans):
+        pat = [(frozenset(), frozenset())] * u
+        for t in range(t0, t1):
+            j = (t - t0) % u
+            pat[j] = (pat[j][0] | need[t][0], pat[j][1] | need[t][1])
+        per = tuple(_permutes(f, b) for f, b in pat)
+        pairs = [pr for tick in per for perm in tick for pr in perm]
+        phases.append(("FBW", t0, t1, any(b > a for a, b in pairs), any(b < a for a, b in pairs)))
+        sends.append(per)
+    return tuple(phases), tuple(sends)
