@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jc
 
@@ -172,23 +173,24 @@ def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None, keep=None):
 
     `acc` (a list aligned with the outputs, None where not wanted): output k becomes acc[k] + its
     value in acc[k]'s dtype. An output that is the stacked ys of a split scan (the layer loop's weight
-    gradients) and feeds nothing else is added in place inside that scan, one iteration's slice at a
-    time, so no stacked gradient of the whole stage is ever formed: gradient accumulation into the
+    gradients), or the sum of such ys padded along the stacked axis (an uneven pipeline split's head
+    and padding tail, `_accumulable`), is added in place inside those scans, one iteration's slice at
+    a time, so no stacked gradient of the whole stage is ever formed: gradient accumulation into the
     float32 sums needs the sums plus one layer's gradient, not the sums plus the stage's. `keep` (a
     scalar bool, or None): where false, zeros are added instead (a cell that computed on fill values)."""
     env = _env(jaxpr, consts, args)
     env.update(zip(plan.stash, stash["v"], strict=True))
-    into = _accumulable(jaxpr, acc)
-    done = set()
+    parts, skip = _accumulable(jaxpr, acc, plan.roles)
+    cur = dict(enumerate(acc or []))  # output index -> its accumulator so far
     for i, (eqn, r) in enumerate(zip(jaxpr.eqns, plan.roles, strict=True)):
-        if r is None or r == "B":
+        if r is None or r == "B" or i in skip:
             continue
         ins = [_read(env, v) for v in eqn.invars]
         if isinstance(r, Split) and r.kind == "scan":
             ncar = eqn.params["num_carry"]
-            here = {k - ncar: into[v] for k, v in enumerate(eqn.outvars) if k >= ncar and v in into}
-            outs = _scan_w(eqn, r, ins, stash["s"][i], here, keep)
-            done |= {v for k, v in enumerate(eqn.outvars) if k - ncar in here}
+            mine = {k - ncar: parts[v] for k, v in enumerate(eqn.outvars) if k >= ncar and v in parts}
+            outs = _scan_w(eqn, r, ins, stash["s"][i], {j: (cur[o], off) for j, (o, off) in mine.items()}, keep)
+            cur.update((o, outs[ncar + j]) for j, (o, _) in mine.items())
         elif isinstance(r, Split):
             body, bc = _inner(eqn)
             outs = run_w(body, r.body, bc, ins, stash["s"][i])
@@ -196,9 +198,10 @@ def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None, keep=None):
             outs = _bind(eqn, ins)
         env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if o is not None and _is_var(v))
     outs = [_read(env, v) for v in jaxpr.outvars]
+    inside = {o for o, _ in parts.values()}
     for k, a in enumerate(acc or []):
-        if a is not None and jaxpr.outvars[k] not in done:
-            outs[k] = a + _kept(outs[k].astype(a.dtype), keep)
+        if a is not None:
+            outs[k] = cur[k] if k in inside else a + _kept(outs[k].astype(a.dtype), keep)
     return outs
 
 
@@ -206,21 +209,57 @@ def _kept(x, keep):
     return x if keep is None else jnp.where(keep, x, jnp.zeros_like(x))
 
 
-def _accumulable(jaxpr, acc) -> dict:
-    """{outvar: accumulator} for the outputs that may be accumulated inside their scan: produced by a
-    scan as ys, used by no other equation and returned once."""
+def _accumulable(jaxpr, acc, roles) -> tuple[dict, set]:
+    """Which accumulated outputs `run_w` adds inside their scans: ({ys var: (output index, offset of
+    its first iteration along the stacked axis)}, indices of the equations then skipped). An output
+    qualifies when it is the ys of a split scan, or an `add_any` of such ys each `pad`ded with zeros
+    along the stacked axis only (an uneven pipeline split runs a chunk's first lmin layers as one call
+    and the padding tail under a `cond`, `stage.uneven_apply`: the slices transpose to pads), every
+    value in it used once; otherwise it is added after."""
     if not acc:
-        return {}
+        return {}, set()
     uses: dict = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if _is_var(v):
-                uses[v] = uses.get(v, 0) + 1
-    for v in jaxpr.outvars:
+    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
         if _is_var(v):
             uses[v] = uses.get(v, 0) + 1
-    ys = {v for eqn in jaxpr.eqns if eqn.primitive.name == "scan" for v in eqn.outvars[eqn.params["num_carry"] :]}
-    return {v: a for v, a in zip(jaxpr.outvars, acc, strict=True) if a is not None and v in ys and uses[v] == 1}
+    made_by = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars if _is_var(v)}
+    ys = set()
+    for eqn, r in zip(jaxpr.eqns, roles, strict=True):
+        if eqn.primitive.name == "scan" and isinstance(r, Split) and r.kind == "scan":
+            ncar = eqn.params["num_carry"]
+            ys.update(v for v, w in zip(eqn.outvars[ncar:], r.w_out[ncar:], strict=True) if w)
+
+    def walk(v, off):  # ([(ys var, offset)], equations to skip), or None
+        if not _is_var(v) or uses.get(v) != 1:
+            return None
+        if v in ys:
+            return [(v, off)], set()
+        i = made_by.get(v)
+        eqn = None if i is None else jaxpr.eqns[i]
+        if eqn is None or roles[i] is None or roles[i] == "B":
+            return None
+        if eqn.primitive.name == "add_any":
+            got = [walk(x, off) for x in eqn.invars]
+            if any(g is None for g in got):
+                return None
+            return [pr for g, _ in got for pr in g], {i}.union(*(s for _, s in got))
+        if eqn.primitive.name == "pad":
+            x, fill = eqn.invars
+            (lo, hi, interior), *rest = eqn.params["padding_config"]
+            zero = isinstance(fill, jc.Literal) and not np.any(np.asarray(fill.val))
+            if not zero or lo < 0 or hi < 0 or interior or any(c != (0, 0, 0) for c in map(tuple, rest)):
+                return None
+            got = walk(x, off + int(lo))
+            return None if got is None else (got[0], got[1] | {i})
+        return None
+
+    parts, skip = {}, set()
+    for k, (v, a) in enumerate(zip(jaxpr.outvars, acc, strict=True)):
+        got = None if a is None else walk(v, 0)
+        if got is not None:
+            parts.update((y, (k, off)) for y, off in got[0])
+            skip |= got[1]
+    return parts, skip
 
 
 def _scan_parts(eqn, ins):
@@ -246,8 +285,8 @@ def _scan_b(eqn, sp: Split, ins):
 
 
 def _scan_w(eqn, sp: Split, ins, stash, acc=None, keep=None):
-    """The W part of a split scan; `acc` {ys index: accumulator}: those ys are added into their
-    accumulator's slice of the iteration (carried, updated in place) instead of being stacked."""
+    """The W part of a split scan; `acc` {ys index: (accumulator, offset)}: those ys are added into
+    their accumulator's slice offset + iteration (carried, updated in place) instead of being stacked."""
     body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
     xs = [x if n else None for x, n in zip(xs, sp.body.in_w[nc + ncar :], strict=True)]
     acc = acc or {}
@@ -263,14 +302,15 @@ def _scan_w(eqn, sp: Split, ins, stash, acc=None, keep=None):
             car[j] = c
         outs = run_w(body.jaxpr, sp.body, body.consts, consts + car + list(xv), st)
         ys = outs[ncar:]
-        add = lambda a, y: lax.dynamic_index_in_dim(a, i, 0, False) + _kept(y.astype(a.dtype), keep)
-        sums = [lax.dynamic_update_index_in_dim(a, add(a, ys[k]), i, 0) for k, a in zip(keys, sums, strict=True)]
+        add = lambda a, j, y: lax.dynamic_index_in_dim(a, j, 0, False) + _kept(y.astype(a.dtype), keep)
+        sums = [lax.dynamic_update_index_in_dim(a, add(a, i + acc[k][1], ys[k]), i + acc[k][1], 0)
+                for k, a in zip(keys, sums, strict=True)]  # fmt: skip
         made = [o if k not in acc else None for k, (o, n) in enumerate(zip(ys, sp.w_out[ncar:], strict=True)) if n]
         return ([outs[j] for j in sp.w_car], sums), made
 
     p = eqn.params
     xs_all = (xs, stash["body"], stash["carry_in"], lax.iota("int32", p["length"]))
-    init_all = ([init[j] for j in sp.w_car], [acc[k] for k in keys])
+    init_all = ([init[j] for j in sp.w_car], [acc[k][0] for k in keys])
     (last, sums), ys = lax.scan(step, init_all, xs_all, length=p["length"], reverse=p["reverse"])
     outs = _scan_outs(len(eqn.outvars), ncar, sp.w_car, last, sp.w_out, ys)
     for k, a in zip(keys, sums, strict=True):
