@@ -81,7 +81,7 @@ def test_sigkill_then_restart_continues_with_the_same_losses(tmp_path):
     [
         ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=2"],
         pytest.param(["mesh.data=1", "mesh.pipe=4", "mesh.tensor=2"], marks=pytest.mark.slow),
-        ["pipeline.schedule=interleaved", "pipeline.virtual=2"],
+        pytest.param(["pipeline.schedule=interleaved", "pipeline.virtual=2"], marks=pytest.mark.slow),
         pytest.param(
             ["SAVED_INTERLEAVED", "mesh.pipe=1", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.virtual=1"],
             marks=pytest.mark.slow,
