@@ -49,15 +49,15 @@ def check_device_count(flag: str, n: int | None) -> None:
 class MeshConfig:
     """Parallel degrees. One of them may be -1: it takes the devices left over."""
 
-    data: int = -1
-    pipe: int = 1
-    expert: int = 1
-    tensor: int = 1
+    data: int = -1  # data-parallel degree: the batch (and ZeRO state) split over this many devices
+    pipe: int = 1  # pipeline stages: the stack of layers split over this many devices
+    expert: int = 1  # expert parallelism: MoE experts split over this many devices (borrowed from data)
+    tensor: int = 1  # tensor parallelism: each layer's weights split over this many devices (Megatron)
     context: int = 1  # context parallelism: each sequence split over this many devices
     order: tuple[str, ...] = DEFAULT_ORDER  # outer -> inner; `tensor` innermost keeps TP on NVLink
     hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
     racks: int = 0  # hosts per rack (consecutive hosts share a rack); 0: all hosts in one rack
-    allow_cross_host_tensor: bool = False
+    allow_cross_host_tensor: bool = False  # true: a tensor group across hosts is a warning, not an error
 
     def __post_init__(self):
         for ax in AXES:
@@ -98,47 +98,47 @@ class ModelConfig:
     MoE when n_experts > 0."""
 
     family: str = "llama"  # llama (also Mistral/Qwen2/Mixtral shapes) | gpt2
-    vocab: int = 256
+    vocab: int = 256  # vocabulary size (a multiple of mesh.tensor); byte-level text data needs >= 256
     # > 0: ids >= vocab_used are padding (a Hugging Face import padded to a multiple): excluded from
     # the softmax and never drawn as data
     vocab_used: int = 0
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 16
-    d_ff: int = 128
-    max_seq_len: int = 128
+    d_model: int = 64  # hidden size
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads (a multiple of mesh.tensor)
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention; divides n_heads)
+    head_dim: int = 16  # size of one attention head
+    d_ff: int = 128  # MLP hidden size (per expert in MoE layers)
+    max_seq_len: int = 128  # longest sequence the model takes (GPT-2: its learned positions)
     dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
+    param_dtype: str = "float32"  # dtype of the parameters; bfloat16 keeps a float32 master copy in the optimizer
     mlp: str = "swiglu"  # swiglu (Llama: 3 matrices) | gelu (GPT-3: 2 matrices, d_ff = 4*d_model)
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # the output head reuses the embedding matrix
+    rope_theta: float = 10000.0  # RoPE base frequency
     # RoPE frequency scaling: none | llama3 (Llama 3.1: low frequencies / factor, smooth band between)
     rope_scaling: str = "none"
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
+    rope_scaling_factor: float = 8.0  # rope_scaling=llama3: the factor low frequencies are divided by
+    rope_low_freq_factor: float = 1.0  # rope_scaling=llama3: wavelengths above original_max/low are scaled
+    rope_high_freq_factor: float = 4.0  # rope_scaling=llama3: wavelengths below original_max/high are kept
+    rope_original_max_seq_len: int = 8192  # rope_scaling=llama3: the context length the model was trained at
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     sliding_window: int = 0  # > 0: a token attends to itself and the sliding_window - 1 tokens before (Mistral)
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
+    init_std: float = 0.02  # standard deviation of the normal weight initialisation
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
     remat: str = "none"  # none | full | selective | offload (selective's names kept in host memory)
     remat_every: int = 1  # k > 1 (with remat=full): keep only every k-th layer's input (groups of k units)
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # split the residual stream over mesh.tensor along the sequence
     # mesh.context > 1: how attention crosses the sequence split. allgather: K/V all-gathered over
     # 'context' (Llama 3's choice, cheap with GQA); ring: K/V blocks passed around a ring (Liu et al.
     # 2023) with the causal work load-balanced (zigzag chunks)
     context_parallel: str = "allgather"
     n_experts: int = 0  # 0: dense model
-    top_k: int = 2
+    top_k: int = 2  # experts each token is routed to
     capacity_factor: float = 1.25  # moe_dispatch=capacity only
     moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
+    aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
+    z_loss_coef: float = 0.001  # weight of the router z-loss
 
     def __post_init__(self):
         for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
@@ -217,7 +217,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (zero bubble)
     microbatches: int = 1  # m: number of microbatches per step (>= 4*pipe recommended)
     virtual: int = 1  # v: virtual chunks per stage (interleaved)
     # Stacked layers (MoE: layer groups) per virtual stage k = chunk*pipe + stage, in model order;
@@ -262,24 +262,24 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 20
-    global_batch: int = 16
-    seq_len: int = 64
+    steps: int = 20  # optimizer steps of the whole run (a resume continues up to it)
+    global_batch: int = 16  # sequences per step, over all devices and microbatches
+    seq_len: int = 64  # tokens per sequence
     zero: int = 0  # ZeRO stage 0..3
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 0
+    lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 2  # steps of linear warmup from 0
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
-    run_dir: str = "runs/default"
-    profile: bool = False
+    run_dir: str = "runs/default"  # one run: config.yaml, metrics.jsonl, checkpoints/, logs; a rerun resumes
+    profile: bool = False  # trace steps with jax.profiler into RUN_DIR/profile and print the profile report
     # Adam moments (and param_dtype master weights when they differ from model.dtype) live in pinned
     # host memory between steps; the step moves them to the device for the update and back.
     offload_optimizer: bool = False
@@ -317,8 +317,8 @@ class DataConfig:
     kind: str = "text"  # synthetic | text | tokens | prepared
     glob: str = ""  # text: files to read; empty = the Python standard library's own .py sources
     path: str = ""  # tokens: flat uint16/uint32 .bin file; prepared: a `meshrun prepare-data` directory
-    token_dtype: str = "uint16"
-    seed: int = 0
+    token_dtype: str = "uint16"  # tokens: dtype of the .bin file (uint16 | uint32)
+    seed: int = 0  # which rows each step draws: a batch is a function of (seed, step)
     val_fraction: float = 0.0  # prepared: share of documents held out for validation (train.eval_every)
     pack_documents: bool = False  # prepared: attention, positions and loss stay inside each document
 
@@ -340,9 +340,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end)
-    keep: int = 2
-    async_save: bool = True
-    resume: bool = True
+    keep: int = 2  # newest checkpoints kept
+    async_save: bool = True  # save in the background while training goes on
+    resume: bool = True  # resume from the newest intact checkpoint in train.run_dir (false: refuse if any)
     # A parameter-only checkpoint (`meshrun import-hf`) to start from when run_dir has no checkpoint
     # yet: its params, a fresh optimizer state, step 0.
     init_params: str = ""

@@ -67,3 +67,17 @@ def test_missing_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="YAML"):
         load_config(bad)
     assert TrainConfig().zero == 0
+
+
+def test_configuration_reference_is_current():
+    """docs/configuration.md is generated from the config dataclasses; every key has a meaning."""
+    from pathlib import Path
+
+    from meshrun import config_ref
+
+    missing = [k.key for k in config_ref.keys() if not k.meaning]
+    assert not missing, f"config fields without a comment (their meaning in `meshrun config`): {missing}"
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text() == config_ref.markdown(), (
+        f"docs/configuration.md is out of date with meshrun/config.py: run `{config_ref.REGENERATE}`"
+    )

@@ -136,7 +136,7 @@ def _word_tokenizer(path: Path, words: list[str]) -> None:
 
 
 def test_import_prepare_data_train_with_val_loss(imported, tmp_path):
-    """The README's three commands on files made here: import-hf (the fixture), prepare-data with the
+    """docs/checkpoints.md's commands on files made here: import-hf (the fixture), prepare-data with the
     model's tokenizer, then `meshrun train` from the imported params on another mesh (tensor 2, 2
     devices) with a held-out split and val_loss. Step 0 start, and the first loss is the imported
     model's loss on that batch (a random init would give ~log(vocab))."""

@@ -1,5 +1,5 @@
 """A `jax.profiler` trace of training steps -> busy, collective and idle time per pipeline stage and the
-measured bubble (`meshrun profile`, `train.profile`; the README's "Measured bubble" shows the report).
+measured bubble (`meshrun profile`, `train.profile`; docs/planning.md shows the report).
 
 - busy: the union of a device's leaf compute ops (not the control ops `conditional`/`while`/`call`,
   whose events span the ops they run, and not collectives);

@@ -51,6 +51,7 @@ COMMAND_MODULES = (
     "meshrun.cli.supervise",
     "meshrun.cli.hf",
     "meshrun.cli.plot",
+    "meshrun.cli.config",
 )
 DEBUG_FLAG, DEBUG_ENV = "--debug", "MESHRUN_DEBUG"
 

@@ -118,7 +118,7 @@ def leave_one_out(rows=MEGATRON_TABLE1) -> list[tuple[float, float, float, float
 
 
 def loo_table(rows=MEGATRON_TABLE1) -> str:
-    """The README's leave-one-out table (markdown)."""
+    """The leave-one-out table of docs/benchmarks.md (markdown)."""
     lines = ["| params | TP | PP | measured | LOO predicted | error |", "|---:|---:|---:|---:|---:|---:|"]
     for row, (size, meas, pred, err) in zip(rows, leave_one_out(rows)):
         lines.append(f"| {size:g}B | {row[4]} | {row[5]} | {meas:.0f} | {pred:.1f} | {err:+.1%} |")

@@ -13,7 +13,7 @@
   masked half skipped, the backward recomputing the scores: 2.5x the forward) at FLASH_EFFICIENCY.
 
 `Calibration` (gemm, hbm) is fitted on Megatron-LM's PTD-P Table 1 by `calibrate.fit_calibration`
-(leave-one-out errors in the README and tests/test_planner.py).
+(leave-one-out errors in docs/benchmarks.md and tests/test_planner.py).
 """
 
 from __future__ import annotations

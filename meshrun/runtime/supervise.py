@@ -1,6 +1,6 @@
 """`meshrun supervise`: restart a failed multi-process job from its newest intact checkpoint.
 
-The README ("Restarting failed jobs") describes its use. One attempt is one run of the launcher command
+docs/faults.md ("Restarting failed jobs") describes its use. One attempt is one run of the launcher command
 (`{processes}` replaced by the current process count) followed by CONFIG and the overrides; the
 launcher ends the whole job when one rank fails and the supervisor starts it again, up to
 `--max-restarts` times, naming on stderr the rank that died and the step the job resumes from.
