@@ -39,7 +39,7 @@ from meshrun.analysis import hlo  # noqa: E402
 from meshrun.analysis import trace as profile  # noqa: E402
 from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
-from meshrun.pipeline import schedules  # noqa: E402
+from meshrun.pipeline import registry, schedules  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.runtime.mesh import build_mesh  # noqa: E402
@@ -87,7 +87,7 @@ def measured(compiled, args, mesh, sched: str, p: int, m: int, v: int, steps: in
             for _ in range(steps):
                 jax.block_until_ready(compiled(*args))
         times = profile.device_times(profile.load_trace(out), compiled.as_text(), mesh, steps)
-    return profile.stage_report(times, mesh, schedules.stage_bubbles(schedules.build(sched, p, m, v)))
+    return profile.stage_report(times, mesh, schedules.stage_bubbles(registry.get(sched).table(p, m, v)))
 
 
 def main(argv=None) -> None:
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     print(f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble (table)':>16}{'peak in-flight chunks':>23}")
     for m in (8, 16):
         for sched, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-            table = schedules.build(sched, 4, m, v)
+            table = registry.get(sched).table(4, m, v)
             peak = max(schedules.max_in_flight(table, s) for s in range(4))
             print(f"{sched:<12}{4:>3}{m:>4}{v:>3}{schedules.bubble_fraction(table):>16.4f}{peak:>23}")
     _, params = mm.init_params(CFG, 0)

@@ -21,7 +21,6 @@ import yaml
 from meshrun.errors import ConfigError
 
 AXES = ("data", "pipe", "expert", "context", "tensor")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule (built by meshrun.pipeline.schedules)
 DEFAULT_ORDER = ("pipe", "data", "expert", "context", "tensor")
 CONTEXT_KINDS = ("allgather", "ring")  # model.context_parallel
 # Model fields that decide how the step runs, not what it computes: a checkpoint resumes across them.
@@ -217,31 +216,25 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (zero bubble)
+    schedule: str = "1f1b"  # a schedule of the registry (docs/pipeline.md lists them; `meshrun schedule --help`)
     microbatches: int = 1  # m: number of microbatches per step (>= 4*pipe recommended)
-    virtual: int = 1  # v: virtual chunks per stage (interleaved)
+    virtual: int = 1  # v: virtual chunks per stage (schedules whose chunk count is free)
     # Stacked layers (MoE: layer groups) per virtual stage k = chunk*pipe + stage, in model order;
     # empty: split by `balance` ('even': equal counts; 'auto': the planner's cost model).
     layers_per_stage: tuple[int, ...] = ()
     balance: str = "even"  # even | auto
     # How ticks run: 'lockstep' (one forward and one backward per stage per tick; 1F1B holds
     # min(m, 2p-1) microbatches' residuals on every stage), 'per_op' (one op per stage per tick, the
-    # schedule's own timeline: 1F1B holds p - s on stage s, Megatron's; zb-h1 always), 'auto'
-    # (per_op for zb-h1, lockstep otherwise). Same bubble either way.
+    # schedule's own timeline with each backward split into B and W: 1F1B holds p - s on stage s,
+    # Megatron's), 'auto' (the schedule's registry entry decides). The schedule's entry says which
+    # executors play it (`pipeline.registry.check_config`, run by the step plan: config sits below it).
     executor: str = "auto"  # auto | lockstep | per_op
 
     def __post_init__(self):
-        _choice("pipeline.schedule", self.schedule, SCHEDULES)
+        if not self.schedule or not isinstance(self.schedule, str):
+            fix = "name a schedule (`meshrun schedule --help` lists them)"
+            raise ConfigError("pipeline.schedule", self.schedule, fix)
         _choice("pipeline.executor", self.executor, ("auto", "lockstep", "per_op"))
-        if self.executor == "lockstep" and self.schedule == "zb-h1":
-            raise ConfigError("pipeline.executor", self.executor, "use per_op or auto", "zb-h1 runs one op per tick")
-        if self.executor == "per_op" and self.schedule in ("gpipe", "interleaved"):
-            raise ConfigError(
-                "pipeline.executor",
-                self.executor,
-                "use lockstep or auto (or pipeline.schedule=1f1b)",
-                f"{self.schedule} runs on the lockstep executor only",
-            )
         _bounded("pipeline.microbatches", self.microbatches, 1, MAX_MICROBATCHES)
         _bounded("pipeline.virtual", self.virtual, 1, MAX_DIM)
         _choice("pipeline.balance", self.balance, ("even", "auto"))

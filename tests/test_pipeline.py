@@ -27,7 +27,7 @@ from meshrun.config import ModelConfig, PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import constrain
-from meshrun.pipeline import schedules
+from meshrun.pipeline import registry, schedules
 from meshrun.pipeline.executor import Pipeline
 from meshrun.pipeline.split import layer_split
 from meshrun.pipeline.stage import activation_residuals
@@ -518,7 +518,7 @@ def expected_sends(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, int,
     moves one microbatch activation across each stage boundary forward (one gradient backward) when
     its run of same-kind ticks (forward-only / both / backward-only) feeds a consumer next tick; and
     how many of those ticks send both ways (with two stages that is one swap, one collective)."""
-    lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+    lock = schedules.lockstep(registry.get(schedule).table(p, m, v, "lockstep"))
     kind = ["".join(k for k, ops in (("F", [c.fwd for c in r]), ("B", [c.bwd for c in r])) if any(ops)) for r in lock]
     need_f = [any(c.fwd and c.fwd.chunk * p + s > 0 for s, c in enumerate(r)) for r in lock[1:]] + [False]
     need_b = [any(c.bwd and c.bwd.chunk * p + s < v * p - 1 for s, c in enumerate(r)) for r in lock[1:]] + [False]

@@ -442,12 +442,12 @@ def test_pipeline_slots_closed_form_matches_the_tables(schedule, v):
     """The closed form the planner uses for big tables equals the executor's tables: max in-flight
     (mb, chunk) pairs of the lockstep view; zb-h1 (per-op) its in-flight count from F to W, and its
     stash slots (B to W) the most deferred W's."""
-    from meshrun.pipeline import schedules
+    from meshrun.pipeline import registry, schedules
     from meshrun.planner.step_model import pipeline_slots_formula, stash_slots_formula
 
     for p in (2, 3, 4):
         for m in (p, 2 * p, 4 * p):
-            table = schedules.build(schedule, p, m, v)
+            table = registry.get(schedule).table(p, m, v)
             if schedule == "zb-h1":
                 want = max(schedules.max_in_flight(table, s) for s in range(p))
                 stash = max(1 + max(schedules.assign_slots(schedules.stash_intervals(table, s)).values())

@@ -9,8 +9,23 @@ import sys
 import pytest
 
 from meshrun.errors import ConfigError
+from meshrun.pipeline import registry as R
 from meshrun.pipeline import schedules as S
 from meshrun.pipeline.schedules import ScheduleError, Step, Task
+
+
+def build(name: str, p: int, m: int, v: int = 1):
+    """The timeline a schedule's default executor plays (whole backwards on the lockstep executor)."""
+    return R.get(name).table(p, m, v)
+
+
+def per_op_table(name: str, p: int, m: int, v: int = 1):
+    return R.get(name).table(p, m, v, "per_op")
+
+
+def closed_form(name: str, p: int, m: int, v: int = 1) -> float:
+    return R.get(name).bubble(p, m, v)
+
 
 CASES = (
     [("gpipe", p, m, 1) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8, 13)]
@@ -35,7 +50,7 @@ def _where(table, p):
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_every_builder_passes_check_in_both_views(name, p, m, v):
-    table = S.build(name, p, m, v)
+    table = build(name, p, m, v)
     assert all(len(row) == p for row in table)
     S.check(table, p, m, v)
     lock = S.lockstep(table)
@@ -49,19 +64,19 @@ def test_every_builder_passes_check_in_both_views(name, p, m, v):
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 3), (4, 8), (5, 7)])
 def test_per_op_tick_counts_gpipe_and_1f1b(p, m):
     # With unit-cost ops, GPipe and 1F1B both end after 2(m+p-1) ticks.
-    assert len(S.gpipe(p, m)) == 2 * (m + p - 1)
-    assert len(S.one_f_one_b(p, m)) == 2 * (m + p - 1)
+    assert len(build("gpipe", p, m)) == 2 * (m + p - 1)
+    assert len(build("1f1b", p, m)) == 2 * (m + p - 1)
 
 
 def test_1f1b_table_matches_known_chart():
-    t = S.one_f_one_b(2, 3)
+    t = build("1f1b", 2, 3)
     rows = [" ".join("." if c is None else c.label() for c in col) for col in zip(*t)]
     assert rows == ["F0 F1 . B0 F2 B1 . B2", ". F0 B0 F1 B1 F2 B2 ."]
 
 
 def test_interleaved_chunk_placement_and_order():
     p, m, v = 2, 4, 2
-    t = S.interleaved(p, m, v)
+    t = build("interleaved", p, m, v)
     stage0_fwd = [op for op in (row[0] for row in t) if op is not None and op.kind == "F"]
     # Megatron order: groups of p microbatches, all chunks of a group before the next group.
     assert [(o.mb, o.chunk) for o in stage0_fwd] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
@@ -80,7 +95,7 @@ def _replace(table, tick, stage, new):
 
 def test_check_rejects_corrupted_tables():
     p, m = 3, 4
-    good = S.one_f_one_b(p, m)
+    good = build("1f1b", p, m)
     S.check(good, p, m)
     when = _where(good, p)
     # 1. a missing op
@@ -113,7 +128,7 @@ def test_check_rejects_corrupted_tables():
 
 def test_check_rejects_corrupted_lockstep_tables():
     p, m = 3, 5
-    lock = S.lockstep(S.one_f_one_b(p, m))
+    lock = S.lockstep(build("1f1b", p, m))
     S.check(lock, p, m)
     when = _where(lock, p)
     # same-tick F then B is allowed only in that order inside one cell: flip the last stage's cell
@@ -141,7 +156,7 @@ def test_check_rejects_corrupted_lockstep_tables():
 
 @pytest.mark.parametrize("p, m", [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 9, 64) if m >= p])
 def test_lockstep_1f1b_exact_ticks_and_in_flight_bound(p, m):
-    lock = S.lockstep(S.one_f_one_b(p, m))
+    lock = S.lockstep(build("1f1b", p, m))
     assert len(lock) == m + 2 * (p - 1)
     when = _where(lock, p)
     for mb in range(m):
@@ -157,16 +172,16 @@ def test_lockstep_1f1b_exact_ticks_and_in_flight_bound(p, m):
 @pytest.mark.parametrize("p,m", [(2, 2), (3, 6), (4, 8), (4, 40)])
 def test_per_op_in_flight_gpipe_vs_1f1b(p, m):
     for s in range(p):
-        assert S.max_in_flight(S.gpipe(p, m), s) == m  # grows with m
-        assert S.max_in_flight(S.one_f_one_b(p, m), s) == p - s  # PipeDream-flush bound
-        assert S.max_in_flight(S.lockstep(S.gpipe(p, m)), s) == m
+        assert S.max_in_flight(build("gpipe", p, m), s) == m  # grows with m
+        assert S.max_in_flight(build("1f1b", p, m), s) == p - s  # PipeDream-flush bound
+        assert S.max_in_flight(S.lockstep(build("gpipe", p, m)), s) == m
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 4)])
 @pytest.mark.parametrize("k", [2, 3, 8])
 def test_lockstep_interleaved_ticks_and_buffers(p, v, k):
     m = k * p
-    lock = S.lockstep(S.interleaved(p, m, v))
+    lock = S.lockstep(build("interleaved", p, m, v))
     assert len(lock) == v * m + (v + 1) * p - 2
     for s in range(p):
         bound = 2 * (p - 1 - s) + 1 + (v - 1) * p
@@ -174,7 +189,7 @@ def test_lockstep_interleaved_ticks_and_buffers(p, v, k):
 
 
 def test_per_op_interleaved_needs_inbox_slots():
-    t = S.interleaved(4, 8, 2)
+    t = build("interleaved", 4, 8, 2)
     sizes = [S.buffer_sizes(t, s) for s in range(4)]
     assert [b.residuals for b in sizes] == [S.max_in_flight(t, s) for s in range(4)]
     assert max(b.fwd_inbox for b in sizes) >= 1 and max(b.bwd_inbox for b in sizes) >= 1
@@ -182,7 +197,7 @@ def test_per_op_interleaved_needs_inbox_slots():
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 11, 1), ("interleaved", 3, 9, 3), ("gpipe", 3, 5, 1)])
 def test_residual_slots_and_arrays(name, p, m, v):
-    lock = S.lockstep(S.build(name, p, m, v))
+    lock = S.lockstep(build(name, p, m, v))
     arr = S.lockstep_arrays(lock)
     assert set(arr) == {"f_mb", "f_chunk", "f_slot", "b_mb", "b_chunk", "b_slot"}
     assert all(len(a) == len(lock) and all(len(r) == p for r in a) for a in arr.values())
@@ -219,8 +234,8 @@ BUBBLE_CASES = (
 @pytest.mark.parametrize("name,p,m,v", BUBBLE_CASES)
 @pytest.mark.parametrize("b_over_f", [1.0, 2.0])
 def test_bubble_from_table_matches_closed_form(name, p, m, v, b_over_f):
-    table = S.build(name, p, m, v)
-    closed = S.bubble_closed_form(name, p, m, v)
+    table = build(name, p, m, v)
+    closed = closed_form(name, p, m, v)
     for f in (1.0, 0.25):
         per = S.stage_bubbles(table, f=f, b=b_over_f * f)
         assert per == pytest.approx([closed] * p, rel=1e-12, abs=1e-15)
@@ -233,7 +248,7 @@ def test_bubble_depends_on_table_order():
     # stage 1. Hand timeline with f=1, b=2: stage 1 B1 [3,5] B0 [5,7]; stage 0 B0 [7,9] B1 [9,11].
     F, B = (lambda i: Task("F", i)), (lambda i: Task("B", i))
     bad = [[F(0), None], [F(1), F(0)], [None, F(1)], [None, B(1)], [None, B(0)], [B(0), None], [B(1), None]]
-    t = S.gpipe(2, 2)
+    t = build("gpipe", 2, 2)
     assert len(t) == 6 and t[3] == [None, B(0)]
     S.check(bad, 2, 2)
     assert S.stage_bubbles(bad, f=1.0, b=2.0) == pytest.approx([5 / 11, 5 / 11], rel=1e-12)
@@ -251,13 +266,13 @@ def test_bubble_counted_from_hand_drawn_timelines():
         "F0 F1 .  .  .  B0 B0 B1 B1",
         ".  F0 F1 B0 B0 B1 B1 .  .",
     ]
-    for chart, table, (name, p, m) in ((one_f_one_b, S.one_f_one_b(2, 3), ("1f1b", 2, 3)),
-                                       (gpipe, S.gpipe(2, 2), ("gpipe", 2, 2))):  # fmt: skip
+    for chart, table, (name, p, m) in ((one_f_one_b, build("1f1b", 2, 3), ("1f1b", 2, 3)),
+                                       (gpipe, build("gpipe", 2, 2), ("gpipe", 2, 2))):  # fmt: skip
         units = [row.split() for row in chart]
         span = max(len(u) for u in units)
         idle = [(span - sum(c != "." for c in u)) / span for u in units]
         assert S.stage_bubbles(table, f=1.0, b=2.0) == pytest.approx(idle, rel=1e-12)
-        assert S.bubble_closed_form(name, p, m) == pytest.approx(idle[0], rel=1e-12)
+        assert closed_form(name, p, m) == pytest.approx(idle[0], rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -271,7 +286,7 @@ def test_bubble_counted_from_hand_drawn_timelines():
     ],
 )
 def test_bubble_of_the_table_equals_published_values(name, p, m, v, published):
-    assert S.bubble_fraction(S.build(name, p, m, v), f=1.0, b=2.0) == pytest.approx(published, abs=5e-5)
+    assert S.bubble_fraction(build(name, p, m, v), f=1.0, b=2.0) == pytest.approx(published, abs=5e-5)
 
 
 # ------------------------------------------------------------------ bad input
@@ -280,14 +295,14 @@ def test_bubble_of_the_table_equals_published_values(name, p, m, v, published):
 @pytest.mark.parametrize(
     "call,field",
     [
-        (lambda: S.one_f_one_b(4, 3), "pipeline.microbatches"),
-        (lambda: S.interleaved(4, 6, 2), "pipeline.microbatches"),
-        (lambda: S.interleaved(2, 4, 0), "pipeline.virtual"),
-        (lambda: S.build("1f1b", 2, 4, 2), "pipeline.virtual"),
-        (lambda: S.build("pipedream", 2, 4), "pipeline.schedule"),
-        (lambda: S.gpipe(0, 4), "mesh.pipe"),
-        (lambda: S.gpipe(2, 0), "pipeline.microbatches"),
-        (lambda: S.bubble_closed_form("zb", 2, 4), "pipeline.schedule"),
+        (lambda: build("1f1b", 4, 3), "pipeline.microbatches"),
+        (lambda: build("interleaved", 4, 6, 2), "pipeline.microbatches"),
+        (lambda: build("interleaved", 2, 4, 0), "pipeline.virtual"),
+        (lambda: build("1f1b", 2, 4, 2), "pipeline.virtual"),
+        (lambda: build("pipedream", 2, 4), "pipeline.schedule"),
+        (lambda: build("gpipe", 0, 4), "mesh.pipe"),
+        (lambda: build("gpipe", 2, 0), "pipeline.microbatches"),
+        (lambda: closed_form("zb", 2, 4), "pipeline.schedule"),
     ],
 )
 def test_bad_arguments_raise_config_error(call, field):
@@ -394,22 +409,22 @@ def test_zb_h1_table_bubble_third_of_1f1b_at_the_same_memory(p, m):
     """ZB-H1 (Qi et al. 2023): B (input grad) and W (weight grad) split; W's fill the cool-down.
     With F = B = W its table bubble is (p-1)/(3m+p-1): (p-1)(F+B-W) idle per stage, against 1F1B's
     (p-1)(F+B+W); no stage holds more microbatches between F and W than 1F1B's peak, min(p, m)."""
-    table = S.build("zb-h1", p, m)
+    table = build("zb-h1", p, m)
     S.check(table, p, m)
     assert sum(op is not None for row in table for op in row) == 3 * m * p
     assert len(table) == 3 * m + p - 1
     closed = (p - 1) / (3 * m + p - 1)
     assert S.stage_bubbles(table) == pytest.approx([closed] * p, rel=1e-12, abs=1e-15)
-    assert S.bubble_closed_form("zb-h1", p, m) == pytest.approx(closed)
-    one = S.bubble_fraction(S.build("1f1b", p, m))
+    assert closed_form("zb-h1", p, m) == pytest.approx(closed)
+    one = S.bubble_fraction(build("1f1b", p, m))
     if p > 1:  # a third of 1F1B's as m grows: (p-1)/(3m+p-1) against (p-1)/(m+p-1)
         assert S.bubble_fraction(table) < (0.4 if m >= 4 * p else 0.5) * one
-    peak_1f1b = max(S.max_in_flight(S.build("1f1b", p, m), s) for s in range(p))
+    peak_1f1b = max(S.max_in_flight(build("1f1b", p, m), s) for s in range(p))
     assert max(S.max_in_flight(table, s) for s in range(p)) == peak_1f1b == min(p, m)
 
 
 def test_zb_h1_check_catches_a_w_before_its_b_and_a_missing_w():
-    table = S.build("zb-h1", 2, 2)
+    table = build("zb-h1", 2, 2)
     ws = [(t, s) for t, row in enumerate(table) for s, op in enumerate(row) if op is not None and op.kind == "W"]
     t, s = ws[0]
     broken = [list(row) for row in table]
@@ -426,7 +441,7 @@ def test_cli_draws_zb_h1_with_both_bubbles(capsys):
     main = _main()
     assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--schedule", "zb-h1"]) == 0
     out = capsys.readouterr().out
-    assert "W7" in out and "bubble fraction (F = B = W): 0.1111" in out and "1F1B with whole backwards" in out
+    assert "W7" in out and "bubble fraction (F = B = W): 0.1111" in out and "order with whole backwards" in out
     assert "0.2727" in out
 
 
@@ -454,7 +469,7 @@ def test_per_op_program_delivers_every_value(p, m, schedule):
     from meshrun.pipeline.program import tick_program
 
     prog = tick_program(PipelineConfig(schedule=schedule, microbatches=m, executor="per_op"), p)
-    assert prog.per_op and prog.slots == p and prog.ticks == len(S.per_op_table(schedule, p, m))
+    assert prog.per_op and prog.slots == p and prog.ticks == len(per_op_table(schedule, p, m))
     assert prog.stash_slots == (p if schedule == "zb-h1" else 1)
     tb = prog.tables
     fbox = [dict() for _ in range(p)]
@@ -508,7 +523,7 @@ def test_per_op_program_delivers_every_value(p, m, schedule):
                 assert stash[s].pop(int(tb["stash"][t, s])) == mb
             done.add((kind, mb, s))
     assert len(done) == 3 * m * p and not any(res) and not any(fbox) and not any(gbox) and not any(stash)
-    assert prog.bubble == pytest.approx(S.bubble_fraction(S.per_op_table(schedule, p, m), 1.0, 1.0, 1.0))
+    assert prog.bubble == pytest.approx(S.bubble_fraction(per_op_table(schedule, p, m), 1.0, 1.0, 1.0))
 
 
 @pytest.mark.parametrize("p, m", [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 9, 16, 64) if m >= p])
@@ -520,7 +535,7 @@ def test_split_1f1b_holds_p_minus_s_with_one_op_ticks(p, m):
     from meshrun.config import PipelineConfig
     from meshrun.pipeline.program import tick_program
 
-    table, fused = S.one_f_one_b_split(p, m), S.one_f_one_b(p, m)
+    table, fused = per_op_table("1f1b", p, m), build("1f1b", p, m)
     S.check(table, p, m)
     assert len(table) == 3 * m + 2 * (p - 1)
     for s in range(p):
@@ -537,18 +552,24 @@ def test_split_1f1b_holds_p_minus_s_with_one_op_ticks(p, m):
     assert prog.stage_slots() == tuple(min(m, p - s) for s in range(p))
     lock = tick_program(PipelineConfig(schedule="1f1b", microbatches=m, executor="lockstep"), p)
     assert lock.executor == "lockstep" and not lock.per_op and lock.slots == min(m, 2 * p - 1)
-    assert lock.bubble == pytest.approx(S.bubble_closed_form("1f1b", p, m))
+    assert lock.bubble == pytest.approx(closed_form("1f1b", p, m))
 
 
 def test_executor_option_errors_name_the_fix():
+    """The schedule's registry entry says which executors play it (checked by the step plan, and by
+    `tick_program`: config.py sits below the pipeline package)."""
     from meshrun.config import PipelineConfig
+    from meshrun.pipeline.program import tick_program
 
     with pytest.raises(ConfigError, match="per_op or auto") as e:
-        PipelineConfig(schedule="zb-h1", microbatches=4, executor="lockstep")
+        R.check_config(PipelineConfig(schedule="zb-h1", microbatches=4, executor="lockstep"))
     assert e.value.field == "pipeline.executor"
     with pytest.raises(ConfigError, match="lockstep or auto") as e:
-        PipelineConfig(schedule="interleaved", microbatches=4, virtual=2, executor="per_op")
+        tick_program(PipelineConfig(schedule="interleaved", microbatches=4, virtual=2, executor="per_op"), 2)
     assert e.value.field == "pipeline.executor"
+    with pytest.raises(ConfigError, match="did you mean 'zb-h1'") as e:
+        R.check_config(PipelineConfig(schedule="zb-h2"))
+    assert e.value.field == "pipeline.schedule"
     with pytest.raises(ConfigError, match="use one of"):
         PipelineConfig(executor="async")
 
@@ -565,7 +586,7 @@ def test_per_op_static_sends_cover_every_tick(p, m, schedule):
     from meshrun.pipeline.program import tick_program
 
     prog = tick_program(PipelineConfig(schedule=schedule, microbatches=m, executor="per_op"), p)
-    table = S.per_op_table(schedule, p, m)
+    table = per_op_table(schedule, p, m)
     assert len(prog.sends) == len(prog.phases)
     assert [t0 for _, t0, _, _, _ in prog.phases] == [0] + [t1 for _, _, t1, _, _ in prog.phases[:-1]]
     assert prog.phases[-1][2] == prog.ticks == len(table)
@@ -599,6 +620,6 @@ def test_per_op_sends_one_permute_per_sending_tick(schedule, expected):
     p, m = 4, 8
     prog = tick_program(PipelineConfig(schedule=schedule, microbatches=m, executor="per_op"), p)
     # the fewest any program could make: each tick's own sends, in one permute unless a stage receives twice
-    fewest = sum(len(_permutes(*_tick_sends(row, p))) for row in S.per_op_table(schedule, p, m))
+    fewest = sum(len(_permutes(*_tick_sends(row, p))) for row in per_op_table(schedule, p, m))
     assert prog.permute_counts()[0] == expected
     assert fewest == (28 if schedule == "1f1b" else 33)

@@ -16,7 +16,7 @@ from pathlib import Path
 from meshrun.analysis.flops import param_counts
 from meshrun.config import MAX_DIM, RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
-from meshrun.pipeline.schedules import SCHEDULES
+from meshrun.pipeline import registry
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.layout import CONTEXT_KINDS
@@ -110,6 +110,10 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
     b = given.get("micro_batch_size", 1)
     m = given.get("microbatches", max(1, global_batch // (b * d * e)))
     v = given.get("virtual", 1)
+    sched = registry.get(given.get("schedule", registry.default_name(v)), "--evaluate schedule")
+    if given.get("executor", sched.executors[0]) not in sched.executors:
+        raise ConfigError("--evaluate executor", given["executor"], f"use {' or '.join(sched.executors)}",
+                          f"{sched.name} runs on the {'/'.join(sched.executors)} executor only")  # fmt: skip
     layout = Layout(
         tensor=t,
         pipe=p,
@@ -121,8 +125,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         zero=given.get("zero", 0),
         remat=given.get("remat", model.remat),
         sequence_parallel=given.get("sequence_parallel", model.sequence_parallel),
-        schedule=given.get("schedule", "interleaved" if v > 1 else "1f1b"),
-        executor=given.get("executor", "per_op" if given.get("schedule") == "zb-h1" else "lockstep"),
+        schedule=sched.name,
+        executor=sched.executor(given.get("executor", "auto")),
         context=c,
         context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
     )
@@ -163,9 +167,7 @@ def _parse_value(key: str, raw: str):
             raise ConfigError(field, raw, "use lockstep or per_op")
         return raw
     if key == "schedule":
-        if raw not in SCHEDULES:
-            raise ConfigError(field, raw, f"use one of {list(SCHEDULES)}")
-        return raw
+        return registry.get(raw, field).name
     low = raw.lower()
     if low not in ("true", "false", "1", "0", "yes", "no"):
         raise ConfigError(field, raw, "use true or false", "not a boolean")

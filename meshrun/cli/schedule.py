@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from meshrun.errors import ConfigError
+from meshrun.pipeline import registry
 from meshrun.pipeline import schedules as S
 
 
@@ -12,24 +13,23 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("schedule", help="show a pipeline schedule table and its bubble fraction")
     p.add_argument("--pipe", type=int, required=True, metavar="P", help="pipeline stages p")
     p.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches m per step")
-    p.add_argument("--schedule", default="1f1b", choices=S.SCHEDULES)
-    p.add_argument("--virtual", type=int, default=1, metavar="V", help="virtual chunks per stage (interleaved)")
+    p.add_argument("--schedule", default="1f1b", choices=registry.names())
+    p.add_argument(
+        "--virtual",
+        type=int,
+        default=None,
+        metavar="V",
+        help="virtual chunks per stage (schedules whose chunk count is free; default: the schedule's)",
+    )
     p.add_argument("--lockstep", action="store_true", help="show the lockstep (fwd, bwd) per tick view")
     p.add_argument(
         "--per-op",
         action="store_true",
-        help="show what pipeline.executor=per_op plays (1F1B: each backward split into B and W, F = B = W)",
+        help="show what pipeline.executor=per_op plays (each backward split into B and W, F = B = W)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, metavar="FILE", help="draw the per-op timeline (needs matplotlib)")
     p.set_defaults(func=run_schedule)
-
-
-def closed_form(name: str, p: int, m: int, v: int, per_op: bool) -> float:
-    """The schedule's bubble in closed form; per-op 1F1B (3m + 2(p - 1) one-op ticks): 2(p-1)/(3m+2(p-1))."""
-    if per_op and name == "1f1b":
-        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
-    return S.bubble_closed_form(name, p, m, v)
 
 
 MAX_CELLS = 2**14  # p*m*v: p=16, m=256, v=4 answers in ~2 s on one shared CPU core
@@ -40,7 +40,9 @@ def _label(op, v: int):
 
 
 def run_schedule(args) -> int:
-    p, m, v = args.pipe, args.microbatches, args.virtual
+    sched = registry.get(args.schedule, "--schedule")
+    p, m = args.pipe, args.microbatches
+    v = args.virtual if args.virtual is not None else sched.chunks_of(1)
     for flag, n in (("--pipe", p), ("--microbatches", m), ("--virtual", v)):
         if n > MAX_CELLS:  # below 1: the schedule's own check names the field
             raise ConfigError(flag, n, f"use a whole number in [1, {MAX_CELLS}]", "out of range")
@@ -49,15 +51,18 @@ def run_schedule(args) -> int:
         raise ConfigError(
             "--microbatches", m, f"keep pipe x microbatches x virtual <= {MAX_CELLS} (got {p * m * v})", "too large"
         )
-    per_op = args.per_op or args.schedule == "zb-h1"
-    if args.per_op and args.schedule not in ("1f1b", "zb-h1"):
-        fix, why = "drop --per-op or use --schedule 1f1b or zb-h1", "the per-op executor runs 1f1b and zb-h1 only"
+    per_op = args.per_op or "lockstep" not in sched.executors
+    if args.per_op and "per_op" not in sched.executors:
+        runs = [n for n, s in registry.SCHEDULES.items() if "per_op" in s.executors]
+        fix = f"drop --per-op or use --schedule {' or '.join(runs)}"
+        why = f"the per-op executor runs {', '.join(runs)} only"
         raise ConfigError("--per-op", True, fix, why)
     if args.lockstep and per_op:
         raise ConfigError(
             "--lockstep", True, "drop --lockstep: the per-op executor runs its per-op timeline as is (one op per tick)"
         )
-    table = S.per_op_table(args.schedule, p, m, v) if per_op else S.build(args.schedule, p, m, v)
+    executor = "per_op" if per_op else "lockstep"
+    table = sched.table(p, m, v, executor)
     bubble = S.bubble_fraction(table, 1.0, 1.0, 1.0) if per_op else S.bubble_fraction(table)  # F = 1, B + W = 2
     shown = S.lockstep(table) if args.lockstep else table
     in_flight = [S.max_in_flight(shown, s) for s in range(p)]
@@ -77,7 +82,7 @@ def run_schedule(args) -> int:
             "microbatches": m,
             "virtual": v,
             "lockstep": bool(args.lockstep),
-            "bubble_closed_form": closed_form(args.schedule, p, m, v, per_op),
+            "bubble_closed_form": sched.bubble(p, m, v, executor),
             "per_op": per_op,
             "max_in_flight": in_flight,
         }
@@ -86,12 +91,12 @@ def run_schedule(args) -> int:
     view = "lockstep (fwd+bwd per tick)" if args.lockstep else "per-op timeline"
     print(f"schedule {args.schedule}  p={p}  m={m}  v={v}  {view}: {len(shown)} ticks")
     print(S.render(shown, v))
-    closed = closed_form(args.schedule, p, m, v, per_op)
+    closed = sched.bubble(p, m, v, executor)
     cost = "F = B = W" if per_op else "backward = 2 x forward"
     print(f"bubble fraction ({cost}): {bubble:.4f}  closed form {closed:.4f}")
     if per_op:
-        same = S.bubble_fraction(S.build("1f1b", p, m))
-        print(f"1F1B with whole backwards (F = 1, B = 2) at the same p, m and peak in flight: {same:.4f}")
+        same = S.bubble_fraction(sched.timeline(p, m, v, "lockstep"))
+        print(f"{sched.title}'s order with whole backwards (F = 1, B = 2) at the same p, m: {same:.4f}")
     print(f"max in-flight microbatch chunks per stage: {in_flight}")
     return 0
 

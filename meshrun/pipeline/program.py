@@ -1,11 +1,12 @@
 """The executor's static program: the schedule's lockstep table as per-tick index arrays, grouped
 into phases of same-kind ticks (pure Python + numpy, no JAX: `meshrun explain` and the tests read it).
 
-The per-op executor (`pipeline.executor=per_op`; zb-h1 always) runs a per-op timeline as is: one op
-(F, B = input gradient, W = weight gradient) per stage per tick, values that arrive before their
-consumer runs waiting in inbox slots. For 1F1B that timeline is Megatron's order with each backward
-split into B and W in consecutive ticks (`schedules.one_f_one_b_split`): p - s microbatches in flight
-on stage s, not the lockstep table's 2(p-1-s)+1, over 3m + 2(p-1) ticks of one op. Its ticks are
+The per-op executor (`pipeline.executor=per_op`, or `auto` where the schedule's registry entry puts
+it first) runs a per-op timeline as is: one op (F, B = input gradient, W = weight gradient) per stage
+per tick, values that arrive before their consumer runs waiting in inbox slots. For 1F1B that
+timeline is Megatron's order with each backward split into B and W in consecutive ticks: p - s
+microbatches in flight on stage s, not the lockstep table's 2(p-1-s)+1, over 3m + 2(p-1) ticks of
+one op. Its ticks are
 grouped into phases that each repeat a period of a few ticks with static sends (`_send_phases`):
 every collective is a rendezvous of all devices, so a tick sends both ways in one collective-permute
 where it can (zb-h1: two where a stage receives an activation and a gradient at once).
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshrun.config import PipelineConfig
-from meshrun.pipeline import schedules
+from meshrun.pipeline import registry, schedules
 
 
 def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
@@ -52,8 +53,8 @@ def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
 
 @dataclass(frozen=True)
 class TickProgram:
-    """Everything static about one pipelined step, read off the schedule table: per-tick task
-    tables, phases of same-kind ticks, residual slots."""
+    """Everything static about one pipelined step, read off the schedule's table (built once, by
+    `tick_program`): per-tick task tables, phases of same-kind ticks, residual slots, the bubble."""
 
     schedule: str
     p: int
@@ -73,6 +74,8 @@ class TickProgram:
     # per_op: per phase, one period of u ticks (its scan body runs u ticks; u divides the phase's
     # length), each tick's collective-permutes as their (source, target) stage pairs (mostly one)
     sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], ...], ...] = ()
+    # the timeline's idle fraction per stage (F = 1, B = 2; per-op: F = B = W = 1)
+    stage_bubbles: tuple[float, ...] = ()
 
     def stage_slots(self) -> tuple[int, ...]:
         """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
@@ -82,10 +85,8 @@ class TickProgram:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction from the per-op table (F = 1, B = 2; per-op: F = B = W = 1)."""
-        if self.per_op:
-            return schedules.bubble_fraction(schedules.per_op_table(self.schedule, self.p, self.m), 1.0, 1.0, 1.0)
-        return schedules.bubble_fraction(schedules.build(self.schedule, self.p, self.m, self.v))
+        """Mean idle fraction of the timeline this program plays (`stage_bubbles`)."""
+        return sum(self.stage_bubbles) / len(self.stage_bubbles)
 
     def permutes(self) -> tuple[int, int]:
         """(forward, backward) activation transfers over 'pipe' per step: one per tick of a phase that
@@ -113,19 +114,16 @@ class TickProgram:
         return f + b - both, f + b - (both if self.v == 1 else 0)
 
 
-def executor_of(pcfg: PipelineConfig) -> str:
-    """'lockstep' or 'per_op': `pipeline.executor` with 'auto' resolved (per_op for zb-h1 only)."""
-    if pcfg.executor != "auto":
-        return pcfg.executor
-    return "per_op" if pcfg.schedule == "zb-h1" else "lockstep"
-
-
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
-    if executor_of(pcfg) == "per_op":
-        return _per_op_program(pcfg, p)
-    table = schedules.build(pcfg.schedule, p, pcfg.microbatches, pcfg.virtual)  # checks virtual
+    """The program of `pcfg`'s schedule on p stages (its registry entry's checks first)."""
+    sched = registry.check_config(pcfg)
+    executor = sched.executor(pcfg.executor)
+    v = sched.chunks_of(pcfg.virtual)
+    table = sched.table(p, pcfg.microbatches, v, executor)  # checks p, m, v
+    bubbles = tuple(schedules.stage_bubbles(table))
+    if executor == "per_op":
+        return _per_op_program(pcfg, p, table, bubbles)
     lock = schedules.lockstep(table)
-    v = pcfg.virtual
     arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
     slots = max(schedules.max_in_flight(lock, s) for s in range(p))
     last = p - 1
@@ -135,18 +133,18 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
         or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
         for row in lock
     )
-    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs)
+    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs,
+                       stage_bubbles=bubbles)  # fmt: skip
 
 
 KINDS = {"F": 1, "B": 2, "W": 3}  # per-op kind codes; 0 = idle
 
 
-def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
+def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, ...]) -> TickProgram:
     """The per-op timeline as index arrays. A value sent at tick t arrives at t+1; it goes into an
     inbox slot then (-1: nothing arrives, the trash slot) and its consumer reads that slot when it
     runs, so a consumer may run later than the arrival. Residual slots live from F to W."""
     m = pcfg.microbatches
-    table = schedules.per_op_table(pcfg.schedule, p, m, pcfg.virtual)  # checks virtual = 1
     ticks = len(table)
     keys = ("kind", "mb", "slot", "stash", "f_put", "f_get", "g_put", "g_get")
     arrs = {k: np.full((ticks, p), -1, np.int32) for k in keys}
@@ -172,7 +170,7 @@ def _per_op_program(pcfg: PipelineConfig, p: int) -> TickProgram:
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
     phases, sends = _send_phases(table, p)
     return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
-                       stash_slots, sends)  # fmt: skip
+                       stash_slots, sends, bubbles)  # fmt: skip
 
 
 MAX_PERIOD = 3  # longest period of ticks a per-op phase's scan body runs (1F1B's and zb-h1's steady state: 3)

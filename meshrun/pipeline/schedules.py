@@ -1,25 +1,21 @@
-"""Pipeline schedules as data: pure-Python tables, dependency checks and bubble math (no JAX).
+"""Pipeline schedule tables as data: placing per-stage op orders on ticks, dependency checks, buffer
+sizes and bubble math, for any schedule (pure Python, no JAX). Which schedules exist, and their
+orders and rules, is `registry.py`.
 
 Two views of one schedule, both lists of ticks, each a list of `p` per-stage cells:
 
-* per-op timeline (`gpipe`, `one_f_one_b`, `interleaved`, `build`): a cell is one `Task` or
-  None (idle). Every op takes one tick; an op's inputs were produced at an earlier tick. This is the
-  view for charts and bubble math.
+* per-op timeline (`place`, `place_split`): a cell is one `Task` or None (idle). Every op takes one
+  tick; an op's inputs were produced at an earlier tick. This is the view for charts and bubble
+  math, and what the per-op executor plays as is (backward split into B and W).
 * lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`: at most one forward and one backward
-  per stage per tick, as an SPMD executor runs them (one `ppermute` per direction per tick). A value
-  sent at tick t is usable from tick t+1. Within a tick a stage runs `fwd` before `bwd`, so the last
-  virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused). The per-op executor plays
-  a per-op timeline as is: zb-h1's, or 1F1B's with each backward split into B and W
-  (`one_f_one_b_split`): p - s microbatches in flight on stage s, where `lockstep` runs forwards
-  ahead and holds 2(p-1-s)+1.
+  per stage per tick, as the lockstep executor runs them (one `ppermute` per direction per tick). A
+  value sent at tick t is usable from tick t+1. Within a tick a stage runs `fwd` before `bwd`, so the
+  last virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused).
 
-Virtual stages (Megatron interleaving): model chunk c of stage s holds virtual stage k = c*p + s of
-V = v*p; chunk 0 on every stage for GPipe and 1F1B. F(mb, k) needs F(mb, k-1); B(mb, k) needs
-B(mb, k+1) and F(mb, k).
-
-Zero bubble (ZB-H1, Qi et al. 2023): the backward is split into B (input gradient, on the critical
-path) and W (weight gradient, needs only B(mb, k) on the same stage), and W's fill the bubbles.
-The executor runs its per-op timeline directly (one op per stage per tick: `program.tick_program`).
+Virtual stages: chunk c of stage s holds virtual stage k (`vstage`: c*p + s for Megatron's
+interleaving, or a V: s and 2p - 1 - s). F(mb, k) needs F(mb, k-1); B(mb, k) needs B(mb, k+1) and
+F(mb, k); W(mb, k) needs B(mb, k) (Qi et al. 2023: B is the input gradient on the critical path, W
+the weight gradients that fill the bubbles).
 """
 
 from __future__ import annotations
@@ -27,9 +23,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from typing import NamedTuple
-
-from meshrun.config import SCHEDULES
-from meshrun.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -59,74 +52,42 @@ class ScheduleError(ValueError):
     """A table that breaks the schedule rules (missing/duplicate op, dependency out of order)."""
 
 
-# ---------------------------------------------------------------- validation of arguments
+# ---------------------------------------------------------------- placing per-stage orders on ticks
 
 
-def _check_args(name: str, p: int, m: int, v: int) -> None:
-    if not isinstance(p, int) or p < 1:
-        raise ConfigError("mesh.pipe", p, "use a positive number of pipeline stages")
-    if not isinstance(m, int) or m < 1:
-        raise ConfigError("pipeline.microbatches", m, "use a positive number of microbatches")
-    if not isinstance(v, int) or v < 1:
-        raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
-    if name != "interleaved" and v != 1:
-        raise ConfigError("pipeline.virtual", v, "use schedule=interleaved, or virtual=1", f"{name} has 1 chunk")
-    if name in ("1f1b", "zb-h1") and m < p:
-        raise ConfigError(
-            "pipeline.microbatches",
-            m,
-            f"use at least pipe={p} microbatches (>= {4 * p} recommended)",
-            f"{'1F1B' if name == '1f1b' else 'ZB-H1'} needs m >= p",
-        )
-    if name == "interleaved" and m % p:
-        raise ConfigError(
-            "pipeline.microbatches",
-            m,
-            f"use a multiple of pipe={p}, e.g. {max(p, m - m % p)} or {m + p - m % p}",
-            "interleaved 1F1B needs m % p == 0",
-        )
+class Table(list):
+    """A per-op or lockstep timeline (a list of ticks, each a list of `p` cells) and its chunk
+    placement: 'loop' (chunk c of stage s is virtual stage c*p + s) or 'v' (two chunks: stage s holds
+    virtual stages s and 2p - 1 - s)."""
+
+    placement: str = "loop"
+
+    def __init__(self, rows=(), placement: str = "loop"):
+        super().__init__(rows)
+        self.placement = placement
 
 
-# ---------------------------------------------------------------- per-stage op orders
+def vstage(chunk: int, stage: int, p: int, placement: str = "loop") -> int:
+    """The virtual stage chunk `chunk` of `stage` holds."""
+    if placement == "v":
+        return stage if chunk == 0 else 2 * p - 1 - stage
+    return chunk * p + stage
 
 
-def _gpipe_orders(p: int, m: int) -> list[list[Task]]:
-    return [[Task("F", i) for i in range(m)] + [Task("B", i) for i in range(m)] for _ in range(p)]
+def chunk_of(k: int, p: int, placement: str = "loop") -> tuple[int, int]:
+    """(stage, chunk) of virtual stage k (inverse of `vstage`)."""
+    if placement == "v":
+        return (k, 0) if k < p else (2 * p - 1 - k, 1)
+    return k % p, k // p
 
 
-def _1f1b_orders(p: int, m: int) -> list[list[Task]]:
-    orders = []
-    for s in range(p):
-        w = min(p - 1 - s, m)  # warm-up forwards (PipeDream-flush / Megatron non-interleaved)
-        o = [Task("F", i) for i in range(w)]
-        for i in range(m - w):
-            o += [Task("F", w + i), Task("B", i)]
-        orders.append(o + [Task("B", i) for i in range(m - w, m)])
-    return orders
+def _placement(table) -> str:
+    return getattr(table, "placement", "loop")
 
 
-def _interleaved_orders(p: int, m: int, v: int) -> list[list[Task]]:
-    # Megatron-LM interleaved 1F1B (Narayanan et al. 2021): microbatches go in groups of p; within a
-    # group each chunk runs all p microbatches before the next chunk; backward visits chunks in reverse.
-    n = v * m
-
-    def task(kind: str, j: int) -> Task:
-        c = (j // p) % v
-        return Task(kind, (j // (p * v)) * p + j % p, c if kind == "F" else v - 1 - c)
-
-    orders = []
-    for s in range(p):
-        w = min(2 * (p - 1 - s) + (v - 1) * p, n)
-        o = [task("F", j) for j in range(w)]
-        for j in range(n - w):
-            o += [task("F", w + j), task("B", j)]
-        orders.append(o + [task("B", j) for j in range(n - w, n)])
-    return orders
-
-
-def _deps(t: Task, s: int, p: int, v: int) -> list[tuple[str, int, int]]:
+def _deps(t: Task, s: int, p: int, v: int, placement: str = "loop") -> list[tuple[str, int, int]]:
     """Keys (kind, mb, virtual stage) of the ops `t` on stage `s` needs."""
-    k = t.chunk * p + s
+    k = vstage(t.chunk, s, p, placement)
     if t.kind == "W":
         return [("B", t.mb, k)]
     if t.kind == "F":
@@ -134,53 +95,55 @@ def _deps(t: Task, s: int, p: int, v: int) -> list[tuple[str, int, int]]:
     return [("F", t.mb, k)] + ([("B", t.mb, k + 1)] if k < v * p - 1 else [])
 
 
-def _place(orders: list[list[Task]], p: int, v: int) -> list[list[Task | None]]:
+def place(orders: list[list[Task]], p: int, v: int, placement: str = "loop") -> Table:
     """Per-op timeline: each stage runs its order as soon as the inputs exist (one op per tick)."""
     done: dict[tuple[str, int, int], int] = {}
-    ptr, table = [0] * p, []
+    ptr, table = [0] * p, Table(placement=placement)
     while any(ptr[s] < len(orders[s]) for s in range(p)):
         t, row = len(table), [None] * p
         for s in range(p):
             if ptr[s] < len(orders[s]):
                 op = orders[s][ptr[s]]
-                if all(done.get(d, t) < t for d in _deps(op, s, p, v)):
+                if all(done.get(d, t) < t for d in _deps(op, s, p, v, placement)):
                     row[s] = op
         if not any(row):
             raise ScheduleError(f"deadlock at tick {t}: next ops {[o[q] for o, q in zip(orders, ptr) if q < len(o)]}")
         for s, op in enumerate(row):
             if op is not None:
-                done[(op.kind, op.mb, op.chunk * p + s)] = t
+                done[(op.kind, op.mb, vstage(op.chunk, s, p, placement))] = t
                 ptr[s] += 1
         table.append(row)
     return table
 
 
-def _place_zb(orders: list[list[Task]], p: int, m: int, defer: bool = True) -> list[list[Task | None]]:
-    """ZB-H1 per-op timeline: each stage runs its 1F1B order of F and B as soon as inputs exist and a
-    pending W whenever the next F/B must wait. W's are deferred (B first keeps the critical path
-    short, so the cool-down is filled with W's), but a stage never holds more than min(p, m)
-    microbatches whose W has not run: 1F1B's peak (stage 0), so the same activation memory.
-    `defer=False` is 1F1B with its backward split: each W runs in the tick right after its B."""
+def place_split(orders: list[list[Task]], p: int, m: int, v: int = 1, *, defer: bool = True, limit: int | None = None,
+                placement: str = "loop") -> Table:  # fmt: skip
+    """Per-op timeline with each backward split into B (input gradient) and W (weight gradients):
+    each stage runs its order of F and B as soon as inputs exist and a pending W whenever the next
+    F/B must wait. `defer` (zero bubble): W's are deferred (B first keeps the critical path short, so
+    the cool-down is filled with W's), but a stage never holds more than `limit` (default min(p, m))
+    microbatch chunks whose W has not run. `defer=False`: each W runs in the tick right after its B."""
     done: dict[tuple[str, int, int], int] = {}
     ptr, held, pend = [0] * p, [0] * p, [[] for _ in range(p)]  # held: F run, W not yet
-    table, limit = [], min(p, m)
+    table = Table(placement=placement)
+    limit = min(p, m) if limit is None else limit
     while any(ptr[s] < len(orders[s]) or pend[s] for s in range(p)):
         t, row = len(table), [None] * p
         for s in range(p):
             op = orders[s][ptr[s]] if ptr[s] < len(orders[s]) else None
-            ready = op is not None and all(done.get(d, t) < t for d in _deps(op, s, p, 1))
+            ready = op is not None and all(done.get(d, t) < t for d in _deps(op, s, p, v, placement))
             if pend[s] and not defer:
-                row[s] = Task("W", pend[s][0])
+                row[s] = pend[s][0]
             elif ready and not (op.kind == "F" and held[s] >= limit and pend[s]):
                 row[s] = op
             elif pend[s]:
-                row[s] = Task("W", pend[s][0])
+                row[s] = pend[s][0]
         if not any(row):
-            raise ScheduleError(f"zb-h1 deadlock at tick {t}")
+            raise ScheduleError(f"split-backward deadlock at tick {t}")
         for s, op in enumerate(row):
             if op is None:
                 continue
-            done[(op.kind, op.mb, s)] = t
+            done[(op.kind, op.mb, vstage(op.chunk, s, p, placement))] = t
             if op.kind == "W":
                 pend[s].pop(0)
                 held[s] -= 1
@@ -188,62 +151,9 @@ def _place_zb(orders: list[list[Task]], p: int, m: int, defer: bool = True) -> l
                 ptr[s] += 1
                 held[s] += op.kind == "F"
                 if op.kind == "B":
-                    pend[s].append(op.mb)
+                    pend[s].append(Task("W", op.mb, op.chunk))
         table.append(row)
     return table
-
-
-# ---------------------------------------------------------------- builders
-
-
-def gpipe(p: int, m: int) -> list[list[Task | None]]:
-    _check_args("gpipe", p, m, 1)
-    return _place(_gpipe_orders(p, m), p, 1)
-
-
-def one_f_one_b(p: int, m: int) -> list[list[Task | None]]:
-    _check_args("1f1b", p, m, 1)
-    return _place(_1f1b_orders(p, m), p, 1)
-
-
-def interleaved(p: int, m: int, v: int) -> list[list[Task | None]]:
-    _check_args("interleaved", p, m, v)
-    return _place(_interleaved_orders(p, m, v), p, v)
-
-
-def zb_h1(p: int, m: int) -> list[list[Task | None]]:
-    _check_args("zb-h1", p, m, 1)
-    return _place_zb(_1f1b_orders(p, m), p, m)
-
-
-def one_f_one_b_split(p: int, m: int) -> list[list[Task | None]]:
-    """1F1B's per-op timeline with each backward split into B (input gradient) and W (weight
-    gradients) run in the next tick: every op is about one forward long (B + W = 2F), so a tick of
-    the per-op executor, which waits for its slowest op, wastes nothing; stage s holds min(m, p - s)
-    microbatches' residuals and one B's stash. Ticks 3m + 2(p - 1): the input gradient reaches the
-    previous stage before W runs, so the bubble is 2(p - 1) op-ticks where 1F1B's is 3(p - 1)."""
-    _check_args("1f1b", p, m, 1)
-    return _place_zb(_1f1b_orders(p, m), p, m, defer=False)
-
-
-def per_op_table(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
-    """The timeline the per-op executor plays: zb-h1's, or 1F1B's with its backward split."""
-    if schedule_name == "1f1b":
-        return one_f_one_b_split(p, m)
-    return build(schedule_name, p, m, v)
-
-
-def build(schedule_name: str, p: int, m: int, v: int = 1) -> list[list[Task | None]]:
-    """Per-op timeline of a named schedule ('gpipe', '1f1b', 'interleaved', 'zb-h1'), arguments checked once."""
-    if schedule_name not in SCHEDULES:
-        raise ConfigError("pipeline.schedule", schedule_name, f"use one of {', '.join(SCHEDULES)}", "unknown schedule")
-    _check_args(schedule_name, p, m, v)
-    if schedule_name == "interleaved":
-        return _place(_interleaved_orders(p, m, v), p, v)
-    if schedule_name == "zb-h1":
-        return _place_zb(_1f1b_orders(p, m), p, m)
-    orders = _gpipe_orders(p, m) if schedule_name == "gpipe" else _1f1b_orders(p, m)
-    return _place(orders, p, 1)
 
 
 # ---------------------------------------------------------------- lockstep view
@@ -271,7 +181,7 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
     order, i.e. at the last virtual stage). 1F1B becomes m + 2(p-1) ticks with stage s holding at
     most 2(p-1-s)+1 microbatches; interleaved becomes v*m + (v+1)*p - 2 ticks.
     """
-    p = len(table[0])
+    p, pl = len(table[0]), _placement(table)
     v = 1 + max(op.chunk for row in table for op in row if op is not None)
     fq: list[list[Task]] = [[] for _ in range(p)]
     bq: list[list[tuple[Task, int]]] = [[] for _ in range(p)]  # (B task, forwards that precede it)
@@ -279,18 +189,18 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
         for _, op in ops:
             (fq[s].append(op) if op.kind == "F" else bq[s].append((op, len(fq[s]))))
     done: dict[tuple[str, int, int], int] = {}
-    fi, bi, out = [0] * p, [0] * p, []
+    fi, bi, out = [0] * p, [0] * p, Table(placement=pl)
     while any(fi[s] < len(fq[s]) or bi[s] < len(bq[s]) for s in range(p)):
         t, row = len(out), []
         for s in range(p):
             f = fq[s][fi[s]] if fi[s] < len(fq[s]) else None
-            if f is not None and not all(done.get(d, t) < t for d in _deps(f, s, p, v)):
+            if f is not None and not all(done.get(d, t) < t for d in _deps(f, s, p, v, pl)):
                 f = None
             nf = fi[s] + (f is not None)
             b, need = bq[s][bi[s]] if bi[s] < len(bq[s]) else (None, 0)
             if b is not None:
                 same = f is not None and f.mb == b.mb and f.chunk == b.chunk
-                ok = need <= nf and all(done.get(d, t) < t or (same and d[0] == "F") for d in _deps(b, s, p, v))
+                ok = need <= nf and all(done.get(d, t) < t or (same and d[0] == "F") for d in _deps(b, s, p, v, pl))
                 b = b if ok else None
             row.append(Step(f, b))
         if not any(c.fwd or c.bwd for c in row):
@@ -298,7 +208,7 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
         for s, c in enumerate(row):
             for op in c:
                 if op is not None:
-                    done[(op.kind, op.mb, op.chunk * p + s)] = t
+                    done[(op.kind, op.mb, vstage(op.chunk, s, p, pl))] = t
             fi[s] += c.fwd is not None
             bi[s] += c.bwd is not None
         out.append(row)
@@ -312,6 +222,7 @@ def check(table, p: int, m: int, v: int = 1) -> None:
     """Raise ScheduleError unless every (mb, virtual stage) has exactly one F and one B (and one W
     if the table has any: zb-h1) and all dependencies hold. Accepts per-op and lockstep tables."""
     when: dict[tuple[str, int, int], tuple[int, int]] = {}  # key -> (tick, position within the tick)
+    pl = _placement(table)
     for t, row in enumerate(table):
         if len(row) != p:
             raise ScheduleError(f"tick {t} has {len(row)} stages, expected p={p}")
@@ -324,7 +235,7 @@ def check(table, p: int, m: int, v: int = 1) -> None:
                     continue
                 if op.kind not in "FBW" or not (0 <= op.mb < m and 0 <= op.chunk < v):
                     raise ScheduleError(f"tick {t} stage {s}: task {op} out of range (m={m}, v={v})")
-                key = (op.kind, op.mb, op.chunk * p + s)
+                key = (op.kind, op.mb, vstage(op.chunk, s, p, pl))
                 if key in when:
                     raise ScheduleError(f"{op} on stage {s} appears twice (ticks {when[key][0]} and {t})")
                 when[key] = (t, pos)
@@ -335,7 +246,8 @@ def check(table, p: int, m: int, v: int = 1) -> None:
                 if (kind, mb, k) not in when:
                     raise ScheduleError(f"missing {kind} of microbatch {mb} at virtual stage {k}")
     for (kind, mb, k), (t, pos) in when.items():
-        for d in _deps(Task(kind, mb, k // p), k % p, p, v):
+        s, c = chunk_of(k, p, pl)
+        for d in _deps(Task(kind, mb, c), s, p, v, pl):
             dt = when.get(d)
             same_cell_ok = dt is not None and d[2] == k and dt == (t, 0) and pos == 1  # fwd before bwd
             if dt is None or not (dt[0] < t or same_cell_ok):
@@ -402,15 +314,15 @@ def inbox_intervals(table, stage: int) -> tuple[dict, dict]:
     """What `stage` receives, per (mb, chunk): (tick it arrives, tick its consumer runs), for the
     activations its F's take and for the gradients its B's take. A value sent at tick t arrives at
     t+1 (per-op and lockstep tables)."""
-    p = len(table[0])
+    p, pl = len(table[0]), _placement(table)
     when: dict[tuple[str, int, int], int] = {}
     for s, ops in enumerate(_stage_orders(table)):
         for t, op in ops:
-            when[(op.kind, op.mb, op.chunk * p + s)] = t
+            when[(op.kind, op.mb, vstage(op.chunk, s, p, pl))] = t
     v = 1 + max(k for _, _, k in when) // p
     fin, bin_ = {}, {}
     for t, op in _stage_orders(table)[stage]:
-        k = op.chunk * p + stage
+        k = vstage(op.chunk, stage, p, pl)
         if op.kind == "F" and k > 0:
             fin[(op.mb, op.chunk)] = (when[("F", op.mb, k - 1)] + 1, t)
         elif op.kind == "B" and k < v * p - 1:
@@ -452,7 +364,7 @@ def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float | None
     split = any(op.kind == "W" for ops in _stage_orders(table) for _, op in ops)
     b = (f if split else 2.0 * f) if b is None else b
     cost = {"F": f, "B": b, "W": f if w is None else w}
-    p = len(table[0])
+    p, pl = len(table[0]), _placement(table)
     v = 1 + max(op.chunk for ops in _stage_orders(table) for _, op in ops)
     free, busy, fin = [0.0] * p, [0.0] * p, {}
     for row in table:  # ticks are a topological order, so one pass suffices
@@ -460,8 +372,8 @@ def stage_bubbles(table, f: float = 1.0, b: float | None = None, w: float | None
             for op in cell if isinstance(cell, tuple) else (cell,):
                 if op is None:
                     continue
-                start = max([free[s]] + [fin[d] for d in _deps(op, s, p, v)])
-                free[s] = fin[(op.kind, op.mb, op.chunk * p + s)] = start + cost[op.kind]
+                start = max([free[s]] + [fin[d] for d in _deps(op, s, p, v, pl)])
+                free[s] = fin[(op.kind, op.mb, vstage(op.chunk, s, p, pl))] = start + cost[op.kind]
                 busy[s] += cost[op.kind]
     span = max(free)
     return [(span - x) / span for x in busy]
@@ -471,17 +383,6 @@ def bubble_fraction(table, f: float = 1.0, b: float | None = None, w: float | No
     """Mean over stages of idle time / makespan (see `stage_bubbles`)."""
     per = stage_bubbles(table, f, b, w)
     return sum(per) / len(per)
-
-
-def bubble_closed_form(name: str, p: int, m: int, v: int = 1) -> float:
-    """(p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan 2021);
-    (p-1)/(3m+p-1) for ZB-H1 with F = B = W (bubble (p-1)(F+B-W), Qi et al. 2023)."""
-    if name not in SCHEDULES:
-        raise ConfigError("pipeline.schedule", name, f"use one of {', '.join(SCHEDULES)}", "no closed form")
-    _check_args(name, p, m, v)
-    if name == "zb-h1":
-        return (p - 1) / (3 * m + p - 1)
-    return (p - 1) / (v * m + p - 1)
 
 
 def render(table, v: int = 1) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
+from meshrun.pipeline import registry
 from meshrun.pipeline.stage_counts import split_layers
 
 
@@ -108,7 +109,7 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
     """The split a config asks for; ConfigError (naming the fix) for a bad one. balance=auto needs
     `costs` = (cost of one stacked unit, extra cost of the first stage, of the last stage), e.g. the
     planner's time model (`meshrun.train.plan.unit_costs`)."""
-    v = pcfg.virtual if pcfg.schedule == "interleaved" else 1
+    v = registry.chunks_of(pcfg)
     n_v = p * v
     what = f"{n_v} virtual stages (pipe={p} x virtual={v})" if v > 1 else f"pipe={p} stages"
     if pcfg.layers_per_stage:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from meshrun.analysis.flops import layer_params, param_counts
 from meshrun.config import ModelConfig
+from meshrun.pipeline import registry
 from meshrun.planner.activations import context_kv_bytes as context_kv_bytes
 from meshrun.planner.activations import context_working_bytes
 from meshrun.planner.activations import layer_activation_bytes as layer_activation_bytes
@@ -44,20 +45,12 @@ FRAGMENTATION = 0.10
 
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
-    """Micro-batches whose activations stage `stage` holds at its peak, in units of its layers.
-    GPipe: all m. 1F1B: p - stage (p on the first stage). Interleaved (Korthikanti 2022, 4.2.3):
-    the first stage holds p (1 + (p-1)/(p v)) micro-batches' worth. ZB-H1: 2 min(p, m) (see
-    `step_model.pipeline_slots_formula`)."""
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of its layers: the
+    schedule's registry entry's `held` (1F1B: p - stage; interleaved, Korthikanti 2022 4.2.3: the
+    first stage holds p (1 + (p-1)/(p v)) micro-batches' worth)."""
     if p == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "zb-h1":  # min(p, m) from F to W on every stage, plus the stash after B (~ one more set)
-        return 2.0 * min(p, m)
-    n = float(min(p - stage, m))
-    if schedule == "interleaved" and stage == 0:
-        n *= 1.0 + (p - 1) / (p * v)
-    return n
+    return registry.get(schedule).held(p, m, v, stage)
 
 
 def _layer_activations(
@@ -179,8 +172,6 @@ def _megatron_stage(
     pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
     flash = model.attention_impl == "cudnn" if flash is None else flash
     s, t, p, b, h = seq_len, tensor, pipe, micro_batch_size, model.d_model
-    if schedule == "interleaved" and virtual == 1:
-        schedule = "1f1b"
     counts = param_counts(model)
     kept, working = _layer_activations(
         model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context, kind=kind

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig, RunConfig
+from meshrun.pipeline import registry
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -31,10 +32,25 @@ class Layout:
     zero: int = 0
     remat: str = "full"  # none | selective | full (| offload: `layout_of` a run config)
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (virtual > 1)
-    executor: str = "lockstep"  # lockstep | per_op (1F1B: p microbatches on the first stage; zb-h1 always)
+    schedule: str = "1f1b"  # a name in `pipeline.registry`
+    executor: str = "lockstep"  # lockstep | per_op (resolved by the schedule's entry: `sched`, `run_executor`)
     context: int = 1  # context parallelism: each sequence split over this many devices
     context_kind: str = "allgather"  # allgather (K/V all-gathered over 'context') | ring (K/V blocks ring)
+
+    @property
+    def sched(self) -> registry.Schedule:
+        """The schedule's registry entry."""
+        return registry.get(self.schedule)
+
+    @property
+    def run_executor(self) -> str:
+        """The executor that plays the schedule: `executor` if the schedule runs on it, else its first."""
+        return self.sched.executor(self.executor)
+
+    @property
+    def chunks(self) -> int:
+        """Virtual chunks per stage the schedule runs (1 without a pipeline)."""
+        return self.sched.chunks_of(self.virtual) if self.pipe > 1 else 1
 
     @property
     def n_devices(self) -> int:
@@ -76,17 +92,10 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         remat=cfg.model.remat,
         sequence_parallel=cfg.model.sequence_parallel,
         schedule=cfg.pipeline.schedule,
-        executor=executor_of(cfg.pipeline.schedule, cfg.pipeline.executor),
+        executor=registry.executor_of(cfg.pipeline),
         context=max(1, int(mesh_shape.get("context", getattr(cfg.mesh, "context", 1)))),  # -1 unresolved: 1
         context_kind=getattr(cfg.model, "context_parallel", "allgather"),
     )
-
-
-def executor_of(schedule: str, executor: str) -> str:
-    """`pipeline.executor` resolved: auto is per_op for zb-h1, lockstep otherwise."""
-    if executor == "auto":
-        return "per_op" if schedule == "zb-h1" else "lockstep"
-    return executor
 
 
 @dataclass(frozen=True)

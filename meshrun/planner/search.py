@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from meshrun.analysis import flops
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.pipeline import registry
 from meshrun.planner import cost, offload, timing
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import GB, Cluster
@@ -106,8 +107,8 @@ def structural_violations(
         )
     if v > 1 and p == 1:
         out.append(f"virtual={v} needs pipe > 1")
-    if layout.schedule == "interleaved" and layout.microbatches % p:
-        out.append(f"microbatches={layout.microbatches} is not divisible by pipe={p} (interleaved 1F1B needs it)")
+    if layout.sched.m_multiple_of_p and layout.microbatches % p:
+        out.append(f"microbatches={layout.microbatches} is not divisible by pipe={p} ({layout.sched.title} needs it)")
     if t > cluster.gpus_per_node:
         g = cluster.gpu
         out.append(
@@ -220,14 +221,28 @@ def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: i
             continue
         for b in (k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH):
             m = per_rank // b
-            vs = [1] + [v for v in (2, 4, 8) if p > 1 and L % (p * v) == 0 and m % p == 0]
-            for v in vs:
+            for name, v in _schedules(p, m, L):
                 for zero in range(4) if d * e * c > 1 else (0,):
                     for remat in SEARCHED_REMATS:
                         for sp in (False, True) if t > 1 else (False,):
-                            yield Layout(t, p, d, e, v, m, b, zero, remat, sp,
-                                       "interleaved" if v > 1 else "1f1b", context=c,
-                                       context_kind=kind)  # fmt: skip
+                            yield Layout(t, p, d, e, v, m, b, zero, remat, sp, name, context=c,
+                                         context_kind=kind)  # fmt: skip
+
+
+def _schedules(p: int, m: int, L: int):
+    """(schedule, virtual) pairs the search tries on p stages with m microbatches of L layers: each
+    searched registry entry with its own chunk count, or (a free count) 2, 4 or 8 chunks per stage
+    where the layers and the microbatches divide evenly."""
+    for name, sched in registry.SCHEDULES.items():
+        if not sched.searched:
+            continue
+        if sched.chunks is not None:
+            if sched.chunks == 1 or (p > 1 and L % (p * sched.chunks) == 0):
+                yield name, sched.chunks
+            continue
+        for v in (2, 4, 8):
+            if p > 1 and L % (p * v) == 0 and not (sched.m_multiple_of_p and m % p):
+                yield name, v
 
 
 def search(
@@ -247,13 +262,7 @@ def search(
     fitting, smallest, n_seen = [], None, 0
     for layout in candidates(model, cluster, global_batch, seq_len, max_context):
         n_seen += 1
-        r = evaluate(model, layout, cluster, global_batch, seq_len, **kw)
-        if layout.schedule == "1f1b" and layout.pipe > 1 and kw.get("framework", "meshrun") == "meshrun":
-            # lockstep 1F1B holds min(m, 2p - 1) microbatches; the per-op executor p (+ one B's stash),
-            # with a smaller bubble when its ticks are one op each: keep whichever fits and is faster
-            r2 = evaluate(model, replace(layout, executor="per_op"), cluster, global_batch, seq_len, **kw)
-            if (r.hard and not r2.hard) or (r.hard == r2.hard and r2.step_time < r.step_time):
-                r = r2
+        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
         if r.hard:
             if smallest is None or r.memory["total"] < smallest.memory["total"]:
                 smallest = r
@@ -281,6 +290,21 @@ def search(
         )
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
+
+
+def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, kw) -> Result:
+    """The layout on whichever executor of its schedule fits and is faster (first the entry's first):
+    lockstep 1F1B holds min(m, 2p - 1) microbatches, the per-op executor p (+ one B's stash) with a
+    smaller bubble when its ticks are one op each. Megatron's accounting has one executor."""
+    executors = layout.sched.executors
+    if layout.pipe == 1 or kw.get("framework", "meshrun") != "meshrun":
+        executors = executors[:1]
+    best = None
+    for ex in executors:
+        r = evaluate(model, replace(layout, executor=ex), cluster, global_batch, seq_len, **kw)
+        if best is None or (best.hard and not r.hard) or (best.hard == r.hard and r.step_time < best.step_time):
+            best = r
+    return best
 
 
 def _context_text(lay: Layout) -> str:

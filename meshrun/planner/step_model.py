@@ -13,7 +13,7 @@ import functools
 
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
-from meshrun.pipeline import schedules
+from meshrun.pipeline import registry, schedules
 from meshrun.planner.activations import (
     autodiff_bytes,
     context_kv_bytes,
@@ -26,35 +26,29 @@ from meshrun.planner.layout import Layout, precision_of, zero_divisors
 
 
 def pipeline_slots_formula(schedule: str, p: int, m: int, v: int, executor: str = "lockstep") -> int:
-    """Closed form of `_pipeline_slots` (checked against the lockstep tables in tests/test_planner.py):
-    GPipe m; 1F1B min(m, 2p - 1) (per-op executor: min(m, p), Megatron's); interleaved
-    min(m v, (v + 1) p - 1); zb-h1 min(m, p) (its per-op timeline holds min(m, p) microbatches from F
-    to W; B's stash W reads has slots of its own, `stash_slots_formula`)."""
-    if schedule == "gpipe":
-        return m
-    if schedule == "zb-h1" or (schedule == "1f1b" and executor == "per_op"):  # Megatron's 1F1B: p - s on stage s
-        return min(m, p)
-    if schedule == "interleaved" and v > 1:
-        return min(m * v, (v + 1) * p - 1)
-    return min(m, 2 * p - 1)
+    """Closed form of `_pipeline_slots`: the schedule's registry entry's (checked against the tables in
+    tests/test_planner.py)."""
+    sched = registry.get(schedule)
+    return sched.slots(p, m, v, sched.executor(executor))
 
 
 def stash_slots_formula(schedule: str, p: int, m: int) -> int:
-    """B's stash slots on the per-op executor (checked against the tables in tests/test_planner.py):
-    1F1B runs each W in the tick after its B (one), zb-h1 defers up to min(m, p) W's."""
-    return 1 if schedule == "1f1b" else min(m, p)
+    """B's stash slots on the per-op executor: the schedule's registry entry's."""
+    return registry.get(schedule).stash(p, m)
 
 
 @functools.lru_cache(maxsize=256)
 def _pipeline_slots(schedule: str, p: int, m: int, v: int, executor: str = "lockstep") -> int:
     """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage.
-    Large tables (the planner's search over big clusters) use the closed form instead of building them."""
+    Large tables (the planner's search over big clusters) and the per-op executor use the entry's closed
+    form instead of building them."""
     from meshrun.errors import ConfigError
 
-    if p * m * v > 256 or schedule == "zb-h1" or executor == "per_op":
+    sched = registry.get(schedule)
+    if p * m * v > 256 or sched.executor(executor) == "per_op":
         return pipeline_slots_formula(schedule, p, m, v, executor)
     try:
-        lock = schedules.lockstep(schedules.build(schedule, p, m, v))
+        lock = schedules.lockstep(sched.table(p, m, v, "lockstep"))
     except ConfigError:  # a layout the executor rejects (e.g. 1F1B with m < p): every micro-batch in flight
         return m * v
     return max(schedules.max_in_flight(lock, s) for s in range(p))
@@ -160,7 +154,7 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     ab = precision_of(model).act
     t, p, b, h = lay.tensor, lay.pipe, lay.micro_batch_size, model.d_model
     remat, sp = lay.remat, lay.sequence_parallel
-    v = lay.virtual if lay.schedule == "interleaved" else 1
+    v = lay.chunks
     flash = model.attention_impl == "cudnn"
     moe_frac = model.n_moe_layers / model.n_layers
     c, kind = lay.context, lay.context_kind
@@ -184,12 +178,13 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
     stage_layers = model.n_layers * frac
     if p > 1:
         chunk = stage_layers / v
-        slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v, lay.executor)
+        executor = lay.run_executor
+        slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v, executor)
         # + the chunk in flight: a lockstep tick that runs a forward and a backward (1F1B, interleaved)
         # holds one being produced and one being consumed; GPipe's phases and the per-op ticks one
-        both = lay.schedule in ("1f1b", "interleaved", "zb-h1") and lay.executor == "lockstep"
+        both = lay.sched.lockstep_fb and executor == "lockstep"
         acts = (slots + 1 + both) * chunk * per_layer + working
-        if lay.executor == "per_op":  # each slot's output gradient waits for its W; B's stash until W
+        if executor == "per_op":  # each slot's output gradient waits for its W; B's stash until W
             stash = stash_bytes(model, b, sl, t, act=ab, sp=sp, remat=remat)
             n_stash = stash_slots_formula(lay.schedule, p, lay.microbatches)
             acts += slots * layer_in + n_stash * chunk * stash
@@ -277,14 +272,13 @@ class _Tally:
 def _pass_ticks(lay: Layout, permutes):
     """(ticks that run a forward, ticks that run a backward, (permutes, activations moved)) of one
     (chunk of a) stage per step; without a pipeline every micro-batch is one forward and one backward."""
-    p, m = lay.pipe, lay.microbatches
-    v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
+    p, m, v, sched = lay.pipe, lay.microbatches, lay.chunks, lay.sched
     f_ticks = b_ticks = m
-    if p > 1 and lay.schedule == "zb-h1":  # per-op ticks: each tick's switch holds an F and a B branch
-        f_ticks = b_ticks = len(schedules.build(lay.schedule, p, m))  # (W's weight gradients need no collective)
+    if p > 1 and "lockstep" not in sched.executors:  # per-op ticks: each holds an F and a B branch
+        f_ticks = b_ticks = len(sched.table(p, m, v))  # (W's weight gradients need no collective)
         permutes = permutes or (f_ticks, f_ticks)
     elif p > 1:
-        lock = schedules.lockstep(schedules.build(lay.schedule, p, m, v))
+        lock = schedules.lockstep(sched.table(p, m, v, "lockstep"))
         f_ticks = sum(any(c.fwd for c in row) for row in lock)
         b_ticks = sum(any(c.bwd for c in row) for row in lock)
         if permutes is None:
@@ -295,7 +289,7 @@ def _pass_ticks(lay: Layout, permutes):
 def _model_parallel(tally: _Tally, model: ModelConfig, lay: Layout, act: float, f_ticks, b_ticks) -> None:
     """TP all-reduces per forward/backward of a layer (+ embedding and head), EP all-to-alls of MoE layers."""
     t, p, e = lay.tensor, lay.pipe, lay.expert
-    v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
+    v = lay.chunks
     layers = model.n_layers / (p * v)  # one forward or backward
     moe_layers = model.n_moe_layers / (p * v)
     routed = act * moe_routed(model, e)
@@ -315,7 +309,7 @@ def _context_parallel(tally: _Tally, model: ModelConfig, lay: Layout, s: int, f_
     if c <= 1:
         return
     p = lay.pipe
-    v = lay.virtual if lay.schedule == "interleaved" and p > 1 else 1
+    v = lay.chunks
     layers = model.n_layers / (p * v)
     gathered = context_kv_bytes(model, lay.micro_batch_size, s, lay.tensor, c, act=precision_of(model).act)
     if lay.context_kind == "ring":

@@ -275,15 +275,9 @@ def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: f
 
 
 def _bubble(layout: Layout) -> tuple[float, float]:
-    """(idle micro-batch slots, bubble fraction) of the schedule: (p - 1) / v slots for 1F1B and
-    interleaved; zb-h1 with F = B = W: (p - 1) x (F + B - W), a third of a micro-batch per stage;
-    1F1B on the per-op executor (its backward split into B and W, F = B = W): 3m + 2(p - 1) one-op
-    ticks, i.e. 2(p - 1) / 3 micro-batches of F + B + W (the input gradient reaches the previous stage
-    before W runs)."""
-    p, v, m = layout.pipe, layout.virtual, layout.microbatches
-    if layout.schedule == "zb-h1":
-        return (p - 1) / 3, (p - 1) / (3 * m + p - 1)
-    if layout.schedule == "1f1b" and layout.executor == "per_op" and p > 1:
-        slots = 2 * (p - 1) / 3  # checked against `schedules.one_f_one_b_split` in tests/test_planner.py
-        return slots, slots / (m + slots)
-    return (p - 1) / v, (p - 1) / (v * m + p - 1)
+    """(idle micro-batch slots, bubble fraction) of the schedule on its executor: its registry
+    entry's `idle` (1F1B and interleaved: (p - 1) / v slots; with the backward split into B and W and
+    F = B = W less, the W's filling idle ticks), checked against the tables in tests/test_planner.py."""
+    p, m, sched = layout.pipe, layout.microbatches, layout.sched
+    idle = sched.idle(p, m, max(layout.virtual, 1), layout.run_executor)
+    return idle, idle / (m + idle)

@@ -23,8 +23,8 @@ from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
 from meshrun.parallel import context
 from meshrun.parallel.zero import ZeroShardings
-from meshrun.pipeline import schedules
-from meshrun.pipeline.program import TickProgram, executor_of, tick_program
+from meshrun.pipeline.program import TickProgram, tick_program
+from meshrun.pipeline.registry import SCHEDULES, check_config
 from meshrun.pipeline.split import LayerSplit, layer_split
 from meshrun.planner.balance import stage_costs
 from meshrun.planner.cost import Layout, layout_of
@@ -110,9 +110,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         program = tick_program(pc, shape["pipe"])  # checks the schedule first, then the layer split
         costs = unit_costs(cfg.model, cfg.train.seq_len) if pc.balance == "auto" else None
         split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
-        build = schedules.per_op_table if program.per_op else schedules.build
-        table = build(pc.schedule, shape["pipe"], pc.microbatches, pc.virtual)
-        stage_bubbles = tuple(schedules.stage_bubbles(table))  # per-op tables: F = B = W
+        stage_bubbles = program.stage_bubbles  # of the table the program plays (per-op: F = B = W)
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
@@ -149,6 +147,7 @@ def validate(cfg: RunConfig, mesh) -> None:
         )
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
+    check_config(cfg.pipeline)  # the schedule's name and executor, on any mesh
     family = registry.get(cfg.model.family)
     family.check_config(cfg.model)
     family.check_mesh(cfg.model, dict(mesh.shape))
@@ -183,12 +182,13 @@ def check_ring_pipeline(cfg: RunConfig, split: LayerSplit | None = None) -> None
     collective-permutes cannot sit inside a per-stage conditional (the per-op executor's op switch,
     the skipped padding of an uneven split), where XLA:CPU gave wrong values (`StepPlan.skip_idle`)."""
     pc = cfg.pipeline
-    if executor_of(pc) == "per_op":
-        field, value = (
-            ("pipeline.schedule", pc.schedule) if pc.schedule == "zb-h1" else ("pipeline.executor", pc.executor)
-        )
+    sched = check_config(pc)
+    if sched.executor(pc.executor) == "per_op":
+        own = "lockstep" not in sched.executors  # the schedule itself runs per-op only
+        field, value = ("pipeline.schedule", pc.schedule) if own else ("pipeline.executor", pc.executor)
+        lock = "/".join(n for n, s in SCHEDULES.items() if "lockstep" in s.executors)
         raise ConfigError(
-            field, value, "use model.context_parallel=allgather, or 1f1b/gpipe/interleaved on the lockstep executor",
+            field, value, f"use model.context_parallel=allgather, or {lock} on the lockstep executor",
             "the ring kind cannot run on the per-op executor",
         )  # fmt: skip
     if split is not None and not split.even:

@@ -1,0 +1,219 @@
+"""The pipeline schedules, one `Schedule` entry each: the one module that names a schedule (plain
+Python, no JAX: the planner and `meshrun schedule` read it too).
+
+An entry declares everything the rest of meshrun asks about its schedule: the per-stage op orders
+(its table builder: `schedules.place` / `place_split` turn them into timelines), its rules on virtual
+chunks, microbatches and stages (`check`: ConfigErrors naming the field), the executors that play it
+(the first is `pipeline.executor=auto`'s), the residual slots and B stashes per stage and the idle
+microbatches of its timeline (closed forms the planner uses, checked against the tables in the
+tests; the executor and the start-up block read the table itself), where its chunks sit
+(`schedules.vstage`) and whether the planner's search tries it. `check_config` is the config's check
+of `pipeline.schedule` / `pipeline.executor` (config.py sits below this package: the step plan calls it).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshrun.config import PipelineConfig
+from meshrun.errors import ConfigError
+from meshrun.pipeline.schedules import Table, Task, place, place_split
+
+EXECUTORS = ("lockstep", "per_op")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule. p stages, m microbatches, v virtual chunks per stage."""
+
+    name: str  # pipeline.schedule
+    title: str  # in messages
+    orders: Callable[[int, int, int], list[list[Task]]]  # (p, m, v) -> each stage's ops in order
+    executors: tuple[str, ...]  # executors that play it; the first is pipeline.executor=auto's
+    # per-op executor: W's deferred into the bubbles (zero bubble) or each right after its B
+    defer_w: bool = False
+    chunks: int | None = 1  # virtual chunks per stage; None: pipeline.virtual (>= 1)
+    placement: str = "loop"  # chunk c of stage s: 'loop' virtual stage c*p + s, 'v' s then 2p-1-s
+    m_at_least_p: bool = False  # microbatches >= stages
+    m_multiple_of_p: bool = False  # microbatches % stages == 0
+    # Closed forms (tests/test_schedules.py, test_planner.py check them against the tables):
+    # residual slots (max over stages of the microbatch chunks from F to their last backward op),
+    # per executor: (p, m, v, executor) -> int
+    slots: Callable[[int, int, int, str], int] = lambda p, m, v, ex: m * v
+    stash: Callable[[int, int], int] = lambda p, m: 0  # per-op: B's stash slots (from B to W)
+    # the timeline's idle time per stage in microbatches of F + B + W (bubble = idle / (m + idle))
+    idle: Callable[[int, int, int, str], float] = lambda p, m, v, ex: (p - 1) / v
+    # microbatches' worth of a stage's layers stage `stage` holds at its peak (Megatron's accounting,
+    # `planner.cost`): (p, m, v, stage) -> float
+    held: Callable[[int, int, int, int], float] = lambda p, m, v, stage: float(min(p - stage, m))
+    lockstep_fb: bool = True  # a lockstep tick runs a forward and a backward (1F1B's steady state)
+    searched: bool = False  # the planner's search tries it
+    megatron: bool = False  # Megatron-LM runs it (`meshrun plan --framework megatron` tries it)
+
+    def chunks_of(self, virtual: int) -> int:
+        """Virtual chunks per stage with `pipeline.virtual` = virtual."""
+        return virtual if self.chunks is None else self.chunks
+
+    def executor(self, executor: str) -> str:
+        """`executor` ('auto', 'lockstep', 'per_op') resolved for this schedule: auto (or one that does
+        not play it) is its first."""
+        return executor if executor in self.executors else self.executors[0]
+
+    def check(self, p: int, m: int, v: int) -> None:
+        """ConfigError unless this schedule runs p stages, m microbatches, v chunks per stage."""
+        if not isinstance(p, int) or p < 1:
+            raise ConfigError("mesh.pipe", p, "use a positive number of pipeline stages")
+        if not isinstance(m, int) or m < 1:
+            raise ConfigError("pipeline.microbatches", m, "use a positive number of microbatches")
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
+        if self.chunks is not None and v != self.chunks:
+            free = "/".join(s.name for s in SCHEDULES.values() if s.chunks is None)
+            why = f"{self.name} has {self.chunks} chunk{'s' if self.chunks > 1 else ''}"
+            raise ConfigError("pipeline.virtual", v, f"use schedule={free}, or virtual={self.chunks}", why)
+        if self.m_at_least_p and m < p:
+            fix = f"use at least pipe={p} microbatches (>= {4 * p} recommended)"
+            raise ConfigError("pipeline.microbatches", m, fix, f"{self.title} needs m >= p")
+        if self.m_multiple_of_p and m % p:
+            fix = f"use a multiple of pipe={p}, e.g. {max(p, m - m % p)} or {m + p - m % p}"
+            raise ConfigError("pipeline.microbatches", m, fix, f"{self.title} needs m % p == 0")
+
+    def table(self, p: int, m: int, v: int = 1, executor: str = "auto") -> Table:
+        """The per-op timeline `executor` plays (arguments checked): per-op, each backward split into
+        B and W; lockstep, whole backwards (its lockstep view: `schedules.lockstep`)."""
+        self.check(p, m, v)
+        return self.timeline(p, m, v, self.executor(executor))
+
+    def timeline(self, p: int, m: int, v: int, executor: str) -> Table:
+        """`table` without the checks (and with whole backwards on request, for comparison)."""
+        orders = self.orders(p, m, v)
+        if executor == "per_op":
+            return place_split(orders, p, m, v, defer=self.defer_w, placement=self.placement)
+        return place(orders, p, v, self.placement)
+
+    def bubble(self, p: int, m: int, v: int = 1, executor: str = "auto") -> float:
+        """Idle fraction of its timeline in closed form (F = 1, B = 2; per-op F = B = W = 1)."""
+        idle = self.idle(p, m, v, self.executor(executor))
+        return idle / (m + idle)
+
+
+# ---------------------------------------------------------------- per-stage op orders
+
+
+def _gpipe_orders(p: int, m: int, v: int) -> list[list[Task]]:
+    return [[Task("F", i) for i in range(m)] + [Task("B", i) for i in range(m)] for _ in range(p)]
+
+
+def _1f1b_orders(p: int, m: int, v: int) -> list[list[Task]]:
+    orders = []
+    for s in range(p):
+        w = min(p - 1 - s, m)  # warm-up forwards (PipeDream-flush / Megatron non-interleaved)
+        o = [Task("F", i) for i in range(w)]
+        for i in range(m - w):
+            o += [Task("F", w + i), Task("B", i)]
+        orders.append(o + [Task("B", i) for i in range(m - w, m)])
+    return orders
+
+
+def _interleaved_orders(p: int, m: int, v: int) -> list[list[Task]]:
+    # Megatron-LM interleaved 1F1B (Narayanan et al. 2021): microbatches go in groups of p; within a
+    # group each chunk runs all p microbatches before the next chunk; backward visits chunks in reverse.
+    n = v * m
+
+    def task(kind: str, j: int) -> Task:
+        c = (j // p) % v
+        return Task(kind, (j // (p * v)) * p + j % p, c if kind == "F" else v - 1 - c)
+
+    orders = []
+    for s in range(p):
+        w = min(2 * (p - 1 - s) + (v - 1) * p, n)
+        o = [task("F", j) for j in range(w)]
+        for j in range(n - w):
+            o += [task("F", w + j), task("B", j)]
+        orders.append(o + [task("B", j) for j in range(n - w, n)])
+    return orders
+
+
+def _interleaved_held(p: int, m: int, v: int, stage: int) -> float:
+    # Korthikanti et al. 2022, 4.2.3: the first stage holds p (1 + (p-1)/(p v)) microbatches' worth
+    n = float(min(p - stage, m))
+    return n * (1.0 + (p - 1) / (p * v)) if stage == 0 and v > 1 else n
+
+
+# ---------------------------------------------------------------- the registry
+
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (
+        Schedule(
+            "gpipe", "GPipe", _gpipe_orders, ("lockstep",),
+            slots=lambda p, m, v, ex: m, held=lambda p, m, v, stage: float(m), lockstep_fb=False,
+        ),
+        Schedule(
+            "1f1b", "1F1B", _1f1b_orders, ("lockstep", "per_op"), m_at_least_p=True,
+            # lockstep runs forwards ahead: 2(p-1-s)+1 on stage s; per-op (Megatron's order, each W in
+            # the tick after its B): p - s, one B stash; its bubble is 2(p-1) one-op ticks of 3m + 2(p-1)
+            slots=lambda p, m, v, ex: min(m, p) if ex == "per_op" else min(m, 2 * p - 1),
+            stash=lambda p, m: 1,
+            idle=lambda p, m, v, ex: 2 * (p - 1) / 3 if ex == "per_op" else float(p - 1),
+            searched=True, megatron=True,
+        ),
+        Schedule(
+            "interleaved", "interleaved 1F1B", _interleaved_orders, ("lockstep",), chunks=None,
+            m_multiple_of_p=True,
+            slots=lambda p, m, v, ex: min(m * v, (v + 1) * p - 1) if v > 1 else min(m, 2 * p - 1),
+            held=_interleaved_held, searched=True, megatron=True,
+        ),
+        Schedule(
+            # Qi et al. 2023: 1F1B's order with W's deferred into the bubbles, at most min(p, m)
+            # microbatches from F to W on a stage (1F1B's peak); bubble (p-1)(F+B-W) with F = B = W
+            "zb-h1", "ZB-H1", _1f1b_orders, ("per_op",), defer_w=True, m_at_least_p=True,
+            slots=lambda p, m, v, ex: min(m, p), stash=lambda p, m: min(m, p),
+            idle=lambda p, m, v, ex: (p - 1) / 3,
+            held=lambda p, m, v, stage: 2.0 * min(p, m),  # residuals + the stash after B (~ one more set)
+        ),
+    )
+}  # fmt: skip
+
+
+def names() -> tuple[str, ...]:
+    return tuple(SCHEDULES)
+
+
+def get(name: str, field: str = "pipeline.schedule") -> Schedule:
+    """The entry of `name`; ConfigError (on `field`) naming the close match or the choices."""
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(field, name, f"{hint}use one of {list(SCHEDULES)}", "unknown schedule")
+    return SCHEDULES[name]
+
+
+def default_name(virtual: int) -> str:
+    """The schedule a planner layout with `virtual` chunks per stage runs unless one is given: the
+    first searched one whose chunk rule takes it."""
+    return next(s.name for s in SCHEDULES.values() if s.searched and s.chunks in (None, virtual))
+
+
+def check_config(pcfg: PipelineConfig) -> Schedule:
+    """The config's own check of `pipeline.schedule` and `pipeline.executor` (any mesh); the rules on
+    stages and microbatches wait for the mesh (`Schedule.check`)."""
+    sched = get(pcfg.schedule)
+    if pcfg.executor != "auto" and pcfg.executor not in sched.executors:
+        other = [n for n, s in SCHEDULES.items() if pcfg.executor in s.executors]
+        fix = f"use {' or '.join(sched.executors)} or auto (or pipeline.schedule={'/'.join(other)})"
+        why = f"{sched.name} runs on the {'/'.join(sched.executors)} executor only"
+        raise ConfigError("pipeline.executor", pcfg.executor, fix, why)
+    return sched
+
+
+def executor_of(pcfg: PipelineConfig) -> str:
+    """'lockstep' or 'per_op': `pipeline.executor` with 'auto' resolved by the schedule's entry."""
+    return check_config(pcfg).executor(pcfg.executor)
+
+
+def chunks_of(pcfg: PipelineConfig) -> int:
+    """Virtual chunks per stage of a config's schedule."""
+    return get(pcfg.schedule).chunks_of(pcfg.virtual)
