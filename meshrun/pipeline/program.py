@@ -119,7 +119,7 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     sched = registry.check_config(pcfg)
     executor = sched.executor(pcfg.executor)
     v = sched.chunks_of(pcfg.virtual)
-    table = sched.table(p, pcfg.microbatches, v, executor)  # checks p, m, v
+    table = sched.table(p, pcfg.microbatches, pcfg.virtual, executor)  # checks p, m, virtual
     bubbles = tuple(schedules.stage_bubbles(table))
     if executor == "per_op":
         return _per_op_program(pcfg, p, table, bubbles)

@@ -62,17 +62,19 @@ class Schedule:
         return executor if executor in self.executors else self.executors[0]
 
     def check(self, p: int, m: int, v: int) -> None:
-        """ConfigError unless this schedule runs p stages, m microbatches, v chunks per stage."""
+        """ConfigError unless this schedule runs p stages, m microbatches and `pipeline.virtual` = v
+        (a schedule with its own chunk count takes 1, the default, or that count)."""
         if not isinstance(p, int) or p < 1:
             raise ConfigError("mesh.pipe", p, "use a positive number of pipeline stages")
         if not isinstance(m, int) or m < 1:
             raise ConfigError("pipeline.microbatches", m, "use a positive number of microbatches")
         if not isinstance(v, int) or v < 1:
             raise ConfigError("pipeline.virtual", v, "use a positive number of virtual chunks per stage")
-        if self.chunks is not None and v != self.chunks:
+        if self.chunks is not None and v not in (1, self.chunks):
             free = "/".join(s.name for s in SCHEDULES.values() if s.chunks is None)
-            why = f"{self.name} has {self.chunks} chunk{'s' if self.chunks > 1 else ''}"
-            raise ConfigError("pipeline.virtual", v, f"use schedule={free}, or virtual={self.chunks}", why)
+            why = f"{self.name} has {self.chunks} chunk{'s' if self.chunks > 1 else ''} per stage"
+            n = f"virtual={self.chunks}" if self.chunks == 1 else f"virtual=1 or {self.chunks}"
+            raise ConfigError("pipeline.virtual", v, f"use schedule={free}, or {n}", why)
         if self.m_at_least_p and m < p:
             fix = f"use at least pipe={p} microbatches (>= {4 * p} recommended)"
             raise ConfigError("pipeline.microbatches", m, fix, f"{self.title} needs m >= p")
@@ -84,7 +86,7 @@ class Schedule:
         """The per-op timeline `executor` plays (arguments checked): per-op, each backward split into
         B and W; lockstep, whole backwards (its lockstep view: `schedules.lockstep`)."""
         self.check(p, m, v)
-        return self.timeline(p, m, v, self.executor(executor))
+        return self.timeline(p, m, self.chunks_of(v), self.executor(executor))
 
     def timeline(self, p: int, m: int, v: int, executor: str) -> Table:
         """`table` without the checks (and with whole backwards on request, for comparison)."""
