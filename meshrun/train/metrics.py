@@ -13,12 +13,13 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from meshrun.analysis.flops import model_flops, param_counts
 from meshrun.planner.hardware import peak_flops_of_kind
 
 
@@ -40,6 +41,46 @@ def throughput(
     if peak:
         out["mfu"] = flops_per_step / (step_time_s * peak * n_devices)
     return out
+
+
+def memory_in_use() -> dict[str, int]:
+    """{"memory_in_use": bytes} of the first local device where the backend reports it (GPU/TPU; not XLA:CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        return {}
+    return {"memory_in_use": int(stats["bytes_in_use"])} if "bytes_in_use" in stats else {}
+
+
+class MetricRows:
+    """Which steps get a metrics.jsonl row, and what is in it: the step's metrics plus lr, step time,
+    tokens/s, TFLOP/s per device, the pipeline bubble, MFU (when the peak is known) and device memory."""
+
+    def __init__(self, cfg: Any, n_devices: int, bubble: float, lr: Callable[[int], float]):
+        t = cfg.train
+        self.log_every, self.n_devices, self.bubble, self.lr = t.log_every, n_devices, bubble, lr
+        self.tokens = t.global_batch * t.seq_len
+        self.flops = model_flops(cfg.model, t.global_batch, t.seq_len)
+        self.peak = peak_flops(jax.devices()[0])
+
+    def due(self, step: int, ran: int, last: bool) -> bool:
+        """train.log_every=k: the first step of this call, every k-th step, and the last one (the run's
+        end, a preemption or `stop_after`). NaN/Inf stops the run without a row."""
+        return ran == 1 or last or step % self.log_every == 0
+
+    def row(self, metrics: dict, step: int, dt: float) -> dict:
+        """The row of 0-based `step` that took `dt` seconds."""
+        tflops = self.flops / dt / self.n_devices / 1e12
+        return {
+            **metrics,
+            "lr": float(self.lr(step)),
+            "step_time_s": dt,
+            "tokens_per_s": self.tokens / dt,
+            "tflops_per_device": tflops,
+            "bubble_fraction": self.bubble,
+            **({"mfu": tflops * 1e12 / self.peak} if self.peak else {}),
+            **memory_in_use(),
+        }
 
 
 def _fmt_time(s: float) -> str:
@@ -194,7 +235,6 @@ def _gib(n: float) -> str:
 def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     """The start-up block printed before compiling: model, mesh, batch, schedule, layer split and the
     planner's predicted memory per device (`planner.step_model.predict_memory_jax` on `plan.layout`)."""
-    from meshrun.analysis.flops import param_counts
     from meshrun.planner import predict_memory_jax
     from meshrun.runtime.mesh import describe_dict
 

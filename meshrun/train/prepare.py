@@ -1,0 +1,62 @@
+"""Everything a run can check before it writes a file: the mesh, the step (with its cross-component
+checks), the data, and the settings that have no effect on this mesh."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from jax.sharding import Mesh
+
+from meshrun.checkpoint.params import check_params
+from meshrun.config import PipelineConfig, RunConfig
+from meshrun.data.datasets import make_dataset
+from meshrun.errors import ConfigError
+from meshrun.runtime.mesh import build_mesh
+from meshrun.runtime.processes import warn
+from meshrun.train.step import TrainStep, make_train_step
+
+
+class Prepared(NamedTuple):
+    """What `prepare` built: the mesh, the train step and the dataset."""
+
+    mesh: Mesh
+    train_step: TrainStep
+    ds: Any
+
+
+def config_warnings(cfg: RunConfig, mesh) -> list[str]:
+    """Settings that are valid but have no effect on this mesh. `pipeline.schedule`/`virtual` (and the
+    layer split: `layers_per_stage`, `balance`) with
+    mesh.pipe = 1 warn rather than fail: the same config file is often run with `mesh.pipe=1` to
+    debug, and they take effect again as soon as pipe > 1 (`pipeline.microbatches` still counts:
+    gradient accumulation)."""
+    out = []
+    if mesh.shape["pipe"] == 1:
+        default = PipelineConfig()
+        keys = ("schedule", "virtual", "layers_per_stage", "balance")
+        keys = [k for k in keys if getattr(cfg.pipeline, k) != getattr(default, k)]
+        if keys:
+            given = ", ".join(f"pipeline.{k}={getattr(cfg.pipeline, k)}" for k in keys)
+            out.append(f"{given} ignored: mesh.pipe is 1 (no pipeline); set mesh.pipe > 1 to use it, or drop it")
+    return out
+
+
+def prepare(cfg: RunConfig, devices: list | None = None) -> Prepared:
+    """Everything that can be checked before a file is written: the mesh, the cross-component checks
+    (`build_plan`, inside make_train_step, which builds no arrays), the data."""
+    mesh = build_mesh(cfg.mesh, devices=devices)
+    for msg in config_warnings(cfg, mesh):
+        warn(msg)
+    train_step = make_train_step(cfg, mesh)
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
+                      vocab_used=cfg.model.vocab_used)  # fmt: skip
+    if cfg.train.eval_every and ds.val is None:
+        raise ConfigError(
+            "train.eval_every",
+            cfg.train.eval_every,
+            "hold out documents with data.kind=prepared and data.val_fraction > 0, or set train.eval_every=0",
+            "there is no validation split",
+        )
+    if cfg.checkpoint.init_params:
+        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params)
+    return Prepared(mesh, train_step, ds)

@@ -1,0 +1,209 @@
+"""A run's checkpoints and config file: where a run starts (the newest intact checkpoint, parameters
+to start from, or a fresh init), what a checkpoint must agree on, and the saves the loop reports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from meshrun.checkpoint.params import restore_params
+from meshrun.checkpoint.state import CheckpointDamaged, Checkpointer
+from meshrun.checkpoint.store import newest_complete, scan
+from meshrun.config import RunConfig, to_dict
+from meshrun.errors import CheckpointError, ConfigError
+from meshrun.runtime.processes import agree, say, warn
+from meshrun.train.step import TrainStep
+
+CONFIG_FILE = "config.yaml"
+# Fields a resume routinely changes (a run dir moved or copied, more steps): not worth a warning.
+RESUME_FREE = frozenset({"train.run_dir", "train.steps"})
+
+
+def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint must agree on to be restored: the model (layouts are free to differ); also
+    where its parameters came from (`meshrun export-hf` finds the Hugging Face config there)."""
+    data = {"kind": cfg.data.kind, "path": os.path.abspath(cfg.data.path) if cfg.data.path else ""}
+    return {"model": to_dict(cfg.model), "init_params": cfg.checkpoint.init_params, "data": data}
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """`section.key old -> new` for every resolved field that differs between two config dicts
+    (RESUME_FREE left out)."""
+    a, b = _flat(old), _flat(new)
+    keys = sorted((a.keys() | b.keys()) - RESUME_FREE)
+    return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def read_config(run_dir: str) -> dict | None:
+    """The config.yaml a previous run left in `run_dir` (a dict), None when there is none or it is unreadable."""
+    old = None
+    with contextlib.suppress(Exception):
+        old = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
+    return old if isinstance(old, dict) else None
+
+
+def write_config(cfg: RunConfig) -> None:
+    """RUN_DIR/config.yaml: the resolved config, the one a rerun should use (atomic: a temp file
+    renamed over it). Process 0 only."""
+    if jax.process_index() != 0:
+        return
+    path = Path(cfg.train.run_dir) / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no half-written temp file left, the message names the file
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def warn_config_differs(cfg: RunConfig, steps: list[int]) -> None:
+    """A resume whose config differs from the run dir's config.yaml: one warning listing the fields."""
+    old = read_config(cfg.train.run_dir)
+    if steps and old is not None and (diff := config_diff(old, to_dict(cfg))):
+        warn(f"resuming with a config that differs from {Path(cfg.train.run_dir) / CONFIG_FILE}: " + "; ".join(diff))
+
+
+def check_checkpoints(cfg: RunConfig) -> list[int]:
+    """Read-only checks of RUN_DIR/checkpoints against the config; returns the steps to try, oldest
+    first (complete ones, and STEP/ directories whose metadata looks damaged: restoring them fails and
+    moves them aside, so that a new save of that step is not skipped). checkpoint.resume=false with
+    checkpoints there, a newest step past train.steps, or only moved-aside damaged checkpoints
+    (resume=true) -> an error before anything is written or trained."""
+    t, run_dir = cfg.train, cfg.train.run_dir
+    entries = scan(run_dir)
+    complete = sorted({e.step for e in entries if e.name.isdigit() and e.status != "partial"})
+    if entries and not cfg.checkpoint.resume:
+        listed = ", ".join(f"{e.step} ({e.status})" for e in entries[:5]) + (" ..." if len(entries) > 5 else "")
+        raise ConfigError(
+            "checkpoint.resume",
+            False,
+            f"use a new train.run_dir, delete {Path(run_dir) / 'checkpoints'}, or set checkpoint.resume=true",
+            f"{run_dir} already holds checkpoints (steps {listed}); a fresh run there would mix with them",
+        )
+    if not cfg.checkpoint.resume:
+        return []
+    if complete and complete[-1] > t.steps:
+        raise ConfigError(
+            "train.steps",
+            t.steps,
+            f"set train.steps >= {complete[-1]} to continue that run, or use a new train.run_dir",
+            f"{run_dir} holds a checkpoint at step {complete[-1]}, past train.steps",
+        )
+    damaged = [e for e in entries if e.status == "damaged"]
+    if damaged and not complete:
+        raise CheckpointError(
+            f"no intact checkpoint in {Path(run_dir) / 'checkpoints'} (damaged: "
+            f"{', '.join(e.name for e in damaged)}); move them out of the way to start over, or use a new "
+            "train.run_dir (`meshrun checkpoints RUN_DIR` lists them)"
+        )
+    return complete
+
+
+def restore_newest_intact(ckpt: Checkpointer, train_step: TrainStep, steps: list[int]) -> tuple[Any, int | None]:
+    """(state, step) from the newest checkpoint of `steps` that restores; each one that fails is
+    reported in one line and moved aside. None of them -> CheckpointError. No steps -> (None, None)."""
+    tried = []
+    for step in reversed(steps):
+        try:
+            state, err = train_step.to_run(ckpt.restore(step, train_step.abstract_state)), None
+        except CheckpointDamaged as e:
+            state, err = None, e
+        if agree(err is None):
+            return state, step
+        moved = ckpt.move_aside(step)
+        tried.append(moved.name)
+        why = err.why if err is not None else "another process could not restore it"
+        older = "trying the next older one" if step != steps[0] else "no older checkpoint left"
+        warn(f"checkpoint step {step} is damaged ({why}); moved it aside to {moved}; {older}")
+    if tried:
+        raise CheckpointError(
+            f"no intact checkpoint in {ckpt.directory}: every one failed to restore and was moved aside "
+            f"({', '.join(tried)}); use a new train.run_dir, or move them out of the way to start over"
+        )
+    return None, None
+
+
+def initial_state(
+    cfg: RunConfig, ckpt: Checkpointer, train_step: TrainStep, steps: list[int], quiet: bool = False
+) -> tuple[Any, int]:
+    """(state, first step): the newest intact checkpoint, else checkpoint.init_params with a fresh
+    optimizer at step 0, else a fresh init. Says which on stderr."""
+    state, start = restore_newest_intact(ckpt, train_step, steps) if steps else (None, None)
+    if state is not None:
+        say(f"resumed from step {start} ({Path(ckpt.directory) / str(start)})", quiet)
+    if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
+        state = train_step.init_from(restore_params(cfg.checkpoint.init_params, train_step.abstract_state.params))
+        say(f"starting from parameters in {cfg.checkpoint.init_params}", quiet)
+    state = state if state is not None else train_step.init()
+    start = start or 0
+    if start >= cfg.train.steps:
+        warn(f"{cfg.train.run_dir} already holds the final checkpoint (step {start} = train.steps); nothing to train")
+    return state, start
+
+
+def resume_hint(run_dir: str) -> str:
+    """What a user does after a lost peer: the checkpoints that are intact, and how to resume."""
+    newest = newest_complete(run_dir)
+    newest = f"newest: step {newest.step}" if newest else "none written yet"
+    return (
+        f"checkpoints already in {run_dir} are intact ({newest}); rerun to resume, or launch with "
+        "MAX_RESTARTS=K to restart automatically"
+    )
+
+
+def run_first_loss(run_dir: str, default: float | None) -> float | None:
+    """A resumed run's first loss: step 1's row of RUN_DIR/metrics.jsonl (the run's, not this attempt's;
+    what a supervised job's final JSON reports), else `default`."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step") == 1 and isinstance(row.get("loss"), float):
+                return row["loss"]
+    return default
+
+
+class Saves:
+    """Checkpoint saves of one run: starts them (async where configured) and reports each one once it
+    is on disk: `saved checkpoint N (size, seconds) in PATH` (process 0)."""
+
+    def __init__(self, ckpt: Checkpointer, quiet: bool = False):
+        self.ckpt, self.quiet = ckpt, quiet
+        self._pending: list[tuple[int, float]] = []  # (step, start time) of saves not reported yet
+
+    def save(self, step: int, model_state: Any, force: bool) -> None:
+        self.report()  # orbax finishes the previous async save before it starts this one
+        t0 = time.perf_counter()
+        if self.ckpt.save(step, model_state, force=force):
+            self._pending.append((step, t0))
+
+    def report(self) -> None:
+        done = [(s, t0) for s, t0 in self._pending if (Path(self.ckpt.directory) / str(s)).is_dir()]
+        for s, t0 in done:
+            self._pending.remove((s, t0))
+            path = Path(self.ckpt.directory) / str(s)
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            took = time.perf_counter() - t0
+            say(f"saved checkpoint {s} ({size / 2**20:.1f} MiB, {took:.1f} s) in {path}", self.quiet)
+
+    def finish(self) -> None:
+        """Wait for the last async save and report it."""
+        self.ckpt.wait()
+        self.report()
