@@ -72,9 +72,18 @@ def test_resume_says_from_where_and_what_differs(tmp_path, capsys):
     assert f"resumed from step 2 ({ckpt})" in err
     diff = next(ln for ln in err.splitlines() if "differs from" in ln)
     assert "mesh.data 2 -> 4" in diff and "mesh.pipe 2 -> 1" in diff
-    assert "model." not in diff and "train.steps" not in diff  # more steps is what a resume is for
+    assert "model." not in diff and "train.steps 2 -> 3" in diff  # the schedule's end moved
     assert load_config(run_dir / "config.yaml") == cfg  # the rerun's config replaces the old one
     assert "step 3/3" in err and "step 1/" not in err
+
+
+def test_nan_before_any_checkpoint_says_none_was_saved(tmp_path, capsys):
+    from meshrun.cli.main import main
+
+    over = ["train.steps=6", "checkpoint.every=0", "train.lr=1e30", "train.warmup_steps=1", f"train.run_dir={tmp_path}"]
+    assert main(["train", "--quiet", "configs/tiny_cpu.yaml", *SMALL, *over]) == 3
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stopped without saving. No checkpoint was saved in" in line and "None" not in line, line
 
 
 def test_start_from_init_params_is_said(tmp_path, capsys):
@@ -105,6 +114,9 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "metrics.png").stat().st_size > 1000
+    _metrics(tmp_path / "run2")  # several runs (`meshrun plot runs/quickstart-*`): one figure
+    assert main(["plot", str(tmp_path / "run"), str(tmp_path / "run2")]) == 0
+    assert (tmp_path / "run" / "metrics-compare.png").stat().st_size > 1000
 
 
 def test_plot_without_metrics_exits_2(tmp_path, capsys):

@@ -1,8 +1,9 @@
-"""`meshrun plot RUN_DIR [--out FILE]`: loss, val_loss, lr and throughput of a run, from
-RUN_DIR/metrics.jsonl, as one PNG (default RUN_DIR/metrics.png). Needs matplotlib (`meshrun[plot]`)."""
+"""`meshrun plot RUN_DIR [RUN_DIR ...] [--out FILE]`: loss, val_loss, lr and throughput of one or more
+runs, from each RUN_DIR/metrics.jsonl, as one PNG (one line per run). Needs matplotlib (`meshrun[plot]`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -11,9 +12,21 @@ from meshrun.errors import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plot", help="draw a run's loss, val_loss, lr and throughput to a PNG (needs matplotlib)")
-    p.add_argument("run_dir", help="a train.run_dir holding metrics.jsonl")
-    p.add_argument("--out", default=None, metavar="FILE", help="PNG to write (default RUN_DIR/metrics.png)")
+    p = sub.add_parser(
+        "plot",
+        help="draw runs' loss, val_loss, lr and throughput to a PNG (needs matplotlib)",
+        description="Draw loss, val_loss, learning rate and tokens/s of one or more runs from their "
+        "metrics.jsonl into one PNG, one line per run.",
+        epilog="examples:\n  meshrun plot runs/tiny\n  meshrun plot runs/quickstart-* --out compare.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.run_dir(s) holding metrics.jsonl")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="PNG to write (default RUN_DIR/metrics.png; with several runs, the first's metrics-compare.png)",
+    )
     p.set_defaults(func=run_plot)
 
 
@@ -41,9 +54,10 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def run_plot(args) -> int:
-    run_dir = Path(args.run_dir)
-    rows = read_rows(run_dir)
-    out = Path(args.out) if args.out else run_dir / "metrics.png"
+    run_dirs = [Path(d) for d in args.run_dirs]
+    runs = [(d, read_rows(d)) for d in run_dirs]
+    default = "metrics.png" if len(runs) == 1 else "metrics-compare.png"
+    out = Path(args.out) if args.out else run_dirs[0] / default
     try:
         import matplotlib
 
@@ -52,19 +66,19 @@ def run_plot(args) -> int:
     except ImportError as e:
         raise ConfigError("meshrun plot", str(out), "pip install 'meshrun[plot]'", "matplotlib is not installed") from e
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for key in ("loss", "val_loss"):
-        x, y = _series(rows, key)
-        if x:
-            axes[0].plot(x, y, label=key, marker="o" if key == "val_loss" else None, markersize=3)
+    for run_dir, rows in runs:
+        name = f"{run_dir.name}: " if len(runs) > 1 else ""
+        for key in ("loss", "val_loss"):
+            x, y = _series(rows, key)
+            if x:
+                axes[0].plot(x, y, label=name + key, marker="o" if key == "val_loss" else None, markersize=3)
+        axes[1].plot(*_series(rows, "lr"), label=run_dir.name)
+        axes[2].plot(*_series(rows[1:], "tokens_per_s"), label=run_dir.name)  # step 1 may hold warm-up
     axes[0].set(title="loss", xlabel="step")
     axes[0].legend()
-    x, y = _series(rows, "lr")
-    axes[1].plot(x, y)
     axes[1].set(title="learning rate", xlabel="step")
-    x, y = _series(rows[1:], "tokens_per_s")  # step 1 of an attempt may hold warm-up
-    axes[2].plot(x, y)
     axes[2].set(title="tokens/s", xlabel="step")
-    fig.suptitle(str(run_dir))
+    fig.suptitle(str(run_dirs[0]) if len(runs) == 1 else f"{len(runs)} runs")
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=80)
@@ -72,5 +86,6 @@ def run_plot(args) -> int:
         raise ConfigError("--out", str(out), "use a writable file path", f"cannot write the PNG ({e.strerror})") from e
     finally:
         plt.close(fig)
-    print(f"wrote {out} ({len(rows)} steps)", file=sys.stderr)
+    steps = ", ".join(str(len(rows)) for _, rows in runs)
+    print(f"wrote {out} ({steps} steps)", file=sys.stderr)
     return 0

@@ -206,9 +206,14 @@ def _rank_progress(step: int, steps: int, loss: float, dt: float, quiet: bool) -
 def _check_loss(loss: float, step: int, ckpt: Checkpointer, run_dir: str) -> None:
     """A NaN/Inf loss stops the run without saving."""
     if not math.isfinite(loss):
+        last = ckpt.latest_step()
+        kept = (
+            f"The last good checkpoint (step {last}) in {run_dir} is intact"
+            if last is not None
+            else f"No checkpoint was saved in {run_dir} yet (checkpoint.every sets how often)"
+        )
         raise TrainingError(
-            f"loss is {loss} at step {step + 1}; stopped without saving. The last good checkpoint "
-            f"(step {ckpt.latest_step()}) in {run_dir} is intact; lower train.lr or check the data"
+            f"loss is {loss} at step {step + 1}; stopped without saving. {kept}; lower train.lr or check the data"
         )
 
 

@@ -22,8 +22,9 @@ from meshrun.runtime.processes import agree, say, warn
 from meshrun.train.step import TrainStep
 
 CONFIG_FILE = "config.yaml"
-# Fields a resume routinely changes (a run dir moved or copied, more steps): not worth a warning.
-RESUME_FREE = frozenset({"train.run_dir", "train.steps"})
+# Fields a resume routinely changes without changing the run (a run dir moved or copied): not worth a
+# warning. A changed train.steps is listed: it moves the learning-rate schedule's end.
+RESUME_FREE = frozenset({"train.run_dir"})
 
 
 def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
