@@ -156,3 +156,19 @@ def test_fast_commands_run(where, cmd, want, tmp_path):
 def test_block_runs(where, cmds, tmp_path):
     """Every command of one block, in order, in one shell (a block may set a variable or resume a run)."""
     _run_script([(_short(c), want) for c, want in cmds], _scratch(tmp_path), timeout=1800)
+
+
+def test_every_command_has_a_description_examples_and_argument_help():
+    import argparse
+
+    from meshrun.cli.main import build_parser
+
+    parser = build_parser()
+    assert "parallelism" in parser.description and "meshrun train" in parser.epilog
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    bad = []
+    for name, p in sub.choices.items():
+        if not p.description or f"meshrun {name}" not in (p.epilog or ""):
+            bad.append(f"{name}: no description or no example")
+        bad += [f"{name}: {a.dest} has no help" for a in p._actions if not a.help]
+    assert not bad, "\n".join(bad)

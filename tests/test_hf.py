@@ -20,7 +20,7 @@ from meshrun_models import apply_layers, embed, logits
 
 from meshrun.checkpoint.params import restore_params
 from meshrun.cli.main import main
-from meshrun.config import MeshConfig, ModelConfig
+from meshrun.config import MeshConfig, ModelConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.hf.convert import model_config
 from meshrun.hf.io import export_hf, import_hf, load_params
@@ -264,7 +264,10 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
 def test_cli_import_export(tmp_path, capsys):
     assert main(["import-hf", str(FIX / "qwen2"), str(tmp_path / "run"), "mesh.data=8"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["family"] == "qwen2" and res["vocab"] == 128
+    assert res["family"] == "llama" and res["architecture"] == "qwen2" and res["vocab"] == 128  # as config.yaml
+    assert load_config(res["config"]).model.family == res["family"]
+    assert res["next"] == f"meshrun train {res['config']} data.kind=synthetic train.steps=10"  # vocab 100 < 256
+    assert res["next"] in (tmp_path / "run" / "config.yaml").read_text()
     assert main(["import-hf", str(FIX / "qwen2"), str(tmp_path / "run")]) == 2  # already imported there
     assert "already holds an import" in capsys.readouterr().err
     assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "20KB"]) == 0

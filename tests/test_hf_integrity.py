@@ -101,8 +101,11 @@ def test_readme_commands_work_with_relative_paths(tmp_path, capsys, monkeypatch)
     _trained(Path("runs/llama"), tmp_path, cfg, {1: 1.0}, name="runs/x")
     capsys.readouterr()
     assert main(["checkpoints", "runs/x", "--verify", "--json"]) == 0
-    listed = json.loads(capsys.readouterr().out)["checkpoints"]
-    assert [(c["step"], c["status"]) for c in listed] == [(1, "complete")]
+    doc = json.loads(capsys.readouterr().out)
+    assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(1, "complete")]
+    assert doc["verified"] == {"steps": [1], "damaged": [], "ok": True}
+    assert main(["checkpoints", "runs/x", "--verify"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("step(s) 1 and compared its checksums: ok")
 
 
 def test_checkpoints_verify_exits_5_on_a_damaged_checkpoint(llama, tmp_path, capsys):
@@ -116,6 +119,7 @@ def test_checkpoints_verify_exits_5_on_a_damaged_checkpoint(llama, tmp_path, cap
     assert main(["checkpoints", str(run), "--verify"]) == 5
     out = capsys.readouterr().out
     assert "2  damaged" in out and "does not match its checksum" in out
+    assert out.strip().splitlines()[-1].endswith("step(s) 1, 2 and compared its checksums: damaged 2")
 
 
 # ------------------------------------------------------------------ the trained model's config

@@ -42,7 +42,7 @@ def format_table(run_dir: str, steps: list[StepInfo]) -> str:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("checkpoints", help="list a run's checkpoints: step, status, model config")
+    p = sub.add_parser("checkpoints", help="list a run's checkpoints: step, status, model config; --verify")
     p.add_argument("run_dir", help="the run's train.run_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object with key `checkpoints`")
     p.add_argument("--verify", action="store_true", help="read every array back (one CPU device; slow)")
@@ -57,12 +57,25 @@ def run_checkpoints(args) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: no accelerator needed
         from meshrun.checkpoint.state import verify_arrays as verify
     steps = scan(args.run_dir, verify=verify)
-    if args.json:
-        print(json.dumps({"run_dir": args.run_dir, "checkpoints": [asdict(s) for s in steps]}))
-    else:
-        print(format_table(args.run_dir, steps))
     # --verify answers "is this run's data intact?": a STEP/ a run would try that does not read back
     # is a failure (5); one already moved aside (STEP.damaged-TIME) is history, not a failure
-    if args.verify and any(s.status == "damaged" and s.name.isdigit() for s in steps):
-        return EXIT_CHECKPOINT
-    return 0
+    bad = [s.step for s in steps if s.status == "damaged" and s.name.isdigit()]
+    checked = [s.step for s in steps if s.name.isdigit() and s.status in ("complete", "damaged")]
+    if args.json:
+        out: dict[str, Any] = {"run_dir": args.run_dir, "checkpoints": [asdict(s) for s in steps]}
+        if args.verify:
+            out["verified"] = {"steps": checked, "damaged": bad, "ok": not bad}
+        print(json.dumps(out))
+    else:
+        print(format_table(args.run_dir, steps))
+        if args.verify:
+            print(verify_summary(checked, bad))
+    return EXIT_CHECKPOINT if args.verify and bad else 0
+
+
+def verify_summary(checked: list[int], bad: list[int]) -> str:
+    """The last line of --verify: what was read back, and ok or which steps are damaged."""
+    if not checked:
+        return "verify: no checkpoint to verify"
+    what = f"verify: read back every array of step(s) {', '.join(map(str, checked))} and compared its checksums"
+    return f"{what}: damaged {', '.join(map(str, bad))}" if bad else f"{what}: ok"

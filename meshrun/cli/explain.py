@@ -17,7 +17,12 @@ from meshrun.train.explain import MAX_SIMULATED, explain, format_report, step_ti
 def register(sub) -> None:
     p = sub.add_parser("explain", help="compile (do not run) the train step: predicted vs compiled memory, comms")
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. mesh.tensor=2 train.steps=10 (keys: `meshrun config`)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (memory, collectives)")
     p.add_argument("--cluster", help="also predict the step time on this cluster, e.g. h100-80g:1x8 (`meshrun plan`)")
     add_fast_compile_flag(p)

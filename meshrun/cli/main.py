@@ -1,6 +1,6 @@
-"""`meshrun train | plan | mesh | schedule | explain | profile | prepare-data | checkpoints | supervise |
-import-hf | export-hf | plot`:
-a thin shell.
+"""meshrun: train transformers in JAX with data x pipeline x tensor x expert x context parallelism.
+
+The command line is a thin shell over the library: one module per command in meshrun/cli/.
 
 Every failure is one line on stderr and an exit status from the table in `meshrun/errors.py` (bad
 input 2, training 3, I/O 4, checkpoint 5, distributed 6, anything else 1); the traceback only with
@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 import traceback
 
 from meshrun.errors import (
@@ -54,16 +55,88 @@ COMMAND_MODULES = (
     "meshrun.cli.config",
 )
 DEBUG_FLAG, DEBUG_ENV = "--debug", "MESHRUN_DEBUG"
+DESCRIPTION = """Train transformers in JAX with data x pipeline x tensor x expert x context parallelism,
+plan layouts for a cluster, and check them against the compiled step. Every failure is one line and an
+exit status (2 bad input, 3 training, 4 I/O, 5 checkpoint, 6 distributed, 1 internal)."""
+EPILOG = """start here:
+  meshrun train configs/tiny_cpu.yaml train.run_dir=runs/tiny   # 8 simulated CPU devices
+  meshrun COMMAND --help                                         # a command's flags and examples
+  meshrun config                                                 # every config key
+documentation: README.md and docs/ in the checkout"""
+# Each command's description and examples for `meshrun COMMAND --help` (a command that sets its own
+# description in its module keeps it).
+COMMAND_HELP = {
+    "mesh": (
+        "Build a device mesh from mesh.* degrees and print which device holds which coordinate, its host "
+        "and rack, and the groups of each axis; a tensor group across hosts is an error.",
+        "meshrun mesh --devices 8 --hosts 2 mesh.pipe=2 mesh.data=2 mesh.tensor=2\n"
+        "  meshrun mesh --devices 8 mesh.tensor=2 --json",
+    ),
+    "schedule": (
+        "Print a pipeline schedule as a text chart (what each stage runs at each tick) with its bubble "
+        "fraction; --json for the table, --png for a Gantt chart.",
+        "meshrun schedule --pipe 4 --microbatches 8 --schedule 1f1b\n"
+        "  meshrun schedule --pipe 4 --microbatches 8 --schedule interleaved --virtual 2",
+    ),
+    "plan": (
+        "Rank every valid layout (TP/PP/DP/EP/CP, ZeRO, remat, microbatches) of a model on a cluster by "
+        "predicted step time and memory per device, or cost one layout with --evaluate. No jax needed.",
+        "meshrun plan --model gpt3-175b --cluster a100-80g:128x8 --top 3\n"
+        "  meshrun plan --model configs/models/llama-7b.yaml --cluster h100-80g:1x8 --evaluate tensor=8,pipe=1",
+    ),
+    "train": (
+        "Train a model from a YAML config plus section.key=value overrides. A rerun into the same "
+        "train.run_dir resumes from its newest intact checkpoint. The last stdout line is one JSON object.",
+        "meshrun train configs/tiny_cpu.yaml train.run_dir=runs/tiny\n"
+        "  meshrun train configs/tiny_cpu.yaml mesh.pipe=1 mesh.data=4 train.zero=3 train.run_dir=runs/zero3",
+    ),
+    "prepare-data": (
+        "Tokenize local text or JSONL files into token shards with a validation split and document "
+        "boundaries, for data.kind=prepared. Rerunning it skips finished shards.",
+        "meshrun prepare-data --train-bpe 8192 --glob 'corpus/**/*.txt' --out data/corpus\n"
+        "  meshrun prepare-data --tokenizer path/to/model --glob 'corpus/**/*.jsonl' --out data/corpus",
+    ),
+    "explain": (
+        "Compile the train step without running it and print the planner's predicted memory and "
+        "collectives beside the compiled program's.",
+        "meshrun explain configs/tiny_cpu.yaml\n"
+        "  meshrun explain configs/llama7b_h100.yaml --cluster h100-80g:1x8 --json",
+    ),
+    "profile": (
+        "Trace a few train steps with jax.profiler and print, per pipeline stage, busy, idle and "
+        "collective time and the measured bubble next to the schedule's.",
+        "meshrun profile configs/tiny_cpu.yaml --steps 3\n"
+        "  meshrun profile configs/tiny_cpu.yaml mesh.data=1 mesh.pipe=4 mesh.tensor=2 pipeline.microbatches=8",
+    ),
+    "checkpoints": (
+        "List a run's checkpoints (step, status, model config); --verify reads every array back and "
+        "checks its checksums.",
+        "meshrun checkpoints runs/tiny\n  meshrun checkpoints runs/tiny --verify --json",
+    ),
+    "supervise": (
+        "Run a multi-process job through a launcher command and restart it from its newest intact "
+        "checkpoint when a rank dies (launch/local.sh and launch/slurm.sbatch use it with MAX_RESTARTS).",
+        "meshrun supervise --processes 2 --max-restarts 3 --launcher 'launch/local.sh {processes} 4' "
+        "configs/tiny_cpu.yaml",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="meshrun", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         DEBUG_FLAG, action="store_true", help=f"print tracebacks (also {DEBUG_ENV}=1); may follow the subcommand"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for name, (description, examples) in COMMAND_HELP.items():
+        p = sub.choices[name]
+        if p.description is None:
+            p.description, p.epilog = textwrap.fill(description, 100), f"examples:\n  {examples}"
+            p.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 

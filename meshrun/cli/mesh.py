@@ -16,7 +16,9 @@ def register(sub) -> None:
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (CPU runs)")
     p.add_argument("--hosts", type=int, default=None, help="split devices into H (pretend) hosts")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("overrides", nargs="*", metavar="mesh.KEY=VALUE")
+    p.add_argument(
+        "overrides", nargs="*", metavar="mesh.KEY=VALUE", help="mesh degrees, e.g. mesh.pipe=2 mesh.tensor=2"
+    )
     p.set_defaults(func=run_mesh)
 
 

@@ -16,7 +16,12 @@ from meshrun.runtime.distributed import start_command
 def register(sub) -> None:
     p = sub.add_parser("profile", help="trace a few train steps: busy/idle/collective time and the bubble per stage")
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. mesh.tensor=2 train.steps=10 (keys: `meshrun config`)",
+    )
     p.add_argument("--steps", type=int, default=3, help="steps to trace, after one untraced step (default 3)")
     p.add_argument("--out", help="trace directory (default RUN_DIR/profile); profile.json is written there")
     p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (as `meshrun train --devices`)")

@@ -13,7 +13,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("schedule", help="show a pipeline schedule table and its bubble fraction")
     p.add_argument("--pipe", type=int, required=True, metavar="P", help="pipeline stages p")
     p.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches m per step")
-    p.add_argument("--schedule", default="1f1b", choices=registry.names())
+    p.add_argument("--schedule", default="1f1b", choices=registry.names(), help="pipeline schedule (default 1f1b)")
     p.add_argument(
         "--virtual",
         type=int,

@@ -14,7 +14,12 @@ from meshrun.runtime.supervise import Supervisor
 def register(sub) -> None:
     p = sub.add_parser("supervise", help="restart a failed multi-process job from its newest intact checkpoint")
     p.add_argument("config", help="the job's YAML config")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. mesh.tensor=2 train.steps=10 (keys: `meshrun config`)",
+    )
     p.add_argument("--launcher", required=True, help="command of one attempt; {processes} = current process count")
     p.add_argument("--processes", type=int, required=True, help="processes of the first attempt")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts after the first attempt (default 3)")

@@ -18,7 +18,12 @@ from meshrun.runtime.distributed import start_command
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (the main job)")
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. mesh.tensor=2 train.steps=10 (keys: `meshrun config`)",
+    )
     p.add_argument(
         "--devices",
         type=int,
@@ -27,7 +32,11 @@ def register(sub) -> None:
         "-1 axis, else 8)",
     )
     add_fast_compile_flag(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only warnings, errors and the final JSON line (no start-up block, progress or lifecycle lines)",
+    )
     p.set_defaults(func=run_train)
 
 

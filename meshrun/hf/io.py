@@ -14,15 +14,38 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+import jax
+import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
+import yaml
 
-from meshrun.errors import ConfigError
+from meshrun.checkpoint import checksum
+from meshrun.checkpoint.params import PARAMS, check_dir, save_params
+from meshrun.checkpoint.state import path_key
+from meshrun.checkpoint.store import scan
+from meshrun.config import MeshConfig, ModelConfig, from_dict, to_dict
+from meshrun.errors import CheckpointError, ConfigError
+from meshrun.family import registry
+from meshrun.hf.convert import (
+    adapter,
+    expected_names,
+    family_of,
+    hf_config,
+    hf_tensors,
+    ignored,
+    lazy_params,
+    model_config,
+)
+from meshrun.hf.files import read_hf_dir
+from meshrun.hf.safetensors_io import FormatError, SafeTensors, write_sharded
+from meshrun.parallel.sharding import param_rules, tree_shardings
+from meshrun.runtime.mesh import build_mesh
 
 IMPORT_DIR = "hf_import"
 EXTRA_FILES = (
@@ -32,48 +55,11 @@ EXTRA_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?B)?$", re.IGNORECASE)
-
-
-def read_hf_dir(model_dir: str | Path, field: str = "MODEL_DIR") -> dict[str, Any]:
-    """config.json of a local model directory; a hub id or a missing directory is a ConfigError."""
-    d = Path(model_dir)
-    if not d.is_dir():
-        if _HUB_ID.match(str(model_dir)) and not d.exists():
-            raise ConfigError(
-                field,
-                str(model_dir),
-                "download it first (e.g. `huggingface-cli download ID --local-dir DIR`) and give that directory",
-                "a hub id, not a local directory: meshrun reads local files only, never the network",
-            )
-        raise ConfigError(
-            field, str(model_dir), "give a model directory holding config.json and *.safetensors", "no such directory"
-        )
-    try:
-        return json.loads((d / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            field, str(model_dir), "give a transformers model directory", "no config.json in it"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(
-            field, str(model_dir), "fix or replace config.json", f"config.json is not JSON ({e})"
-        ) from None
 
 
 def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_multiple: int = 128) -> dict[str, Any]:
     """Convert MODEL_DIR into RUN_DIR (see the module docstring). `mesh`: where the weights are placed
     while converting (default: all devices on 'data', parameters sharded as under ZeRO-3)."""
-    import jax
-
-    from meshrun.checkpoint.params import save_params
-    from meshrun.config import MeshConfig, to_dict
-    from meshrun.family import registry
-    from meshrun.hf.convert import expected_names, family_of, ignored, model_config
-    from meshrun.hf.safetensors_io import FormatError, SafeTensors
-    from meshrun.parallel.sharding import param_rules, tree_shardings
-    from meshrun.runtime.mesh import build_mesh
 
     hf = read_hf_dir(model_dir)
     if vocab_multiple < 1:
@@ -139,9 +125,11 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     return {
         "run_dir": str(run_dir),
         "config": str(yaml_path),
-        "family": meta["hf"]["family"],
+        "family": cfg.family,  # meshrun's model.family, as in config.yaml
+        "architecture": meta["hf"]["family"],  # the checkpoint's own (mistral, qwen2, mixtral trained as llama)
         "vocab": cfg.vocab,
         "params": int(sum(int(np.prod(a.shape)) for a in flat.values())),
+        "next": quick_check(yaml_path),
     }
 
 
@@ -149,14 +137,12 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
     """lazy_params of the checkpoint, after checking every tensor's shape against config.json: a head
     count or size that contradicts the stored tensors is a ConfigError naming both, before anything
     is written."""
-    from meshrun.hf.convert import lazy_params
 
     fix = "give a config.json that matches the checkpoint's tensors (or the tensors its config.json describes)"
     try:
         lazies = lazy_params(cfg, st.get, hf["vocab_size"])
     except ValueError as e:  # a per-head reshape that does not fit the stored tensor
         raise ConfigError(f"{model_dir}/config.json", str(e), fix, "contradicts the tensor shapes") from None
-    from meshrun.hf.convert import adapter
 
     for name, kind in adapter(cfg).top_map(cfg).values():
         if kind in ("vocab", "vocab_t") and st.get(name).shape[0] != hf["vocab_size"]:
@@ -178,12 +164,14 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
     return lazies
 
 
+def quick_check(config_path: Path) -> str:
+    """The command that trains an import as written: random tokens (data.kind=synthetic) need no
+    tokenizer, where the default byte-level text needs a vocabulary of at least 256."""
+    return f"meshrun train {config_path} data.kind=synthetic train.steps=10"
+
+
 def write_run_config(path: Path, cfg, hf: dict) -> None:
     """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning lr)."""
-    import yaml
-
-    from meshrun.config import to_dict
-
     run_dir = Path(os.path.abspath(path.parent))
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     doc = {
@@ -191,10 +179,15 @@ def write_run_config(path: Path, cfg, hf: dict) -> None:
         "train": {"run_dir": str(run_dir), "lr": 3.0e-5},
         "checkpoint": {"init_params": str(Path(run_dir) / IMPORT_DIR)},
     }
+    files = path.parent / IMPORT_DIR / "hf_files"
+    prepare = f"#   meshrun prepare-data --tokenizer {files} --glob 'corpus/**/*.jsonl' --out data/corpus\n"
+    tok = prepare if (files / "tokenizer.json").is_file() else ""
     head = (
         f"# {arch} imported by `meshrun import-hf`: the model section matches the checkpoint in\n"
         f"# checkpoint.init_params (weights, fresh optimizer, step 0). Add mesh/train/data settings here or\n"
-        f"# on the command line: meshrun train {path} mesh.tensor=2 model.dtype=bfloat16 train.steps=100\n"
+        f"# on the command line. A quick check that it trains (random tokens): {quick_check(path)}\n"
+        f"# Fine-tune on your text, tokenized with the model's own tokenizer (`meshrun prepare-data`):\n{tok}"
+        f"#   meshrun train {path} data.kind=prepared data.path=data/corpus train.steps=100\n"
     )
     path.write_text(head + yaml.safe_dump(doc, sort_keys=False))
 
@@ -225,7 +218,6 @@ def nest_tree(flat: dict[tuple[str, ...], Any]) -> dict:
 
 def _candidates(run_dir: str | Path) -> list[tuple[str, Path]]:
     """(kind, dir) to export from, newest first: the complete step checkpoints, else the import."""
-    from meshrun.checkpoint.store import scan
 
     if not Path(run_dir).is_dir():
         raise ConfigError(
@@ -243,7 +235,6 @@ def _candidates(run_dir: str | Path) -> list[tuple[str, Path]]:
 
 
 def _read_meta(kind: str, directory: Path) -> dict[str, Any]:
-    from meshrun.checkpoint.params import check_dir
 
     if kind == "import":
         return check_dir(directory, "RUN_DIR")
@@ -270,8 +261,6 @@ def load_params(run_dir: str | Path, *, quiet: bool = False) -> tuple[Any, dict,
     newest complete step checkpoint whose arrays read back and match their checksums (a damaged one
     is reported on stderr and the next older one used, as `meshrun train` does; none is moved or
     deleted), else its import. CheckpointError (exit 5) when every step checkpoint is damaged."""
-    from meshrun.config import ModelConfig, from_dict
-    from meshrun.errors import CheckpointError
 
     cands = _candidates(run_dir)
     damaged = []
@@ -301,13 +290,6 @@ def load_params(run_dir: str | Path, *, quiet: bool = False) -> tuple[Any, dict,
 def _restore(kind: str, directory: Path, cfg, checksums: dict | None = None) -> dict:
     """Params only, onto one device (host memory for the parameters; never the optimizer state),
     checked against the step's saved checksums (`meshrun.checkpoint.checksum`)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from meshrun.checkpoint import checksum
-    from meshrun.checkpoint.params import PARAMS
-    from meshrun.checkpoint.state import path_key
-    from meshrun.family import registry
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = {
@@ -336,22 +318,8 @@ def _restore(kind: str, directory: Path, cfg, checksums: dict | None = None) -> 
 
 
 def _rargs(tree):
-    import jax
-    import orbax.checkpoint as ocp
 
     return jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), tree)
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '1e9' -> bytes (decimal units, as transformers' max_shard_size)."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        try:
-            return int(float(text))
-        except ValueError:
-            raise ConfigError("--max-shard-size", text, "use e.g. 5GB, 500MB or a byte count") from None
-    unit = (m.group(2) or "B").upper()
-    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
 
 
 # ModelConfig fields that change what the exported weights compute (the rest are how meshrun trains)
@@ -373,7 +341,6 @@ _RUNTIME_FIELDS = {
 
 
 def _arch(cfg) -> dict[str, Any]:
-    from meshrun.config import to_dict
 
     d = {k: v for k, v in to_dict(cfg).items() if k not in _RUNTIME_FIELDS}
     if d.get("rope_scaling") == "none":  # the scaling parameters are unused then
@@ -388,7 +355,6 @@ def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any
     model is the imported one (overrides of runtime settings aside), else one written from `cfg`; the
     result must read back as `cfg` (every field that changes the computation), else a ConfigError
     naming the fields that Hugging Face cannot express."""
-    from meshrun.hf.convert import hf_config, model_config
 
     config, keep = None, {}
     if hf:
@@ -425,11 +391,6 @@ def export_hf(
     """Write RUN_DIR's newest intact weights as a transformers model directory (see the module
     docstring): the trained model's config (overrides included), its weights, and the tokenizer (the
     import's files; a run on `meshrun prepare-data` shards: that data's tokenizer.json)."""
-    import ml_dtypes
-
-    from meshrun.config import ModelConfig, from_dict
-    from meshrun.hf.convert import hf_tensors
-    from meshrun.hf.safetensors_io import write_sharded
 
     run_dir, out = Path(run_dir), Path(out_dir)
     _, directory, meta = find_source(run_dir)
