@@ -2,7 +2,7 @@
 data-parallel collectives that move between those layouts (Rajbhandari et al. 2020).
 
 `ZeroShardings` is built once per train step (`ZeroShardings.build`) and handed to whichever loop
-accumulates the gradients (the microbatch scan in `train.py` or the pipeline executor). It holds
+accumulates the gradients (the microbatch scan, `train.step.accumulate_grads`, or the pipeline executor). It holds
 four trees of PartitionSpecs over the whole mesh:
 
 * store   -- parameters as the train state keeps them (ZeRO-3: also sharded over the DP axes),

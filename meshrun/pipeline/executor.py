@@ -2,59 +2,23 @@
 
 Shape legend: M microbatches, B local microbatch rows, S sequence, D model width, Lc layers per chunk.
 
-How a step runs:
-* `jax.shard_map` is manual over 'pipe' AND the dense data-parallel axes ('data', 'expert'); 'tensor'
-  stays auto (GSPMD shards the weights inside a stage; the model's `constrain` calls run under
-  `use_rules(..., manual=MANUAL)`). With only 'pipe' manual, GSPMD put the data-parallel gradient
-  all-reduce inside the tick loop; here it is one psum (ZeRO >= 1: psum_scatter) after the loop.
-* The schedule is data: `program.tick_program` turns the lockstep table into per-tick index arrays
-  (scan xs; the stage reads its column with `lax.axis_index('pipe')`) grouped into phases of one
-  kind (forward only / both / backward only), one `lax.scan` each, so a warm-up tick costs one
-  forward and a cool-down tick one backward: 1F1B costs (p-1)·F + m·(F+B) + (p-1)·B, bubble
-  (p-1)/(m+p-1), not the (2p-2)/(m+2p-2) of m+2(p-1) full ticks.
-* Activations move with `ppermute` over 'pipe' (forward s -> s+1, gradients s -> s-1; interleaved
-  wraps around: the last stage's chunk c feeds stage 0's chunk c+1). With two stages a tick that
-  sends both ways does it in one collective-permute (a swap). The per-op executor, one op per stage
-  per tick, sends each stage's one output in one collective-permute both ways at any p, its pairs
-  static per tick (`program._send_phases`: a phase's scan body runs a period of a few ticks).
-* Backward is an explicit per-stage `jax.vjp`. Residuals (default) : the activation-dependent leaves
-  of the vjp pytree go into a fixed buffer of `slots` = max over stages of `max_in_flight` (+1 trash
-  slot that idle ticks write to); weight-only leaves (found by tracing dependence through the
-  model's layer scan) are rebuilt in the backward by a dummy forward XLA removes (`stage.py`). For
-  1F1B the lockstep table keeps at most min(m, 2(p-1-s)+1) microbatches in flight on stage s, so the
-  buffer has min(m, 2p-1) slots whatever m is. `pipeline.executor=per_op` runs 1F1B's own timeline
-  instead (Megatron's order: p-1-s warm-up forwards, then forwards and backwards alternately), one op
-  per stage per tick with each backward split into B (input gradient) and W (weight gradients) in
-  consecutive ticks (`per_op.OpRun`, `schedules.one_f_one_b_split`): at most min(m, p-s) in flight
-  on stage s, so min(m, p) slots plus one B's stash, 3m + 2(p-1) ticks of about one forward each
-  (bubble 2(p-1)/(3m+2(p-1)): B reaches the previous stage before W runs). The planner keeps the
-  faster of the two executors that fits. `residuals='recompute'` keeps only the stage input and re-runs the forward
-  in the backward (one more TP all-reduce per layer; less memory).
-* Embedding on entry: stage 0 embeds microbatch i when its first forward runs (token ids are step
-  arguments; embedding all M up front would hold M activations). Head + loss run on the last
-  virtual stage right after its forward (`lax.cond`, so other stages skip the vocab matmul); only
-  the head's input gradient dL/dx (B·S·D) is kept, never the logits.
-* Loss = sum(loss_sum) / sum(n_tokens) + sum_k w_k · sum(aux_k), sums over microbatches, stages and
-  data-parallel shards, w = `ModelFns.aux_weights(global batch rows)` (`contract.finish`);
-  the token count depends only on labels, so it is known before the loop and each head backward
-  uses the exact cotangent 1/N (aux cotangents are w_k).
-* Parameters: `params['layers']` leaves are stacked [L, ...] in model order. Stage s runs the counts
-  of `split` (`split.LayerSplit`: even, `pipeline.layers_per_stage` or balance=auto); for interleaved
-  or an uneven split the executor moves them to the pipeline placement ([p, v, lmax], chunks padded to
-  the largest count, `LayerSplit.to_pipeline`) inside the step, which moves weights across 'pipe' once
-  per step; pass `placement='pipeline'` with params already stored that way (and get grads back that
-  way) to avoid it. Uneven chunks skip their padding (`stage.uneven_apply`).
-* What a tick costs (compiled HLO and timings on 8 simulated CPU devices; see bench/compare.py):
-  a dynamic chunk index copied every weight of the stage and its gradient sums on every tick, so
-  with v = 1 the stage's layers are used in place; idle stages ran the stage on dummy data, so
-  forward and backward sit in a per-device `lax.cond` (its predicate is the same across a
-  tensor/expert group, so collectives inside stay matched); two permutes per tick became one swap
-  at p = 2; an idle cell's `lax.cond` branch passes the residual buffer and the gradient sums
-  through instead of writing fill values into the trash slot and adding zero gradients (GPipe p = 2:
-  24.6 -> 17.4 kB copied per tick; per-op 1F1B, p = 2, 4, m = 8, 16, bench/memory_pipeline.py:
-  1.13x the lockstep step before, 1.01-1.16x after, noisy on shared cores).
-  What is left per tick is one microbatch's residuals moved into/out of the slot buffer and the
-  stage's weight-gradient sums (as in any gradient accumulation), checked in the tests.
+* Manual over 'pipe' and the dense data-parallel axes ('data', 'expert'), auto over 'tensor': with only
+  'pipe' manual, GSPMD put the data-parallel gradient reduction inside the tick loop; here it is one
+  psum (ZeRO >= 1: psum_scatter) after the loop.
+* The schedule is data: `program.tick_program` turns its table into per-tick index arrays, grouped
+  into phases with one `lax.scan` each; activations and gradients move with `ppermute` over 'pipe'.
+* Backward is an explicit per-stage `jax.vjp`; the activation-dependent residuals of in-flight
+  microbatches live in a fixed slot buffer (min(m, 2p-1) slots for lockstep 1F1B), so memory does
+  not grow with m. `pipeline.executor=per_op` plays the schedule's own one-op-per-tick timeline
+  (`per_op.py`), with each backward split into B and W (`zb_split.py`).
+* Stage 0 embeds a microbatch when its first forward runs; head and loss run on the last virtual
+  stage only (`lax.cond`), keeping dL/dx, never the logits. The loss is linear in the per-microbatch
+  sums of `ModelFns` (`contract.finish`), so any split gives the single-device loss.
+* `params['layers']` is stacked in model order; interleaved or uneven splits run in the pipeline
+  placement (`split.LayerSplit.to_pipeline`), which callers may store to avoid a move per step.
+* Idle cells skip their compute in a per-device `lax.cond` and pass their buffers through, and with
+  v = 1 the stage's layers are used in place, so a tick moves only one microbatch's residuals and
+  the stage's gradient sums. docs/pipeline.md describes the schedules and executors for users.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ reads the slot when it runs (values always consumed on arrival, 1F1B's gradients
 Residual slots live from F to W; the dy buffer holds each microbatch's output gradient from B (on
 the last stage from F's head) to W; B's stash has its own slots, from B to W.
 
-Per tick, a rendezvous of all devices costs more than the small ops around it (XLA:CPU, the d_model
-64 toy of bench/memory_pipeline.py: ~0.3 ms each, 8 simulated devices on 2 cores); 1F1B at p = 4,
-m = 8 made 49 per step, two per tick, where the lockstep executor makes 22; now 28.
+Every collective-permute is a rendezvous of all devices, which costs more than the small ops around
+it: hence one permute both ways per tick wherever no stage receives twice.
 """
 
 from __future__ import annotations

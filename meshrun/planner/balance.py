@@ -1,8 +1,8 @@
-"""Uneven pipeline stages: how many layers each stage gets when they do not divide evenly.
+"""Per-stage costs for `pipeline.balance=auto`: the planner's time of one layer, the embedding and the
+head, fed to `pipeline.stage_counts.split_layers` (the split itself lives there, beside the executor).
 
-Shared by the planner (which costs the slowest stage) and the pipeline executor (which builds the
-stages). Pure Python. The first stage also runs the embedding, the last the output head and the
-vocabulary cross-entropy, so giving those stages fewer layers shortens the slowest stage.
+Pure Python. The first stage also runs the embedding and the last the head and the vocabulary
+cross-entropy, so those stages get fewer layers when the vocabulary is large.
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import functools
 
-from meshrun.analysis.flops import moe_routed
+from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.pipeline.stage_counts import split_layers
 from meshrun.planner import kernels
+from meshrun.planner.activations import context_kv_bytes
 from meshrun.planner.cost import Layout, Precision, precision_of
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
 from meshrun.planner.kernels import Calibration
@@ -108,8 +109,6 @@ def context_seconds(
       plus OVERLAP_COST of the hidden part (NCCL takes SMs from the kernels it runs beside).
     Bandwidth: the c ranks are t apart (tensor innermost, then context): NVLink while t c fits in a
     node, else the inter-node link (`Cluster.allreduce_seconds` / `group_bw`)."""
-    from meshrun.planner.activations import context_kv_bytes
-
     c, t, b = layout.context, layout.tensor, layout.micro_batch_size
     if c <= 1:
         return 0.0
@@ -159,8 +158,6 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
     of the first stage (the one holding the embedding). Dense params reduce over data x expert x
     context ranks (TP inner: stride t), expert params over data x context ranks (stride t e without
     context; with it the context ranks, t apart, are the inner part of the group)."""
-    from meshrun.analysis.flops import param_counts
-
     t, d, e, p, zero, c = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero, layout.context
     counts = param_counts(model)
     dense = (counts["layers"] / p + counts["embedding"]) / t
@@ -185,8 +182,6 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
 
 def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Precision) -> float:
     """Adam is memory bound: read params, grads, optimizer state; write params and state back."""
-    from meshrun.analysis.flops import param_counts
-
     counts = param_counts(model)
     n = (counts["layers"] + counts["experts"] / layout.expert) / layout.pipe / layout.tensor
     n += counts["embedding"] / layout.tensor

@@ -4,7 +4,7 @@ Everything the step, the evaluation, the loop, `explain` and `profile` need to k
 exists: the checks across config and mesh (`validate`), the model family and its `ModelFns`, the
 pipeline's layer split (balance=auto: per-layer costs from the planner's time model) and tick
 program, the schedule's bubble, the ZeRO shardings of the parameters in run order and in model
-order, and the planner's `Layout` of this run (`planner.cost.layout_of`: the one config -> Layout
+order, and the planner's `Layout` of this run (`planner.layout.layout_of`: the one config -> Layout
 conversion).
 """
 
