@@ -259,22 +259,14 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step, over all devices and microbatches
     seq_len: int = 64  # tokens per sequence
     zero: int = 0  # ZeRO stage 0..3
-    lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 2  # steps of linear warmup from 0
-    weight_decay: float = 0.01  # AdamW decoupled weight decay
-    beta1: float = 0.9  # Adam first-moment decay
-    beta2: float = 0.95  # Adam second-moment decay
-    adam_eps: float = 1e-8  # Adam epsilon
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
     seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"  # one run: config.yaml, metrics.jsonl, checkpoints/, logs; a rerun resumes
     profile: bool = False  # trace steps with jax.profiler into RUN_DIR/profile and print the profile report
-    # Adam moments (and param_dtype master weights when they differ from model.dtype) live in pinned
-    # host memory between steps; the step moves them to the device for the update and back.
+    # The optimizer state (moments, and the float32 master weights of params stored below float32)
+    # lives in pinned host memory between steps; the step moves it to the device for the update and back.
     offload_optimizer: bool = False
     # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
     # gradients accumulate in float32 either way and are cast back before the optimizer
@@ -287,22 +279,55 @@ class TrainConfig:
             _bounded(f"train.{f}", getattr(self, f), 1, MAX_DIM)
         if self.eval_every < 0:
             raise ConfigError("train.eval_every", self.eval_every, "use 0 (no evaluation) or a positive step count")
-        if self.warmup_steps < 0:
-            raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 (no warmup) or a positive step count")
         _bounded("train.seed", self.seed, 0, 2**32 - 1)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
+        _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+
+
+OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer (`name`: an entry of meshrun/optim/registry.py), its learning-rate schedule
+    (linear warmup from 0 to lr, cosine decay to min_lr_ratio·lr at train.steps) and global-norm
+    clipping. `state_dtype`: the dtype of its moments (the float32 master copy stays float32)."""
+
+    name: str = "adamw"  # an entry of meshrun/optim/registry.py: adamw | muon
+    lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 2  # steps of linear warmup from 0
+    weight_decay: float = 0.01  # decoupled weight decay (AdamW; muon: on every parameter too)
+    beta1: float = 0.9  # Adam first-moment decay (muon: of its Adam part, the non-matrix parameters)
+    beta2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon (muon: also the Newton-Schulz normalization's)
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    momentum: float = 0.95  # muon: momentum of the orthogonalized weight matrices
+    ns_steps: int = 5  # muon: Newton-Schulz iterations
+    state_dtype: str = "float32"  # dtype of the moments: float32 | bfloat16 (the fp32 master stays fp32)
+
+    def __post_init__(self):
         if not self.lr > 0:
-            raise ConfigError("train.lr", self.lr, "use a positive learning rate")
-        for f in ("beta1", "beta2", "min_lr_ratio"):
+            raise ConfigError("optimizer.lr", self.lr, "use a positive learning rate")
+        if self.warmup_steps < 0:
+            raise ConfigError("optimizer.warmup_steps", self.warmup_steps, "use 0 (no warmup) or a positive step count")
+        for f in ("beta1", "beta2", "min_lr_ratio", "momentum"):
             if not 0 <= getattr(self, f) <= 1:
-                raise ConfigError(f"train.{f}", getattr(self, f), "use a number in [0, 1]")
+                raise ConfigError(f"optimizer.{f}", getattr(self, f), "use a number in [0, 1]")
         for f in ("weight_decay", "grad_clip"):
             if not getattr(self, f) >= 0:
-                raise ConfigError(f"train.{f}", getattr(self, f), "use a number >= 0 (0: off)")
-        if not self.adam_eps > 0:
-            raise ConfigError("train.adam_eps", self.adam_eps, "use a small positive number, e.g. 1e-8")
-        _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+                raise ConfigError(f"optimizer.{f}", getattr(self, f), "use a number >= 0 (0: off)")
+        if not self.eps > 0:
+            raise ConfigError("optimizer.eps", self.eps, "use a small positive number, e.g. 1e-8")
+        _bounded("optimizer.ns_steps", self.ns_steps, 1, 100)
+        _choice("optimizer.state_dtype", self.state_dtype, OPTIMIZER_STATE_DTYPES)
+
+
+# Keys that moved out of `train:` (issue 37): an old YAML fails with one line naming the new key.
+MOVED_KEYS = {f"train.{k}": f"optimizer.{k}" for k in
+              ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")}  # fmt: skip
+MOVED_KEYS["train.adam_eps"] = "optimizer.eps"
 
 
 @dataclass(frozen=True)
@@ -353,6 +378,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -436,6 +462,9 @@ def from_dict(cls, data: dict[str, Any] | None, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if full in MOVED_KEYS:
+            new = MOVED_KEYS[full]
+            raise ConfigError(full, value, f"write it as {new} (its `{new.split('.')[0]}:` section)", f"moved to {new}")
         if key not in names:
             raise ConfigError(full, value, _suggest(key, names), "unknown key")
         tp = hints[key]

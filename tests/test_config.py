@@ -28,7 +28,7 @@ def test_defaults_and_overrides(tmp_path):
         ("model.n_kv_heads=3", "model.n_kv_heads", "divisor"),
         ("modle.d_model=3", "modle", "did you mean 'model'"),
         ("mesh.allow_cross_host_tensor=maybe", "mesh.allow_cross_host_tensor", "true or false"),
-        ("train.lr=fast", "train.lr", "not a number"),
+        ("optimizer.lr=fast", "optimizer.lr", "not a number"),
         ("noequals", "noequals", "section.key=value"),
     ],
 )

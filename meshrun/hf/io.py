@@ -171,12 +171,14 @@ def quick_check(config_path: Path) -> str:
 
 
 def write_run_config(path: Path, cfg, hf: dict) -> None:
-    """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning lr)."""
+    """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning
+    optimizer.lr)."""
     run_dir = Path(os.path.abspath(path.parent))
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     doc = {
         "model": to_dict(cfg),
-        "train": {"run_dir": str(run_dir), "lr": 3.0e-5},
+        "train": {"run_dir": str(run_dir)},
+        "optimizer": {"lr": 3.0e-5},
         "checkpoint": {"init_params": str(Path(run_dir) / IMPORT_DIR)},
     }
     files = path.parent / IMPORT_DIR / "hf_files"
