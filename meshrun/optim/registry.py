@@ -7,7 +7,9 @@ Each entry declares what the rest of meshrun asks about, so nothing else assumes
   `moments_other` of every other parameter (embeddings, head, norm scales, biases), stored in
   `optimizer.state_dtype`, plus a float32 master copy when the params are stored below float32
   (`state_bytes`); the planner's memory and time models read them;
-* `update_temps`: param-sized float32 temporaries its update holds at once (the planner's memory);
+* `update_temps`: float32 temporaries its update holds at once per weight-matrix parameter (the
+  planner's memory; one per other parameter), `matrix_update_flops`: FLOPs per weight-matrix
+  parameter of one update as a function of d_model (the planner's time; 0: memory bound);
 * `elementwise`: each element's update depends only on that element and global scalars, so the
   update can run on any chunk of the state (AdamW yes; Muon orthogonalizes whole matrices: no).
 
@@ -35,6 +37,12 @@ class OptimizerSpec:
     moments_other: int  # per element of every other parameter
     elementwise: bool
     update_temps: float = 1.0
+    ns_iterations: int = 0  # Newton-Schulz iterations per update (muon: optimizer.ns_steps' default)
+
+    def matrix_update_flops(self, d_model: int) -> float:
+        """FLOPs per weight-matrix parameter: a quintic Newton-Schulz iteration on an m x n matrix
+        (m <= n) is 4 m^2 n + 2 m^3 FLOPs, at most 6 m per element; m taken as d_model."""
+        return 6.0 * d_model * self.ns_iterations
 
     def state_bytes(self, state_dtype: str, master: bool, matrix: bool = True) -> float:
         """Optimizer-state bytes per parameter: the moments in `state_dtype`, plus the float32 master."""
@@ -44,10 +52,10 @@ class OptimizerSpec:
 
 OPTIMIZERS = {
     "adamw": OptimizerSpec("adamw", "meshrun.optim.optimizer:adamw", moments=2, moments_other=2, elementwise=True),
-    # Newton-Schulz on each [fan_in, fan_out] matrix: the update holds the momentum's float32 copy, X,
-    # X X^T and its square, and the product with X (measured: memory_analysis of the tiny configs' step)
+    # Newton-Schulz's temporaries (X X^T, its square, their product with X) live after the backward
+    # has freed the activations: the compiled step's temp bytes equal adamw's (tiny_cpu, data4)
     "muon": OptimizerSpec("muon", "meshrun.optim.optimizer:muon", moments=1, moments_other=2, elementwise=False,
-                          update_temps=3.0),  # fmt: skip
+                          ns_iterations=5),  # fmt: skip
 }
 
 
