@@ -1,6 +1,7 @@
 import pytest
+from meshrun_models.llama.config import LlamaConfig
 
-from meshrun.config import MeshConfig, ModelConfig, RunConfig, TrainConfig, load_config, load_section, to_dict
+from meshrun.config import MeshConfig, RunConfig, TrainConfig, load_config, load_section, to_dict
 from meshrun.errors import ConfigError
 
 
@@ -48,9 +49,9 @@ def test_two_fill_axes_and_bad_order():
 
 def test_moe_validation():
     with pytest.raises(ConfigError, match="top_k"):
-        ModelConfig(n_experts=2, top_k=3)
+        LlamaConfig(n_experts=2, top_k=3)
     with pytest.raises(ConfigError, match="moe_every"):
-        ModelConfig(n_experts=4, moe_every=3, n_layers=4)
+        LlamaConfig(n_experts=4, moe_every=3, n_layers=4)
 
 
 def test_load_section_rejects_other_sections():

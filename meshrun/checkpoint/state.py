@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from meshrun.checkpoint import checksum
 from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
-from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, ModelConfig, to_dict
+from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, saved_model
 from meshrun.errors import CheckpointError, ConfigError
 
 
@@ -294,8 +294,8 @@ class Checkpointer:
         meta = self.saved_meta(step) if meta is None else meta
         self._check_optimizer(meta)
         saved, current = meta.get("model"), self.meta.get("model")
-        if saved is not None:  # a field added since that checkpoint was written has its default there
-            saved = {**to_dict(ModelConfig()), **saved}
+        if saved is not None:
+            saved = saved_model(saved)
         if saved is not None and current is not None:  # how the step runs may change (EXECUTION_FIELDS)
             saved = {k: v for k, v in saved.items() if k not in EXECUTION_FIELDS}
             current = {k: v for k, v in current.items() if k not in EXECUTION_FIELDS}

@@ -139,6 +139,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         context=c,
         context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
     )
+    model.check_context(c, "--evaluate context")  # the rule `train` applies
     if c > 1 and seq_len is not None and (bad := context_violations(layout, seq_len)):
         need = 2 * c if layout.context_kind == "ring" else c
         raise ConfigError(

@@ -88,6 +88,8 @@ def structural_violations(
     parallelism) the sequence."""
     t, p, e, v = layout.tensor, layout.pipe, layout.expert, layout.virtual
     out = context_violations(layout, seq_len)
+    if layout.context > 1 and not model.context_attention:
+        out.append(f"context={layout.context}: model.family={model.family} has no context-parallel attention")
     for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
         if n % t:
             out.append(f"model.{name}={n} is not divisible by tensor={t}")
@@ -204,6 +206,7 @@ def candidates(
     tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
     tensors = [t for t in tensors if model.d_ff % t == 0]
     experts = _divisors(model.n_experts) if model.is_moe else [1]
+    max_context = max_context if model.context_attention else 1  # what `train` accepts for the family
     for t in tensors:
         for e in experts:
             for c, kind in context_degrees(cluster, t, seq_len, max_context):
