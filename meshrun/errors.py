@@ -9,6 +9,7 @@
 | 4      | DataError          | I/O: a data file, the run dir or metrics could not be read/written   |
 | 5      | CheckpointError    | no intact checkpoint to resume from, or one cannot be written        |
 | 6      | DistributedError   | jax.distributed failed after the settings were checked, or a peer died|
+| 7      | (step watchdog)    | no step finished within train.step_timeout: a hang (runtime/watchdog) |
 | 130    |                    | interrupted (Ctrl-C)                                                 |
 
 `--debug` (any subcommand) or `MESHRUN_DEBUG=1` prints the traceback above the line.
@@ -21,6 +22,7 @@ EXIT_TRAINING = 3
 EXIT_IO = 4
 EXIT_CHECKPOINT = 5
 EXIT_DISTRIBUTED = 6
+EXIT_HANG = 7  # the step watchdog ended a process that made no progress (not an exception)
 EXIT_INTERRUPTED = 130
 
 

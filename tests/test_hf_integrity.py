@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.checkpoint.state import Checkpointer
 from meshrun.cli.main import main
@@ -206,9 +205,9 @@ def test_vocab_used_is_validated():
     from meshrun.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.vocab_used"):
-        LlamaConfig(vocab=128, vocab_used=129)
+        ModelConfig(vocab=128, vocab_used=129)
     with pytest.raises(ConfigError, match="model.vocab_used"):
-        LlamaConfig(vocab_used=-1)
+        ModelConfig(vocab_used=-1)
 
 
 # ------------------------------------------------------------------ import refuses contradictions

@@ -4,7 +4,8 @@ docs/faults.md ("Restarting failed jobs") describes its use. One attempt is one 
 (`{processes}` replaced by the current process count) followed by CONFIG and the overrides; the
 launcher ends the whole job when one rank fails and the supervisor starts it again, up to
 `--max-restarts` times, naming on stderr the rank that died and the step the job resumes from.
-Restarted: a rank killed by a signal, NaN/Inf loss (3), I/O (4), a lost peer (6), an internal error (1).
+Restarted: a rank killed by a signal, NaN/Inf loss (3), I/O (4), a lost peer (6), a hang that a step
+watchdog ended (7), an internal error (1).
 Not restarted: 0, 2, 5, the launcher's wall-clock limit (124), an interrupt (130), a SIGTERM/SIGINT
 to the supervisor (passed on to the job). `--elastic`: an attempt that failed before a new row in
 metrics.jsonl is followed by one on one process fewer (`mesh.data` shrinks in proportion).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.checkpoint.store import newest_complete
-from meshrun.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TRAINING
+from meshrun.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_HANG, EXIT_INTERRUPTED, EXIT_TRAINING
 
 NO_RESTART = {0: "done", EXIT_CONFIG: "bad input", EXIT_CHECKPOINT: "no intact checkpoint",
               124: "wall-clock limit", EXIT_INTERRUPTED: "interrupted"}  # fmt: skip
@@ -52,11 +53,14 @@ class Attempt:
     def describe(self) -> str:
         if self.rank is not None:
             verb = "failed" if self.why.startswith("status") or "exit code" in self.why else "died"
-            return f"rank {self.rank} {verb} ({self.why})"
+            why = _status_text(EXIT_HANG) if self.why == f"status {EXIT_HANG}" else self.why
+            return f"rank {self.rank} {verb} ({why})"
         return f"the job failed with {_status_text(self.status)}"
 
 
 def _status_text(status: int) -> str:
+    if status == EXIT_HANG:
+        return f"status {EXIT_HANG}: its step watchdog saw a hang"
     if status < 0 or status > 128:  # Popen: -SIG; a shell: 128 + SIG
         num = -status if status < 0 else status - 128
         try:

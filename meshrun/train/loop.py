@@ -19,9 +19,11 @@ from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir
 from meshrun.config import RunConfig
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import DistributedError, TrainingError
-from meshrun.optim.optimizer import lr_schedule
 from meshrun.parallel.sharding import DP_AXES
+from meshrun.runtime.faults import Faults
 from meshrun.runtime.processes import lost_peer, say, take_lock, warn
+from meshrun.runtime.stragglers import Stragglers
+from meshrun.runtime.watchdog import Watchdog
 from meshrun.train.evaluate import evaluate, make_eval_step
 from meshrun.train.metrics import MetricRows, MetricsLogger, startup_lines
 from meshrun.train.prepare import Prepared, prepare
@@ -36,7 +38,7 @@ from meshrun.train.resume import (
     warn_config_differs,
     write_config,
 )
-from meshrun.train.step import TrainStep
+from meshrun.train.step import TrainStep, lr_schedule
 
 __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # kept importable from here
 
@@ -55,6 +57,7 @@ def run(
     closers: list = [flag.close]
     ckpt = None
     try:
+        faults = Faults.from_env(jax.process_index())
         built = prepare(cfg, devices)
         check_run_dir_writable(t.run_dir)
         lock = take_lock(t.run_dir)
@@ -66,9 +69,12 @@ def run(
         warn_config_differs(cfg, steps)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
+        dog = _watchdog(cfg, built)
+        closers.insert(0, dog.close)
+        dog.phase("restore", 0)
         state, start = initial_state(cfg, ckpt, built.train_step, steps, quiet)
         write_config(cfg)  # once the run dir's state was accepted: a refused rerun leaves the old one
-        stepper = Stepper(built.train_step, state)
+        stepper = Stepper(built.train_step, state, dog, faults)
         result = _train(cfg, built, stepper, Saves(ckpt, quiet), Bounds(start, stop_after, flag), quiet)
     except BaseException as e:
         lost = lost_peer(e)
@@ -79,6 +85,13 @@ def run(
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+def _watchdog(cfg: RunConfig, built: Prepared) -> Watchdog:
+    """The step watchdog of this process; its hang record names the mesh axes the step spans."""
+    t, mesh = cfg.train, {a: n for a, n in built.mesh.shape.items() if n > 1}
+    return Watchdog(t.run_dir, timeout_s=t.step_timeout, compile_allowance_s=t.compile_allowance,
+                    process=jax.process_index(), processes=jax.process_count(), known={"mesh": mesh})  # fmt: skip
 
 
 def _close_all(closers: list, quiet: bool) -> None:
@@ -95,14 +108,18 @@ def _close_all(closers: list, quiet: bool) -> None:
 
 class Stepper:
     """The state the loop advances and the executable that advances it: the step compiled ahead of
-    step 1 (so that step 1's time excludes compilation), else the jitted step."""
+    step 1 (so that step 1's time excludes compilation), else the jitted step. Tells the watchdog
+    each phase; runs the fault-injection hooks (`runtime.faults`)."""
 
-    def __init__(self, train_step: TrainStep, state: Any):
-        self.train_step, self.state = train_step, state
+    def __init__(self, train_step: TrainStep, state: Any, dog: Watchdog, faults: Faults):
+        self.train_step, self.state, self.dog, self.faults = train_step, state, dog, faults
         self.compiled: Any = None
+        self.ready = False  # a first step ran: until then peers may still be compiling (compile_allowance)
 
-    def compile(self, batch, quiet: bool) -> None:
-        """Compile ahead of step 1; where that fails, the jitted step compiles on its first call."""
+    def compile(self, batch, step: int, quiet: bool) -> None:
+        """Compile ahead of 1-based `step`; where that fails, the jitted step compiles on its first call."""
+        self.dog.phase("compile", step)
+        self.faults.before_compile()
         say("compiling ...", quiet)
         t0 = time.perf_counter()
         try:
@@ -112,12 +129,17 @@ class Stepper:
             return
         say(f"compiled in {time.perf_counter() - t0:.1f} s", quiet)
 
-    def __call__(self, batch) -> tuple[dict[str, float], float]:
-        """One step on `batch`, advancing the state: (metrics as floats, seconds)."""
+    def __call__(self, batch, step: int) -> tuple[dict[str, float], float]:
+        """1-based `step` on `batch`, advancing the state: (metrics as floats, seconds in the call)."""
+        self.dog.phase("step" if self.ready else "first step", step)
+        self.faults.before_step(step)
         t0 = time.perf_counter()
         self.state, metrics = self._call(batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        return metrics, time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.dog.step_done(step, dt)
+        self.ready = True
+        return metrics, dt
 
     def _call(self, batch):
         if self.compiled is not None:
@@ -163,20 +185,28 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
     t, mesh, ts = cfg.train, built.mesh, built.train_step
     rows = MetricRows(cfg, mesh.size, ts.plan.bubble, lr_schedule(cfg))
     eval_step = make_eval_step(ts, mesh) if t.eval_every else None
-    tally, batch = Tally(), None
+    tally, batch, dog = Tally(), None, stepper.dog
+    stragglers = Stragglers(t.straggler_threshold, t.log_every)
     with MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet) as logger:
         if b.start < t.steps:
-            stepper.compile(global_batch_arrays(built.ds, b.start, mesh, P(DP_AXES)), quiet)
+            stepper.compile(global_batch_arrays(built.ds, b.start, mesh, P(DP_AXES)), b.start + 1, quiet)
         with train_trace(cfg):
             for step in range(b.start, t.steps):
+                t0 = time.perf_counter()
                 batch = global_batch_arrays(built.ds, step, mesh, P(DP_AXES))  # tokens, labels[, segment_ids]
-                metrics, dt = stepper(batch)
+                metrics, dt = stepper(batch, step + 1)
                 _check_loss(metrics["loss"], step, saves.ckpt, t.run_dir)
                 tally.add(metrics["loss"], dt)
+                if tally.ran > 1:  # host time before the call (data, hooks), then the wait in it
+                    stragglers.add(step + 1, time.perf_counter() - t0 - dt, dt)
+                if stragglers.due(step + 1):
+                    dog.phase("gather step times", step + 1)
+                    metrics |= stragglers.check(step + 1)
                 stop = b.flag.should_stop()  # agreed by all processes: they save and leave at the same step
                 cut = b.stop_after is not None and tally.ran >= b.stop_after
                 last = stop or cut or step + 1 == t.steps
                 if eval_step is not None and ((step + 1) % t.eval_every == 0 or last):
+                    dog.phase("eval", step + 1)
                     metrics |= evaluate(eval_step, stepper.state.params, built.ds.val, t.eval_batches, mesh)
                     tally.val_loss = metrics["val_loss"]
                 if rows.due(step + 1, tally.ran, last=last) or "val_loss" in metrics:
@@ -186,12 +216,16 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
                 if cut:
                     break
                 if stop or saves.ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
+                    dog.phase("save", step + 1)
                     saves.save(step + 1, ts.to_model(stepper.state), force=stop)
                 if stop:
                     break
             else:
+                dog.phase("save", t.steps)
                 saves.save(t.steps, ts.to_model(stepper.state), force=True)
+        dog.phase("save", b.start + tally.ran)
         saves.finish()
+    dog.close()
     if t.profile and tally.ran:
         train_report(cfg, mesh, ts, stepper.state, batch, tally.ran)
     return _result(cfg, tally, b)
@@ -214,7 +248,7 @@ def _check_loss(loss: float, step: int, ckpt: Checkpointer, run_dir: str) -> Non
             else f"No checkpoint was saved in {run_dir} yet (checkpoint.every sets how often)"
         )
         raise TrainingError(
-            f"loss is {loss} at step {step + 1}; stopped without saving. {kept}; lower optimizer.lr or check the data"
+            f"loss is {loss} at step {step + 1}; stopped without saving. {kept}; lower train.lr or check the data"
         )
 
 

@@ -1,1 +1,0 @@
-"""Optimizers: `registry` (plain Python, what the planner reads) and `optimizer` (the optax code)."""
