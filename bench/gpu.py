@@ -63,8 +63,8 @@ def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int)
         f"pipeline.microbatches={accum}",
         f"train.global_batch={micro_batch * accum}",
         f"train.steps={steps}",
-        "train.warmup_steps=2",
-        "train.lr=3e-4",
+        "optimizer.warmup_steps=2",
+        "optimizer.lr=3e-4",
         "data.kind=synthetic",
     ]
 

@@ -51,7 +51,8 @@ BASE = {
         "dtype": "float32",
     },  # fmt: skip
     "pipeline": {"schedule": "1f1b", "microbatches": 1},
-    "train": {"steps": 3, "global_batch": 2, "seq_len": 256, "warmup_steps": 1},
+    "train": {"steps": 3, "global_batch": 2, "seq_len": 256},
+    "optimizer": {"warmup_steps": 1},
     "data": {"kind": "synthetic"},
 }
 SHAPES = {  # name -> model overrides

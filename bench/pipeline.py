@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from meshrun_models.llama.config import LlamaConfig
+
 from meshrun.runtime.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
@@ -37,7 +39,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshrun.analysis import hlo  # noqa: E402
 from meshrun.analysis import trace as profile  # noqa: E402
-from meshrun.config import ModelConfig, PipelineConfig  # noqa: E402
+from meshrun.config import PipelineConfig  # noqa: E402
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 from meshrun.pipeline import registry, schedules  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
@@ -46,7 +48,7 @@ from meshrun.runtime.mesh import build_mesh  # noqa: E402
 from meshrun.train.metrics import trace_options  # noqa: E402
 
 SEQ = 32
-CFG = ModelConfig(vocab=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, max_seq_len=SEQ)
+CFG = LlamaConfig(vocab=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, max_seq_len=SEQ)
 
 
 def timeit(fn, args, repeats: int) -> float:

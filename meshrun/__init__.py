@@ -8,6 +8,7 @@ import importlib
 
 from meshrun.config import MeshConfig, ModelConfig, RunConfig, load_config
 from meshrun.errors import ConfigError
+from meshrun.family import registry as _registry  # noqa: F401  (gives meshrun.config the family classes)
 
 __version__ = "0.1.0"
 

@@ -12,9 +12,10 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -93,10 +94,13 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer shape; `family` picks the code that builds it (`meshrun.family.registry`).
-    MoE when n_experts > 0."""
+    """What every model family shares: the transformer's sizes and dtypes, then the execution settings
+    (how the step runs the model, not what it computes: a checkpoint resumes across them). Each family
+    adds its own keys (below); a key the chosen family does not have is refused naming the family."""
 
-    family: str = "llama"  # llama (also Mistral/Qwen2/Mixtral shapes) | gpt2
+    # The base of the families' config classes (`meshrun.family.registry`), never built itself.
+
+    family: str = ""  # the model family: its config class and code (meshrun.family.registry; empty: the default)
     vocab: int = 256  # vocabulary size (a multiple of mesh.tensor); byte-level text data needs >= 256
     # > 0: ids >= vocab_used are padding (a Hugging Face import padded to a multiple): excluded from
     # the softmax and never drawn as data
@@ -107,51 +111,45 @@ class ModelConfig:
     n_kv_heads: int = 2  # key/value heads (grouped-query attention; divides n_heads)
     head_dim: int = 16  # size of one attention head
     d_ff: int = 128  # MLP hidden size (per expert in MoE layers)
-    max_seq_len: int = 128  # longest sequence the model takes (GPT-2: its learned positions)
+    max_seq_len: int = 128  # longest sequence the model takes (with learned positions: how many)
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # dtype of the parameters; bfloat16 keeps a float32 master copy in the optimizer
-    mlp: str = "swiglu"  # swiglu (Llama: 3 matrices) | gelu (GPT-3: 2 matrices, d_ff = 4*d_model)
-    tie_embeddings: bool = False  # the output head reuses the embedding matrix
-    rope_theta: float = 10000.0  # RoPE base frequency
-    # RoPE frequency scaling: none | llama3 (Llama 3.1: low frequencies / factor, smooth band between)
-    rope_scaling: str = "none"
-    rope_scaling_factor: float = 8.0  # rope_scaling=llama3: the factor low frequencies are divided by
-    rope_low_freq_factor: float = 1.0  # rope_scaling=llama3: wavelengths above original_max/low are scaled
-    rope_high_freq_factor: float = 4.0  # rope_scaling=llama3: wavelengths below original_max/high are kept
-    rope_original_max_seq_len: int = 8192  # rope_scaling=llama3: the context length the model was trained at
-    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    sliding_window: int = 0  # > 0: a token attends to itself and the sliding_window - 1 tokens before (Mistral)
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the normal weight initialisation
+    # ---- execution settings (EXECUTION_FIELDS)
+
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
     remat: str = "none"  # none | full | selective | offload (selective's names kept in host memory)
     remat_every: int = 1  # k > 1 (with remat=full): keep only every k-th layer's input (groups of k units)
     sequence_parallel: bool = False  # split the residual stream over mesh.tensor along the sequence
     # mesh.context > 1: how attention crosses the sequence split. allgather: K/V all-gathered over
-    # 'context' (Llama 3's choice, cheap with GQA); ring: K/V blocks passed around a ring (Liu et al.
+    # 'context' (cheap with grouped-query attention); ring: K/V blocks passed around a ring (Liu et al.
     # 2023) with the causal work load-balanced (zigzag chunks)
     context_parallel: str = "allgather"
-    n_experts: int = 0  # 0: dense model
-    top_k: int = 2  # experts each token is routed to
-    capacity_factor: float = 1.25  # moe_dispatch=capacity only
-    moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
-    moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
-    aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
-    z_loss_coef: float = 0.001  # weight of the router z-loss
+
+    # ---- what a family declares: class constants, read by the planner, the FLOP counts and the
+    # start-up block. A family's class either makes a layer fact its own field or fixes it.
+    context_attention: ClassVar[bool] = False  # its attention can cross the 'context' mesh axis
+    mlp: ClassVar[str] = "gelu"  # swiglu: 3 matrices (gate, up, down); gelu: 2
+    tie_embeddings: ClassVar[bool] = False  # the head reuses the embedding matrix
+    n_experts: ClassVar[int] = 0  # MoE layers (0: dense)
+    top_k: ClassVar[int] = 1
+    capacity_factor: ClassVar[float] = 1.0
+    moe_dispatch: ClassVar[str] = "capacity"
+    moe_every: ClassVar[int] = 1
 
     def __post_init__(self):
+        if type(self) is ModelConfig:
+            raise TypeError("ModelConfig is the shared base: build the family's class (model_class(name))")
+        own = type(self).__dataclass_fields__["family"].default
+        if self.family != own:
+            raise ConfigError("model.family", self.family, f"use {type(self).__name__} only for model.family={own}")
         for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
             _bounded(f"model.{f}", getattr(self, f), 1, MAX_DIM)
-        if self.head_dim % 2 and self.family != "gpt2":  # RoPE rotates pairs of head dimensions
-            raise ConfigError("model.head_dim", self.head_dim, "use an even head_dim (RoPE rotates pairs)")
-        for f in ("rope_theta", "norm_eps"):
-            if not getattr(self, f) > 0:
-                raise ConfigError(f"model.{f}", getattr(self, f), "use a positive number")
-        for f in ("init_std", "aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, f) >= 0:
-                raise ConfigError(f"model.{f}", getattr(self, f), "use a number >= 0")
-        for f in ("n_experts", "sliding_window", "rope_original_max_seq_len"):
-            _bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
+        if not self.norm_eps > 0:
+            raise ConfigError("model.norm_eps", self.norm_eps, "use a positive number")
+        if not self.init_std >= 0:
+            raise ConfigError("model.init_std", self.init_std, "use a number >= 0")
         if not 0 <= self.vocab_used <= self.vocab:
             raise ConfigError("model.vocab_used", self.vocab_used, f"use 0 (no padding) or 1..model.vocab={self.vocab}")
         if self.n_heads % self.n_kv_heads:
@@ -164,7 +162,6 @@ class ModelConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{f}", getattr(self, f), "use float32, bfloat16 or float16")
-        _choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, REMATS)
         _choice("model.context_parallel", self.context_parallel, CONTEXT_KINDS)
@@ -177,27 +174,6 @@ class ModelConfig:
                 "set model.remat=full (a group of k layers is rematerialised from its input), or remat_every=1",
                 f"grouping layers needs full remat (model.remat={self.remat})",
             )
-        _choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
-        _choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
-        if self.rope_scaling == "llama3" and not (
-            self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
-        ):
-            raise ConfigError(
-                "model.rope_low_freq_factor",
-                self.rope_low_freq_factor,
-                "use 0 < rope_low_freq_factor < rope_high_freq_factor and a positive rope_scaling_factor",
-            )
-        if self.sliding_window < 0:
-            raise ConfigError("model.sliding_window", self.sliding_window, "use 0 (full causal) or a window length")
-        if self.n_experts < 0:
-            raise ConfigError("model.n_experts", self.n_experts, "use 0 (dense) or a positive expert count")
-        if self.n_experts:
-            if not 1 <= self.top_k <= self.n_experts:
-                raise ConfigError("model.top_k", self.top_k, f"use 1 <= top_k <= n_experts={self.n_experts}")
-            if self.moe_every < 1 or self.n_layers % self.moe_every:
-                raise ConfigError("model.moe_every", self.moe_every, f"use a divisor of model.n_layers={self.n_layers}")
-            if self.capacity_factor <= 0:
-                raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
 
     @property
     def is_moe(self) -> bool:
@@ -212,6 +188,43 @@ class ModelConfig:
     @property
     def n_moe_layers(self) -> int:
         return self.n_units if self.is_moe else 0
+
+    def check_context(self, c: int, field: str = "mesh.context") -> None:
+        """ConfigError for a context-parallel degree c > 1 when the family's attention cannot cross the
+        'context' axis: the one rule `train` and `plan` apply."""
+        if c > 1 and not self.context_attention:
+            raise ConfigError(
+                field, c, "use context=1 (no context parallelism) for this family",
+                f"model.family={self.family} has no context-parallel attention",
+            )  # fmt: skip
+
+    @classmethod
+    def fixed(cls) -> dict[str, Any]:
+        """The layer facts this family's class fixes rather than lets users set: {name: value}."""
+        own = cls.__mro__[: cls.__mro__.index(ModelConfig)]  # the family's classes, not this base
+        consts = (n for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is ClassVar)
+        return {n: getattr(cls, n) for n in consts if n != "context_attention" and any(n in vars(k) for k in own)}
+
+
+# The family config class of a `model.family` name ("": the default family). `meshrun.family.registry`
+# installs it when imported (the `meshrun` package imports it first), so that this module names no family.
+_model_class: Callable[[str], type[ModelConfig]] | None = None
+
+
+def use_model_classes(lookup: Callable[[str], type[ModelConfig]]) -> None:
+    global _model_class
+    _model_class = lookup
+
+
+def model_class(name: str) -> type[ModelConfig]:
+    """The config class of family `name` ("": the default family); ConfigError for an unknown one."""
+    if _model_class is None:
+        raise RuntimeError("no model families registered: import meshrun.family.registry")
+    return _model_class(name)
+
+
+def default_model() -> ModelConfig:
+    return model_class("")()
 
 
 @dataclass(frozen=True)
@@ -259,22 +272,14 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step, over all devices and microbatches
     seq_len: int = 64  # tokens per sequence
     zero: int = 0  # ZeRO stage 0..3
-    lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 2  # steps of linear warmup from 0
-    weight_decay: float = 0.01  # AdamW decoupled weight decay
-    beta1: float = 0.9  # Adam first-moment decay
-    beta2: float = 0.95  # Adam second-moment decay
-    adam_eps: float = 1e-8  # Adam epsilon
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
     seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"  # one run: config.yaml, metrics.jsonl, checkpoints/, logs; a rerun resumes
     profile: bool = False  # trace steps with jax.profiler into RUN_DIR/profile and print the profile report
-    # Adam moments (and param_dtype master weights when they differ from model.dtype) live in pinned
-    # host memory between steps; the step moves them to the device for the update and back.
+    # The optimizer state (moments, and the float32 master weights of params stored below float32)
+    # lives in pinned host memory between steps; the step moves it to the device for the update and back.
     offload_optimizer: bool = False
     # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
     # gradients accumulate in float32 either way and are cast back before the optimizer
@@ -299,22 +304,55 @@ class TrainConfig:
             _bounded(f"train.{f}", getattr(self, f), 1, MAX_DIM)
         if self.eval_every < 0:
             raise ConfigError("train.eval_every", self.eval_every, "use 0 (no evaluation) or a positive step count")
-        if self.warmup_steps < 0:
-            raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 (no warmup) or a positive step count")
         _bounded("train.seed", self.seed, 0, 2**32 - 1)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
+        _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+
+
+OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer (`name`: an entry of meshrun/optim/registry.py), its learning-rate schedule
+    (linear warmup from 0 to lr, cosine decay to min_lr_ratio·lr at train.steps) and global-norm
+    clipping. `state_dtype`: the dtype of its moments (the float32 master copy stays float32)."""
+
+    name: str = "adamw"  # an entry of meshrun/optim/registry.py: adamw | muon
+    lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 2  # steps of linear warmup from 0
+    weight_decay: float = 0.01  # decoupled weight decay (AdamW; muon: on every parameter too)
+    beta1: float = 0.9  # Adam first-moment decay (muon: of its Adam part, the non-matrix parameters)
+    beta2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon (muon: also the Newton-Schulz normalization's)
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    momentum: float = 0.95  # muon: momentum of the orthogonalized weight matrices
+    ns_steps: int = 5  # muon: Newton-Schulz iterations
+    state_dtype: str = "float32"  # dtype of the moments: float32 | bfloat16 (the fp32 master stays fp32)
+
+    def __post_init__(self):
         if not self.lr > 0:
-            raise ConfigError("train.lr", self.lr, "use a positive learning rate")
-        for f in ("beta1", "beta2", "min_lr_ratio"):
+            raise ConfigError("optimizer.lr", self.lr, "use a positive learning rate")
+        if self.warmup_steps < 0:
+            raise ConfigError("optimizer.warmup_steps", self.warmup_steps, "use 0 (no warmup) or a positive step count")
+        for f in ("beta1", "beta2", "min_lr_ratio", "momentum"):
             if not 0 <= getattr(self, f) <= 1:
-                raise ConfigError(f"train.{f}", getattr(self, f), "use a number in [0, 1]")
+                raise ConfigError(f"optimizer.{f}", getattr(self, f), "use a number in [0, 1]")
         for f in ("weight_decay", "grad_clip"):
             if not getattr(self, f) >= 0:
-                raise ConfigError(f"train.{f}", getattr(self, f), "use a number >= 0 (0: off)")
-        if not self.adam_eps > 0:
-            raise ConfigError("train.adam_eps", self.adam_eps, "use a small positive number, e.g. 1e-8")
-        _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+                raise ConfigError(f"optimizer.{f}", getattr(self, f), "use a number >= 0 (0: off)")
+        if not self.eps > 0:
+            raise ConfigError("optimizer.eps", self.eps, "use a small positive number, e.g. 1e-8")
+        _bounded("optimizer.ns_steps", self.ns_steps, 1, 100)
+        _choice("optimizer.state_dtype", self.state_dtype, OPTIMIZER_STATE_DTYPES)
+
+
+# Keys that moved out of `train:` (issue 37): an old YAML fails with one line naming the new key.
+MOVED_KEYS = {f"train.{k}": f"optimizer.{k}" for k in
+              ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")}  # fmt: skip
+MOVED_KEYS["train.adam_eps"] = "optimizer.eps"
 
 
 @dataclass(frozen=True)
@@ -362,9 +400,10 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=default_model)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -379,6 +418,9 @@ def _bounded(name: str, value: int, lo: int, hi: int) -> None:
 def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(name, value, f"use one of {list(allowed)}")
+
+
+bounded, choice = _bounded, _choice  # for the families' config classes
 
 
 # ---------------------------------------------------------------- generic loading
@@ -441,13 +483,19 @@ def _coerce(name: str, tp, value):
 
 
 def from_dict(cls, data: dict[str, Any] | None, prefix: str = ""):
-    """Build dataclass `cls` from a (nested) dict, checking keys and types."""
+    """Build dataclass `cls` from a (nested) dict, checking keys and types (ModelConfig: the family's
+    class, `model_from_dict`)."""
+    if cls is ModelConfig:
+        return model_from_dict(data or {}, prefix)
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if full in MOVED_KEYS:
+            new = MOVED_KEYS[full]
+            raise ConfigError(full, value, f"write it as {new} (its `{new.split('.')[0]}:` section)", f"moved to {new}")
         if key not in names:
             raise ConfigError(full, value, _suggest(key, names), "unknown key")
         tp = hints[key]
@@ -458,6 +506,39 @@ def from_dict(cls, data: dict[str, Any] | None, prefix: str = ""):
         else:
             kwargs[key] = _coerce(full, tp, value)
     return cls(**kwargs)
+
+
+def model_from_dict(data: dict[str, Any], prefix: str = "model."):
+    """The `model:` section -> its family's config class. A key the family does not have is refused
+    naming the family; a fact it fixes may be stated with the value it fixes (older configs did)."""
+    data = dict(data)
+    name = _coerce(f"{prefix}family", str, data.get("family", ""))
+    cls = model_class(name)
+    fam = cls.__dataclass_fields__["family"].default
+    names, fixed = {f.name for f in dataclasses.fields(cls)}, cls.fixed()
+    for key, value in list(data.items()):
+        if key in names:
+            continue
+        full = f"{prefix}{key}"
+        if key in fixed:
+            if _coerce(full, type(fixed[key]), value) == fixed[key]:
+                del data[key]
+                continue
+            raise ConfigError(
+                full, value, f"remove it ({fam}'s {key} is always {fixed[key]!r})", f"{fam} has no such field"
+            )
+        if difflib.get_close_matches(key, list(names), n=1, cutoff=0.75):
+            raise ConfigError(full, value, _suggest(key, names), "unknown key")
+        raise ConfigError(full, value, "remove it", f"{fam} has no such field")
+    return from_dict(cls, data, prefix)
+
+
+def saved_model(saved: dict[str, Any]) -> dict[str, Any]:
+    """A model config written by an older meshrun (a checkpoint's meta) as its family's class writes
+    it today: a field added since has its default; a field the family does not have is dropped
+    (checkpoints from when every family shared one config recorded every family's fields)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(model_class(saved.get("family", "")))}
+    return {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
 
 
 def to_dict(cfg) -> dict[str, Any]:

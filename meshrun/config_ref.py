@@ -15,9 +15,10 @@ import textwrap
 import tokenize
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from meshrun.config import RunConfig
+from meshrun.config import ModelConfig, RunConfig
+from meshrun.family import registry
 
 REGENERATE = "meshrun config --markdown > docs/configuration.md"
 
@@ -82,17 +83,31 @@ def _default(f: dataclasses.Field):
     return f.default_factory()  # type: ignore[misc]
 
 
-def keys(cls=RunConfig, prefix: str = "") -> list[Key]:
-    """Every leaf key of `cls` (sections recursed into), in declaration order."""
+def keys(cls=RunConfig, prefix: str = "", own_only: bool = False) -> list[Key]:
+    """Every leaf key of `cls` (sections recursed into), in declaration order; the `model` section
+    also lists each family's own fields (`family_keys`). `own_only`: the fields `cls` declares itself."""
     hints = typing.get_type_hints(cls)
     meanings = field_meanings(cls)
     out = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        if own_only and f.name not in meanings:
+            continue
         if dataclasses.is_dataclass(tp):
             out.extend(keys(tp, f"{prefix}{f.name}."))
+            if tp is ModelConfig:
+                out.extend(k for rows in family_keys(f"{prefix}{f.name}.").values() for k in rows)
         else:
             out.append(Key(f"{prefix}{f.name}", _type_name(tp), _value(_default(f)), meanings.get(f.name, "")))
+    return out
+
+
+def family_keys(prefix: str = "model.") -> dict[str, list[Key]]:
+    """Each registered family -> the model keys its config class adds or changes (`family` aside)."""
+    out = {}
+    for name in registry.FAMILIES:
+        rows = keys(registry.config_class(name), prefix, own_only=True)
+        out[name] = [replace(k, meaning=f"({name}) {k.meaning}") for k in rows if k.key != f"{prefix}family"]
     return out
 
 
@@ -114,6 +129,11 @@ def _cell(s: str) -> str:
     return s.replace("|", "\\|")
 
 
+def _table(rows: list[Key]) -> list[str]:
+    out = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    return out + [f"| `{r.key}` | {_cell(r.type)} | `{_cell(r.default)}` | {_cell(r.meaning)} |" for r in rows]
+
+
 def markdown(cls=RunConfig) -> str:
     """docs/configuration.md: one table per section."""
     head = [
@@ -132,7 +152,9 @@ def markdown(cls=RunConfig) -> str:
         doc = inspect.getdoc(sec)
         if doc and not doc.startswith(sec.__name__ + "("):
             body += [" ".join(doc.split()), ""]
-        body += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        for r in keys(sec, f"{name}."):
-            body.append(f"| `{r.key}` | {_cell(r.type)} | `{_cell(r.default)}` | {_cell(r.meaning)} |")
+        body += _table(keys(sec, f"{name}."))
+        if sec is ModelConfig:
+            for fam, rows in family_keys(f"{name}.").items():
+                title = f"{name}.family={fam}: its own keys (anything else is refused naming {fam})"
+                body += ["", f"### {title}", "", *_table(rows)]
     return "\n".join(head + body) + "\n"

@@ -40,41 +40,21 @@ block (params['layers']['moe']). All functions accept nnx.State or plain dicts o
 under `meshrun.parallel.sharding.use_rules(mesh, compute_rules(sp))` (activation constraints) or without a mesh.
 """
 
-from flax import nnx
+import importlib
 
-# Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
-nnx.use_eager_sharding(False)
+# Plain Python until a name is used: a family's `config` module loads without jax (`meshrun plan`).
+_LAZY = {
+    "loss_fn": "api", "model_fns": "api", "total_loss": "api",
+    "capacity": "moe", "moe_ffn": "moe", "route": "moe",
+    **{n: "transformer" for n in (
+        "Transformer", "abstract_params", "apply_layers", "embed", "head_loss", "init_params", "logits",
+        "n_moe_layers", "n_units", "validate_model_for_mesh",
+    )},
+}  # fmt: skip
+__all__ = sorted(_LAZY)
 
-from meshrun_models.api import loss_fn, model_fns, total_loss  # noqa: E402
-from meshrun_models.moe import capacity, moe_ffn, route  # noqa: E402
-from meshrun_models.transformer import (  # noqa: E402
-    Transformer,
-    abstract_params,
-    apply_layers,
-    embed,
-    head_loss,
-    init_params,
-    logits,
-    n_moe_layers,
-    n_units,
-    validate_model_for_mesh,
-)
 
-__all__ = [
-    "Transformer",
-    "abstract_params",
-    "apply_layers",
-    "capacity",
-    "embed",
-    "head_loss",
-    "init_params",
-    "logits",
-    "loss_fn",
-    "model_fns",
-    "moe_ffn",
-    "n_moe_layers",
-    "n_units",
-    "route",
-    "total_loss",
-    "validate_model_for_mesh",
-]
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"meshrun_models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'meshrun_models' has no attribute {name!r}")

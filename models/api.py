@@ -44,7 +44,7 @@ def model_fns(cfg: ModelConfig) -> ModelFns:
         param_names=state_names(abstract_params(cfg)),
         sequence_parallel=cfg.sequence_parallel,
         segments=True,
-        context=True,
+        context=cfg.context_attention,
     )
 
 

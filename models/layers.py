@@ -22,6 +22,9 @@ from jax.ad_checkpoint import checkpoint_name
 from meshrun.config import ModelConfig
 from meshrun.parallel.sharding import constrain
 
+# Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
+nnx.use_eager_sharding(False)
+
 Lead = tuple[tuple[int, str | None], ...]
 
 # Activation names used by the `selective` remat policy (saved; everything else is recomputed):

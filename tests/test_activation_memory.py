@@ -7,6 +7,7 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 from meshrun_models import transformer
 from meshrun_models.layers import arrays
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.config import ModelConfig, load_config
 from meshrun.planner import activations
@@ -31,7 +32,7 @@ def test_remat_none_keeps_exactly_megatrons_tensors_in_bf16(mlp, kv, ff):
     output, the attention output, the mid-block residual, the MLP pre-activation and activation
     output, all in bf16: Megatron's 32 s·b·h + 2 a·s²·b for gelu MHA, its tensors counted alike for
     swiglu and GQA."""
-    cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=kv, head_dim=16, d_ff=ff, n_layers=2, mlp=mlp,
+    cfg = LlamaConfig(d_model=64, n_heads=4, n_kv_heads=kv, head_dim=16, d_ff=ff, n_layers=2, mlp=mlp,
                       dtype="bfloat16", remat="none")  # fmt: skip
     got, dtypes = _residual_bytes(cfg)
     count = activations.layer_activation_bytes(cfg, B, S, 1, sp=False, remat="none", act=2, dropout=False, flash=False)
@@ -43,7 +44,7 @@ def test_remat_none_keeps_exactly_megatrons_tensors_in_bf16(mlp, kv, ff):
 
 
 def test_remat_selective_keeps_fewer_bytes_than_megatrons_selective():
-    cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, n_layers=2, dtype="bfloat16",
+    cfg = LlamaConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, n_layers=2, dtype="bfloat16",
                       remat="selective")  # fmt: skip
     got, dtypes = _residual_bytes(cfg)
     count = activations.layer_activation_bytes(cfg, B, S, 1, sp=False, remat="selective", act=2, dropout=False,

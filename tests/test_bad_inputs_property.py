@@ -126,13 +126,13 @@ def test_yaml_files_never_cause_an_internal_error(doc, dup, tmp_path_factory):
     [
         ("=3", "=3"),
         ("mesh..data=2", "mesh..data"),
-        ("train.lr=nan", "train.lr"),
-        ("train.lr=inf", "train.lr"),
-        ("train.warmup_steps=-3", "train.warmup_steps"),
+        ("optimizer.lr=nan", "optimizer.lr"),
+        ("optimizer.lr=inf", "optimizer.lr"),
+        ("optimizer.warmup_steps=-3", "optimizer.warmup_steps"),
         ("model.head_dim=15", "model.head_dim"),
         (f"model.d_model={10**30}", "model.d_model"),
         ("mesh.data=100000000", "mesh.data"),
-        ("train.beta2=1.5", "train.beta2"),
+        ("optimizer.beta2=1.5", "optimizer.beta2"),
     ],
 )
 def test_examples_from_the_issue_are_config_errors(override, field):

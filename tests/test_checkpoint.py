@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir_writable
-from meshrun.config import CheckpointConfig, MeshConfig, ModelConfig, to_dict
+from meshrun.config import CheckpointConfig, MeshConfig, to_dict
 from meshrun.errors import ConfigError
 from meshrun.runtime.mesh import build_mesh
 
-MODEL = to_dict(ModelConfig())
+MODEL = to_dict(LlamaConfig())
 META = {"model": MODEL, "mesh": {"data": 2, "pipe": 2, "tensor": 2}}
 
 
@@ -168,7 +169,7 @@ def test_incompatible_model_config(tmp_path, mesh_a):
     state = _state(mesh_a, SPECS_A)
     with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta=META) as ck:
         ck.save(1, state, force=True)
-    other = {**META, "model": to_dict(ModelConfig(d_model=128, n_layers=2))}
+    other = {**META, "model": to_dict(LlamaConfig(d_model=128, n_layers=2))}
     with Checkpointer(tmp_path, CheckpointConfig(), meta=other) as ck:
         with pytest.raises(ConfigError) as e:
             ck.restore(1, _abstract(state))

@@ -57,7 +57,7 @@ def test_bf16_reduction_gradients_and_compiled_collectives():
     `value_and_grad`, and most differ from it (the reduction did narrow). Compiled on XLA:CPU, every
     DP collective (the reduce-scatters, the all-reduce of the norm scales ZeRO cannot split) is a
     widened 16-bit one: its bytes on the wire are half its f32 bytes, scalars (loss) aside."""
-    base = [x for x in SMALL if "adam_eps" not in x]
+    base = [x for x in SMALL if "optimizer.eps" not in x]
     cfg = load_config("configs/tiny_cpu.yaml", [*base, *TINY, "pipeline.microbatches=2", "train.zero=1", BF16])
     mesh = build_mesh(cfg.mesh)
     train_step = make_train_step(cfg, mesh)

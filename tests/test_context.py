@@ -128,7 +128,7 @@ def test_moe_routes_the_whole_sequence(over, kind):
 PACKED = [
     "model.vocab=320", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.head_dim=8", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32", "train.global_batch=8",
-    "pipeline.microbatches=2", "train.steps=3", "train.lr=0.01", "train.warmup_steps=1", "train.adam_eps=1e-4",
+    "pipeline.microbatches=2", "train.steps=3", "optimizer.lr=0.01", "optimizer.warmup_steps=1", "optimizer.eps=1e-4",
     "data.kind=prepared", "data.pack_documents=true", "data.val_fraction=0.2", "train.eval_every=3",
     "train.eval_batches=2", "checkpoint.async_save=false",
 ]  # fmt: skip
@@ -175,7 +175,7 @@ def test_checkpoint_resumes_across_context_layouts(tmp_path):
     """A context2 run's checkpoint resumes on a mesh without context parallelism (and the losses
     continue as an uninterrupted one-layout run's)."""
     small = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16",
-             "train.warmup_steps=1", "checkpoint.async_save=false", "checkpoint.every=2", "--quiet"]  # fmt: skip
+             "optimizer.warmup_steps=1", "checkpoint.async_save=false", "checkpoint.every=2", "--quiet"]  # fmt: skip
     cfg = str(ROOT / "configs/tiny_cpu.yaml")
     cp = ["mesh.pipe=1", "mesh.data=2", "mesh.tensor=2", "mesh.context=2", "model.context_parallel=ring"]
     plain = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2"]

@@ -220,7 +220,8 @@ def test_abandoned_orbax_read_is_dropped_and_anything_else_kept(monkeypatch):
 def test_nan_at_step_k_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     """lr=1e30: finite losses for a few steps, then NaN/Inf at step k: exit 3, one line naming step k
     and the last good checkpoint (k-1), which stays complete; nothing is saved at or after k."""
-    over = ["train.steps=6", "checkpoint.every=1", "train.lr=1e30", "train.warmup_steps=1", f"train.run_dir={tmp_path}"]
+    over = ["train.steps=6", "checkpoint.every=1", "optimizer.lr=1e30", "optimizer.warmup_steps=1",
+            f"train.run_dir={tmp_path}"]  # fmt: skip
     rc = main(["train", "--quiet", CONFIG, *SMALL, *over])
     line = one_error_line(capsys.readouterr().err)
     assert rc == 3, line

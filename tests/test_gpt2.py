@@ -1,18 +1,22 @@
 """The gpt2 family: one-device parity of losses, gradients and updated parameters over layouts
 (pipe/data/tensor, ZeRO 0-3, schedules 1f1b/interleaved/zb-h1), the family's config checks."""
 
+import dataclasses
+import re
+
 import jax
 import numpy as np
 import pytest
 from meshrun_models.gpt2 import model as gpt2
+from meshrun_models.gpt2.config import Gpt2Config
 from meshrun_models.layers import arrays
+from meshrun_models.llama.config import LlamaConfig
 from test_train import SMALL, assert_same, first_grads, reference, run_steps
 
 from meshrun.config import ModelConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.family import contract, registry
 from meshrun.runtime.mesh import build_mesh
-from meshrun.train.step import make_train_step
 
 CONFIG = "tiny_gpt2_cpu.yaml"
 
@@ -92,33 +96,53 @@ def test_parameters_are_gpt2_shaped():
 
 
 @pytest.mark.parametrize("field, value, msg", [
-    ("rope_theta", 500000.0, "model.rope_theta: not used by model.family=gpt2 (got 500000.0); remove it"),
-    ("n_experts", 4, "model.n_experts: not used by model.family=gpt2"),
-    ("mlp", "swiglu", None),  # the default: accepted
-    ("mlp", "gelu", None),  # what gpt2 does: accepted
+    ("rope_theta", 500000.0, "model.rope_theta: gpt2 has no such field (got 500000.0); remove it"),
+    ("rope_theta", 10000.0, "model.rope_theta: gpt2 has no such field (got 10000.0)"),  # llama's default
+    ("n_experts", 0, "model.n_experts: gpt2 has no such field (got 0)"),  # llama's default
+    ("sliding_window", 8, "model.sliding_window: gpt2 has no such field"),
+    ("mlp", "swiglu", "model.mlp: gpt2 has no such field (got 'swiglu'); remove it (gpt2's mlp is always 'gelu')"),
+    ("tie_embeddings", False, "model.tie_embeddings: gpt2 has no such field (got False)"),
+    ("mlp", "gelu", None),  # what gpt2 always does: an old config may state it
     ("tie_embeddings", True, None),
-    ("sliding_window", 8, "model.sliding_window: not used by model.family=gpt2"),
 ])  # fmt: skip
-def test_unused_field_names_the_family(field, value, msg):
-    fam = registry.get("gpt2")
-    cfg = ModelConfig(family="gpt2", n_kv_heads=4, **{field: value})
+def test_a_field_gpt2_does_not_have_is_refused_naming_it(field, value, msg):
+    over = [f"model.{field}={value}"]
     if msg is None:
-        fam.check_config(cfg)
+        assert load_config(f"configs/{CONFIG}", over).model == load_config(f"configs/{CONFIG}").model
     else:
-        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-            fam.check_config(cfg)
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            load_config(f"configs/{CONFIG}", over)
 
 
-def test_grouped_query_attention_is_refused_and_llama_accepts_everything():
+@pytest.mark.parametrize("field", ["model.mlp=swiglu", "model.tie_embeddings=false"])
+def test_cli_refuses_llama_fields_on_gpt2(field, tmp_path, capsys):
+    """`meshrun train configs/tiny_gpt2_cpu.yaml model.mlp=swiglu` trained the gelu model: now exit 2."""
+    from meshrun.cli.main import main
+
+    assert main(["train", f"configs/{CONFIG}", field, f"train.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{field.split('=')[0]}: gpt2 has no such field" in err and not list(tmp_path.iterdir())
+
+
+def test_grouped_query_attention_is_refused_and_llama_accepts_its_fields():
     with pytest.raises(ConfigError, match=r"model.n_kv_heads: .*gpt2.* \(got 2\); set it to model.n_heads=4"):
-        registry.get("gpt2").check_config(ModelConfig(family="gpt2", n_kv_heads=2))
-    registry.get("llama").check_config(ModelConfig(rope_theta=500000.0, n_experts=4))
+        Gpt2Config(n_kv_heads=2)
+    cfg = load_config(None, ["model.rope_theta=500000.0", "model.n_experts=4"]).model
+    assert isinstance(cfg, LlamaConfig) and cfg.rope_theta == 500000.0 and cfg.context_attention
+    assert type(load_config(f"configs/{CONFIG}").model) is Gpt2Config and not Gpt2Config.context_attention
 
 
-def test_train_validate_calls_check_config():
-    cfg = _cfg(["model.rope_theta=1000.0", *[f"mesh.{a}=1" for a in ("data", "pipe", "tensor")]])
-    with pytest.raises(ConfigError, match="model.rope_theta: not used by model.family=gpt2"):
-        make_train_step(cfg, build_mesh(cfg.mesh, devices=jax.devices()[:1]))
+def test_family_configs_hold_only_their_own_fields():
+    """The config class carries what the planner and the start-up block read about the family."""
+    gpt2_fields = {f.name for f in dataclasses.fields(Gpt2Config)}
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    assert gpt2_fields == shared and {"mlp", "rope_theta", "n_experts"} <= llama_fields
+    cfg = load_config(f"configs/{CONFIG}").model
+    assert (cfg.mlp, cfg.tie_embeddings, cfg.n_experts, cfg.is_moe) == ("gelu", True, 0, False)
+    assert registry.get("gpt2").model_fns(cfg).context is cfg.context_attention is False
+    with pytest.raises(TypeError, match="shared base"):
+        ModelConfig()
 
 
 # ---------------------------------------------------------------- Hugging Face GPT2LMHeadModel

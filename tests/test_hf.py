@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from meshrun_models import apply_layers, embed, logits
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.checkpoint.params import restore_params
 from meshrun.cli.main import main
@@ -233,7 +234,7 @@ def test_native_model_exports_and_imports_back(tmp_path, moe):
 
     moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0, moe_dispatch="dropless")
     moe_fields = moe_fields if moe else {}  # Mixtral: dropless on import
-    cfg = ModelConfig(
+    cfg = LlamaConfig(
         vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
         tie_embeddings=not moe, qkv_bias=not moe, norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3",
         rope_original_max_seq_len=256, **moe_fields,
@@ -304,12 +305,12 @@ def test_checkpoints_written_before_the_new_model_fields_still_resume(tmp_path):
 
     new = {"qkv_bias", "sliding_window", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor"}
     new |= {"rope_high_freq_factor", "rope_original_max_seq_len"}
-    old = {k: v for k, v in to_dict(ModelConfig()).items() if k not in new}
+    old = {k: v for k, v in to_dict(LlamaConfig()).items() if k not in new}
     state = {"w": jax.numpy.zeros(4)}
     with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta={"model": old}) as ck:
         ck.save(1, state, force=True)
-    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(ModelConfig())}) as ck:
+    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(LlamaConfig())}) as ck:
         ck.check_compatible(1, state)
-    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(ModelConfig(qkv_bias=True))}) as ck:
+    with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(LlamaConfig(qkv_bias=True))}) as ck:
         with pytest.raises(ConfigError, match="model.qkv_bias"):
             ck.check_compatible(1, state)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.checkpoint.state import Checkpointer
 from meshrun.cli.main import main
@@ -205,9 +206,9 @@ def test_vocab_used_is_validated():
     from meshrun.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.vocab_used"):
-        ModelConfig(vocab=128, vocab_used=129)
+        LlamaConfig(vocab=128, vocab_used=129)
     with pytest.raises(ConfigError, match="model.vocab_used"):
-        ModelConfig(vocab_used=-1)
+        LlamaConfig(vocab_used=-1)
 
 
 # ------------------------------------------------------------------ import refuses contradictions

@@ -11,9 +11,10 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.config import load_config
 from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, with_master_weights
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
-from meshrun.train.step import MasterState, apply_optimizer, make_optimizer, make_train_step, with_master_weights
+from meshrun.train.step import make_train_step
 
 OVER = ["model.param_dtype=bfloat16", "model.dtype=bfloat16", "mesh.pipe=1", "mesh.data=4", "mesh.tensor=2"]
 

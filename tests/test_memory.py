@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from meshrun_models.layers import SAVED_NAMES, arrays
+from meshrun_models.llama.config import LlamaConfig
 from test_train import DP4, _cfg, _compiled, assert_same, reference
 
 from meshrun.analysis import hlo
 from meshrun.analysis.memory import host_layout_bytes, memory_spaces
 from meshrun.cli.main import main
-from meshrun.config import ModelConfig
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.errors import ConfigError
 from meshrun.parallel.sharding import DP_AXES
@@ -95,7 +95,7 @@ def test_remat_every_k_keeps_one_input_per_group():
     FLOPs stay within one recomputed forward (full remat's budget). XLA drops each layer's last
     matmul from full remat's recompute (the next input is saved); a group must recompute its first
     k-1 outputs, so grouped FLOPs sit between full's and none + one forward."""
-    base = ModelConfig(d_model=32, n_layers=8, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, vocab=64, max_seq_len=16)
+    base = LlamaConfig(d_model=32, n_layers=8, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, vocab=64, max_seq_len=16)
     params = arrays(models.init_params(base, 0)[1])
     tok = jax.random.randint(jax.random.key(0), (4, 16), 0, 64)
     runs = {}

@@ -7,14 +7,14 @@ import json
 
 import jax
 import pytest
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.analysis.flops import model_flops
-from meshrun.config import ModelConfig
 from meshrun.train.metrics import MetricsLogger, peak_flops, profile_trace, throughput
 
 
 def gpt(h, L, heads, V, s):
-    return ModelConfig(
+    return LlamaConfig(
         vocab=V, d_model=h, n_layers=L, n_heads=heads, n_kv_heads=heads, head_dim=h // heads, d_ff=4 * h,
         max_seq_len=s, mlp="gelu",
     )  # fmt: skip
@@ -59,7 +59,7 @@ def test_flops_count_the_gemms_of_a_gqa_moe_model():
     """Training FLOPs = 3 x 2 x the forward's multiply-adds, counted here GEMM by GEMM from the weight
     shapes of d_model=64, 4 query heads and 2 kv heads of 16, swiglu d_ff=128, vocab 256: MoE layers
     run the router and only the top_k=2 of their 8 experts."""
-    dense = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab=256)
+    dense = LlamaConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab=256)
     moe = dataclasses.replace(dense, n_experts=8, top_k=2, moe_every=2)  # layers 1 and 3 are MoE
     B, s = 16, 64
     attn = [(64, 64), (64, 32), (64, 32), (64, 64)]  # Wq, Wk, Wv, Wo as (in, out)

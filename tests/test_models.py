@@ -20,6 +20,7 @@ from meshrun_models import (
     total_loss,
     validate_model_for_mesh,
 )
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.analysis.hlo import collectives
 from meshrun.config import MeshConfig, ModelConfig
@@ -28,7 +29,7 @@ from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings
 from meshrun.runtime.mesh import build_mesh
 
 # heads/kv_heads/vocab/d_ff divisible by 8 so that every tensor degree up to 8 really shards; GQA (G=2).
-DENSE = ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=64, max_seq_len=16)
+DENSE = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=64, max_seq_len=16)
 B, L = 8, 16
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -231,7 +232,7 @@ def test_attention_matches_numpy_gqa_rope():
 
 # ---------------------------------------------------------------- golden PartitionSpecs
 
-MOE_CFG = ModelConfig(
+MOE_CFG = LlamaConfig(
     vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, n_experts=4, top_k=2, moe_every=2
 )
 T, DE = "tensor", ("data", "expert")
@@ -362,7 +363,7 @@ def test_hlo_sequence_parallel_dense_block():
     ],
 )
 def test_validate_rejects(changes, mesh_shape, field):
-    cfg = dataclasses.replace(ModelConfig(), **changes)
+    cfg = dataclasses.replace(LlamaConfig(), **changes)
     with pytest.raises(ConfigError) as e:
         validate_model_for_mesh(cfg, {"data": 1, "tensor": 1, "expert": 1, **mesh_shape})
     assert e.value.field == field
@@ -372,6 +373,6 @@ def test_validate_rejects(changes, mesh_shape, field):
 
 def test_validate_top_k_and_accepts_good():
     with pytest.raises(ConfigError, match="top_k"):
-        ModelConfig(n_experts=2, top_k=3)
+        LlamaConfig(n_experts=2, top_k=3)
     validate_model_for_mesh(DENSE, {"data": 1, "tensor": 8, "expert": 1, "pipe": 1})
     validate_model_for_mesh(MOE_CFG, {"data": 2, "tensor": 2, "expert": 2, "pipe": 1})

@@ -12,16 +12,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from meshrun_models import apply_layers, capacity, init_params, loss_fn, moe_ffn
 from meshrun_models.layers import arrays
+from meshrun_models.llama.config import LlamaConfig
 from test_models import ATOL, RTOL, assert_same, batch, loss_and_grads, mesh_of
 
 from meshrun.analysis.hlo import collectives
-from meshrun.config import ModelConfig
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
 from meshrun.planner.layout import Layout
 from meshrun.planner.step_model import predict_collective_bytes
 
 # Groups of (1 dense + 1 MoE), top-2 with capacity factor 1.0: tokens do get dropped.
-MOE = ModelConfig(
+MOE = LlamaConfig(
     vocab=64,
     d_model=32,
     n_layers=4,

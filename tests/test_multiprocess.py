@@ -28,7 +28,7 @@ CONFIG = "configs/tiny_cpu.yaml"
 SMALL = [
     "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
     "model.max_seq_len=16", "train.seq_len=16", "train.global_batch=8", "pipeline.microbatches=2",
-    "train.warmup_steps=8", "data.kind=synthetic",
+    "optimizer.warmup_steps=8", "data.kind=synthetic",
 ]  # fmt: skip
 RTOL = 1e-5  # fp32; the layouts differ only in which process owns a device
 

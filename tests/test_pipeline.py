@@ -21,6 +21,7 @@ import meshrun_models as mm
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.analysis import hlo
 from meshrun.config import ModelConfig, PipelineConfig
@@ -194,8 +195,8 @@ def test_pipeline_layout_moves_no_weights_across_pipe():
 
 # ---------------------------------------------------------------- parity (meshrun_models transformer)
 
-DENSE = ModelConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=16)
-MOE = ModelConfig(
+DENSE = LlamaConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=16)
+MOE = LlamaConfig(
     vocab=64,
     d_model=32,
     n_layers=4,
@@ -729,7 +730,7 @@ def test_balance_auto_gives_the_ends_fewer_layers():
     gets fewer layers; the slowest stage is no slower than any other split's."""
     from meshrun.planner.balance import split_layers, stage_cost, stage_costs
 
-    big = ModelConfig(vocab=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
+    big = LlamaConfig(vocab=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
                       d_ff=53248, max_seq_len=8192)  # fmt: skip
     c = dict(zip(("layer_cost", "first_cost", "last_cost"), stage_costs(big, 8192), strict=True))
     counts = split_layers(126, 16, **c)

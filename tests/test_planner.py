@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.analysis import flops
 from meshrun.config import ModelConfig, load_config
@@ -220,7 +221,7 @@ def test_full_remat_keeps_2sbh_per_layer_and_1f1b_holds_p_microbatches(gpt3):
 
 
 def test_fp32_cpu_mode_bytes_per_param():
-    tiny = ModelConfig()  # the tiny CPU config: float32 params and compute, no master copy
+    tiny = LlamaConfig()  # the tiny CPU config: float32 params and compute, no master copy
     for fw in ("megatron", "meshrun"):
         prec = cost.precision_of(tiny, fw)
         assert (prec.param, prec.opt, prec.act) == (4, 8, 4)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from meshrun_models import apply_layers, embed, init_params, logits
 from meshrun_models.layers import arrays, segment_positions
+from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.cli.main import main
-from meshrun.config import DataConfig, ModelConfig, load_config
+from meshrun.config import DataConfig, load_config
 from meshrun.data.datasets import make_dataset
 from meshrun.data.prepared import Corpus
 from meshrun.data.tokenize import prepare
@@ -111,7 +112,7 @@ def test_split_by_document_and_packed_rows(prepared):
 def test_packed_row_equals_the_documents_run_separately():
     """Packed [A EOS | B EOS] gives, position by position, the logits and token losses of A and of B run
     alone (block-diagonal attention, positions restarting at B); without segment ids B sees A."""
-    cfg = ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=16)
+    cfg = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=16)
     params = arrays(init_params(cfg, 0)[1])
     rng = np.random.default_rng(0)
     a, b = np.append(rng.integers(1, 64, 6), 0), np.append(rng.integers(1, 64, 8), 0)
@@ -156,9 +157,9 @@ SMALL = [
     "train.global_batch=8",
     "pipeline.microbatches=2",
     "train.steps=3",
-    "train.lr=0.01",
-    "train.warmup_steps=1",
-    "train.adam_eps=1e-4",
+    "optimizer.lr=0.01",
+    "optimizer.warmup_steps=1",
+    "optimizer.eps=1e-4",
     "data.kind=prepared",
     "data.pack_documents=true",
     "data.val_fraction=0.2",

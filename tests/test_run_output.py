@@ -80,7 +80,8 @@ def test_resume_says_from_where_and_what_differs(tmp_path, capsys):
 def test_nan_before_any_checkpoint_says_none_was_saved(tmp_path, capsys):
     from meshrun.cli.main import main
 
-    over = ["train.steps=6", "checkpoint.every=0", "train.lr=1e30", "train.warmup_steps=1", f"train.run_dir={tmp_path}"]
+    over = ["train.steps=6", "checkpoint.every=0", "optimizer.lr=1e30", "optimizer.warmup_steps=1",
+            f"train.run_dir={tmp_path}"]  # fmt: skip
     assert main(["train", "--quiet", "configs/tiny_cpu.yaml", *SMALL, *over]) == 3
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "stopped without saving. No checkpoint was saved in" in line and "None" not in line, line

@@ -16,7 +16,7 @@ from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
 from meshrun.train.step import make_train_step
 
-# adam_eps=1e-4 in the multi-step parity tests: gradients agree across layouts to a few ulp of the
+# optimizer.eps=1e-4 in the multi-step parity tests: gradients agree across layouts to a few ulp of the
 # largest partial sum (measured: <= 2e-8 absolute against max |g| = 0.05, see test_gradients_match),
 # but Adam's update g/(sqrt(v)+eps) has sensitivity 1/eps for small g, so with the default 1e-8 that
 # ulp-level reduction-order noise in near-zero gradients becomes a 1e-5 parameter difference after a
@@ -26,9 +26,9 @@ SMALL = [
     "model.max_seq_len=16",
     "data.kind=synthetic",
     "train.global_batch=16",
-    "train.lr=0.01",
-    "train.warmup_steps=1",
-    "train.adam_eps=1e-4",
+    "optimizer.lr=0.01",
+    "optimizer.warmup_steps=1",
+    "optimizer.eps=1e-4",
 ]
 ONE_DEVICE = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "mesh.expert=1"]
 
@@ -139,7 +139,7 @@ def full_batch_reference(cfg, tok, lab):
 def test_gradients_match_full_batch_value_and_grad(config, over):
     """Loss, metrics and every gradient of the step's accumulation (microbatch scan or pipeline, any
     layout) equal a plain full-batch `jax.value_and_grad` of the model loss on one device."""
-    base = [x for x in SMALL if "adam_eps" not in x]
+    base = [x for x in SMALL if "optimizer.eps" not in x]
     cfg = load_config(f"configs/{config}", [*base, *over])
     loss, grads, metrics, (tok, lab) = first_grads(cfg)
     ref_loss, ref, ref_metrics = full_batch_reference(cfg, tok, lab)
@@ -156,7 +156,7 @@ def test_gradients_match_full_batch_value_and_grad(config, over):
 @pytest.mark.parametrize("config", ["tiny_cpu.yaml", pytest.param("tiny_moe_cpu.yaml", marks=pytest.mark.slow)])
 def test_metric_keys_do_not_depend_on_the_layout(config):
     """The scan path (pipe=1) and the pipeline log the same metrics: the model's `finish`."""
-    base = [x for x in SMALL if "adam_eps" not in x]
+    base = [x for x in SMALL if "optimizer.eps" not in x]
     keys = {}
     for name, over in {"pipe1": ["mesh.pipe=1", "mesh.data=-1"], "pipe2": ["mesh.pipe=2", "mesh.data=-1"]}.items():
         cfg = load_config(f"configs/{config}", [*base, *over, "mesh.expert=1", "mesh.tensor=2"])

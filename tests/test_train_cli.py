@@ -23,7 +23,7 @@ SMALL = [
     "model.max_seq_len=16",
     "data.kind=synthetic",
     "train.global_batch=16",
-    "train.warmup_steps=1",
+    "optimizer.warmup_steps=1",
     "checkpoint.async_save=false",
 ]
 

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from meshrun.checkpoint import checksum
 from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
-from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, ModelConfig, to_dict
+from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, saved_model
 from meshrun.errors import CheckpointError, ConfigError
 
 
@@ -275,13 +275,27 @@ class Checkpointer:
         with _quiet_absl():
             return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
+    def _check_optimizer(self, meta: dict[str, Any]) -> None:
+        """ConfigError when the checkpoint was written by another optimizer (its state would not fit;
+        checkpoints from before the `optimizer:` section were written by adamw)."""
+        saved = (meta.get("optimizer") or {}).get("name", "adamw")
+        current = (self.meta.get("optimizer") or {}).get("name")
+        if current is not None and saved != current:
+            raise ConfigError(
+                "optimizer.name",
+                current,
+                f"use a new train.run_dir, or optimizer.name={saved} to resume it",
+                f"checkpoint in {self.run_dir} was written by optimizer.name={saved!r}",
+            )
+
     def check_compatible(self, step: int, target: Any, meta: dict[str, Any] | None = None) -> None:
         """ConfigError when the saved model config or the saved array shapes differ from the current ones
         (`meta`: the step's saved meta when the caller has read it already)."""
-        saved = (self.saved_meta(step) if meta is None else meta).get("model")
-        current = self.meta.get("model")
-        if saved is not None:  # a field added since that checkpoint was written has its default there
-            saved = {**to_dict(ModelConfig()), **saved}
+        meta = self.saved_meta(step) if meta is None else meta
+        self._check_optimizer(meta)
+        saved, current = meta.get("model"), self.meta.get("model")
+        if saved is not None:
+            saved = saved_model(saved)
         if saved is not None and current is not None:  # how the step runs may change (EXECUTION_FIELDS)
             saved = {k: v for k, v in saved.items() if k not in EXECUTION_FIELDS}
             current = {k: v for k, v in current.items() if k not in EXECUTION_FIELDS}

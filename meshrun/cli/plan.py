@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 from meshrun.analysis.flops import param_counts
-from meshrun.config import MAX_DIM, RunConfig, from_dict, load_yaml
+from meshrun.config import MAX_DIM, OPTIMIZER_STATE_DTYPES, RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
+from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
@@ -46,6 +47,14 @@ def register(subparsers) -> None:
     )
     p.add_argument("--framework", default="meshrun", help=f"whose step semantics to cost: {list(FRAMEWORKS)}")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (megatron only; meshrun has none)")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        metavar="NAME",
+        help=f"optimizer whose state to cost: {list(optimizers.OPTIMIZERS)} (default: the YAML's optimizer.name)",
+    )
+    p.add_argument("--state-dtype", default=None, choices=OPTIMIZER_STATE_DTYPES,
+                   help="dtype of the optimizer moments (default: the YAML's optimizer.state_dtype)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object with key `configs`")
     p.set_defaults(func=run_plan)
 
@@ -59,12 +68,12 @@ def _model_path(text: str) -> Path:
 
 
 def load_model(text: str):
-    """--model -> (ModelConfig, raw `train:` section of the YAML, name)."""
+    """--model -> (ModelConfig, raw `train:` section of the YAML, name, OptimizerConfig)."""
     path = _model_path(text)
     raw = load_yaml(path)
     cfg = from_dict(RunConfig, raw)
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
-    return cfg.model, train, path.stem
+    return cfg.model, train, path.stem, cfg.optimizer
 
 
 def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_len: int | None = None) -> Layout:
@@ -130,6 +139,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         context=c,
         context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
     )
+    model.check_context(c, "--evaluate context")  # the rule `train` applies
     if c > 1 and seq_len is not None and (bad := context_violations(layout, seq_len)):
         need = 2 * c if layout.context_kind == "ring" else c
         raise ConfigError(
@@ -175,7 +185,8 @@ def _parse_value(key: str, raw: str):
 
 
 def run_plan(args) -> int:
-    model, train, name = load_model(args.model)
+    model, train, name, opt_cfg = load_model(args.model)
+    opt = _optimizer(args, opt_cfg)
     cluster = parse_cluster(args.cluster)
     for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
         if val is not None and val < 1:  # given on the command line: checked, never replaced by the YAML's
@@ -196,12 +207,15 @@ def run_plan(args) -> int:
         )
     if not 1 <= args.max_context <= MAX_DIM:
         raise ConfigError("--max-context", args.max_context, "use 1 (no context parallelism) or a larger degree")
+    if args.framework == "megatron" and opt["optimizer"] != "adamw":
+        raise ConfigError("--optimizer", opt["optimizer"], "use --framework meshrun (Megatron-LM's costing is Adam's)")
     kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
-        layout = parse_evaluate(args.evaluate, model, cluster, batch, seq)
+        layout = dataclasses.replace(parse_evaluate(args.evaluate, model, cluster, batch, seq), **opt)
         results = [evaluate(model, layout, cluster, batch, seq, **kw)]
     else:
-        found = search(model, cluster, batch, seq, top=4 * args.top, name=name, max_context=args.max_context, **kw)
+        found = search(model, cluster, batch, seq, top=4 * args.top, name=name, max_context=args.max_context,
+                       **opt, **kw)  # fmt: skip
         results = fold_zero(found)[: args.top]
     counts = param_counts(model)
     if args.json:
@@ -220,6 +234,13 @@ def run_plan(args) -> int:
     else:
         print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework))
     return 0
+
+
+def _optimizer(args, cfg) -> dict[str, str]:
+    """The Layout fields of the optimizer to cost: --optimizer / --state-dtype, else the YAML's."""
+    name = args.optimizer if args.optimizer is not None else cfg.name
+    optimizers.get(name)  # an unknown name: ConfigError naming optimizer.name and the known ones
+    return {"optimizer": name, "state_dtype": args.state_dtype or cfg.state_dtype}
 
 
 def fold_zero(results: list[Result]) -> list[Result]:

@@ -111,16 +111,16 @@ def loss_fn(fns: ModelFns, params, tokens_BxS, labels_BxS, segment_ids_BxS=None)
 class Family:
     """A model family as the framework sees it: everything else about a model stays in its folder.
 
-    model_fns(cfg) -> ModelFns; init_params(cfg, seed) -> nested dict of arrays; abstract_params(cfg)
-    -> tree of jax.ShapeDtypeStruct-like leaves carrying logical names (nnx.State); check_mesh(cfg,
-    mesh_shape) raises ConfigError when the model cannot be split over the mesh; check_config(cfg)
-    raises ConfigError for a model field the family does not use; hf: its Hugging Face adapter (None:
-    no import/export)."""
+    config: its config class (a `meshrun.config.ModelConfig` subclass: its own fields, its validation,
+    what it supports); model_fns(cfg) -> ModelFns; init_params(cfg, seed) -> nested dict of arrays;
+    abstract_params(cfg) -> tree of jax.ShapeDtypeStruct-like leaves carrying logical names
+    (nnx.State); check_mesh(cfg, mesh_shape) raises ConfigError when the model cannot be split over
+    the mesh; hf: its Hugging Face adapter (None: no import/export)."""
 
     name: str
+    config: type
     model_fns: Callable
     init_params: Callable
     abstract_params: Callable
     check_mesh: Callable
-    check_config: Callable = lambda cfg: None
     hf: Any = None

@@ -29,7 +29,7 @@ from meshrun.checkpoint import checksum
 from meshrun.checkpoint.params import PARAMS, check_dir, save_params
 from meshrun.checkpoint.state import path_key
 from meshrun.checkpoint.store import scan
-from meshrun.config import MeshConfig, ModelConfig, from_dict, to_dict
+from meshrun.config import MeshConfig, ModelConfig, from_dict, saved_model, to_dict
 from meshrun.errors import CheckpointError, ConfigError
 from meshrun.family import registry
 from meshrun.hf.convert import (
@@ -96,7 +96,6 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
 
     mesh = mesh if mesh is not None else build_mesh(MeshConfig())
     family = registry.get(cfg.family)
-    family.check_config(cfg)
     family.check_mesh(cfg, dict(mesh.shape))
     shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
     lazies = _checked_lazies(
@@ -171,12 +170,14 @@ def quick_check(config_path: Path) -> str:
 
 
 def write_run_config(path: Path, cfg, hf: dict) -> None:
-    """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning lr)."""
+    """RUN_DIR/config.yaml: the model section, checkpoint.init_params and train.run_dir (+ a fine-tuning
+    optimizer.lr)."""
     run_dir = Path(os.path.abspath(path.parent))
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     doc = {
         "model": to_dict(cfg),
-        "train": {"run_dir": str(run_dir), "lr": 3.0e-5},
+        "train": {"run_dir": str(run_dir)},
+        "optimizer": {"lr": 3.0e-5},
         "checkpoint": {"init_params": str(Path(run_dir) / IMPORT_DIR)},
     }
     files = path.parent / IMPORT_DIR / "hf_files"
@@ -267,7 +268,7 @@ def load_params(run_dir: str | Path, *, quiet: bool = False) -> tuple[Any, dict,
     for kind, directory in cands:
         try:
             meta = _read_meta(kind, directory)
-            cfg = from_dict(ModelConfig, meta["model"], "model.")
+            cfg = from_dict(ModelConfig, saved_model(meta["model"]), "model.")
             params = _restore(kind, directory, cfg, meta.get("checksums"))
         except ConfigError:
             raise
@@ -394,7 +395,7 @@ def export_hf(
 
     run_dir, out = Path(run_dir), Path(out_dir)
     _, directory, meta = find_source(run_dir)
-    cfg = from_dict(ModelConfig, meta["model"], "model.")
+    cfg = from_dict(ModelConfig, saved_model(meta["model"]), "model.")
     hf, files = _hf_meta(run_dir, meta)
     vocab = hf["vocab"] if hf else (cfg.vocab_used or cfg.vocab)
     dtype = dtype or (hf["dtype"] if hf else "float32")

@@ -12,7 +12,8 @@ from meshrun.pipeline.stage_counts import split_layers
 from meshrun.planner.hardware import GPUS
 from meshrun.planner.timing import stage_seconds
 
-__all__ = ["balanced_split", "split_layers", "stage_cost", "stage_costs"]
+__all__ = ["DEFAULT_GPU", "balanced_split", "split_layers", "stage_cost", "stage_costs"]
+DEFAULT_GPU = "a100-80g"  # what stage costs model when the run's GPU is unknown (a CPU, a GPU not in GPUS)
 
 
 def stage_cost(split: tuple[int, ...], *, layer_cost: float, first_cost: float = 0.0, last_cost: float = 0.0) -> list:
@@ -30,7 +31,7 @@ def stage_costs(
     micro_batch_size: int = 1,
     tensor: int = 1,
     remat: str | None = None,
-    gpu: str = "a100-80g",
+    gpu: str = DEFAULT_GPU,
 ) -> tuple[float, float, float]:
     """(layer_cost, first_cost, last_cost): seconds of forward + backward of one micro-batch on one
     device for one transformer layer, the embedding, and the head + vocabulary cross-entropy, from

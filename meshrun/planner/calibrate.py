@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from meshrun.analysis import flops
-from meshrun.config import ModelConfig
+from meshrun.config import ModelConfig, model_class
 from meshrun.planner import timing
 from meshrun.planner.cost import Layout
 from meshrun.planner.hardware import parse_cluster
@@ -35,8 +35,9 @@ DROPOUT = 0.1  # GPT-3 / Megatron-LM's hidden and attention dropout
 
 
 def gpt_config(heads: int, hidden: int, layers: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:
-    """GPT-3-style model of Megatron's tables: gelu MLP with ffn 4h, MHA, tied embeddings, bf16."""
-    return ModelConfig(
+    """GPT-3-style model of Megatron's tables: gelu MLP with ffn 4h, MHA, tied embeddings, bf16 (the
+    default family's config with those settings, as configs/models/megatron-*.yaml)."""
+    return model_class("")(
         vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads,
         d_ff=4 * hidden, max_seq_len=seq, dtype="bfloat16", param_dtype="bfloat16", mlp="gelu",
         tie_embeddings=True, remat="full",

@@ -88,6 +88,27 @@ def peak_flops_of_kind(device_kind: str) -> float | None:
     return None
 
 
+# jax `device_kind` substring -> the GPUS entry that models it; the first match wins (specific names
+# first: 'GH200' contains 'H200'). Kinds with no entry (H100 PCIe, CPUs) model as unknown.
+DEVICE_KIND_GPUS: tuple[tuple[str, str | None], ...] = (
+    ("GH200", "gh200"),
+    ("H200", "h200"),
+    ("H100 PCIe", None),
+    ("H100", "h100-80g"),
+    ("A100-SXM4-40GB", "a100-40g"),
+    ("A100 80GB PCIe", "a100-80g-pcie"),
+    ("A100", "a100-80g"),
+)
+
+
+def gpu_of_kind(device_kind: str) -> str | None:
+    """The GPUS name of a jax device kind (e.g. 'NVIDIA H100 80GB HBM3' -> 'h100-80g'); None: unknown."""
+    for key, name in DEVICE_KIND_GPUS:
+        if key.lower() in device_kind.lower():
+            return name
+    return None
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpu: GPU

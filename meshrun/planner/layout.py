@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig, RunConfig
+from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -20,7 +21,9 @@ class Layout:
     into DP). Context parallelism (`context` = c > 1) splits each sequence over c devices (tensor
     innermost, then context: TP x CP inside a node where possible); it does not multiply the batch,
     but the gradient reduction and the ZeRO shards run over data x expert x context
-    (`grad_group`). `context_kind`: how attention crosses the split (CONTEXT_KINDS)."""
+    (`grad_group`). `context_kind`: how attention crosses the split (CONTEXT_KINDS). `optimizer` and
+    `state_dtype`: the optimizer (an entry of `meshrun.optim.registry`) and its moments' dtype, which
+    set the optimizer state's bytes (`precision_of`)."""
 
     tensor: int = 1
     pipe: int = 1
@@ -36,6 +39,8 @@ class Layout:
     executor: str = "lockstep"  # lockstep | per_op (resolved by the schedule's entry: `sched`, `run_executor`)
     context: int = 1  # context parallelism: each sequence split over this many devices
     context_kind: str = "allgather"  # allgather (K/V all-gathered over 'context') | ring (K/V blocks ring)
+    optimizer: str = "adamw"  # optimizer.name
+    state_dtype: str = "float32"  # optimizer.state_dtype
 
     @property
     def sched(self) -> registry.Schedule:
@@ -95,6 +100,8 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         executor=registry.executor_of(cfg.pipeline),
         context=max(1, int(mesh_shape.get("context", getattr(cfg.mesh, "context", 1)))),  # -1 unresolved: 1
         context_kind=getattr(cfg.model, "context_parallel", "allgather"),
+        optimizer=cfg.optimizer.name,
+        state_dtype=cfg.optimizer.state_dtype,
     )
 
 
@@ -104,17 +111,25 @@ class Precision:
 
     param: float
     grad: float
-    opt: float  # Adam m and v in fp32, plus an fp32 master copy when the params are 16-bit
+    opt: float  # optimizer state of a hidden-layer weight matrix (moments + fp32 master when params are 16-bit)
     act: float
+    opt_other: float | None = None  # of every other parameter (embeddings, head, norms) when it differs
+
+    @property
+    def opt_rest(self) -> float:
+        return self.opt if self.opt_other is None else self.opt_other
 
 
-def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
+def precision_of(model: ModelConfig, framework: str = "meshrun", layout: Layout | None = None) -> Precision:
     """Bytes per param of params, grads, optimizer state, and per activation element.
     megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
-    and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12).
-    meshrun: gradients in the param dtype; Adam m, v in float32, plus a float32 master copy when the
-    params are stored below float32 (`train.step.with_master_weights`): bf16 params 2 + 2 + 12,
-    fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting agrees there).
+    and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12); Megatron-LM's
+    optimizer is Adam, whatever the layout says.
+    meshrun: gradients in the param dtype; the optimizer state the registry entry of
+    `layout.optimizer` declares (`meshrun.optim.registry`: its moments in `layout.state_dtype`, plus
+    a float32 master copy when the params are stored below float32): adamw, bf16 params 2 + 2 + 12
+    (8 with bfloat16 moments), fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting
+    agrees there). `layout` None: adamw with float32 moments, meshrun's default.
     `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
     temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
     meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
@@ -122,7 +137,10 @@ def precision_of(model: ModelConfig, framework: str = "meshrun") -> Precision:
     act = DTYPE_BYTES[model.dtype]
     if framework == "megatron":
         return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
-    return Precision(param=pb, grad=pb, opt=8 + (4 if pb < 4 else 0), act=act)
+    lay = layout or Layout()
+    spec, master = optimizers.get(lay.optimizer), pb < 4
+    opt, other = (spec.state_bytes(lay.state_dtype, master, matrix) for matrix in (True, False))
+    return Precision(param=pb, grad=pb, opt=opt, act=act, opt_other=None if other == opt else other)
 
 
 CONTEXT_KINDS = ("allgather", "ring")

@@ -1,7 +1,7 @@
 """Host offload in the planner: what each memory lever takes off the device and what it costs.
 
 Levers (the train step's `train.offload_optimizer` and `model.remat=offload`):
-* optimizer: the optimizer state of `predict_memory` (Adam m, v and the fp32 master copy) rests in
+* optimizer: the optimizer state of `predict_memory` (its moments and the fp32 master copy) rests in
   pinned host memory; every step fetches it for the update and writes it back: 2 x its bytes over
   the host link, exposed (the update waits for it).
 * activations: the layer inputs stay on the device (full remat's footprint); the selective names

@@ -88,6 +88,8 @@ def structural_violations(
     parallelism) the sequence."""
     t, p, e, v = layout.tensor, layout.pipe, layout.expert, layout.virtual
     out = context_violations(layout, seq_len)
+    if layout.context > 1 and not model.context_attention:
+        out.append(f"context={layout.context}: model.family={model.family} has no context-parallel attention")
     for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
         if n % t:
             out.append(f"model.{name}={n} is not divisible by tensor={t}")
@@ -204,6 +206,7 @@ def candidates(
     tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
     tensors = [t for t in tensors if model.d_ff % t == 0]
     experts = _divisors(model.n_experts) if model.is_moe else [1]
+    max_context = max_context if model.context_attention else 1  # what `train` accepts for the family
     for t in tensors:
         for e in experts:
             for c, kind in context_degrees(cluster, t, seq_len, max_context):
@@ -254,13 +257,18 @@ def search(
     top: int = 5,
     name: str = "model",
     max_context: int = MAX_CONTEXT,
+    optimizer: str = "adamw",
+    state_dtype: str = "float32",
     **kw,
 ) -> list[Result]:
     """The `top` fastest layouts that fit in memory, best first (kw: `evaluate`'s framework, dropout,
     calibration). Context parallelism up to `max_context` (1: none) where the sequence is long enough
-    (`context_degrees`). Raises ConfigError when none fits."""
+    (`context_degrees`). Every layout runs `optimizer` with its moments in `state_dtype`. Raises
+    ConfigError when none fits."""
     fitting, smallest, n_seen = [], None, 0
+    opt = dict(optimizer=optimizer, state_dtype=state_dtype)
     for layout in candidates(model, cluster, global_batch, seq_len, max_context):
+        layout = replace(layout, **opt)
         n_seen += 1
         r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
         if r.hard:
@@ -276,7 +284,8 @@ def search(
             f"(e.g. {cluster.n_devices})",
             "no layout divides the global batch",
         )
-    if not fitting and (offloaded := _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, kw)):
+    offloaded = not fitting and _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, opt, kw)
+    if offloaded:
         return offloaded
     if not fitting:
         p = smallest.layout
@@ -311,9 +320,9 @@ def _context_text(lay: Layout) -> str:
     return f" context={lay.context} ({lay.context_kind})" if lay.context > 1 else ""
 
 
-def _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, kw) -> list[Result]:
+def _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, opt, kw) -> list[Result]:
     """Nothing fits in device memory: layouts that fit with host offload (planner/offload.py)."""
-    rs = (evaluate(model, lay, cluster, global_batch, seq_len, **kw)
+    rs = (evaluate(model, replace(lay, **opt), cluster, global_batch, seq_len, **kw)
           for lay in candidates(model, cluster, global_batch, seq_len, max_context))  # fmt: skip
     rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch, seq_len)]
     return offload.propose(rs, model, cluster, seq_len, top)

@@ -13,6 +13,7 @@ import functools
 
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
+from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry, schedules
 from meshrun.planner.activations import (
     autodiff_bytes,
@@ -68,8 +69,10 @@ def predict_memory_jax(
     * grads: the microbatch gradient, whole at every ZeRO stage (the data-parallel reduction runs
       once after the loop, so ZeRO-2 = ZeRO-1 here); when m > 1 the float32 sums plus one layer's
       fresh gradient and the embedding/head's (the backward's layer loop adds in place, `zb_split.vjp_into`).
-    * optimizer: Adam m and v in the param dtype, plus one param-sized temporary of the update
-      (clipped gradients / updates; params, m and v are donated and updated in place).
+    * optimizer: the state the optimizer's registry entry declares (`precision_of`: AdamW's m and v,
+      muon's momentum of the weight matrices) plus its update's float32 temporaries (`update_temps`
+      per weight-matrix parameter, one per other parameter: clipped gradients / updates; params and
+      state are donated and updated in place).
     * activations: `activations.meshrun_layer_bytes` per layer; without a pipeline one micro-batch's worth
       (the loop runs value_and_grad per micro-batch); with one, the executor's fixed residual buffer
       of `slots + 1` chunks (+1 trash slot) plus the chunk(s) being produced or consumed; plus the
@@ -81,7 +84,7 @@ def predict_memory_jax(
     config's `layout_of`: the model's); `layers` is the layers of a stage (default n_layers / pipe).
     Memory levers: remat_every=k keeps every k-th input and rebuilds k layers at once; remat=offload
     keeps the unit input on the device and the selective names in host memory; offload_optimizer
-    moves Adam m, v (and fp32 master weights under a lower compute dtype) to host. `device` / `host`
+    moves the optimizer state (and fp32 master weights under a lower compute dtype) to host. `device` / `host`
     split the total (as on a GPU: XLA:CPU elides in-step transfers). Context parallelism (layout.context
     = c): activations and logits of the local s/c tokens (`activations.layer_activation_bytes`), ZeRO
     shards over data x expert x context."""
@@ -137,13 +140,16 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
         grads = pb * (other + one_layer)
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
-    # Adam m, v (+ the fp32 master under bf16 params) and the float32 update temporary, all where ZeRO
-    # puts the optimizer state (the update is computed on the shard the moments live on)
-    ob = precision_of(model).opt
-    opt = (ob + 4) * (dense / shard[2] + experts / eshard[2])
+    # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
+    # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
+    # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters
+    prec, temps = precision_of(model, layout=lay), optimizers.get(lay.optimizer).update_temps
+    rest = (norms * frac + (counts["embedding"] + counts["head"]) / t + h) / shard[2]
+    matrices = (dense / shard[2] - rest) + experts / eshard[2]
+    moments = prec.opt * matrices + prec.opt_rest * rest
+    opt = moments + 4 * (temps * matrices + rest)
     if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
-    moments = ob * (dense / shard[2] + experts / eshard[2])
     return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
             "dense": dense, "experts": experts}  # fmt: skip
 

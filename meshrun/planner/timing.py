@@ -23,6 +23,7 @@ import functools
 
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
+from meshrun.optim import registry as optimizers
 from meshrun.pipeline.stage_counts import split_layers
 from meshrun.planner import kernels
 from meshrun.planner.activations import context_kv_bytes
@@ -181,13 +182,19 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
 
 
 def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Precision) -> float:
-    """Adam is memory bound: read params, grads, optimizer state; write params and state back."""
+    """The update is memory bound (read params, grads, optimizer state; write params and state back)
+    plus the registry entry's weight-matrix FLOPs (muon's Newton-Schulz), float32 matmuls at the
+    TF32 rate (half the bf16 peak)."""
     counts = param_counts(model)
-    n = (counts["layers"] + counts["experts"] / layout.expert) / layout.pipe / layout.tensor
-    n += counts["embedding"] / layout.tensor
+    norms = 2 * model.d_model * model.n_layers
+    matrices = (counts["layers"] - norms + counts["experts"] / layout.expert) / layout.pipe / layout.tensor
+    rest = norms / layout.pipe / layout.tensor + counts["embedding"] / layout.tensor
     if layout.zero >= 1:
-        n /= layout.data * layout.expert * layout.context
-    return n * (2 * prec.param + prec.grad + 2 * prec.opt) / gpu.hbm_bw
+        matrices /= layout.data * layout.expert * layout.context
+        rest /= layout.data * layout.expert * layout.context
+    moved = (matrices + rest) * (2 * prec.param + prec.grad) + 2 * (matrices * prec.opt + rest * prec.opt_rest)
+    flops = matrices * optimizers.get(layout.optimizer).matrix_update_flops(model.d_model)
+    return moved / gpu.hbm_bw + flops / (gpu.peak_flops / 2)
 
 
 def predict_time(
@@ -204,7 +211,7 @@ def predict_time(
     """Seconds per step by part: compute (slowest stage), tensor/context/pipe/expert comm, exposed ZeRO
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or CALIBRATION
-    prec = precision or precision_of(model, framework)
+    prec = precision or precision_of(model, framework, layout)
     t, p, v, m, b = layout.tensor, layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size
     c = layout.context
     s, gpu = seq_len, cluster.gpu

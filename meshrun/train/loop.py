@@ -19,6 +19,7 @@ from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir
 from meshrun.config import RunConfig
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import DistributedError, TrainingError
+from meshrun.optim.optimizer import lr_schedule
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.faults import Faults
 from meshrun.runtime.processes import lost_peer, say, take_lock, warn
@@ -38,7 +39,7 @@ from meshrun.train.resume import (
     warn_config_differs,
     write_config,
 )
-from meshrun.train.step import TrainStep, lr_schedule
+from meshrun.train.step import TrainStep
 
 __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # kept importable from here
 
@@ -248,7 +249,7 @@ def _check_loss(loss: float, step: int, ckpt: Checkpointer, run_dir: str) -> Non
             else f"No checkpoint was saved in {run_dir} yet (checkpoint.every sets how often)"
         )
         raise TrainingError(
-            f"loss is {loss} at step {step + 1}; stopped without saving. {kept}; lower train.lr or check the data"
+            f"loss is {loss} at step {step + 1}; stopped without saving. {kept}; lower optimizer.lr or check the data"
         )
 
 

@@ -252,7 +252,8 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     if plan.split is not None:
         sched = pc.schedule + (f" (virtual {pc.virtual})" if pc.virtual > 1 else "")
         lines.append(f"pipeline  {pc.microbatches} microbatches, {sched}, bubble {100 * plan.bubble:.1f}%")
-        lines.append(f"layers    per stage {list(plan.split.counts)} (pipeline.balance={pc.balance})")
+        costed = f", costed on {plan.balance_on[0]} ({plan.balance_on[1]})" if plan.balance_on else ""
+        lines.append(f"layers    per stage {list(plan.split.counts)} (pipeline.balance={pc.balance}{costed})")
     elif pc.microbatches > 1:
         lines.append(f"accum     {pc.microbatches} microbatches per step (no pipeline)")
     if plan.context > 1:

@@ -26,8 +26,9 @@ from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.program import TickProgram, tick_program
 from meshrun.pipeline.registry import SCHEDULES, check_config
 from meshrun.pipeline.split import LayerSplit, layer_split
-from meshrun.planner.balance import stage_costs
+from meshrun.planner.balance import DEFAULT_GPU, stage_costs
 from meshrun.planner.cost import Layout, layout_of
+from meshrun.planner.hardware import gpu_of_kind
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class StepPlan:
     abstract_params: Any  # ShapeDtypeStructs of the parameters, model order (None: a mesh shape only)
     zero: ZeroShardings | None  # parameter/gradient/optimizer shardings in run order (pipeline placement)
     model_zero: ZeroShardings | None  # the same in model order (checkpoints; == zero unless relaid)
+    balance_on: tuple[str, str] | None = None  # pipeline.balance=auto: (GPU its layer costs model, why)
 
     @property
     def pipe(self) -> int:
@@ -81,11 +83,22 @@ def dp_degree(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["expert"]
 
 
-def unit_costs(model: ModelConfig, seq_len: int | None = None) -> tuple[float, float, float]:
-    """(one stacked unit, first stage's extra, last stage's extra): the planner's seconds, the costs
-    pipeline.balance=auto splits by (a stacked MoE unit is moe_every layers)."""
-    layer, first, last = stage_costs(model, seq_len or model.max_seq_len)
+def unit_costs(model: ModelConfig, seq_len: int | None = None, gpu: str = DEFAULT_GPU) -> tuple[float, float, float]:
+    """(one stacked unit, first stage's extra, last stage's extra): the planner's seconds on `gpu`, the
+    costs pipeline.balance=auto splits by (a stacked MoE unit is moe_every layers)."""
+    layer, first, last = stage_costs(model, seq_len or model.max_seq_len, gpu=gpu)
     return layer * (model.moe_every if model.is_moe else 1), first, last
+
+
+def balance_gpu(mesh) -> tuple[str, str]:
+    """(GPUS name, why) the layer costs of pipeline.balance=auto use: the mesh's own GPU when the
+    planner models it, else DEFAULT_GPU (a CPU, an unknown kind, or a mesh given as a shape only)."""
+    devices = getattr(mesh, "devices", None)
+    kind = getattr(devices.flat[0], "device_kind", "") if devices is not None else ""
+    name = gpu_of_kind(kind)
+    if name is not None:
+        return name, f"this run's {kind}"
+    return DEFAULT_GPU, f"the planner's default: {kind or 'the device'} is not a GPU it models"
 
 
 def offloaded(cfg: RunConfig) -> tuple[str, ...]:
@@ -103,12 +116,16 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     validate(cfg, mesh)
     family = registry.get(cfg.model.family)
     fns = family.model_fns(cfg.model)
-    split = program = None
+    split = program = balance_on = None
     stage_bubbles: tuple[float, ...] = (0.0,)
     if shape["pipe"] > 1:
         pc = cfg.pipeline
         program = tick_program(pc, shape["pipe"])  # checks the schedule first, then the layer split
-        costs = unit_costs(cfg.model, cfg.train.seq_len) if pc.balance == "auto" else None
+        if pc.balance == "auto":
+            balance_on = balance_gpu(mesh)
+            costs = unit_costs(cfg.model, cfg.train.seq_len, balance_on[0])
+        else:
+            costs = None
         split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
         stage_bubbles = program.stage_bubbles  # of the table the program plays (per-op: F = B = W)
     check_remat_every(cfg, split)
@@ -129,7 +146,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         zero = build(run) if relaid else model_zero
     return StepPlan(
         cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
-        sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero,
+        sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, balance_on,
     )  # fmt: skip
 
 
@@ -148,22 +165,16 @@ def validate(cfg: RunConfig, mesh) -> None:
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", t.seq_len, f"use at most model.max_seq_len={cfg.model.max_seq_len}")
     check_config(cfg.pipeline)  # the schedule's name and executor, on any mesh
-    family = registry.get(cfg.model.family)
-    family.check_config(cfg.model)
-    family.check_mesh(cfg.model, dict(mesh.shape))
-    check_context(cfg, int(mesh.shape.get("context", 1)), family, int(mesh.shape.get("pipe", 1)))
+    registry.get(cfg.model.family).check_mesh(cfg.model, dict(mesh.shape))
+    check_context(cfg, int(mesh.shape.get("context", 1)), int(mesh.shape.get("pipe", 1)))
 
 
-def check_context(cfg: RunConfig, c: int, family: Family, pipe: int = 1) -> None:
-    """Context parallelism: a family that attends across the axis, and sequences that split evenly
-    (the ring kind's zigzag layout cuts each sequence into 2c chunks)."""
+def check_context(cfg: RunConfig, c: int, pipe: int = 1) -> None:
+    """Context parallelism: a family that attends across the axis (the rule `meshrun plan` applies
+    too), and sequences that split evenly (the ring kind's zigzag layout cuts each into 2c chunks)."""
     if c == 1:
         return
-    if not family.model_fns(cfg.model).context:
-        raise ConfigError(
-            "mesh.context", c, f"use mesh.context=1: the {cfg.model.family} family has no context-parallel attention",
-            "the model cannot split a sequence",
-        )  # fmt: skip
+    cfg.model.check_context(c)
     kind = cfg.model.context_parallel
     if kind == "ring" and pipe > 1:
         check_ring_pipeline(cfg)

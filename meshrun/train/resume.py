@@ -28,10 +28,12 @@ RESUME_FREE = frozenset({"train.run_dir"})
 
 
 def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
-    """What a checkpoint must agree on to be restored: the model (layouts are free to differ); also
-    where its parameters came from (`meshrun export-hf` finds the Hugging Face config there)."""
+    """What a checkpoint must agree on to be restored: the model and the optimizer's name (layouts and
+    hyper-parameters are free to differ); also where its parameters came from (`meshrun export-hf`
+    finds the Hugging Face config there)."""
     data = {"kind": cfg.data.kind, "path": os.path.abspath(cfg.data.path) if cfg.data.path else ""}
-    return {"model": to_dict(cfg.model), "init_params": cfg.checkpoint.init_params, "data": data}
+    return {"model": to_dict(cfg.model), "optimizer": {"name": cfg.optimizer.name},
+            "init_params": cfg.checkpoint.init_params, "data": data}  # fmt: skip
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -28,6 +28,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
+from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import zb_split
@@ -41,9 +42,10 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainStep:
-    """What `make_train_step` returns: the jitted step plus the shardings and relayouts a loop needs."""
+    """What `make_train_step` returns: the jitted step plus the shardings and relayouts a loop needs
+    (built by keyword only)."""
 
     step: Any  # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
     init: Any  # () -> TrainState, jitted with out_shardings
@@ -56,60 +58,7 @@ class TrainStep:
     loss_and_grads: Any  # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
     abstract_run: TrainState  # as abstract_state, in the placement `step` takes
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
-
-
-def lr_schedule(cfg: RunConfig) -> optax.Schedule:
-    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio·lr at train.steps."""
-    t = cfg.train
-    return optax.warmup_cosine_decay_schedule(
-        0.0, t.lr, max(t.warmup_steps, 1), max(t.steps, t.warmup_steps + 1), t.lr * t.min_lr_ratio
-    )
-
-
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; with params stored below float32 (model.param_dtype=bfloat16)
-    Adam runs on a float32 master copy kept in the optimizer state (`with_master_weights`)."""
-    t = cfg.train
-    tx = optax.chain(
-        optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(lr_schedule(cfg), b1=t.beta1, b2=t.beta2, eps=t.adam_eps, weight_decay=t.weight_decay),
-    )
-    return with_master_weights(tx) if jnp.dtype(cfg.model.param_dtype).itemsize < 4 else tx
-
-
-class MasterState(NamedTuple):
-    master: Any  # float32 copy of the params: the weights the optimizer updates
-    inner: Any  # the wrapped optimizer's state (Adam m, v in float32)
-
-
-def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Mixed-precision training (Micikevicius et al. 2018; Megatron-LM's fp32 main params): the model's
-    params stay in their low precision (what the forward reads, what ZeRO < 3 replicates); the
-    optimizer state holds a float32 master copy, updated by `inner` from float32 gradients, and the new
-    params are the master rounded to the param dtype (`apply_optimizer`). Master and moments are
-    parameter-shaped optimizer leaves, so ZeRO >= 1 shards all three over the data-parallel group
-    (12 bytes per parameter / DP) and offload_optimizer moves all three to host."""
-    f32 = lambda x: x.astype(jnp.float32) if hasattr(x, "astype") else x  # (optax's placeholders pass through)
-
-    def init(params):
-        master = jax.tree.map(f32, params)
-        return MasterState(master, inner.init(master))
-
-    def update(grads, state, params=None):
-        del params
-        updates, inner_state = inner.update(jax.tree.map(f32, grads), state.inner, state.master)
-        return updates, MasterState(optax.apply_updates(state.master, updates), inner_state)
-
-    return optax.GradientTransformation(init, update)
-
-
-def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):
-    """(new params, new optimizer state). With master weights the params are the updated master in
-    the param dtype (one rounding), not params + a rounded update."""
-    updates, opt_state = tx.update(grads, opt_state, params)
-    if isinstance(opt_state, MasterState):
-        return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, params), opt_state
-    return optax.apply_updates(params, updates), opt_state
+    tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):
@@ -172,7 +121,7 @@ def relayout(state: TrainState, tx, fn) -> TrainState:
     flags = {k: jax.tree.map(lambda _, k=k: k == "layers", sub) for k, sub in state.params.items()}
     one = lambda x, is_layer: fn({"x": x})["x"] if is_layer else x
     params = {**state.params, "layers": fn(state.params["layers"])}
-    opt = optax.tree_map_params(tx, one, state.opt_state, flags)
+    opt = map_params(tx, one, state.opt_state, flags)
     return state._replace(params=params, opt_state=opt)
 
 
@@ -190,7 +139,7 @@ def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
 def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) -> TrainStep:
     """Jitted train step with explicit in/out shardings and donated state (`plan`: `build_plan(cfg, mesh)`)."""
     plan = plan or build_plan(cfg, mesh)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg, plan.model_fns.param_names)
     fns = plan.model_fns
     if cfg.data.pack_documents and not fns.segments:
         raise ConfigError(
@@ -244,17 +193,18 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     )
     with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)
     return TrainStep(
-        step,
-        init,
-        init_from,
-        state_sh,
-        batch_sh,
-        with_sh(abstract, model_sh),
-        to_run,
-        to_model,
-        loss_and_grads,
-        with_sh(abstract_run, state_sh),
-        plan,
+        step=step,
+        init=init,
+        init_from=init_from,
+        state_shardings=state_sh,
+        batch_sharding=batch_sh,
+        abstract_state=with_sh(abstract, model_sh),
+        to_run=to_run,
+        to_model=to_model,
+        loss_and_grads=loss_and_grads,
+        abstract_run=with_sh(abstract_run, state_sh),
+        plan=plan,
+        tx=tx,
     )
 
 
@@ -262,7 +212,7 @@ def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:
     """NamedShardings of a TrainState: params as ZeRO stores them, optimizer moments as `zl.opt`, each in
     the memory `zl` rests it in (pinned host when offloaded)."""
     sh = lambda spec: NamedSharding(zl.mesh, spec)
-    opt_sh = optax.tree_map_params(
+    opt_sh = map_params(
         tx,
         lambda _, s: s,
         abstract.opt_state,

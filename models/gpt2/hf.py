@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from meshrun_models.gpt2.config import Gpt2Config
+
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 
@@ -36,8 +38,7 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     if not hf.get("tie_word_embeddings", True):
         raise ConfigError(f"{FIELD}: tie_word_embeddings", False, "meshrun's GPT-2 ties lm_head to wte")
     d, n = hf["n_embd"], hf["n_head"]
-    return ModelConfig(
-        family="gpt2",
+    return Gpt2Config(
         vocab=-(-hf["vocab_size"] // vocab_multiple) * vocab_multiple,
         d_model=d,
         n_layers=hf["n_layer"],
@@ -47,8 +48,6 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
         d_ff=hf.get("n_inner") or 4 * d,
         max_seq_len=hf.get("n_positions", 1024),
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        mlp="gelu",  # what GPT-2 does (the model ignores both; the planner's counts read them)
-        tie_embeddings=True,
     )
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshrun_models.llama.config import LlamaConfig
+
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 
@@ -117,7 +119,7 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
             aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
             z_loss_coef=0.0,
         )
-    return ModelConfig(**fields)
+    return LlamaConfig(**fields)
 
 
 def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:

@@ -1,0 +1,66 @@
+"""The optimizers meshrun knows, by `optimizer.name`: the one place that names an optimizer.
+
+Each entry declares what the rest of meshrun asks about, so nothing else assumes Adam:
+* `build`: "module:function" of its optax transformation (`meshrun.optim.optimizer` imports it; the
+  framework wraps it in global-norm clipping, the state dtype and the master weights);
+* its state per parameter: `moments` state tensors of each hidden-layer weight matrix and
+  `moments_other` of every other parameter (embeddings, head, norm scales, biases), stored in
+  `optimizer.state_dtype`, plus a float32 master copy when the params are stored below float32
+  (`state_bytes`); the planner's memory and time models read them;
+* `update_temps`: float32 temporaries its update holds at once per weight-matrix parameter (the
+  planner's memory; one per other parameter), `matrix_update_flops`: FLOPs per weight-matrix
+  parameter of one update as a function of d_model (the planner's time; 0: memory bound);
+* `elementwise`: each element's update depends only on that element and global scalars, so the
+  update can run on any chunk of the state (AdamW yes; Muon orthogonalizes whole matrices: no).
+
+Which state leaves ZeRO shards and offload moves needs no declaration: every parameter-shaped leaf
+of the optax state (`optax.tree_map_params`). Plain Python: the planner imports it without jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshrun.errors import ConfigError
+
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MASTER_BYTES = 4  # the float32 master copy of params stored below float32
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer as meshrun uses it (see the module docstring)."""
+
+    name: str
+    build: str  # "module:function": (OptimizerConfig, schedule, param_names) -> optax.GradientTransformation
+    moments: int  # state tensors per element of a hidden-layer weight matrix
+    moments_other: int  # per element of every other parameter
+    elementwise: bool
+    update_temps: float = 1.0
+    ns_iterations: int = 0  # Newton-Schulz iterations per update (muon: optimizer.ns_steps' default)
+
+    def matrix_update_flops(self, d_model: int) -> float:
+        """FLOPs per weight-matrix parameter: a quintic Newton-Schulz iteration on an m x n matrix
+        (m <= n) is 4 m^2 n + 2 m^3 FLOPs, at most 6 m per element; m taken as d_model."""
+        return 6.0 * d_model * self.ns_iterations
+
+    def state_bytes(self, state_dtype: str, master: bool, matrix: bool = True) -> float:
+        """Optimizer-state bytes per parameter: the moments in `state_dtype`, plus the float32 master."""
+        k = self.moments if matrix else self.moments_other
+        return k * STATE_DTYPE_BYTES[state_dtype] + (MASTER_BYTES if master else 0)
+
+
+OPTIMIZERS = {
+    "adamw": OptimizerSpec("adamw", "meshrun.optim.optimizer:adamw", moments=2, moments_other=2, elementwise=True),
+    # Newton-Schulz's temporaries (X X^T, its square, their product with X) live after the backward
+    # has freed the activations: the compiled step's temp bytes equal adamw's (tiny_cpu, data4)
+    "muon": OptimizerSpec("muon", "meshrun.optim.optimizer:muon", moments=1, moments_other=2, elementwise=False,
+                          ns_iterations=5),  # fmt: skip
+}
+
+
+def get(name: str) -> OptimizerSpec:
+    """The optimizer registered as `name`; a ConfigError naming `optimizer.name` for an unknown one."""
+    if name not in OPTIMIZERS:
+        raise ConfigError("optimizer.name", name, f"use one of {', '.join(sorted(OPTIMIZERS))}", "unknown optimizer")
+    return OPTIMIZERS[name]
