@@ -623,3 +623,41 @@ def test_per_op_sends_one_permute_per_sending_tick(schedule, expected):
     fewest = sum(len(_permutes(*_tick_sends(row, p))) for row in per_op_table(schedule, p, m))
     assert prog.permute_counts()[0] == expected
     assert fewest == (28 if schedule == "1f1b" else 33)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zb_v_table_is_a_v_holding_p_microbatches(p):
+    """ZB-V: stage s holds virtual stages s and 2p - 1 - s (the V), so stage 0 embeds and runs the
+    head and stage p - 1 feeds its own second chunk; at most 2p chunks of half a stage (p
+    microbatches' worth) in flight on any stage; its bubble from the table equals the entry's closed
+    form and is below zb-h1's at the same p and m."""
+    sched = R.get("zb-v")
+    for m in (p, p + 1, 2 * p - 2, 2 * p, 4 * p):
+        m = max(m, p)
+        t = sched.table(p, m)
+        S.check(t, p, m, 2)
+        assert t.placement == "v" and [S.chunk_of(k, p, "v") for k in (0, p - 1, p, 2 * p - 1)] == [
+            (0, 0), (p - 1, 0), (p - 1, 1), (0, 1)]  # fmt: skip
+        tip = [(tick, op) for tick, op in S._stage_orders(t)[p - 1] if op.mb == 0 and op.kind == "F"]
+        assert [op.chunk for _, op in tip] == [0, 1] and tip[1][0] == tip[0][0] + 1  # the tip feeds itself
+        in_flight = [S.max_in_flight(t, s) for s in range(p)]
+        assert max(in_flight) <= 2 * p == sched.slots(p, m, 2, "per_op")
+        stash = max(1 + max(S.assign_slots(S.stash_intervals(t, s)).values()) for s in range(p))
+        assert stash == sched.stash(p, m)
+        assert S.bubble_fraction(t, 1.0, 1.0, 1.0) == pytest.approx(sched.bubble(p, m))
+        if p > 1:
+            assert sched.bubble(p, m) < closed_form("zb-h1", p, m)
+    with pytest.raises(ConfigError, match="virtual=1 or 2") as e:
+        sched.table(p, 2 * p, 3)
+    assert e.value.field == "pipeline.virtual"
+
+
+def test_cli_png_draws_the_v(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    main = _main()
+    out = tmp_path / "v.png"
+    assert main(["schedule", "--pipe", "4", "--microbatches", "8", "--schedule", "zb-v", "--png", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert (
+        out.stat().st_size > 0 and "F0c1" in text and "max in-flight microbatch chunks per stage: [8, 8, 8, 8]" in text
+    )

@@ -118,8 +118,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         )
     b = given.get("micro_batch_size", 1)
     m = given.get("microbatches", max(1, global_batch // (b * d * e)))
-    v = given.get("virtual", 1)
-    sched = registry.get(given.get("schedule", registry.default_name(v)), "--evaluate schedule")
+    sched = registry.get(given.get("schedule", registry.default_name(given.get("virtual", 1))), "--evaluate schedule")
+    v = given.get("virtual", sched.chunks_of(1))
     if given.get("executor", sched.executors[0]) not in sched.executors:
         raise ConfigError("--evaluate executor", given["executor"], f"use {' or '.join(sched.executors)}",
                           f"{sched.name} runs on the {'/'.join(sched.executors)} executor only")  # fmt: skip
@@ -302,6 +302,8 @@ def format_table(
     even = len(set(split)) == 1
     uneven = f"#1 layers per stage: {list(split)} (train it with pipeline.balance=auto, which splits per virtual stage)"
     lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
+    if best.layout.pipe > 1:
+        lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
     lines += [f"#1 time (s): {tm}", "", "#1 memory per device (GB)"]
     stages = best.memory["stages"]
     lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))

@@ -94,8 +94,9 @@ def run_schedule(args) -> int:
     closed = sched.bubble(p, m, v, executor)
     cost = "F = B = W" if per_op else "backward = 2 x forward"
     print(f"bubble fraction ({cost}): {bubble:.4f}  closed form {closed:.4f}")
-    if per_op:
-        same = S.bubble_fraction(sched.timeline(p, m, v, "lockstep"))
+    whole = sched.timeline(p, m, v, "lockstep") if per_op else None
+    if whole is not None and not any(op is not None and op.kind == "W" for row in whole for op in row):
+        same = S.bubble_fraction(whole)
         print(f"{sched.title}'s order with whole backwards (F = 1, B = 2) at the same p, m: {same:.4f}")
     print(f"max in-flight microbatch chunks per stage: {in_flight}")
     return 0

@@ -8,6 +8,8 @@ last stage's output wraps to stage 0, which keeps it (an [M, B, S, D] buffer: on
 local row) for round c + 1. The last stage of the last round runs the head and sums the loss.
 Idle cells skip the compute in a `lax.cond` whose predicate is shared by the tensor group.
 v(m + p - 1) ticks, against v·m + p - 1 for a schedule that interleaves rounds: evaluation is rare.
+Chunks placed in a V (two per stage, `split.placement == 'v'`): round 1 runs from stage p - 1 down to
+stage 0, which runs the head; stage p - 1 keeps its own round-0 outputs for it.
 """
 
 from __future__ import annotations
@@ -45,15 +47,20 @@ def _body(pl, layers, other, tok, lab, seg=None):
         lc = pl.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
         x_aval = jax.eval_shape(fns.embed, other, tok[0])
         x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
+        vee = pl.split.placement == "v"
         perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
         buf = jnp.zeros((m, *x_aval.shape), x_aval.dtype) if v > 1 else None
         loss = jnp.zeros((), jnp.float32)
         for c in range(v):
             chunk = jax.tree.map(lambda a, c=c: a[c * lc : (c + 1) * lc], layers)
+            down = vee and c % 2 == 1  # this round runs from stage p - 1 down to stage 0
+            pos = p - 1 - stage if down else stage  # the stage's place in this round
+            head_stage = 0 if down else p - 1
+            entry = p - 1 if down else 0  # the stage that starts a round after the first
 
-            def tick(carry, t, c=c, chunk=chunk):
+            def tick(carry, t, c=c, chunk=chunk, pos=pos, head_stage=head_stage, entry=entry, down=down):
                 x_in, buf, loss = carry
-                j = jnp.clip(t - stage, 0, m - 1)
+                j = jnp.clip(t - pos, 0, m - 1)
 
                 def run():
                     if c == 0:
@@ -61,22 +68,26 @@ def _body(pl, layers, other, tok, lab, seg=None):
                             stage == 0, lambda: fns.embed(other, take(tok, j)).astype(x_aval.dtype), lambda: x_in
                         )
                     else:
-                        x0 = jnp.where(stage == 0, take(buf, j), x_in)
+                        x0 = jnp.where(stage == entry, take(buf, j), x_in)
                     apply = contract.layers_fn(fns, None if seg is None else take(seg, j))
                     y, _ = stage_fn(pl.split, apply, c, stage)(chunk, x0)
                     if c < v - 1:
                         return y, jnp.zeros((), jnp.float32)
                     head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)
-                    return y, lax.cond(stage == p - 1, head, lambda: jnp.zeros((), jnp.float32))
+                    return y, lax.cond(stage == head_stage, head, lambda: jnp.zeros((), jnp.float32))
 
-                valid = (t - stage >= 0) & (t - stage < m)
+                valid = (t - pos >= 0) & (t - pos < m)
                 y, ls = lax.cond(valid, run, lambda: (x_zero, jnp.zeros((), jnp.float32)))
-                x_next = lax.ppermute(y, "pipe", perm)
-                if buf is not None and c < v - 1:  # stage 0 keeps what the last stage finished this tick
+                if vee:
+                    x_next = lax.ppermute(y, "pipe", [(i + 1, i) if down else (i, i + 1) for i in range(p - 1)])
+                else:
+                    x_next = lax.ppermute(y, "pipe", perm)
+                if buf is not None and c < v - 1:  # the next round's first stage keeps what this one finished
                     jw = t - (p - 1)
-                    keep = (stage == 0) & (jw >= 0)
+                    keep = (stage == (p - 1 if vee else 0)) & (jw >= 0)
                     i = jnp.clip(jw, 0, m - 1)
-                    buf = lax.dynamic_update_index_in_dim(buf, jnp.where(keep, x_next, take(buf, i)), i, 0)
+                    got = y if vee else x_next  # a V's tip keeps its own output
+                    buf = lax.dynamic_update_index_in_dim(buf, jnp.where(keep, got, take(buf, i)), i, 0)
                 return (x_next, buf, loss + ls), None
 
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))

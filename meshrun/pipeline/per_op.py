@@ -35,7 +35,7 @@ from meshrun.pipeline.stage_run import StageRun, put, take
 OP_SCOPES = {"F": "per_op_F", "B": "per_op_B", "W": "per_op_W"}  # name scopes of a tick's three ops
 IN = {"f": "x_in", "g": "g_in"}  # the carry's last received activation / gradient (unboxed directions)
 # a tick's table entries (`program._per_op_program`), then the inbox slots of what it sends
-TABLE_KEYS = ("kind", "mb", "slot", "stash", "f_put", "f_get", "g_put", "g_get", "f_next", "g_next")
+TABLE_KEYS = ("kind", "mb", "chunk", "slot", "stash", "f_put", "f_get", "g_put", "g_get", "f_next", "g_next", "s_next")
 
 
 class OpRun(StageRun):
@@ -49,30 +49,32 @@ class OpRun(StageRun):
         self._split = self._inbox = None  # `split_backward`'s (B, W), `inbox_layout`
 
     def split_backward(self):
-        """(B, W): B(mb, saved, dy) -> (dx, stash), W(mb, saved, dy, stash, sums) -> the float32
-        weight-gradient sums plus microbatch mb's weight gradients, added layer by layer inside W's
-        layer loop (`zb_split.run_w`'s acc), from one split of the stage backward's jaxpr, traced
-        once (the microbatch is an input of it) and shared by every tick's B and W."""
+        """(B, W): B(at, saved, dy) -> (dx, stash), W(at, saved, dy, stash, sums) -> the float32
+        weight-gradient sums plus the op's weight gradients, added layer by layer inside W's layer
+        loop (`zb_split.run_w`'s acc), from one split of the stage backward's jaxpr, traced once (`at`:
+        (microbatch,), or (chunk, microbatch) with two chunks per stage, inputs of it) and shared by
+        every tick's B and W."""
         if self._split is not None:
             return self._split
         chunk_def = jax.tree.structure(jax.eval_shape(lambda: self.chunk(0)))
 
-        def bwd(mb, saved, dy):
-            return jax.tree.leaves(self.pullback(0, mb, saved)((dy, self.aux_cot)))
+        def bwd(at, saved, dy):
+            ch, mb = at if self.v > 1 else (0, *at)
+            return jax.tree.leaves(self.pullback(ch, mb, saved)((dy, self.aux_cot)))
 
-        mb_aval = jax.ShapeDtypeStruct((), jnp.int32)
-        cj = jax.make_jaxpr(bwd)(mb_aval, self.res_structs(), self.x_aval)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        cj = jax.make_jaxpr(bwd)((i32,) * (2 if self.v > 1 else 1), self.res_structs(), self.x_aval)
         n = len(cj.jaxpr.outvars) - 1  # weight-gradient leaves, then dx
         plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
-        flat = lambda mb, saved, dy: jax.tree.leaves((mb, saved, dy))
+        flat = lambda at, saved, dy: jax.tree.leaves((at, saved, dy))
 
-        def b(mb, saved, dy):
-            outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(mb, saved, dy))
+        def b(at, saved, dy):
+            outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(at, saved, dy))
             return outs[-1], stash
 
-        def w(mb, saved, dy, stash, sums):
+        def w(at, saved, dy, stash, sums):
             acc = [*jax.tree.leaves(sums), None]
-            outs = zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(mb, saved, dy), stash, acc)
+            outs = zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(at, saved, dy), stash, acc)
             return jax.tree.unflatten(chunk_def, outs[:n])
 
         self._split = (b, w)
@@ -87,6 +89,8 @@ class OpRun(StageRun):
         their consumer, then one trash slot. ({direction: its first slot}, trash slot); a direction
         whose every value is consumed in its arrival tick (1F1B's gradients) has none: it is read
         straight from the permute's result, carried in x_in / g_in."""
+        if self._inbox is None and self.prog.placement != "loop":  # one inbox, absolute slots
+            self._inbox = {"f": 0, "g": 0}, self.prog.inbox[0]
         if self._inbox is None:
             t, first, n = self.prog.tables, {}, 0
             for pre, slots in zip("fg", self.prog.inbox, strict=True):
@@ -105,7 +109,8 @@ class OpRun(StageRun):
             del c[IN[pre]]
         # B's stash (what W reads of B's work: per layer, the cotangents at the weights' uses)
         b, _ = self.split_backward()
-        self.stash_avals = jax.eval_shape(lambda r, d: b(jnp.int32(0), r, d)[1], self.res_structs(), self.x_aval)
+        at = (jnp.int32(0),) * (2 if self.v > 1 else 1)
+        self.stash_avals = jax.eval_shape(lambda r, d: b(at, r, d)[1], self.res_structs(), self.x_aval)
         n = self.prog.stash_slots  # 1F1B's W follows its B: one slot
         c["stash"] = jax.tree.map(lambda a: self.full((n, *a.shape), a.dtype), self.stash_avals)
         c["w_runs"] = jnp.zeros((), jnp.int32)  # W ops run so far (orders a W before the next F: `run_tick`)
@@ -128,7 +133,14 @@ class OpRun(StageRun):
         # the op's microbatch, residual slot and B's stash slot, read inside the op's branch (as
         # operands of all three conds they were three more small kernels per tick)
         mb, slot, sslot = (lambda k=k: jnp.maximum(at(k), 0) for k in ("mb", "slot", "stash"))
-        first, last = self.stage == 0, self.stage == self.p - 1
+        if self.v == 1:
+            ch, ids = (lambda: 0), (lambda: (mb(),))
+            first, last = self.stage == 0, self.stage == self.p - 1
+        else:  # the op's chunk and virtual stage (the V: chunk 0 of stage s is s, chunk 1 2p-1-s)
+            ch = lambda: jnp.maximum(at("chunk"), 0)
+            ids = lambda: (ch(), mb())
+            k = jnp.where(at("chunk") > 0, 2 * self.p - 1 - self.stage, self.stage)
+            first, last = k == 0, k == self.v * self.p - 1
         b_part, w_part = self.split_backward()
 
         # One two-way `cond` per op, in turn: the op's branch reads the buffers it needs and writes its
@@ -143,7 +155,7 @@ class OpRun(StageRun):
         add = lambda g, d: jax.tree.map(jnp.add, g, d)
 
         def forward():  # on the last stage F also gives the head's dL/dy (zeros elsewhere)
-            y, keep, aux, ls, d_o, dy = self.stage_forward(0, mb(), first, last, x_in)
+            y, keep, aux, ls, d_o, dy = self.stage_forward(ch(), mb(), first, last, x_in)
             res = [put(b, slot(), r) for b, r in zip(c["res"], keep, strict=True)]
             return y, res, put(c["dy"], slot(), dy), add(c["g_other"], d_o), add((c["loss"], c["aux"]), (ls, aux))
 
@@ -159,7 +171,7 @@ class OpRun(StageRun):
 
         def backward_input():
             dy = jnp.where(last, take(c["dy"], slot()), g_in)
-            dx, stash = b_part(mb(), at_slot(c["res"]), dy)
+            dx, stash = b_part(ids(), at_slot(c["res"]), dy)
             d_o = self.embed_grad(first, mb(), dx)
             st = jax.tree.map(lambda b, v: put(b, sslot(), v), c["stash"], stash)
             return dx, put(c["dy"], slot(), dy), st, add(c["g_other"], d_o)
@@ -173,7 +185,10 @@ class OpRun(StageRun):
 
         def backward_weights():
             stash = jax.tree.map(lambda b: take(b, sslot()), c["stash"])
-            g = w_part(mb(), at_slot(c["res"]), take(c["dy"], slot()), stash, c["g_layers"])  # per-op: v = 1
+            sums = c["g_layers"] if self.v == 1 else jax.tree.map(lambda a: take(a, ch()), c["g_layers"])
+            g = w_part(ids(), at_slot(c["res"]), take(c["dy"], slot()), stash, sums)
+            if self.v > 1:
+                g = jax.tree.map(lambda a, n: put(a, ch(), n), c["g_layers"], g)
             return g, c["w_runs"] + 1
 
         with jax.named_scope(OP_SCOPES["W"]):
@@ -188,7 +203,7 @@ class OpRun(StageRun):
         else the trash) or, unboxed, into x_in / g_in; two (activations, then gradients) where some
         stage receives both, none where nothing is sent."""
         tables = dict(self.prog.tables)
-        for pre in "fg":  # the inbox slot of what a tick sends, on its receiver (its put a tick later)
+        for pre in "fgs":  # the inbox slot of what a tick sends, on its receiver (its put a tick later)
             tables[f"{pre}_next"] = np.concatenate([tables[f"{pre}_put"][1:], tables[f"{pre}_put"][:1] * 0 - 1])
         # one array [ticks, p, keys], this stage's column taken once: a tick reads one row of it
         stacked = jnp.asarray(np.stack([tables[k] for k in TABLE_KEYS], axis=-1))
@@ -203,6 +218,9 @@ class OpRun(StageRun):
                 for j, perms in enumerate(period):
                     row = rows[j]
                     c, out = self.run_tick(c, row, kind)
+                    if self.prog.placement != "loop":  # a V's tip: its own output into its inbox
+                        i = row[TABLE_KEYS.index("s_next")]
+                        c["inbox"] = put(c["inbox"], jnp.where(i >= 0, i, trash), out)
                     got = [lax.ppermute(out, "pipe", list(pairs)) for pairs in perms]
                     # one permute: a stage receives at most one value, so one put (of it, into its slot)
                     for x, dirs in zip(got, ["fg"] if len(got) == 1 else ["f", "g"], strict=False):

@@ -76,6 +76,10 @@ class TickProgram:
     sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], ...], ...] = ()
     # the timeline's idle fraction per stage (F = 1, B = 2; per-op: F = B = W = 1)
     stage_bubbles: tuple[float, ...] = ()
+    # which virtual stage chunk c of stage s holds (`schedules.vstage`); per-op 'v': one inbox for
+    # both kinds (a stage may receive two activations at once), f_put / g_put / s_put the slot of what
+    # arrives from the stage below / above / itself (the V's tip, no permute), f_get / g_get what F / B read
+    placement: str = "loop"
 
     def stage_slots(self) -> tuple[int, ...]:
         """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
@@ -146,7 +150,9 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
     runs, so a consumer may run later than the arrival. Residual slots live from F to W."""
     m = pcfg.microbatches
     ticks = len(table)
-    keys = ("kind", "mb", "slot", "stash", "f_put", "f_get", "g_put", "g_get")
+    placement = getattr(table, "placement", "loop")
+    v = 1 + max(op.chunk for row in table for op in row if op is not None)
+    keys = ("kind", "mb", "chunk", "slot", "stash", "f_put", "f_get", "g_put", "g_get", "s_put")
     arrs = {k: np.full((ticks, p), -1, np.int32) for k in keys}
     slots, stash_slots, inbox = 0, 0, [0, 0]
     for s in range(p):
@@ -157,9 +163,14 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
         for t, row in enumerate(table):
             op = row[s]
             if op is not None:
-                arrs["kind"][t, s], arrs["mb"][t, s], arrs["slot"][t, s] = KINDS[op.kind], op.mb, res[(op.mb, 0)]
+                key = (op.mb, op.chunk)
+                arrs["kind"][t, s], arrs["mb"][t, s], arrs["chunk"][t, s] = KINDS[op.kind], op.mb, op.chunk
+                arrs["slot"][t, s] = res[key]
                 if op.kind != "F":
-                    arrs["stash"][t, s] = st[(op.mb, 0)]
+                    arrs["stash"][t, s] = st[key]
+        if placement == "v":
+            inbox[0] = max(inbox[0], _one_inbox(table, s, p, arrs))
+            continue
         # inboxes: activations from stage s-1's F, gradients from stage s+1's B
         for i, (pre, iv) in enumerate(zip("fg", schedules.inbox_intervals(table, s), strict=True)):
             if not iv:
@@ -168,21 +179,49 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
             inbox[i] = max(inbox[i], 1 + max(box.values()))
             for key, (a, b) in iv.items():
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
-    phases, sends = _send_phases(table, p)
-    return TickProgram(pcfg.schedule, p, m, 1, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
-                       stash_slots, sends, bubbles)  # fmt: skip
+    phases, sends = _send_phases(table, p, MAX_PERIOD if placement == "loop" else 2 * MAX_PERIOD)
+    return TickProgram(pcfg.schedule, p, m, v, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
+                       stash_slots, sends, bubbles, placement)  # fmt: skip
+
+
+def _one_inbox(table, s: int, p: int, arrs) -> int:
+    """One inbox for what stage `s` receives of both kinds (a V: activations and gradients arrive from
+    either neighbour, and from the stage itself at the V's tip): f_get / g_get the slot F / B read,
+    f_put / g_put / s_put the slot of what arrives from below / above / itself. Returns its slots."""
+    pl = table.placement
+    fin, bin_ = schedules.inbox_intervals(table, s)
+    iv = {("f", *k): a for k, a in fin.items()} | {("g", *k): a for k, a in bin_.items()}
+    if not iv:
+        return 0
+    box = schedules.assign_slots(iv)
+    for (pre, mb, c), (a, b) in iv.items():
+        k = schedules.vstage(c, s, p, pl)
+        src, _ = schedules.chunk_of(k - 1 if pre == "f" else k + 1, p, pl)
+        col = "f" if src < s else "g" if src > s else "s"
+        assert arrs[f"{col}_put"][a, s] < 0, "two values arrive from one side in one tick"
+        arrs[f"{col}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[(pre, mb, c)]
+    return 1 + max(box.values())
 
 
 MAX_PERIOD = 3  # longest period of ticks a per-op phase's scan body runs (1F1B's and zb-h1's steady state: 3)
 TICK_COPY_COST = 2  # collective-permutes per step a compiled copy of the tick must save to be made
 
 
-def _tick_sends(row, p: int) -> tuple[frozenset, frozenset]:
-    """(activation, gradient) sends of one per-op tick as (source, target) stage pairs: F's output to
-    the next stage, B's to the previous (each stage runs one op, so it sends at most one of them)."""
-    f = frozenset((s, s + 1) for s, op in enumerate(row) if op is not None and op.kind == "F" and s < p - 1)
-    b = frozenset((s, s - 1) for s, op in enumerate(row) if op is not None and op.kind == "B" and s > 0)
-    return f, b
+def _tick_sends(row, p: int, v: int = 1, placement: str = "loop") -> tuple[frozenset, frozenset]:
+    """The sends of one per-op tick as (source, target) stage pairs, (up, down): F's output to the
+    stage of the next virtual stage, B's to the previous one's (each stage runs one op, so it sends at
+    most one value). Up: to a higher stage (1F1B: the activations); down: to a lower stage (1F1B: the
+    gradients). A V's tip feeds its own other chunk without a permute (`s_put`)."""
+    up, down = set(), set()
+    for s, op in enumerate(row):
+        if op is None or op.kind == "W":
+            continue
+        k = schedules.vstage(op.chunk, s, p, placement) + (1 if op.kind == "F" else -1)
+        if 0 <= k < v * p:
+            d, _ = schedules.chunk_of(k, p, placement)
+            if d != s:
+                (up if d > s else down).add((s, d))
+    return frozenset(up), frozenset(down)
 
 
 def _permutes(f: frozenset, b: frozenset) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -196,7 +235,7 @@ def _permutes(f: frozenset, b: frozenset) -> tuple[tuple[tuple[int, int], ...], 
     return tuple(tuple(sorted(x)) for x in (f, b) if x)
 
 
-def _send_phases(table, p: int):
+def _send_phases(table, p: int, max_period: int = MAX_PERIOD):
     """Phases of the per-op program (one `lax.scan` each) and their sends. A collective costs one
     rendezvous of every device whatever it carries, so a tick makes its sends in as few
     collective-permutes as it can: one (each stage sends its op's one output) unless some stage
@@ -210,7 +249,8 @@ def _send_phases(table, p: int):
     activations, sends gradients) and per phase its u ticks' permutes (`TickProgram.sends`). 1F1B at
     p = 4, m = 8: 28 permutes per step in 5 compiled ticks (one per tick that sends; two per tick
     before, 49); zb-h1: 37 in 6 (44 before; at least 33)."""
-    need = [_tick_sends(row, p) for row in table]
+    v = 1 + max(op.chunk for row in table for op in row if op is not None)
+    need = [_tick_sends(row, p, v, getattr(table, "placement", "loop")) for row in table]
     bits = {pr: 1 << i for i, pr in enumerate(sorted(set().union(*(f | b for f, b in need))))}
     mask = [(sum(bits[x] for x in f), sum(bits[x] for x in b)) for f, b in need]
     pairs_of = lambda m: frozenset(pr for pr, bit in bits.items() if m & bit)
@@ -218,7 +258,7 @@ def _send_phases(table, p: int):
     ticks = len(table)
     best: list = [(0, None)] + [(float("inf"), None)] * ticks  # (cost, (t0, u)) of the best split of [0, t)
     for t0 in range(ticks):
-        for u in range(1, min(MAX_PERIOD, ticks - t0) + 1):
+        for u in range(1, min(max_period, ticks - t0) + 1):
             pat, per_period = [(0, 0)] * u, 0  # each position's sends (masks); permutes per period
             for t in range(t0, ticks):
                 j = (t - t0) % u

@@ -30,7 +30,9 @@ class Schedule:
 
     name: str  # pipeline.schedule
     title: str  # in messages
-    orders: Callable[[int, int, int], list[list[Task]]]  # (p, m, v) -> each stage's ops in order
+    # (p, m, v) -> each stage's ops in order: F and B (the per-op executor splits each B into B and
+    # W), or F, B and W (played as they are, per-op only)
+    orders: Callable[[int, int, int], list[list[Task]]]
     executors: tuple[str, ...]  # executors that play it; the first is pipeline.executor=auto's
     # per-op executor: W's deferred into the bubbles (zero bubble) or each right after its B
     defer_w: bool = False
@@ -91,6 +93,8 @@ class Schedule:
     def timeline(self, p: int, m: int, v: int, executor: str) -> Table:
         """`table` without the checks (and with whole backwards on request, for comparison)."""
         orders = self.orders(p, m, v)
+        if any(t.kind == "W" for o in orders for t in o):
+            return place(orders, p, v, self.placement)
         if executor == "per_op":
             return place_split(orders, p, m, v, defer=self.defer_w, placement=self.placement)
         return place(orders, p, v, self.placement)
@@ -144,6 +148,51 @@ def _interleaved_held(p: int, m: int, v: int, stage: int) -> float:
     return n * (1.0 + (p - 1) / (p * v)) if stage == 0 and v > 1 else n
 
 
+def _zbv_orders(p: int, m: int, v: int) -> list[list[Task]]:
+    # ZB-V (Qi et al. 2024; torchtitan's ScheduleZBVZeroBubble): stage r holds chunk 0 (virtual stage
+    # r) and chunk 1 (2p-1-r). Warm-up: 2(p-r)-1 chunk-0 forwards, r pairs (F1, F0), then p-r rounds of
+    # F1 B1 W1; steady state F0 B0 W0 F1 B1 W1; cool-down: r pairs (B0, B1), p-r rounds of B0 W0, the
+    # deferred W's last. At most 2p chunks (p microbatches' worth of the stage's layers) in flight.
+    orders = []
+    for r in range(p):
+        o, n = [], {"F0": 0, "F1": 0, "B0": 0, "B1": 0, "W0": 0, "W1": 0}
+
+        def op(kind: str, c: int, o=o, n=n) -> None:
+            o.append(Task(kind, n[f"{kind}{c}"], c))
+            n[f"{kind}{c}"] += 1
+
+        for _ in range(min(2 * (p - r) - 1, m)):
+            op("F", 0)
+        for _ in range(r):
+            for c in (1, 0):
+                if n[f"F{c}"] < m:
+                    op("F", c)
+        for _ in range(p - r):
+            if n["F1"] < m:
+                op("F", 1)
+            op("B", 1)
+            op("W", 1)
+        while n["F1"] < n["F0"] or n["F0"] < m:
+            if n["F0"] < m:
+                op("F", 0)
+            op("B", 0)
+            op("W", 0)
+            op("F", 1)
+            op("B", 1)
+            op("W", 1)
+        for _ in range(r):
+            op("B", 0)
+            op("B", 1)
+        for _ in range(p - r):
+            op("B", 0)
+            op("W", 0)
+        for c in (1, 0):
+            while n[f"W{c}"] < n[f"B{c}"]:
+                op("W", c)
+        orders.append(o)
+    return orders
+
+
 # ---------------------------------------------------------------- the registry
 
 SCHEDULES: dict[str, Schedule] = {
@@ -175,6 +224,15 @@ SCHEDULES: dict[str, Schedule] = {
             slots=lambda p, m, v, ex: min(m, p), stash=lambda p, m: min(m, p),
             idle=lambda p, m, v, ex: (p - 1) / 3,
             held=lambda p, m, v, stage: 2.0 * min(p, m),  # residuals + the stash after B (~ one more set)
+        ),
+        Schedule(
+            # two chunks per stage in a V, its backward split into B and W: 2p chunks (p microbatches'
+            # worth) in flight, 2p - 1 B stashes; 6m + p - 1 one-op ticks when m >= 2p - 2
+            "zb-v", "ZB-V", _zbv_orders, ("per_op",), chunks=2, placement="v", m_at_least_p=True,
+            slots=lambda p, m, v, ex: 2 * p, stash=lambda p, m: 2 * p - 1,
+            idle=lambda p, m, v, ex: (p - 1 + max(0, 2 * p - 2 - m)) / 6,
+            held=lambda p, m, v, stage: p + (2 * p - 1) / 2,  # residuals + stashes, in stage-layer units
+            searched=True,
         ),
     )
 }  # fmt: skip

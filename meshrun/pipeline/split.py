@@ -1,10 +1,10 @@
 """Which stacked layers each pipeline stage runs, and the padded placement that holds them.
 
-Virtual stage k = c*p + s (chunk c of stage s) runs `counts[k]` consecutive stacked layers (units),
-in model order. The executor's SPMD program needs one shape on every stage, so in the pipeline
-placement every chunk is padded to `lmax = max(counts)` entries: the stacked axis becomes
-[p, v, lmax] (a contiguous P('pipe') shard is one device's v chunks). Padding entries are zeros,
-their gradients are zero, and the stage skips them (`executor`: `lax.cond` on a per-chunk count).
+Virtual stage k (chunk c of stage s: k = c*p + s, or in a V `schedules.vstage`) runs `counts[k]`
+consecutive stacked layers (units), in model order. The executor's SPMD program needs one shape on
+every stage, so in the pipeline placement every chunk is padded to `lmax = max(counts)` entries: the
+stacked axis becomes [p, v, lmax] (a contiguous P('pipe') shard is one device's v chunks). Padding
+entries are zeros, their gradients are zero, and the stage skips them (`executor`: `lax.cond` on a per-chunk count).
 Checkpoints keep model order ([L]), so they restore into any split.
 
 Even splits keep the old placements: v = 1 is the identity, v > 1 a reshape ([v, p, Lc] -> [p, v, Lc]).
@@ -21,14 +21,16 @@ import numpy as np
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.pipeline import registry
+from meshrun.pipeline.schedules import vstage
 from meshrun.pipeline.stage_counts import split_layers
 
 
 @dataclass(frozen=True)
 class LayerSplit:
-    counts: tuple[int, ...]  # stacked layers per virtual stage k = c*p + s
+    counts: tuple[int, ...]  # stacked layers per virtual stage k
     p: int
     v: int
+    placement: str = "loop"  # which virtual stage chunk c of stage s holds (`schedules.vstage`)
 
     @property
     def n(self) -> int:
@@ -52,12 +54,28 @@ class LayerSplit:
         return self.even and self.v == 1
 
     @property
+    def reshaped(self) -> bool:
+        """The pipeline placement is a reshape of model order (an even split of Megatron's chunks)."""
+        return self.even and self.placement == "loop"
+
+    def k(self, c: int, s: int) -> int:
+        """Virtual stage of chunk c of stage s."""
+        return vstage(c, s, self.p, self.placement)
+
+    def count(self, c, stage):
+        """counts[virtual stage of chunk c of `stage`] (traceable c and stage)."""
+        counts = jnp.asarray(self.counts, jnp.int32)
+        if self.placement == "v":
+            return counts[jnp.where(c == 0, stage, 2 * self.p - 1 - stage)]
+        return counts[c * self.p + stage]
+
+    @property
     def padded(self) -> int:
         return self.p * self.v * self.lmax
 
     def stage_counts(self) -> list[int]:
         """Layers each device runs per step (its v chunks)."""
-        return [sum(self.counts[c * self.p + s] for c in range(self.v)) for s in range(self.p)]
+        return [sum(self.counts[self.k(c, s)] for c in range(self.v)) for s in range(self.p)]
 
     def pipeline_index(self) -> np.ndarray:
         """[p*v*lmax]: the model-order unit at each padded position, -1 for padding."""
@@ -65,7 +83,7 @@ class LayerSplit:
         out = np.full((self.p, self.v, self.lmax), -1, np.int32)
         for c in range(self.v):
             for s in range(self.p):
-                k = c * self.p + s
+                k = self.k(c, s)
                 out[s, c, : self.counts[k]] = np.arange(starts[k], starts[k + 1])
         return out.reshape(-1)
 
@@ -80,7 +98,7 @@ class LayerSplit:
         """Stacked layer tree in model order [n, ...] -> pipeline placement [p*v*lmax, ...]."""
         if self.identity:
             return layers
-        if self.even:
+        if self.reshaped:
             lc = self.lmax
             one = lambda a: a.reshape(self.v, self.p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
             return jax.tree.map(one, layers)
@@ -97,7 +115,7 @@ class LayerSplit:
         """Inverse of `to_pipeline` (padding entries are dropped)."""
         if self.identity:
             return layers
-        if self.even:
+        if self.reshaped:
             lc = self.lmax
             one = lambda a: a.reshape(self.p, self.v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
             return jax.tree.map(one, layers)
@@ -109,7 +127,7 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
     """The split a config asks for; ConfigError (naming the fix) for a bad one. balance=auto needs
     `costs` = (cost of one stacked unit, extra cost of the first stage, of the last stage), e.g. the
     planner's time model (`meshrun.train.plan.unit_costs`)."""
-    v = registry.chunks_of(pcfg)
+    v, placement = registry.chunks_of(pcfg), registry.get(pcfg.schedule).placement
     n_v = p * v
     what = f"{n_v} virtual stages (pipe={p} x virtual={v})" if v > 1 else f"pipe={p} stages"
     if pcfg.layers_per_stage:
@@ -128,7 +146,7 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
                 f"make the counts sum to the {n_units} stacked layers, e.g. {list(_even(n_units, n_v))}",
                 f"sum {sum(counts)} != {n_units} stacked layers",
             )
-        return LayerSplit(counts, p, v)
+        return LayerSplit(counts, p, v, placement)
     if n_units < n_v:
         raise ConfigError(
             "model.n_layers",
@@ -140,7 +158,8 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
         if costs is None:
             raise ConfigError("pipeline.balance", "auto", "pass the per-layer costs, or set pipeline.layers_per_stage")
         per_unit, first, last = costs
-        return LayerSplit(split_layers(n_units, n_v, layer_cost=per_unit, first_cost=first, last_cost=last), p, v)
+        return LayerSplit(split_layers(n_units, n_v, layer_cost=per_unit, first_cost=first, last_cost=last), p, v,
+                          placement)  # fmt: skip
     if n_units % n_v:
         raise ConfigError(
             "model.n_layers",
@@ -149,7 +168,7 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
             f"pipeline.layers_per_stage={list(_even(n_units, n_v))} or pipeline.balance=auto",
             f"{n_units} stacked layers do not split evenly into {what}",
         )
-    return LayerSplit((n_units // n_v,) * n_v, p, v)
+    return LayerSplit((n_units // n_v,) * n_v, p, v, placement)
 
 
 def _even(n: int, k: int) -> tuple[int, ...]:

@@ -267,10 +267,10 @@ SWAP = [(0, 1), (1, 0)]
 
 def stage_fn(split: LayerSplit, apply, c, stage):
     """`apply` (layer_params, x) -> (x, aux) as chunk c of `stage` runs it: as is for an even split,
-    else skipping the chunk's padding entries (`stage.uneven_apply`, count split.counts[c*p + stage])."""
+    else skipping the chunk's padding entries (`stage.uneven_apply`, its count `split.count(c, stage)`)."""
     if split.even:
         return apply
-    n = jnp.asarray(split.counts, jnp.int32)[c * split.p + stage]
+    n = split.count(c, stage)
     return functools.partial(uneven_apply, apply, split.lmin, n)
 
 

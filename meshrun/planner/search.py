@@ -197,10 +197,12 @@ def context_degrees(
 
 
 def candidates(
-    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int | None = None, max_context: int = MAX_CONTEXT
-):
+    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int | None = None, max_context: int = MAX_CONTEXT,
+    framework: str = "meshrun",
+):  # fmt: skip
     """Layouts that use every device, keep TP inside a node and divide heads, layers, experts, batch.
-    With `seq_len`, context-parallel layouts too (`context_degrees`); without it, c = 1 only."""
+    With `seq_len`, context-parallel layouts too (`context_degrees`); without it, c = 1 only. The
+    schedules are the registry's searched ones (`framework='megatron'`: those Megatron-LM runs)."""
     n, gpn, L = cluster.n_devices, cluster.gpus_per_node, model.n_layers
     # Any pipe degree that divides the devices works: layers that do not divide split unevenly.
     tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
@@ -210,10 +212,11 @@ def candidates(
     for t in tensors:
         for e in experts:
             for c, kind in context_degrees(cluster, t, seq_len, max_context):
-                yield from _layouts(model, n, L, global_batch, t, e, c, kind)
+                yield from _layouts(model, n, L, global_batch, t, e, c, kind, framework)
 
 
-def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: int, c: int, kind: str):
+def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: int, c: int, kind: str,
+             framework: str = "meshrun"):  # fmt: skip
     """The layouts of `candidates` with tensor t, expert e and context c (kind)."""
     if n % (t * e * c):
         return
@@ -224,7 +227,7 @@ def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: i
             continue
         for b in (k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH):
             m = per_rank // b
-            for name, v in _schedules(p, m, L):
+            for name, v in _schedules(p, m, L, framework):
                 for zero in range(4) if d * e * c > 1 else (0,):
                     for remat in SEARCHED_REMATS:
                         for sp in (False, True) if t > 1 else (False,):
@@ -232,15 +235,16 @@ def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: i
                                          context_kind=kind)  # fmt: skip
 
 
-def _schedules(p: int, m: int, L: int):
+def _schedules(p: int, m: int, L: int, framework: str = "meshrun"):
     """(schedule, virtual) pairs the search tries on p stages with m microbatches of L layers: each
     searched registry entry with its own chunk count, or (a free count) 2, 4 or 8 chunks per stage
-    where the layers and the microbatches divide evenly."""
+    where the layers and the microbatches divide evenly. A schedule of its own several chunks per stage
+    needs a pipeline, a layer per chunk (an uneven split is fine) and the microbatches its rules ask for."""
     for name, sched in registry.SCHEDULES.items():
-        if not sched.searched:
+        if not sched.searched or (framework == "megatron" and not sched.megatron):
             continue
         if sched.chunks is not None:
-            if sched.chunks == 1 or (p > 1 and L % (p * sched.chunks) == 0):
+            if sched.chunks == 1 or (p > 1 and L >= p * sched.chunks and not (sched.m_at_least_p and m < p)):
                 yield name, sched.chunks
             continue
         for v in (2, 4, 8):
@@ -267,7 +271,7 @@ def search(
     ConfigError when none fits."""
     fitting, smallest, n_seen = [], None, 0
     opt = dict(optimizer=optimizer, state_dtype=state_dtype)
-    for layout in candidates(model, cluster, global_batch, seq_len, max_context):
+    for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
         layout = replace(layout, **opt)
         n_seen += 1
         r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
@@ -322,8 +326,9 @@ def _context_text(lay: Layout) -> str:
 
 def _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, opt, kw) -> list[Result]:
     """Nothing fits in device memory: layouts that fit with host offload (planner/offload.py)."""
+    fw = kw.get("framework", "meshrun")
     rs = (evaluate(model, replace(lay, **opt), cluster, global_batch, seq_len, **kw)
-          for lay in candidates(model, cluster, global_batch, seq_len, max_context))  # fmt: skip
+          for lay in candidates(model, cluster, global_batch, seq_len, max_context, fw))  # fmt: skip
     rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch, seq_len)]
     return offload.propose(rs, model, cluster, seq_len, top)
 

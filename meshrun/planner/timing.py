@@ -134,23 +134,29 @@ def context_seconds(
     return steps(gathered / c, f / c) + steps(gathered / c + dkv, (bwd + redo * f) / c) + home
 
 
-def layers_per_stage(n_layers: int, p: int, v: int, costs: tuple[float, float, float]) -> tuple[int, ...]:
+def layers_per_stage(n_layers: int, p: int, v: int, costs: tuple[float, float, float],
+                     placement: str = "loop") -> tuple[int, ...]:  # fmt: skip
     """Layers on each of the p stages: even when p*v divides n_layers, else `split_layers` over the p*v
-    chunks (stage i holds chunks i, i+p, ...; the first chunk has the embedding, the last the head)."""
+    chunks (stage i holds chunks i, i+p, ...; in a V i and 2p-1-i; the first chunk has the embedding,
+    the last the head)."""
     if n_layers % (p * v) == 0:
         return (n_layers // p,) * p
     if n_layers < p * v:  # not a valid layout (a hard rule says so); cost it as if the layers could split
         return (n_layers / p,) * p
     layer, first, last = costs
     chunks = split_layers(n_layers, p * v, layer_cost=layer, first_cost=first, last_cost=last)
+    if placement == "v":
+        return tuple(chunks[i] + chunks[2 * p - 1 - i] for i in range(p))
     return tuple(sum(chunks[i::p]) for i in range(p))
 
 
-def _stage_times(split: tuple[int, ...], costs: tuple[float, float, float]) -> list[float]:
+def _stage_times(split: tuple[int, ...], costs: tuple[float, float, float], placement: str = "loop") -> list[float]:
+    """Seconds per microbatch of each stage: its layers, the embedding on the first stage and the head
+    on the stage of the last chunk (in a V the first stage too)."""
     layer, first, last = costs
     out = [n * layer for n in split]
     out[0] += first
-    out[-1] += last
+    out[0 if placement == "v" else -1] += last
     return out
 
 
@@ -222,8 +228,9 @@ def predict_time(
     full = stage_seconds(model, b, s, t, gpu, layout.remat, cal, cluster=cluster, **kw)
     cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout > 0)
     with_cp = (full[0] + cp_layer, *full[1:])
-    split = layers_per_stage(model.n_layers, p, v, with_cp)
-    times, busy = _stage_times(split, with_cp), _stage_times(split, compute)
+    v, placement = layout.chunks if p > 1 else v, layout.sched.placement
+    split = layers_per_stage(model.n_layers, p, v, with_cp, placement)
+    times, busy = _stage_times(split, with_cp, placement), _stage_times(split, compute, placement)
     slow = max(range(p), key=times.__getitem__)
     t_cp = split[slow] * cp_layer
     t_mb, t_tp = busy[slow], times[slow] - busy[slow] - t_cp
@@ -257,7 +264,7 @@ def predict_time(
 
 def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) -> float:
     """Per micro-batch: activations forward and gradients backward over 'pipe', per chunk."""
-    t, p, v = layout.tensor, layout.pipe, layout.virtual
+    t, p, v = layout.tensor, layout.pipe, layout.chunks
     if p == 1:
         return 0.0
     sent = act / t if framework == "megatron" else act
