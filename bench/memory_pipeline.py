@@ -44,7 +44,7 @@ from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.pipeline.stage import activation_residuals  # noqa: E402
 from meshrun.runtime.mesh import build_mesh  # noqa: E402
 
-VARIANTS = (("1f1b", "lockstep"), ("1f1b", "per_op"), ("zb-h1", "per_op"))
+VARIANTS = (("1f1b", "lockstep"), ("1f1b", "per_op"), ("zb-h1", "per_op"), ("zb-v", "per_op"))
 
 
 def residual_bytes(p: int, rows: int) -> int:
