@@ -40,6 +40,7 @@ from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, u
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
 from meshrun.pipeline.program import TickProgram, tick_program
+from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.split import LayerSplit, layer_split
 from meshrun.pipeline.stage_run import StageRun
 
@@ -73,8 +74,6 @@ class Pipeline:
         nan_bubbles: bool = False,
         skip_idle: bool = True,
     ):
-        if residuals not in ("store", "recompute"):
-            raise ConfigError("residuals", residuals, "use 'store' or 'recompute'")
         if placement not in ("model", "pipeline"):
             raise ConfigError("placement", placement, "use 'model' or 'pipeline'")
         if placement == "model" and model_zero is None:
@@ -86,6 +85,8 @@ class Pipeline:
         self.p = int(mesh.shape.get("pipe", 1))
         self.dp = int(np.prod([mesh.shape.get(a, 1) for a in DP_AXES]))
         self.program = program if program is not None else tick_program(pcfg, self.p)
+        # what the tick loop and the forward-only pipeline read (typed, frozen; checks `residuals`)
+        self.spec = PipelineSpec(fns, self.program, split, mesh, residuals, nan_bubbles, skip_idle)
         self._jit = jax.jit(self.loss_and_grads)
 
     @classmethod
@@ -188,7 +189,7 @@ class Pipeline:
     def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroShardings, zl_o: ZeroShardings):
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
             run_cls = OpRun if self.program.per_op else StageRun  # zb-h1: one op per stage per tick
-            run = run_cls(self, layers, other, tok, lab, seg[0] if seg else None)
+            run = run_cls(self.spec, layers, other, tok, lab, seg[0] if seg else None)
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroShardings.finish`.

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.family import contract
 from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, use_rules
+from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.stage_run import stage_fn, take
 
 
@@ -30,7 +31,7 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
     params, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
     layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
     f = jax.shard_map(
-        lambda lay, oth, *b: _body(pl, lay, oth, *b),
+        lambda lay, oth, *b: _body(pl.spec, lay, oth, *b),
         mesh=pl.mesh,
         in_specs=(zl.sub("layers").local_compute(), zl.without("layers").local_compute(), *(bspec,) * len(batch)),
         out_specs=(P(), P()),
@@ -40,14 +41,14 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
     return f(layers, other, *batch)
 
 
-def _body(pl, layers, other, tok, lab, seg=None):
-    fns, p, v, m = pl.fns, pl.p, pl.program.v, pl.program.m
+def _body(spec: PipelineSpec, layers, other, tok, lab, seg=None):
+    fns, p, v, m = spec.fns, spec.p, spec.program.v, spec.program.m
     stage = lax.axis_index("pipe")
-    with use_rules(pl.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
-        lc = pl.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
+    with use_rules(spec.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
+        lc = spec.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
         x_aval = jax.eval_shape(fns.embed, other, tok[0])
         x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
-        vee = pl.split.placement == "v"
+        vee = spec.split.placement == "v"
         perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
         buf = jnp.zeros((m, *x_aval.shape), x_aval.dtype) if v > 1 else None
         loss = jnp.zeros((), jnp.float32)
@@ -70,7 +71,7 @@ def _body(pl, layers, other, tok, lab, seg=None):
                     else:
                         x0 = jnp.where(stage == entry, take(buf, j), x_in)
                     apply = contract.layers_fn(fns, None if seg is None else take(seg, j))
-                    y, _ = stage_fn(pl.split, apply, c, stage)(chunk, x0)
+                    y, _ = stage_fn(spec.split, apply, c, stage)(chunk, x0)
                     if c < v - 1:
                         return y, jnp.zeros((), jnp.float32)
                     head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)
@@ -93,4 +94,4 @@ def _body(pl, layers, other, tok, lab, seg=None):
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
-        return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in pl.mesh.shape))
+        return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in spec.mesh.shape))

@@ -16,6 +16,7 @@ from meshrun.family import contract
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
 from meshrun.pipeline import zb_split
+from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.split import LayerSplit
 from meshrun.pipeline.stage import activation_residuals, uneven_apply
 
@@ -24,13 +25,13 @@ class StageRun:
     """One device's view of the tick loop inside the shard_map: its stage's chunks, the microbatches
     of its data shard, the carry (activations in flight, residual buffer, gradient sums)."""
 
-    def __init__(self, pl, layers, other, tok, lab, seg=None):
-        prog = pl.program
-        self.pl, self.fns, self.prog, self.other, self.tok, self.lab = pl, pl.fns, prog, other, tok, lab
+    def __init__(self, spec: PipelineSpec, layers, other, tok, lab, seg=None):
+        prog = spec.program
+        self.spec, self.fns, self.prog, self.other, self.tok, self.lab = spec, spec.fns, prog, other, tok, lab
         self.seg = seg  # [M, B, S] segment ids (packed documents) or None
-        self.p, self.v, self.m, self.split = pl.p, prog.v, prog.m, pl.split
+        self.p, self.v, self.m, self.split = spec.p, prog.v, prog.m, spec.split
         self.stage = lax.axis_index("pipe")
-        self.fill = jnp.nan if pl.nan_bubbles else 0.0
+        self.fill = jnp.nan if spec.nan_bubbles else 0.0
         self.counts = jnp.asarray(self.split.counts, jnp.int32)  # per virtual stage
         lc = self.split.lmax
         # v = 1: the stage's layers are used as they are (a dynamic chunk index would copy every
@@ -42,13 +43,13 @@ class StageRun:
         # Total tokens first, from the labels alone: each head backward then uses the exact 1/N.
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_local = contract.token_count(self.fns, other, flat(tok), flat(lab))
-        self.n_tok = lax.psum(n_local, tuple(a for a in GRAD_AXES if a in pl.mesh.shape))
-        self.n_seq = self.m * tok.shape[1] * pl.dp
+        self.n_tok = lax.psum(n_local, tuple(a for a in GRAD_AXES if a in spec.mesh.shape))
+        self.n_seq = self.m * tok.shape[1] * spec.dp
 
         _, self.aux_aval = jax.eval_shape(self.fns.apply_layers, self.chunk(0), self.x_zero)
         weights = dict(self.fns.aux_weights(self.n_seq))
         self.aux_cot = {k: jnp.asarray(float(weights.get(k, 0.0)), a.dtype) for k, a in self.aux_aval.items()}
-        if pl.residuals == "store":
+        if spec.residuals == "store":
             # segment ids are data, not activations: leaves that depend on them alone are rebuilt
             # in the backward from the same microbatch's ids, like the weight-only leaves
             stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)
@@ -136,7 +137,7 @@ class StageRun:
             aux = {k: jnp.zeros(a.shape, a.dtype) for k, a in self.aux_aval.items()}
             return self.full(xs.shape, xs.dtype), c["res"], aux, jnp.zeros((), jnp.float32), c["g_other"], self.x_zero
 
-        if self.pl.skip_idle:
+        if self.spec.skip_idle:
             y, res, aux, ls, g_o, dy = lax.cond(valid, run, idle)
         else:  # compute anyway on fill values: the residuals go to the trash slot, the sums are masked
             x_in = jnp.where(valid, x_in, self.fill)
@@ -160,7 +161,7 @@ class StageRun:
         def run():  # reads its residuals itself: an operand slice taken outside the cond is a copy
             saved = [take(b, slot) for b in c["res"]]
             vjp = self.pullback(ch, mb, saved)
-            if self.pl.skip_idle:  # the layer loop adds each layer's weight gradients into the sums
+            if self.spec.skip_idle:  # the layer loop adds each layer's weight gradients into the sums
                 g_l, dx = self.pullback_into(vjp, dy, c["g_layers"], ch)
             else:  # computed on fill values: each layer's weight gradients are masked as they are added
                 g_l, dx = self.pullback_into(vjp, dy, c["g_layers"], ch, valid)
@@ -170,7 +171,7 @@ class StageRun:
         def idle():  # the sums pass through: no zero gradients made and added on idle ticks
             return c["g_layers"], self.full(self.x_aval.shape, self.x_aval.dtype), c["g_other"]
 
-        if self.pl.skip_idle:
+        if self.spec.skip_idle:
             g_l, dx, g_o = lax.cond(valid, run, idle)
         else:  # compute anyway on fill values
             dy = jnp.where(valid, dy, self.fill)
