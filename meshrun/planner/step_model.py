@@ -13,6 +13,7 @@ import functools
 
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry, schedules
 from meshrun.planner.activations import (
@@ -43,8 +44,6 @@ def _pipeline_slots(schedule: str, p: int, m: int, v: int, executor: str = "lock
     """Residual buffer slots of meshrun's lockstep executor: max in-flight (mb, chunk) pairs of any stage.
     Large tables (the planner's search over big clusters) and the per-op executor use the entry's closed
     form instead of building them."""
-    from meshrun.errors import ConfigError
-
     sched = registry.get(schedule)
     if p * m * v > 256 or sched.executor(executor) == "per_op":
         return pipeline_slots_formula(schedule, p, m, v, executor)

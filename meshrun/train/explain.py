@@ -25,6 +25,8 @@ model.n_layers=4`) to compile a scaled-down layout. On CPU the compiled step use
 
 from __future__ import annotations
 
+import glob
+import tempfile
 from collections import defaultdict
 from dataclasses import replace
 from types import SimpleNamespace
@@ -132,8 +134,6 @@ def compile_step(cfg, dump_to: str | None = None):
 def live_temp(cfg) -> dict[str, int]:
     """{extent, peak} of the compiled step's temp bytes (`analysis.memory.live_temp_peak`): the extent
     is `memory_analysis().temp`, the peak what is live at once, without the packing's holes."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         compile_step(cfg, dump_to=d)
         return _read_live(d, strict=True)
@@ -142,8 +142,6 @@ def live_temp(cfg) -> dict[str, int]:
 def _read_live(d: str, strict: bool = False) -> dict[str, int] | None:
     """`live_temp_peak` of the train step's dumps in `d`; None when they cannot be read (another XLA's
     dump format) unless `strict`."""
-    import glob
-
     from meshrun.analysis.memory import live_temp_peak
 
     try:
@@ -208,8 +206,6 @@ def explain(cfg) -> dict:
                 "collectives": {"predicted": pred["collectives"], "compiled": None},
                 "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
         return out
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         compiled, mesh, plan = compile_step(cfg, dump_to=d)
         live = _read_live(d)
