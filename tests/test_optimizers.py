@@ -32,7 +32,7 @@ SLOW_LAYOUTS = {
     "data4-tensor2-zero3": [*NO_PIPE, "mesh.data=4", "train.zero=3"],
     "pipe2-uneven-3+1-zero3": ["train.zero=3", "pipeline.layers_per_stage=[3,1]"],
     "pipe2-interleaved": ["pipeline.schedule=interleaved", "pipeline.virtual=2"],
-    "tensor8": [*NO_PIPE, "mesh.data=1", "mesh.tensor=8"],
+    "data8-zero1-m2": [*NO_PIPE, "mesh.data=8", "mesh.tensor=1", "train.zero=1", "pipeline.microbatches=2"],
     "context2-tensor2-data2-zero1": [*NO_PIPE, "mesh.data=2", "mesh.tensor=2", "mesh.context=2", "train.zero=1"],
 }  # fmt: skip
 

@@ -100,7 +100,8 @@ def muon(opt: OptimizerConfig, schedule: optax.Schedule, param_names: Any) -> op
     """Muon (Jordan et al. 2024) as `optax.contrib.muon` builds it: Nesterov momentum orthogonalized
     by `ns_steps` Newton-Schulz iterations on each hidden-layer weight matrix (`muon_dims`), scaled
     to AdamW's update RMS (consistent_rms=0.2, Liu et al. 2025, so optimizer.lr means what it means
-    for adamw); AdamW on the other parameters. Built from two `optax.masked` halves instead of
+    for adamw); the adamw entry on the other parameters (as the reference Muon; optax's muon gives
+    its Adam part Nesterov momentum too). Built from two `optax.masked` halves instead of
     `optax.partition`, so that every state leaf is a (masked) copy of the params tree and ZeRO,
     offload and the pipeline place it like any other state (`map_params`)."""
     if param_names is None:
@@ -116,10 +117,8 @@ def muon(opt: OptimizerConfig, schedule: optax.Schedule, param_names: Any) -> op
         optax.add_decayed_weights(opt.weight_decay),
         optax.scale_by_learning_rate(schedule),
     )
-    others = optax.adamw(schedule, b1=opt.beta1, b2=opt.beta2, eps=opt.eps, weight_decay=opt.weight_decay,
-                         nesterov=True)  # fmt: skip
     not_matrix = jax.tree.map(lambda m: not m, is_matrix)
-    return optax.chain(optax.masked(matrices, is_matrix), optax.masked(others, not_matrix))
+    return optax.chain(optax.masked(matrices, is_matrix), optax.masked(adamw(opt, schedule), not_matrix))
 
 
 def _scale_to_adam_rms(dims: Any, rms: float = 0.2) -> optax.GradientTransformation:
