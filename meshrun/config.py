@@ -28,6 +28,7 @@ CONTEXT_KINDS = ("allgather", "ring")  # model.context_parallel
 EXECUTION_FIELDS = ("remat", "remat_every", "sequence_parallel", "attention_impl", "context_parallel")
 REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
 MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...

@@ -21,7 +21,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from meshrun_models.context import allgather_attention, ring_attention
 from meshrun_models.layers import (
+    FP8_SLOTS,
     Lead,
+    fp8_recipe,
     dtype_of,
     normal_param,
     rope,
@@ -32,6 +34,7 @@ from meshrun_models.layers import (
 )
 
 from meshrun.config import ModelConfig
+from meshrun.parallel import fp8
 from meshrun.parallel.context import local_index, sequence_split, zigzag_index
 from meshrun.parallel.sharding import CONTEXT, constrain
 
@@ -130,19 +133,23 @@ def attention(
     *,
     rotary: bool = True,
     bias: bool | None = None,
+    f8: Mapping | None = None,
 ) -> jax.Array:
     """Self-attention on normed input (full length). Returns the row-parallel output before the
     residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter).
     `rotary=False`: no RoPE (a family with learned absolute positions); `bias`: q/k/v biases
-    (default cfg.qkv_bias). The output projection's bias, if any, is the caller's."""
+    (default cfg.qkv_bias). The output projection's bias, if any, is the caller's. `f8`: the block's
+    fp8 state (`layers.fp8_state`): the q/k/v and output GEMMs run in fp8 under cfg.fp8."""
     dt = dtype_of(cfg.dtype)
+    recipe = fp8_recipe(cfg)
+    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
     n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     # Megatron's fused GQA layout [D, K, G+2, Dh] built on the fly: query head n = kv*G + g uses kv
     # head kv (jax.nn.dot_product_attention's grouping), so sharding K shards all three alike and
     # one einsum gives one input-gradient all-reduce in backward instead of three.
     wq_DxKxGxDh = p["q"].reshape(cfg.d_model, n_kv, g, dh)
-    w = jnp.concatenate([wq_DxKxGxDh, p["k"][:, :, None], p["v"][:, :, None]], axis=2).astype(dt)
-    qkv = jnp.einsum("bld,dkgh->blkgh", h_BxLxD, w)
+    w = jnp.concatenate([wq_DxKxGxDh, p["k"][:, :, None], p["v"][:, :, None]], axis=2)
+    qkv = gemm("bld,dkgh->blkgh", h_BxLxD, w if recipe != "none" else w.astype(dt), "qkv")
     if cfg.qkv_bias if bias is None else bias:
         b_q = p["q_bias"].reshape(n_kv, g, dh)
         qkv = qkv + jnp.concatenate([b_q, p["k_bias"][:, None], p["v_bias"][:, None]], axis=1).astype(dt)
@@ -173,4 +180,4 @@ def attention(
         q = q_BxLxHxDh.reshape(b, length, n_kv, g, dh)
         o_BxLxHxDh = attention_core(q, k_BxLxKxDh, v_BxLxKxDh, mask, window).reshape(b, length, cfg.n_heads, dh)
     o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
-    return jnp.einsum("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt))
+    return gemm("blhk,hkd->bld", o_BxLxHxDh, p["o"], "attn_out")

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshrun.config import ModelConfig
+from meshrun.parallel import fp8
 from meshrun.parallel.sharding import constrain
 
 # Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
@@ -106,6 +107,41 @@ class RMSNorm(nnx.Module):
         self.scale = ones_param((cfg.d_model,), ("norm",), lead, cfg)
 
 
+FP8_SLOTS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # the GEMMs of a block model.fp8 covers, in state order
+
+
+class Fp8State(nnx.Module):
+    """A block's fp8 scaling state (`meshrun.parallel.fp8`), float32, created without drawing random
+    numbers (the weights are the same with fp8 on or off). delayed: 'hist' [S, T, H] scale exponents
+    and 'obs' [S, T, N] (zeros; its gradient is the step's histogram); fp8_first_last_bf16: 'on' (0
+    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every."""
+
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False):
+        shape = tuple(s for s, _ in lead)
+        names = tuple(n for _, n in lead)
+        param = lambda v: nnx.Param(v, out_sharding=names + (None,) * (v.ndim - len(names)))
+        s, t = len(FP8_SLOTS), len(fp8.TENSORS)
+        if cfg.fp8 == "delayed":
+            self.hist = param(jnp.full((*shape, s, t, cfg.fp8_amax_history), fp8.EMPTY, jnp.float32))
+            self.obs = param(jnp.zeros((*shape, s, t, fp8.N_BINS), jnp.float32))
+        if cfg.fp8_first_last_bf16:
+            k = cfg.moe_every if cfg.is_moe else 1
+            unit = jnp.arange(shape[0])[(...,) + (None,) * (len(shape) - 1)]
+            inner = jnp.arange(shape[1])[None] if len(shape) > 1 else (k - 1 if last_in_group else 0)
+            layer = unit * k + inner
+            self.on = param(((layer != 0) & (layer != cfg.n_layers - 1)).astype(jnp.float32))
+
+
+def fp8_recipe(cfg: ModelConfig) -> str:
+    """model.fp8 of a family that has it (llama), else none."""
+    return getattr(cfg, "fp8", "none")
+
+
+def fp8_state(p: Mapping, cfg: ModelConfig) -> Mapping | None:
+    """A block's fp8 state leaves (None when it has none)."""
+    return p.get(fp8.STATE_KEY) if fp8_recipe(cfg) != "none" else None
+
+
 class MLP(nnx.Module):
     """SwiGLU (gate, up, down; Llama) or GELU (up, down; GPT). Column-parallel in, row-parallel out."""
 
@@ -175,23 +211,25 @@ def segment_positions(segment_ids_BxL: jax.Array) -> jax.Array:
     return idx - start
 
 
-def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, f8: Mapping | None = None) -> jax.Array:
     """Dense MLP on normed input (full length). Returns the row-parallel output *before* the
-    residual-stream constraint, so the caller's constraint decides all-reduce vs reduce-scatter."""
+    residual-stream constraint, so the caller's constraint decides all-reduce vs reduce-scatter.
+    `f8`: the block's fp8 state (`fp8_state`): its GEMMs run in fp8 under cfg.fp8."""
     dt = dtype_of(cfg.dtype)
+    recipe = fp8_recipe(cfg)
+    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
     if cfg.mlp == "swiglu":
         # gate and up in one einsum: one input-gradient all-reduce in backward instead of two.
-        w_Dx2xF = jnp.stack([p["gate"], p["up"]], axis=1).astype(dt)
-        gu = jnp.einsum("bld,dtf->bltf", h_BxLxD, w_Dx2xF)
+        w_Dx2xF = jnp.stack([p["gate"], p["up"]], axis=1)
+        gu = gemm("bld,dtf->bltf", h_BxLxD, w_Dx2xF if recipe != "none" else w_Dx2xF.astype(dt), "mlp_in")
         gu = checkpoint_name(constrain(gu, ("batch", None, None, "mlp")), "mlp_hidden")
         a_BxLxF = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
     else:
-        u = jnp.einsum("bld,df->blf", h_BxLxD, p["up"].astype(dt))
+        u = gemm("bld,df->blf", h_BxLxD, p["up"], "mlp_in")
         u = checkpoint_name(constrain(u, ("batch", None, "mlp")), "mlp_hidden")
         a_BxLxF = jax.nn.gelu(u)
     a_BxLxF = checkpoint_name(constrain(a_BxLxF, ("batch", None, "mlp")), "mlp_act")
-    out = jnp.einsum("blf,fd->bld", a_BxLxF, p["down"].astype(dt))
-    return out
+    return gemm("blf,fd->bld", a_BxLxF, p["down"], "mlp_out")
 
 
 def embed_lookup(table_VxD: jax.Array, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -20,11 +20,14 @@ from meshrun_models.attention import Attention, attention, segment_info
 from meshrun_models.layers import (
     KEPT_NAMES,
     MLP,
+    Fp8State,
     SAVED_NAMES,
     Lead,
     RMSNorm,
     arrays,
     embed_lookup,
+    fp8_recipe,
+    fp8_state,
     mlp,
     normal_param,
     rms_norm,
@@ -53,6 +56,8 @@ class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is an MLP or an MoE."""
 
     def __init__(self, cfg: ModelConfig, lead: Lead, *, moe: bool, rngs: nnx.Rngs):
+        if fp8_recipe(cfg) != "none" and (cfg.fp8 == "delayed" or cfg.fp8_first_last_bf16):
+            self.fp8 = Fp8State(cfg, lead, last_in_group=moe)
         self.attn_norm = RMSNorm(cfg, lead)
         self.attn = Attention(cfg, lead, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, lead)
@@ -123,13 +128,14 @@ def embed(params: Any, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments=None):
     h = constrain(checkpoint_name(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), "attn_in"), FULL)
-    x = x_BxLxD + constrain(attention(p["attn"], h, cfg, segments), RESID)
+    f8 = fp8_state(p, cfg)
+    x = x_BxLxD + constrain(attention(p["attn"], h, cfg, segments, f8=f8), RESID)
     x = checkpoint_name(x, "resid_mid")
     h = constrain(checkpoint_name(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "mlp_in"), FULL)
-    if moe:
+    if moe:  # the experts' GEMMs stay in the compute dtype (docs/fp8.md)
         y, stats = moe_ffn(p["moe"], h, cfg)
     else:
-        y, stats = mlp(p["mlp"], h, cfg), {k: jnp.zeros((), jnp.float32) for k in STATS}
+        y, stats = mlp(p["mlp"], h, cfg, f8), {k: jnp.zeros((), jnp.float32) for k in STATS}
     return constrain(x + constrain(y, RESID), RESID), stats
 
 

@@ -29,6 +29,7 @@ from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
+from meshrun.parallel import fp8
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import zb_split
@@ -95,7 +96,10 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
 
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
             zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
-            split = lambda a: a.reshape(m, b, *a.shape[1:])
+            # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
+            # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a
+            # per-microbatch statistic (fp8's tensorwise amax) does not depend on the layout.
+            split = lambda a: a.reshape(b, m, *a.shape[1:]).swapaxes(0, 1)
             (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, tuple(split(a) for a in batch))
             loss, metrics = contract.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
             return loss, zl.reduce_local(gsum), metrics
@@ -181,9 +185,11 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
+        scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
         if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
+        params = fp8.with_state(params, scaled)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return host(TrainState(params, opt_state, state.step + 1)), metrics
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from meshrun.config import MAX_DIM, ModelConfig, bounded, choice
+from meshrun.config import FP8_RECIPES, MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
 
 
@@ -36,6 +36,11 @@ class LlamaConfig(ModelConfig):
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
     z_loss_coef: float = 0.001  # weight of the router z-loss
+    # fp8 GEMMs in every layer's q/k/v, attention output, MLP in and out (docs/fp8.md): none |
+    # tensorwise (scales from the current amax) | delayed (from the max of an amax history)
+    fp8: str = "none"
+    fp8_amax_history: int = 16  # delayed: steps of amax history
+    fp8_first_last_bf16: bool = False  # the first and last layers stay in the compute dtype
 
     context_attention: ClassVar[bool] = True  # all-gather and ring attention over 'context'
 
@@ -53,6 +58,10 @@ class LlamaConfig(ModelConfig):
         choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
+        choice("model.fp8", self.fp8, FP8_RECIPES)
+        if self.fp8_amax_history < 1:
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use a history of at least 1 step, e.g. 16")
+        bounded("model.fp8_amax_history", self.fp8_amax_history, 1, MAX_DIM)
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):

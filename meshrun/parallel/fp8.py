@@ -1,0 +1,216 @@
+"""FP8 GEMMs (Micikevicius et al. 2022): e4m3 activations and weights forward, e5m2 gradients backward,
+per-tensor power-of-two scales, float32 accumulation; and the delayed recipe's amax history.
+
+`model.fp8`: `tensorwise` scales each operand by its current amax / the format's max (Transformer
+Engine's current scaling); `delayed` by the largest amax of the last `model.fp8_amax_history` steps,
+rounded up to a power of two: 2^k, k the smallest integer with amax / 2^k <= the format's max
+(torchao's `round_scales_to_power_of_2`), so the history holds exponents, whose max over shards and
+microbatches the gradient sums can carry exactly (below).
+
+Exact across layouts: inside the step's shard_maps the axes that split an activation's rows or
+tokens ('data', 'expert', 'context') are manual, so the tensorwise amax of an activation or
+gradient is `pmax`ed over them; 'tensor' is left to GSPMD, whose `max` over a sharded array is
+already global. Delayed scaling records each step's amax as a scale exponent in a histogram
+(`obs`, a zero parameter whose gradient is one-hot per observation): the gradient sums over
+microbatches, pipeline ticks and data-parallel ranks keep exactly the bins some shard saw, so the
+largest nonzero bin is the max over all of them, whatever the split (a sum of amaxes would not be).
+`update_state` rotates it into the history after the step. Shape letters: S GEMM slots of a layer,
+T = 3 tensors per GEMM (x, w, dy), H history, N exponent bins.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshrun.config import FP8_RECIPES as RECIPES
+from meshrun.parallel.sharding import CONTEXT, DP_AXES, current_rules
+
+__all__ = ["RECIPES", "einsum", "update_state"]
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+K_LO, K_HI = -120, 120  # scale exponents kept (2^k stays a normal float32 and so do k_x + k_w products)
+N_BINS = K_HI - K_LO + 1
+EMPTY = float(K_LO - 8)  # a history entry with no observation (below every real exponent)
+TENSORS = ("x", "w", "dy")
+ROW_AXES = (*DP_AXES, CONTEXT)  # manual axes that split an activation's rows or tokens
+STATE_KEY = "fp8"  # params subtree holding a layer's scaling state
+
+
+def pow2(k: jax.Array) -> jax.Array:
+    """2^k in float32, exactly (built from the exponent bits), for integer k in [-126, 127]."""
+    return jax.lax.bitcast_convert_type(((k.astype(jnp.int32) + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
+def scale_exponent(amax: jax.Array, dtype) -> jax.Array:
+    """Smallest k with amax / 2^k <= max(dtype), clipped to [K_LO, K_HI]; 0 when amax is 0 or not finite."""
+    mf, ef = math.frexp(float(jnp.finfo(dtype).max))  # e4m3: 448 = 0.875 * 2^9
+    m, e = jnp.frexp(amax.astype(jnp.float32))  # amax = m * 2^e, m in [0.5, 1)
+    k = e - ef + (m > mf).astype(jnp.int32)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, jnp.clip(k, K_LO, K_HI), 0).astype(jnp.int32)
+
+
+def current_scale(amax: jax.Array, dtype) -> jax.Array:
+    """Tensorwise scale amax / max(dtype) (Transformer Engine's current scaling); 1 when amax is 0 or
+    not finite."""
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, amax / float(jnp.finfo(dtype).max), 1.0).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x / scale saturated to the format's range, rounded to `dtype` (nearest even)."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _amax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    a = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jax.lax.pmax(a, axes) if axes else a
+
+
+def _observed(amax: jax.Array, dtype) -> jax.Array:
+    """One-hot [N] of amax's scale exponent; zeros when there is nothing to record."""
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jax.nn.one_hot(scale_exponent(amax, dtype) - K_LO, N_BINS, dtype=jnp.float32) * ok
+
+
+class _How(NamedTuple):
+    recipe: str
+    rows: tuple[str, ...]  # manual axes to pmax activation amaxes over (tensorwise)
+    x_dtype: Any
+    w_dtype: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dot(spec: str, how: _How, x, w, scale_T, sink_TxN):
+    return _fwd(spec, how, x, w, scale_T, sink_TxN)[0]
+
+
+def _scale(amax_local, dtype, how: _How, stored):
+    """(scale, the amax to record). tensorwise: amax over the row axes / max(dtype); delayed: the
+    history's scale, or while it is empty (`stored` 0) the current amax's power of two."""
+    amax = jax.lax.pmax(amax_local, how.rows) if how.rows else amax_local
+    if how.recipe == "tensorwise":
+        return current_scale(amax, dtype), None
+    return jnp.where(stored > 0, stored, pow2(scale_exponent(amax, dtype))), _observed(amax_local, dtype)
+
+
+def _fwd(spec, how, x, w, scale_T, sink_TxN):
+    del sink_TxN
+    (sx, ox), (sw, ow) = (
+        _scale(_amax(x, ()), E4M3, how, scale_T[0]),
+        _scale(_amax(w, ()), E4M3, how._replace(rows=()), scale_T[1]),
+    )
+    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    y = jnp.einsum(spec, qx, qw, preferred_element_type=jnp.float32)
+    y = (y * (sx * sw)).astype(how.x_dtype)
+    return y, (qx, qw, sx, sw, scale_T[2], None if ox is None else (ox, ow))
+
+
+def _bwd(spec, how, res, dy):
+    qx, qw, sx, sw, sdy, obs = res
+    sdy, ody = _scale(_amax(dy, ()), E5M2, how, sdy)
+    qdy = quantize(dy, sdy, E5M2)
+    xs, rest = spec.split(",")
+    ws, ys = rest.split("->")
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", qdy, qw, preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{xs},{ys}->{ws}", qx, qdy, preferred_element_type=jnp.float32)
+    dx = (dx * (sdy * sw)).astype(how.x_dtype)
+    dw = (dw * (sx * sdy)).astype(how.w_dtype)
+    sink = jnp.zeros((len(TENSORS), N_BINS), jnp.float32) if obs is None else jnp.stack([*obs, ody])
+    return dx, dw, jnp.zeros((len(TENSORS),), jnp.float32), sink
+
+
+_dot.defvjp(_fwd, _bwd)
+
+
+def row_axes() -> tuple[str, ...]:
+    """The manual axes of the enclosing shard_map (`use_rules(manual=)`) that split activation rows."""
+    mesh, _, manual = current_rules()
+    if mesh is None:
+        return ()
+    return tuple(a for a in ROW_AXES if a in manual and mesh.shape.get(a, 1) > 1)
+
+
+def history_scales(hist_TxH: jax.Array) -> jax.Array:
+    """Delayed scaling's scales [T] for one GEMM: 2^(the largest exponent in the history); 0 while it
+    is empty: the first step scales by the current amax (Transformer Engine and Flax start from scale
+    1, which flushes most gradients to zero in e5m2)."""
+    k = jnp.max(jax.lax.stop_gradient(hist_TxH), axis=-1)
+    return jnp.where(k <= EMPTY, 0.0, pow2(jnp.maximum(k, K_LO)))
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, state: Mapping | None = None, slot: int = 0):
+    """`jnp.einsum(spec, x, w)` in x's dtype, through fp8 under `recipe` (two operands, every index of
+    one appearing in the other or the output). `state`: this layer's {'hist' [S, T, H], 'obs' [S, T, N]
+    (delayed), 'on' [] (1: fp8; 0: the layer stays in the compute dtype)}."""
+    plain = lambda x, w: jnp.einsum(spec, x, w.astype(x.dtype))
+    if recipe == "none":
+        return plain(x, w)
+    how = _How(recipe, row_axes(), x.dtype, w.dtype)  # rows: pmax'ed for tensorwise and delayed's first step
+    if recipe == "delayed":
+        scale_T, sink = history_scales(state["hist"][slot]), state["obs"][slot]
+    else:
+        scale_T, sink = jnp.ones((len(TENSORS),), jnp.float32), jnp.zeros((len(TENSORS), N_BINS), jnp.float32)
+    fp8 = lambda x, w: _dot(spec, how, x, w, scale_T, sink)
+    if state is not None and "on" in state:
+        return jax.lax.cond(state["on"] > 0, fp8, plain, x, w)
+    return fp8(x, w)
+
+
+# ---------------------------------------------------------------- the delayed recipe's state
+
+
+def decode(obs_N: jax.Array) -> jax.Array:
+    """Histogram of observed exponents [..., N] -> the largest observed exponent [...] (EMPTY if none)."""
+    idx = jnp.arange(N_BINS, dtype=jnp.float32)
+    top = jnp.max(jnp.where(obs_N > 0, idx, -1.0), axis=-1)
+    return jnp.where(top >= 0, top + K_LO, EMPTY)
+
+
+def rotate(hist_H: jax.Array, new: jax.Array) -> jax.Array:
+    """Newest entry first, the oldest dropped (Transformer Engine's amax_history roll)."""
+    return jnp.concatenate([new[..., None].astype(hist_H.dtype), hist_H[..., :-1]], axis=-1)
+
+
+def update_state(params: Any, grads: Any) -> tuple[Any, Any]:
+    """After the step's gradient reduction: every `fp8` subtree's history takes this step's observed
+    exponents (decoded from the `obs` gradient) and its gradients are zeroed, so clipping, the logged
+    norm and Adam never see them. Returns (params with the new fp8 state, grads)."""
+    if not isinstance(params, Mapping):
+        return params, grads
+    new_p, new_g = dict(params), dict(grads)
+    for key, sub in params.items():
+        if key == STATE_KEY and isinstance(sub, Mapping):
+            g = grads[key]
+            state = dict(sub)
+            if "hist" in state:
+                state["hist"] = rotate(sub["hist"], decode(g["obs"]))
+                state["obs"] = jnp.zeros_like(sub["obs"])
+            new_p[key], new_g[key] = state, jax.tree.map(jnp.zeros_like, g)
+        else:
+            new_p[key], new_g[key] = update_state(sub, grads[key])
+    return new_p, new_g
+
+
+def with_state(params: Any, src: Any) -> Any:
+    """`params` with every `fp8` subtree taken from `src` (the optimizer's update of them discarded)."""
+    if not isinstance(params, Mapping):
+        return params
+    return {k: src[k] if k == STATE_KEY else with_state(v, src[k]) for k, v in params.items()}
+
+
+def has_state(params: Any) -> bool:
+    """Whether the params carry fp8 state (a `fp8` subtree anywhere)."""
+    if not isinstance(params, Mapping):
+        return False
+    return any(k == STATE_KEY or has_state(v) for k, v in params.items())
