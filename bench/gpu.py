@@ -11,7 +11,8 @@ grads, Adam moments) + the fp32 gradient accumulator is ~19 GB; the activations 
 of 4 x 2048 tokens without recomputation about 10 GB more, and the logits a few GB: well inside
 80 GB (H100) and 141 GB (H200); `--micro-batch 8 --accum 2` also fits on both.
 
-Each variant (`model.remat=none`, then `full`) runs in its own process, so a failure (out of memory)
+Each variant (`model.remat=none`, then `full`, then fp8: remat none with `model.fp8=tensorwise`,
+whose MFU is against the bf16 peak, and `loss_vs_bf16`) runs in its own process, so a failure (out of memory)
 or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
 processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL); the JSON
 line records them (`xla_flags`) and, parsed, the overlap and bucket-fusion ones (`comm_flags`). The output
@@ -36,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ENV = ROOT / "launch/gpu_env.sh"
-VARIANTS = ("none", "full")  # model.remat
+# model.remat, and "fp8": remat none with model.fp8=tensorwise (docs/fp8.md), reported under `fp8`
+# with `loss_vs_bf16` (its last loss / remat=none's) and `speedup_vs_bf16` (step time ratio)
+VARIANTS = ("none", "full", "fp8")
 REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
         "vocab": 32000, "seq_len": 2048}  # fmt: skip
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_ff": 128,
@@ -48,7 +51,10 @@ KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_bytes_i
 
 def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int) -> list[str]:
     m = {k: v for k, v in model.items() if k != "seq_len"}
+    fp8 = ["model.fp8=tensorwise"] if remat == "fp8" else []
+    remat = "none" if remat == "fp8" else remat
     return [
+        *fp8,
         *[f"model.{k}={v}" for k, v in m.items()],
         f"model.max_seq_len={model['seq_len']}",
         f"train.seq_len={model['seq_len']}",
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
         out["xla_flags"] = env.get("XLA_FLAGS", "")
         out["comm_flags"] = comm_flags(out["xla_flags"])
         for i, remat in enumerate(a.variants):
-            key = "remat_" + remat
+            key = "fp8" if remat == "fp8" else "remat_" + remat
             left = deadline - time.monotonic()
             if left < 20:
                 out[key] = {"error": f"skipped: {left:.0f} s of --budget-s left"}
@@ -259,7 +265,11 @@ def main(argv=None) -> int:
                 errors.append(f"{key}: {res['error']}")
     except (Exception, Interrupted, KeyboardInterrupt) as e:  # report what there is, whatever happened
         errors.append(f"{type(e).__name__}: {e}")
-    main_key = "remat_" + a.variants[0]
+    bf16, fp8 = out.get("remat_none", {}), out.get("fp8", {})
+    if bf16.get("loss_last") and fp8.get("loss_last") and fp8.get("step_time_s"):
+        fp8["loss_vs_bf16"] = fp8["loss_last"] / bf16["loss_last"]
+        fp8["speedup_vs_bf16"] = bf16["step_time_s"] / fp8["step_time_s"]
+    main_key = "fp8" if a.variants[0] == "fp8" else "remat_" + a.variants[0]
     first = out.get(main_key, {})
     head = {"bench": out.pop("bench"), "platform": platform, "device_kind": first.get("device_kind"),
             "remat": a.variants[0], **{k: first.get(k) for k in KEYS if k != "error"}}  # fmt: skip

@@ -20,8 +20,8 @@ from meshrun_models.attention import Attention, attention, segment_info
 from meshrun_models.layers import (
     KEPT_NAMES,
     MLP,
-    Fp8State,
     SAVED_NAMES,
+    Fp8State,
     Lead,
     RMSNorm,
     arrays,

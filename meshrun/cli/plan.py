@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from meshrun.analysis.flops import param_counts
-from meshrun.config import MAX_DIM, OPTIMIZER_STATE_DTYPES, RunConfig, from_dict, load_yaml
+from meshrun.config import FP8_RECIPES, MAX_DIM, OPTIMIZER_STATE_DTYPES, RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
@@ -46,6 +46,7 @@ def register(subparsers) -> None:
         help=f"largest context-parallel degree the search tries (default {MAX_CONTEXT}; 1: no context parallelism)",
     )
     p.add_argument("--framework", default="meshrun", help=f"whose step semantics to cost: {list(FRAMEWORKS)}")
+    p.add_argument("--fp8", default=None, help=f"fp8 recipe to cost: {list(FP8_RECIPES)} (default: model.fp8)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (megatron only; meshrun has none)")
     p.add_argument(
         "--optimizer",
@@ -188,6 +189,15 @@ def run_plan(args) -> int:
     model, train, name, opt_cfg = load_model(args.model)
     opt = _optimizer(args, opt_cfg)
     cluster = parse_cluster(args.cluster)
+    if args.fp8 is not None:
+        if args.fp8 not in FP8_RECIPES:
+            raise ConfigError("--fp8", args.fp8, f"use one of {list(FP8_RECIPES)}")
+        if not hasattr(model, "fp8"):
+            raise ConfigError("--fp8", args.fp8, "leave it out", f"model.family={model.family} has no fp8 GEMMs")
+        model = dataclasses.replace(model, fp8=args.fp8)
+    if getattr(model, "fp8", "none") != "none" and not cluster.gpu.fp8_flops:
+        fix = "use --fp8 none here, or an H100/H200/GH200 cluster"
+        raise ConfigError("--fp8", model.fp8, fix, f"{cluster.gpu.name} has no fp8 GEMMs")
     for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
         if val is not None and val < 1:  # given on the command line: checked, never replaced by the YAML's
             raise ConfigError(flag, val, "use a positive whole number")

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from meshrun.config import FP8_RECIPES as RECIPES
+from meshrun.errors import ConfigError
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, current_rules
 
 __all__ = ["RECIPES", "einsum", "update_state"]
@@ -131,6 +132,26 @@ def _bwd(spec, how, res, dy):
 
 
 _dot.defvjp(_fwd, _bwd)
+
+
+MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
+
+
+def check_platform(recipe: str, device: Any) -> None:
+    """ConfigError unless `device` runs fp8 GEMMs: a GPU of compute capability >= 8.9 (as jax reports
+    it), or the CPU, where XLA emulates them (float32 math on f8 values: for numerics, not speed)."""
+    if recipe == "none" or device.platform == "cpu":
+        return
+    cap = str(getattr(device, "compute_capability", "") or "")
+    have = tuple(int(p) for p in cap.split(".")[:2] if p.isdigit()) if device.platform == "gpu" else ()
+    if len(have) < 2 or have < MIN_CAPABILITY:
+        what = f"{device.platform} {getattr(device, 'device_kind', '')}".strip()
+        raise ConfigError(
+            "model.fp8",
+            recipe,
+            "use model.fp8=none here; fp8 GEMMs need a GPU of compute capability >= 8.9 (H100, H200, L40S)",
+            f"{what} (compute capability {cap or 'n/a'}) has no fp8 GEMMs",
+        )
 
 
 def row_axes() -> tuple[str, ...]:

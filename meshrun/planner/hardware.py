@@ -35,6 +35,7 @@ class GPU:
     nic_bw: float  # default inter-node network per GPU (one NIC per GPU), one direction, bytes/s
     sms: int = 108  # streaming multiprocessors (GEMM wave quantisation)
     pcie_bw: float = 32 * GB  # host link, one direction: PCIe Gen4 x16 32 GB/s, Gen5 64 GB/s
+    fp8_flops: float = 0.0  # dense fp8 tensor-core FLOP/s (0: no fp8 GEMMs)
 
     @property
     def nvlink_uni_bw(self) -> float:
@@ -58,13 +59,14 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense (1,979 with sparsity); 80 GB HBM3 3.35 TB/s;
     # NVLink 4 900 GB/s. DGX H100: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU.
     # 132 SMs, PCIe Gen5.
-    "h100-80g": GPU("h100-80g", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB),
+    # fp8: 1,979 TFLOP/s dense (3,958 with sparsity), the same on H200 and GH200.
+    "h100-80g": GPU("h100-80g", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
     # NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense); 141 GB HBM3e 4.8 TB/s;
     # NVLink 900 GB/s. DGX/HGX H200: 8x NDR 400 Gb/s = 50 GB/s per GPU.
-    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB),
+    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
     # NVIDIA GH200 Grace Hopper datasheet: H100 compute, 96 GB HBM3 4 TB/s, NVLink 900 GB/s; the host
     # link is NVLink-C2C, 900 GB/s total = 450 GB/s each way (what host offload runs over).
-    "gh200": GPU("gh200", 989e12, 96 * GB, 4000 * GB, 900 * GB, 400e9 / 8, 132, 450 * GB),
+    "gh200": GPU("gh200", 989e12, 96 * GB, 4000 * GB, 900 * GB, 400e9 / 8, 132, 450 * GB, 1979e12),
 }
 
 

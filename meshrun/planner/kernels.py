@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
-from meshrun.planner.hardware import GPU
+from meshrun.planner.hardware import COMM_LATENCY_S, GPU
 
 # The bf16 tile cuBLAS picks for large GEMMs on A100/H100 (CUTLASS's default 256 x 128 threadblock).
 TILE_M, TILE_N = 256, 128
@@ -37,22 +37,34 @@ class Calibration:
     hbm: float  # fraction of HBM bandwidth memory-bound kernels reach
 
 
-def gemm_seconds(m: float, n: float, k: float, gpu: GPU, cal: Calibration, batch: float = 1) -> float:
-    """One (batched) GEMM: max(compute in whole waves of tiles, bytes of A, B, C in bf16 at HBM speed)."""
+def gemm_seconds(
+    m: float, n: float, k: float, gpu: GPU, cal: Calibration, batch: float = 1, *, fp8: bool = False
+) -> float:
+    """One (batched) GEMM: max(compute in whole waves of tiles, bytes of A, B, C in bf16 at HBM speed).
+    fp8: at the fp8 peak, A and B one byte each."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
     tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch
     waves = math.ceil(tiles / gpu.sms)
-    compute = waves * 2.0 * TILE_M * TILE_N * k / (gpu.peak_flops / gpu.sms * cal.gemm)
-    memory = 2.0 * batch * (m * k + k * n + m * n) / (gpu.hbm_bw * cal.hbm)
+    peak, operand = (gpu.fp8_flops, 1.0) if fp8 else (gpu.peak_flops, 2.0)
+    compute = waves * 2.0 * TILE_M * TILE_N * k / (peak / gpu.sms * cal.gemm)
+    memory = batch * (operand * (m * k + k * n) + 2.0 * m * n) / (gpu.hbm_bw * cal.hbm)
     return max(compute, memory)
 
 
-def linear_seconds(tokens: float, k: float, n: float, gpu: GPU, cal: Calibration, batch: float = 1) -> tuple:
+def linear_seconds(
+    tokens: float, k: float, n: float, gpu: GPU, cal: Calibration, batch: float = 1, *, fp8: bool = False
+) -> tuple:
     """(forward, backward) of y = x W with x [tokens, k], W [k, n]: backward is dX = dY W^T and dW = x^T dY."""
-    fwd = gemm_seconds(tokens, n, k, gpu, cal, batch)
-    bwd = gemm_seconds(tokens, k, n, gpu, cal, batch) + gemm_seconds(k, n, tokens, gpu, cal, batch)
+    fwd = gemm_seconds(tokens, n, k, gpu, cal, batch, fp8=fp8)
+    bwd = gemm_seconds(tokens, k, n, gpu, cal, batch, fp8=fp8) + gemm_seconds(k, n, tokens, gpu, cal, batch, fp8=fp8)
     return fwd, bwd
+
+
+def fp8_overhead_bytes(tokens: float, k: float, n: float, act: float) -> tuple[float, float]:
+    """(forward, backward) bytes of one fp8 GEMM's casts: amax and cast of x and W forward (read in the
+    compute dtype, write one byte; W read in bf16), of dY backward."""
+    return tokens * k * (act + 1) + k * n * 3.0, tokens * n * (act + 1)
 
 
 def hbm_seconds(nbytes: float, gpu: GPU, cal: Calibration) -> float:
@@ -119,8 +131,11 @@ def layer_seconds(
     per-token kernel runs on the local b s/c tokens (`attention_core_seconds` for the attention)."""
     tok, h = b * (s / context if context > 1 else s), model.d_model
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    parts = [linear_seconds(tok, h, (q + 2 * kv) / t, gpu, cal), linear_seconds(tok, q / t, h, gpu, cal)]
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
+    f8 = getattr(model, "fp8", "none") != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
+    dense = [(h, (q + 2 * kv) / t), (q / t, h)] + ([] if moe else [(h, up), (model.d_ff / t, h)])
+    parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
+    cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
     if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
         local = model.n_experts / expert
         padding = 1.0 if model.moe_dispatch == "dropless" else model.capacity_factor  # grouped GEMM: real rows
@@ -130,19 +145,20 @@ def layer_seconds(
             linear_seconds(routed, model.d_ff / t, h, gpu, cal, local),
         ]
         parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
-    else:
-        parts += [linear_seconds(tok, h, up, gpu, cal), linear_seconds(tok, model.d_ff / t, h, gpu, cal)]
     attn_f, attn_b = attention_core_seconds(
         model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context, kind=kind
     )
     mem = hbm_seconds(elementwise_bytes(model, tok, t, sp=sp, dropout=dropout, act=act), gpu, cal)
+    # tensorwise fp8: one amax all-reduce (a scalar: latency) per covered GEMM forward (x) and backward
+    # (dY); delayed scaling's amaxes ride the gradient reduction (a few KB per layer)
+    amax = COMM_LATENCY_S * len(cast) if getattr(model, "fp8", "none") == "tensorwise" else 0.0
     return {
         "gemm_fwd": sum(f for f, _ in parts),
         "gemm_bwd": sum(bw for _, bw in parts),
         "attn_fwd": attn_f,
         "attn_bwd": attn_b,
-        "mem_fwd": mem,
-        "mem_bwd": 2 * mem,
+        "mem_fwd": mem + hbm_seconds(sum(f for f, _ in cast), gpu, cal) + amax,
+        "mem_bwd": 2 * mem + hbm_seconds(sum(bw for _, bw in cast), gpu, cal) + amax,
     }
 
 

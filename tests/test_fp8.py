@@ -1,0 +1,194 @@
+"""FP8 GEMMs (meshrun.parallel.fp8): quantization, the delayed recipe's history, parity with one
+device across layouts, a wrong amax reduction caught, f8 operands in the step's HLO, bad input."""
+
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import ONE_DEVICE, _cfg, run_steps
+
+from meshrun.config import load_config
+from meshrun.errors import ConfigError
+from meshrun.parallel import fp8
+
+
+def test_quantize_saturates_and_rounds_to_the_format():
+    x = jnp.array([1000.0, -1000.0, 448.0, 3.3, -0.011, 1e-9, 0.0])
+    q = fp8.quantize(x, jnp.float32(1.0), fp8.E4M3)
+    assert q.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32))[:3], [448.0, -448.0, 448.0])  # saturated, no NaN
+    back = np.asarray(fp8.dequantize(q, jnp.float32(1.0)))
+    assert abs(back[3] - 3.3) / 3.3 <= 2.0**-4  # e4m3: 3 mantissa bits, half an ulp
+    assert back[5] == 0.0 and back[6] == 0.0
+    g = fp8.quantize(jnp.array([1e6, 57344.0]), jnp.float32(1.0), fp8.E5M2)
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), [57344.0, 57344.0])
+    # a scale maps amax onto the format's max: nothing saturates, the largest value survives exactly
+    amax = jnp.float32(0.37)
+    s = fp8.current_scale(amax, fp8.E4M3)
+    assert float(fp8.dequantize(fp8.quantize(amax, s, fp8.E4M3), s)) == pytest.approx(0.37, rel=1e-6)
+    assert float(fp8.current_scale(jnp.float32(0.0), fp8.E4M3)) == 1.0
+
+
+def test_power_of_two_scale_exponents():
+    """k is the smallest exponent with amax / 2^k <= max: 448 fits at k=0, 449 needs k=1."""
+    e = lambda a, dt=fp8.E4M3: int(fp8.scale_exponent(jnp.float32(a), dt))
+    assert (e(448.0), e(449.0), e(224.0), e(224.1), e(57344.0, fp8.E5M2), e(57345.0, fp8.E5M2)) == (0, 1, -1, 0, 0, 1)
+    assert e(0.0) == 0 and e(float("inf")) == 0
+    for k in (-120, -7, 0, 5, 120):
+        assert float(fp8.pow2(jnp.int32(k))) == 2.0**k
+
+
+def test_amax_history_rotation_and_decode():
+    obs = np.zeros(fp8.N_BINS, np.float32)
+    obs[[3, 40]] = [1.0, 0.5]  # two observations (counts need only be nonzero)
+    assert float(fp8.decode(jnp.asarray(obs))) == 40 + fp8.K_LO
+    assert float(fp8.decode(jnp.zeros(fp8.N_BINS))) == fp8.EMPTY
+    hist = jnp.array([-5.0, -6.0, -7.0])
+    np.testing.assert_array_equal(
+        fp8.rotate(hist, jnp.float32(-2.0)), [-2.0, -5.0, -6.0]
+    )  # newest first, oldest dropped
+    # the history's scale is 2^max; an empty history asks for the current amax (0)
+    np.testing.assert_array_equal(
+        fp8.history_scales(jnp.array([[fp8.EMPTY] * 3, [-9.0, -3.0, fp8.EMPTY]])), [0.0, 2.0**-3]
+    )
+    params = {"layers": {"fp8": {"hist": jnp.full((2, 1, 3, 3), fp8.EMPTY), "obs": jnp.zeros((2, 1, 3, fp8.N_BINS))},
+                         "w": jnp.ones(2)}}  # fmt: skip
+    grads = jax.tree.map(jnp.ones_like, params)
+    new, g = fp8.update_state(params, grads)
+    assert float(new["layers"]["fp8"]["hist"][0, 0, 0, 0]) == fp8.K_HI  # every bin seen: the top one wins
+    assert float(new["layers"]["fp8"]["hist"][0, 0, 0, 1]) == fp8.EMPTY
+    assert not np.any(np.asarray(g["layers"]["fp8"]["obs"])) and float(g["layers"]["w"][0]) == 1.0
+
+
+# Parity. A layout adds fp32 reduction-order noise of a few ulp (~1e-7 relative: tensor- and
+# context-parallel partial sums) before some fp8 casts; an element then rounds to the neighbouring
+# fp8 value when it lies that close to a rounding boundary (e4m3 steps are 2^-3 relative: about one
+# cast in 10^6), and such a flip moves one row of one gradient by one fp8 step of one product: a
+# few parameters (e.g. one embedding row) by up to ~2e-4, everything else by float noise. So each
+# parameter tensor is compared as a whole: ||got - ref|| / ||ref|| <= 1e-4, and the loss at rtol
+# 1e-5. Measured over 3 steps (Adam eps 1e-2, so that a gradient difference dg moves a parameter by at
+# most lr*dg/eps, the optimizer's conditioning as in test_train's adam_eps): <= 6.5e-6 and loss
+# within 1e-7 on every layout; with the amax not reduced over the data axes
+# (test_wrong_amax_reduction_fails) 2e-2 and 8e-5..3e-4. The delayed histories (exponents) must match exactly.
+PARITY = ["train.adam_eps=1e-2"]
+NORM_RTOL = 1e-4
+
+
+def assert_fp8_same(got, ref):
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for (path, g), r in zip(jax.tree.leaves_with_path(got[1]), jax.tree.leaves(ref[1]), strict=True):
+        name = jax.tree_util.keystr(path)
+        if "fp8" in name:
+            np.testing.assert_array_equal(g, r, err_msg=name)
+        else:
+            assert np.linalg.norm(g - r) <= NORM_RTOL * np.linalg.norm(r), name
+
+
+_REF = {}
+
+
+def fp8_reference(config, over):
+    key = (config, tuple(over))
+    if key not in _REF:
+        _REF[key] = run_steps(_cfg(config, [*PARITY, *over, *ONE_DEVICE]), n_devices=1)
+    return _REF[key]
+
+
+@pytest.mark.parametrize(
+    "recipe, config, layout",
+    [
+        ("delayed", "tiny_cpu.yaml", []),  # data2 x pipe2 x tensor2, 1F1B, m=4
+        pytest.param("tensorwise", "tiny_cpu.yaml", [], marks=pytest.mark.slow),
+        pytest.param(
+            "tensorwise", "tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"], marks=pytest.mark.slow
+        ),  # fmt: skip
+        pytest.param(
+            "delayed", "tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=4", "train.zero=3"], marks=pytest.mark.slow
+        ),
+        pytest.param("delayed", "tiny_cpu.yaml", ["train.zero=1"], marks=pytest.mark.slow),
+        pytest.param(
+            "tensorwise",
+            "tiny_cpu.yaml",
+            ["pipeline.schedule=interleaved", "pipeline.virtual=2"],
+            marks=pytest.mark.slow,
+        ),  # fmt: skip
+        pytest.param("delayed", "tiny_cpu.yaml", ["pipeline.schedule=zb-h1"], marks=pytest.mark.slow),
+        pytest.param("delayed", "tiny_moe_cpu.yaml", [], marks=pytest.mark.slow),  # data x expert x tensor
+    ],
+)
+def test_fp8_layouts_match_one_device(recipe, config, layout):
+    """Loss and every updated parameter (the delayed amax histories included) after 3 steps equal
+    one device's fp8 run at the same microbatch count."""
+    over = [f"model.fp8={recipe}"]
+    got = run_steps(_cfg(config, [*PARITY, *over, *layout]))
+    assert_fp8_same(got, fp8_reference(config, over))
+
+
+def test_wrong_amax_reduction_fails(monkeypatch):
+    """Without the pmax over the data axes each shard scales by its own amax: parity breaks."""
+    over = ["model.fp8=tensorwise", "mesh.pipe=1", "mesh.data=4"]
+    ref = fp8_reference("tiny_cpu.yaml", ["model.fp8=tensorwise"])
+    monkeypatch.setattr(fp8, "row_axes", lambda: ())
+    got = run_steps(_cfg("tiny_cpu.yaml", [*PARITY, *over]))
+    with pytest.raises(AssertionError):
+        assert_fp8_same(got, ref)
+
+
+def test_step_hlo_has_f8_operands_on_the_covered_gemms_only():
+    """The pre-optimization HLO (XLA:CPU upcasts f8 dots when it compiles) of a one-device step, one
+    copy of the layer scan body = one layer: 4 forward GEMMs on e4m3 x e4m3 (q/k/v, attention output,
+    MLP in, MLP out) and their 8 backward GEMMs on e5m2 x e4m3 (input and weight gradient of each);
+    everything else stays in float32: the head and the attention core (scores, probabilities x v)."""
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
+
+    cfg = _cfg("tiny_cpu.yaml", ["model.fp8=tensorwise", "model.remat=full", *ONE_DEVICE])
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
+    ts = make_train_step(cfg, mesh)
+    tok = jnp.zeros((cfg.train.global_batch, cfg.train.seq_len), jnp.int32)
+    text = ts.step.lower(ts.abstract_run, tok, tok).as_text()
+    dots = re.findall(r"stablehlo\.dot_general[^\n]*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+    kinds = {}
+    for a, b in dots:
+        key = tuple(t.split("x")[-1].rstrip(">") for t in (a, b))
+        kinds[key] = kinds.get(key, 0) + 1
+    # full remat: the backward recomputes the forward GEMMs but the last one (MLP out: its output is
+    # not needed there), so 4 + 3 e4m3 pairs
+    assert kinds.pop(("f8E4M3FN", "f8E4M3FN")) == 4 + 3
+    assert kinds.pop(("f8E5M2", "f8E4M3FN")) == 4  # input gradients: dy x w
+    assert kinds.pop(("f8E4M3FN", "f8E5M2")) == 4  # weight gradients: x x dy
+    # float32: the head (forward, input and weight gradient) and the attention core (2 forward, 2
+    # recomputed, 4 backward)
+    assert kinds == {("f32", "f32"): 3 + 8}
+
+
+def test_fp8_config_errors():
+    with pytest.raises(ConfigError, match="model.fp8"):
+        load_config(None, ["model.fp8=mxfp8"])
+    with pytest.raises(ConfigError, match="model.fp8_amax_history"):
+        load_config(None, ["model.fp8=delayed", "model.fp8_amax_history=0"])
+
+
+def test_fp8_refused_on_a_gpu_without_fp8():
+    gpu = lambda cap: type("D", (), {"platform": "gpu", "compute_capability": cap, "device_kind": "GPU"})()
+    with pytest.raises(ConfigError, match=r"model.fp8: .*compute capability 8.0"):
+        fp8.check_platform("tensorwise", gpu("8.0"))  # A100
+    fp8.check_platform("delayed", gpu("9.0"))  # H100 / H200
+    fp8.check_platform("delayed", jax.devices()[0])  # CPU: emulated
+    with pytest.raises(ConfigError, match="tpu"):
+        fp8.check_platform("delayed", type("D", (), {"platform": "tpu"})())
+
+
+def test_cli_bad_fp8_input_exits_2(tmp_path):
+    for bad in ("model.fp8=e4m3", "model.fp8_amax_history=0"):
+        r = subprocess.run(
+            [sys.executable, "-m", "meshrun.cli", "train", "configs/tiny_cpu.yaml", bad, f"train.run_dir={tmp_path}/r"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "model.fp8" in r.stderr
+        assert not (tmp_path / "r").exists()
