@@ -192,3 +192,47 @@ def test_cli_bad_fp8_input_exits_2(tmp_path):
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "model.fp8" in r.stderr
         assert not (tmp_path / "r").exists()
+
+
+def test_delayed_state_is_checkpointed_and_resume_gives_the_same_losses(tmp_path):
+    """The amax histories are parameters: a run stopped after step 3 (checkpoint at step 2) and resumed
+    logs the losses of an uninterrupted run (step 3 again, then 4)."""
+    import json
+
+    from meshrun.train.loop import run
+
+    over = ["mesh.pipe=1", "mesh.data=4", "model.fp8=delayed", "model.fp8_amax_history=2", "train.seq_len=16",
+            "model.max_seq_len=16", "pipeline.microbatches=2", "checkpoint.every=2", "checkpoint.async_save=false",
+            "train.steps=4"]  # fmt: skip
+    run(load_config("configs/tiny_cpu.yaml", [*over, f"train.run_dir={tmp_path / 'a'}"]), quiet=True)
+    part = load_config("configs/tiny_cpu.yaml", [*over, f"train.run_dir={tmp_path / 'b'}"])
+    run(part, quiet=True, stop_after=3)
+    run(part, quiet=True)
+    rows = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in rows("a")}
+    resumed = rows("b")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
+
+
+def test_first_and_last_layers_stay_in_the_compute_dtype():
+    """fp8_first_last_bf16: with 2 layers (both first or last) the loss and gradients are fp8=none's
+    exactly; with 4 the middle two run in fp8 and the loss moves."""
+    import meshrun_models as mm
+
+    tok = jax.random.randint(jax.random.key(0), (4, 16), 0, 256)
+
+    def loss_grads(**kw):
+        cfg = load_config("configs/tiny_cpu.yaml", [f"model.{k}={v}" for k, v in kw.items()]).model
+        params = mm.layers.arrays(mm.init_params(cfg, 0)[1])
+        (loss, _), g = jax.value_and_grad(lambda p: mm.loss_fn(p, tok, tok, cfg), has_aux=True)(params)
+        return float(loss), g, params
+
+    plain, g_plain, _ = loss_grads(n_layers=2)
+    kept, g_kept, _ = loss_grads(n_layers=2, fp8="tensorwise", fp8_first_last_bf16=True)
+    assert kept == plain
+    np.testing.assert_array_equal(g_kept["layers"]["mlp"]["down"], g_plain["layers"]["mlp"]["down"])
+    mixed, _, params = loss_grads(n_layers=4, fp8="tensorwise", fp8_first_last_bf16=True)
+    assert np.asarray(params["layers"]["fp8"]["on"]).tolist() == [0, 1, 1, 0]
+    assert mixed != loss_grads(n_layers=4)[0]
