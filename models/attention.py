@@ -23,8 +23,8 @@ from meshrun_models.context import allgather_attention, ring_attention
 from meshrun_models.layers import (
     FP8_SLOTS,
     Lead,
-    fp8_recipe,
     dtype_of,
+    fp8_recipe,
     normal_param,
     rope,
     rope_freqs,

@@ -71,10 +71,10 @@ def test_amax_history_rotation_and_decode():
 # few parameters (e.g. one embedding row) by up to ~2e-4, everything else by float noise. So each
 # parameter tensor is compared as a whole: ||got - ref|| / ||ref|| <= 1e-4, and the loss at rtol
 # 1e-5. Measured over 3 steps (Adam eps 1e-2, so that a gradient difference dg moves a parameter by at
-# most lr*dg/eps, the optimizer's conditioning as in test_train's adam_eps): <= 6.5e-6 and loss
+# most lr*dg/eps, the optimizer's conditioning as in test_train): <= 6.5e-6 and loss
 # within 1e-7 on every layout; with the amax not reduced over the data axes
 # (test_wrong_amax_reduction_fails) 2e-2 and 8e-5..3e-4. The delayed histories (exponents) must match exactly.
-PARITY = ["train.adam_eps=1e-2"]
+PARITY = ["optimizer.eps=1e-2"]
 NORM_RTOL = 1e-4
 
 

@@ -60,7 +60,7 @@ class LlamaConfig(ModelConfig):
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         choice("model.fp8", self.fp8, FP8_RECIPES)
         if self.fp8_amax_history < 1:
-            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use a history of at least 1 step, e.g. 16")
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
         bounded("model.fp8_amax_history", self.fp8_amax_history, 1, MAX_DIM)
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
