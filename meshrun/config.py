@@ -29,6 +29,7 @@ EXECUTION_FIELDS = ("remat", "remat_every", "sequence_parallel", "attention_impl
 REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
+OFFLOAD_TIERS = ("none", "host", "nvme")  # train.offload_optimizer
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
 MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...
@@ -279,9 +280,13 @@ class TrainConfig:
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"  # one run: config.yaml, metrics.jsonl, checkpoints/, logs; a rerun resumes
     profile: bool = False  # trace steps with jax.profiler into RUN_DIR/profile and print the profile report
-    # The optimizer state (moments, and the float32 master weights of params stored below float32)
-    # lives in pinned host memory between steps; the step moves it to the device for the update and back.
-    offload_optimizer: bool = False
+    # Where the optimizer state (moments, and the float32 master weights of params stored below
+    # float32) rests between steps: none (device) | host (pinned host memory; the step moves it in and
+    # out) | nvme (files in offload_dir, updated in chunks streamed through offload_budget_mb of host
+    # memory, docs/offload.md). true/false are read as host/none.
+    offload_optimizer: str | bool = "none"
+    offload_dir: str = ""  # nvme: a local directory per process ("{process}" is replaced by its index)
+    offload_budget_mb: float = 256.0  # nvme: host memory for the streamed update's chunk buffers
     # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
     # gradients accumulate in float32 either way and are cast back before the optimizer
     grad_reduce_dtype: str = "float32"
@@ -309,6 +314,16 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        if isinstance(self.offload_optimizer, bool):  # the older boolean spelling
+            object.__setattr__(self, "offload_optimizer", "host" if self.offload_optimizer else "none")
+        _choice("train.offload_optimizer", self.offload_optimizer, OFFLOAD_TIERS)
+        if not 0 < self.offload_budget_mb <= 2**30:
+            raise ConfigError("train.offload_budget_mb", self.offload_budget_mb, "use a positive size in MiB, e.g. 256")
+        if self.offload_optimizer == "nvme" and not self.offload_dir:
+            raise ConfigError(
+                "train.offload_dir", self.offload_dir, "give a local directory for the optimizer state files, "
+                "e.g. train.offload_dir=/local/nvme/offload", "required with train.offload_optimizer=nvme",
+            )  # fmt: skip
 
 
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
@@ -439,6 +454,8 @@ def _coerce(name: str, tp, value):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if any(type(value) is a for a in args):  # already one of the members (e.g. `str | bool`)
+            return value
         return _coerce(name, args[0], value)
     if tp is bool:
         if isinstance(value, bool):

@@ -53,7 +53,8 @@ def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     (remat=offload: selective's compute + host traffic; remat_every: full's compute)."""
     lay = planner_layout(cfg, mesh_shape)
     lay = replace(lay, remat={"offload": "selective"}.get(lay.remat, lay.remat))
-    levers = ("optimizer",) * cfg.train.offload_optimizer + ("activations",) * (cfg.model.remat == "offload")
+    off = cfg.train.offload_optimizer != "none"
+    levers = ("optimizer",) * off + ("activations",) * (cfg.model.remat == "offload")
     cluster = parse_cluster(cluster_text)
     return search.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
 
@@ -62,7 +63,8 @@ def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives.
     `program`: the step's tick program (its permutes per step) when there is a pipeline."""
     lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
-    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.train.offload_optimizer)
+    off = cfg.train.offload_optimizer != "none"
+    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=off)
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
     rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]

@@ -260,7 +260,7 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
         how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
     try:
-        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer)
+        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer != "none")
         host = f", host {_gib(mem['host'])}" if mem.get("host") else ""
         lines.append(
             f"memory    predicted {_gib(mem['total'])} per device (params {_gib(mem['params'])}, optimizer "

@@ -104,7 +104,7 @@ def balance_gpu(mesh) -> tuple[str, str]:
 def offloaded(cfg: RunConfig) -> tuple[str, ...]:
     """ZeroShardings parts resting in host memory: the optimizer moments with train.offload_optimizer, and
     the parameters too when they are fp32 master weights of a lower-precision compute dtype."""
-    if not cfg.train.offload_optimizer:
+    if cfg.train.offload_optimizer != "host":  # nvme: the optimizer state rests in files (train/streamed.py)
         return ()
     return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
 
@@ -131,8 +131,9 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
-    if hasattr(mesh, "devices") and (cfg.train.offload_optimizer or cfg.model.remat == "offload"):
-        field = "train.offload_optimizer" if cfg.train.offload_optimizer else "model.remat"
+    host = cfg.train.offload_optimizer == "host"
+    if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload"):
+        field = "train.offload_optimizer" if host else "model.remat"
         check_host_memory(mesh.devices.flat[0], field)
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):

@@ -34,6 +34,7 @@ from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import zb_split
 from meshrun.pipeline.executor import Pipeline
+from meshrun.train import streamed
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
@@ -60,6 +61,7 @@ class TrainStep:
     abstract_run: TrainState  # as abstract_state, in the placement `step` takes
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
     tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
+    tier: Any = None  # train.offload_optimizer=nvme: the streamed update's `streamed.Tier`
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):
@@ -199,7 +201,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
     )
     with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)
-    return TrainStep(
+    ts = TrainStep(
         step=step,
         init=init,
         init_from=init_from,
@@ -213,6 +215,9 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         plan=plan,
         tx=tx,
     )
+    if cfg.train.offload_optimizer != "nvme":
+        return ts
+    return streamed.make_streamed(ts, cfg)
 
 
 def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:

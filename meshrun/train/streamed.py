@@ -1,0 +1,351 @@
+"""train.offload_optimizer=nvme: the optimizer state rests in files and the update streams through
+host memory in chunks (ZeRO-Infinity, Rajbhandari et al. 2021; docs/offload.md).
+
+The step runs in two parts. On the device, one jitted function: forward, backward, the one gradient
+reduction, the global gradient norm (once over the whole gradient, as the in-memory step computes
+it), and a flat view of the gradient and params: every device's ZeRO shard of every leaf
+concatenated into one row, `[*mesh, L]` (`FlatLayout`). Then, chunk by chunk (C elements of every
+row: a sub-group of each rank's shard of every optimizer leaf), the chunk's state (fp32 master,
+Adam m, v) is read from the file (`swap.SwapFile`), copied to the device and updated there by the
+optimizer's elementwise part, clipped with the global norm by optax's formula; the new params go
+into the flat row in place and the new state back to the file, while the next chunk is read and the
+previous one written. The update runs on the device: the same XLA backend evaluates the same
+elementwise formulas as the in-memory step (a host CPU's pow or division may differ from a GPU's in
+the last bit), at the device's memory bandwidth.
+Checkpoints hold the whole state in the in-memory tiers' format: `to_model` reads it back chunk by
+chunk, `to_run` writes a restored one, so a run resumes across tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshrun.config import RunConfig
+from meshrun.errors import ConfigError
+from meshrun.optim import optimizer
+from meshrun.parallel.sharding import is_spec
+from meshrun.train import swap
+
+
+def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
+    """optax.clip_by_global_norm's formula for one array, with the global norm computed elsewhere."""
+    trigger = jnp.squeeze(g_norm < max_norm)
+    return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Every device's shard of every parameter leaf (in the optimizer's ZeRO layout) as one row of a
+    `[*mesh, length]` array; `local` are this process's devices (rows), `owner[r]` the distinct row
+    that local row r holds (replicas share one copy on disk), `first[u]` a local row holding u."""
+
+    mesh: Mesh
+    specs: tuple  # the optimizer's PartitionSpec per leaf
+    shapes: tuple  # local shard shape per leaf
+    offsets: tuple
+    used: int  # elements of a row holding data (the rest is zero padding)
+    length: int  # a multiple of `chunk`
+    chunk: int
+    local: tuple
+    owner: tuple
+    first: tuple
+
+    @property
+    def n_chunks(self) -> int:
+        return self.length // self.chunk
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*self.mesh.axis_names))
+
+    def shape(self, n: int) -> tuple[int, ...]:
+        return (*self.mesh.devices.shape, n)
+
+    def flatten(self, leaves: list, dtype) -> jax.Array:
+        """Leaves in the optimizer layout -> [*mesh, length] rows (inside jit)."""
+        ndim, pad = len(self.mesh.axis_names), self.length - self.used
+
+        def body(*xs):
+            parts = [x.reshape(-1).astype(dtype) for x in xs] + ([jnp.zeros(pad, dtype)] if pad else [])
+            return jnp.concatenate(parts).reshape((1,) * ndim + (self.length,))
+
+        axes = P(*self.mesh.axis_names)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=self.specs, out_specs=axes, check_vma=False)(*leaves)
+
+    def unflatten(self, flat: jax.Array, dtypes: list) -> list:
+        """The inverse of `flatten` (inside jit)."""
+
+        def body(v):
+            v = v.reshape(-1)
+            return tuple(
+                v[o : o + math.prod(s)].reshape(s).astype(dt)
+                for o, s, dt in zip(self.offsets, self.shapes, dtypes, strict=True)
+            )
+
+        axes = P(*self.mesh.axis_names)
+        return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
+
+    def put(self, rows: np.ndarray, n: int) -> jax.Array:
+        """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices (a copy)."""
+        blk = (1,) * len(self.mesh.axis_names) + (n,)
+        arrays = [jax.device_put(rows[u].reshape(blk), d, may_alias=False) for d, u in zip(self.local, self.owner)]
+        return jax.make_array_from_single_device_arrays(self.shape(n), self.sharding, arrays)
+
+    def rows(self, flat: jax.Array) -> list[np.ndarray]:
+        """A [*mesh, n] array -> its distinct local rows on the host, [n] each."""
+        by_dev = {s.device: s.data for s in flat.addressable_shards}
+        return [np.asarray(by_dev[self.local[r]]).reshape(-1) for r in self.first]
+
+
+def flat_layout(mesh: Mesh, params: Any, opt_specs: Any, slots: int, budget_bytes: float) -> FlatLayout:
+    leaves = jax.tree.leaves(params)
+    specs = tuple(jax.tree.leaves(opt_specs, is_leaf=is_spec))
+    shardings = [NamedSharding(mesh, s) for s in specs]
+    shapes = tuple(tuple(sh.shard_shape(x.shape)) for sh, x in zip(shardings, leaves, strict=True))
+    sizes = [math.prod(s) for s in shapes]
+    offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]]))
+    local = tuple(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    maps = [sh.devices_indices_map(x.shape) for sh, x in zip(shardings, leaves, strict=True)]
+    key = lambda d: tuple(tuple((s.start, s.stop, s.step) for s in m[d]) for m in maps)
+    distinct: dict = {}
+    owner = tuple(distinct.setdefault(key(d), len(distinct)) for d in local)
+    first = tuple(owner.index(u) for u in range(len(distinct)))
+    used = sum(sizes)
+    chunk = swap.chunk_elems(budget_bytes, slots, len(first), used)
+    length = -(-used // chunk) * chunk
+    return FlatLayout(mesh, specs, shapes, offsets, used, length, chunk, local, owner, first)
+
+
+@dataclass(frozen=True)
+class StatePattern:
+    """Where a state's parameter-shaped leaves are: `tokens[i]` is ('slot', s) or ('scalar', j) for the
+    i-th group of leaves (a slot: one copy of the parameter tree, k leaves)."""
+
+    tokens: tuple
+    k: int
+
+    @classmethod
+    def of(cls, tx, state: Any, params: Any) -> StatePattern:
+        k = len(jax.tree.leaves(params))
+        idx = jax.tree.unflatten(jax.tree.structure(params), list(range(k)))
+        marked = optax.tree_map_params(tx, lambda _, i: i, state, idx, transform_non_params=lambda _: -1)
+        marks = jax.tree.leaves(marked)
+        tokens, i, slots, scalars = [], 0, 0, 0
+        while i < len(marks):
+            if marks[i] == -1:
+                tokens.append(("scalar", scalars))
+                scalars, i = scalars + 1, i + 1
+                continue
+            if marks[i : i + k] != list(range(k)):
+                raise ValueError("optimizer state: a parameter-shaped subtree is not contiguous")
+            tokens.append(("slot", slots))
+            slots, i = slots + 1, i + k
+        return cls(tuple(tokens), k)
+
+    @property
+    def n_slots(self) -> int:
+        return sum(t == "slot" for t, _ in self.tokens)
+
+    def split(self, leaves: list) -> tuple[list[list], list]:
+        slots, scalars, i = [], [], 0
+        for kind, _ in self.tokens:
+            if kind == "slot":
+                slots.append(list(leaves[i : i + self.k]))
+                i += self.k
+            else:
+                scalars.append(leaves[i])
+                i += 1
+        return slots, scalars
+
+    def join(self, slots: list[list], scalars: list) -> list:
+        out: list = []
+        for kind, j in self.tokens:
+            out.extend(slots[j] if kind == "slot" else [scalars[j]])
+        return out
+
+
+def piece_sizes(chunk: int) -> tuple[int, int]:
+    """The chunk as two leaves of different lengths (`Tier.chunk_part`)."""
+    return chunk // 2 + swap.ALIGN // 4, chunk - chunk // 2 - swap.ALIGN // 4
+
+
+class Tier:
+    """The NVMe tier of one TrainStep (`make_streamed`)."""
+
+    def __init__(self, ts, cfg: RunConfig, chunk_tx, apply: Callable, master: bool):
+        t, plan, tx, max_norm = cfg.train, ts.plan, ts.tx, cfg.optimizer.grad_clip
+        self.ts, self.master, self.file = ts, master, None
+        self.directory = swap.offload_dir(t.offload_dir, jax.process_index())
+        swap.check_dir(self.directory)
+        swap.lock_dir(self.directory)
+        abstract = ts.abstract_run
+        self.params_def = jax.tree.structure(abstract.params)
+        self.full_def = jax.tree.structure(abstract.opt_state)
+        self.pattern = StatePattern.of(tx, abstract.opt_state, abstract.params)
+        slot_leaves, _ = self.pattern.split(jax.tree.leaves(abstract.opt_state))
+        if any(x.dtype != jnp.float32 for s in slot_leaves for x in s):
+            raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
+                              "train.offload_optimizer=nvme", "the NVMe tier stores float32 state only")  # fmt: skip
+        self.layout = lay = flat_layout(plan.zero.mesh, abstract.params, plan.zero.opt, self.pattern.n_slots,
+                                        t.offload_budget_mb * 2**20)  # fmt: skip
+        self.pieces = pieces = piece_sizes(lay.chunk)
+        chunk_abs = tuple(jax.ShapeDtypeStruct((n,), cfg.model.param_dtype) for n in pieces)  # see `chunk_part`
+        self.chunk_pattern = StatePattern.of(chunk_tx, jax.eval_shape(chunk_tx.init, chunk_abs), chunk_abs)
+        self.chunk_def = jax.tree.structure(jax.eval_shape(chunk_tx.init, chunk_abs))
+        if [k for k, _ in self.chunk_pattern.tokens] != [k for k, _ in self.pattern.tokens]:
+            raise ValueError("the optimizer's elementwise part keeps another state than the whole optimizer")
+        sh = ts.state_shardings
+        opt_sh = jax.tree.leaves(sh.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
+        self.slot_sh, self.scalar_sh = self.pattern.split(opt_sh)
+        self.param_dtypes = [x.dtype for x in jax.tree.leaves(abstract.params)]
+        pdt = self.param_dtypes[0]
+        n_batch = 3 if cfg.data.pack_documents else 2
+        rep = NamedSharding(lay.mesh, P())
+
+        def device_part(params, *batch):
+            loss, grads, aux = ts.loss_and_grads(params, *plan.lay_out(batch))
+            if not master:  # as the in-memory step: the fp32 sums in the param dtype
+                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            g_norm = optax.tree.norm(grads)  # the clip's norm, over the whole gradient
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+            g_flat = lay.flatten(jax.tree.leaves(grads), jnp.float32)
+            p_flat = jnp.zeros(lay.shape(lay.length), pdt) if master else lay.flatten(jax.tree.leaves(params), pdt)
+            return g_flat, p_flat, g_norm, metrics
+
+        self.device_part = jax.jit(
+            device_part, in_shardings=(sh.params, *(ts.batch_sharding,) * n_batch),
+            out_shardings=(lay.sharding, lay.sharding, rep, None),
+        )  # fmt: skip
+
+        def chunk_part(g_flat, p_flat, slots, scalars, g_norm, off):
+            start = (0,) * (g_flat.ndim - 1) + (off,)
+            size = (*g_flat.shape[:-1], lay.chunk)
+            g, p = jax.lax.dynamic_slice(g_flat, start, size), jax.lax.dynamic_slice(p_flat, start, size)
+            g = g if master else g.astype(p.dtype)
+            g = clip(g, g_norm, max_norm) if max_norm > 0 else g  # make_optimizer: no clipping at 0
+            # The chunk as a tree of two halves: the optimizer's shared scalars (bias corrections, the
+            # learning rate) then feed several elementwise fusions, as in the in-memory step, and XLA
+            # makes the same algebraic rewrites there (measured: with one leaf it turned mu / bc into
+            # mu * (1 / bc) where the in-memory step keeps the division: a last-bit difference).
+            cuts = list(np.cumsum(pieces[:-1]))
+            halves = lambda x: tuple(jnp.split(x, cuts, axis=-1))
+            state = self.chunk_pattern.join([halves(s) for s in slots], list(scalars))
+            state = jax.tree.unflatten(self.chunk_def, state)
+            new_p, state = apply(chunk_tx, halves(g), state, halves(p))
+            new_slots, new_scalars = self.chunk_pattern.split(jax.tree.leaves(state))
+            for h, x in enumerate(new_p):  # each piece its own update (no concatenation fusing them)
+                at = (*start[:-1], off + ([0, *cuts][h]))
+                p_flat = jax.lax.dynamic_update_slice(p_flat, x.astype(p_flat.dtype), at)
+            return p_flat, tuple(tuple(s) for s in new_slots), tuple(new_scalars)
+
+        n_slots, scalar_sh = self.pattern.n_slots, tuple(self.scalar_sh)
+        self.chunk_part = jax.jit(
+            chunk_part, in_shardings=(lay.sharding, lay.sharding, (lay.sharding,) * n_slots, scalar_sh, rep, rep),
+            out_shardings=(lay.sharding, ((lay.sharding,) * len(pieces),) * n_slots, scalar_sh), donate_argnums=(1,),
+        )  # fmt: skip
+        self.unflatten_params = jax.jit(
+            lambda f: jax.tree.unflatten(self.params_def, lay.unflatten(f, self.param_dtypes)),
+            in_shardings=lay.sharding, out_shardings=sh.params,
+        )  # fmt: skip
+        f32 = [jnp.float32] * self.pattern.k
+        self.unflatten_slot = [
+            jax.jit(lambda f: tuple(lay.unflatten(f, f32)), in_shardings=lay.sharding, out_shardings=tuple(s))
+            for s in self.slot_sh
+        ]
+        self.flatten_slot = jax.jit(lambda leaves: lay.flatten(leaves, jnp.float32), out_shardings=lay.sharding)
+
+    # ------------------------------------------------------------ the step
+
+    def step(self, state, *batch, device_part=None):
+        lay = self.layout
+        g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, *batch)
+        scalars, box = tuple(state.opt_state), {"p": p_flat, "scalars": None}
+
+        def update(i: int, buf: np.ndarray):
+            slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
+            box["p"], new_slots, box["scalars"] = self.chunk_part(g_flat, box["p"], slots, scalars, g_norm,
+                                                                  jnp.int32(i * lay.chunk))  # fmt: skip
+            return new_slots
+
+        self.file.stream(update, lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r])
+        params = self.unflatten_params(box["p"])
+        return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
+
+    # ------------------------------------------------------------ whole-state moves (init, checkpoints)
+
+    def absorb(self, state):
+        """A whole in-memory run state -> the tier's: its optimizer state written to the file."""
+        lay = self.layout
+        slots, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
+        rows = [lay.rows(self.flatten_slot(s)) for s in slots]  # [slot][distinct row] host copies
+        if self.file is None:
+            self.file = swap.SwapFile(self.directory, lay.n_chunks, (len(slots), len(lay.first), lay.chunk))
+        c = lay.chunk
+        self.file.write_all(lambda i: [r[i * c : (i + 1) * c] for s in rows for r in s])
+        return state._replace(opt_state=tuple(scalars))
+
+    def whole(self, state):
+        """The tier's run state -> the whole in-memory run state (its optimizer state read back)."""
+        lay, c = self.layout, self.layout.chunk
+        host = np.empty((self.pattern.n_slots, len(lay.first), lay.length), np.float32)
+
+        def keep(i: int, buf: np.ndarray) -> None:
+            host[:, :, i * c : (i + 1) * c] = buf
+
+        self.file.read_all(keep)
+        slots = [list(self.unflatten_slot[s](lay.put(host[s], lay.length))) for s in range(len(host))]
+        leaves = self.pattern.join(slots, list(state.opt_state))
+        return state._replace(opt_state=jax.tree.unflatten(self.full_def, leaves))
+
+
+class _Stepper:
+    """The step a loop calls: `(state, *batch) -> (state, metrics)`; `lower(...).compile()` compiles
+    the device part ahead of time (the loop's step-1 timing), as for a jitted step."""
+
+    def __init__(self, tier: Tier, device_part=None):
+        self.tier, self.device_part = tier, device_part
+
+    def __call__(self, state, *batch):
+        return self.tier.step(state, *batch, device_part=self.device_part)
+
+    def lower(self, state, *batch):
+        return _Lowered(self.tier, self.tier.device_part.lower(state.params, *batch))
+
+
+class _Lowered:
+    def __init__(self, tier: Tier, lowered):
+        self.tier, self.lowered = tier, lowered
+
+    def compile(self):
+        compiled = self.lowered.compile()
+        stepper = _Stepper(self.tier, compiled)
+        stepper.as_text, stepper.memory_analysis = compiled.as_text, compiled.memory_analysis
+        return stepper
+
+
+def make_streamed(ts, cfg: RunConfig):
+    """The TrainStep `ts` (built in memory) with its optimizer state in the NVMe tier."""
+    master = jnp.dtype(cfg.model.param_dtype).itemsize < 4  # as make_optimizer decides
+    elem = optimizer.elementwise_transform(cfg)  # a ConfigError for an optimizer that is not elementwise
+    chunk_tx = optimizer.with_master_weights(elem) if master else elem
+    tier = Tier(ts, cfg, chunk_tx, optimizer.apply_optimizer, master)
+    return dataclasses.replace(
+        ts,
+        step=_Stepper(tier),
+        init=lambda: tier.absorb(ts.init()),
+        init_from=lambda prm: tier.absorb(ts.init_from(prm)),
+        to_run=lambda st: tier.absorb(ts.to_run(st)),
+        to_model=lambda st: ts.to_model(tier.whole(st)),
+        tier=tier,
+    )

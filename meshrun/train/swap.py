@@ -1,0 +1,235 @@
+"""The NVMe tier's files: a process's optimizer state as fixed-size chunks in one preallocated file,
+read and written with positional I/O (`os.preadv` / `os.pwritev`, which release the GIL) on one
+reader and one writer thread, through a fixed ring of host buffers.
+
+File layout: chunk-major, `[n_chunks][slots][rows][C]` float32, so one chunk (every slot: master,
+m, v, ... of every distinct local row, `C` elements each) is one contiguous read and one contiguous
+write. `stream` pipelines them the way DeepSpeed's `PipelinedOptimizerSwapper` does: while chunk i
+is updated, chunk i + 1 is read and chunk i - 1 written; the tier holds at most `SLOTS_IN_FLIGHT`
+chunks of host memory (two read buffers, one chunk being written), counted in `resident`.
+The directory is locked (`flock`) for this process: a second process on it is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import glob
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from meshrun.errors import ConfigError, DataError
+
+SLOTS_IN_FLIGHT = 3  # chunk buffers the pipeline holds at once: read i + 1, update i, write i - 1
+ALIGN = 1024  # chunk length granularity in elements (4 KiB of float32: page-aligned file offsets)
+LOCK_NAME = "meshrun-offload.lock"
+DATA_GLOB = "optimizer-state-*.bin"
+_LOCKS: dict[str, tuple[int, int]] = {}  # directory -> (lock fd, users in this process)
+_LOCKS_GUARD = threading.Lock()
+# Fault injection (tests): raise ENOSPC on this write call (1-based count over the process).
+FAULT_ENV = "MESHRUN_FAULT_OFFLOAD_ENOSPC"
+_writes = [0]
+
+
+def offload_dir(template: str, process: int) -> Path:
+    """train.offload_dir with "{process}" replaced by the process index."""
+    return Path(template.replace("{process}", str(process)))
+
+
+def check_dir(path: Path) -> None:
+    """The directory exists and this process can create files in it (ConfigError otherwise)."""
+    field = "train.offload_dir"
+    if not path.is_dir():
+        raise ConfigError(field, str(path), "create it (a local disk, one directory per process)",
+                          "no such directory")  # fmt: skip
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(field, str(path), "use a directory this process can write", "not writable")
+
+
+def lock_dir(path: Path) -> None:
+    """Take the directory for this process (shared by the steps this process builds); another process
+    holding it -> ConfigError. Released when the process exits."""
+    key = os.path.realpath(path)
+    with _LOCKS_GUARD:
+        if key in _LOCKS:
+            fd, n = _LOCKS[key]
+            _LOCKS[key] = (fd, n + 1)
+            return
+        try:
+            fd = os.open(os.path.join(key, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError("train.offload_dir", str(path), "use a directory this process can write",
+                              f"cannot create a file in it ({e.strerror})") from None  # fmt: skip
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(
+                "train.offload_dir", str(path), 'give each process its own directory (e.g. ".../{process}")',
+                "another process of this or another run uses it",
+            ) from None  # fmt: skip
+        for stale in glob.glob(os.path.join(key, DATA_GLOB)):  # left by a killed run: nobody else holds the lock
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+        _LOCKS[key] = (fd, 1)
+
+
+def _io_error(path: Path, e: OSError, what: str) -> DataError:
+    hint = "free space on it or use another train.offload_dir" if e.errno in (errno.ENOSPC, errno.EFBIG) else \
+        "check the disk and train.offload_dir"  # fmt: skip
+    return DataError(f"optimizer offload: cannot {what} {path} ({e.strerror or e}); {hint}")
+
+
+def _maybe_fault() -> None:
+    _writes[0] += 1
+    at = os.environ.get(FAULT_ENV, "")
+    if at and _writes[0] == int(at):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class SwapFile:
+    """One process's optimizer state on disk: `n_chunks` chunks of shape `chunk` (slots, rows, C)."""
+
+    def __init__(self, directory: Path, n_chunks: int, chunk: tuple[int, int, int]):
+        self.directory, self.n_chunks, self.chunk = Path(directory), n_chunks, chunk
+        self.chunk_bytes = int(np.prod(chunk)) * 4
+        self.path = self.directory / f"optimizer-state-{os.getpid()}-{id(self):x}.bin"
+        self.resident = self.peak_resident = 0  # host bytes of chunk buffers held by the tier
+        self.bytes_read = self.bytes_written = 0
+        self._count = threading.Lock()
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise _io_error(self.directory, e, "create a file in") from None
+        self._final = weakref.finalize(self, _close, self.fd, str(self.path))
+        try:
+            os.posix_fallocate(self.fd, 0, self.n_chunks * self.chunk_bytes)  # a full disk fails here, not mid-step
+        except OSError as e:
+            self.close()
+            raise _io_error(self.directory, e, "allocate the optimizer state in") from None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="offload-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="offload-write")
+        self._ring = [self._hold(np.empty(chunk, np.float32)) for _ in range(2)]
+
+    @property
+    def state_bytes(self) -> int:
+        return self.n_chunks * self.chunk_bytes
+
+    def close(self) -> None:
+        for pool in ("_reader", "_writer"):
+            if hasattr(self, pool):
+                getattr(self, pool).shutdown(wait=True)
+        self._final()
+
+    # ------------------------------------------------------------ accounting
+
+    def _hold(self, buf):
+        with self._count:
+            self.resident += self.chunk_bytes
+            self.peak_resident = max(self.peak_resident, self.resident)
+        return buf
+
+    def _release(self) -> None:
+        with self._count:
+            self.resident -= self.chunk_bytes
+
+    # ------------------------------------------------------------ positional I/O
+
+    def read(self, i: int, buf: np.ndarray) -> np.ndarray:
+        view, off, done = memoryview(buf).cast("B"), i * self.chunk_bytes, 0
+        try:
+            while done < len(view):
+                n = os.preadv(self.fd, [view[done:]], off + done)
+                if n == 0:
+                    raise OSError(errno.EIO, "short read")
+                done += n
+        except OSError as e:
+            raise _io_error(self.directory, e, "read the optimizer state from") from None
+        self.bytes_read += done
+        return buf
+
+    def write(self, i: int, parts: Iterable[np.ndarray]) -> None:
+        """Chunk i from its (slot, row) pieces in file order."""
+        views = [memoryview(np.ascontiguousarray(p, np.float32)).cast("B") for p in parts]
+        off, total = i * self.chunk_bytes, sum(len(v) for v in views)
+        if total != self.chunk_bytes:
+            raise ValueError(f"chunk {i}: {total} bytes, expected {self.chunk_bytes}")
+        try:
+            _maybe_fault()
+            done = 0
+            while done < total:  # a short write: continue after what was written
+                skip, rest = done, []
+                for v in views:
+                    rest.append(v[skip:] if skip < len(v) else v[len(v) :])
+                    skip = max(0, skip - len(v))
+                done += os.pwritev(self.fd, [v for v in rest if len(v)], off + done)
+        except OSError as e:
+            raise _io_error(self.directory, e, "write the optimizer state to") from None
+        self.bytes_written += total
+
+    # ------------------------------------------------------------ the pipelined pass
+
+    def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]]) -> None:
+        """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
+        being computed; buf may be reused once it returns), then `fetch(handle)` on the writer thread
+        gives the new chunk's pieces, which are written back. Reads run one chunk ahead, writes one behind."""
+        pending: Future | None = None
+        ahead = self._reader.submit(self.read, 0, self._ring[0])
+        try:
+            for i in range(self.n_chunks):
+                buf = ahead.result()
+                if i + 1 < self.n_chunks:
+                    ahead = self._reader.submit(self.read, i + 1, self._ring[(i + 1) % 2])
+                handle = update(i, buf)
+                if pending is not None:
+                    pending.result()  # write i - 1 done before write i starts holding its chunk
+                pending = self._writer.submit(self._write_back, i, fetch, handle)
+            if pending is not None:
+                pending.result()
+        finally:  # on an error: let the threads finish before the buffers go away
+            for f in (ahead, pending):
+                if f is not None:
+                    with contextlib.suppress(BaseException):
+                        f.result()
+
+    def _write_back(self, i: int, fetch, handle) -> None:
+        self._hold(None)
+        try:
+            self.write(i, fetch(handle))
+        finally:
+            self._release()
+
+    def read_all(self, each: Callable[[int, np.ndarray], None]) -> None:
+        """`each(i, buf)` for every chunk in order (checkpoints: the whole state, one chunk at a time)."""
+        for i in range(self.n_chunks):
+            each(i, self.read(i, self._ring[0]))
+
+    def write_all(self, pieces: Callable[[int], list[np.ndarray]]) -> None:
+        for i in range(self.n_chunks):
+            self._write_back(i, pieces, i)
+
+
+def _close(fd: int, path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int:
+    """Elements per row of one chunk: SLOTS_IN_FLIGHT chunks of (slots x rows) float32 rows fit the
+    budget; a multiple of ALIGN, at most the row length rounded up to ALIGN."""
+    fit = int(budget_bytes // (SLOTS_IN_FLIGHT * slots * rows * 4)) // ALIGN * ALIGN
+    if fit < ALIGN:
+        need = SLOTS_IN_FLIGHT * slots * rows * 4 * ALIGN / 2**20
+        raise ConfigError("train.offload_budget_mb", budget_bytes / 2**20, f"use at least {need:.2f}",
+                          "too small for one chunk per buffer")  # fmt: skip
+    whole = -(-row_len // ALIGN) * ALIGN
+    return min(fit, whole)
