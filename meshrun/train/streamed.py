@@ -97,9 +97,12 @@ class FlatLayout:
         return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
 
     def put(self, rows: np.ndarray, n: int) -> jax.Array:
-        """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices (a copy)."""
+        """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices (a copy: `rows`
+        may be reused at once)."""
         blk = (1,) * len(self.mesh.axis_names) + (n,)
-        arrays = [jax.device_put(rows[u].reshape(blk), d, may_alias=False) for d, u in zip(self.local, self.owner)]
+        # np.array: a copy of the (ring) buffer first. device_put(..., may_alias=False) alone read the
+        # buffer after it was refilled with the next chunk on XLA:CPU (wrong state, measured).
+        arrays = [jax.device_put(np.array(rows[u]).reshape(blk), d) for d, u in zip(self.local, self.owner)]
         return jax.make_array_from_single_device_arrays(self.shape(n), self.sharding, arrays)
 
     def rows(self, flat: jax.Array) -> list[np.ndarray]:

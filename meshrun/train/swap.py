@@ -18,6 +18,7 @@ import fcntl
 import glob
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,6 +104,7 @@ class SwapFile:
         self.path = self.directory / f"optimizer-state-{os.getpid()}-{id(self):x}.bin"
         self.resident = self.peak_resident = 0  # host bytes of chunk buffers held by the tier
         self.bytes_read = self.bytes_written = 0
+        self.stream_s = 0.0  # wall seconds inside `stream` (the streamed update, I/O overlapped)
         self._count = threading.Lock()
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -181,6 +183,7 @@ class SwapFile:
         being computed; buf may be reused once it returns), then `fetch(handle)` on the writer thread
         gives the new chunk's pieces, which are written back. Reads run one chunk ahead, writes one behind."""
         pending: Future | None = None
+        t0 = time.perf_counter()
         ahead = self._reader.submit(self.read, 0, self._ring[0])
         try:
             for i in range(self.n_chunks):
@@ -193,6 +196,7 @@ class SwapFile:
                 pending = self._writer.submit(self._write_back, i, fetch, handle)
             if pending is not None:
                 pending.result()
+            self.stream_s += time.perf_counter() - t0
         finally:  # on an error: let the threads finish before the buffers go away
             for f in (ahead, pending):
                 if f is not None:
