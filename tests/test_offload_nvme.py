@@ -2,11 +2,22 @@
 params after several steps, tolerance 0) on every layout kind, and the tier holds no more host
 memory than its budget."""
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_reliability import CONFIG, one_error_line, train
+from test_reliability import SMALL as CLI_SMALL
 
+from meshrun.checkpoint.store import scan
 from meshrun.config import load_config
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
@@ -16,6 +27,7 @@ from meshrun.train.step import make_train_step
 SMALL = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16",
          "optimizer.lr=0.01", "optimizer.warmup_steps=1"]  # fmt: skip
 BUDGET = "train.offload_budget_mb=0.5"  # several chunks per step on the tiny models
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(config, over, steps=3):
@@ -82,3 +94,70 @@ LAYOUTS = {
 def test_nvme_equals_in_memory_layouts(name, tmp_path):
     config, over = LAYOUTS[name]
     assert_exact(config, over, tmp_path)
+
+
+def test_offload_dir_missing_or_shared_exit_2_before_compiling(capsys, tmp_path):
+    """A missing offload_dir, or one another process holds: exit 2, one line naming train.offload_dir."""
+    missing = tmp_path / "missing"
+    status, _, err = train(capsys, tmp_path / "a", "train.offload_optimizer=nvme", f"train.offload_dir={missing}")
+    assert status == 2 and "train.offload_dir: no such directory" in one_error_line(err)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    code = f"import fcntl,os,sys,time; fd=os.open({str(shared / 'meshrun-offload.lock')!r}, os.O_RDWR|os.O_CREAT); "
+    code += "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        status, _, err = train(capsys, tmp_path / "b", "train.offload_optimizer=nvme", f"train.offload_dir={shared}")
+    finally:
+        holder.kill()
+    assert status == 2 and "another process" in one_error_line(err)
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def _cli(run_dir, *over, **env):
+    argv = ["train", "--quiet", CONFIG, *CLI_SMALL, f"train.run_dir={run_dir}", "train.steps=4", "checkpoint.every=2",
+            *over]  # fmt: skip
+    script = f"import sys\nfrom meshrun.cli.main import main\nsys.exit(main({argv!r}))\n"
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def _final_loss(run_dir) -> float:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] == 4][-1]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_sigkill_mid_swap_out_then_rerun_and_cross_tier_resume(tmp_path):
+    """SIGKILL in the middle of step 3's swap-out: the rerun resumes from checkpoint 2 and ends on the
+    uninterrupted run's final loss exactly; so does a rerun on the in-memory tier (nvme -> none), and
+    the none tier's checkpoint resumes on nvme (none -> nvme)."""
+    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", BUDGET]
+    ref = _cli(tmp_path / "ref", *nvme)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = _cli(tmp_path / "k", *nvme, MESHRUN_FAULT_OFFLOAD_KILL="3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [e.step for e in scan(tmp_path / "k") if e.status == "complete"] == [2]
+    rerun = _cli(tmp_path / "k", *nvme)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert _final_loss(tmp_path / "k") == _final_loss(tmp_path / "ref")
+    shutil.copytree(tmp_path / "k" / "checkpoints" / "2", tmp_path / "n" / "checkpoints" / "2")
+    other = _cli(tmp_path / "n")  # nvme's checkpoint 2 on the in-memory tier
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert _final_loss(tmp_path / "n") == _final_loss(tmp_path / "ref")
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_full_disk_mid_swap_exit_4_last_checkpoint_intact(tmp_path):
+    """ENOSPC while step 3 swaps out (the injected fault): one line naming the directory, exit 4, and
+    checkpoint 2 intact."""
+    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", BUDGET]
+    r = _cli(tmp_path / "run", *nvme, MESHRUN_FAULT_OFFLOAD_ENOSPC="3")
+    assert r.returncode == 4, r.stderr[-2000:]
+    line = one_error_line(r.stderr)
+    assert str(tmp_path) in line and "No space left on device" in line
+    assert [(e.step, e.status) for e in scan(tmp_path / "run")] == [(2, "complete")]

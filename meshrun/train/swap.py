@@ -17,6 +17,7 @@ import errno
 import fcntl
 import glob
 import os
+import signal
 import threading
 import time
 import weakref
@@ -34,9 +35,11 @@ LOCK_NAME = "meshrun-offload.lock"
 DATA_GLOB = "optimizer-state-*.bin"
 _LOCKS: dict[str, tuple[int, int]] = {}  # directory -> (lock fd, users in this process)
 _LOCKS_GUARD = threading.Lock()
-# Fault injection (tests): raise ENOSPC on this write call (1-based count over the process).
-FAULT_ENV = "MESHRUN_FAULT_OFFLOAD_ENOSPC"
-_writes = [0]
+# Fault injection (tests): in the N-th streamed update of the process (1-based), the middle chunk's
+# swap-out fails with ENOSPC, or the process is SIGKILLed there.
+FAULT_ENOSPC = "MESHRUN_FAULT_OFFLOAD_ENOSPC"
+FAULT_KILL = "MESHRUN_FAULT_OFFLOAD_KILL"
+_streams = [0]
 
 
 def offload_dir(template: str, process: int) -> Path:
@@ -88,10 +91,13 @@ def _io_error(path: Path, e: OSError, what: str) -> DataError:
     return DataError(f"optimizer offload: cannot {what} {path} ({e.strerror or e}); {hint}")
 
 
-def _maybe_fault() -> None:
-    _writes[0] += 1
-    at = os.environ.get(FAULT_ENV, "")
-    if at and _writes[0] == int(at):
+def _maybe_fault(i: int, n_chunks: int) -> None:
+    """The fault hooks (above) at chunk i's swap-out."""
+    if i != n_chunks // 2:
+        return
+    if os.environ.get(FAULT_KILL, "") == str(_streams[0]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(FAULT_ENOSPC, "") == str(_streams[0]):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
@@ -164,7 +170,6 @@ class SwapFile:
         if total != self.chunk_bytes:
             raise ValueError(f"chunk {i}: {total} bytes, expected {self.chunk_bytes}")
         try:
-            _maybe_fault()
             done = 0
             while done < total:  # a short write: continue after what was written
                 skip, rest = done, []
@@ -183,6 +188,7 @@ class SwapFile:
         being computed; buf may be reused once it returns), then `fetch(handle)` on the writer thread
         gives the new chunk's pieces, which are written back. Reads run one chunk ahead, writes one behind."""
         pending: Future | None = None
+        _streams[0] += 1
         t0 = time.perf_counter()
         ahead = self._reader.submit(self.read, 0, self._ring[0])
         try:
@@ -193,7 +199,7 @@ class SwapFile:
                 handle = update(i, buf)
                 if pending is not None:
                     pending.result()  # write i - 1 done before write i starts holding its chunk
-                pending = self._writer.submit(self._write_back, i, fetch, handle)
+                pending = self._writer.submit(self._write_back, i, fetch, handle, True)
             if pending is not None:
                 pending.result()
             self.stream_s += time.perf_counter() - t0
@@ -203,10 +209,16 @@ class SwapFile:
                     with contextlib.suppress(BaseException):
                         f.result()
 
-    def _write_back(self, i: int, fetch, handle) -> None:
+    def _write_back(self, i: int, fetch, handle, streamed: bool = False) -> None:
         self._hold(None)
         try:
-            self.write(i, fetch(handle))
+            parts = fetch(handle)
+            if streamed:
+                try:
+                    _maybe_fault(i, self.n_chunks)
+                except OSError as e:
+                    raise _io_error(self.directory, e, "write the optimizer state to") from None
+            self.write(i, parts)
         finally:
             self._release()
 
