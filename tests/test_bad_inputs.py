@@ -39,6 +39,8 @@ def _refused(capsys, argv: list[str], flag: str, seconds: float = 5.0) -> str:
         (["plan", "--model", "llama-7b", "--cluster", "h100-80g:1x8", "--top", str(10**9)], "--top"),
         (["import-hf", "x", "y", "--devices", "0"], "--devices"),
         (["import-hf", "x", "y", "--vocab-multiple", "0"], "--vocab-multiple"),
+        (["profile", str(ROOT / "configs/tiny_cpu.yaml"), "--steps", str(10**12)], "--steps"),
+        (["profile", str(ROOT / "configs/tiny_cpu.yaml"), "--devices", "0"], "--devices"),
         (["mesh", "=3"], "=3"),
         (["mesh", "mesh..data=2"], "mesh..data"),
     ],
@@ -107,3 +109,36 @@ def test_tampered_prepared_data_is_an_io_error_naming_the_path(capsys, tmp_path,
             f.truncate(b.stat().st_size - 1)
     with pytest.raises(DataError, match="data.path="):
         Corpus(str(out))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"step": "two", "loss": 1.0}\n', b'{"step": null}\n', b"\xff\xfe{not utf-8}\n", b"", b"garbage\n{}\n"],
+)
+def test_plot_of_a_metrics_file_without_rows_exits_2_and_writes_nothing(capsys, tmp_path, content):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    line = _refused(capsys, ["plot", str(tmp_path)], "RUN_DIR")
+    assert "holds no metrics row" in line
+    assert not (tmp_path / "metrics.png").exists()
+
+
+def test_plot_skips_bad_lines_between_good_rows(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [b'{"step": 1, "loss": 2.0}', b'{"step": "two", "loss": 1.0}', b"\xff\xfe", b'{"step": 3, "loss": 1.5}']
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(rows) + b"\n")
+    assert main(["plot", str(tmp_path)]) == 0
+    assert "(2 steps)" in capsys.readouterr().err and (tmp_path / "metrics.png").stat().st_size > 1000
+
+
+def test_export_of_only_damaged_checkpoints_exits_5(capsys, tmp_path):
+    """A run dir whose one checkpoint has unreadable metadata: exit 5 (no intact checkpoint), not
+    exit 2 'train it first'."""
+    step = tmp_path / "run" / "checkpoints" / "3"
+    (step / "state").mkdir(parents=True)
+    (step / "meta").mkdir()
+    (step / "meta" / "metadata").write_bytes(b"\x00not json")
+    rc = main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 5 and "\n" not in err and "no intact checkpoint" in err and "damaged: 3" in err, err
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@
 
 import dataclasses
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -285,3 +286,22 @@ def test_hf_config_errors_name_the_field():
         model_config({**HF_CONFIG, "activation_function": "relu"})
     with pytest.raises(ConfigError, match="architectures: unsupported model architecture"):
         model_config({"architectures": ["BertModel"], "model_type": "bert"})
+
+
+def test_gpt2_import_into_a_llama_config_names_both_families(tmp_path, capsys):
+    """checkpoint.init_params of a gpt2 import with a llama model: one line naming both families
+    (not a tensor 'with shape None'), exit 2, before the run dir exists."""
+    from meshrun.cli.main import main
+    from meshrun.config import MeshConfig
+    from meshrun.hf.io import import_hf
+
+    make_hf_gpt2(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "gpt2", mesh=build_mesh(MeshConfig(data=8)))
+    capsys.readouterr()
+    over = [f"checkpoint.init_params={tmp_path / 'gpt2' / 'hf_import'}", f"train.run_dir={tmp_path / 'run'}"]
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+    assert main(["train", "--quiet", config, *over]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("meshrun train: error: checkpoint.init_params: it holds a gpt2 model, the config's ")
+    assert "model.family is llama" in line and "set model.family=gpt2" in line
+    assert not (tmp_path / "run").exists()

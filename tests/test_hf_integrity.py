@@ -69,8 +69,19 @@ def test_export_skips_a_checkpoint_that_fails_its_checksum(llama, tmp_path, caps
     meta_file.write_text(json.dumps(meta))
     monkeypatch.chdir(tmp_path)
     assert main(["export-hf", "trained", "out"]) == 0  # relative paths
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "checkpoints/2 is damaged" in err and "does not match its checksum" in err and "checkpoint 1" in err
+    assert json.loads(out)["source"] == str(run / "checkpoints" / "1")  # the step exported, not the newest
+    # --step: that checkpoint or nothing (a damaged one is not replaced by another; a missing one is bad input)
+    assert main(["export-hf", "trained", "out-s2", "--step", "2"]) == 5
+    assert "no intact checkpoint" in capsys.readouterr().err and not (tmp_path / "out-s2" / "config.json").exists()
+    assert main(["export-hf", "trained", "out-s7", "--step", "7"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshrun export-hf: error: --step: no complete checkpoint at that step in ")
+    assert "\n" not in err
+    assert "(complete: 1, 2)" in err and not (tmp_path / "out-s7").exists()
+    assert main(["export-hf", "trained", "out-s1", "--step", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == str(run / "checkpoints" / "1")
     src, out = SafeTensors(FIX / "llama2"), SafeTensors(tmp_path / "out")
     name = "model.layers.0.self_attn.q_proj.weight"
     np.testing.assert_array_equal(out.get(name), 2.0 * np.asarray(src.get(name)))  # step 1's, not step 2's

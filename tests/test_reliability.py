@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,16 @@ def test_pipeline_settings_on_pipe_1_warn(tmp_path, capsys):
         "set mesh.pipe > 1 to use it, or drop it"
     ]
     assert json.loads(out.splitlines()[-1])["step"] == 1
+
+
+def test_per_op_executor_on_pipe_1_warns():
+    from meshrun.train.prepare import config_warnings
+
+    cfg = load_config(CONFIG, [*SMALL, "pipeline.executor=per_op"])
+    assert config_warnings(cfg, types.SimpleNamespace(shape={"pipe": 1})) == [
+        "pipeline.executor=per_op ignored: mesh.pipe is 1 (no pipeline); set mesh.pipe > 1 to use it, or drop it"
+    ]
+    assert config_warnings(cfg, types.SimpleNamespace(shape={"pipe": 2})) == []
 
 
 # ------------------------------------------------------------------ log_every

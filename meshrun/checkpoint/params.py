@@ -52,10 +52,19 @@ def check_dir(directory: str | Path, field: str = FIELD) -> dict[str, Any]:
         raise ConfigError(field, str(directory), "re-run `meshrun import-hf`", f"meta.json unreadable ({e})") from None
 
 
-def check_params(directory: str | Path, target: Any, field: str = FIELD) -> None:
+def check_params(directory: str | Path, target: Any, field: str = FIELD, family: str | None = None) -> None:
     """ConfigError unless `directory` is a parameter checkpoint whose shapes equal `target`'s (reads
-    metadata only: what `meshrun train` checks before it writes anything)."""
-    check_dir(directory, field)
+    metadata only: what `meshrun train` checks before it writes anything). `family`: the config's
+    model.family, named in the error when the checkpoint holds another family's model."""
+    meta = check_dir(directory, field)
+    saved_family = (meta.get("model") or {}).get("family") if isinstance(meta, dict) else None
+    if family is not None and saved_family is not None and saved_family != family:
+        raise ConfigError(
+            field,
+            str(directory),
+            f"set model.family={saved_family} with the model section written with it (its config.yaml)",
+            f"it holds a {saved_family} model, the config's model.family is {family}",
+        )
     ckptr = ocp.StandardCheckpointer()
     try:
         saved = ckptr.metadata(Path(os.path.abspath(directory)) / PARAMS)
@@ -71,7 +80,9 @@ def check_params(directory: str | Path, target: Any, field: str = FIELD) -> None
             field,
             str(directory),
             "use the model section written with it (its config.yaml) or a matching config",
-            f"it holds {k} with shape {have.get(k)}, the model needs {want[k]}",
+            f"it holds {k} with shape {have[k]}, the model needs {want[k]}"
+            if k in have
+            else f"it has no {k} (shape {want[k]}), which the {family or 'configured'} model needs",
         )
 
 

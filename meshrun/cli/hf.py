@@ -44,6 +44,7 @@ def register(sub) -> None:
     q.add_argument("out_dir", help="directory to write config.json, *.safetensors and tokenizer files into")
     q.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     q.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the imported model's)")
+    q.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest intact)")
     q.set_defaults(func=_export_cmd)
 
 
@@ -67,6 +68,6 @@ def _export_cmd(args) -> int:
     max_shard = parse_size(args.max_shard_size)
     from meshrun.hf.io import export_hf  # imports jax
 
-    result = export_hf(args.run_dir, args.out_dir, max_shard_bytes=max_shard, dtype=args.dtype)
+    result = export_hf(args.run_dir, args.out_dir, max_shard_bytes=max_shard, dtype=args.dtype, step=args.step)
     print(json.dumps(result))
     return 0

@@ -30,21 +30,33 @@ def register(sub) -> None:
     p.set_defaults(func=run_plot)
 
 
+def _row(raw: bytes) -> dict | None:
+    """One metrics.jsonl line as a row with an integer step; None for a line cut off by a kill, bytes
+    that are not UTF-8, or a row whose step is not a whole number."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def read_rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's rows; a resumed run's rows of a step seen twice keep the later one."""
+    """metrics.jsonl's rows; a resumed run's rows of a step seen twice keep the later one. Lines that
+    are not a row with an integer step are skipped; none left -> ConfigError."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(
             "RUN_DIR", str(run_dir), "give a train.run_dir that a `meshrun train` wrote", "no metrics.jsonl"
         )
     rows: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut off by a kill
-        if isinstance(row, dict) and "step" in row:
-            rows[int(row["step"])] = {**rows.get(int(row["step"]), {}), **row}
+    for raw in path.read_bytes().splitlines():
+        row = _row(raw)
+        if row is not None:
+            rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+    if not rows:
+        raise ConfigError("RUN_DIR", str(run_dir), "give a train.run_dir that a `meshrun train` wrote",
+                          f"{path} holds no metrics row (a JSON object with an integer step)")  # fmt: skip
     return [rows[s] for s in sorted(rows)]
 
 
@@ -75,7 +87,8 @@ def run_plot(args) -> int:
         axes[1].plot(*_series(rows, "lr"), label=run_dir.name)
         axes[2].plot(*_series(rows[1:], "tokens_per_s"), label=run_dir.name)  # step 1 may hold warm-up
     axes[0].set(title="loss", xlabel="step")
-    axes[0].legend()
+    if axes[0].get_legend_handles_labels()[0]:  # no loss at all: no legend (and no matplotlib warning)
+        axes[0].legend()
     axes[1].set(title="learning rate", xlabel="step")
     axes[2].set(title="tokens/s", xlabel="step")
     fig.suptitle(str(run_dirs[0]) if len(runs) == 1 else f"{len(runs)} runs")

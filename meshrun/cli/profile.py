@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshrun.config import load_config
+from meshrun.config import check_device_count, load_config
 from meshrun.errors import ConfigError
 from meshrun.runtime.devices import add_fast_compile_flag
 from meshrun.runtime.distributed import start_command
@@ -24,16 +24,21 @@ def register(sub) -> None:
     )
     p.add_argument("--steps", type=int, default=3, help="steps to trace, after one untraced step (default 3)")
     p.add_argument("--out", help="trace directory (default RUN_DIR/profile); profile.json is written there")
-    p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (as `meshrun train --devices`)")
+    p.add_argument("--devices", type=int, default=None, help="simulated CPU devices (as `meshrun train --devices`)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     add_fast_compile_flag(p)
     p.set_defaults(func=run_profile)
 
 
+MAX_STEPS = 100  # a trace holds every op of every step: more would run long and overflow its event cap
+
+
 def run_profile(args) -> int:
+    check_device_count("--devices", args.devices)  # 0 is a value, not "not given"
+    args.devices = args.devices or 0
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise ConfigError("--steps", args.steps, f"trace 1..{MAX_STEPS} steps, e.g. --steps 3", "out of range")
     cfg = load_config(args.config, args.overrides)
-    if args.steps < 1:
-        raise ConfigError("--steps", args.steps, "trace at least 1 step, e.g. --steps 3")
     start_command(cfg, args, "profile")
     from meshrun.analysis.trace import format_report  # imports jax: only once the devices are set up
     from meshrun.train.profile import profile

@@ -217,19 +217,34 @@ def nest_tree(flat: dict[tuple[str, ...], Any]) -> dict:
 # ---------------------------------------------------------------- export
 
 
-def _candidates(run_dir: str | Path) -> list[tuple[str, Path]]:
-    """(kind, dir) to export from, newest first: the complete step checkpoints, else the import."""
+def _candidates(run_dir: str | Path, step: int | None = None) -> list[tuple[str, Path]]:
+    """(kind, dir) to export from, newest first: the complete step checkpoints (only `step` when
+    given), else the import. Only damaged checkpoints -> CheckpointError (exit 5)."""
 
     if not Path(run_dir).is_dir():
         raise ConfigError(
             "RUN_DIR", str(run_dir), "give the train.run_dir of a run or of `meshrun import-hf`", "no such directory"
         )
     root = Path(os.path.abspath(run_dir))  # orbax takes absolute paths only
-    steps = [e for e in scan(root) if e.status == "complete" and e.name.isdigit()]
+    entries = scan(root)
+    steps = [e for e in entries if e.status == "complete" and e.name.isdigit()]
+    if step is not None:
+        chosen = [e for e in steps if e.step == step]
+        if not chosen:
+            have = ", ".join(e.name for e in steps) or "none"
+            raise ConfigError("--step", step, f"use a complete step (complete: {have}), or leave --step out",
+                              f"no complete checkpoint at that step in {root / 'checkpoints'}")  # fmt: skip
+        return [("step", root / "checkpoints" / chosen[0].name)]
     if steps:
         return [("step", root / "checkpoints" / e.name) for e in reversed(steps)]
     if (root / IMPORT_DIR).is_dir():
         return [("import", root / IMPORT_DIR)]
+    damaged = [e.name for e in entries if e.status == "damaged"]
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in {root / 'checkpoints'} (damaged: {', '.join(damaged)}); "
+            "`meshrun checkpoints RUN_DIR --verify` lists them"
+        )
     raise ConfigError(
         "RUN_DIR", str(run_dir), "train it first or import a model into it", "no complete checkpoint in it"
     )
@@ -242,10 +257,10 @@ def _read_meta(kind: str, directory: Path) -> dict[str, Any]:
     return json.loads((directory / "meta" / "metadata").read_text())
 
 
-def find_source(run_dir: str | Path) -> tuple[str, Path, dict[str, Any]]:
-    """('step', STEP dir, meta) of the newest complete checkpoint, else ('import', hf_import dir, meta)
-    (not read back: `load_params` verifies the arrays)."""
-    kind, directory = _candidates(run_dir)[0]
+def find_source(run_dir: str | Path, step: int | None = None) -> tuple[str, Path, dict[str, Any]]:
+    """('step', STEP dir, meta) of the newest complete checkpoint (or of `step`), else ('import',
+    hf_import dir, meta) (not read back: `load_params` verifies the arrays)."""
+    kind, directory = _candidates(run_dir, step)[0]
     return kind, directory, _read_meta(kind, directory)
 
 
@@ -262,8 +277,15 @@ def load_params(run_dir: str | Path, *, quiet: bool = False) -> tuple[Any, dict,
     newest complete step checkpoint whose arrays read back and match their checksums (a damaged one
     is reported on stderr and the next older one used, as `meshrun train` does; none is moved or
     deleted), else its import. CheckpointError (exit 5) when every step checkpoint is damaged."""
+    cfg, params, meta, _ = load_params_from(run_dir, quiet=quiet)
+    return cfg, params, meta
 
-    cands = _candidates(run_dir)
+
+def load_params_from(
+    run_dir: str | Path, *, quiet: bool = False, step: int | None = None
+) -> tuple[Any, dict, dict[str, Any], Path]:
+    """`load_params` plus the directory the weights came from; `step`: that checkpoint only."""
+    cands = _candidates(run_dir, step)
     damaged = []
     for kind, directory in cands:
         try:
@@ -281,7 +303,7 @@ def load_params(run_dir: str | Path, *, quiet: bool = False) -> tuple[Any, dict,
             continue
         if damaged and not quiet:
             print(f"meshrun: exporting checkpoint {directory.name} (newest intact)", file=sys.stderr)
-        return cfg, params, meta
+        return cfg, params, meta, directory
     raise CheckpointError(
         f"no intact checkpoint in {Path(run_dir) / 'checkpoints'}: steps {', '.join(damaged)} are damaged "
         "(`meshrun checkpoints RUN_DIR --verify` lists them)"
@@ -388,13 +410,15 @@ def export_hf(
     max_shard_bytes: int = 5 * 10**9,
     dtype: str | None = None,
     quiet: bool = False,
+    step: int | None = None,
 ) -> dict[str, Any]:
-    """Write RUN_DIR's newest intact weights as a transformers model directory (see the module
-    docstring): the trained model's config (overrides included), its weights, and the tokenizer (the
-    import's files; a run on `meshrun prepare-data` shards: that data's tokenizer.json)."""
+    """Write RUN_DIR's newest intact weights (or checkpoint `step`'s) as a transformers model directory
+    (see the module docstring): the trained model's config (overrides included), its weights, and the
+    tokenizer (the import's files; a run on `meshrun prepare-data` shards: that data's tokenizer.json).
+    "source" in the result is the checkpoint actually exported."""
 
     run_dir, out = Path(run_dir), Path(out_dir)
-    _, directory, meta = find_source(run_dir)
+    _, directory, meta = find_source(run_dir, step)
     cfg = from_dict(ModelConfig, saved_model(meta["model"]), "model.")
     hf, files = _hf_meta(run_dir, meta)
     vocab = hf["vocab"] if hf else (cfg.vocab_used or cfg.vocab)
@@ -408,7 +432,7 @@ def export_hf(
         raise ConfigError("OUT_DIR", str(out), "give a new or empty directory", "it is not empty")
     config = export_config(cfg, hf, vocab, dtype)
     tokenizer = _data_tokenizer(meta)
-    cfg, params, meta = load_params(run_dir, quiet=quiet)
+    cfg, params, meta, directory = load_params_from(run_dir, quiet=quiet, step=step)
     config = export_config(cfg, hf, vocab, dtype)  # the checkpoint used may be an older one
     leaf = lambda path: _get(params, path)
     tensors = ((k, v.astype(np_dtype)) for k, v in hf_tensors(cfg, leaf, vocab))

@@ -32,6 +32,7 @@ from meshrun.train.profile import train_report, train_trace
 from meshrun.train.resume import (
     Saves,
     check_checkpoints,
+    check_same_model,
     checkpoint_meta,
     initial_state,
     resume_hint,
@@ -65,11 +66,12 @@ def run(
         if lock is not None:
             closers.append(lock.release)  # released last, after the final save is on disk
         steps = check_checkpoints(cfg)
+        ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
+        closers.insert(0, ckpt.close)
+        check_same_model(ckpt, built.train_step, steps)  # refused before the start-up block, alone
         for line in startup_lines(cfg, built.mesh, built.train_step.plan):
             say(line, quiet)
         warn_config_differs(cfg, steps)
-        ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
-        closers.insert(0, ckpt.close)
         dog = _watchdog(cfg, built)
         closers.insert(0, dog.close)
         dog.phase("restore", 0)

@@ -25,15 +25,15 @@ class Prepared(NamedTuple):
 
 
 def config_warnings(cfg: RunConfig, mesh) -> list[str]:
-    """Settings that are valid but have no effect on this mesh. `pipeline.schedule`/`virtual` (and the
-    layer split: `layers_per_stage`, `balance`) with
+    """Settings that are valid but have no effect on this mesh. `pipeline.schedule`/`virtual`/`executor`
+    (and the layer split: `layers_per_stage`, `balance`) with
     mesh.pipe = 1 warn rather than fail: the same config file is often run with `mesh.pipe=1` to
     debug, and they take effect again as soon as pipe > 1 (`pipeline.microbatches` still counts:
     gradient accumulation)."""
     out = []
     if mesh.shape["pipe"] == 1:
         default = PipelineConfig()
-        keys = ("schedule", "virtual", "layers_per_stage", "balance")
+        keys = ("schedule", "virtual", "layers_per_stage", "balance", "executor")
         keys = [k for k in keys if getattr(cfg.pipeline, k) != getattr(default, k)]
         if keys:
             given = ", ".join(f"pipeline.{k}={getattr(cfg.pipeline, k)}" for k in keys)
@@ -58,5 +58,5 @@ def prepare(cfg: RunConfig, devices: list | None = None) -> Prepared:
             "there is no validation split",
         )
     if cfg.checkpoint.init_params:
-        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params)
+        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params, family=cfg.model.family)
     return Prepared(mesh, train_step, ds)

@@ -120,6 +120,20 @@ def check_checkpoints(cfg: RunConfig) -> list[int]:
     return complete
 
 
+def check_same_model(ckpt: Checkpointer, train_step: TrainStep, steps: list[int]) -> None:
+    """ConfigError when the newest checkpoint was written for another model (its saved model config
+    or array shapes differ). A checkpoint that cannot be read is left to the restore, which moves
+    it aside."""
+    if not steps:
+        return
+    try:
+        ckpt.check_compatible(steps[-1], train_step.abstract_state)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - damaged: restore_newest_intact reports it
+        return
+
+
 def restore_newest_intact(ckpt: Checkpointer, train_step: TrainStep, steps: list[int]) -> tuple[Any, int | None]:
     """(state, step) from the newest checkpoint of `steps` that restores; each one that fails is
     reported in one line and moved aside. None of them -> CheckpointError. No steps -> (None, None)."""
