@@ -155,9 +155,10 @@ HF_CONFIG = {
 }  # fmt: skip
 
 
-def make_hf_gpt2(directory, seed=0):
+def make_hf_gpt2(directory, seed=0, transform=None):
     """A tiny GPT2LMHeadModel directory in transformers' layout (Conv1D weights [in, out], fused c_attn,
-    lm_head tied so not saved, old-style attn.bias buffers present), every tensor random."""
+    lm_head tied so not saved, old-style attn.bias buffers present), every tensor random.
+    `transform(tensors)`: the dict written instead (renamed, transposed, retyped)."""
     import json
 
     from meshrun.hf.safetensors_io import write_sharded
@@ -178,7 +179,7 @@ def make_hf_gpt2(directory, seed=0):
             h + "mlp.c_proj.weight": r(f, d), h + "mlp.c_proj.bias": r(d, scale=0.3),
         }  # fmt: skip
     t |= {"transformer.ln_f.weight": r(d, scale=0.2, base=1.0), "transformer.ln_f.bias": r(d, scale=0.3)}
-    write_sharded(directory, t.items(), 30_000)
+    write_sharded(directory, (transform(t) if transform else t).items(), 30_000)
     (directory / "config.json").write_text(json.dumps(c))
     return t
 
@@ -304,4 +305,45 @@ def test_gpt2_import_into_a_llama_config_names_both_families(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("meshrun train: error: checkpoint.init_params: it holds a gpt2 model, the config's ")
     assert "model.family is llama" in line and "set model.family=gpt2" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_gpt2_files_without_the_transformer_prefix_import_the_same(tmp_path):
+    """GPT2Model's layout (`h.0.attn...`, `wte.weight`, plus `attn.masked_bias` buffers): same logits."""
+    from meshrun.config import MeshConfig
+    from meshrun.hf.io import import_hf, load_params
+
+    def unprefixed(t):
+        out = {k.removeprefix("transformer."): v for k, v in t.items()}
+        return out | {f"h.{i}.attn.masked_bias": np.array(-1e4, np.float32) for i in range(HF_CONFIG["n_layer"])}
+
+    src = make_hf_gpt2(tmp_path / "hf", transform=unprefixed)
+    import_hf(tmp_path / "hf", tmp_path / "run", mesh=build_mesh(MeshConfig(data=8)))
+    cfg, params, _ = load_params(tmp_path / "run")
+    tokens = np.random.default_rng(1).integers(0, 100, (2, 16)).astype(np.int32)
+    got = np.asarray(jax.jit(lambda p, t: _gpt2_logits(cfg, p, t))(params, tokens))
+    assert np.max(np.abs(got[..., :100] - numpy_gpt2_logits(src, tokens))) <= 1e-4
+
+
+@pytest.mark.parametrize("fault", ["c_attn_transposed", "norm_int8"])
+def test_gpt2_import_refuses_a_transposed_or_integer_tensor(tmp_path, capsys, fault):
+    from meshrun.cli.main import main
+
+    def broken(t):
+        t = dict(t)
+        if fault == "c_attn_transposed":  # [3D, D] instead of Conv1D's [D, 3D], in every layer
+            for k in [k for k in t if k.endswith("attn.c_attn.weight")]:
+                t[k] = np.ascontiguousarray(t[k].T)
+        else:
+            t["transformer.ln_f.weight"] = t["transformer.ln_f.weight"].astype(np.int8)
+        return t
+
+    make_hf_gpt2(tmp_path / "hf", transform=broken)
+    rc = main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run"), "mesh.data=8"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "Traceback" not in err, err
+    if fault == "c_attn_transposed":
+        assert "transformer.h.0.attn.c_attn.weight" in err and "(96, 32)" in err, err
+    else:
+        assert "transformer.ln_f.weight is stored as int8, the model needs floating point" in err
     assert not (tmp_path / "run").exists()

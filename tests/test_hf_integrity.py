@@ -142,7 +142,7 @@ def test_checkpoints_verify_exits_5_on_a_damaged_checkpoint(llama, tmp_path, cap
     [
         ("llama2", {"rope_theta": 123456.0}),
         ("llama2", {"sliding_window": 8}),  # a Llama with a window is a Mistral
-        ("mixtral", {"top_k": 1}),
+        ("mixtral", {"top_k": 3}),  # top_k=1 is refused: test_export_refuses_a_model_hugging_face_cannot_express
     ],
 )
 def test_export_writes_the_config_of_the_model_that_was_trained(tmp_path, fam, over):
@@ -167,11 +167,14 @@ def test_export_writes_the_config_of_the_model_that_was_trained(tmp_path, fam, o
     ) == dataclasses.replace(cfg, remat="none", dtype="float32")
 
 
-def test_export_refuses_a_model_hugging_face_cannot_express(llama, tmp_path, capsys):
+@pytest.mark.parametrize(("top_k", "moe_every", "field"), [(2, 2, "model.moe_every"), (1, 1, "model.top_k")])
+def test_export_refuses_a_model_hugging_face_cannot_express(llama, tmp_path, capsys, top_k, moe_every, field):
+    """MoE every other layer: no architecture; top-1: transformers' Mixtral renormalises the one gate
+    to 1.0, meshrun scales the expert by its probability (their logits differed by 2.47)."""
     import dataclasses
 
     cfg, _, _ = load_params(llama, quiet=True)
-    cfg = dataclasses.replace(cfg, n_experts=4, top_k=2, moe_every=2, capacity_factor=2.0)
+    cfg = dataclasses.replace(cfg, n_experts=4, top_k=top_k, moe_every=moe_every, capacity_factor=2.0)
     run = tmp_path / "moe"
     meta = {"model": to_dict(cfg), "init_params": str(llama / "hf_import")}
     from meshrun.family import registry
@@ -182,7 +185,7 @@ def test_export_refuses_a_model_hugging_face_cannot_express(llama, tmp_path, cap
     with Checkpointer(run, CheckpointConfig(async_save=False), meta=meta) as ck:
         ck.save(1, {"params": params}, force=True)
     assert main(["export-hf", str(run), str(tmp_path / "out")]) == 2
-    assert "model.moe_every" in _one_line(capsys.readouterr().err)
+    assert field in _one_line(capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 
@@ -289,6 +292,16 @@ def test_import_refuses_unusable_config_values(tmp_path, capsys, bad):
     (src / "config.json").write_text(json.dumps(cfg))
     rc, err = _import_rc(capsys, src, tmp_path / "run")
     assert rc == 2 and "config.json" in _one_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refuses_a_top_1_mixtral(tmp_path, capsys):
+    src = _copy("mixtral", tmp_path)
+    cfg = json.loads((src / "config.json").read_text()) | {"num_experts_per_tok": 1}
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, err = _import_rc(capsys, src, tmp_path / "run")
+    line = _one_line(err)
+    assert rc == 2 and "model.top_k: a top-1 Mixtral computes differently in transformers" in line
     assert not (tmp_path / "run").exists()
 
 

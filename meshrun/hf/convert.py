@@ -188,11 +188,29 @@ def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) 
     for path, v in ad.layer_map(cfg).items():
         tmpl, kind, n, part, parts = _entry(v)
         experts = "{e}" in tmpl
-        per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)
-        one = per(0, 0)
         lead = (cfg.n_layers, cfg.n_experts) if experts else (cfg.n_layers,)
+        _same_shapes(tmpl, lead, get)
+        per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)
+        try:
+            one = per(0, 0)
+        except ValueError:  # numpy's reshape message names neither the tensor nor the heads
+            first, of = tmpl.format(l=0, e=0), f", part {part + 1} of {parts}" if parts > 1 else ""
+            raise ValueError(
+                f"{first} has shape {tuple(get(first).shape)}, which does not split into {n} heads ({kind}{of})"
+            ) from None
         out[path] = _stacked(lead, one.shape, per)
     return out
+
+
+def _same_shapes(tmpl: str, lead: tuple[int, ...], get: Callable[[str], np.ndarray]) -> None:
+    """ValueError naming the tensor when a layer's (or expert's) tensor differs in shape from layer 0's."""
+    first = tmpl.format(l=0, e=0)
+    want = tuple(get(first).shape)
+    for i in range(lead[0]):
+        for e in range(lead[1] if len(lead) > 1 else 1):
+            name = tmpl.format(l=i, e=e)
+            if tuple(get(name).shape) != want:
+                raise ValueError(f"{name} has shape {tuple(get(name).shape)}, {first} has {want}")
 
 
 def _whole(a: np.ndarray) -> Lazy:

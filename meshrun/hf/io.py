@@ -76,6 +76,8 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
         raise ConfigError(
             "MODEL_DIR", str(model_dir), "give a directory with the model's *.safetensors files", str(e)
         ) from None
+    rename = getattr(adapter(cfg), "canonical_name", None)
+    st = _Renamed(st, rename) if rename is not None else st
     need = expected_names(cfg)
     missing = sorted(need - set(st.keys()))
     if missing:
@@ -94,6 +96,15 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
             f"unknown tensors, e.g. {extra[:3]}",
         )
 
+    for name in sorted(need):
+        kind = np.dtype(st.get(name).dtype).kind
+        if kind in "iub":  # int, unsigned, bool: a quantized or broken file, never cast to float silently
+            raise ConfigError(
+                "MODEL_DIR",
+                str(model_dir),
+                "give a checkpoint with floating-point weights (quantized checkpoints are not supported)",
+                f"{name} is stored as {np.dtype(st.get(name).dtype).name}, the model needs floating point",
+            )
     mesh = mesh if mesh is not None else build_mesh(MeshConfig())
     family = registry.get(cfg.family)
     family.check_mesh(cfg, dict(mesh.shape))
@@ -132,6 +143,20 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     }
 
 
+class _Renamed:
+    """A checkpoint's tensors under the family's canonical names (`canonical_name` of its adapter:
+    GPT-2 files saved from `GPT2Model` have no `transformer.` prefix)."""
+
+    def __init__(self, st: SafeTensors, rename):
+        self.st, self.names = st, {rename(k): k for k in st.keys()}
+
+    def keys(self):
+        return self.names.keys()
+
+    def get(self, name: str):
+        return self.st.get(self.names[name])
+
+
 def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
     """lazy_params of the checkpoint, after checking every tensor's shape against config.json: a head
     count or size that contradicts the stored tensors is a ConfigError naming both, before anything
@@ -142,8 +167,10 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
         lazies = lazy_params(cfg, st.get, hf["vocab_size"])
     except ValueError as e:  # a per-head reshape that does not fit the stored tensor
         raise ConfigError(f"{model_dir}/config.json", str(e), fix, "contradicts the tensor shapes") from None
+    ad = adapter(cfg)
+    names = {p: t for p, (t, *_) in ad.layer_map(cfg).items()} | {p: t for p, (t, _) in ad.top_map(cfg).items()}
 
-    for name, kind in adapter(cfg).top_map(cfg).values():
+    for name, kind in ad.top_map(cfg).values():
         if kind in ("vocab", "vocab_t") and st.get(name).shape[0] != hf["vocab_size"]:
             raise ConfigError(
                 f"{model_dir}/config.json: vocab_size",
@@ -158,7 +185,8 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
                 f"{model_dir}/config.json",
                 "/".join(path),
                 fix,
-                f"config.json implies shape {tuple(shape)} for this weight, the safetensors hold {got}",
+                f"config.json implies shape {tuple(shape)} for this weight, the safetensors' "
+                f"{names[path].format(l=0, e=0)} gives {got}",
             )
     return lazies
 

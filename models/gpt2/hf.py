@@ -4,7 +4,8 @@ and writing is meshrun/hf/).
 
 Layout: GPT-2's Conv1D weights are stored [in, out] (no transpose); `attn.c_attn` fuses q, k, v along
 its output axis ([D, 3D] weight, [3D] bias: three parts of one tensor); `lm_head` is tied to `wte`.
-The `attn.bias` / `attn.masked_bias` buffers of older checkpoints are ignored.
+The `attn.bias` / `attn.masked_bias` buffers of older checkpoints are ignored; names with or without
+the `transformer.` prefix are read (`canonical_name`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,12 @@ def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple]:
     m[("layers", "mlp", "down")] = (h + "mlp.c_proj.weight", "id", 0)
     m[("layers", "mlp", "down_bias")] = (h + "mlp.c_proj.bias", "id", 0)
     return m
+
+
+def canonical_name(name: str) -> str:
+    """`transformer.`-prefixed, as `GPT2LMHeadModel` saves; files saved from `GPT2Model` (and, as
+    reported, the original GPT-2 checkpoints) store `h.0.attn...`, `wte.weight` without it."""
+    return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
 
 def ignored(cfg: ModelConfig, name: str) -> bool:

@@ -110,6 +110,14 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     )
     if fam == "mixtral":
         e, k = hf["num_local_experts"], hf["num_experts_per_tok"]
+        if k == 1:  # models/router.py renormalises the gates only when k > 1
+            raise ConfigError(
+                "model.top_k",
+                1,
+                "use top_k >= 2 for a model exchanged with transformers as a Mixtral",
+                "a top-1 Mixtral computes differently in transformers (its one gate is renormalised to 1.0) "
+                "and in meshrun (the expert is scaled by its gate probability)",
+            )
         fields |= dict(
             n_experts=e,
             top_k=k,
