@@ -6,7 +6,7 @@ and sharding helpers load on first use.
 
 import importlib
 
-from meshrun.config import MeshConfig, ModelConfig, RunConfig, load_config
+from meshrun.config import MeshConfig, ModelConfig, PipelineConfig, RunConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.family import registry as _registry  # noqa: F401  (gives meshrun.config the family classes)
 
@@ -22,10 +22,14 @@ _LAZY = {
     "logical_to_spec": "meshrun.parallel.sharding",
     "tree_shardings": "meshrun.parallel.sharding",
     "use_rules": "meshrun.parallel.sharding",
+    "state_names": "meshrun.parallel.sharding",
+    "ModelFns": "meshrun.family.contract",
+    "Family": "meshrun.family.contract",
+    "Pipeline": "meshrun.pipeline.executor",
     "constrain": "meshrun.parallel.sharding",
 }
 
-__all__ = ["ConfigError", "MeshConfig", "ModelConfig", "RunConfig", "load_config", *_LAZY]
+__all__ = ["ConfigError", "MeshConfig", "ModelConfig", "PipelineConfig", "RunConfig", "load_config", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -132,6 +132,7 @@ class ModelConfig:
     # ---- what a family declares: class constants, read by the planner, the FLOP counts and the
     # start-up block. A family's class either makes a layer fact its own field or fixes it.
     context_attention: ClassVar[bool] = False  # its attention can cross the 'context' mesh axis
+    predictable: ClassVar[bool] = True  # the planner's transformer formulas describe its layer
     mlp: ClassVar[str] = "gelu"  # swiglu: 3 matrices (gate, up, down); gelu: 2
     tie_embeddings: ClassVar[bool] = False  # the head reuses the embedding matrix
     n_experts: ClassVar[int] = 0  # MoE layers (0: dense)
@@ -144,7 +145,7 @@ class ModelConfig:
         if type(self) is ModelConfig:
             raise TypeError("ModelConfig is the shared base: build the family's class (model_class(name))")
         own = type(self).__dataclass_fields__["family"].default
-        if self.family != own:
+        if self.family != own and ":" not in self.family:  # package.module:FAMILY names a user's family
             raise ConfigError("model.family", self.family, f"use {type(self).__name__} only for model.family={own}")
         for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
             _bounded(f"model.{f}", getattr(self, f), 1, MAX_DIM)
@@ -205,7 +206,8 @@ class ModelConfig:
         """The layer facts this family's class fixes rather than lets users set: {name: value}."""
         own = cls.__mro__[: cls.__mro__.index(ModelConfig)]  # the family's classes, not this base
         consts = (n for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is ClassVar)
-        return {n: getattr(cls, n) for n in consts if n != "context_attention" and any(n in vars(k) for k in own)}
+        consts = (n for n in consts if n not in ("context_attention", "predictable"))
+        return {n: getattr(cls, n) for n in consts if any(n in vars(k) for k in own)}
 
 
 # The family config class of a `model.family` name ("": the default family). `meshrun.family.registry`
@@ -532,7 +534,7 @@ def model_from_dict(data: dict[str, Any], prefix: str = "model."):
     data = dict(data)
     name = _coerce(f"{prefix}family", str, data.get("family", ""))
     cls = model_class(name)
-    fam = cls.__dataclass_fields__["family"].default
+    fam = name or cls.__dataclass_fields__["family"].default
     names, fixed = {f.name for f in dataclasses.fields(cls)}, cls.fixed()
     for key, value in list(data.items()):
         if key in names:
@@ -667,6 +669,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), cls=R
     """YAML file (optional) + overrides -> validated config of type `cls`."""
     data = load_yaml(path) if path else {}
     return from_dict(cls, merge(data, parse_overrides(list(overrides))))
+
+
+def load_mesh(path: str | Path | None, overrides: list[str] = ()) -> MeshConfig:
+    """Only the mesh of a run's YAML + overrides: commands set up their devices from it before the
+    whole config loads (a user's model family may import jax with its module)."""
+    data = merge(load_yaml(path) if path else {}, parse_overrides(list(overrides)))
+    mesh = data.get("mesh") or {}
+    if not isinstance(mesh, dict):
+        raise ConfigError("mesh", mesh, "give a mapping of mesh keys", "not a section")
+    return from_dict(MeshConfig, mesh, "mesh.")
 
 
 def load_section(cls, overrides: list[str], section: str):

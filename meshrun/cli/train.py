@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from meshrun.config import check_device_count, load_config
+from meshrun.config import check_device_count, load_config, load_mesh
 from meshrun.runtime.devices import add_fast_compile_flag
 from meshrun.runtime.distributed import start_command
 
@@ -43,8 +43,8 @@ def register(sub) -> None:
 def run_train(args) -> int:
     check_device_count("--devices", args.devices)  # 0 is a value, not "not given"
     args.devices = args.devices or 0
+    start_command(load_mesh(args.config, args.overrides), args, "train")  # before a family's module imports jax
     cfg = load_config(args.config, args.overrides)
-    start_command(cfg, args, "train")
     from meshrun.train.loop import run  # imports jax: only once the devices are set up
 
     result = run(cfg, quiet=args.quiet)

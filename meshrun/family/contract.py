@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def _no_aux(n_sequences: int) -> dict[str, float]:
@@ -122,5 +123,33 @@ class Family:
     model_fns: Callable
     init_params: Callable
     abstract_params: Callable
-    check_mesh: Callable
+    check_mesh: Callable = lambda cfg, mesh_shape: None
     hf: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "init_params", _names_only(self.init_params, plain=True))
+        for name in ("abstract_params", "model_fns"):  # model_fns may build its abstract params for their names
+            object.__setattr__(self, name, _names_only(getattr(self, name), plain=False))
+
+
+def _names_only(fn: Callable, plain: bool) -> Callable:
+    """`fn` run with Flax NNX eager sharding off (parameters carry logical axis names, which meshrun
+    maps to the mesh itself); `plain`: an nnx.State result becomes a plain dict of arrays."""
+    if getattr(fn, "_meshrun_wrapped", False):
+        return fn
+
+    def wrapped(*args, **kw):
+        with nnx.use_eager_sharding(False):
+            out = fn(*args, **kw)
+        return _plain(out) if plain else out
+
+    wrapped._meshrun_wrapped = True
+    return wrapped
+
+
+def _plain(tree: Any) -> Any:
+    if isinstance(tree, nnx.Variable):
+        return tree.get_value()
+    if isinstance(tree, Mapping):  # nnx.State is a Mapping
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree

@@ -239,7 +239,10 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     from meshrun.runtime.mesh import describe_dict
 
     m, t, pc = cfg.model, cfg.train, cfg.pipeline
-    n = param_counts(m)["total"]
+    if plan.abstract_params is not None:  # the family's own parameters
+        n = sum(math.prod(a.shape) for a in jax.tree.leaves(plan.abstract_params))
+    else:  # a mesh given as a shape only (explain's prediction): the transformer formula
+        n = param_counts(m)["total"]
     d = describe_dict(mesh)
     shape = " x ".join(f"{a}{d['shape'][a]}" for a in d["axes"] if d["shape"][a] > 1) or "1 device"
     racks = f" in {d['racks']} racks" if d["racks"] > 1 else ""
@@ -259,6 +262,9 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     if plan.context > 1:
         how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
+    if not m.predictable:
+        lines.append(f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})")
+        return lines
     try:
         mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer != "none")
         host = f", host {_gib(mem['host'])}" if mem.get("host") else ""

@@ -1,0 +1,60 @@
+"""A model family outside meshrun (examples/custom_model): named as `package.module:FAMILY`, trained
+on data2 x pipe2 x tensor2 with the one-device losses and parameters, its own parameter count in the
+start-up block, and NNX State parameters with logical names accepted."""
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from test_train import SMALL, assert_same, run_steps
+
+from meshrun.config import load_config
+from meshrun.errors import ConfigError
+from meshrun.family import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples/custom_model/config.yaml"
+FAMILY = "custom_model.model:FAMILY"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def importable():
+    sys.path.insert(0, str(ROOT / "examples"))
+    yield
+    sys.path.remove(str(ROOT / "examples"))
+
+
+def _cfg(over=()):
+    return load_config(CONFIG, [*SMALL, *over])
+
+
+def test_trains_on_pipe_data_tensor_as_on_one_device():
+    """3 optimizer steps on (data2, pipe2, tensor2) equal one device: losses and updated params."""
+    ref = run_steps(_cfg(["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1"]), n_devices=1)
+    assert_same(run_steps(_cfg()), ref)
+
+
+def test_its_config_class_fields_and_count():
+    from meshrun.train.metrics import startup_lines
+    from meshrun.train.plan import build_plan
+
+    cfg = _cfg()
+    assert type(cfg.model) is registry.config_class(FAMILY) and cfg.model.shift == 0.5
+    with pytest.raises(ConfigError, match=rf"model.mlp: {FAMILY} has no such field"):
+        _cfg(["model.mlp=gelu"])
+    with pytest.raises(ConfigError, match=r"model.shift: .*use a weight in \[0, 1\]"):
+        _cfg(["model.shift=2"])
+    mesh = jax.make_mesh((1, 1, 1, 1, 1), ("pipe", "data", "expert", "context", "tensor"), devices=jax.devices()[:1])
+    plan = build_plan(cfg, mesh)
+    n = sum(math.prod(a.shape) for a in jax.tree.leaves(plan.abstract_params))
+    m = cfg.model
+    assert n == 2 * m.vocab * m.d_model + m.n_layers * (m.d_model + 2 * m.d_model * m.d_ff)
+    lines = startup_lines(cfg, mesh, plan)
+    assert f"{n / 1e6:.2f}M params" in lines[0] and "not predicted" in lines[-1]
+
+
+def test_unknown_module_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.family: no such module .*make 'no_such_pkg' importable"):
+        load_config(None, ["model.family=no_such_pkg.model:FAMILY"])
