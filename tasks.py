@@ -46,7 +46,7 @@ def main() -> None:
         sh(BIN / "meshrun", "train", "configs/tiny_cpu.yaml", *args)
     elif what == "test":
         ensure_env("test")
-        sh(PY, "-m", "ruff", "check", "meshrun", "models", "tests", "bench", "tasks.py")
+        sh(PY, "-m", "ruff", "check", "meshrun", "models", "tests", "bench", "examples", "tasks.py")
         sh(BIN / "lint-imports")  # the import layering contracts in pyproject.toml
         if args:  # a selection (`-k`, a file): one plain pytest run
             sh(PY, "-m", "pytest", *args)
