@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAX_STEPS = 10
 FAST = ("mesh", "schedule", "plan", "config")  # meshrun commands quick enough for the default suite
-LINKED = ("configs", "launch", "tests", "bench", ".venv")
+LINKED = ("configs", "launch", "tests", "bench", "examples", ".venv")
 
 
 def _slug(heading: str) -> str:
