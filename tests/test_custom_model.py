@@ -58,3 +58,26 @@ def test_its_config_class_fields_and_count():
 def test_unknown_module_is_a_config_error():
     with pytest.raises(ConfigError, match="model.family: no such module .*make 'no_such_pkg' importable"):
         load_config(None, ["model.family=no_such_pkg.model:FAMILY"])
+
+
+def test_custom_loop_matches_one_device():
+    """examples/custom_loop.py's Pipeline (public API, data2 x pipe2 x tensor2): the one-device loss and
+    gradients of the family's own functions."""
+    import custom_loop
+    import numpy as np
+    from custom_model.model import FAMILY, MLPConfig
+
+    from meshrun import MeshConfig, PipelineConfig
+    from meshrun.family.contract import loss_fn
+
+    cfg = MLPConfig(d_model=32, n_layers=4, d_ff=64, max_seq_len=16)
+    pc = PipelineConfig(schedule="1f1b", microbatches=4)
+    pipe, params = custom_loop.build(cfg, MeshConfig(data=2, pipe=2, tensor=2), pc)
+    tok, lab = custom_loop.batch(cfg, 0, rows=16, seq=16)
+    loss, grads, _ = pipe(params, tok, lab)
+    ref = jax.device_put(FAMILY.init_params(cfg, 0), jax.devices()[0])
+    fns = FAMILY.model_fns(cfg)
+    (ref_loss, _), ref_grads = jax.value_and_grad(lambda p: loss_fn(fns, p, tok, lab), has_aux=True)(ref)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))

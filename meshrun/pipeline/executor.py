@@ -110,6 +110,13 @@ class Pipeline:
         return cls(fns, pcfg, mesh, split, build(arrays), placement=placement, model_zero=model_zero,
                    program=program, **kw)  # fmt: skip
 
+    def place(self, params) -> dict:
+        """`params` (nnx.State or a dict) as a dict of arrays laid out as the step takes them (its
+        placement's ZeRO store shardings): pass the result, or the step re-lays them out each call and
+        compiles for their first layout too."""
+        store = self.model_zero.store if self.placement == "model" else self.zero.store
+        return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec)), _pure(params), store)
+
     # ------------------------------------------------------------ checks and containers
 
     def check(self, params, tokens) -> None:
