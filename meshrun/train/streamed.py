@@ -327,14 +327,27 @@ class _Stepper:
 
 
 class _Lowered:
+    """The device part's lowering; `compile` gives a step that runs its executable (other attributes:
+    the lowering's, e.g. `as_text`)."""
+
     def __init__(self, tier: Tier, lowered):
         self.tier, self.lowered = tier, lowered
 
-    def compile(self):
-        compiled = self.lowered.compile()
-        stepper = _Stepper(self.tier, compiled)
-        stepper.as_text, stepper.memory_analysis = compiled.as_text, compiled.memory_analysis
-        return stepper
+    def compile(self, **kwargs):
+        return _Compiled(self.tier, self.lowered.compile(**kwargs))
+
+    def __getattr__(self, name: str):
+        return getattr(self.lowered, name)
+
+
+class _Compiled(_Stepper):
+    """A step over the compiled device part; `memory_analysis`, `as_text`, ...: the device part's."""
+
+    def __init__(self, tier: Tier, compiled):
+        super().__init__(tier, compiled)
+
+    def __getattr__(self, name: str):
+        return getattr(self.device_part, name)
 
 
 def make_streamed(ts, cfg: RunConfig):
