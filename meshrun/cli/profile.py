@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshrun.config import check_device_count, load_config
+from meshrun.config import check_device_count, load_config, load_mesh
 from meshrun.errors import ConfigError
 from meshrun.runtime.devices import add_fast_compile_flag
 from meshrun.runtime.distributed import start_command
@@ -38,8 +38,8 @@ def run_profile(args) -> int:
     args.devices = args.devices or 0
     if not 1 <= args.steps <= MAX_STEPS:
         raise ConfigError("--steps", args.steps, f"trace 1..{MAX_STEPS} steps, e.g. --steps 3", "out of range")
+    start_command(load_mesh(args.config, args.overrides), args, "profile")  # before a family's module imports jax
     cfg = load_config(args.config, args.overrides)
-    start_command(cfg, args, "profile")
     from meshrun.analysis.trace import format_report  # imports jax: only once the devices are set up
     from meshrun.train.profile import profile
 
