@@ -10,6 +10,7 @@ from __future__ import annotations
 from meshrun.config import ModelConfig
 from meshrun.pipeline.stage_counts import split_layers
 from meshrun.planner.hardware import GPUS
+from meshrun.planner.layout import Layout
 from meshrun.planner.timing import stage_seconds
 
 __all__ = ["DEFAULT_GPU", "balanced_split", "split_layers", "stage_cost", "stage_costs"]
@@ -37,7 +38,8 @@ def stage_costs(
     device for one transformer layer, the embedding, and the head + vocabulary cross-entropy, from
     the planner's time model (`timing.stage_seconds`) on `gpu` at tensor-parallel degree `tensor`."""
     s = seq_len or model.max_seq_len
-    return stage_seconds(model, micro_batch_size, s, tensor, GPUS[gpu], model.remat if remat is None else remat)
+    layout = Layout(tensor=tensor, micro_batch_size=micro_batch_size, remat=model.remat if remat is None else remat)
+    return stage_seconds(model, layout, s, GPUS[gpu])
 
 
 def balanced_split(model: ModelConfig, n_stages: int, seq_len: int | None = None, **kw) -> tuple[int, ...]:

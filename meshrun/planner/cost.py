@@ -125,12 +125,8 @@ def predict_memory(
     `split` is the layers per stage."""
     p, tensor = layout.pipe, layout.tensor
     split = split or (model.n_layers / p,) * p
-    remat = layout.remat
     sp = layout.sequence_parallel and tensor > 1
     s = seq_len or model.max_seq_len
-    kw = dict(tensor=tensor, pipe=p, data=layout.data, expert=layout.expert, microbatches=layout.microbatches,
-              micro_batch_size=layout.micro_batch_size, seq_len=s, zero=layout.zero, schedule=layout.schedule,
-              virtual=layout.virtual, context=layout.context, kind=layout.context_kind)  # fmt: skip
     stages = {}
     spmd = None
     if framework == "meshrun":
@@ -140,7 +136,7 @@ def predict_memory(
         if spmd is not None:
             part = dict(spmd)
         else:
-            part = _megatron_stage(model, stage, split[stage], remat=remat, sp=sp, dropout=dropout, flash=flash, **kw)
+            part = _megatron_stage(model, layout, stage, split[stage], seq_len=s, sp=sp, dropout=dropout, flash=flash)
         part["overheads"] = 0.0
         if overheads:
             axes = {
@@ -162,16 +158,19 @@ def predict_memory(
 
 
 def _megatron_stage(
-    model: ModelConfig, stage: int, layers: float, *, tensor, pipe, data, expert, microbatches, micro_batch_size,
-    seq_len, zero, remat, sp, schedule, virtual, dropout, flash, context=1, kind="allgather",
+    model: ModelConfig, layout: Layout, stage: int, layers: float, *, seq_len: int, sp: bool, dropout: bool,
+    flash: bool | None,
 ) -> dict[str, float]:  # fmt: skip
-    """Megatron-LM's bytes on one device of `stage` (holding `layers` layers). Context parallelism
-    (Megatron-Core's cp): each device holds s/c tokens of every sequence; dense weights' gradients
-    and ZeRO (distributed optimizer) shards span data x expert x context (dp x cp)."""
+    """Megatron-LM's bytes on one device of `stage` (holding `layers` layers) of `layout` (its remat;
+    `sp`: sequence parallelism in effect). Context parallelism (Megatron-Core's cp): each device holds
+    s/c tokens of every sequence; dense weights' gradients and ZeRO (distributed optimizer) shards
+    span data x expert x context (dp x cp)."""
     prec = precision_of(model, "megatron")
     pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
     flash = model.attention_impl == "cudnn" if flash is None else flash
-    s, t, p, b, h = seq_len, tensor, pipe, micro_batch_size, model.d_model
+    s, t, p, b, h = seq_len, layout.tensor, layout.pipe, layout.micro_batch_size, model.d_model
+    data, expert, context, zero = layout.data, layout.expert, layout.context, layout.zero
+    remat, kind = layout.remat, layout.context_kind
     counts = param_counts(model)
     kept, working = _layer_activations(
         model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context, kind=kind
@@ -184,7 +183,7 @@ def _megatron_stage(
     )
     if zero == 3:  # gathered weights of the layer in use and the prefetched next one
         params += 2 * pb * (layer_params(model, model.is_moe) / t)
-    n_in = inflight_microbatches(schedule, p, microbatches, virtual, stage)
+    n_in = inflight_microbatches(layout.schedule, p, layout.microbatches, layout.virtual, stage)
     acts = layers * kept * n_in + working
     if stage == 0:  # embedding output (+ dropout mask) of each in-flight micro-batch
         acts += n_in * s * b * h * (ab + (1 if dropout else 0)) / (t if sp else 1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU
+from meshrun.planner.layout import Layout
 
 # The bf16 tile cuBLAS picks for large GEMMs on A100/H100 (CUTLASS's default 256 x 128 threadblock).
 TILE_M, TILE_N = 256, 128
@@ -111,24 +112,23 @@ def elementwise_bytes(model: ModelConfig, tokens: float, t: int, *, sp: bool, dr
 
 def layer_seconds(
     model: ModelConfig,
-    b: int,
+    layout: Layout,
     s: int,
-    t: int,
     gpu: GPU,
     cal: Calibration,
     *,
-    sp: bool = False,
     flash: bool = False,
     dropout: bool = False,
     act: float = 2.0,
     moe: bool = False,
-    expert: int = 1,
-    context: int = 1,
-    kind: str = "allgather",
 ) -> dict[str, float]:
-    """Seconds of one layer for one micro-batch of b sequences on one device, by part:
-    {'gemm_fwd', 'gemm_bwd', 'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}. Context parallelism: every
-    per-token kernel runs on the local b s/c tokens (`attention_core_seconds` for the attention)."""
+    """Seconds of one layer for one micro-batch of the layout's micro-batch size on one device of
+    `layout` (its tensor, sequence, expert and context parallelism), by part: {'gemm_fwd', 'gemm_bwd',
+    'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}. Context parallelism: every per-token kernel runs on
+    the local b s/c tokens (`attention_core_seconds` for the attention)."""
+    b, t, expert, context, kind = (layout.micro_batch_size, layout.tensor, layout.expert, layout.context,
+                                   layout.context_kind)  # fmt: skip
+    sp = layout.sequence_parallel and t > 1
     tok, h = b * (s / context if context > 1 else s), model.d_model
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t

@@ -109,6 +109,9 @@ def structural_violations(
         )
     if v > 1 and p == 1:
         out.append(f"virtual={v} needs pipe > 1")
+    if p > 1 and layout.context > 1 and layout.context_kind == "ring" and layout.run_executor != "lockstep":
+        out.append(f"context={layout.context} ring in a pipeline runs on the lockstep executor only "
+                   f"({layout.schedule} on {layout.run_executor}; train refuses it)")  # fmt: skip
     if layout.sched.m_multiple_of_p and layout.microbatches % p:
         out.append(f"microbatches={layout.microbatches} is not divisible by pipe={p} ({layout.sched.title} needs it)")
     if t > cluster.gpus_per_node:

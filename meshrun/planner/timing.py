@@ -41,14 +41,13 @@ CALIBRATION = Calibration(gemm=0.741, hbm=1.0)
 OVERLAP_COST = 0.25
 
 
-def layer_compute_seconds(
-    model: ModelConfig, b: int, s: int, t: int, gpu: GPU, remat: str, cal: Calibration, **kw
-) -> float:
-    """Forward + backward (+ recompute) of one layer and one micro-batch on one device (MoE layers
-    weighted by their share of the layers)."""
+def layer_compute_seconds(model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration, **kw) -> float:
+    """Forward + backward (+ recompute, by the layout's remat) of one layer and one micro-batch on one
+    device of `layout` (MoE layers weighted by their share of the layers)."""
+    remat = layout.remat
 
     def one(moe: bool) -> float:
-        k = kernels.layer_seconds(model, b, s, t, gpu, cal, moe=moe, **kw)
+        k = kernels.layer_seconds(model, layout, s, gpu, cal, moe=moe, **kw)
         fwd = k["gemm_fwd"] + k["attn_fwd"] + k["mem_fwd"]
         redo = fwd if remat == "full" else (k["attn_fwd"] if remat == "selective" else 0.0)
         return fwd + redo + k["gemm_bwd"] + k["attn_bwd"] + k["mem_bwd"]
@@ -57,32 +56,39 @@ def layer_compute_seconds(
     return (1 - frac) * one(False) + (frac * one(True) if frac else 0.0)
 
 
-@functools.lru_cache(maxsize=4096)  # the search re-costs the same (model, b, t, remat) for many layouts
 def stage_seconds(
     model: ModelConfig,
-    b: int,
+    layout: Layout,
     s: int,
-    t: int,
     gpu: GPU,
-    remat: str,
     cal: Calibration | None = None,
     *,
     cluster: Cluster | None = None,
-    sp: bool = False,
     dropout: bool = False,
-    expert: int = 1,
-    context: int = 1,
-    kind: str = "allgather",
 ) -> tuple[float, float, float]:
-    """(one layer, embedding, head + cross-entropy): seconds per micro-batch of b sequences on one
-    device, forward + backward, TP all-reduces included when `cluster` is given (context parallelism:
-    the local s/c tokens; its K/V exchange is `context_seconds`)."""
+    """(one layer, embedding, head + cross-entropy): seconds per micro-batch of the layout's
+    micro-batch size on one device of `layout`, forward + backward (its remat, tensor, sequence and
+    expert parallelism), TP all-reduces included when `cluster` is given (context parallelism: the
+    local s/c tokens; its K/V exchange is `context_seconds`)."""
+    t, c = layout.tensor, layout.context
+    # only what the costs read: the search re-costs the same micro-batch, TP and remat for many layouts
+    key = Layout(tensor=t, micro_batch_size=layout.micro_batch_size, remat=layout.remat, expert=layout.expert,
+                 sequence_parallel=layout.sequence_parallel and t > 1, context=c,
+                 context_kind=layout.context_kind if c > 1 else "allgather")  # fmt: skip
+    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_seconds(
+    model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration | None, cluster: Cluster | None,
+    dropout: bool,
+) -> tuple[float, float, float]:  # fmt: skip
+    """`stage_seconds` of a layout holding only what the costs read (cached)."""
     cal = cal or CALIBRATION
     act = precision_of(model).act
-    kw = dict(sp=sp, dropout=dropout, act=act, flash=model.attention_impl == "cudnn", expert=expert)
-    if context > 1:
-        kw |= dict(context=context, kind=kind)
-    layer = layer_compute_seconds(model, b, s, t, gpu, remat, cal, **kw)
+    b, t, context, remat = layout.micro_batch_size, layout.tensor, layout.context, layout.remat
+    layer = layer_compute_seconds(model, layout, s, gpu, cal, dropout=dropout, act=act,
+                                  flash=model.attention_impl == "cudnn")  # fmt: skip
     tok = b * (s / context if context > 1 else s)
     first = kernels.embed_seconds(model, tok, t, gpu, cal, act)
     last = kernels.head_seconds(model, tok, t, gpu, cal, act)
@@ -218,14 +224,11 @@ def predict_time(
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or CALIBRATION
     prec = precision or precision_of(model, framework, layout)
-    t, p, v, m, b = layout.tensor, layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size
+    p, v, m, b = layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size
     c = layout.context
     s, gpu = seq_len, cluster.gpu
-    kw = dict(sp=layout.sequence_parallel and t > 1, dropout=dropout > 0, expert=layout.expert)
-    if c > 1:
-        kw |= dict(context=c, kind=layout.context_kind)
-    compute = stage_seconds(model, b, s, t, gpu, layout.remat, cal, **kw)
-    full = stage_seconds(model, b, s, t, gpu, layout.remat, cal, cluster=cluster, **kw)
+    compute = stage_seconds(model, layout, s, gpu, cal, dropout=dropout > 0)
+    full = stage_seconds(model, layout, s, gpu, cal, cluster=cluster, dropout=dropout > 0)
     cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout > 0)
     with_cp = (full[0] + cp_layer, *full[1:])
     v, placement = layout.chunks if p > 1 else v, layout.sched.placement
