@@ -314,7 +314,7 @@ def format_table(
     lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
     if best.layout.pipe > 1:
         lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
-    lines += [f"#1 time (s): {tm}", "", "#1 memory per device (GB)"]
+    lines += [f"#1 time (s): {tm}", _axis_shares(best.time), "", "#1 memory per device (GB)"]
     stages = best.memory["stages"]
     lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))
     for label, part in stages.items():
@@ -327,3 +327,12 @@ def format_table(
         + ", ".join(f"{k.removeprefix('overhead_')} {over[k] / GB:.2f}" for k in over if k.startswith("overhead_"))
     )
     return "\n".join(lines)
+
+
+def _axis_shares(t: dict) -> str:
+    """The seed's claim that at peak efficiency TP : PP : DP time is about 3 : 2 : 1, checked on this
+    layout: tensor = TP all-reduces, pipe = point-to-point sends + bubble, data = gradient sync (+ ZeRO)."""
+    tp, pp, dp = t["tensor_comm"], t["pipe_comm"] + t["bubble"], t["dp_sync"] + t["zero_comm"]
+    shares = ", ".join(f"{k} {v / t['total']:.1%}" for k, v in (("TP", tp), ("PP", pp), ("DP", dp)))
+    ratio = " : ".join(f"{v / dp:.2g}" for v in (tp, pp, dp)) if dp > 0 else "n/a (no data-parallel sync)"
+    return f"#1 parallelism time shares of the step: {shares}; TP : PP : DP = {ratio} (the seed expects ~3 : 2 : 1)"
