@@ -54,8 +54,9 @@ OPTIMIZERS = {
     "adamw": OptimizerSpec("adamw", "meshrun.optim.optimizer:adamw", moments=2, moments_other=2, elementwise=True),
     # Newton-Schulz's temporaries (X X^T, its square, their product with X) live after the backward
     # has freed the activations: the compiled step's temp bytes equal adamw's (tiny_cpu, data4)
-    "muon": OptimizerSpec("muon", "meshrun.optim.optimizer:muon", moments=1, moments_other=2, elementwise=False,
-                          ns_iterations=5),  # fmt: skip
+    "muon": OptimizerSpec(
+        "muon", "meshrun.optim.optimizer:muon", moments=1, moments_other=2, elementwise=False, ns_iterations=5
+    ),  # fmt: skip
 }
 
 
