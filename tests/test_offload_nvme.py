@@ -148,6 +148,12 @@ def test_sigkill_mid_swap_out_then_rerun_and_cross_tier_resume(tmp_path):
     other = _cli(tmp_path / "n")  # nvme's checkpoint 2 on the in-memory tier
     assert other.returncode == 0, other.stderr[-2000:]
     assert _final_loss(tmp_path / "n") == _final_loss(tmp_path / "ref")
+    plain = _cli(tmp_path / "plain")  # the in-memory tier from scratch, then its checkpoint 2 on nvme
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    shutil.copytree(tmp_path / "plain" / "checkpoints" / "2", tmp_path / "m" / "checkpoints" / "2")
+    back = _cli(tmp_path / "m", *nvme)
+    assert back.returncode == 0, back.stderr[-2000:]
+    assert _final_loss(tmp_path / "m") == _final_loss(tmp_path / "plain") == _final_loss(tmp_path / "ref")
 
 
 @pytest.mark.slow
