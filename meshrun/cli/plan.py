@@ -248,8 +248,9 @@ def run_plan(args) -> int:
 
 def _optimizer(args, cfg) -> dict[str, str]:
     """The Layout fields of the optimizer to cost: --optimizer / --state-dtype, else the YAML's."""
-    name = args.optimizer if args.optimizer is not None else cfg.name
-    optimizers.get(name)  # an unknown name: ConfigError naming optimizer.name and the known ones
+    flag = args.optimizer is not None
+    name = args.optimizer if flag else cfg.name
+    optimizers.get(name, "--optimizer" if flag else "optimizer.name")  # unknown: names where it came from
     return {"optimizer": name, "state_dtype": args.state_dtype or cfg.state_dtype}
 
 

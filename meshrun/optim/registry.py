@@ -60,8 +60,9 @@ OPTIMIZERS = {
 }
 
 
-def get(name: str) -> OptimizerSpec:
-    """The optimizer registered as `name`; a ConfigError naming `optimizer.name` for an unknown one."""
+def get(name: str, field: str = "optimizer.name") -> OptimizerSpec:
+    """The optimizer registered as `name`; a ConfigError naming `field` (the key or flag the name came
+    from) for an unknown one."""
     if name not in OPTIMIZERS:
-        raise ConfigError("optimizer.name", name, f"use one of {', '.join(sorted(OPTIMIZERS))}", "unknown optimizer")
+        raise ConfigError(field, name, f"use one of {', '.join(sorted(OPTIMIZERS))}", "unknown optimizer")
     return OPTIMIZERS[name]
