@@ -29,7 +29,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _child  # noqa: E402  (bench/_child.py)
+
+ROOT = _child.ROOT
 CONFIG = ROOT / "configs/tiny_cpu.yaml"
 MODEL = [
     "model.d_model=256",
@@ -126,27 +129,14 @@ def groups(quick: bool) -> list[tuple[Layout, list[tuple[Layout, Layout | None, 
 def run_one(lay: Layout, steps: int, timeout: float) -> tuple[float | None, str]:
     """Steady step seconds of one `meshrun train` process (median of steps 3..steps), or an error."""
     with tempfile.TemporaryDirectory(prefix="meshrun-compare-") as tmp:
-        cmd = [sys.executable, "-m", "meshrun.cli.main", "train", str(CONFIG), *MODEL, *lay.overrides(),
-               f"train.steps={steps}", f"train.run_dir={tmp}/run", "--quiet"]  # fmt: skip
-        env = {
-            **os.environ,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={lay.devices}",
-            "JAX_PLATFORMS": "cpu",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        }
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-        except subprocess.TimeoutExpired:
-            return None, f"timed out after {timeout:.0f} s"
-        metrics = Path(tmp) / "run" / "metrics.jsonl"
-        if r.returncode or not metrics.exists():
-            tail = " | ".join(r.stderr.strip().splitlines()[-3:])
-            return None, f"exit {r.returncode}: {tail}"
-        times = {}
-        for line in metrics.read_text().splitlines():
-            rec = json.loads(line)
-            if "step_time_s" in rec:
-                times[rec["step"]] = rec["step_time_s"]
+        cmd = _child.meshrun("train", str(CONFIG), *MODEL, *lay.overrides(), f"train.steps={steps}",
+                             f"train.run_dir={tmp}/run", "--quiet")  # fmt: skip
+        flags = f"--xla_force_host_platform_device_count={lay.devices}"
+        r = _child.run(cmd, env=_child.env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), timeout=timeout)
+        run_dir = Path(tmp) / "run"
+        if r.error or not (run_dir / "metrics.jsonl").exists():
+            return None, r.error or "no metrics.jsonl"
+        times = {rec["step"]: rec["step_time_s"] for rec in _child.metrics(run_dir) if "step_time_s" in rec}
         steady = [t for s, t in times.items() if s >= min(3, steps)]
         return statistics.median(steady), ""
 

@@ -35,7 +35,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _child  # noqa: E402  (bench/_child.py)
+
+ROOT = _child.ROOT
 GPU_ENV = ROOT / "launch/gpu_env.sh"
 # model.remat, and "fp8": remat none with model.fp8=tensorwise (docs/fp8.md), reported under `fp8`
 # with `loss_vs_bf16` (its last loss / remat=none's) and `speedup_vs_bf16` (step time ratio)
@@ -221,7 +224,7 @@ def main(argv=None) -> int:
     micro, accum = a.micro_batch or (2 if dry else 4), a.accum or (2 if dry else 4)
     from meshrun.runtime.devices import default_platform  # imports no jax
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = _child.env()
     if dry:
         env["JAX_PLATFORMS"] = "cpu"
     platform = default_platform(env)
@@ -284,28 +287,13 @@ def main(argv=None) -> int:
 
 def run_variant(over: list[str], env: dict[str, str], timeout: float, res: dict) -> None:
     """Run one variant's process; fill `res` with what it reported (partial on failure) and `error`."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *over]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     res["error"] = "interrupted"
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        err = None if proc.returncode == 0 else f"exit {proc.returncode}: {_tail(stderr)}"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        err = f"timed out after {timeout:.0f} s"
-    except BaseException:
-        proc.kill()
-        stdout, _ = proc.communicate()
-        res.update({k: v for k, v in parse_events(stdout).items() if k != "xla_flags"}, error="interrupted")
-        raise
-    res.update({k: v for k, v in parse_events(stdout).items() if k != "xla_flags"}, error=err)
 
+    def fill(r: _child.Result) -> None:
+        res.update({k: v for k, v in parse_events(r.stdout).items() if k != "xla_flags"}, error=r.error)
 
-def _tail(text: str, n: int = 400) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    oom = [ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()]
-    return (oom[-1] if oom else " | ".join(lines[-3:]))[-n:]
+    fill(_child.run([sys.executable, str(Path(__file__).resolve()), "--child", *over], env=env, timeout=timeout,
+                    on_interrupt=fill))  # fmt: skip
 
 
 def _version(pkg: str) -> str | None:

@@ -13,29 +13,26 @@ last line says whether the final loss is within 1% of the float32 run's (the iss
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _child  # noqa: E402  (bench/_child.py)
+
 DTYPES = ("float32", "bfloat16")
 
 
 def train(config: str, steps: int, dtype: str, extra: list[str], run_dir: Path) -> tuple[list[float], float]:
     """Per-step losses of one `meshrun train` run, and its wall-clock seconds (whole process)."""
-    cmd = [sys.executable, "-m", "meshrun.cli.main", "train", "--quiet", config, f"train.steps={steps}",
-           f"train.grad_reduce_dtype={dtype}", f"train.run_dir={run_dir}", "checkpoint.every=0", *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = _child.meshrun("train", "--quiet", config, f"train.steps={steps}", f"train.grad_reduce_dtype={dtype}",
+                         f"train.run_dir={run_dir}", "checkpoint.every=0", *extra)  # fmt: skip
     t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    r = _child.run(cmd, env=_child.env())
     if r.returncode:
         sys.exit(f"{dtype}: exit {r.returncode}: {r.stderr.strip()[-2000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [row["loss"] for row in sorted(rows, key=lambda row: row["step"])], time.monotonic() - t0
+    return [row["loss"] for row in _child.metrics(run_dir)], time.monotonic() - t0
 
 
 def main() -> int:

@@ -12,13 +12,12 @@ its compiled columns show selective's bytes, the predicted ones what a GPU would
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _child  # noqa: E402  (bench/_child.py)
+
 LEVERS = (
     ("none", ["model.remat=none"]),
     ("selective", ["model.remat=selective"]),
@@ -30,12 +29,8 @@ LEVERS = (
 
 
 def explain(config: str, over: list[str], cluster: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "meshrun.cli.main", "explain", config, *over, "--json", "--cluster", cluster]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    cmd = _child.meshrun("explain", config, *over, "--json", "--cluster", cluster)
+    return _child.run_json(cmd, env=_child.env())
 
 
 def main() -> int:

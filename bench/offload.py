@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _child  # noqa: E402  (bench/_child.py)
+
+ROOT = _child.ROOT
 MODEL = ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=64",
          "model.d_ff=1536", "model.vocab=256", "model.max_seq_len=128", "train.seq_len=128", "train.global_batch=8",
          "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=1", "data.kind=synthetic"]  # fmt: skip
@@ -104,13 +106,9 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
 
 
 def run_child(tier: str, directory: str, budget: float, steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, "--child", tier, "--dir", directory, "--budget-mb", str(budget),
            "--steps", str(steps)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _child.run_json(cmd, env=_child.env())
 
 
 def main() -> int:
