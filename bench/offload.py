@@ -122,6 +122,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, args.dir, args.budget_mb, args.steps)))
         return 0
+    (ROOT / "runs").mkdir(exist_ok=True)  # a fresh checkout has none
     directory = args.dir or tempfile.mkdtemp(prefix="meshrun-offload-", dir=ROOT / "runs")
     mib = lambda x: f"{x / 2**20:.1f}"
     w, r = disk_bandwidth(directory, args.disk_mb)
