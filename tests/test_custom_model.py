@@ -2,8 +2,12 @@
 on data2 x pipe2 x tensor2 with the one-device losses and parameters, its own parameter count in the
 start-up block, and NNX State parameters with logical names accepted."""
 
+import json
 import math
+import os
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -53,6 +57,67 @@ def test_its_config_class_fields_and_count():
     assert n == 2 * m.vocab * m.d_model + m.n_layers * (m.d_model + 2 * m.d_model * m.d_ff)
     lines = startup_lines(cfg, mesh, plan)
     assert f"{n / 1e6:.2f}M params" in lines[0] and "not predicted" in lines[-1]
+
+
+def test_mfu_counts_the_familys_own_flops_or_none():
+    """TFLOP/s and MFU count the FLOPs the family declares (`Family.flops_per_token`); a family that
+    declares none and is not a transformer gets "n/a" in the start-up block and no TFLOP/s or MFU rows;
+    a transformer family keeps the transformer formula."""
+    from meshrun.analysis.flops import model_flops
+    from meshrun.train.metrics import MetricRows, startup_lines
+    from meshrun.train.plan import build_plan
+
+    cfg = _cfg()
+    m, t = cfg.model, cfg.train
+    mesh = jax.make_mesh((1, 1, 1, 1, 1), ("pipe", "data", "expert", "context", "tensor"), devices=jax.devices()[:1])
+    plan = build_plan(cfg, mesh)
+    per_token = 6 * (m.n_layers * 2 * m.d_model * m.d_ff + m.d_model * m.vocab)
+    tokens = t.global_batch * t.seq_len
+    assert plan.family.model_flops(m, t.global_batch, t.seq_len) == per_token * tokens
+    assert f"({per_token:,} per token, custom_mlp's flops_per_token)" in startup_lines(cfg, mesh, plan)[-2]
+    rows = MetricRows(cfg, 8, 0.0, lambda step: 1e-3, plan.family)
+    rows.peak = 1e12  # as on a GPU whose peak is known
+    row = rows.row({"loss": 1.0}, 0, 0.5)
+    assert row["tflops_per_device"] == pytest.approx(per_token * tokens / 0.5 / 8 / 1e12, rel=1e-12)
+    assert row["mfu"] == pytest.approx(row["tflops_per_device"], rel=1e-12)
+
+    bare = replace(plan.family, flops_per_token=None)
+    assert bare.model_flops(m, t.global_batch, t.seq_len) is None
+    assert "flops     n/a: family custom_mlp declares no flops (no TFLOP/s, MFU n/a)" in startup_lines(
+        cfg, mesh, replace(plan, family=bare)
+    )
+    rows = MetricRows(cfg, 8, 0.0, lambda step: 1e-3, bare)
+    rows.peak = 1e12
+    row = rows.row({"loss": 1.0}, 0, 0.5)
+    assert "tflops_per_device" not in row and "mfu" not in row and row["tokens_per_s"] == tokens / 0.5
+
+    llama = load_config(ROOT / "configs/tiny_cpu.yaml")
+    got = registry.get("llama").model_flops(llama.model, 16, 64)
+    assert got == model_flops(llama.model, 16, 64) and got > 0
+
+
+def test_explain_compiles_it_and_the_planner_refuses_it(capsys):
+    """`meshrun explain` on a family whose module imports jax: a fresh process sets up its devices
+    before the module loads (it reaches the --cluster check, not "this process has 1 CPU devices");
+    in process, compiled columns only, the predicted ones empty with a note; `meshrun plan` refuses
+    the family in one line."""
+    from meshrun.cli.main import main
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)]), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "meshrun.cli.main", "explain", str(CONFIG), "--cluster", "h100-80g:1x8"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"meshrun explain: error: --cluster: model.family={FAMILY} has no predicted step time (predictable = False) "
+        "(got 'h100-80g:1x8'); leave it out for this family"
+    ], r.stderr
+    assert main(["explain", str(CONFIG), *SMALL, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["compiled"] and rep["memory"]["compiled"]["total"] > 0 and rep["collectives"]["compiled"]["pipe"] > 0
+    assert rep["memory"]["predicted"] == rep["collectives"]["predicted"] == {} and "predictable = False" in rep["note"]
+    assert main(["plan", "--model", str(CONFIG), "--cluster", "h100-80g:1x8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"meshrun plan: error: --model: model.family={FAMILY} sets predictable")
 
 
 def test_unknown_module_is_a_config_error():

@@ -98,6 +98,12 @@ def check_mesh(cfg: MLPConfig, mesh_shape) -> None:
             raise ConfigError(f"model.{field}", getattr(cfg, field), f"use a multiple of mesh.tensor={t}")
 
 
+def flops_per_token(cfg: MLPConfig, seq_len: int) -> float:
+    """Training FLOPs per token (what MFU counts): 2 per weight of each matmul (the blocks' w_in and
+    w_out, the head) in the forward, x3 with the backward; the embedding is a lookup."""
+    return 3 * 2 * (cfg.n_layers * 2 * cfg.d_model * cfg.d_ff + cfg.d_model * cfg.vocab)
+
+
 FAMILY = meshrun.Family(
     name="custom_mlp",
     config=MLPConfig,
@@ -105,4 +111,5 @@ FAMILY = meshrun.Family(
     init_params=init_params,
     abstract_params=abstract_params,
     check_mesh=check_mesh,
+    flops_per_token=flops_per_token,
 )

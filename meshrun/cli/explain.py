@@ -8,10 +8,10 @@ import os
 import re
 import sys
 
-from meshrun.config import load_config
+from meshrun.config import load_config, load_mesh
 from meshrun.errors import ConfigError
 from meshrun.runtime.devices import add_fast_compile_flag, needed_devices, simulate_cpu_devices
-from meshrun.train.explain import MAX_SIMULATED, explain, format_report, step_time
+from meshrun.train.explain import MAX_SIMULATED, check_cluster, explain, format_report, step_time
 
 
 def register(sub) -> None:
@@ -30,8 +30,7 @@ def register(sub) -> None:
 
 
 def run_explain(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    n = needed_devices(cfg)
+    n = needed_devices(load_mesh(args.config, args.overrides))  # before a family's module imports jax
     if n <= MAX_SIMULATED:
         if "jax" in sys.modules:
             import jax
@@ -44,6 +43,9 @@ def run_explain(args) -> int:
         else:  # explain compiles for simulated CPU devices, whatever machine it runs on
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
             simulate_cpu_devices(max(n, _flag_devices()), fast_compile=args.fast_compile)
+    cfg = load_config(args.config, args.overrides)
+    if args.cluster:
+        check_cluster(cfg, args.cluster)  # before compiling
     rep = explain(cfg)
     rep["config"] = str(args.config)
     if args.cluster:

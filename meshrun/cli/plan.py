@@ -73,6 +73,10 @@ def load_model(text: str):
     path = _model_path(text)
     raw = load_yaml(path)
     cfg = from_dict(RunConfig, raw)
+    if not cfg.model.predictable:  # a user's family whose layers the transformer formulas do not describe
+        what = f"model.family={cfg.model.family} sets predictable = False"
+        fix = "meshrun plan costs transformer layers only (`meshrun explain CONFIG` compiles its step)"
+        raise ConfigError("--model", text, fix, what)
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
     return cfg.model, train, path.stem, cfg.optimizer
 

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshrun.analysis.flops import model_flops
+
 
 def _no_aux(n_sequences: int) -> dict[str, float]:
     return {}
@@ -116,7 +118,9 @@ class Family:
     what it supports); model_fns(cfg) -> ModelFns; init_params(cfg, seed) -> nested dict of arrays;
     abstract_params(cfg) -> tree of jax.ShapeDtypeStruct-like leaves carrying logical names
     (nnx.State); check_mesh(cfg, mesh_shape) raises ConfigError when the model cannot be split over
-    the mesh; hf: its Hugging Face adapter (None: no import/export)."""
+    the mesh; hf: its Hugging Face adapter (None: no import/export); flops_per_token(cfg, seq_len):
+    its training FLOPs per token (forward + backward, no recomputation: what MFU counts), or None:
+    the transformer formula when its config class is `predictable`, else no TFLOP/s and no MFU."""
 
     name: str
     config: type
@@ -125,6 +129,13 @@ class Family:
     abstract_params: Callable
     check_mesh: Callable = lambda cfg, mesh_shape: None
     hf: Any = None
+    flops_per_token: Callable | None = None
+
+    def model_flops(self, cfg, batch: int, seq_len: int) -> float | None:
+        """Model FLOPs of a step of `batch` sequences of `seq_len` tokens (see `flops_per_token`)."""
+        if self.flops_per_token is not None:
+            return float(self.flops_per_token(cfg, seq_len)) * batch * seq_len
+        return model_flops(cfg, batch, seq_len) if cfg.predictable else None
 
     def __post_init__(self):
         object.__setattr__(self, "init_params", _names_only(self.init_params, plain=True))

@@ -32,6 +32,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from meshrun.config import AXES
+from meshrun.errors import ConfigError
 from meshrun.planner import cost, search, step_model
 from meshrun.planner.cost import layout_of
 from meshrun.planner.hardware import parse_cluster
@@ -48,9 +49,25 @@ def planner_layout(cfg, mesh_shape: dict[str, int]):
     return layout_of(cfg, mesh_shape)
 
 
+def unpredicted(family: str) -> str:
+    """Why a family's step has compiled figures only."""
+    return (
+        f"predicted columns empty: the planner's formulas are for transformer layers, and model.family={family} "
+        "sets predictable = False"
+    )
+
+
+def check_cluster(cfg, cluster_text: str) -> None:
+    """A step time is predicted for transformer families only (`predictable`)."""
+    if not cfg.model.predictable:
+        what = f"model.family={cfg.model.family} has no predicted step time (predictable = False)"
+        raise ConfigError("--cluster", cluster_text, "leave it out for this family", what)
+
+
 def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     """The planner's step time of this config on `cluster_text`, memory levers included
     (remat=offload: selective's compute + host traffic; remat_every: full's compute)."""
+    check_cluster(cfg, cluster_text)
     lay = planner_layout(cfg, mesh_shape)
     lay = replace(lay, remat={"offload": "selective"}.get(lay.remat, lay.remat))
     off = cfg.train.offload_optimizer != "none"
@@ -61,7 +78,10 @@ def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
 
 def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives.
-    `program`: the step's tick program (its permutes per step) when there is a pipeline."""
+    `program`: the step's tick program (its permutes per step) when there is a pipeline. Empty for a
+    family whose config class is not `predictable` (the formulas are for transformer layers)."""
+    if not cfg.model.predictable:
+        return {"memory": {}, "collectives": {}, "counts": {}}
     lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
     off = cfg.train.offload_optimizer != "none"
     mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=off)
@@ -194,7 +214,12 @@ def explain(cfg) -> dict:
     n = needed_devices(cfg)
     shape = {a: getattr(cfg.mesh, a) for a in AXES}
     out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
-    if n > MAX_SIMULATED:
+    if not cfg.model.predictable:
+        if n > MAX_SIMULATED:
+            what = f"model.family={cfg.model.family} has no prediction to show without compiling"
+            raise ConfigError("mesh", n, f"shrink the mesh to at most {MAX_SIMULATED} devices", what)
+        out["note"] = unpredicted(cfg.model.family)
+    elif n > MAX_SIMULATED:
         from meshrun.train.plan import build_plan
 
         plan = build_plan(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
@@ -254,36 +279,37 @@ def format_report(rep: dict, title: str) -> str:
     pm, cm = rep["memory"]["predicted"], rep["memory"]["compiled"] or {}
     lines += ["", f"{'memory per device (MiB)':<28}{'predicted':>12}{'compiled':>12}"]
     rows = [
-        ("argument (params + opt)", pm["argument"], cm.get("argument")),
-        ("temp (grads, acts, logits)", pm["temp"], cm.get("temp")),
+        ("argument (params + opt)", pm.get("argument"), cm.get("argument")),
+        ("temp (grads, acts, logits)", pm.get("temp"), cm.get("temp")),
         ("  live at once", None, cm.get("temp_live")),
-        ("  params", pm["params"], None),
-        ("  grads (+ accumulator)", pm["grads"], None),
-        ("  optimizer (+ update tmp)", pm["optimizer"], None),
-        ("  activations", pm["activations"], None),
-        ("  logits", pm["logits"], None),
+        ("  params", pm.get("params"), None),
+        ("  grads (+ accumulator)", pm.get("grads"), None),
+        ("  optimizer (+ update tmp)", pm.get("optimizer"), None),
+        ("  activations", pm.get("activations"), None),
+        ("  logits", pm.get("logits"), None),
         ("output", None, cm.get("output")),
         ("alias (donated)", None, cm.get("alias")),
-        ("total", pm["total"], cm.get("total")),
+        ("total", pm.get("total"), cm.get("total")),
         ("  in device memory", pm.get("device"), cm.get("device")),
         ("  in pinned host memory", pm.get("host"), cm.get("host")),
     ]
     for name, p, c in rows:
         lines.append(f"{name:<28}{_mb(p):>12}{_mb(c):>12}")
-    if cm:
+    if cm and pm:
         lines.append(f"{'predicted / compiled':<28}{pm['total'] / cm['total']:>12.2f}")
     if "step_time_s" in rep:
         st = rep["step_time_s"]
         lines.append(f"{'step time (s) on ' + st['cluster']:<28}{st['predicted']:>12.4g}")
-    lines.append(f"{'(Megatron accounting)':<28}{_mb(pm['megatron_total']):>12}")
+    lines.append(f"{'(Megatron accounting)':<28}{_mb(pm.get('megatron_total')):>12}")
     pc, cc = rep["collectives"]["predicted"], rep["collectives"]["compiled"] or {}
+    zero = 0 if pm else None  # an unpredicted family: "-" rather than a predicted 0
     axes = [a for a in AXES if a in pc or a in cc]
     lines += ["", f"{'collectives per step (MiB)':<28}{'predicted':>12}{'compiled':>12}{'static':>12}"]
     static = rep["collectives"].get("compiled_static", {})
     for a in axes:
         c = cc.get(a, 0) if rep["compiled"] else None
         s = static.get(a, 0) if rep["compiled"] else None
-        lines.append(f"{'  ' + a:<28}{_mb(pc.get(a, 0)):>12}{_mb(c):>12}{_mb(s):>12}")
+        lines.append(f"{'  ' + a:<28}{_mb(pc.get(a, zero)):>12}{_mb(c):>12}{_mb(s):>12}")
     if not axes:
         lines.append("  (none: one device)")
     pn, cn = rep["counts"]["predicted"], rep["counts"]["compiled"] or {}
@@ -291,7 +317,8 @@ def format_report(rep: dict, title: str) -> str:
     lines += ["", f"{'collective ops per step':<28}{'predicted':>12}{'compiled':>12}{'static':>12}"]
     for op in sorted(set(pn) | set(cn)):
         c = cn.get(op, 0) if rep["compiled"] else "-"
-        lines.append(f"{'  ' + op:<28}{pn.get(op, 0):>12}{c:>12}{sn.get(op, 0) if rep['compiled'] else '-':>12}")
+        p = pn.get(op, 0) if pm else "-"
+        lines.append(f"{'  ' + op:<28}{p:>12}{c:>12}{sn.get(op, 0) if rep['compiled'] else '-':>12}")
     lines.append(
         "\ncompiled per step = each HLO collective x the trip counts of its loops; static = each once. "
         "Predicted omits scalar all-reduces (loss, token counts)."

@@ -186,7 +186,7 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
     """Steps start..train.steps: step, check the loss, evaluate, log, checkpoint; stop early on
     preemption or `stop_after`."""
     t, mesh, ts = cfg.train, built.mesh, built.train_step
-    rows = MetricRows(cfg, mesh.size, ts.plan.bubble, lr_schedule(cfg))
+    rows = MetricRows(cfg, mesh.size, ts.plan.bubble, lr_schedule(cfg), ts.plan.family)
     eval_step = make_eval_step(ts, mesh) if t.eval_every else None
     tally, batch, dog = Tally(), None, stepper.dog
     stragglers = Stragglers(t.straggler_threshold, t.log_every)

@@ -1,8 +1,10 @@
 """Training metrics: tokens/s, TFLOP/s per device, MFU; JSONL + TensorBoard + progress bar.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per step / (step time x peak x devices).
-Model FLOPs (`meshrun.analysis.flops.model_flops`) count the useful math only: no activation recomputation,
-no MoE capacity padding. Peaks come from the GPU catalogue (`meshrun.planner.hardware`).
+Model FLOPs (`Family.model_flops`: the family's `flops_per_token`, else `meshrun.analysis.flops.model_flops`
+for transformer families) count the useful math only: no activation recomputation, no MoE capacity
+padding; a family with neither gets no TFLOP/s and no MFU. Peaks come from the GPU catalogue
+(`meshrun.planner.hardware`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import jax
 
-from meshrun.analysis.flops import model_flops, param_counts
+from meshrun.analysis.flops import param_counts
 from meshrun.planner.hardware import peak_flops_of_kind
 
 
@@ -54,13 +56,14 @@ def memory_in_use() -> dict[str, int]:
 
 class MetricRows:
     """Which steps get a metrics.jsonl row, and what is in it: the step's metrics plus lr, step time,
-    tokens/s, TFLOP/s per device, the pipeline bubble, MFU (when the peak is known) and device memory."""
+    tokens/s, TFLOP/s per device and MFU (when the family's FLOPs and the device's peak are known),
+    the pipeline bubble and device memory."""
 
-    def __init__(self, cfg: Any, n_devices: int, bubble: float, lr: Callable[[int], float]):
+    def __init__(self, cfg: Any, n_devices: int, bubble: float, lr: Callable[[int], float], family: Any):
         t = cfg.train
         self.log_every, self.n_devices, self.bubble, self.lr = t.log_every, n_devices, bubble, lr
         self.tokens = t.global_batch * t.seq_len
-        self.flops = model_flops(cfg.model, t.global_batch, t.seq_len)
+        self.flops = family.model_flops(cfg.model, t.global_batch, t.seq_len)
         self.peak = peak_flops(jax.devices()[0])
 
     def due(self, step: int, ran: int, last: bool) -> bool:
@@ -70,15 +73,16 @@ class MetricRows:
 
     def row(self, metrics: dict, step: int, dt: float) -> dict:
         """The row of 0-based `step` that took `dt` seconds."""
-        tflops = self.flops / dt / self.n_devices / 1e12
+        known = self.flops is not None  # a family that declares no FLOPs: no TFLOP/s, no MFU
+        tflops = self.flops / dt / self.n_devices / 1e12 if known else None
         return {
             **metrics,
             "lr": float(self.lr(step)),
             "step_time_s": dt,
             "tokens_per_s": self.tokens / dt,
-            "tflops_per_device": tflops,
+            **({"tflops_per_device": tflops} if known else {}),
             "bubble_fraction": self.bubble,
-            **({"mfu": tflops * 1e12 / self.peak} if self.peak else {}),
+            **({"mfu": tflops * 1e12 / self.peak} if known and self.peak else {}),
             **memory_in_use(),
         }
 
@@ -232,6 +236,18 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def flops_lines(family: Any, m: Any, tokens: int, seq_len: int) -> list[str]:
+    """The start-up block's FLOPs line for a family that is not costed by the transformer formula: its
+    own count, or why TFLOP/s and MFU are not reported. Transformer families print none."""
+    if family.flops_per_token is not None:
+        per_token = family.model_flops(m, 1, seq_len) / seq_len
+        why = f"{family.name}'s flops_per_token"
+        return [f"flops     {per_token * tokens / 1e9:.3g} GFLOP per step ({per_token:,.0f} per token, {why})"]
+    if not m.predictable:
+        return [f"flops     n/a: family {family.name} declares no flops (no TFLOP/s, MFU n/a)"]
+    return []
+
+
 def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     """The start-up block printed before compiling: model, mesh, batch, schedule, layer split and the
     planner's predicted memory per device (`planner.step_model.predict_memory_jax` on `plan.layout`)."""
@@ -262,6 +278,7 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     if plan.context > 1:
         how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
+    lines += flops_lines(plan.family, m, t.global_batch * t.seq_len, t.seq_len)
     if not m.predictable:
         lines.append(f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})")
         return lines
