@@ -15,14 +15,15 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from meshrun.checkpoint.local import LocalTier, check_local_dir
 from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir_writable
 from meshrun.config import RunConfig
 from meshrun.data.datasets import global_batch_arrays
-from meshrun.errors import DistributedError, TrainingError
+from meshrun.errors import ConfigError, DistributedError, TrainingError
 from meshrun.optim.optimizer import lr_schedule
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.faults import Faults
-from meshrun.runtime.processes import lost_peer, say, take_lock, warn
+from meshrun.runtime.processes import agree, lost_peer, say, take_lock, warn
 from meshrun.runtime.stragglers import Stragglers
 from meshrun.runtime.watchdog import Watchdog
 from meshrun.train.evaluate import evaluate, make_eval_step
@@ -61,6 +62,7 @@ def run(
     try:
         faults = Faults.from_env(jax.process_index())
         built = prepare(cfg, devices)
+        check_local_tier(cfg)
         check_run_dir_writable(t.run_dir)
         lock = take_lock(t.run_dir)
         if lock is not None:
@@ -68,6 +70,9 @@ def run(
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
+        tier = LocalTier(cfg.checkpoint, t.run_dir, checkpoint_meta(cfg)) if cfg.checkpoint.local_every else None
+        if tier is not None:
+            closers.insert(0, tier.close)
         check_same_model(ckpt, built.train_step, steps)  # refused before the start-up block, alone
         for line in startup_lines(cfg, built.mesh, built.train_step.plan):
             say(line, quiet)
@@ -75,10 +80,10 @@ def run(
         dog = _watchdog(cfg, built)
         closers.insert(0, dog.close)
         dog.phase("restore", 0)
-        state, start = initial_state(cfg, ckpt, built.train_step, steps, quiet)
+        state, start = initial_state(cfg, ckpt, built.train_step, steps, quiet, tier)
         write_config(cfg)  # once the run dir's state was accepted: a refused rerun leaves the old one
         stepper = Stepper(built.train_step, state, dog, faults)
-        result = _train(cfg, built, stepper, Saves(ckpt, quiet), Bounds(start, stop_after, flag), quiet)
+        result = _train(cfg, built, stepper, Saves(ckpt, quiet, tier), Bounds(start, stop_after, flag), quiet)
     except BaseException as e:
         lost = lost_peer(e)
         if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
@@ -88,6 +93,20 @@ def run(
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+def check_local_tier(cfg: RunConfig) -> None:
+    """Every process checks its own checkpoint.local_dir; all of them fail when one does."""
+    err = None
+    try:
+        check_local_dir(cfg.checkpoint, jax.process_index())
+    except ConfigError as e:
+        err = e
+    if not agree(err is None):
+        if err is not None:
+            raise err
+        raise ConfigError("checkpoint.local_dir", cfg.checkpoint.local_dir, "see the other processes' messages",
+                          "another process cannot write it")  # fmt: skip
 
 
 def _watchdog(cfg: RunConfig, built: Prepared) -> Watchdog:
@@ -221,6 +240,9 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
                 if stop or saves.ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
                     dog.phase("save", step + 1)
                     saves.save(step + 1, ts.to_model(stepper.state), force=stop)
+                elif saves.should_save_local(step + 1) and step + 1 < t.steps:  # the last step is saved for good
+                    dog.phase("save", step + 1)
+                    saves.save_local(step + 1, ts.to_model(stepper.state))
                 if stop:
                     break
             else:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import yaml
 
+from meshrun.checkpoint.local import LocalTier, LocalUnusable, agreed_steps
 from meshrun.checkpoint.params import restore_params
 from meshrun.checkpoint.state import CheckpointDamaged, Checkpointer
 from meshrun.checkpoint.store import newest_complete, scan
@@ -158,14 +159,59 @@ def restore_newest_intact(ckpt: Checkpointer, train_step: TrainStep, steps: list
     return None, None
 
 
+def local_candidates(tier: LocalTier, newer_than: int | None, max_step: int) -> list[int]:
+    """Local steps every process holds, newer than the persistent step `newer_than` and not past
+    `max_step`, newest first. Warns when a newer local step is missing on some process (a lost node)."""
+    common, each = agreed_steps([s for s in tier.steps() if s <= max_step])
+    newest = max((s for row in each for s in row), default=None)
+    if newest is not None and newest not in common and (newer_than is None or newest > newer_than):
+        lacking = ", ".join(str(p) for p, row in enumerate(each) if newest not in row)
+        warn(f"local checkpoint step {newest} is not on every process (missing on process {lacking}); "
+             "using the newest step that is")  # fmt: skip
+    return [s for s in reversed(common) if newer_than is None or s > newer_than]
+
+
+def restore_local(tier: LocalTier, train_step: TrainStep, candidates: list[int]) -> tuple[Any, int | None]:
+    """(state, step) from the newest of `candidates` that every process restores (each reads only its
+    own files: no collective until all agree); (None, None) when none does."""
+    for step in candidates:
+        try:
+            state, err = tier.restore(step, train_step.abstract_state), None
+        except LocalUnusable as e:
+            state, err = None, str(e)
+        except Exception as e:  # noqa: BLE001 - any failure here must still reach the agreement below
+            state, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+        if agree(err is None):
+            return train_step.to_run(state), step
+        why = err if err is not None else "another process could not restore it"
+        warn(f"local checkpoint step {step} cannot be restored ({why}); trying an older step or the persistent ones")
+    return None, None
+
+
 def initial_state(
-    cfg: RunConfig, ckpt: Checkpointer, train_step: TrainStep, steps: list[int], quiet: bool = False
+    cfg: RunConfig,
+    ckpt: Checkpointer,
+    train_step: TrainStep,
+    steps: list[int],
+    quiet: bool = False,
+    tier: LocalTier | None = None,
 ) -> tuple[Any, int]:
-    """(state, first step): the newest intact checkpoint, else checkpoint.init_params with a fresh
-    optimizer at step 0, else a fresh init. Says which on stderr."""
-    state, start = restore_newest_intact(ckpt, train_step, steps) if steps else (None, None)
-    if state is not None:
-        say(f"resumed from step {start} ({Path(ckpt.directory) / str(start)})", quiet)
+    """(state, first step): the newest restorable checkpoint (a local step every process holds when
+    it is newer than the persistent ones, else the newest intact persistent one), else
+    checkpoint.init_params with a fresh optimizer at step 0, else a fresh init. Says which on stderr.
+    Local steps newer than the one resumed from are deleted (another trajectory's, once it goes on)."""
+    state, start = None, None
+    if tier is not None and cfg.checkpoint.resume:
+        state, start = restore_local(tier, train_step, local_candidates(tier, steps[-1] if steps else None,
+                                                                        cfg.train.steps))  # fmt: skip
+        if state is not None:
+            say(f"resumed from step {start} (local checkpoint {tier.directory / str(start)})", quiet)
+    if state is None and steps:
+        state, start = restore_newest_intact(ckpt, train_step, steps)
+        if state is not None:
+            say(f"resumed from step {start} ({Path(ckpt.directory) / str(start)})", quiet)
+    if tier is not None:
+        tier.drop(lambda s: s <= (start or 0))
     if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
         state = train_step.init_from(restore_params(cfg.checkpoint.init_params, train_step.abstract_state.params))
         say(f"starting from parameters in {cfg.checkpoint.init_params}", quiet)
@@ -201,9 +247,18 @@ class Saves:
     """Checkpoint saves of one run: starts them (async where configured) and reports each one once it
     is on disk: `saved checkpoint N (size, seconds) in PATH` (process 0)."""
 
-    def __init__(self, ckpt: Checkpointer, quiet: bool = False):
-        self.ckpt, self.quiet = ckpt, quiet
+    def __init__(self, ckpt: Checkpointer, quiet: bool = False, tier: LocalTier | None = None):
+        self.ckpt, self.quiet, self.tier = ckpt, quiet, tier
         self._pending: list[tuple[int, float]] = []  # (step, start time) of saves not reported yet
+        self._local_said: int | None = None
+
+    def should_save_local(self, step: int) -> bool:
+        return self.tier is not None and self.tier.should_save(step) and not self.ckpt.should_save(step)
+
+    def save_local(self, step: int, model_state: Any) -> None:
+        """This process's shards to the local tier (the write goes on in the background)."""
+        self.report()
+        self.tier.save(step, model_state)
 
     def save(self, step: int, model_state: Any, force: bool) -> None:
         self.report()  # orbax finishes the previous async save before it starts this one
@@ -219,8 +274,15 @@ class Saves:
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             took = time.perf_counter() - t0
             say(f"saved checkpoint {s} ({size / 2**20:.1f} MiB, {took:.1f} s) in {path}", self.quiet)
+        last = self.tier.last if self.tier is not None else None
+        if last is not None and last[0] != self._local_said:
+            self._local_said = last[0]
+            say(f"saved local checkpoint {last[0]} ({last[1] / 2**20:.1f} MiB on process 0, {last[2]:.2f} s) "
+                f"in {self.tier.directory / str(last[0])}", self.quiet)  # fmt: skip
 
     def finish(self) -> None:
-        """Wait for the last async save and report it."""
+        """Wait for the last async saves and report them."""
         self.ckpt.wait()
+        if self.tier is not None:
+            self.tier.wait_quietly()
         self.report()
