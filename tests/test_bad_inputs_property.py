@@ -52,13 +52,16 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 
 def _checked(overrides: list[str], tmp_path) -> None:
-    """load_config + the checks `meshrun train` runs before it writes anything."""
+    """load_config + the checks `meshrun train` runs before it writes anything (the local
+    checkpoint tier's directory included)."""
+    from meshrun.checkpoint.local import check_local_dir
     from meshrun.runtime.mesh import build_mesh
     from meshrun.train.plan import build_plan
 
     cfg = load_config(None, [*overrides, f"train.run_dir={tmp_path / 'run'}"])
     mesh = build_mesh(cfg.mesh)
     build_plan(cfg, mesh)
+    check_local_dir(cfg.checkpoint, 0)
 
 
 @FAST
@@ -133,6 +136,9 @@ def test_yaml_files_never_cause_an_internal_error(doc, dup, tmp_path_factory):
         (f"model.d_model={10**30}", "model.d_model"),
         ("mesh.data=100000000", "mesh.data"),
         ("optimizer.beta2=1.5", "optimizer.beta2"),
+        ("checkpoint.local_every=-2", "checkpoint.local_every"),
+        ("checkpoint.local_every=5", "checkpoint.local_dir"),
+        ("checkpoint.local_keep=0", "checkpoint.local_keep"),
     ],
 )
 def test_examples_from_the_issue_are_config_errors(override, field):
@@ -147,3 +153,28 @@ def test_duplicate_yaml_key_and_directory_config(tmp_path):
         load_config(tmp_path / "c.yaml")
     with pytest.raises(ConfigError, match="a directory"):
         load_config(tmp_path)
+
+
+LOCAL_DIRS = st.one_of(
+    st.sampled_from(["", " ", "{process}", "FILE", "FILE/x", "NOPE/a/b", "TMP/{process}/x", "TMP/ok", "TMP"]),
+    st.text(alphabet="ab{}/._- ", max_size=8).map(lambda t: f"TMP/{t}"),
+)
+
+
+@FAST
+@given(every=VALUES, keep=VALUES, local=LOCAL_DIRS)
+def test_local_tier_settings_are_accepted_or_name_their_field(every, keep, local, tmp_path_factory):
+    """checkpoint.local_every / local_keep / local_dir: accepted, or a ConfigError naming one of them;
+    the directory checks create nothing (a file, a missing parent, a relative or odd name)."""
+    tmp_path = tmp_path_factory.mktemp("local")
+    (tmp_path / "FILE").write_text("x")
+    local = local.replace("TMP", str(tmp_path)).replace("FILE", str(tmp_path / "FILE"))
+    local = local.replace("NOPE", str(tmp_path / "nope"))
+    before = sorted(tmp_path.rglob("*"))
+    over = [f"checkpoint.local_every={every}", f"checkpoint.local_keep={keep}", f"checkpoint.local_dir={local}"]
+    try:
+        _checked(over, tmp_path)
+    except ConfigError as e:
+        assert _names_a_field(e.field, over), e
+        assert str(e).startswith(f"{e.field}:") and "\n" not in str(e)
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written

@@ -229,6 +229,9 @@ def test_both_ranks_killed_resume_from_the_local_step(mp_reference, tmp_path):
             sup.kill()
     assert sup.returncode == 0, err[-3000:]
     assert step > max(persistent) == 4
+    restarts = [ln for ln in err.splitlines() if ln.startswith("meshrun supervise:")]
+    assert restarts == [f"meshrun supervise: restart 1/1: rank 0 died (signal KILL); resuming from local checkpoint "
+                        f"step {step} on 2 process(es)"], err[-3000:]  # fmt: skip
     assert _resumed_line(run).startswith(f"resumed from step {step} (local checkpoint {local}/process-0/")
     got = _losses(run)
     assert got == ref and json.loads(out.strip().splitlines()[-1])["loss"] == ref_final  # exactly
@@ -257,6 +260,10 @@ def test_lost_node_resumes_from_the_persistent_step(mp_reference, tmp_path):
             sup.kill()
     assert sup.returncode == 0, err[-3000:]
     assert step > max(persistent) == 4
+    restarts = [ln for ln in err.splitlines() if ln.startswith("meshrun supervise:")]
+    assert len(restarts) == 1 and restarts[0].endswith(
+        "resuming from checkpoint step 4 (or a newer local one, if every host holds it) on 2 process(es)"
+    ), err[-3000:]
     survivor = (run / "logs" / "attempt1" / "rank0.log").read_text()
     assert "lost contact with another process" in survivor, survivor[-2000:]
     log = (run / "logs" / "attempt2" / "rank0.log").read_text()

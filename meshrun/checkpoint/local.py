@@ -19,7 +19,6 @@ Why not orbax's emergency checkpoint manager: see docs/faults.md ("Two checkpoin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,8 +34,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshrun.checkpoint.state import path_key
+from meshrun.checkpoint.store import local_root, run_key
 from meshrun.config import CheckpointConfig
 from meshrun.errors import ConfigError
+
+__all__ = ["LocalTier", "LocalUnusable", "agreed_steps", "check_local_dir", "local_root", "run_key"]
 
 INDEX, DATA = "index.json", "shards.bin"
 FORMAT = 1
@@ -45,19 +47,6 @@ _MAX_LISTED = 16  # local steps each process reports when they agree (only the n
 
 class LocalUnusable(Exception):
     """A local step this process cannot restore (missing, damaged, or another layout's shards)."""
-
-
-def local_root(template: str, process: int) -> Path:
-    """checkpoint.local_dir for `process`: "{process}" replaced, else a process-P subdirectory."""
-    if "{process}" in template:
-        return Path(os.path.abspath(template.replace("{process}", str(process))))
-    return Path(os.path.abspath(template)) / f"process-{process}"
-
-
-def run_key(run_dir: str) -> str:
-    """The run's directory name inside the local dir: base name + 8 hex digits of its absolute path."""
-    path = os.path.abspath(run_dir)
-    return f"{os.path.basename(path) or 'run'}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
 
 
 def check_local_dir(cfg: CheckpointConfig, process: int) -> None:
@@ -131,6 +120,7 @@ class LocalTier:
             return (
                 index.get("format") == FORMAT
                 and index.get("meta") == self.meta
+                and index.get("processes") == jax.process_count()
                 and (entry / DATA).stat().st_size == index["bytes"]
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -193,8 +183,8 @@ class LocalTier:
                         f.write(raw)
                         shard.update(offset=offset, nbytes=raw.nbytes, crc32=zlib.crc32(raw))
                         offset += raw.nbytes
-            index = {"format": FORMAT, "step": step, "process": self.process, "bytes": offset, "meta": self.meta,
-                     "leaves": leaves}  # fmt: skip
+            index = {"format": FORMAT, "step": step, "process": self.process, "processes": jax.process_count(),
+                     "bytes": offset, "meta": self.meta, "leaves": leaves}  # fmt: skip
             (tmp / INDEX).write_text(json.dumps(index))
             if final.exists():  # a step saved before, by an attempt that did not get past it
                 shutil.rmtree(final)

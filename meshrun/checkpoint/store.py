@@ -8,11 +8,14 @@ Status of each entry of RUN_DIR/checkpoints:
   cannot be read (with --verify: or whose arrays cannot be read back). meshrun never deletes one; a
   run tries a damaged STEP/ (it fails and is moved aside), never a moved-aside one.
 `state.verify_arrays` reads every array back onto one CPU device (`meshrun checkpoints --verify`).
+The local tier's directories (`local.py`) are named here too, for the supervisor (`newest_local`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,3 +90,28 @@ def newest_complete(run_dir: str | Path) -> StepInfo | None:
     """The newest complete checkpoint of RUN_DIR (where a resume starts), or None."""
     complete = [e for e in scan(run_dir) if e.status == "complete" and e.name.isdigit()]
     return complete[-1] if complete else None  # scan sorts by step
+
+
+def local_root(template: str, process: int) -> Path:
+    """checkpoint.local_dir for `process`: "{process}" replaced, else a process-P subdirectory."""
+    if "{process}" in template:
+        return Path(os.path.abspath(template.replace("{process}", str(process))))
+    return Path(os.path.abspath(template)) / f"process-{process}"
+
+
+def run_key(run_dir: str | Path) -> str:
+    """The run's directory inside a local dir: its base name + 8 hex digits of its absolute path."""
+    path = os.path.abspath(run_dir)
+    return f"{os.path.basename(path) or 'run'}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+
+def newest_local(template: str, run_dir: str | Path, processes: int) -> tuple[int | None, bool]:
+    """(the newest local step that every process's directory holds, as seen from this host; whether
+    every process's directory is here). Names only: the bytes are checked when a run restores it."""
+    seen, every = [], True
+    for p in range(processes):
+        d = local_root(template, p) / run_key(run_dir)
+        every = every and d.is_dir()
+        seen.append({int(e.name) for e in d.iterdir() if e.name.isdigit()} if d.is_dir() else set())
+    common = set.intersection(*seen) if seen else set()
+    return (max(common) if common else None), every

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.checkpoint.store import newest_complete
+from meshrun.checkpoint.store import newest_complete, newest_local
 from meshrun.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_HANG, EXIT_INTERRUPTED, EXIT_TRAINING
 
 NO_RESTART = {0: "done", EXIT_CONFIG: "bad input", EXIT_CHECKPOINT: "no intact checkpoint",
@@ -167,11 +167,23 @@ class Supervisor:
                 return _exit_status(a.status)
             restarts += 1
             note = self._maybe_shrink(a)
-            step = newest_intact(self.run_dir)
-            where = f"checkpoint step {step}" if step is not None else "the start (no checkpoint yet)"
+            where = self._resume_point()
             _log(f"restart {restarts}/{self.max_restarts}: {a.describe()}; resuming from {where} on "
                  f"{self.processes} process(es){note}")  # fmt: skip
             time.sleep(0.5)  # let the kernel release the old job's sockets
+
+    def _resume_point(self) -> str:
+        """Where the next attempt resumes: the newest persistent checkpoint, or a newer local step that
+        every process's local dir holds (as far as this host can see them; the run checks their bytes)."""
+        step = newest_intact(self.run_dir)
+        where = f"checkpoint step {step}" if step is not None else "the start (no checkpoint yet)"
+        ck = getattr(self.cfg, "checkpoint", None)
+        if ck is None or not ck.local_every or self.extra:  # fewer processes: their local steps hold too little
+            return where
+        local, every = newest_local(ck.local_dir, self.run_dir, self.processes)
+        if local is not None and (step is None or local > step):
+            return f"local checkpoint step {local}"
+        return where if every else f"{where} (or a newer local one, if every host holds it)"
 
     def _maybe_shrink(self, a: Attempt) -> str:
         """--elastic: a rank death before any training step -> one process fewer (when the layout allows)."""
