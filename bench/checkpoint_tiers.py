@@ -93,11 +93,11 @@ def main() -> None:
                 tier = LocalTier(tier_cfg, str(disk / "run"), meta)
                 times = []
                 for i in range(args.repeat):
-                    times.append(timed(lambda i=i: tier.save(i + 1, state)))
+                    times.append(timed(lambda i=i, t=tier: t.save(i + 1, state)))
                     assert tier.wait() is None
                 rows.append((f"local, {where}, {mode}", times))
                 if not async_save:
-                    back = [timed(lambda: jax.block_until_ready(tier.restore(args.repeat, ts.abstract_state)))]
+                    back = [timed(lambda t=tier: jax.block_until_ready(t.restore(args.repeat, ts.abstract_state)))]
                     rows.append((f"local restore, {where}", back))
     finally:
         shutil.rmtree(disk, ignore_errors=True)
@@ -110,11 +110,11 @@ def main() -> None:
     for name, ts_ in rows:
         kind = "restore" if "restore" in name else name.split(", ")[-1]
         base.setdefault(kind, statistics.median(ts_))
-    print(f"{'tier':<38} {'seconds':>9} {'ratio':>7}")
+    print(f"{'tier':<44} {'seconds':>9} {'ratio':>7}")
     for name, ts_ in rows:
         kind = "restore" if "restore" in name else name.split(", ")[-1]
         med = statistics.median(ts_)
-        print(f"{name:<38} {med:>9.3f} {med / base[kind]:>7.2f}")
+        print(f"{name:<44} {med:>9.3f} {med / base[kind]:>7.2f}")
 
 
 if __name__ == "__main__":
