@@ -120,6 +120,23 @@ def test_explain_compiles_it_and_the_planner_refuses_it(capsys):
     assert len(err) == 1 and err[0].startswith(f"meshrun plan: error: --model: model.family={FAMILY} sets predictable")
 
 
+def test_param_names_missing_or_mismatched_is_a_config_error(tmp_path, monkeypatch):
+    """A family whose ModelFns has no param_names, or names in another tree than its parameters, is
+    refused naming the family (not an AttributeError from deep in the sharding code)."""
+    from meshrun.train.plan import build_plan
+
+    mesh = jax.make_mesh((1, 1, 1, 1, 1), ("pipe", "data", "expert", "context", "tensor"), devices=jax.devices()[:1])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {"none": (None, "ModelFns has no param_names"), "other": ({"embed": ("vocab",)}, "ModelFns.param_names is")}
+    for name, (names, match) in cases.items():
+        (tmp_path / f"badnames_{name}.py").write_text(
+            "from dataclasses import replace\nfrom custom_model import model\n"
+            f"FAMILY = replace(model.FAMILY, model_fns=lambda c: replace(model.model_fns(c), param_names={names!r}))\n"
+        )
+        with pytest.raises(ConfigError, match=rf"model.family: custom_mlp's {match}"):
+            build_plan(_cfg([f"model.family=badnames_{name}:FAMILY"]), mesh)
+
+
 def test_unknown_module_is_a_config_error():
     with pytest.raises(ConfigError, match="model.family: no such module .*make 'no_such_pkg' importable"):
         load_config(None, ["model.family=no_such_pkg.model:FAMILY"])

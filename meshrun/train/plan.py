@@ -22,6 +22,7 @@ from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
 from meshrun.parallel import context
+from meshrun.parallel.sharding import is_names
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.program import TickProgram, tick_program
 from meshrun.pipeline.registry import SCHEDULES, check_config
@@ -109,6 +110,19 @@ def offloaded(cfg: RunConfig) -> tuple[str, ...]:
     return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype else ("opt",)
 
 
+def check_param_names(value: str, family: Family, names: Any, abstract: Any) -> None:
+    """A family's `ModelFns.param_names`: one logical-name tuple (or None) per parameter, in the tree
+    of its `init_params`, so that every parameter can be laid out on the mesh."""
+    fix = "give ModelFns(param_names=...) one tuple of logical axis names per parameter, in the tree of init_params"
+    if names is None:
+        raise ConfigError("model.family", value, fix + " (meshrun.state_names of NNX parameters)",
+                          f"{family.name}'s ModelFns has no param_names")  # fmt: skip
+    leaf = lambda x: x is None or is_names(x)  # noqa: E731
+    if jax.tree.structure(names, is_leaf=leaf) != jax.tree.structure(abstract):
+        what = f"{family.name}'s ModelFns.param_names is not its parameters' tree"
+        raise ConfigError("model.family", value, fix, what)
+
+
 def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     """Check the config against the mesh and decide the step (see the module doc). `mesh`: a jax Mesh,
     or anything with a `.shape` mapping (then no shardings are built)."""
@@ -138,6 +152,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
         abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
+        check_param_names(cfg.model.family, family, fns.param_names, abstract)
         build = lambda shapes: ZeroShardings.build(
             fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg)
         )
