@@ -40,7 +40,7 @@ def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "help"
     args = sys.argv[2:]
     if what == "run":
-        ensure_env("")
+        ensure_env("plot")  # the docs' commands include `meshrun plot`
         if not any(a.startswith("train.run_dir=") for a in args):  # a fresh run each time, not a resume
             args = [*args, f"train.run_dir=runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}"]
         sh(BIN / "meshrun", "train", "configs/tiny_cpu.yaml", *args)

@@ -25,6 +25,10 @@ EXIT_DISTRIBUTED = 6
 EXIT_HANG = 7  # the step watchdog ended a process that made no progress (not an exception)
 EXIT_INTERRUPTED = 130
 
+# How to get matplotlib (pictures: `meshrun plot`, `schedule --png`, `profile`); meshrun is installed
+# from its checkout, so the extra is named as a checkout install
+MATPLOTLIB_FIX = "pip install matplotlib (from the checkout: pip install -e '.[plot]')"
+
 
 class MeshrunError(Exception):
     """Base: a failure the CLI reports in one line with `exit_code`."""

@@ -1,5 +1,5 @@
 """`meshrun plot RUN_DIR [RUN_DIR ...] [--out FILE]`: loss, val_loss, lr and throughput of one or more
-runs, from each RUN_DIR/metrics.jsonl, as one PNG (one line per run). Needs matplotlib (`meshrun[plot]`)."""
+runs, from each RUN_DIR/metrics.jsonl, as one PNG (one line per run). Needs matplotlib (the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshrun.errors import ConfigError
+from meshrun.errors import MATPLOTLIB_FIX, ConfigError
 
 
 def register(sub) -> None:
@@ -76,7 +76,7 @@ def run_plot(args) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError("meshrun plot", str(out), "pip install 'meshrun[plot]'", "matplotlib is not installed") from e
+        raise ConfigError("--out", str(out), MATPLOTLIB_FIX, "matplotlib is not installed") from e
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for run_dir, rows in runs:
         name = f"{run_dir.name}: " if len(runs) > 1 else ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from meshrun.errors import ConfigError
+from meshrun.errors import MATPLOTLIB_FIX, ConfigError
 from meshrun.pipeline import registry
 from meshrun.pipeline import schedules as S
 
@@ -112,7 +112,7 @@ def draw_png(table, v: int, path: str, title: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError("--png", path, "pip install meshrun[plot]", "matplotlib is not installed") from e
+        raise ConfigError("--png", path, MATPLOTLIB_FIX, "matplotlib is not installed") from e
     p = len(table[0])
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(table)), 0.5 * p + 1.2))
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}

@@ -15,6 +15,7 @@ from meshrun.analysis.trace import device_intervals, draw_timeline, format_repor
 from meshrun.checkpoint.params import restore_params
 from meshrun.config import RunConfig
 from meshrun.data.datasets import global_batch_arrays
+from meshrun.errors import MATPLOTLIB_FIX
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.processes import warn
 from meshrun.train.metrics import profile_trace, trace_options
@@ -48,7 +49,7 @@ def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
             draw_timeline(device_intervals(load_trace(out), text, mesh), mesh, png, title)
             rep["timeline_png"] = str(png)
         except ImportError:
-            rep["timeline_png"], rep["timeline_note"] = None, "matplotlib is not installed: pip install 'meshrun[plot]'"
+            rep["timeline_png"], rep["timeline_note"] = None, f"matplotlib is not installed: {MATPLOTLIB_FIX}"
         except OSError as e:
             rep["timeline_png"], rep["timeline_note"] = None, f"cannot write {png} ({e.strerror or e})"
         Path(out, "profile.json").write_text(json.dumps(rep, indent=1) + "\n")  # with the picture's path
