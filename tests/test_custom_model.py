@@ -121,13 +121,20 @@ def test_explain_compiles_it_and_the_planner_refuses_it(capsys):
 
 
 def test_param_names_missing_or_mismatched_is_a_config_error(tmp_path, monkeypatch):
-    """A family whose ModelFns has no param_names, or names in another tree than its parameters, is
-    refused naming the family (not an AttributeError from deep in the sharding code)."""
+    """A family whose ModelFns has no param_names, names in another tree than its parameters, or a
+    logical axis without a mesh rule is refused naming the family (not an AttributeError or KeyError
+    from deep in the sharding code)."""
     from meshrun.train.plan import build_plan
 
     mesh = jax.make_mesh((1, 1, 1, 1, 1), ("pipe", "data", "expert", "context", "tensor"), devices=jax.devices()[:1])
     monkeypatch.syspath_prepend(str(tmp_path))
-    cases = {"none": (None, "ModelFns has no param_names"), "other": ({"embed": ("vocab",)}, "ModelFns.param_names is")}
+    ok = {"embed": ("vocab", "embed"), "head": ("embed", "vocab"), "layers": {"scale": ("layers", "norm"),
+          "w_in": ("layers", "embed", "mlp"), "w_out": ("layers", "mlp", "embed")}}  # fmt: skip
+    cases = {
+        "none": (None, "ModelFns has no param_names"),
+        "other": ({"embed": ("vocab",)}, "ModelFns.param_names is"),
+        "axis": ({**ok, "head": ("embed", "hidden")}, "parameters use the logical axis 'hidden', which has no"),
+    }
     for name, (names, match) in cases.items():
         (tmp_path / f"badnames_{name}.py").write_text(
             "from dataclasses import replace\nfrom custom_model import model\n"

@@ -22,7 +22,7 @@ from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
 from meshrun.parallel import context
-from meshrun.parallel.sharding import is_names
+from meshrun.parallel.sharding import is_names, param_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.program import TickProgram, tick_program
 from meshrun.pipeline.registry import SCHEDULES, check_config
@@ -121,6 +121,10 @@ def check_param_names(value: str, family: Family, names: Any, abstract: Any) -> 
     if jax.tree.structure(names, is_leaf=leaf) != jax.tree.structure(abstract):
         what = f"{family.name}'s ModelFns.param_names is not its parameters' tree"
         raise ConfigError("model.family", value, fix, what)
+    known = param_rules()
+    for name in {n for t in jax.tree.leaves(names, is_leaf=leaf) if t for n in t if n is not None} - set(known):
+        what = f"{family.name}'s parameters use the logical axis {name!r}, which has no mesh rule"
+        raise ConfigError("model.family", value, f"use one of {', '.join(sorted(known))}", what)
 
 
 def build_plan(cfg: RunConfig, mesh) -> StepPlan:
