@@ -289,6 +289,9 @@ class TrainConfig:
     offload_optimizer: str | bool = "none"
     offload_dir: str = ""  # nvme: a local directory per process ("{process}" is replaced by its index)
     offload_budget_mb: float = 256.0  # nvme: host memory for the streamed update's chunk buffers
+    # ZeRO-3 parameters rest in pinned host memory; each layer comes to the device (and is gathered)
+    # inside the layer scan, and its reduced gradient goes back to host memory as the backward makes it
+    offload_params: bool = False
     # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
     # gradients accumulate in float32 either way and are cast back before the optimizer
     grad_reduce_dtype: str = "float32"
@@ -321,6 +324,18 @@ class TrainConfig:
         _choice("train.offload_optimizer", self.offload_optimizer, OFFLOAD_TIERS)
         if not 0 < self.offload_budget_mb <= 2**30:
             raise ConfigError("train.offload_budget_mb", self.offload_budget_mb, "use a positive size in MiB, e.g. 256")
+        if self.offload_params not in (True, False):
+            raise ConfigError("train.offload_params", self.offload_params, "use true or false")
+        if self.offload_params and self.zero != 3:
+            raise ConfigError(
+                "train.offload_params", True, "set train.zero=3 (or turn it off)",
+                f"needs ZeRO-3's sharded parameters (train.zero={self.zero})",
+            )  # fmt: skip
+        if self.offload_params and self.offload_optimizer == "nvme":
+            raise ConfigError(
+                "train.offload_params", True, "use train.offload_optimizer=host or none with it",
+                "is not built with train.offload_optimizer=nvme",
+            )  # fmt: skip
         if self.offload_optimizer == "nvme" and not self.offload_dir:
             raise ConfigError(
                 "train.offload_dir", self.offload_dir, "give a local directory for the optimizer state files, "

@@ -37,6 +37,7 @@ from meshrun_models.moe import STATS, MoE, moe_ffn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.parallel.layer_fetch import fetch_layer
 from meshrun.parallel.sharding import constrain
 
 RESID = ("batch", "length", "embed")  # the residual stream between blocks ('length' sharded under SP)
@@ -140,6 +141,7 @@ def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments
 
 
 def _unit(p: Mapping, x_BxLxD: jax.Array, segments, cfg: ModelConfig):
+    p = fetch_layer(p)  # train.offload_params: host -> device and the ZeRO-3 gather, inside the remat
     if not cfg.is_moe:
         return _block(p, x_BxLxD, cfg, moe=False, segments=segments)
     for i in range(cfg.moe_every - 1):

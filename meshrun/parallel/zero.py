@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshrun.parallel import layer_fetch
 from meshrun.parallel.sharding import GRAD_AXES, dims_with, is_spec, names_to_specs, param_rules, restrict_spec
 
 HOST = "pinned_host"  # where offloaded state rests between steps (page-locked: DMA at full PCIe/C2C speed)
@@ -69,18 +70,27 @@ class ZeroShardings:
     opt: Any
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
     offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
+    streamed: bool = False  # train.offload_params: params['layers'] fetched layer by layer (layer_fetch.py)
 
     @classmethod
     def build(
-        cls, names: Any, shapes: Any, mesh: Mesh, stage: int, reduce_dtype: Any = None, offload: tuple[str, ...] = ()
+        cls,
+        names: Any,
+        shapes: Any,
+        mesh: Mesh,
+        stage: int,
+        reduce_dtype: Any = None,
+        offload: tuple[str, ...] = (),
+        streamed: bool = False,
     ) -> ZeroShardings:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
-        reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host memory."""
+        reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host
+        memory; streamed: the stacked layers are gathered and reduced layer by layer inside the layer scan."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)
         rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
         rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
         trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
-        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload))
+        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload), streamed=streamed)
 
     def sub(self, key: str) -> ZeroShardings:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
@@ -116,11 +126,27 @@ class ZeroShardings:
             return tree
         return jax.tree.map(lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, tree, shardings)
 
+    # ------------------------------------------------------------ layer by layer (train.offload_params)
+
+    def layer_fetch(self) -> Callable | None:
+        """The per-layer fetch the loop traces the model with (`layer_fetch.use_layer_fetch`), or None."""
+        if not self.streamed:
+            return None
+        return layer_fetch.make_fetch(self.mesh, self.store["layers"], self.compute["layers"], self.reduce_dtype)
+
+    def _rest(self, tree: Any, fn: Callable) -> Any:
+        """`fn` (a method of the layout without 'layers') on every entry but the streamed layers."""
+        if not self.streamed:
+            return fn(self, tree)
+        return {**fn(self.without("layers"), {k: v for k, v in tree.items() if k != "layers"}), "layers": tree["layers"]}
+
     # ------------------------------------------------------------ what the loop's shard_map sees
 
     def local_compute(self) -> Any:
-        """in_specs of the compute-layout parameters in the loop's shard_map (manual axes only)."""
-        return _map(restrict_spec, self.compute)
+        """in_specs of the compute-layout parameters in the loop's shard_map (manual axes only); streamed
+        layers enter as their ZeRO-3 shards."""
+        specs = _map(restrict_spec, self.compute)
+        return {**specs, "layers": _map(restrict_spec, self.store["layers"])} if self.streamed else specs
 
     def partial_specs(self) -> Any:
         """out_specs of `reduce_local`'s output: scattered leaves leave as per-rank partial sums with
@@ -131,13 +157,17 @@ class ZeroShardings:
                 return P(self._reduction_axes(base), *restrict_spec(base))
             return restrict_spec(target)
 
-        return _map(one, self.compute, self.grads)
+        specs = _map(one, self.compute, self.grads)
+        return {**specs, "layers": _map(restrict_spec, self.grads["layers"])} if self.streamed else specs
 
     # ------------------------------------------------------------ collectives
 
     def gather(self, params: Any) -> Any:
         """ZeRO-3: all-gather every parameter's data-parallel shards (store -> compute layout) once per
-        step, before the loop. A no-op below stage 3."""
+        step, before the loop. A no-op below stage 3. Streamed layers stay as they rest (host memory);
+        the other entries come to the device first."""
+        if self.streamed:
+            return self._rest(params, lambda zl, t: ZeroShardings.gather(zl, jax.tree.map(layer_fetch.to_device, t)))
         if self.stage < 3:
             return params
 
@@ -158,7 +188,9 @@ class ZeroShardings:
     def reduce_local(self, grads: Any, extra: tuple[str, ...] = ()) -> Any:
         """Inside the loop's shard_map, after the accumulation: psum what stays replicated; leaves that
         ZeRO scatters leave as per-rank partial sums [1, ...] for `finish`. `extra`: axes summed in any
-        case (the pipeline sums embedding/head grads over 'pipe')."""
+        case (the pipeline sums embedding/head grads over 'pipe'). Streamed layers left the scan reduced."""
+        if self.streamed:
+            return self._rest(grads, lambda zl, t: ZeroShardings.reduce_local(zl, t, extra))
 
         def one(g, base, target):
             if self._deferred(base, target):
@@ -172,7 +204,9 @@ class ZeroShardings:
         """Sum the per-rank partials onto the ZeRO grad layout, one reduce-scatter per leaf, in a
         shard_map manual over every axis: local tensor shards are reduce-scattered as they are (a
         psum_scatter inside the tensor-auto loop made XLA all-gather the tensor shards first, and a
-        GSPMD sum gave a full all-reduce)."""
+        GSPMD sum gave a full all-reduce). Streamed layers left the scan reduced."""
+        if self.streamed:
+            return self._rest(grads, ZeroShardings.finish)
         flat_g, tree = jax.tree.flatten(grads)
         flat_b, flat_t = jax.tree.leaves(self.compute, is_leaf=is_spec), jax.tree.leaves(self.grads, is_leaf=is_spec)
         idx = [i for i, (b, t) in enumerate(zip(flat_b, flat_t, strict=True)) if self._deferred(b, t)]

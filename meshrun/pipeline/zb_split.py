@@ -28,6 +28,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jc
 
+from meshrun.parallel.layer_fetch import add_slice
+
 # calls split through their bodies (inlined in B and W): jit, and remat's checkpoint (its body in
 # the backward is the recomputed forward plus the layer's backward; B runs the recompute, and what W
 # needs of it, the weights' inputs, goes into the stash rather than being recomputed a second time)
@@ -302,9 +304,8 @@ def _scan_w(eqn, sp: Split, ins, stash, acc=None, keep=None):
             car[j] = c
         outs = run_w(body.jaxpr, sp.body, body.consts, consts + car + list(xv), st)
         ys = outs[ncar:]
-        add = lambda a, j, y: lax.dynamic_index_in_dim(a, j, 0, False) + _kept(y.astype(a.dtype), keep)
-        sums = [lax.dynamic_update_index_in_dim(a, add(a, i + acc[k][1], ys[k]), i + acc[k][1], 0)
-                for k, a in zip(keys, sums, strict=True)]  # fmt: skip
+        # sums in host memory (train.offload_params): each slice comes to the device and goes back
+        sums = [add_slice(a, i + acc[k][1], _kept(ys[k].astype(a.dtype), keep)) for k, a in zip(keys, sums, strict=True)]
         made = [o if k not in acc else None for k, (o, n) in enumerate(zip(ys, sp.w_out[ncar:], strict=True)) if n]
         return ([outs[j] for j in sp.w_car], sums), made
 

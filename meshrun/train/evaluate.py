@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
+from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.executor import Pipeline
@@ -39,7 +40,8 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Call
     psum = lambda x: jax.lax.psum(x, live) if live else x
 
     def body(params, *batch):
-        with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
+        fetch = use_layer_fetch(zl.layer_fetch())  # train.offload_params: layers fetched inside the scan
+        with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), fetch:
             b = batch[0].shape[0] // m
 
             def micro(acc, mb):

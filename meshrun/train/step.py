@@ -30,6 +30,7 @@ from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
+from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import zb_split
@@ -75,7 +76,8 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
 
     def body(params, *batch):
         tokens, labels = batch[:2]
-        with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
+        fetch = use_layer_fetch(zl.layer_fetch())  # train.offload_params: layers fetched inside the scan
+        with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), fetch:
             n_tok = psum(contract.token_count(fns, params, tokens, labels))  # global counts: shares add up
             n_seq = tokens.shape[0] * dp_degree(mesh)
             b = tokens.shape[0] // m
@@ -89,7 +91,9 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             def micro(acc, mb):
                 if m == 1:  # nothing to accumulate: the gradient is the sum
                     g, sums = grad_fn(params, *mb)
-                    return jax.tree.map(jnp.add, acc, (g, sums)), None
+                    # streamed layers: their gradient came out of the scan reduced, in host memory
+                    add = lambda a, x: x if on_host(x) else a + x
+                    return jax.tree.map(add, acc, (g, sums)), None
                 # the backward's layer loop adds each layer's gradients into the float32 sums in
                 # place (`zb_split.vjp_into`): no whole fresh gradient beside the sums
                 loss, vjp, sums = jax.vjp(lambda p: share(p, *mb), params, has_aux=True)
@@ -97,7 +101,11 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
                 return (g, jax.tree.map(jnp.add, acc[1], sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
-            zeros = (accum_zeros(shapes[0]), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
+            sums = accum_zeros(shapes[0])
+            if zl.streamed:  # the layers' (float32) sums rest in host memory, added to a layer at a time
+                fresh = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]["layers"])  # m = 1: the gradient
+                sums["layers"] = jax.device_put(sums["layers"] if m > 1 else fresh, HOST_SPACE)
+            zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
             # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a
             # per-microbatch statistic (fp8's tensorwise amax) does not depend on the layout.
@@ -186,8 +194,15 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     loss_and_grads = make_loss_and_grads(plan, mesh)
 
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
-        state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
-        loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
+        if zl.streamed:  # the forward and backward fetch the host-resident params layer by layer
+            loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
+            # the update's copy of the whole shard to the device starts after the backward
+            state, grads = jax.lax.optimization_barrier((state, grads))
+            grads = jax.tree.map(lambda g: to_device(g).astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
+            state = zl.to_device(state, state_sh)
+        else:
+            state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
+            loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
         scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
         if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype

@@ -1,0 +1,112 @@
+"""train.offload_params: ZeRO-3 parameters rest in pinned host memory and each layer is fetched
+inside the model's layer scan (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021).
+
+The model calls `fetch_layer` on one unit's parameters at the top of its scan body. Outside a step
+that streams parameters it is the identity. Inside one (`use_layer_fetch`, set by the step's loop
+around its trace) each leaf, a slice of the host-resident ZeRO-3 shard, is moved to device memory
+and all-gathered over the data-parallel axes ZeRO-3 split it over. Its backward reduce-scatters the
+layer's gradient over those axes and sums it over the remaining data-parallel axes, exactly as
+`ZeroShardings.finish` reduces the whole gradient once per step, and moves it to host memory: the
+layer's gradient leaves the scan reduced, in the ZeRO-3 layout. With one microbatch that is the
+step's gradient; with more, each layer's is added into float32 sums in host memory (`add_slice`,
+used by `zb_split.vjp_into`'s accumulation: the slice of the sums and the gradient come to the
+device, the sum goes back). The fetch sits inside the unit's
+remat, so the backward fetches the layer again instead of keeping the gathered weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from meshrun.parallel.sharding import GRAD_AXES, dims_with
+
+HOST_SPACE = jax.memory.Space.Host
+DEVICE_SPACE = jax.memory.Space.Device
+
+_FETCH: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("meshrun_layer_fetch", default=None)
+
+
+@contextlib.contextmanager
+def use_layer_fetch(fn: Callable | None) -> Iterator[None]:
+    """Trace the model with `fn` applied to each unit's parameters inside its layer scan."""
+    token = _FETCH.set(fn)
+    try:
+        yield
+    finally:
+        _FETCH.reset(token)
+
+
+def fetch_layer(p: Any) -> Any:
+    """What a model calls on one unit's parameters inside its layer scan (identity unless the step
+    streams parameters from host memory)."""
+    fn = _FETCH.get()
+    return p if fn is None else fn(p)
+
+
+def on_host(x: jax.Array) -> bool:
+    return jax.typeof(x).memory_space == HOST_SPACE
+
+
+def to_device(x: jax.Array) -> jax.Array:
+    """x in device memory (a no-op when it is there already)."""
+    return jax.device_put(x, DEVICE_SPACE) if on_host(x) else x
+
+
+def add_slice(acc: jax.Array, i, y: jax.Array) -> jax.Array:
+    """acc[i] += y along the leading axis; a host-resident `acc` is read to the device, added to and
+    written back one slice at a time (the sums never come to the device whole)."""
+    s = jax.lax.dynamic_index_in_dim(acc, i, 0, keepdims=False)
+    host = on_host(acc)
+    new = to_device(s) + to_device(y).astype(acc.dtype)
+    return jax.lax.dynamic_update_index_in_dim(acc, jax.device_put(new, HOST_SPACE) if host else new, i, 0)
+
+
+def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -> Callable:
+    """p_unit -> p_unit in device memory, gathered to the compute layout. `store` / `compute`: the
+    PartitionSpec trees of the stacked layers (leading layer axis, ZeRO-3 and ZeRO-0 layouts)."""
+    live = tuple(a for a in GRAD_AXES if mesh.shape.get(a, 1) > 1)
+
+    def leaf(x, spec, base):
+        spec, base = P(*spec[1:]), P(*base[1:])  # one unit: the layer axis is sliced away
+        kept = dict(dims_with(base, GRAD_AXES))  # e.g. experts split over 'expert' stay split
+        gathers = []
+        for d, axes in dims_with(spec, GRAD_AXES):
+            if axes := tuple(a for a in axes if a not in kept.get(d, ())):
+                gathers.append((d, axes))
+        used = {a for _, axes in dims_with(base, GRAD_AXES) for a in axes}
+        scattered = {a for _, axes in gathers for a in axes}
+        rest = tuple(a for a in live if a not in used and a not in scattered)
+
+        host = on_host(x)  # the cotangent goes back where the slice came from
+
+        @jax.custom_vjp
+        def fetch(x):
+            x = to_device(x)
+            for d, axes in gathers:
+                x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+            return x
+
+        def fwd(x):
+            return fetch(x), None
+
+        def bwd(_, g):
+            dt = g.dtype
+            g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
+            g = g if reduce_dtype is None else g.astype(reduce_dtype)
+            for d, axes in gathers:
+                g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+            g = (jax.lax.psum(g, rest) if rest else g).astype(dt)
+            return (jax.device_put(g, HOST_SPACE) if host else g,)
+
+        fetch.defvjp(fwd, bwd)
+        return fetch(x)
+
+    return lambda p: jax.tree.map(leaf, p, store, compute)
