@@ -71,6 +71,7 @@ class ZeroShardings:
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
     offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
     streamed: bool = False  # train.offload_params: params['layers'] fetched layer by layer (layer_fetch.py)
+    root: bool = False  # with `streamed`: this is the layout of params['layers'] itself (`sub('layers')`)
 
     @classmethod
     def build(
@@ -95,7 +96,11 @@ class ZeroShardings:
     def sub(self, key: str) -> ZeroShardings:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
         trees = (t[key] for t in (self.store, self.compute, self.grads, self.opt))
-        return ZeroShardings(self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload)
+        streamed = self.streamed and key == "layers"
+        return ZeroShardings(
+            self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload, streamed=streamed,
+            root=streamed,
+        )  # fmt: skip
 
     def without(self, key: str) -> ZeroShardings:
         """The layout of every top-level entry but `key`."""
@@ -132,12 +137,15 @@ class ZeroShardings:
         """The per-layer fetch the loop traces the model with (`layer_fetch.use_layer_fetch`), or None."""
         if not self.streamed:
             return None
-        return layer_fetch.make_fetch(self.mesh, self.store["layers"], self.compute["layers"], self.reduce_dtype)
+        store, compute = (self.store, self.compute) if self.root else (self.store["layers"], self.compute["layers"])
+        return layer_fetch.make_fetch(self.mesh, store, compute, self.reduce_dtype)
 
     def _rest(self, tree: Any, fn: Callable) -> Any:
         """`fn` (a method of the layout without 'layers') on every entry but the streamed layers."""
         if not self.streamed:
             return fn(self, tree)
+        if self.root:
+            return tree
         return {**fn(self.without("layers"), {k: v for k, v in tree.items() if k != "layers"}), "layers": tree["layers"]}
 
     # ------------------------------------------------------------ what the loop's shard_map sees
@@ -145,6 +153,8 @@ class ZeroShardings:
     def local_compute(self) -> Any:
         """in_specs of the compute-layout parameters in the loop's shard_map (manual axes only); streamed
         layers enter as their ZeRO-3 shards."""
+        if self.root:
+            return _map(restrict_spec, self.store)
         specs = _map(restrict_spec, self.compute)
         return {**specs, "layers": _map(restrict_spec, self.store["layers"])} if self.streamed else specs
 
@@ -157,6 +167,8 @@ class ZeroShardings:
                 return P(self._reduction_axes(base), *restrict_spec(base))
             return restrict_spec(target)
 
+        if self.root:
+            return _map(restrict_spec, self.grads)
         specs = _map(one, self.compute, self.grads)
         return {**specs, "layers": _map(restrict_spec, self.grads["layers"])} if self.streamed else specs
 

@@ -36,6 +36,7 @@ from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
+from meshrun.parallel.layer_fetch import to_device, use_layer_fetch
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
@@ -175,7 +176,8 @@ class Pipeline:
         gspec = zl.grads
         if self.placement == "model":
             gl, gspec = lsplit.from_pipeline(gl), self.model_zero.grads
-        grads = jax.tree.map(lambda g, a: g.astype(a.dtype), {**go, "layers": gl}, params)  # fp32 sums -> param dtype
+        # fp32 sums -> param dtype (train.offload_params: the layers' sums come to the device first)
+        grads = jax.tree.map(lambda g, a: to_device(g).astype(a.dtype), {**go, "layers": gl}, params)
         return loss, _wsc(mesh, grads, gspec), metrics
 
     def placed(self, params, tokens, labels, segment_ids=None):
@@ -194,7 +196,8 @@ class Pipeline:
         return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
 
     def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroShardings, zl_o: ZeroShardings):
-        with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL):
+        fetch = use_layer_fetch(zl_l.layer_fetch())  # train.offload_params: layers fetched inside the scan
+        with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL), fetch:
             run_cls = OpRun if self.program.per_op else StageRun  # zb-h1: one op per stage per tick
             run = run_cls(self.spec, layers, other, tok, lab, seg[0] if seg else None)
             carry = run.ticks()

@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshrun.family import contract
+from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, use_rules
 from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.stage_run import stage_fn, take
@@ -31,7 +32,7 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
     params, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
     layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
     f = jax.shard_map(
-        lambda lay, oth, *b: _body(pl.spec, lay, oth, *b),
+        lambda lay, oth, *b: _body(pl.spec, lay, oth, *b, fetch=zl.sub("layers").layer_fetch()),
         mesh=pl.mesh,
         in_specs=(zl.sub("layers").local_compute(), zl.without("layers").local_compute(), *(bspec,) * len(batch)),
         out_specs=(P(), P()),
@@ -41,10 +42,10 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
     return f(layers, other, *batch)
 
 
-def _body(spec: PipelineSpec, layers, other, tok, lab, seg=None):
+def _body(spec: PipelineSpec, layers, other, tok, lab, seg=None, fetch=None):
     fns, p, v, m = spec.fns, spec.p, spec.program.v, spec.program.m
     stage = lax.axis_index("pipe")
-    with use_rules(spec.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL):
+    with use_rules(spec.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), use_layer_fetch(fetch):
         lc = spec.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
         x_aval = jax.eval_shape(fns.embed, other, tok[0])
         x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)

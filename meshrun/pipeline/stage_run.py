@@ -97,7 +97,9 @@ class StageRun:
             "g_in": self.full(xs.shape, xs.dtype),
             # model.remat=offload: residuals the policy put in host memory keep their slots there too
             "res": [placed(self.full((self.nslot, *a.shape), a.dtype), a) for a in self.res_avals],
-            "g_layers": accum_zeros(self.layers_v),  # float32 sums, also for 16-bit params
+            # float32 sums, also for 16-bit params; in host memory where the layers rest there
+            # (train.offload_params: each layer's gradient is added in as the backward makes it)
+            "g_layers": jax.tree.map(placed_as, accum_zeros(self.layers_v), self.layers_v),
             "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),
             "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
@@ -284,6 +286,11 @@ def placed(x, aval):
     """x in the memory space of `aval` (host for residuals an offloading remat policy put there)."""
     space = getattr(aval, "memory_space", None)
     return x if space is None or space == jax.typeof(x).memory_space else jax.device_put(x, space)
+
+
+def placed_as(x, like):
+    """x in the memory space `like` has (host for layers resting in host memory)."""
+    return placed(x, jax.typeof(like))
 
 
 def take(buf, i):

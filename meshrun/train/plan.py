@@ -151,11 +151,6 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
-    if cfg.train.offload_params and shape["pipe"] > 1:
-        raise ConfigError(
-            "train.offload_params", True, "use mesh.pipe=1 with it (data, tensor, expert and context layouts)",
-            f"is not built for the pipeline (mesh.pipe={shape['pipe']})",
-        )  # fmt: skip
     host = cfg.train.offload_optimizer == "host"
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \

@@ -124,7 +124,9 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
         check_vma=False,
     )
     loss, grads, metrics = fn(params, *batch)
-    return loss, zl.finish(grads), metrics
+    # train.offload_params: the layers' gradient (sums) come to the device after the backward, as float32
+    f32 = lambda g: to_device(g).astype(jnp.promote_types(g.dtype, jnp.float32)) if on_host(g) else g
+    return loss, jax.tree.map(f32, zl.finish(grads)), metrics
 
 
 def relayout(state: TrainState, tx, fn) -> TrainState:
@@ -198,7 +200,6 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
             loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
             # the update's copy of the whole shard to the device starts after the backward
             state, grads = jax.lax.optimization_barrier((state, grads))
-            grads = jax.tree.map(lambda g: to_device(g).astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
             state = zl.to_device(state, state_sh)
         else:
             state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
