@@ -146,7 +146,8 @@ class ZeroShardings:
             return fn(self, tree)
         if self.root:
             return tree
-        return {**fn(self.without("layers"), {k: v for k, v in tree.items() if k != "layers"}), "layers": tree["layers"]}
+        rest = fn(self.without("layers"), {k: v for k, v in tree.items() if k != "layers"})
+        return {**rest, "layers": tree["layers"]}
 
     # ------------------------------------------------------------ what the loop's shard_map sees
 

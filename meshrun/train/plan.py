@@ -161,7 +161,12 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
         check_param_names(cfg.model.family, family, fns.param_names, abstract)
         build = lambda shapes: ZeroShardings.build(
-            fns.param_names, shapes, mesh, cfg.train.zero, cfg.train.grad_reduce_dtype, offloaded(cfg),
+            fns.param_names,
+            shapes,
+            mesh,
+            cfg.train.zero,
+            cfg.train.grad_reduce_dtype,
+            offloaded(cfg),
             streamed=cfg.train.offload_params,
         )
         model_zero = build(abstract)
