@@ -12,7 +12,10 @@ of 4 x 2048 tokens without recomputation about 10 GB more, and the logits a few 
 80 GB (H100) and 141 GB (H200); `--micro-batch 8 --accum 2` also fits on both.
 
 Each variant (`model.remat=none`, then `full`, then fp8: remat none with `model.fp8=tensorwise`,
-whose MFU is against the bf16 peak, and `loss_vs_bf16`) runs in its own process, so a failure (out of memory)
+whose MFU is against the bf16 peak, and `loss_vs_bf16`; then offload_params: remat none with ZeRO-3
+and `train.offload_params=true`, the parameters resting in pinned host memory and crossing the host
+link layer by layer, with `loss_vs_none` and `step_ratio_vs_none`, not yet measured on a GPU)
+runs in its own process, so a failure (out of memory)
 or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
 processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL); the JSON
 line records them (`xla_flags`) and, parsed, the overlap and bucket-fusion ones (`comm_flags`). The output
@@ -42,7 +45,9 @@ ROOT = _child.ROOT
 GPU_ENV = ROOT / "launch/gpu_env.sh"
 # model.remat, and "fp8": remat none with model.fp8=tensorwise (docs/fp8.md), reported under `fp8`
 # with `loss_vs_bf16` (its last loss / remat=none's) and `speedup_vs_bf16` (step time ratio)
-VARIANTS = ("none", "full", "fp8")
+# "offload_params": remat none, ZeRO-3, train.offload_params=true (docs/offload.md), reported under
+# `offload_params` with `loss_vs_none` and `step_ratio_vs_none` (its step time / remat=none's)
+VARIANTS = ("none", "full", "fp8", "offload_params")
 REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
         "vocab": 32000, "seq_len": 2048}  # fmt: skip
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_ff": 128,
@@ -55,9 +60,11 @@ KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_bytes_i
 def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int) -> list[str]:
     m = {k: v for k, v in model.items() if k != "seq_len"}
     fp8 = ["model.fp8=tensorwise"] if remat == "fp8" else []
-    remat = "none" if remat == "fp8" else remat
+    params_off = ["train.zero=3", "train.offload_params=true"] if remat == "offload_params" else []
+    remat = "none" if remat in ("fp8", "offload_params") else remat
     return [
         *fp8,
+        *params_off,
         *[f"model.{k}={v}" for k, v in m.items()],
         f"model.max_seq_len={model['seq_len']}",
         f"train.seq_len={model['seq_len']}",
@@ -255,7 +262,7 @@ def main(argv=None) -> int:
         out["xla_flags"] = env.get("XLA_FLAGS", "")
         out["comm_flags"] = comm_flags(out["xla_flags"])
         for i, remat in enumerate(a.variants):
-            key = "fp8" if remat == "fp8" else "remat_" + remat
+            key = remat if remat in ("fp8", "offload_params") else "remat_" + remat
             left = deadline - time.monotonic()
             if left < 20:
                 out[key] = {"error": f"skipped: {left:.0f} s of --budget-s left"}
@@ -272,7 +279,11 @@ def main(argv=None) -> int:
     if bf16.get("loss_last") and fp8.get("loss_last") and fp8.get("step_time_s"):
         fp8["loss_vs_bf16"] = fp8["loss_last"] / bf16["loss_last"]
         fp8["speedup_vs_bf16"] = bf16["step_time_s"] / fp8["step_time_s"]
-    main_key = "fp8" if a.variants[0] == "fp8" else "remat_" + a.variants[0]
+    off = out.get("offload_params", {})
+    if bf16.get("loss_last") and off.get("loss_last") and off.get("step_time_s"):
+        off["loss_vs_none"] = off["loss_last"] / bf16["loss_last"]
+        off["step_ratio_vs_none"] = off["step_time_s"] / bf16["step_time_s"]
+    main_key = a.variants[0] if a.variants[0] in ("fp8", "offload_params") else "remat_" + a.variants[0]
     first = out.get(main_key, {})
     head = {"bench": out.pop("bench"), "platform": platform, "device_kind": first.get("device_kind"),
             "remat": a.variants[0], **{k: first.get(k) for k in KEYS if k != "error"}}  # fmt: skip

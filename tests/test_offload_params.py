@@ -1,6 +1,6 @@
 """train.offload_params: ZeRO-3 parameters rest in pinned host memory, are fetched layer by layer
-inside the layer scan, and each layer's reduced gradient goes back to host memory as the backward
-makes it.
+inside the layer scan, each layer's reduced gradient goes back to host memory as the backward
+makes it, and the update streams the layers through the device one at a time.
 
 XLA:CPU emits no transfers between memory kinds, so the tests check what the CPU can show: the
 same numbers as the run without the switch (losses and params after 3 steps, rtol 1e-5); the
@@ -32,8 +32,9 @@ def _same_as_without(over):
 
 
 def test_offload_params_matches_without_data_tensor():
-    """data 4 x tensor 2, 4 microbatches: the layers' float32 sums rest in host memory."""
-    _same_as_without(DP4_TP2)
+    """data 4 x tensor 2, 4 microbatches: the layers' float32 sums rest in host memory; with the
+    optimizer state in host memory too (train.offload_optimizer=host)."""
+    _same_as_without([*DP4_TP2, "train.offload_optimizer=host"])
 
 
 def test_offload_params_matches_without_pipeline():
@@ -60,18 +61,29 @@ def _param_kinds(ts, text):
     return set(placement.argument_kinds(text)[:n])
 
 
-def test_transfers_are_inside_the_layer_loop_one_per_layer_and_direction():
-    """Lowered for a GPU: the parameters enter in pinned host memory; the forward's layer loop moves
-    each of a layer's leaves to the device once per iteration; the backward's layer loop fetches
-    them again (the gathered weights are recomputed, not kept) and moves each reduced gradient to
-    host memory once. With 4 microbatches the backward also reads each layer's float32 sums and its
-    gradient to the device and writes the sums back. No loop moves anything without the switch."""
-    for over, backward in [(DP8_M1, {"device": LEAVES, "pinned_host": LEAVES}),
-                           (DP4_TP2, {"device": 3 * LEAVES, "pinned_host": 2 * LEAVES})]:  # fmt: skip
-        ts, traced = _step([*over, *ON])
+def test_transfers_are_inside_the_layer_loops_one_per_layer_and_direction():
+    """Lowered for a GPU: the parameters enter in pinned host memory and every transfer of a
+    layer's leaves runs inside a loop over the layers, once per leaf and iteration:
+    - forward: each leaf to the device;
+    - backward: each leaf to the device again (the gathered weights are recomputed, not kept), each
+      reduced gradient to host memory; with 4 microbatches also each float32 sum and gradient to the
+      device and the sum back;
+    - the update's norm: each gradient to the device; the update: gradient and param (and with
+      train.offload_optimizer=host Adam's m and v) to the device, the new param (m, v) back.
+    No loop moves anything without the switch."""
+    n = LEAVES
+    one = {"device": n, "pinned_host": n}
+    cases = [
+        ([*DP8_M1, *ON], one, {"device": 2 * n, "pinned_host": n}),
+        ([*DP4_TP2, *ON, "train.offload_optimizer=host"], {"device": 3 * n, "pinned_host": 2 * n},
+         {"device": 4 * n, "pinned_host": 3 * n}),
+    ]  # fmt: skip
+    for over, backward, update in cases:
+        ts, traced = _step(over)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        moving = [loop.transfers for loop in placement.loops(text) if loop.transfers]
-        assert moving == [{"device": LEAVES}, backward], over
+        moving = sorted(sorted(loop.transfers.items()) for loop in placement.loops(text) if loop.transfers)
+        expected = [{"device": n}, backward, {"device": n}, update]  # forward, backward, norm, update
+        assert moving == sorted(sorted(t.items()) for t in expected), over
         assert _param_kinds(ts, text) == {"pinned_host"}
         assert {s.memory_kind for s in jax.tree.leaves(ts.state_shardings.params)} == {"pinned_host"}
     ts, traced = _step(DP8_M1)

@@ -36,7 +36,7 @@ from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
-from meshrun.parallel.layer_fetch import to_device, use_layer_fetch
+from meshrun.parallel.layer_fetch import on_host, use_layer_fetch
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
@@ -176,8 +176,9 @@ class Pipeline:
         gspec = zl.grads
         if self.placement == "model":
             gl, gspec = lsplit.from_pipeline(gl), self.model_zero.grads
-        # fp32 sums -> param dtype (train.offload_params: the layers' sums come to the device first)
-        grads = jax.tree.map(lambda g, a: to_device(g).astype(a.dtype), {**go, "layers": gl}, params)
+        # fp32 sums -> param dtype (train.offload_params: the layers' sums in host memory are cast layer
+        # by layer in the update, `train/layer_update.py`)
+        grads = jax.tree.map(lambda g, a: g if on_host(g) else g.astype(a.dtype), {**go, "layers": gl}, params)
         return loss, _wsc(mesh, grads, gspec), metrics
 
     def placed(self, params, tokens, labels, segment_ids=None):

@@ -151,6 +151,8 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
+    if cfg.train.offload_params and getattr(cfg.model, "fp8", "none") != "none":
+        raise ConfigError("train.offload_params", True, "turn model.fp8 off with it", "is not built with fp8 training")
     host = cfg.train.offload_optimizer == "host"
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \

@@ -30,12 +30,12 @@ from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
-from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_layer_fetch
+from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import zb_split
 from meshrun.pipeline.executor import Pipeline
-from meshrun.train import streamed
+from meshrun.train import layer_update, streamed
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
@@ -124,9 +124,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
         check_vma=False,
     )
     loss, grads, metrics = fn(params, *batch)
-    # train.offload_params: the layers' gradient (sums) come to the device after the backward, as float32
-    f32 = lambda g: to_device(g).astype(jnp.promote_types(g.dtype, jnp.float32)) if on_host(g) else g
-    return loss, jax.tree.map(f32, zl.finish(grads)), metrics
+    return loss, zl.finish(grads), metrics
 
 
 def relayout(state: TrainState, tx, fn) -> TrainState:
@@ -194,16 +192,18 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         to_run = to_model = lambda st: st
         init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
     loss_and_grads = make_loss_and_grads(plan, mesh)
+    tx_streamed = layer_update.no_clip_optimizer(cfg, fns.param_names) if zl.streamed else None
 
     def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
-        if zl.streamed:  # the forward and backward fetch the host-resident params layer by layer
+        if zl.streamed:  # params, gradient sums and optimizer state cross to the device a layer at a time
             loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
-            # the update's copy of the whole shard to the device starts after the backward
-            state, grads = jax.lax.optimization_barrier((state, grads))
-            state = zl.to_device(state, state_sh)
-        else:
-            state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
-            loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
+            cast = not isinstance(state.opt_state, MasterState) or plan.pipe > 1  # as below / the pipeline does
+            params, opt_state, g_norm = layer_update.update(
+                tx_streamed, grads, state.opt_state, state.params, cfg.optimizer.grad_clip, cast
+            )
+            return host(TrainState(params, opt_state, state.step + 1)), {"loss": loss, "grad_norm": g_norm, **aux}
+        state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
+        loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
         scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
         if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
