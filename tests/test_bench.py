@@ -40,6 +40,9 @@ def test_gpu_dry_run_prints_one_json_line():
     assert out["platform"] == "cpu" and out["remat"] == "none" and out["n_params"] > 0
     assert out["jax"] and out["jaxlib"] and out["xla_flags"] == os.environ.get("XLA_FLAGS", "")
     assert out["tokens_per_step"] == out["global_batch"] * out["model"]["seq_len"] == 4 * 64
+    # the parameters in host memory, crossing to the device layer by layer: the same losses on CPU
+    off = out["offload_params"]
+    assert off["error"] is None and off["loss_vs_none"] == pytest.approx(1, rel=1e-5), off
 
 
 def test_gpu_failure_still_prints_json_with_error():
