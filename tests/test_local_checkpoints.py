@@ -84,19 +84,20 @@ def _cut(run: Path, after: int, *over: str) -> None:
 
 
 def test_cut_run_resumes_from_the_local_step_newer_than_the_persistent_one(reference, tmp_path, capsys):
-    """local_every=1 beside every=3, cut after step 5 (before its saves): persistent 3 and local 2, 4
-    (keep 2; none at a persistent step). The rerun resumes from local 4 and ends at the uninterrupted
-    losses, exactly."""
+    """local_every=1 beside every=3, cut after step 5 (before its saves): persistent 3 and local 4
+    (none at a persistent step; 2 is deleted at the end, older than persistent 3). The rerun resumes
+    from local 4 and ends at the uninterrupted losses, exactly."""
     run, local = tmp_path / "run", tmp_path / "local"
     over = [*TIER, "checkpoint.every=3", f"checkpoint.local_dir={local}"]
     _cut(run, 5, *over)
-    assert _persistent(run) == [3] and _local(local, run) == [2, 4]
+    assert _persistent(run) == [3] and _local(local, run) == [4]
     rc, err = _train(capsys, run, *over)
     assert rc == 0, err
     resumed = [ln for ln in err.splitlines() if ln.startswith("resumed from")]
     assert resumed == [f"resumed from step 4 (local checkpoint {local}/process-0/{run_key(str(run))}/4)"]
     assert _losses(run) == reference
     assert "saved local checkpoint 5 (" in err and "saved local checkpoint 6" not in err  # the last: for good
+    assert _persistent(run) == [3, 6] and _local(local, run) == []  # local steps go once 6 is on disk
 
 
 def test_damaged_or_half_written_local_step_is_never_taken(reference, tmp_path, capsys):
@@ -125,7 +126,7 @@ def test_damaged_or_half_written_local_step_is_never_taken(reference, tmp_path, 
         f"resumed from step 3 (local checkpoint {d}/3)"
     ]
     assert _losses(run) == reference
-    assert sorted(p.name for p in d.iterdir()) == ["4", "5"]  # the leftovers deleted, 4 and 5 saved again
+    assert list(d.iterdir()) == []  # the leftovers deleted; then the local steps, once step 6 is saved for good
 
 
 @pytest.mark.parametrize(

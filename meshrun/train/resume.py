@@ -251,6 +251,7 @@ class Saves:
         self.ckpt, self.quiet, self.tier = ckpt, quiet, tier
         self._pending: list[tuple[int, float]] = []  # (step, start time) of saves not reported yet
         self._local_said: int | None = None
+        self._saved: int | None = None  # the newest persistent step this run saved
 
     def should_save_local(self, step: int) -> bool:
         return self.tier is not None and self.tier.should_save(step) and not self.ckpt.should_save(step)
@@ -265,6 +266,7 @@ class Saves:
         t0 = time.perf_counter()
         if self.ckpt.save(step, model_state, force=force):
             self._pending.append((step, t0))
+            self._saved = step
 
     def report(self) -> None:
         done = [(s, t0) for s, t0 in self._pending if (Path(self.ckpt.directory) / str(s)).is_dir()]
@@ -281,8 +283,11 @@ class Saves:
                 f"in {self.tier.directory / str(last[0])}", self.quiet)  # fmt: skip
 
     def finish(self) -> None:
-        """Wait for the last async saves and report them."""
+        """Wait for the last async saves and report them. Then the local steps up to the last
+        persistent one are deleted (a RAM disk keeps nothing a restart could prefer)."""
         self.ckpt.wait()
         if self.tier is not None:
             self.tier.wait_quietly()
+            if self._saved is not None:
+                self.tier.drop(lambda s: s > self._saved)
         self.report()
