@@ -8,10 +8,10 @@ run dir (its base name and a hash of its absolute path), so runs sharing a local
 where each one is, its global index and a CRC-32 of its bytes. A step is written as STEP.tmp-PID and
 renamed when complete, and restoring checks every byte it uses against its CRC, so a half-written or
 damaged step is never taken for a good one (it is skipped, the next older one or the persistent
-tier is used). A step restores onto any layout whose shards this process holds (the same mesh,
-typically); otherwise it is unusable and the persistent tier is used.
+tier is used). A step restores only with the process count it was written with, onto a layout whose
+shards this process saved (the same mesh, typically); otherwise the persistent tier is used.
 
-Saving costs no collective: the host copy happens in the train loop (the next step may donate the
+The tier itself runs no collective when it saves: the host copy happens in the train loop (the next step may donate the
 arrays), the write in a background thread (`checkpoint.async_save`). Which step a run resumes from
 is agreed by all processes (`agreed_steps`: an all-gather of each one's complete steps).
 Why not orbax's emergency checkpoint manager: see docs/faults.md ("Two checkpoint tiers").
