@@ -37,7 +37,7 @@ from meshrun_models.moe import STATS, MoE, moe_ffn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.parallel.layer_fetch import fetch_layer
+from meshrun.parallel.layer_fetch import FETCHED, fetch_layer, fetching
 from meshrun.parallel.sharding import constrain
 
 RESID = ("batch", "length", "embed")  # the residual stream between blocks ('length' sharded under SP)
@@ -154,8 +154,9 @@ def remat_unit(fn, policy: str, *, named: bool = True):
     element-wise work recomputed), selective `layers.SAVED_NAMES`, full only the unit input.
     `named=False` (an MoE unit, whose routing and all_to_alls carry no names): none keeps everything."""
     if policy == "none":
-        if not named:
-            return fn
+        if not named:  # train.offload_params: keep everything but the fetched weights (fetched again)
+            keep = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
+            return jax.checkpoint(fn, prevent_cse=False, policy=keep) if fetching() else fn
         return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES))
     if policy == "full":  # Chen et al. 2016: keep only the unit input, recompute everything
         return jax.checkpoint(fn, prevent_cse=False)

@@ -10,6 +10,7 @@ kind of the step's arguments; and the compiled step's device argument bytes.
 
 import jax
 import numpy as np
+import pytest
 from test_train import _cfg, assert_same, run_steps
 
 from meshrun.analysis import placement
@@ -25,9 +26,9 @@ ON = ["train.offload_params=true"]
 LEAVES = 9  # parameter leaves of one tiny_cpu layer: q, k, v, o, gate, up, down, two norm scales
 
 
-def _same_as_without(over):
-    off = run_steps(_cfg("tiny_cpu.yaml", over))
-    on = run_steps(_cfg("tiny_cpu.yaml", [*over, *ON]))
+def _same_as_without(over, config="tiny_cpu.yaml"):
+    off = run_steps(_cfg(config, over))
+    on = run_steps(_cfg(config, [*over, *ON]))
     assert_same(on, off)
 
 
@@ -45,6 +46,18 @@ def test_offload_params_matches_without_pipeline():
 def test_offload_params_matches_without_data_one_microbatch():
     """data 8, one microbatch: each layer's reduced gradient is the step's, straight to host memory."""
     _same_as_without(DP8_M1)
+
+
+def test_offload_params_matches_without_expert():
+    """data 2 x expert 2 x tensor 2, MoE every other layer: the MoE unit, which keeps everything for
+    its backward at remat=none, is checkpointed around the fetched weights (fetched again)."""
+    _same_as_without(["train.zero=3"], "tiny_moe_cpu.yaml")
+
+
+@pytest.mark.slow
+def test_offload_params_matches_without_context():
+    """data 2 x context 2 x tensor 2."""
+    _same_as_without(["mesh.pipe=1", "mesh.data=2", "mesh.context=2", "pipeline.microbatches=2", "train.zero=3"])
 
 
 def _step(over):

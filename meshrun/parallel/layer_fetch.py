@@ -11,7 +11,8 @@ layer's gradient leaves the scan reduced, in the ZeRO-3 layout. With one microba
 step's gradient; with more, each layer's is added into float32 sums in host memory (`add_slice`,
 used by `zb_split.vjp_into`'s accumulation: the slice of the sums and the gradient come to the
 device, the sum goes back). The fetch sits inside the unit's
-remat, so the backward fetches the layer again instead of keeping the gathered weights.
+remat, so the backward fetches the layer again instead of keeping the gathered weights (a unit
+with no remat of its own is checkpointed around them: `FETCHED`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -44,11 +46,19 @@ def use_layer_fetch(fn: Callable | None) -> Iterator[None]:
         _FETCH.reset(token)
 
 
+FETCHED = "layer_fetch"  # checkpoint name of fetched weights: never saved for the backward
+
+
+def fetching() -> bool:
+    """Whether the model is being traced with a per-layer fetch (`use_layer_fetch`)."""
+    return _FETCH.get() is not None
+
+
 def fetch_layer(p: Any) -> Any:
     """What a model calls on one unit's parameters inside its layer scan (identity unless the step
     streams parameters from host memory)."""
     fn = _FETCH.get()
-    return p if fn is None else fn(p)
+    return p if fn is None else jax.tree.map(lambda x: checkpoint_name(x, FETCHED), fn(p))
 
 
 def on_host(x: jax.Array) -> bool:
