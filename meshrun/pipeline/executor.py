@@ -204,10 +204,7 @@ class Pipeline:
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroShardings.finish`.
-            gl = carry["g_layers"]
-            if run.v > 1:
-                gl = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gl)
-            gl = zl_l.reduce_local(gl)
+            gl = zl_l.reduce_local(run.layer_grads(carry["g_layers"]))
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
             loss, metrics = contract.finish(
                 self.fns, lax.psum(carry["loss"], MANUAL), run.n_tok, lax.psum(carry["aux"], MANUAL), run.n_seq

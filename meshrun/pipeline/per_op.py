@@ -15,8 +15,10 @@ activation forward, B's input gradient back): the tick's sends are static (`Tick
 a phase's scan body runs a period of a few ticks), mostly one collective-permute both ways. Values
 sent at tick t arrive at t+1 and go into an inbox slot (`program._per_op_program`); their consumer
 reads the slot when it runs (values always consumed on arrival, 1F1B's gradients, skip the inbox).
-Residual slots live from F to W; the dy buffer holds each microbatch's output gradient from B (on
-the last stage from F's head) to W; B's stash has its own slots, from B to W.
+Residual slots live from F to W; the dy buffer holds the head's output gradient from F to B on the
+last virtual stage. B's stash (what W reads of B's work) goes over the residual leaves that only B
+reads, in the microbatch's residual slot, so deferring W costs no stash buffer where the shapes
+match (ZB-V's 2p - 1 half-stage stashes); a stash leaf that matches none has slots from B to W.
 
 Every collective-permute is a rendezvous of all devices, which costs more than the small ops around
 it: hence one permute both ways per tick wherever no stage receives twice.
@@ -35,11 +37,14 @@ from meshrun.pipeline.stage_run import StageRun, put, take
 OP_SCOPES = {"F": "per_op_F", "B": "per_op_B", "W": "per_op_W"}  # name scopes of a tick's three ops
 IN = {"f": "x_in", "g": "g_in"}  # the carry's last received activation / gradient (unboxed directions)
 # a tick's table entries (`program._per_op_program`), then the inbox slots of what it sends
-TABLE_KEYS = ("kind", "mb", "chunk", "slot", "stash", "f_put", "f_get", "g_put", "g_get", "f_next", "g_next", "s_next")
+TABLE_KEYS = ("kind", "mb", "chunk", "slot", "stash", "head", "f_put", "f_get", "g_put", "g_get", "f_next", "g_next",
+              "s_next")  # fmt: skip
 
 
 class OpRun(StageRun):
-    """`StageRun` for a per-op program (zb-h1, per-op 1F1B): `run_tick` is one op per stage."""
+    """`StageRun` for a per-op program (zb-h1, per-op 1F1B, ZB-V): `run_tick` is one op per stage."""
+
+    flat_chunks = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,6 +52,7 @@ class OpRun(StageRun):
         # dy and stash buffers need no trash slot (the inbox, written on every tick that sends, keeps one).
         self.nslot = self.prog.slots
         self._split = self._inbox = None  # `split_backward`'s (B, W), `inbox_layout`
+        self.w_reads = ()  # per input of B and W (at leaves, saved residuals, dy): whether W reads it
 
     def split_backward(self):
         """(B, W): B(at, saved, dy) -> (dx, stash), W(at, saved, dy, stash, sums) -> the float32
@@ -66,6 +72,7 @@ class OpRun(StageRun):
         cj = jax.make_jaxpr(bwd)((i32,) * (2 if self.v > 1 else 1), self.res_structs(), self.x_aval)
         n = len(cj.jaxpr.outvars) - 1  # weight-gradient leaves, then dx
         plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+        self.w_reads = tuple(plan.in_w[len(cj.jaxpr.invars) - len(self.res_avals) - 1 :])  # saved..., dy
         flat = lambda at, saved, dy: jax.tree.leaves((at, saved, dy))
 
         def b(at, saved, dy):
@@ -107,12 +114,30 @@ class OpRun(StageRun):
             c["inbox"] = self.full((trash + 1, *xs.shape), xs.dtype)
         for pre in box:
             del c[IN[pre]]
-        # B's stash (what W reads of B's work: per layer, the cotangents at the weights' uses)
+        # the head's output gradient, from F to B on the last virtual stage (W reads dy from the stash)
+        c["dy"] = self.full((max(self.prog.head_slots, 1), *xs.shape), xs.dtype)
+        # B's stash (what W reads of B's work: per layer, the cotangents at the weights' uses; and dy
+        # where W reads it). A stash leaf shaped as a residual leaf that only B reads goes into that
+        # leaf's residual slot (it lives from F to W, so the stash needs no slots of its own there):
+        # B's residuals and W's stash share the memory, as in Qi et al.'s accounting.
         b, _ = self.split_backward()
         at = (jnp.int32(0),) * (2 if self.v > 1 else 1)
-        self.stash_avals = jax.eval_shape(lambda r, d: b(at, r, d)[1], self.res_structs(), self.x_aval)
-        n = self.prog.stash_slots  # 1F1B's W follows its B: one slot
-        c["stash"] = jax.tree.map(lambda a: self.full((n, *a.shape), a.dtype), self.stash_avals)
+        stash = jax.eval_shape(lambda r, d: b(at, r, d)[1], self.res_structs(), self.x_aval)
+        leaves, self.stash_def = jax.tree.flatten(stash)
+        self.n_stash = len(leaves)
+        leaves += [self.x_aval] if self.w_reads[-1] else []
+        free = [j for j, r in enumerate(self.w_reads[:-1]) if not r]  # residual leaves W does not read
+        self.stash_at = []  # per stash leaf: ('res', residual leaf) or ('stash', its own buffer)
+        own = []
+        for a in leaves:
+            j = next((j for j in free if _same(self.res_avals[j], a)), None)
+            if j is not None:
+                free.remove(j)
+                self.stash_at.append(("res", j))
+            else:
+                self.stash_at.append(("stash", len(own)))
+                own.append(self.full((self.prog.stash_slots, *a.shape), a.dtype))
+        c["stash"] = own
         c["w_runs"] = jnp.zeros((), jnp.int32)  # W ops run so far (orders a W before the next F: `run_tick`)
         return c
 
@@ -132,7 +157,7 @@ class OpRun(StageRun):
         op = at("kind")
         # the op's microbatch, residual slot and B's stash slot, read inside the op's branch (as
         # operands of all three conds they were three more small kernels per tick)
-        mb, slot, sslot = (lambda k=k: jnp.maximum(at(k), 0) for k in ("mb", "slot", "stash"))
+        mb, slot, sslot, hslot = (lambda k=k: jnp.maximum(at(k), 0) for k in ("mb", "slot", "stash", "head"))
         if self.v == 1:
             ch, ids = (lambda: 0), (lambda: (mb(),))
             first, last = self.stage == 0, self.stage == self.p - 1
@@ -157,38 +182,63 @@ class OpRun(StageRun):
         def forward():  # on the last stage F also gives the head's dL/dy (zeros elsewhere)
             y, keep, aux, ls, d_o, dy = self.stage_forward(ch(), mb(), first, last, x_in)
             res = [put(b, slot(), r) for b, r in zip(c["res"], keep, strict=True)]
-            return y, res, put(c["dy"], slot(), dy), add(c["g_other"], d_o), add((c["loss"], c["aux"]), (ls, aux))
+            dyb = lax.cond(last, lambda: put(c["dy"], hslot(), dy), lambda: c["dy"])
+            return y, res, dyb, add(c["g_other"], d_o), add((c["loss"], c["aux"]), (ls, aux))
 
         def no_forward():
             return fill(), c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"])
 
-        # F's predicate reads W's count (never negative): where a scan body runs several ticks, the
-        # previous tick's W, which reads the residual and dy buffers, then runs before this F writes
-        # them in place. Without that order XLA copied six residual buffers per tick.
+        # F's and B's predicates read W's count (never negative): where a scan body runs several
+        # ticks, the previous tick's W, which reads the residual and stash buffers, then runs before
+        # this F or B writes them in place. Without that order XLA copied six residual buffers per tick.
         run_f = (op == 1) & (c["w_runs"] >= 0)
         with jax.named_scope(OP_SCOPES["F"]):  # the profile's timeline reads the op from these names
             y, c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"]) = lax.cond(run_f, forward, no_forward)
 
         def backward_input():
-            dy = jnp.where(last, take(c["dy"], slot()), g_in)
+            dy = jnp.where(last, take(c["dy"], hslot()), g_in)
             dx, stash = b_part(ids(), at_slot(c["res"]), dy)
             d_o = self.embed_grad(first, mb(), dx)
-            st = jax.tree.map(lambda b, v: put(b, sslot(), v), c["stash"], stash)
-            return dx, put(c["dy"], slot(), dy), st, add(c["g_other"], d_o)
+            vals = [*jax.tree.leaves(stash), dy][: len(self.stash_at)]
+            st = list(c["stash"])
+            for (where, i), x in zip(self.stash_at, vals, strict=True):
+                if where == "stash":
+                    st[i] = put(st[i], sslot(), x)
+            mine = [x for (where, _), x in zip(self.stash_at, vals, strict=True) if where == "res"]
+            return dx, mine, st, add(c["g_other"], d_o)
 
         def no_backward_input():
-            return fill(), c["dy"], c["stash"], c["g_other"]
+            mine = [jnp.zeros(self.res_avals[i].shape, self.res_avals[i].dtype) for w, i in self.stash_at if w == "res"]
+            return fill(), mine, c["stash"], c["g_other"]
 
+        run_b = (op == 2) & (c["w_runs"] >= 0)
         with jax.named_scope(OP_SCOPES["B"]):
-            dx, c["dy"], c["stash"], c["g_other"] = lax.cond(op == 2, backward_input, no_backward_input)
+            dx, mine, c["stash"], c["g_other"] = lax.cond(run_b, backward_input, no_backward_input)
+
+        # The stash leaves that go over residual leaves B reads are written by a cond of their own,
+        # after B's: inside B's, XLA could not order the reads (fused into several kernels) before
+        # the write and copied the residual buffer on every B.
+        def stash_over_residuals():
+            res, it = list(c["res"]), iter(mine)
+            for where, i in self.stash_at:
+                if where == "res":
+                    res[i] = put(res[i], slot(), next(it))
+            return res
+
+        if mine:
+            with jax.named_scope(OP_SCOPES["B"]):
+                c["res"] = lax.cond(run_b, stash_over_residuals, lambda: c["res"])
         out = jnp.where(op == 1, y, dx)  # what the stage sends
 
         def backward_weights():
-            stash = jax.tree.map(lambda b: take(b, sslot()), c["stash"])
-            sums = c["g_layers"] if self.v == 1 else jax.tree.map(lambda a: take(a, ch()), c["g_layers"])
-            g = w_part(ids(), at_slot(c["res"]), take(c["dy"], slot()), stash, sums)
+            got = [take(c["res"][i], slot()) if where == "res" else take(c["stash"][i], sslot())
+                   for where, i in self.stash_at]  # fmt: skip
+            stash = jax.tree.unflatten(self.stash_def, got[: self.n_stash])
+            dy = got[-1] if self.w_reads[-1] else self.x_zero
+            sums = c["g_layers"] if self.v == 1 else jax.tree.map(lambda a: self.chunk_of(a, ch()), c["g_layers"])
+            g = w_part(ids(), at_slot(c["res"]), dy, stash, sums)
             if self.v > 1:
-                g = jax.tree.map(lambda a, n: put(a, ch(), n), c["g_layers"], g)
+                g = jax.tree.map(lambda a, n: self.put_chunk(a, ch(), n), c["g_layers"], g)
             return g, c["w_runs"] + 1
 
         with jax.named_scope(OP_SCOPES["W"]):
@@ -237,3 +287,9 @@ class OpRun(StageRun):
 
             carry, _ = lax.scan(body, carry, xs)
         return carry
+
+
+def _same(a, b) -> bool:
+    """Whether a buffer of `a`'s slots can hold `b` (shape, dtype and memory space)."""
+    host = lambda x: str(getattr(x, "memory_space", None) or "Device").endswith("Host")
+    return a.shape == b.shape and a.dtype == b.dtype and not host(a) and not host(b)

@@ -80,6 +80,7 @@ class TickProgram:
     # both kinds (a stage may receive two activations at once), f_put / g_put / s_put the slot of what
     # arrives from the stage below / above / itself (the V's tip, no permute), f_get / g_get what F / B read
     placement: str = "loop"
+    head_slots: int = 0  # per_op: the head's dy slots on the last virtual stage (its F to its B)
 
     def stage_slots(self) -> tuple[int, ...]:
         """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
@@ -152,14 +153,16 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
     ticks = len(table)
     placement = getattr(table, "placement", "loop")
     v = 1 + max(op.chunk for row in table for op in row if op is not None)
-    keys = ("kind", "mb", "chunk", "slot", "stash", "f_put", "f_get", "g_put", "g_get", "s_put")
+    keys = ("kind", "mb", "chunk", "slot", "stash", "head", "f_put", "f_get", "g_put", "g_get", "s_put")
     arrs = {k: np.full((ticks, p), -1, np.int32) for k in keys}
-    slots, stash_slots, inbox = 0, 0, [0, 0]
+    slots, stash_slots, head_slots, inbox = 0, 0, 0, [0, 0]
     for s in range(p):
         res = schedules.residual_slots(table, s)
         slots = max(slots, 1 + max(res.values()))
         st = schedules.assign_slots(schedules.stash_intervals(table, s))  # B's stash lives from B to W
         stash_slots = max(stash_slots, 1 + max(st.values()))
+        hd = schedules.assign_slots(_head_intervals(table, s, p, v, placement))  # the head's dy: F to B
+        head_slots = max(head_slots, 1 + max(hd.values(), default=-1))
         for t, row in enumerate(table):
             op = row[s]
             if op is not None:
@@ -168,6 +171,8 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
                 arrs["slot"][t, s] = res[key]
                 if op.kind != "F":
                     arrs["stash"][t, s] = st[key]
+                if key in hd and op.kind != "W":
+                    arrs["head"][t, s] = hd[key]
         if placement == "v":
             inbox[0] = max(inbox[0], _one_inbox(table, s, p, arrs))
             continue
@@ -181,7 +186,22 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
     phases, sends = _send_phases(table, p, MAX_PERIOD if placement == "loop" else 2 * MAX_PERIOD)
     return TickProgram(pcfg.schedule, p, m, v, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
-                       stash_slots, sends, bubbles, placement)  # fmt: skip
+                       stash_slots, sends, bubbles, placement, head_slots)  # fmt: skip
+
+
+def _head_intervals(table, s: int, p: int, v: int, placement: str) -> dict:
+    """(mb, chunk) -> (tick of F, tick of B) of stage s's ops on the last virtual stage: how long the
+    head's output gradient, made by F, waits for B."""
+    f, out = {}, {}
+    for t, row in enumerate(table):
+        op = row[s]
+        if op is None or schedules.vstage(op.chunk, s, p, placement) != v * p - 1:
+            continue
+        if op.kind == "F":
+            f[(op.mb, op.chunk)] = t
+        elif op.kind == "B":
+            out[(op.mb, op.chunk)] = (f[(op.mb, op.chunk)], t)
+    return out
 
 
 def _one_inbox(table, s: int, p: int, arrs) -> int:

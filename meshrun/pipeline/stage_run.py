@@ -25,6 +25,8 @@ class StageRun:
     """One device's view of the tick loop inside the shard_map: its stage's chunks, the microbatches
     of its data shard, the carry (activations in flight, residual buffer, gradient sums)."""
 
+    flat_chunks = False  # v > 1: keep the stage's layers (and their sums) as [v*Lc, ...]
+
     def __init__(self, spec: PipelineSpec, layers, other, tok, lab, seg=None):
         prog = spec.program
         self.spec, self.fns, self.prog, self.other, self.tok, self.lab = spec, spec.fns, prog, other, tok, lab
@@ -35,8 +37,12 @@ class StageRun:
         self.counts = jnp.asarray(self.split.counts, jnp.int32)  # per virtual stage
         lc = self.split.lmax
         # v = 1: the stage's layers are used as they are (a dynamic chunk index would copy every
-        # weight, and its gradient accumulator, on every tick).
-        self.layers_v = layers if self.v == 1 else jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
+        # weight, and its gradient accumulator, on every tick). v > 1: [v, Lc, ...], or with
+        # `flat_chunks` the stage's [v*Lc, ...] as it comes, a chunk a dynamic slice of it (a reshape
+        # whose leading chunk axis changes the layout made XLA copy the stage's weights once per step).
+        self.layers_v = layers
+        if self.v > 1 and not self.flat_chunks:
+            self.layers_v = jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
         self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
@@ -72,7 +78,25 @@ class StageRun:
     def chunk(self, c):
         if self.v == 1:
             return self.layers_v
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.layers_v)
+        return jax.tree.map(lambda a: self.chunk_of(a, c), self.layers_v)
+
+    def chunk_of(self, a, c):
+        """Chunk c of a stacked per-stage array (the layers or their sums)."""
+        if self.flat_chunks:
+            return lax.dynamic_slice_in_dim(a, c * self.split.lmax, self.split.lmax, 0)
+        return take(a, c)
+
+    def put_chunk(self, a, c, x):
+        """`a` with chunk c replaced by x."""
+        if self.flat_chunks:
+            return lax.dynamic_update_slice_in_dim(a, x, c * self.split.lmax, 0)
+        return put(a, c, x)
+
+    def layer_grads(self, g_layers):
+        """The stage's layer gradient sums as [v*Lc, ...]."""
+        if self.v == 1 or self.flat_chunks:
+            return g_layers
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), g_layers)
 
     def pullback_into(self, vjp, dy, g_layers, ch, keep=None):
         """(g_layers + chunk ch's weight gradients, dx) from the chunk's vjp: the backward's layer
@@ -81,8 +105,8 @@ class StageRun:
         that computes when idle adds zeros where it is false (its gradients come from fill values)."""
         if self.v == 1:
             return zb_split.vjp_into(vjp, (dy, self.aux_cot), g_layers, keep)
-        g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: take(a, ch), g_layers), keep)
-        return jax.tree.map(lambda a, n: put(a, ch, n), g_layers, g), dx
+        g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: self.chunk_of(a, ch), g_layers), keep)
+        return jax.tree.map(lambda a, n: self.put_chunk(a, ch, n), g_layers, g), dx
 
     def full(self, shape, dtype):
         return jnp.full(shape, self.fill, dtype)
