@@ -719,6 +719,13 @@ def test_split_layouts_round_trip_across_splits():
             np.testing.assert_array_equal(back["w"], x["w"])
     # stage 0 of (2, 2, 1, 2) on p=2, v=2 holds virtual stages 0 and 2: layers 0-1, then 4 + padding
     assert LayerSplit((2, 2, 1, 2), 2, 2).pipeline_index().tolist() == [0, 1, 4, -1, 2, 3, 5, 6]
+    # an even V (a reshape and a flip, no gather): the same as its index
+    y = jnp.arange(16 * 3, dtype=jnp.float32).reshape(16, 3)
+    for lc in (1, 2):
+        v = LayerSplit((lc,) * 8, 4, 2, "v")
+        got = v.to_pipeline(y[: 8 * lc])
+        np.testing.assert_array_equal(got, np.asarray(y[: 8 * lc])[v.pipeline_index()])
+        np.testing.assert_array_equal(v.from_pipeline(got), y[: 8 * lc])
 
 
 def test_bad_splits_name_the_fix():

@@ -102,6 +102,9 @@ class LayerSplit:
             lc = self.lmax
             one = lambda a: a.reshape(self.v, self.p, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
             return jax.tree.map(one, layers)
+        if self.even and self.placement == "v":  # stage s holds virtual stages s and 2p-1-s
+            return jax.tree.map(lambda a: self._v(a.reshape(2, self.p, self.lmax, *a.shape[1:])).swapaxes(0, 1)
+                                .reshape(a.shape), layers)  # fmt: skip
         idx = self.pipeline_index()
         take = np.where(idx >= 0, idx, self.n)  # padding reads an appended zero entry
 
@@ -119,8 +122,17 @@ class LayerSplit:
             lc = self.lmax
             one = lambda a: a.reshape(self.p, self.v, lc, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
             return jax.tree.map(one, layers)
+        if self.even and self.placement == "v":
+            return jax.tree.map(lambda a: self._v(a.reshape(self.p, 2, self.lmax, *a.shape[1:]).swapaxes(0, 1))
+                                .reshape(a.shape), layers)  # fmt: skip
         pos = self.model_index()
         return jax.tree.map(lambda a: jnp.take(a, pos, axis=0), layers)
+
+    @staticmethod
+    def _v(a):
+        """[2, p, ...] chunk-major -> the same with chunk 1's stages reversed (a V; its own inverse):
+        a flip and a reshape, where a gather of the layers made XLA all-reduce them all over 'pipe'."""
+        return jnp.stack([a[0], jnp.flip(a[1], 0)])
 
 
 def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, float, float] | None = None):
