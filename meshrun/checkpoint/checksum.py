@@ -61,9 +61,12 @@ def _all_sums(leaves: list, to_device: tuple) -> list:
 def checksums(tree: Any, key) -> dict[str, list[int]]:
     """{leaf key: [sum, weighted sum]} of every array leaf; `key(path)` names a leaf."""
     flat = [(key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "dtype")]
+    out = {k: x.sums() for k, x in flat if hasattr(x, "sums")}  # streamed leaves sum themselves (slices.py)
+    flat = [(k, x) for k, x in flat if k not in out]
     leaves = [x for _, x in flat]
     sums = jax.device_get(_all_sums(leaves, tuple(_device_sharding(x) for x in leaves)))
-    return {k: [int(v) for v in np.asarray(s)] for (k, _), s in zip(flat, sums, strict=True)}
+    out |= {k: [int(v) for v in np.asarray(s)] for (k, _), s in zip(flat, sums, strict=True)}
+    return out
 
 
 def mismatches(saved: dict[str, list[int]], tree: Any, key) -> list[str]:

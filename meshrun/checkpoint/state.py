@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from meshrun.checkpoint import checksum
+from meshrun.checkpoint import checksum, slices
 from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
 from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, saved_model
 from meshrun.errors import CheckpointError, ConfigError
@@ -191,7 +191,11 @@ class Checkpointer:
         self.meta = _json_roundtrip(meta)  # fails here, not in a background thread, if not JSON-able
         self.directory = Path(os.path.abspath(run_dir)) / "checkpoints"
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        state_handler = ocp.StandardCheckpointHandler()
+        # slices.StreamedArray leaves (the nvme tier's optimizer state) are saved by slices.SliceArrayHandler
+        state_handler._supported_types = (*state_handler._supported_types, slices.StreamedArray)  # noqa: SLF001
+        handlers = {STATE: state_handler, META: ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         _quiet_writer_failures()
         self._started: set[int] = set()  # steps saved by this object (an async one may not be listed yet)
         self._pending: int | None = None  # the step of the async save in flight (not waited for yet)
@@ -332,16 +336,21 @@ class Checkpointer:
                     f"checkpoint step {step} holds {k} with shape {saved_shapes[k]}, the state needs {shape}",
                 )
 
-    def restore(self, step: int, target: Any) -> Any:
+    def restore(self, step: int, target: Any, streamed: slices.Source | None = None) -> Any:
         """Restore step `step` into the layout of `target`: a pytree of jax.ShapeDtypeStruct with
-        shardings, or of arrays (their shardings are used). Any mesh works (resharding).
+        shardings, or of arrays (their shardings are used). Any mesh works (resharding). `streamed`:
+        the leaves it names go into it slice by slice (slices.restore) and come back as IN_FILE.
         ConfigError: written for another model / shapes; CheckpointDamaged: the files cannot be read."""
         try:
             meta = self.saved_meta(step)
             self.check_compatible(step, target, meta)
             abstract = jax.tree.map(_abstract, target)
-            args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
-            state = self.manager.restore(step, args=args)[STATE]
+            if streamed is not None:
+                state = slices.restore(self.directory / str(step) / STATE, abstract, streamed,
+                                       meta.get("checksums", {}), path_key)  # fmt: skip
+            else:
+                args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
+                state = self.manager.restore(step, args=args)[STATE]
             bad = checksum.mismatches(meta.get("checksums", {}), state, path_key)
             if bad:  # OCDBT reads overwritten chunk bytes without an error
                 raise ValueError(f"array data does not match its checksum: {', '.join(bad[:3])}")

@@ -239,7 +239,7 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
                     break
                 if stop or saves.ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
                     dog.phase("save", step + 1)
-                    saves.save(step + 1, ts.to_model(stepper.state), force=stop)
+                    saves.save(step + 1, (ts.to_save or ts.to_model)(stepper.state), force=stop)
                 elif saves.should_save_local(step + 1) and step + 1 < t.steps:  # the last step is saved for good
                     dog.phase("save", step + 1)
                     saves.save_local(step + 1, ts.to_model(stepper.state))
@@ -247,7 +247,7 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
                     break
             else:
                 dog.phase("save", t.steps)
-                saves.save(t.steps, ts.to_model(stepper.state), force=True)
+                saves.save(t.steps, (ts.to_save or ts.to_model)(stepper.state), force=True)
         dog.phase("save", b.start + tally.ran)
         saves.finish()
     dog.close()

@@ -141,7 +141,10 @@ def restore_newest_intact(ckpt: Checkpointer, train_step: TrainStep, steps: list
     tried = []
     for step in reversed(steps):
         try:
-            state, err = train_step.to_run(ckpt.restore(step, train_step.abstract_state)), None
+            if train_step.restore is not None:  # the nvme tier: straight into its file
+                state, err = train_step.restore(ckpt, step), None
+            else:
+                state, err = train_step.to_run(ckpt.restore(step, train_step.abstract_state)), None
         except CheckpointDamaged as e:
             state, err = None, e
         if agree(err is None):

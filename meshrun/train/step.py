@@ -63,6 +63,8 @@ class TrainStep:
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
     tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
     tier: Any = None  # train.offload_optimizer=nvme: the streamed update's `streamed.Tier`
+    to_save: Any = None  # run state -> what a checkpoint saves (None: to_model; the nvme tier streams its file)
+    restore: Any = None  # (Checkpointer, step) -> run state (None: to_run of the restored model-order state)
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):

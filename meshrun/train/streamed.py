@@ -12,8 +12,10 @@ into the flat row in place and the new state back to the file, while the next ch
 previous one written. The update runs on the device: the same XLA backend evaluates the same
 elementwise formulas as the in-memory step (a host CPU's pow or division may differ from a GPU's in
 the last bit), at the device's memory bandwidth.
-Checkpoints hold the whole state in the in-memory tiers' format: `to_model` reads it back chunk by
-chunk, `to_run` writes a restored one, so a run resumes across tiers.
+Init, checkpoint saves and restores move the state between the file and its home (the optimizer's
+init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`tier_io.py`), so a
+run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, relaid
+pipeline layouts).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshrun.checkpoint import slices
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import optimizer
 from meshrun.parallel.sharding import is_spec
-from meshrun.train import swap
+from meshrun.train import swap, tier_io
 
 
 def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
@@ -267,6 +270,8 @@ class Tier:
             for s in self.slot_sh
         ]
         self.flatten_slot = jax.jit(lambda leaves: lay.flatten(leaves, jnp.float32), out_shardings=lay.sharding)
+        self.init = tier_io.StreamedInit(self, chunk_tx)
+        self.state_pieces = tier_io.StatePieces(self)
 
     # ------------------------------------------------------------ the step
 
@@ -287,13 +292,39 @@ class Tier:
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)
 
+    def ensure_file(self) -> swap.SwapFile:
+        if self.file is None:
+            lay = self.layout
+            self.file = swap.SwapFile(self.directory, lay.n_chunks, (self.pattern.n_slots, len(lay.first), lay.chunk))
+        return self.file
+
+    def save_view(self, state):
+        """The run state as a checkpoint takes it: the optimizer's parameter-shaped leaves as
+        `StreamedArray`s read from the file while the save writes them (tier_io.py)."""
+        if self.ts.plan.relaid:  # the layers' order differs from the checkpoint's: the whole state
+            return self.ts.to_model(self.whole(state))
+        slices.install()
+        p, f32 = self.state_pieces, jnp.dtype(jnp.float32)
+        slots = [[slices.StreamedArray(key, p.shapes[key], f32, sh, p) for key, sh in zip(keys, shs, strict=True)]
+                 for keys, shs in zip(p.key_of, self.slot_sh, strict=True)]  # fmt: skip
+        leaves = self.pattern.join(slots, list(state.opt_state))
+        return state._replace(opt_state=jax.tree.unflatten(self.full_def, leaves))
+
+    def restore(self, ckpt, step: int):
+        """Checkpoint `step` into the tier: params and scalars into memory, the rest into the file."""
+        ts = self.ts
+        if ts.plan.relaid:
+            return self.absorb(ts.to_run(ckpt.restore(step, ts.abstract_state)))
+        state = ckpt.restore(step, ts.abstract_state, streamed=self.state_pieces)
+        _, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
+        return state._replace(opt_state=tuple(scalars))
+
     def absorb(self, state):
         """A whole in-memory run state -> the tier's: its optimizer state written to the file."""
         lay = self.layout
         slots, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
         rows = [lay.rows(self.flatten_slot(s)) for s in slots]  # [slot][distinct row] host copies
-        if self.file is None:
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, (len(slots), len(lay.first), lay.chunk))
+        self.ensure_file()
         c = lay.chunk
         self.file.write_all(lambda i: [r[i * c : (i + 1) * c] for s in rows for r in s])
         return state._replace(opt_state=tuple(scalars))
@@ -359,9 +390,11 @@ def make_streamed(ts, cfg: RunConfig):
     return dataclasses.replace(
         ts,
         step=_Stepper(tier),
-        init=lambda: tier.absorb(ts.init()),
-        init_from=lambda prm: tier.absorb(ts.init_from(prm)),
+        init=lambda: tier.init(),
+        init_from=lambda prm: tier.init(prm),
         to_run=lambda st: tier.absorb(ts.to_run(st)),
         to_model=lambda st: ts.to_model(tier.whole(st)),
+        to_save=tier.save_view,
+        restore=tier.restore,
         tier=tier,
     )

@@ -148,6 +148,21 @@ class SwapFile:
         with self._count:
             self.resident -= self.chunk_bytes
 
+    @contextlib.contextmanager
+    def held(self):
+        """One more chunk of host memory held while inside (a chunk on its way to or from the file
+        that is not one of the ring buffers: init's computed chunk, a checkpoint's copy)."""
+        self._hold(None)
+        try:
+            yield
+        finally:
+            self._release()
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """A ring buffer for a pass outside `stream` (init, checkpoints)."""
+        return self._ring[0]
+
     # ------------------------------------------------------------ positional I/O
 
     def read(self, i: int, buf: np.ndarray) -> np.ndarray:

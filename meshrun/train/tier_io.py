@@ -1,0 +1,148 @@
+"""The NVMe tier's whole-state moves, one file chunk at a time, so that no more than the tier's budget
+of optimizer state is ever in host memory (counted in `SwapFile.resident`):
+
+- init computes each chunk's initial state (the optimizer's elementwise init of the chunk's params)
+  on the device and writes it straight into the file;
+- a checkpoint save hands orbax the optimizer's parameter-shaped leaves as `StreamedArray`s, which
+  `meshrun/checkpoint/slices.py` writes box by box from the file's chunks, in the format every tier
+  reads;
+- a restore reads those leaves box by box into the file.
+
+`StatePieces` maps a chunk of the file (`[slot][row][C]`, a sub-range of every row) to boxes of the
+global optimizer leaves. Checkpoints keep the layers in model order; layouts whose run placement
+differs (interleaved or uneven pipelines, `plan.relaid`) save and restore through the whole state
+instead (`Tier.whole` / `Tier.absorb`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshrun.checkpoint import slices
+from meshrun.checkpoint.state import path_key
+
+
+def _rows(sharding: NamedSharding, shape: tuple, lay) -> list[tuple[int, tuple, bool]]:
+    """(distinct local row, global start of its shard, primary) of one leaf: primary when a device
+    holding the row is replica 0 of its shard (jax's replica numbering: in the sharding's device
+    order), so every element is written and counted once over all processes."""
+    index = sharding.devices_indices_map(shape)
+    seen: dict = {}
+    replica = {}
+    for d, ix in index.items():
+        h = tuple((s.start, s.stop, s.step) for s in ix)
+        replica[d] = seen.get(h, 0)
+        seen[h] = replica[d] + 1
+    out = []
+    for u in range(len(lay.first)):
+        devs = [d for d, o in zip(lay.local, lay.owner, strict=True) if o == u]
+        start = tuple(s.start or 0 for s in index[devs[0]])
+        out.append((u, start, any(replica[d] == 0 for d in devs)))
+    return out
+
+
+class StatePieces:
+    """The tier's optimizer leaves as a `slices.Source` (see the module docstring)."""
+
+    def __init__(self, tier):
+        lay, abstract = tier.layout, tier.ts.abstract_state
+        self.tier = tier
+        k = tier.pattern.k
+        n_opt = len(jax.tree.leaves(abstract.opt_state))
+        paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]  # params, opt, step
+        self.key_of, _ = tier.pattern.split(paths[k : k + n_opt])  # [slot][leaf]: checkpoint keys
+        leaves = jax.tree.leaves(abstract.params)
+        self.shapes = {key: tuple(x.shape) for slot in self.key_of for key, x in zip(slot, leaves, strict=True)}
+        self.keys = frozenset(self.shapes)
+        self.sharding = [NamedSharding(lay.mesh, s) for s in lay.specs]
+        self.rows = [_rows(sh, tuple(x.shape), lay) for sh, x in zip(self.sharding, leaves, strict=True)]
+        self.zarr_chunk_bytes = lay.chunk * 4  # one row of one slot of a chunk
+        self._sums = None
+
+    def pieces(self, i: int, buf: np.ndarray, primary_only: bool) -> list[slices.Piece]:
+        """Chunk i's boxes, as views of `buf` ([slot][row][C])."""
+        lay = self.tier.layout
+        c0, c1 = i * lay.chunk, (i + 1) * lay.chunk
+        out = []
+        for leaf, (off, shape) in enumerate(zip(lay.offsets, lay.shapes, strict=True)):
+            lo, hi = max(off, c0), min(off + math.prod(shape), c1)
+            if lo >= hi:
+                continue
+            boxes = slices.flat_boxes(shape, lo - off, hi - off)
+            for u, start, primary in self.rows[leaf]:
+                if primary_only and not primary:
+                    continue
+                for s, keys in enumerate(self.key_of):
+                    flat, pos = buf[s, u, lo - c0 : hi - c0], 0
+                    for b0, b1 in boxes:
+                        box = tuple(e - a for a, e in zip(b0, b1, strict=True))
+                        n = math.prod(box)
+                        out.append(slices.Piece(keys[leaf], tuple(a + o for a, o in zip(b0, start, strict=True)),
+                                                tuple(e + o for e, o in zip(b1, start, strict=True)),
+                                                flat[pos : pos + n].reshape(box), primary))  # fmt: skip
+                        pos += n
+        return out
+
+    def save_pieces(self) -> Iterator[list[slices.Piece]]:
+        f = self.tier.file
+        for i in range(f.n_chunks):
+            buf = f.read(i, f.buffer)
+            with f.held():  # TensorStore's copy of the chunk while it writes it
+                yield self.pieces(i, buf, primary_only=True)
+
+    def restore_pieces(self) -> Iterator[list[slices.Piece]]:
+        f = self.tier.ensure_file()
+        for i in range(f.n_chunks):
+            buf = f.buffer
+            buf.fill(0)  # the rows' padding: zero, as `FlatLayout.flatten` pads
+            with f.held():  # the boxes TensorStore reads before they land in the buffer
+                yield self.pieces(i, buf, primary_only=False)
+            f.write(i, [buf])
+
+
+class StreamedInit:
+    """Init that writes each chunk's initial optimizer state straight into the file."""
+
+    def __init__(self, tier, chunk_tx):
+        ts, lay, pattern = tier.ts, tier.layout, tier.pattern
+        sh = ts.state_shardings
+        pdt = tier.param_dtypes[0]
+        pick = lambda st: (st.params, tuple(pattern.split(jax.tree.leaves(st.opt_state))[1]), st.step)
+        outs = (sh.params, tuple(tier.scalar_sh), sh.step)
+        self.parts = jax.jit(lambda: pick(ts.init()), out_shardings=outs)  # the unused moments are dead code
+        self.parts_from = jax.jit(lambda prm: pick(ts.init_from(prm)), out_shardings=outs)
+        self.flat_params = jax.jit(lambda leaves: lay.flatten(leaves, pdt), out_shardings=lay.sharding)
+        cuts = list(np.cumsum(tier.pieces[:-1]))
+
+        def init_chunk(p_flat, off):
+            start = (0,) * (p_flat.ndim - 1) + (off,)
+            p = jax.lax.dynamic_slice(p_flat, start, (*p_flat.shape[:-1], lay.chunk))
+            state = chunk_tx.init(tuple(jnp.split(p, cuts, axis=-1)))  # the same two leaves as the step's
+            new_slots, _ = tier.chunk_pattern.split(jax.tree.leaves(state))
+            return tuple(tuple(s) for s in new_slots)
+
+        n = (lay.sharding,) * len(tier.pieces)
+        self.init_chunk = jax.jit(init_chunk, out_shardings=(n,) * pattern.n_slots)
+        self.tier = tier
+
+    def fill(self, params) -> None:
+        """The file's state: the optimizer's init of `params`, chunk by chunk."""
+        tier = self.tier
+        lay, f = tier.layout, tier.ensure_file()
+        p_flat = self.flat_params(jax.tree.leaves(params))
+        for i in range(lay.n_chunks):
+            with f.held():  # the chunk computed on the device, then copied to the file
+                new = self.init_chunk(p_flat, jnp.int32(i * lay.chunk))
+                f.write(i, [h for s in new for r in zip(*map(lay.rows, s)) for h in r])
+            del new
+
+    def __call__(self, params_from=None):
+        params, scalars, step = self.parts() if params_from is None else self.parts_from(params_from)
+        self.fill(params)
+        return type(self.tier.ts.abstract_run)(params, scalars, step)
