@@ -55,7 +55,9 @@ class Source(Protocol):
     one), `restore_pieces` each chunk's boxes to fill (written back when the next one is asked for)."""
 
     keys: frozenset
+    shapes: dict  # key -> global shape
     zarr_chunk_bytes: int
+    stamp: object  # changes whenever the data changes
 
     def save_pieces(self) -> Iterator[list[Piece]]: ...
 
@@ -135,17 +137,18 @@ def _allsum(sums: dict[str, np.ndarray]) -> dict[str, list[int]]:
 
 
 def source_sums(source) -> dict[str, list[int]]:
-    """Every streamed leaf's checksums, from one pass over the source (cached on it until its next save)."""
+    """Every streamed leaf's checksums, from one pass over the source (kept while `source.stamp`, which
+    changes whenever its data does, stays the same)."""
     cached = getattr(source, "_sums", None)
-    if cached is not None:
-        return cached
-    shapes = source.shapes
+    if cached is not None and cached[0] == source.stamp:
+        return cached[1]
+    stamp, shapes = source.stamp, source.shapes
     sums = {k: np.zeros(2, np.uint32) for k in source.keys}
     for pieces in source.save_pieces():
         for p in pieces:
             sums[p.key] += box_sums(shapes[p.key], p.start, p.data)
-    source._sums = _allsum(sums)
-    return source._sums
+    source._sums = (stamp, _allsum(sums))
+    return source._sums[1]
 
 
 def _box(p: Piece):
@@ -191,7 +194,7 @@ class SliceArrayHandler(ocp.type_handlers.ArrayHandler):
         if len(sources) != 1:
             raise ValueError("one save streams one source")
         (source,) = sources.values()
-        stores, metas = {}, []
+        stores, metas, specs = {}, [], []
         for v, info, arg in streamed:
             await info.await_path_creation()
             arg = dataclasses.replace(arg, chunk_byte_size=source.zarr_chunk_bytes)
@@ -200,10 +203,15 @@ class SliceArrayHandler(ocp.type_handlers.ArrayHandler):
                 use_ocdbt=bool(info.is_ocdbt_checkpoint), metadata_key=self._metadata_key,
                 process_index=ocdbt_utils.get_process_index_for_subdir(bool(info.is_ocdbt_checkpoint)),
             )  # fmt: skip
-            if self._primary_host is None or jax.process_index() == self._primary_host:
-                await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
-            stores[v.key] = await ts.open(ts.Spec(spec.json), open=True, assume_metadata=True, context=info.ts_context)
+            specs.append((v.key, ts.Spec(spec.json), info.ts_context))
             metas.append(spec.metadata)
+        if self._primary_host is None or jax.process_index() == self._primary_host:
+            txn = ts.Transaction()  # every array's metadata in one OCDBT commit
+            for _, spec, context in specs:
+                await ts.open(spec, create=True, open=True, context=context, transaction=txn)
+            await txn.commit_async()
+        for key, spec, context in specs:
+            stores[key] = await ts.open(spec, open=True, assume_metadata=True, context=context)
         for pieces in source.save_pieces():  # one file chunk at a time: its boxes written before the next read
             txn = ts.Transaction()  # one OCDBT commit per chunk, not one per box
             writes = [stores[p.key].with_transaction(txn)[_box(p)].write(p.data) for p in pieces if p.primary]
@@ -215,7 +223,6 @@ class SliceArrayHandler(ocp.type_handlers.ArrayHandler):
                 shardings=[v.sharding for v, _, _ in streamed], infos=[i for _, i, _ in streamed],
                 primary_host=self._primary_host,
             )  # fmt: skip
-        source._sums = None  # the next save reads the file again
         return metas
 
 
@@ -227,11 +234,11 @@ def install() -> None:
     if _INSTALLED:
         return
     from orbax.checkpoint._src.metadata import array_metadata_store
+    from orbax.checkpoint._src.serialization.type_handler_registry import GLOBAL_TYPE_HANDLER_REGISTRY
 
     handler = SliceArrayHandler(array_metadata_store=array_metadata_store.Store())
-    registry = ocp.type_handlers.register_type_handler
-    registry(jax.Array, handler, override=True)
-    registry(StreamedArray, handler, override=True)
+    for ty in (jax.Array, StreamedArray):  # one handler: one batch, one array-metadata write per save
+        GLOBAL_TYPE_HANDLER_REGISTRY.add(ty, handler, override=True, ignore_warnings=True)
     _INSTALLED.append(handler)
 
 

@@ -193,7 +193,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save)
         state_handler = ocp.StandardCheckpointHandler()
         # slices.StreamedArray leaves (the nvme tier's optimizer state) are saved by slices.SliceArrayHandler
-        state_handler._supported_types = (*state_handler._supported_types, slices.StreamedArray)  # noqa: SLF001
+        if hasattr(state_handler, "_supported_types"):
+            state_handler._supported_types = (*state_handler._supported_types, slices.StreamedArray)  # noqa: SLF001
         handlers = {STATE: state_handler, META: ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         _quiet_writer_failures()

@@ -65,6 +65,11 @@ class StatePieces:
         self.zarr_chunk_bytes = lay.chunk * 4  # one row of one slot of a chunk
         self._sums = None
 
+    @property
+    def stamp(self) -> tuple:
+        f = self.tier.file
+        return (id(f), f.bytes_written)
+
     def pieces(self, i: int, buf: np.ndarray, primary_only: bool) -> list[slices.Piece]:
         """Chunk i's boxes, as views of `buf` ([slot][row][C])."""
         lay = self.tier.layout
