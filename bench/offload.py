@@ -6,11 +6,8 @@ Prints, in one run: the sequential write and read bandwidth of DIR (a plain larg
 fsync, then a read after dropping its pages from the cache), the NVMe tier's achieved swap
 bandwidth (bytes it read and wrote / seconds of its streamed update), the step time with
 train.offload_optimizer = none, host and nvme (each tier in its own process, ratios against none),
-and each process's peak RSS (VmHWM from /proc/self/status) against params + gradient sums +
-activations (the compiled step's temp bytes) + the tier's budget + a fixed overhead (the
-process's RSS after compiling, before any training state exists). The peak is read twice: up to
-the end of init, and over the steps alone (VmHWM reset through /proc/self/clear_refs). The model is
-sized so that its optimizer state is >= 4x the budget.
+and the NVMe tier's peak RSS in each phase (init, steps, checkpoint save, restore) against its bound
+(`bench/offload_rss.py`). The model is sized so that its optimizer state is >= 4x the budget.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _child  # noqa: E402  (bench/_child.py)
+import offload_rss  # noqa: E402  (bench/offload_rss.py: the nvme tier's peak RSS)
 
 ROOT = _child.ROOT
 MODEL = ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=64",
@@ -134,18 +132,11 @@ def main() -> int:
           f"{args.budget_mb} MiB budget, {nv['chunks']} chunks; swap {swap / 1e9:.2f} GB/s read+write "
           f"({100 * swap / min(w, r):.0f}% of the disk's slower direction); tier's peak buffers "
           f"{mib(nv['peak_resident'])} MiB")  # fmt: skip
-    print(
-        "\n| tier | step s | x none | peak RSS to init MiB | peak RSS in the steps MiB | bound MiB = params + grads "
-        "+ temp + flat grad/param rows (nvme) + optimizer in RAM (nvme: its budget) + overhead |"
-    )
-    print("|---|---:|---:|---:|---:|---|")
+    print("\n| tier | step s | x none |")
+    print("|---|---:|---:|")
     for t, x in rows.items():
-        opt = args.budget_mb * 2**20 if t == "nvme" else x["opt"]
-        bound = x["params"] + x["grads"] + x["temp"] + x["flat"] + opt + x["overhead"]
-        parts = " + ".join(mib(v) for v in (x["params"], x["grads"], x["temp"], x["flat"], opt, x["overhead"]))
-        ratio = x["step_s"] / rows["none"]["step_s"]
-        peaks = f"{mib(x['init_peak'])} | {mib(x['vmhwm'])}"
-        print(f"| {t} | {x['step_s']:.3f} | {ratio:.2f} | {peaks} | {mib(bound)} = {parts} |", flush=True)
+        print(f"| {t} | {x['step_s']:.3f} | {x['step_s'] / rows['none']['step_s']:.2f} |", flush=True)
+    offload_rss.report(directory, args.budget_mb, 3)
     return 0
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _child  # noqa: E402  (bench/_child.py)
+
+ROOT = _child.ROOT
 COMMON = ["model.n_layers=4", "model.vocab=256", "model.max_seq_len=128", "train.seq_len=128",
           "train.global_batch=8", "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=1",
           "data.kind=synthetic"]  # fmt: skip
@@ -98,12 +99,7 @@ def child(model: str, directory: str, run_dir: str, budget: float, steps: int, r
 
 
 def run_child(*argv: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, __file__, "--child", *argv]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _child.run_json([sys.executable, __file__, "--child", *argv], env=_child.env())
 
 
 def measure(model: str, directory: str, budget: float, steps: int) -> dict:
@@ -142,6 +138,7 @@ def main() -> int:
         model, directory, run_dir, budget, steps, mode = args.child
         print(json.dumps(child(model, directory, run_dir, float(budget), int(steps), mode == "resume")))
         return 0
+    (ROOT / "runs").mkdir(exist_ok=True)  # a fresh checkout has none
     directory = args.dir or tempfile.mkdtemp(prefix="meshrun-offload-", dir=ROOT / "runs")
     report(directory, args.budget_mb, args.steps)
     return 0

@@ -278,6 +278,9 @@ class Tier:
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, *batch)
+        jax.block_until_ready(p_flat)
+        for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the new
+            x.delete()  # params come from the flat row, so the old ones need not stay beside it
         scalars, box = tuple(state.opt_state), {"p": p_flat, "scalars": None}
 
         def update(i: int, buf: np.ndarray):
