@@ -11,12 +11,16 @@ kind of the step's arguments; and the compiled step's device argument bytes.
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from test_train import _cfg, assert_same, run_steps
 
 from meshrun.analysis import placement
 from meshrun.analysis.memory import memory_spaces
 from meshrun.cli.main import main
+from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
+from meshrun.train.evaluate import make_eval_step
 from meshrun.train.step import make_train_step
 
 DP4_TP2 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=4", "train.zero=3"]
@@ -58,6 +62,22 @@ def test_offload_params_matches_without_expert():
 def test_offload_params_matches_without_context():
     """data 2 x context 2 x tensor 2."""
     _same_as_without(["mesh.pipe=1", "mesh.data=2", "mesh.context=2", "pipeline.microbatches=2", "train.zero=3"])
+
+
+def test_evaluation_matches_without():
+    """The forward-only evaluation step fetches the layers the same way (data 4 x tensor 2)."""
+    got = []
+    for over in (DP4_TP2, [*DP4_TP2, *ON]):
+        cfg = _cfg("tiny_cpu.yaml", over)
+        mesh = build_mesh(cfg.mesh)
+        ts = make_train_step(cfg, mesh)
+        ds = make_dataset(
+            cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch
+        )
+        got.append(
+            jax.device_get(make_eval_step(ts, mesh)(ts.init().params, *global_batch_arrays(ds, 0, mesh, P(DP_AXES))))
+        )
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-6)
 
 
 def _step(over):
