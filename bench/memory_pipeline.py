@@ -40,8 +40,8 @@ import meshrun_models as mm  # noqa: E402
 from bench.pipeline import CFG, SEQ  # noqa: E402
 from meshrun.config import PipelineConfig  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
+from meshrun.pipeline.residuals import activation_residuals  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
-from meshrun.pipeline.stage import activation_residuals  # noqa: E402
 from meshrun.runtime.mesh import build_mesh  # noqa: E402
 
 VARIANTS = (("1f1b", "lockstep"), ("1f1b", "per_op"), ("zb-h1", "per_op"), ("zb-v", "per_op"))

@@ -31,8 +31,8 @@ from meshrun.family.contract import ModelFns
 from meshrun.parallel.sharding import constrain
 from meshrun.pipeline import registry, schedules
 from meshrun.pipeline.executor import Pipeline
+from meshrun.pipeline.residuals import activation_residuals
 from meshrun.pipeline.split import layer_split
-from meshrun.pipeline.stage import activation_residuals
 from meshrun.runtime.mesh import build_mesh
 
 RTOL = 1e-5
@@ -177,7 +177,7 @@ def test_toy_parity(case):
     ref_loss, ref_grads, ref_aux = toy_ref(b)
     # Layer grads stay stage-sharded and tensor-parallel; ZeRO-2/3 shard them over data on 'embed'.
     spec = grads["layers"]["w1"].sharding.spec
-    want = P("pipe", "data" if pl.zero_stage >= 2 else None, "tensor" if dims[3] > 1 else None)
+    want = P("pipe", "data" if pl.zero.stage >= 2 else None, "tensor" if dims[3] > 1 else None)
     assert tuple(spec) + (None,) * (3 - len(spec)) == tuple(want), spec
     if pl.placement == "pipeline":
         grads = {**grads, "layers": pl.split.from_pipeline(grads["layers"])}
@@ -456,11 +456,11 @@ def test_zb_split_w_adds_into_the_sums_layer_by_layer(uneven):
     """`run_w(..., acc=sums)` returns sums + the weight gradients (float32 sums, bf16 gradients), adding
     each layer's slice inside W's layer loop: the compiled W holds the sums and one layer's gradient,
     so its temp bytes are below the plain W + add by the stacked gradients less one layer's gradient
-    and its float32 slice. Uneven: a stage of an uneven split (`stage.uneven_apply`: L - 3 layers as
+    and its float32 slice. Uneven: a stage of an uneven split (`split.uneven_apply`: L - 3 layers as
     one call, then the padding tail under a `cond`, 2 of its 3 entries run) whose gradients are the
     two loops' ys padded and summed; they are added in place too, each loop into its own rows."""
     from meshrun.pipeline import zb_split
-    from meshrun.pipeline.stage import uneven_apply
+    from meshrun.pipeline.split import uneven_apply
 
     lp = jax.tree.map(lambda a: a.astype(jnp.bfloat16), toy_params()["layers"])
     x = jax.random.normal(jax.random.key(5), (2, S, D), jnp.bfloat16)

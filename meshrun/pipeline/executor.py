@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -40,61 +39,43 @@ from meshrun.parallel.layer_fetch import on_host, use_layer_fetch
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
-from meshrun.pipeline.program import TickProgram, tick_program
-from meshrun.pipeline.spec import PipelineSpec
-from meshrun.pipeline.split import LayerSplit, layer_split
-from meshrun.pipeline.stage_run import StageRun
+from meshrun.pipeline.program import tick_program
+from meshrun.pipeline.spec import PipelineSpec, Placement, Residuals
+from meshrun.pipeline.split import layer_split
+from meshrun.pipeline.tick_loop import StageRun
 
 
 class Pipeline:
     """A pipelined loss-and-grads step of a `ModelFns` model:
-    `Pipeline(fns, pcfg, mesh, split, zero, ...)(params, tokens, labels) -> (loss, grads, metrics)`
-    (jitted), or `loss_and_grads(...)` to trace it inside a caller's jit (the train step, which passes
-    its `StepPlan`'s split, tick program and shardings). `Pipeline.for_params(fns, pcfg, mesh, params)`
-    derives the split and the shardings from a params tree. Nothing is built lazily.
+    `Pipeline(spec, zero, model_zero)(params, tokens, labels) -> (loss, grads, metrics)` (jitted), or
+    `loss_and_grads(...)` to trace it inside a caller's jit. `spec` (`PipelineSpec`: the model, the
+    tick program, the layer split, the mesh) is built once, by the step plan for training
+    (`StepPlan.pipeline_spec`); `zero` holds the ZeRO shardings of the params in the pipeline
+    placement; `model_zero`, those in model order, makes the step take 'layers' in model order and
+    return their gradients so (else it takes the pipeline placement as training stores it).
+    `Pipeline.for_params(fns, pcfg, mesh, params)` builds all three from a params tree. Nothing is
+    built lazily.
 
     params: nnx.State or a nested dict of arrays; its logical axis names come from `fns.param_names`.
-    'layers' leaves are stacked [L, ...] in model order (unless placement='pipeline'); the other leaves
-    (embedding, final norm, head) are replicated over 'pipe'. tokens, labels: [global batch, S] int.
-    grads come back as the same container type, in the same placement, in the ZeRO grad sharding
-    (`zero`: the run-order `ZeroShardings`; `model_zero`: the model-order ones). metrics:
-    `contract.finish`, as on one device."""
+    'layers' leaves are stacked [L, ...]; the other leaves (embedding, final norm, head) are replicated
+    over 'pipe'. tokens, labels: [global batch, S] int. grads come back as the same container type, in
+    the same placement, in the ZeRO grad sharding. metrics: `contract.finish`, as on one device."""
 
-    def __init__(
-        self,
-        fns: ModelFns,
-        pcfg: PipelineConfig,
-        mesh: Mesh,
-        split: LayerSplit,
-        zero: ZeroShardings,
-        *,
-        placement: str = "model",
-        model_zero: ZeroShardings | None = None,
-        program: TickProgram | None = None,
-        residuals: str = "store",
-        nan_bubbles: bool = False,
-        skip_idle: bool = True,
-    ):
-        if placement not in ("model", "pipeline"):
-            raise ConfigError("placement", placement, "use 'model' or 'pipeline'")
-        if placement == "model" and model_zero is None:
-            raise ConfigError("model_zero", None, "pass the model-order ZeroShardings with placement='model'")
-        self.fns, self.pcfg, self.mesh, self.split = fns, pcfg, mesh, split
-        self.zero, self.model_zero, self.zero_stage = zero, model_zero, zero.stage
-        self.residuals, self.placement, self.nan_bubbles = residuals, placement, nan_bubbles
-        self.skip_idle = skip_idle
-        self.p = int(mesh.shape.get("pipe", 1))
-        self.dp = int(np.prod([mesh.shape.get(a, 1) for a in DP_AXES]))
-        self.program = program if program is not None else tick_program(pcfg, self.p)
-        # what the tick loop and the forward-only pipeline read (typed, frozen; checks `residuals`)
-        self.spec = PipelineSpec(fns, self.program, split, mesh, residuals, nan_bubbles, skip_idle)
+    def __init__(self, spec: PipelineSpec, zero: ZeroShardings, model_zero: ZeroShardings | None = None):
+        self.spec, self.zero, self.model_zero = spec, zero, model_zero
+        self.placement: Placement = "pipeline" if model_zero is None else "model"
+        self.fns, self.mesh, self.split, self.program = spec.fns, spec.mesh, spec.split, spec.program
+        self.p, self.dp = spec.p, spec.dp
         self._jit = jax.jit(self.loss_and_grads)
 
     @classmethod
     def for_params(cls, fns: ModelFns, pcfg: PipelineConfig, mesh: Mesh, params, *, zero: int = 0,
-                   placement: str = "model", **kw) -> Pipeline:  # fmt: skip
-        """A Pipeline for `params` (arrays or shapes; 'layers' stacked in `placement` order): its layer
-        split (from the stacked count and `pcfg`) and ZeRO stage-`zero` shardings of both orders."""
+                   placement: Placement = "model", residuals: Residuals = "store", nan_bubbles: bool = False,
+                   skip_idle: bool = True) -> Pipeline:  # fmt: skip
+        """A Pipeline for `params` (arrays or shapes; 'layers' stacked in `placement` order): its tick
+        program and layer split (from the stacked count and `pcfg`) and ZeRO stage-`zero` shardings."""
+        if placement not in ("model", "pipeline"):
+            raise ConfigError("placement", placement, "use 'model' or 'pipeline'")
         arrays = _pure(params)
         p = int(mesh.shape.get("pipe", 1))
         program = tick_program(pcfg, p)  # the schedule's errors first
@@ -108,8 +89,8 @@ class Pipeline:
         if placement == "model":
             model_zero = build(arrays)
             arrays = {**arrays, "layers": jax.eval_shape(split.to_pipeline, arrays["layers"])}
-        return cls(fns, pcfg, mesh, split, build(arrays), placement=placement, model_zero=model_zero,
-                   program=program, **kw)  # fmt: skip
+        spec = PipelineSpec(fns, program, split, mesh, residuals, nan_bubbles, skip_idle)
+        return cls(spec, build(arrays), model_zero)
 
     def place(self, params) -> dict:
         """`params` (nnx.State or a dict) as a dict of arrays laid out as the step takes them (its

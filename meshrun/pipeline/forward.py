@@ -23,7 +23,7 @@ from meshrun.family import contract
 from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, use_rules
 from meshrun.pipeline.spec import PipelineSpec
-from meshrun.pipeline.stage_run import stage_fn, take
+from meshrun.pipeline.tick_loop import stage_fn, take
 
 
 def forward_sums(pl, params, tokens, labels, segment_ids=None):

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from meshrun.pipeline import zb_split
-from meshrun.pipeline.stage_run import StageRun, put, take
+from meshrun.pipeline.tick_loop import StageRun, put, take
 
 OP_SCOPES = {"F": "per_op_F", "B": "per_op_B", "W": "per_op_W"}  # name scopes of a tick's three ops
 IN = {"f": "x_in", "g": "g_in"}  # the carry's last received activation / gradient (unboxed directions)

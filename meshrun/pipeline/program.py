@@ -28,6 +28,8 @@ import numpy as np
 
 from meshrun.config import PipelineConfig
 from meshrun.pipeline import registry, schedules
+from meshrun.pipeline.registry import Executor
+from meshrun.pipeline.schedules import ChunkPlacement
 
 
 def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
@@ -69,7 +71,7 @@ class TickProgram:
     # inboxes hold received activations / gradients from their arrival tick to their consumer's
     per_op: bool = False
     inbox: tuple[int, int] = (0, 0)  # (activation, gradient) inbox slots, trash slot not counted
-    executor: str = "lockstep"  # 'lockstep' (F and B per tick) or 'per_op' (one op per stage per tick)
+    executor: Executor = "lockstep"  # 'lockstep' (F and B per tick) or 'per_op' (one op per stage per tick)
     stash_slots: int = 0  # per_op: B's stash slots (B to W), trash slot not counted
     # per_op: per phase, one period of u ticks (its scan body runs u ticks; u divides the phase's
     # length), each tick's collective-permutes as their (source, target) stage pairs (mostly one)
@@ -79,7 +81,7 @@ class TickProgram:
     # which virtual stage chunk c of stage s holds (`schedules.vstage`); per-op 'v': one inbox for
     # both kinds (a stage may receive two activations at once), f_put / g_put / s_put the slot of what
     # arrives from the stage below / above / itself (the V's tip, no permute), f_get / g_get what F / B read
-    placement: str = "loop"
+    placement: ChunkPlacement = "loop"
     head_slots: int = 0  # per_op: the head's dy slots on the last virtual stage (its F to its B)
 
     def stage_slots(self) -> tuple[int, ...]:

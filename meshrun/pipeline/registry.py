@@ -16,12 +16,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
-from meshrun.pipeline.schedules import Table, Task, place, place_split
+from meshrun.pipeline.schedules import ChunkPlacement, Table, Task, place, place_split
 
-EXECUTORS = ("lockstep", "per_op")
+Executor = Literal["lockstep", "per_op"]  # one forward and one backward per stage per tick, or one op
+EXECUTORS: tuple[Executor, ...] = ("lockstep", "per_op")
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,11 @@ class Schedule:
     # (p, m, v) -> each stage's ops in order: F and B (the per-op executor splits each B into B and
     # W), or F, B and W (played as they are, per-op only)
     orders: Callable[[int, int, int], list[list[Task]]]
-    executors: tuple[str, ...]  # executors that play it; the first is pipeline.executor=auto's
+    executors: tuple[Executor, ...]  # executors that play it; the first is pipeline.executor=auto's
     # per-op executor: W's deferred into the bubbles (zero bubble) or each right after its B
     defer_w: bool = False
     chunks: int | None = 1  # virtual chunks per stage; None: pipeline.virtual (>= 1)
-    placement: str = "loop"  # chunk c of stage s: 'loop' virtual stage c*p + s, 'v' s then 2p-1-s
+    placement: ChunkPlacement = "loop"  # chunk c of stage s: 'loop' virtual stage c*p + s, 'v' s then 2p-1-s
     m_at_least_p: bool = False  # microbatches >= stages
     m_multiple_of_p: bool = False  # microbatches % stages == 0
     # Closed forms (tests/test_schedules.py, test_planner.py check them against the tables):
@@ -58,7 +60,7 @@ class Schedule:
         """Virtual chunks per stage with `pipeline.virtual` = virtual."""
         return virtual if self.chunks is None else self.chunks
 
-    def executor(self, executor: str) -> str:
+    def executor(self, executor: str) -> Executor:
         """`executor` ('auto', 'lockstep', 'per_op') resolved for this schedule: auto (or one that does
         not play it) is its first."""
         return executor if executor in self.executors else self.executors[0]
@@ -269,7 +271,7 @@ def check_config(pcfg: PipelineConfig) -> Schedule:
     return sched
 
 
-def executor_of(pcfg: PipelineConfig) -> str:
+def executor_of(pcfg: PipelineConfig) -> Executor:
     """'lockstep' or 'per_op': `pipeline.executor` with 'auto' resolved by the schedule's entry."""
     return check_config(pcfg).executor(pcfg.executor)
 

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+# which virtual stage chunk c of stage s holds: Megatron's loop (c*p + s) or a V (s, then 2p-1-s)
+ChunkPlacement = Literal["loop", "v"]
 
 
 @dataclass(frozen=True)
@@ -60,21 +63,21 @@ class Table(list):
     placement: 'loop' (chunk c of stage s is virtual stage c*p + s) or 'v' (two chunks: stage s holds
     virtual stages s and 2p - 1 - s)."""
 
-    placement: str = "loop"
+    placement: ChunkPlacement = "loop"
 
-    def __init__(self, rows=(), placement: str = "loop"):
+    def __init__(self, rows=(), placement: ChunkPlacement = "loop"):
         super().__init__(rows)
         self.placement = placement
 
 
-def vstage(chunk: int, stage: int, p: int, placement: str = "loop") -> int:
+def vstage(chunk: int, stage: int, p: int, placement: ChunkPlacement = "loop") -> int:
     """The virtual stage chunk `chunk` of `stage` holds."""
     if placement == "v":
         return stage if chunk == 0 else 2 * p - 1 - stage
     return chunk * p + stage
 
 
-def chunk_of(k: int, p: int, placement: str = "loop") -> tuple[int, int]:
+def chunk_of(k: int, p: int, placement: ChunkPlacement = "loop") -> tuple[int, int]:
     """(stage, chunk) of virtual stage k (inverse of `vstage`)."""
     if placement == "v":
         return (k, 0) if k < p else (2 * p - 1 - k, 1)
@@ -85,7 +88,7 @@ def _placement(table) -> str:
     return getattr(table, "placement", "loop")
 
 
-def _deps(t: Task, s: int, p: int, v: int, placement: str = "loop") -> list[tuple[str, int, int]]:
+def _deps(t: Task, s: int, p: int, v: int, placement: ChunkPlacement = "loop") -> list[tuple[str, int, int]]:
     """Keys (kind, mb, virtual stage) of the ops `t` on stage `s` needs."""
     k = vstage(t.chunk, s, p, placement)
     if t.kind == "W":
@@ -95,7 +98,7 @@ def _deps(t: Task, s: int, p: int, v: int, placement: str = "loop") -> list[tupl
     return [("F", t.mb, k)] + ([("B", t.mb, k + 1)] if k < v * p - 1 else [])
 
 
-def place(orders: list[list[Task]], p: int, v: int, placement: str = "loop") -> Table:
+def place(orders: list[list[Task]], p: int, v: int, placement: ChunkPlacement = "loop") -> Table:
     """Per-op timeline: each stage runs its order as soon as the inputs exist (one op per tick)."""
     done: dict[tuple[str, int, int], int] = {}
     ptr, table = [0] * p, Table(placement=placement)
@@ -117,7 +120,7 @@ def place(orders: list[list[Task]], p: int, v: int, placement: str = "loop") -> 
 
 
 def place_split(orders: list[list[Task]], p: int, m: int, v: int = 1, *, defer: bool = True, limit: int | None = None,
-                placement: str = "loop") -> Table:  # fmt: skip
+                placement: ChunkPlacement = "loop") -> Table:  # fmt: skip
     """Per-op timeline with each backward split into B (input gradient) and W (weight gradients):
     each stage runs its order of F and B as soon as inputs exist and a pending W whenever the next
     F/B must wait. `defer` (zero bubble): W's are deferred (B first keeps the critical path short, so

@@ -4,14 +4,16 @@ Virtual stage k (chunk c of stage s: k = c*p + s, or in a V `schedules.vstage`) 
 consecutive stacked layers (units), in model order. The executor's SPMD program needs one shape on
 every stage, so in the pipeline placement every chunk is padded to `lmax = max(counts)` entries: the
 stacked axis becomes [p, v, lmax] (a contiguous P('pipe') shard is one device's v chunks). Padding
-entries are zeros, their gradients are zero, and the stage skips them (`executor`: `lax.cond` on a per-chunk count).
-Checkpoints keep model order ([L]), so they restore into any split.
+entries are zeros, their gradients are zero, and the stage skips them (`uneven_apply`: `lax.cond` on
+a per-chunk count). Checkpoints keep model order ([L]), so they restore into any split.
 
-Even splits keep the old placements: v = 1 is the identity, v > 1 a reshape ([v, p, Lc] -> [p, v, Lc]).
+Even splits keep the old placements: v = 1 is the identity, v > 1 a reshape ([v, p, Lc] -> [p, v, Lc]),
+a V a reshape and a flip.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -21,8 +23,8 @@ import numpy as np
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.pipeline import registry
-from meshrun.pipeline.schedules import vstage
-from meshrun.pipeline.stage_counts import split_layers
+from meshrun.pipeline.layer_balance import split_layers
+from meshrun.pipeline.schedules import ChunkPlacement, vstage
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class LayerSplit:
     counts: tuple[int, ...]  # stacked layers per virtual stage k
     p: int
     v: int
-    placement: str = "loop"  # which virtual stage chunk c of stage s holds (`schedules.vstage`)
+    placement: ChunkPlacement = "loop"  # which virtual stage chunk c of stage s holds (`schedules.vstage`)
 
     @property
     def n(self) -> int:
@@ -189,3 +191,25 @@ def _even(n: int, k: int) -> tuple[int, ...]:
     order = sorted(range(k), key=lambda i: (abs(i - (k - 1) / 2), i))
     more = set(order[:extra])
     return tuple(base + (i in more) for i in range(k))
+
+
+def uneven_apply(apply_layers: Callable, lmin: int, n, params, x):
+    """`apply_layers` over the first `n` entries of a chunk padded to lmax entries (`split.py`):
+    the first `lmin` (every chunk holds at least that many) run as one call; each further entry
+    runs under `lax.cond(j < n)`, so a shorter stage skips its padding (no FLOPs, zero gradients).
+    `n` is traced (it depends on the stage), so one program serves every stage."""
+    head = jax.tree.map(lambda a: a[:lmin], params)
+    tail = jax.tree.map(lambda a: a[lmin:], params)
+    y, aux = apply_layers(head, x)
+    lmax = jax.tree.leaves(params)[0].shape[0]
+
+    def unit(carry, inp):
+        y, aux = carry
+        p_j, j = inp
+        run = lambda: apply_layers(jax.tree.map(lambda a: a[None], p_j), y)
+        skip = lambda: (y, jax.tree.map(jnp.zeros_like, aux))
+        y, a_j = jax.lax.cond(j < n, run, skip)
+        return (y, jax.tree.map(jnp.add, aux, a_j)), None
+
+    (y, aux), _ = jax.lax.scan(unit, (y, aux), (tail, jnp.arange(lmin, lmax)))
+    return y, aux

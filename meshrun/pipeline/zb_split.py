@@ -216,7 +216,7 @@ def _accumulable(jaxpr, acc, roles) -> tuple[dict, set]:
     its first iteration along the stacked axis)}, indices of the equations then skipped). An output
     qualifies when it is the ys of a split scan, or an `add_any` of such ys each `pad`ded with zeros
     along the stacked axis only (an uneven pipeline split runs a chunk's first lmin layers as one call
-    and the padding tail under a `cond`, `stage.uneven_apply`: the slices transpose to pads), every
+    and the padding tail under a `cond`, `split.uneven_apply`: the slices transpose to pads), every
     value in it used once; otherwise it is added after."""
     if not acc:
         return {}, set()

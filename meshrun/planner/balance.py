@@ -1,5 +1,5 @@
 """Per-stage costs for `pipeline.balance=auto`: the planner's time of one layer, the embedding and the
-head, fed to `pipeline.stage_counts.split_layers` (the split itself lives there, beside the executor).
+head, fed to `pipeline.layer_balance.split_layers` (the split itself lives there, beside the executor).
 
 Pure Python. The first stage also runs the embedding and the last the head and the vocabulary
 cross-entropy, so those stages get fewer layers when the vocabulary is large.
@@ -8,7 +8,7 @@ cross-entropy, so those stages get fewer layers when the vocabulary is large.
 from __future__ import annotations
 
 from meshrun.config import ModelConfig
-from meshrun.pipeline.stage_counts import split_layers
+from meshrun.pipeline.layer_balance import split_layers
 from meshrun.planner.hardware import GPUS
 from meshrun.planner.layout import Layout
 from meshrun.planner.timing import stage_seconds

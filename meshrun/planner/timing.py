@@ -24,7 +24,7 @@ import functools
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.optim import registry as optimizers
-from meshrun.pipeline.stage_counts import split_layers
+from meshrun.pipeline.layer_balance import split_layers
 from meshrun.planner import kernels
 from meshrun.planner.activations import context_kv_bytes
 from meshrun.planner.cost import Layout, Precision, precision_of

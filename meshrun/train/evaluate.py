@@ -73,8 +73,7 @@ def make_eval_step(train_step: TrainStep, mesh) -> Callable:
     plan = train_step.plan
     cfg, fns = plan.cfg, plan.model_fns
     if plan.pipe > 1:  # the layers as the train step stores them: padded pipeline placement, the same split
-        pl = Pipeline(fns, cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline", program=plan.program,
-                      skip_idle=plan.skip_idle)  # fmt: skip
+        pl = Pipeline(plan.pipeline_spec(mesh), plan.zero)
         sums = lambda params, *batch: forward_sums(pl, params, *batch)
     else:
         sums = forward_sums_fn(fns, plan.zero, cfg.pipeline.microbatches)

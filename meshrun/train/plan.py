@@ -26,6 +26,7 @@ from meshrun.parallel.sharding import is_names, param_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.program import TickProgram, tick_program
 from meshrun.pipeline.registry import SCHEDULES, check_config
+from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.split import LayerSplit, layer_split
 from meshrun.planner.balance import DEFAULT_GPU, stage_costs
 from meshrun.planner.cost import Layout, layout_of
@@ -73,6 +74,10 @@ class StepPlan:
         there have per-group replica groups), so idle cells compute on fill values instead (the
         residuals go to the trash slot, nothing is added): the same numbers, work in the bubble."""
         return not (self.context > 1 and self.cfg.model.context_parallel == "ring")
+
+    def pipeline_spec(self, mesh: Mesh) -> PipelineSpec:
+        """The pipelined step on `mesh` (pipe > 1): this plan's model, tick program and layer split."""
+        return PipelineSpec(self.model_fns, self.program, self.split, mesh, skip_idle=self.skip_idle)
 
     @property
     def relaid(self) -> bool:

@@ -145,9 +145,7 @@ def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
     """(params, tokens, labels) -> (loss, grads in the ZeRO grad sharding, metrics), traced inside the
     step: the pipeline executor when mesh.pipe > 1 (params in pipeline placement), else the microbatch scan."""
     if plan.pipe > 1:
-        pl = Pipeline(plan.model_fns, plan.cfg.pipeline, mesh, plan.split, plan.zero, placement="pipeline",
-                      skip_idle=plan.skip_idle,
-                      program=plan.program)  # fmt: skip
+        pl = Pipeline(plan.pipeline_spec(mesh), plan.zero)  # the layers in pipeline placement
         return pl.loss_and_grads
     return functools.partial(accumulate_grads, plan.model_fns, plan.zero, plan.cfg.pipeline.microbatches)
 

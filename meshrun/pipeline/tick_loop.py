@@ -16,9 +16,9 @@ from meshrun.family import contract
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
 from meshrun.pipeline import zb_split
+from meshrun.pipeline.residuals import activation_residuals
 from meshrun.pipeline.spec import PipelineSpec
-from meshrun.pipeline.split import LayerSplit
-from meshrun.pipeline.stage import activation_residuals, uneven_apply
+from meshrun.pipeline.split import LayerSplit, uneven_apply
 
 
 class StageRun:
@@ -294,7 +294,7 @@ SWAP = [(0, 1), (1, 0)]
 
 def stage_fn(split: LayerSplit, apply, c, stage):
     """`apply` (layer_params, x) -> (x, aux) as chunk c of `stage` runs it: as is for an even split,
-    else skipping the chunk's padding entries (`stage.uneven_apply`, its count `split.count(c, stage)`)."""
+    else skipping the chunk's padding entries (`split.uneven_apply`, its count `split.count(c, stage)`)."""
     if split.even:
         return apply
     n = split.count(c, stage)

@@ -1,15 +1,12 @@
-"""Per-stage building blocks of the pipeline executor: residual split and uneven chunks.
+"""Which leaves of a stage's vjp depend on the activation (what the executor stores per microbatch).
 
-Residuals. `jax.vjp(f, params, x)` returns a pytree whose leaves are everything the backward
+`jax.vjp(f, params, x)` returns a pytree whose leaves are everything the backward
 needs: values computed from the activation `x` AND the weights themselves (dx = dy @ W^T needs W).
 Keeping whole weights per in-flight microbatch would multiply weight memory by the slot count, so
 `activation_residuals` walks the traced jaxpr and marks which leaves depend on `x`. Only those go
 into the fixed-size buffer; the backward re-traces `jax.vjp` on a dummy input to rebuild the
 weight-only leaves (XLA removes the dead dummy forward: the audit in tests/test_pipeline.py
 checks that no extra collectives stay in the tick loop).
-
-Uneven stages. Every stage holds its chunks padded to the largest count (`split.py`);
-`uneven_apply` runs a chunk's real entries and skips the padding.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 
@@ -91,25 +87,3 @@ def _eqn_dep(eqn, ins: list[bool]) -> list[bool]:
             if len(sub.invars) == len(ins) and len(sub.outvars) == n_out:
                 return _dep(sub, ins)
     return [True] * n_out
-
-
-def uneven_apply(apply_layers: Callable, lmin: int, n, params, x):
-    """`apply_layers` over the first `n` entries of a chunk padded to lmax entries (`split.py`):
-    the first `lmin` (every chunk holds at least that many) run as one call; each further entry
-    runs under `lax.cond(j < n)`, so a shorter stage skips its padding (no FLOPs, zero gradients).
-    `n` is traced (it depends on the stage), so one program serves every stage."""
-    head = jax.tree.map(lambda a: a[:lmin], params)
-    tail = jax.tree.map(lambda a: a[lmin:], params)
-    y, aux = apply_layers(head, x)
-    lmax = jax.tree.leaves(params)[0].shape[0]
-
-    def unit(carry, inp):
-        y, aux = carry
-        p_j, j = inp
-        run = lambda: apply_layers(jax.tree.map(lambda a: a[None], p_j), y)
-        skip = lambda: (y, jax.tree.map(jnp.zeros_like, aux))
-        y, a_j = jax.lax.cond(j < n, run, skip)
-        return (y, jax.tree.map(jnp.add, aux, a_j)), None
-
-    (y, aux), _ = jax.lax.scan(unit, (y, aux), (tail, jnp.arange(lmin, lmax)))
-    return y, aux
