@@ -102,7 +102,9 @@ def test_transfers_are_inside_the_layer_loops_one_per_layer_and_direction():
       reduced gradient to host memory; with 4 microbatches also each float32 sum and gradient to the
       device and the sum back;
     - the update's norm: each gradient to the device; the update: gradient and param (and with
-      train.offload_optimizer=host Adam's m and v) to the device, the new param (m, v) back.
+      train.offload_optimizer=host Adam's m and v) to the device, the new param (m, v) back;
+    - the gradient sums' zeros (the carry of the microbatch loop) made on the device and moved to
+      host memory a layer at a time.
     No loop moves anything without the switch."""
     n = LEAVES
     one = {"device": n, "pinned_host": n}
@@ -115,7 +117,7 @@ def test_transfers_are_inside_the_layer_loops_one_per_layer_and_direction():
         ts, traced = _step(over)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         moving = sorted(sorted(loop.transfers.items()) for loop in placement.loops(text) if loop.transfers)
-        expected = [{"device": n}, backward, {"device": n}, update]  # forward, backward, norm, update
+        expected = [{"device": n}, backward, {"device": n}, update, {"pinned_host": n}]  # ..., norm, update, zeros
         assert moving == sorted(sorted(t.items()) for t in expected), over
         assert _param_kinds(ts, text) == {"pinned_host"}
         assert {s.memory_kind for s in jax.tree.leaves(ts.state_shardings.params)} == {"pinned_host"}

@@ -79,6 +79,16 @@ def add_slice(acc: jax.Array, i, y: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(acc, jax.device_put(new, HOST_SPACE) if host else new, i, 0)
 
 
+def host_zeros(like: Any) -> Any:
+    """Zeros shaped like the stacked tree `like` (arrays or ShapeDtypeStructs) in host memory, made one
+    slice of the leading axis at a time, so they are never whole on the device."""
+
+    def body(_, __):
+        return None, jax.tree.map(lambda a: jax.device_put(jnp.zeros(a.shape[1:], a.dtype), HOST_SPACE), like)
+
+    return jax.lax.scan(body, None, length=jax.tree.leaves(like)[0].shape[0])[1]
+
+
 def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -> Callable:
     """p_unit -> p_unit in device memory, gathered to the compute layout. `store` / `compute`: the
     PartitionSpec trees of the stacked layers (leading layer axis, ZeRO-3 and ZeRO-0 layouts)."""

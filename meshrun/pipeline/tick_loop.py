@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshrun.family import contract
+from meshrun.parallel.layer_fetch import host_zeros, on_host
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
 from meshrun.pipeline import zb_split
@@ -108,6 +109,12 @@ class StageRun:
         g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: self.chunk_of(a, ch), g_layers), keep)
         return jax.tree.map(lambda a, n: self.put_chunk(a, ch, n), g_layers, g), dx
 
+    def layer_sums(self):
+        """Zero float32 sums of the stage's layers, where the layers rest (host memory: made a slice at a time)."""
+        if any(on_host(a) for a in jax.tree.leaves(self.layers_v)):
+            return host_zeros(jax.eval_shape(accum_zeros, self.layers_v))
+        return accum_zeros(self.layers_v)
+
     def full(self, shape, dtype):
         return jnp.full(shape, self.fill, dtype)
 
@@ -123,7 +130,7 @@ class StageRun:
             "res": [placed(self.full((self.nslot, *a.shape), a.dtype), a) for a in self.res_avals],
             # float32 sums, also for 16-bit params; in host memory where the layers rest there
             # (train.offload_params: each layer's gradient is added in as the backward makes it)
-            "g_layers": jax.tree.map(placed_as, accum_zeros(self.layers_v), self.layers_v),
+            "g_layers": self.layer_sums(),
             "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),
             "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
@@ -310,11 +317,6 @@ def placed(x, aval):
     """x in the memory space of `aval` (host for residuals an offloading remat policy put there)."""
     space = getattr(aval, "memory_space", None)
     return x if space is None or space == jax.typeof(x).memory_space else jax.device_put(x, space)
-
-
-def placed_as(x, like):
-    """x in the memory space `like` has (host for layers resting in host memory)."""
-    return placed(x, jax.typeof(like))
 
 
 def take(buf, i):

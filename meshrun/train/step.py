@@ -30,7 +30,7 @@ from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
-from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, use_layer_fetch
+from meshrun.parallel.layer_fetch import host_zeros, on_host, use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import zb_split
@@ -105,8 +105,10 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
             sums = accum_zeros(shapes[0])
             if zl.streamed:  # the layers' (float32) sums rest in host memory, added to a layer at a time
-                fresh = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]["layers"])  # m = 1: the gradient
-                sums["layers"] = jax.device_put(sums["layers"] if m > 1 else fresh, HOST_SPACE)
+                # m = 1: the carry is the gradient itself, in the param dtype
+                sums["layers"] = host_zeros(
+                    jax.eval_shape(accum_zeros, shapes[0]["layers"]) if m > 1 else shapes[0]["layers"]
+                )
             zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
             # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a
