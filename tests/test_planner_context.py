@@ -203,9 +203,13 @@ def test_search_picks_ring_for_flash_attention_and_both_kinds_are_tried(llama7b)
 
 def test_search_proposes_cp_for_128k_that_does_not_fit_without(llama70b):
     """Llama-70B-style, 128K tokens x 32 sequences on 16 x 8 H100: without context parallelism no
-    layout fits in device memory (only host-offloading proposals); with it the best layout fits."""
+    layout fits, not even with offloading (the host-offloaded activations would need 2.2 TB of host
+    memory per node, more than a DGX H100's 2 TB); with it the best layout fits."""
     cluster = parse_cluster("h100-80g:16x8")
-    without = search.search(llama70b, cluster, 32, S128K, top=3, max_context=1)
+    with pytest.raises(ConfigError, match="fits on no layout"):
+        search.search(llama70b, cluster, 32, S128K, top=3, max_context=1)
+    roomy = parse_cluster("h100-80g:16x8,host=4TB")  # with the host memory, offloading proposals
+    without = search.search(llama70b, roomy, 32, S128K, top=3, max_context=1)
     assert all(r.layout.context == 1 for r in without)
     assert all(any("offload" in v for v in r.violations) for r in without)
     best = search.search(llama70b, cluster, 32, S128K, top=3)

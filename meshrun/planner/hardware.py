@@ -1,5 +1,6 @@
-"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODESxGBPS]`,
-e.g. `a100-80g:48x8,ib=4x200` or `h100-80g:64x8,racks=16x1600`).
+"""GPU catalogue and cluster strings (`GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODESxGBPS]
+[,host=SIZE][,nvme=DRIVESxSIZE][,nvme_bw=READ/WRITE]`, e.g. `a100-80g:48x8,ib=4x200` or
+`h100-80g:2x8,host=1TB,nvme=4x7.68TB`).
 
 More `,key=value` fields of the cluster string are one parser each in CLUSTER_FIELDS.
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from meshrun.errors import ConfigError
 
 GB = 1e9
+TB = 1e12
 
 # Fraction of a link's bandwidth that NCCL collectives reach in practice (nccl-tests bus bandwidth on
 # DGX A100/H100 is ~75-85% of the link rate for large messages).
@@ -70,6 +72,38 @@ GPUS: dict[str, GPU] = {
 }
 
 
+@dataclass(frozen=True)
+class NodeStorage:
+    """Host memory and local NVMe drives of a reference node of `gpus` GPUs; a cluster with another
+    number of GPUs per node gets them in proportion (the DGX's per-GPU share)."""
+
+    gpus: int
+    host_bytes: float  # host (CPU) memory of the node
+    nvme_drives: int  # local data drives (the OS drives not counted)
+    nvme_drive_bytes: float
+    nvme_read_bw: float  # sequential, per drive, bytes/s
+    nvme_write_bw: float
+
+
+# Local data drives of the DGX systems: 3.84 TB U.2 NVMe, PCIe Gen4 (Samsung PM1733 class: sequential
+# read 6.4 GB/s, write 3.8 GB/s per drive, its datasheet).
+U2_READ, U2_WRITE = 6.4 * GB, 3.8 * GB
+NODES: dict[str, NodeStorage] = {
+    # DGX A100 datasheet: the 320 GB system 1 TB memory and 4 x 3.84 TB NVMe (15 TB); the 640 GB
+    # system 2 TB and 8 x 3.84 TB (30 TB).
+    "a100-40g": NodeStorage(8, 1 * TB, 4, 3.84 * TB, U2_READ, U2_WRITE),
+    "a100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    # No reference system for 8 PCIe cards: assumed as the DGX A100 640 GB.
+    "a100-80g-pcie": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    # DGX H100 and DGX H200 datasheets: 2 TB memory, 8 x 3.84 TB NVMe U.2 (30 TB).
+    "h100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    "h200": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    # GH200 datasheet: 480 GB LPDDR5X per superchip. Drives vary by vendor: assumed one 3.84 TB drive
+    # of the same class per superchip.
+    "gh200": NodeStorage(1, 480 * GB, 1, 3.84 * TB, U2_READ, U2_WRITE),
+}
+
+
 # jax `device_kind` substring -> dense bf16 peak FLOP/s; the first match wins (specific names first).
 # The H100 PCIe is not in GPUS: its NVLink bridges join pairs of GPUs only, which the node model of
 # `Cluster` (NVLink between every GPU of a node) would misrepresent to the planner.
@@ -120,6 +154,11 @@ class Cluster:
     nic_gbps: float = 0.0  # Gb/s of each NIC
     nodes_per_rack: int = 0  # 0: every node in one rack (one non-blocking fabric)
     rack_gbps: float = 0.0  # Gb/s of each node's share of the rack's uplinks (0: its NICs, non-blocking)
+    host_bytes: float = 0.0  # host memory per node (0: the catalogue's NODES default)
+    nvme_drives: int = -1  # local NVMe data drives per node (-1: the default; 0: none)
+    nvme_drive_bytes: float = 0.0  # capacity of each (0: the default)
+    nvme_read_gbs: float = 0.0  # sequential GB/s of each drive (0: the default)
+    nvme_write_gbs: float = 0.0
 
     @property
     def n_devices(self) -> int:
@@ -130,6 +169,22 @@ class Cluster:
         """HBM a plan may fill: all of it, since the runtime's own memory is costed explicitly
         (`cost.overhead_bytes`: CUDA context, communicator buffers, allocator fragmentation)."""
         return self.gpu.memory_bytes
+
+    @property
+    def storage(self) -> NodeStorage:
+        """The node's host memory and NVMe: the catalogue's reference node scaled to this node's GPUs,
+        with the cluster string's overrides."""
+        ref = NODES[self.gpu.name]
+        k = self.gpus_per_node / ref.gpus
+        drives = self.nvme_drives if self.nvme_drives >= 0 else max(1, round(ref.nvme_drives * k))
+        return NodeStorage(
+            self.gpus_per_node,
+            self.host_bytes or ref.host_bytes * k,
+            drives,
+            self.nvme_drive_bytes or ref.nvme_drive_bytes,
+            self.nvme_read_gbs * GB or ref.nvme_read_bw,
+            self.nvme_write_gbs * GB or ref.nvme_write_bw,
+        )
 
     @property
     def nic_bw_per_gpu(self) -> float:
@@ -199,14 +254,24 @@ class Cluster:
         net = f",ib={self.nics}x{self.nic_gbps:g}" if self.nics else ""
         if self.nodes_per_rack:
             net += f",racks={self.nodes_per_rack}" + (f"x{self.rack_gbps:g}" if self.rack_gbps else "")
+        if self.host_bytes:
+            net += f",host={_size(self.host_bytes)}"
+        if self.nvme_drives >= 0 or self.nvme_drive_bytes:
+            st = self.storage
+            net += f",nvme={st.nvme_drives}x{_size(st.nvme_drive_bytes)}" if st.nvme_drives else ",nvme=0"
+        if self.nvme_read_gbs or self.nvme_write_gbs:
+            st = self.storage
+            net += f",nvme_bw={st.nvme_read_bw / GB:g}/{st.nvme_write_bw / GB:g}"
         return f"{self.gpu.name}:{self.nodes}x{self.gpus_per_node}{net}"
 
 
 _CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _NET_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+(?:\.\d+)?)\s*$")
 CLUSTER_HELP = (
-    "GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODES_PER_RACK[xGBPS]], e.g. a100-80g:48x8,ib=4x200 "
-    "(4 NICs of 200 Gb/s per node) or h100-80g:64x8,racks=16x1600 (16 nodes a rack, 1600 Gb/s per node between racks)"
+    "GPU:NODESxGPUS_PER_NODE[,ib=NICSxGBPS][,racks=NODES_PER_RACK[xGBPS]][,host=SIZE][,nvme=DRIVESxSIZE]"
+    "[,nvme_bw=READ/WRITE], e.g. a100-80g:48x8,ib=4x200 (4 NICs of 200 Gb/s per node), h100-80g:64x8,racks=16x1600 "
+    "(16 nodes a rack, 1600 Gb/s per node between racks) or h100-80g:2x8,host=1TB,nvme=4x7.68TB,nvme_bw=6.4/3.8 "
+    "(per node: 1 TB host memory, 4 NVMe drives of 7.68 TB reading 6.4 and writing 3.8 GB/s each)"
 )
 
 
@@ -231,8 +296,60 @@ def _parse_racks(field: str, text: str, raw: str) -> dict:
     return {"nodes_per_rack": int(m.group(1)), "rack_gbps": float(m.group(2) or 0)}
 
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|TB)\s*$", re.IGNORECASE)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / TB:g}TB" if nbytes >= TB else f"{nbytes / GB:g}GB"
+
+
+def _bytes(raw: str) -> float | None:
+    """`2TB` / `512GB` -> bytes (decimal units); None when malformed or not positive."""
+    m = _SIZE_RE.match(raw)
+    if not m or not 0 < float(m.group(1)) < 1e6:
+        return None
+    return float(m.group(1)) * (TB if m.group(2).upper() == "TB" else GB)
+
+
+def _parse_host(field: str, text: str, raw: str) -> dict:
+    """`host=2TB`: host memory per node."""
+    size = _bytes(raw)
+    if size is None:
+        raise ConfigError(field, text, "write host=SIZE per node with GB or TB, e.g. host=2TB", "malformed host memory")
+    return {"host_bytes": size}
+
+
+_NVME_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(.+)$")
+
+
+def _parse_nvme(field: str, text: str, raw: str) -> dict:
+    """`nvme=8x3.84TB`: local NVMe drives per node x the capacity of each; `nvme=0`: none."""
+    if raw.strip() == "0":
+        return {"nvme_drives": 0}
+    m = _NVME_RE.match(raw)
+    size = _bytes(m.group(2)) if m else None
+    if not m or size is None or not 1 <= int(m.group(1)) <= 1024:
+        fix = "write nvme=DRIVESxSIZE per node, e.g. nvme=8x3.84TB (or nvme=0: no local NVMe)"
+        raise ConfigError(field, text, fix, "malformed nvme")
+    return {"nvme_drives": int(m.group(1)), "nvme_drive_bytes": size}
+
+
+_BW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)\s*$")
+
+
+def _parse_nvme_bw(field: str, text: str, raw: str) -> dict:
+    """`nvme_bw=6.4/3.8`: sequential read / write GB/s of each NVMe drive."""
+    m = _BW_RE.match(raw)
+    if not m or not all(0 < float(g) < 1e4 for g in m.groups()):
+        raise ConfigError(
+            field, text, "write nvme_bw=READ/WRITE in GB/s per drive, e.g. nvme_bw=6.4/3.8", "malformed nvme_bw"
+        )
+    return {"nvme_read_gbs": float(m.group(1)), "nvme_write_gbs": float(m.group(2))}
+
+
 # Optional `,key=value` fields of a cluster string: key -> parser(field, whole text, value) -> Cluster kwargs.
-CLUSTER_FIELDS = {"ib": _parse_ib, "racks": _parse_racks}
+CLUSTER_FIELDS = {"ib": _parse_ib, "racks": _parse_racks, "host": _parse_host, "nvme": _parse_nvme,
+                  "nvme_bw": _parse_nvme_bw}  # fmt: skip
 
 
 def parse_cluster(text: str, field: str = "--cluster") -> Cluster:

@@ -291,17 +291,20 @@ def search(
             f"(e.g. {cluster.n_devices})",
             "no layout divides the global batch",
         )
-    offloaded = not fitting and _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, opt, kw)
-    if offloaded:
-        return offloaded
     if not fitting:
+        fw = kw.get("framework", "meshrun")
+        memory_only = _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw)
+        offloaded = offload.propose(memory_only, model, cluster, seq_len, top, fw)
+        if offloaded:
+            return offloaded
         p = smallest.layout
+        why = offload.blocker(memory_only, model, cluster, seq_len) if memory_only and fw == "meshrun" else ""
         raise ConfigError(
             "--model",
             name,
             f"it needs at least {smallest.memory['total'] / GB:.1f} GB per device (tensor={p.tensor} pipe={p.pipe} "
             f"data={p.data}{_context_text(p)} zero={p.zero} remat={p.remat}) but {cluster.gpu.name} offers "
-            f"{cluster.usable_memory / GB:.1f} GB usable; use more GPUs or GPUs with more memory",
+            f"{cluster.usable_memory / GB:.1f} GB usable; " + (why or "use more GPUs or GPUs with more memory"),
             f"fits on no layout of {cluster}",
         )
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
@@ -327,13 +330,12 @@ def _context_text(lay: Layout) -> str:
     return f" context={lay.context} ({lay.context_kind})" if lay.context > 1 else ""
 
 
-def _offload_proposals(model, cluster, global_batch, seq_len, top, max_context, opt, kw) -> list[Result]:
-    """Nothing fits in device memory: layouts that fit with host offload (planner/offload.py)."""
+def _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw) -> list[Result]:
+    """Nothing fits in device memory: the layouts that break the memory rule only (offload candidates)."""
     fw = kw.get("framework", "meshrun")
     rs = (evaluate(model, replace(lay, **opt), cluster, global_batch, seq_len, **kw)
           for lay in candidates(model, cluster, global_batch, seq_len, max_context, fw))  # fmt: skip
-    rs = [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch, seq_len)]
-    return offload.propose(rs, model, cluster, seq_len, top)
+    return [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch, seq_len)]
 
 
 def predict_step_time(model: ModelConfig, layout, cluster: Cluster, global_batch: int, seq_len: int,

@@ -111,6 +111,11 @@ def predict_memory_jax(
         "temp": total - state,
         "stage": 0,
         "params_per_device": st["dense"] + st["experts"],
+        # what the optimizer tiers move (`planner/tiers.py`): the update's view of one device
+        "stored": st["stored"],
+        "opt_state": st["moments"],
+        "opt_elems": st["opt_elems"],
+        "grads_update": st["grads_update"],
     }
 
 
@@ -149,8 +154,12 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     opt = moments + 4 * (temps * matrices + rest)
     if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
+    # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
+    # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
+    opt_elems = dense / shard[2] + experts / eshard[2]
+    grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
     return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
-            "dense": dense, "experts": experts}  # fmt: skip
+            "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
 
 
 def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> tuple[float, float]:

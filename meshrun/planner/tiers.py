@@ -1,0 +1,138 @@
+"""Where the optimizer state rests (`train.offload_optimizer = none | host | nvme`): the three-tier
+memory model of the planner, per layout and per device. For each tier: the bytes on the device
+(its peak), in host memory and on NVMe; the bytes each step moves over the host link and to and
+from the drives; and the time of that I/O.
+
+* none: the state lives on the device (`predict_memory`).
+* host: the state rests in pinned host memory. It is the optimizer's moments and fp32 master, plus
+  the stored params when they are float32 under a 16-bit compute dtype (`train.plan.offloaded`).
+  The step brings the whole shard to the device for the update and puts it back. That is 2 x its
+  bytes over the host link, exposed, because the update waits for it. The device's peak is the
+  larger of the backward (no state) and the update (stored params, the update's gradients, the
+  whole state and the update's temporaries).
+* nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
+  in chunks through `train.offload_budget_mb` of host memory per process (`train/streamed.py`,
+  one process per node). The device holds the flat float32 gradient row and the param row of its
+  shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
+  over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
+  only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
+  flash, so the drives' time is the read time plus the write time (conservative).
+
+The chunk size follows the runtime's rule (`train/swap.chunk_elems`, pinned by tests): three chunks
+of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.config import ModelConfig
+from meshrun.optim import registry as optimizers
+from meshrun.planner.hardware import COMM_EFFICIENCY, GB, Cluster
+from meshrun.planner.layout import DTYPE_BYTES, Layout
+
+TIERS = ("none", "host", "nvme")
+# Host memory a plan may fill: the rest is the OS, the data loader, the page cache and the process.
+HOST_USABLE = 0.9
+# Fraction of the drives' sequential bandwidth the tier reaches. It is the tier's target (70% of the
+# disk's limit). bench/offload.py measured 34% on a loaded CPU host with small chunks (docs/offload.md).
+NVME_EFFICIENCY = 0.7
+DEFAULT_BUDGET_MB = 256.0  # train.offload_budget_mb's default
+SLOTS_IN_FLIGHT = 3  # train/swap.py: read i + 1, update i, write i - 1
+ALIGN = 1024  # train/swap.py: chunk length granularity in elements
+
+
+def host_bw(cluster: Cluster) -> float:
+    """Achievable host<->device bytes/s of one GPU (one direction)."""
+    return cluster.gpu.pcie_bw * COMM_EFFICIENCY
+
+
+def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int:
+    """Elements per row of one chunk, as `train.swap.chunk_elems` (0: the budget holds no chunk)."""
+    fit = int(budget_bytes // (SLOTS_IN_FLIGHT * slots * rows * 4)) // ALIGN * ALIGN
+    return min(fit, -(-row_len // ALIGN) * ALIGN) if fit >= ALIGN else 0
+
+
+@dataclass(frozen=True)
+class Tier:
+    """The optimizer tier of one layout, per device: bytes in each tier, traffic and time per step."""
+
+    tier: str
+    backward: float  # device peak of the forward and backward
+    update: float  # device peak of the update
+    host: float  # host memory resting per GPU (nvme: its share of the process's chunk buffers)
+    nvme: float  # bytes on NVMe per GPU (its share of the process's file)
+    pcie: float  # bytes per step over the host link, both directions
+    nvme_read: float  # bytes per step read from the drives
+    nvme_write: float
+    io_s: float  # the tier's I/O time per step
+    exposed_s: float  # of it, not hidden behind the update
+    chunk: int = 0  # nvme: elements per row of one chunk
+    n_chunks: int = 0
+
+    @property
+    def device(self) -> float:
+        return max(self.backward, self.update)
+
+
+def streamable(layout: Layout) -> bool:
+    """The NVMe tier streams elementwise optimizers with float32 state only (`train/streamed.py`)."""
+    return optimizers.get(layout.optimizer).elementwise and layout.state_dtype == "float32"
+
+
+def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, tier: str, t_update: float,
+                   budget_mb: float = DEFAULT_BUDGET_MB) -> Tier:  # fmt: skip
+    """The tier's figures for one stage's memory parts `mem` (`predict_memory`, meshrun's step);
+    `t_update`: the update's seconds (the time model's `optimizer`)."""
+    opt, fixed = mem["optimizer"], mem.get("overhead_context", 0.0) + mem.get("overhead_comm_buffers", 0.0)
+    backward = mem["total"] - opt
+    stored, grads = mem.get("stored", mem["params"]), mem.get("grads_update", mem["grads"])
+    state = mem.get("opt_state", opt)
+    if tier == "none":
+        return Tier(tier, mem["total"], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if tier == "host":
+        rest = state + (stored if model.param_dtype != model.dtype else 0.0)
+        pcie = 2 * rest
+        t = pcie / host_bw(cluster)
+        return Tier(tier, backward, stored + grads + opt + fixed, rest, 0.0, pcie, 0.0, 0.0, t, t)
+    if tier != "nvme":
+        raise ValueError(f"unknown optimizer tier {tier!r}; one of {TIERS}")
+    elems = mem.get("opt_elems", state / 12)
+    slots = max(1, round(state / (4 * elems)))  # float32 state slots: master, m, v (m, v without a master)
+    rows, gpn = cluster.gpus_per_node, cluster.gpus_per_node  # one process per node: a row per GPU
+    budget = budget_mb * 2**20
+    c = chunk_elems(budget, slots, rows, math.ceil(elems))
+    n_chunks = -(-math.ceil(elems) // c) if c else 0
+    file = n_chunks * c * slots * 4  # this GPU's rows of the process's file
+    flat = (4 + DTYPE_BYTES[model.param_dtype]) * elems  # the flat gradient (float32) and param rows
+    on_device = 2 * SLOTS_IN_FLIGHT * slots * 4 * c  # chunks copied in and their new state out
+    st = cluster.storage
+    eff = NVME_EFFICIENCY * st.nvme_drives
+    disk = gpn * file * (1 / (eff * st.nvme_read_bw) + 1 / (eff * st.nvme_write_bw)) if st.nvme_drives else math.inf
+    pcie = 2 * file
+    io = max(disk, pcie / host_bw(cluster))
+    update = stored + grads + flat + on_device + fixed
+    return Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks)
+
+
+def misfits(t: Tier, cluster: Cluster, layout: Layout | None = None) -> list[str]:
+    """Why the tier does not fit on `cluster` (empty: it fits): device, host memory or NVMe capacity
+    (host and NVMe per node: the node's GPUs together)."""
+    out, usable, gpn, st = [], cluster.usable_memory, cluster.gpus_per_node, cluster.storage
+    if t.device > usable:
+        what = "the update's peak" if t.update >= t.backward else "the backward's peak"
+        out.append(f"{what} {t.device / GB:.1f} GB > {usable / GB:.1f} GB usable on the device")
+    if t.host * gpn > HOST_USABLE * st.host_bytes:
+        out.append(f"host memory {t.host * gpn / GB:.0f} GB per node > {HOST_USABLE * st.host_bytes / GB:.0f} GB "
+                   f"usable of {st.host_bytes / GB:.0f} GB")  # fmt: skip
+    if t.tier == "nvme":
+        disk = st.nvme_drives * st.nvme_drive_bytes
+        if layout is not None and not streamable(layout):
+            out.append(f"the NVMe tier streams elementwise optimizers with float32 state only "
+                       f"({layout.optimizer}, {layout.state_dtype})")  # fmt: skip
+        if not t.chunk:
+            out.append("the chunk budget holds no chunk")
+        if t.nvme * gpn > disk:
+            out.append(f"NVMe {t.nvme * gpn / GB:.0f} GB per node > {disk / GB:.0f} GB of local drives")
+    return out
