@@ -70,8 +70,8 @@ def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     check_cluster(cfg, cluster_text)
     lay = planner_layout(cfg, mesh_shape)
     lay = replace(lay, remat={"offload": "selective"}.get(lay.remat, lay.remat))
-    tier = cfg.train.offload_optimizer
-    levers = {"host": ("optimizer",), "nvme": ("nvme",)}.get(tier, ()) + ("activations",) * (cfg.model.remat == "offload")
+    tier = {"host": ("optimizer",), "nvme": ("nvme",)}.get(cfg.train.offload_optimizer, ())
+    levers = tier + ("activations",) * (cfg.model.remat == "offload")
     cluster = parse_cluster(cluster_text)
     return search.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
 
