@@ -131,7 +131,8 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     experts = counts["experts"] * frac / (t * lay.expert)
     shard = zero_divisors(lay.zero, lay.data * lay.expert * lay.context)
     eshard = zero_divisors(lay.zero, lay.data * lay.context)
-    params = stored = pb * (dense / shard[0] + experts / eshard[0])
+    nrm = norms * frac + h  # norm scales: no `embed` dimension, so ZeRO leaves them whole (parallel/sharding.py)
+    params = stored = pb * ((dense - nrm) / shard[0] + nrm + experts / eshard[0])
     # Fresh gradients are whole on every device at every ZeRO stage: the one data-parallel reduction
     # (reduce-scatter from ZeRO-1 on) runs after the loop, so ZeRO-2 holds what ZeRO-1 holds (no
     # per-micro-batch reduce-scatter as in DeepSpeed); only the reduced output is a 1/dp shard.
@@ -148,15 +149,16 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
     # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters
     prec, temps = precision_of(model, layout=lay), optimizers.get(lay.optimizer).update_temps
-    rest = (norms * frac + (counts["embedding"] + counts["head"]) / t + h) / shard[2]
-    matrices = (dense / shard[2] - rest) + experts / eshard[2]
+    edges = (counts["embedding"] + counts["head"]) / t
+    rest = nrm + edges / shard[2]
+    matrices = (dense - nrm - edges) / shard[2] + experts / eshard[2]
     moments = prec.opt * matrices + prec.opt_rest * rest
     opt = moments + 4 * (temps * matrices + rest)
     if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
     # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
-    opt_elems = dense / shard[2] + experts / eshard[2]
+    opt_elems = (dense - nrm) / shard[2] + nrm + experts / eshard[2]
     grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
     return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
             "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
