@@ -260,13 +260,13 @@ def test_nvme_where_the_host_tiers_update_peak_does_not_fit(capsys):
 
 def test_405b_on_one_node_says_what_blocks_it(capsys):
     """llama-405b on 8 H100: no layout, and one line naming the blocker: its bf16 parameters alone
-    exceed the devices even split over all 8 (ZeRO-3), and meshrun has no parameter offload."""
+    exceed the devices even split over all 8 (ZeRO-3), and the planner does not cost train.offload_params."""
     argv = ["--model", "llama-405b", "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
     rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1
     psi = 2 * step_model.param_counts(model("llama-405b"))["total"] / 8 / GB
     assert f"parameters alone are {psi:.1f} GB per device split over all 8 GPUs" in err
-    assert "parameter offload), which meshrun does not have" in err
+    assert "off the device (train.offload_params), which the planner does not cost yet" in err
 
 
 def test_1t_on_four_nodes_says_what_blocks_it(capsys):
@@ -275,4 +275,4 @@ def test_1t_on_four_nodes_says_what_blocks_it(capsys):
     argv = ["--model", "megatron-1t", "--cluster", "a100-80g:4x8", "--global-batch", "64"]
     rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert "even with the optimizer state on NVMe it needs" in err and "no parameter offload" in err
+    assert "even with the optimizer state on NVMe it needs" in err and "train.offload_params is not costed" in err

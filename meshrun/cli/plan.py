@@ -311,8 +311,9 @@ def format_table(
         "bubble",
         "dp_sync",
         "optimizer",
+        "host_transfer",  # an offloading proposal's I/O the step waits for (host link, NVMe)
     )
-    tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time[k] > 0)
+    tm = ", ".join(f"{k} {best.time[k]:.3g}" for k in parts if best.time.get(k, 0) > 0)
     split = best.time["split"]
     even = len(set(split)) == 1
     uneven = f"#1 layers per stage: {list(split)} (train it with pipeline.balance=auto, which splits per virtual stage)"

@@ -151,14 +151,16 @@ def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
     if params / n > usable:  # ZeRO-3 gathers a stage's weights for the step: never below params / n
         return (f"even with the optimizer state on NVMe the {model.param_dtype} parameters alone are "
                 f"{params / n / GB:.1f} GB per device split over all {n} GPUs (tensor x pipe x ZeRO-3) > "
-                f"{usable / GB:.1f} GB usable; training it needs the parameters off the device (ZeRO-Infinity's "
-                f"parameter offload), which meshrun does not have: use at least {math.ceil(params / usable)} "
-                f"GPUs of this kind (for the parameters alone)")  # fmt: skip
+                f"{usable / GB:.1f} GB usable; it needs the parameters off the device (train.offload_params), which "
+                f"the planner does not cost yet and the nvme tier does not combine with: use at least "
+                f"{math.ceil(params / usable)} GPUs of this kind (for the parameters alone)")  # fmt: skip
     r, o = min(((r, with_offload(r, model, cluster, seq_len, ("nvme",))) for r in results),
                key=lambda ro: ro[1]["memory"]["total"])  # fmt: skip
     m, lay = o["memory"], r.layout
+    degrees = "".join(f" {k}={v}" for k, v in (("expert", lay.expert), ("context", lay.context)) if v > 1)
     return (f"even with the optimizer state on NVMe it needs {m['total'] / GB:.1f} GB per device (tensor={lay.tensor} "
-            f"pipe={lay.pipe} data={lay.data} zero={lay.zero} remat={lay.remat}: params {m['params'] / GB:.1f} GB, "
+            f"pipe={lay.pipe} data={lay.data}{degrees} zero={lay.zero} remat={lay.remat}: "
+            f"params {m['params'] / GB:.1f} GB, "
             f"gradients {m['grads'] / GB:.1f} GB, activations {m['activations'] / GB:.1f} GB, update peak "
-            f"{o['tier'].update / GB:.1f} GB); meshrun keeps parameters and gradients on the device (no parameter "
-            f"offload): use more GPUs or GPUs with more memory")  # fmt: skip
+            f"{o['tier'].update / GB:.1f} GB); parameters and gradients stay on the device (train.offload_params "
+            f"is not costed by the planner yet): use more GPUs or GPUs with more memory")  # fmt: skip
