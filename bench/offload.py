@@ -2,12 +2,20 @@
 
     python bench/offload.py [--dir DIR] [--disk-mb 1024] [--budget-mb 4] [--steps 6]
 
-Prints, in one run: the sequential write and read bandwidth of DIR (a plain large-file write with
-fsync, then a read after dropping its pages from the cache), the NVMe tier's achieved swap
-bandwidth (bytes it read and wrote / seconds of its streamed update), the step time with
-train.offload_optimizer = none, host and nvme (each tier in its own process, ratios against none),
-and the NVMe tier's peak RSS in each phase (init, steps, checkpoint save, restore) against its bound
-(`bench/offload_rss.py`). The model is sized so that its optimizer state is >= 4x the budget.
+Prints, in one run: the sequential write and read bandwidth of DIR, the NVMe tier's achieved swap
+bandwidth against it, the streamed update against the update alone and the I/O at the disk's limit,
+the step time with train.offload_optimizer = none, host and nvme (each tier in its own process,
+ratios against none), and the NVMe tier's peak RSS in each phase (init, steps, checkpoint save,
+restore) against its bound (`bench/offload_rss.py`). The model is sized so that its optimizer state
+is >= 4x the budget.
+
+The disk and the tier are measured the same way, without the page cache: the disk figure is a
+rewrite of a file written once before (as the tier rewrites its preallocated file each step), timed
+up to `fdatasync`, and a read after `posix_fadvise(DONTNEED)` dropped the file's pages; the tier
+drops its pages as it writes and ends each streamed update with `fdatasync` + DONTNEED
+(`swap.SwapFile.settle`), so its reads come from the disk too. Both figures are then the disk's,
+whatever the file size and the free memory; on a tmpfs (printed) they are memory bandwidth. The
+tier's state is meant to exceed host memory, where the page cache could not hold it anyway.
 """
 
 from __future__ import annotations
@@ -30,27 +38,65 @@ MODEL = ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.n_kv
          "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=1", "data.kind=synthetic"]  # fmt: skip
 
 
-def disk_bandwidth(directory: str, mb: int) -> tuple[float, float]:
-    """(write, read) bytes/s of one sequential file of `mb` MiB in 16 MiB blocks."""
+def disk_bandwidth(directory: str, mb: int, passes: int = 2) -> tuple[float, float]:
+    """(write, read) bytes/s of one sequential `mb` MiB file in 16 MiB blocks, the best of `passes`:
+    written once untimed (the filesystem allocates its extents), then each pass rewrites it up to
+    fdatasync, drops its pages and reads it back."""
     block, n = os.urandom(16 << 20), max(1, mb // 16)
     path = os.path.join(directory, "bench-disk.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    write = read = 0.0
     try:
-        t0 = time.perf_counter()
         for i in range(n):
             os.pwrite(fd, block, i * len(block))
-        os.fsync(fd)
-        write = n * len(block) / (time.perf_counter() - t0)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages after fsync: dropped
+        os.fdatasync(fd)
         buf = bytearray(len(block))
-        t0 = time.perf_counter()
-        for i in range(n):
-            os.preadv(fd, [buf], i * len(block))
-        read = n * len(block) / (time.perf_counter() - t0)
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            for i in range(n):
+                os.pwrite(fd, block, i * len(block))
+            os.fdatasync(fd)
+            write = max(write, n * len(block) / (time.perf_counter() - t0))
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages after fdatasync: dropped
+            t0 = time.perf_counter()
+            for i in range(n):
+                os.preadv(fd, [buf], i * len(block))
+            read = max(read, n * len(block) / (time.perf_counter() - t0))
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
         os.unlink(path)
     return write, read
+
+
+def fs_type(directory: str) -> str:
+    """The filesystem type of the mount holding `directory` (/proc/self/mounts: the longest prefix)."""
+    real, best = os.path.realpath(directory), ("", "?")
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point, kind = (line.split()[1:3] + ["?"])[:2]
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+            best = (point, kind)
+    return best[1]
+
+
+def update_alone(ts, state, batch) -> float:
+    """Seconds of the nvme tier's streamed update without the disk: every chunk copied to the device,
+    updated and copied back as the tier's step does, one after another, from a buffer in memory."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    tier = ts.tier
+    lay, scalars = tier.layout, tuple(state.opt_state)
+    g, p, g_norm, _ = tier.device_part(state.params, *batch)
+    jax.block_until_ready(g)
+    buf = np.zeros(tier.file.chunk, np.float32)
+    t0 = time.perf_counter()
+    for i in range(lay.n_chunks):
+        slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
+        _, new_slots, _ = tier.chunk_part(g, p, slots, scalars, g_norm, jnp.int32(i * lay.chunk))
+        [lay.rows(x) for s in new_slots for x in s]
+    return time.perf_counter() - t0
 
 
 def rss(field: str) -> int:
@@ -97,9 +143,12 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
            "grads": sum(x.size * 4 for x in leaves), "temp": temp,
            "opt": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))}  # fmt: skip
     if ts.tier is not None:
-        f = ts.tier.file
-        out |= {"state": f.state_bytes, "moved": f.bytes_read + f.bytes_written, "stream_s": f.stream_s,
-                "peak_resident": f.peak_resident, "chunks": f.n_chunks}  # fmt: skip
+        f, lay = ts.tier.file, ts.tier.layout
+        out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes, "stream_s": f.stream_s, "streams": f.streams,
+                "peak_resident": f.peak_resident, "chunks": f.n_chunks, "chunk_bytes": f.chunk_bytes,
+                "update_s": update_alone(ts, state, batches[0]), "grad_row": 4 * lay.used * len(lay.first),
+                "param_row": jax.numpy.dtype(ts.tier.param_dtypes[0]).itemsize * lay.used * len(lay.first),
+                "master": ts.tier.master}  # fmt: skip
     return out
 
 
@@ -124,14 +173,30 @@ def main() -> int:
     directory = args.dir or tempfile.mkdtemp(prefix="meshrun-offload-", dir=ROOT / "runs")
     mib = lambda x: f"{x / 2**20:.1f}"
     w, r = disk_bandwidth(directory, args.disk_mb)
-    print(f"disk {directory}: sequential write {w / 1e9:.2f} GB/s (fsync), read {r / 1e9:.2f} GB/s (pages dropped)")
+    print(f"disk {directory} ({fs_type(directory)}): sequential write {w / 1e9:.2f} GB/s (a rewrite up to "
+          f"fdatasync), read {r / 1e9:.2f} GB/s (pages dropped); best of 2 passes over {args.disk_mb} MiB")  # fmt: skip
     rows = {t: run_child(t, directory, args.budget_mb, args.steps) for t in ("none", "host", "nvme")}
-    nv = rows["nvme"]
-    swap = nv["moved"] / nv["stream_s"]
-    print(f"nvme tier: state {mib(nv['state'])} MiB = {nv['state'] / (args.budget_mb * 2**20):.1f}x the "
-          f"{args.budget_mb} MiB budget, {nv['chunks']} chunks; swap {swap / 1e9:.2f} GB/s read+write "
-          f"({100 * swap / min(w, r):.0f}% of the disk's slower direction); tier's peak buffers "
+    nv, none_s = rows["nvme"], rows["none"]["step_s"]
+    state, n = nv["state"], nv["streams"]
+    io_s = state / r + state / w  # one step's reads and writes at the disk's limit
+    limit = 2 * state / io_s  # the disk's bandwidth for equal reads and writes, one after the other
+    swap = nv["stream_bytes"] / nv["stream_s"]
+    stream_s = nv["stream_s"] / n
+    print(f"nvme tier: state {mib(state)} MiB = {state / (args.budget_mb * 2**20):.1f}x the {args.budget_mb} MiB "
+          f"budget, {nv['chunks']} chunks of {mib(nv['chunk_bytes'])} MiB; tier's peak buffers "
           f"{mib(nv['peak_resident'])} MiB")  # fmt: skip
+    print(f"swap: {swap / 1e9:.2f} GB/s read+write = {100 * swap / limit:.0f}% of the disk's limit for equal reads "
+          f"and writes ({limit / 1e9:.2f} GB/s = 2 / (1/read + 1/write)); target >= 70%")  # fmt: skip
+    print(f"streamed update: {stream_s:.3f} s per step (gradient ready -> state on disk); the update alone (no disk) "
+          f"{nv['update_s']:.3f} s, the I/O at the disk's limit {io_s:.3f} s: "
+          f"{stream_s / max(nv['update_s'], io_s):.2f}x their max")  # fmt: skip
+    bound = 1.1 * max(none_s, io_s)
+    print(f"nvme step {nv['step_s']:.3f} s vs 1.1 x max(none {none_s:.3f} s, I/O {io_s:.3f} s) = {bound:.3f} s: "
+          f"{'met' if nv['step_s'] <= bound else 'missed'} ({nv['step_s'] / bound:.2f}x)")  # fmt: skip
+    host = nv["grad_row"] + nv["param_row"] * (1 if nv["master"] else 2)  # no master: the old params go out too
+    out = "gradient" if nv["master"] else "gradient, params"
+    print(f"host<->device bytes per step with the update on the device (state in and out): {mib(2 * state)} MiB; "
+          f"on the host CPU ({out} out, new params in): {mib(host)} MiB")  # fmt: skip
     print("\n| tier | step s | x none |")
     print("|---|---:|---:|")
     for t, x in rows.items():

@@ -55,13 +55,15 @@ def assert_exact(config, over, tmp_path, steps=3):
 
 def test_nvme_equals_in_memory_data_pipe_tensor(tmp_path):
     """data 2 x pipe 2 x tensor 2, ZeRO-1: losses, params and the whole optimizer state (read back from
-    the files) equal the in-memory step's bit for bit after 3 steps; the update ran in several chunks
-    and the tier never held more host memory than its budget."""
+    the files) equal the in-memory step's bit for bit after 3 steps; the update ran in several chunks,
+    one read and one write call each, and the tier never held more host memory than its budget."""
     ts = assert_exact("tiny_cpu.yaml", ["train.zero=1"], tmp_path)
     f = ts.tier.file
     assert ts.tier.layout.n_chunks >= 3
     assert f.peak_resident <= 0.5 * 2**20
     assert f.bytes_read == f.bytes_written == 3 * f.state_bytes + f.state_bytes  # 3 steps + the read-back
+    assert f.reads * f.chunk_bytes == f.bytes_read and f.writes * f.chunk_bytes == f.bytes_written  # 1 call a chunk
+    assert f.streams == 3 and f.stream_bytes == 3 * (2 * f.state_bytes - f.chunk_bytes)
 
 
 LAYOUTS = {

@@ -7,11 +7,11 @@ it), and a flat view of the gradient and params: every device's ZeRO shard of ev
 concatenated into one row, `[*mesh, L]` (`FlatLayout`). Then, chunk by chunk (C elements of every
 row: a sub-group of each rank's shard of every optimizer leaf), the chunk's state (fp32 master,
 Adam m, v) is read from the file (`swap.SwapFile`), copied to the device and updated there by the
-optimizer's elementwise part, clipped with the global norm by optax's formula; the new params go
-into the flat row in place and the new state back to the file, while the next chunk is read and the
-previous one written. The update runs on the device: the same XLA backend evaluates the same
-elementwise formulas as the in-memory step (a host CPU's pow or division may differ from a GPU's in
-the last bit), at the device's memory bandwidth.
+optimizer's elementwise part, clipped with the global norm by optax's formula; the new params stay
+on the device (joined into the params' layout after the last chunk) and the new state goes back to
+the file, while the next chunk is read and the previous one written. The update runs on the
+device: the same XLA backend evaluates the same elementwise formulas as the in-memory step (a host
+CPU's pow or division may differ from a GPU's in the last bit), at the device's memory bandwidth.
 Init, checkpoint saves and restores move the state between the file and its home (the optimizer's
 init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`tier_io.py`), so a
 run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, relaid
@@ -226,18 +226,20 @@ class Tier:
             g_norm = optax.tree.norm(grads)  # the clip's norm, over the whole gradient
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
             g_flat = lay.flatten(jax.tree.leaves(grads), jnp.float32)
-            p_flat = jnp.zeros(lay.shape(lay.length), pdt) if master else lay.flatten(jax.tree.leaves(params), pdt)
+            p_flat = None if master else lay.flatten(jax.tree.leaves(params), pdt)  # master: the state has it
             return g_flat, p_flat, g_norm, metrics
 
         self.device_part = jax.jit(
             device_part, in_shardings=(sh.params, *(ts.batch_sharding,) * n_batch),
-            out_shardings=(lay.sharding, lay.sharding, rep, None),
+            out_shardings=(lay.sharding, None if master else lay.sharding, rep, None),
         )  # fmt: skip
 
         def chunk_part(g_flat, p_flat, slots, scalars, g_norm, off):
             start = (0,) * (g_flat.ndim - 1) + (off,)
             size = (*g_flat.shape[:-1], lay.chunk)
-            g, p = jax.lax.dynamic_slice(g_flat, start, size), jax.lax.dynamic_slice(p_flat, start, size)
+            g = jax.lax.dynamic_slice(g_flat, start, size)
+            # master: the params come from the state's fp32 master; `p` only carries the param dtype
+            p = jnp.zeros(size, pdt) if master else jax.lax.dynamic_slice(p_flat, start, size)
             g = g if master else g.astype(p.dtype)
             g = clip(g, g_norm, max_norm) if max_norm > 0 else g  # make_optimizer: no clipping at 0
             # The chunk as a tree of two halves: the optimizer's shared scalars (bias corrections, the
@@ -250,18 +252,20 @@ class Tier:
             state = jax.tree.unflatten(self.chunk_def, state)
             new_p, state = apply(chunk_tx, halves(g), state, halves(p))
             new_slots, new_scalars = self.chunk_pattern.split(jax.tree.leaves(state))
-            for h, x in enumerate(new_p):  # each piece its own update (no concatenation fusing them)
-                at = (*start[:-1], off + ([0, *cuts][h]))
-                p_flat = jax.lax.dynamic_update_slice(p_flat, x.astype(p_flat.dtype), at)
-            return p_flat, tuple(tuple(s) for s in new_slots), tuple(new_scalars)
+            # The new params leave as the chunk's own outputs (`assemble` joins them after the last
+            # chunk): updating a whole flat row in place made XLA:CPU copy the row twice per chunk.
+            return tuple(new_p), tuple(tuple(s) for s in new_slots), tuple(new_scalars)
 
         n_slots, scalar_sh = self.pattern.n_slots, tuple(self.scalar_sh)
         self.chunk_part = jax.jit(
-            chunk_part, in_shardings=(lay.sharding, lay.sharding, (lay.sharding,) * n_slots, scalar_sh, rep, rep),
-            out_shardings=(lay.sharding, ((lay.sharding,) * len(pieces),) * n_slots, scalar_sh), donate_argnums=(1,),
+            chunk_part,
+            in_shardings=(lay.sharding, None if master else lay.sharding, (lay.sharding,) * n_slots, scalar_sh, rep,
+                          rep),
+            out_shardings=((lay.sharding,) * len(pieces), ((lay.sharding,) * len(pieces),) * n_slots, scalar_sh),
         )  # fmt: skip
-        self.unflatten_params = jax.jit(
-            lambda f: jax.tree.unflatten(self.params_def, lay.unflatten(f, self.param_dtypes)),
+        self.assemble = jax.jit(  # the chunks' new params -> the params in their ZeRO layout
+            lambda parts: jax.tree.unflatten(self.params_def,
+                                             lay.unflatten(jnp.concatenate(parts, axis=-1), self.param_dtypes)),
             in_shardings=lay.sharding, out_shardings=sh.params,
         )  # fmt: skip
         f32 = [jnp.float32] * self.pattern.k
@@ -278,19 +282,21 @@ class Tier:
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, *batch)
-        jax.block_until_ready(p_flat)
+        jax.block_until_ready(g_flat)  # the device part has read the old params
         for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the new
-            x.delete()  # params come from the flat row, so the old ones need not stay beside it
-        scalars, box = tuple(state.opt_state), {"p": p_flat, "scalars": None}
+            x.delete()  # params come from the chunks' outputs, so the old ones need not stay beside them
+        scalars, box, new_p = tuple(state.opt_state), {"scalars": None}, []
 
         def update(i: int, buf: np.ndarray):
             slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
-            box["p"], new_slots, box["scalars"] = self.chunk_part(g_flat, box["p"], slots, scalars, g_norm,
-                                                                  jnp.int32(i * lay.chunk))  # fmt: skip
+            off = jnp.int32(i * lay.chunk)
+            p, new_slots, box["scalars"] = self.chunk_part(g_flat, p_flat, slots, scalars, g_norm, off)
+            new_p.extend(p)
             return new_slots
 
-        self.file.stream(update, lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r])
-        params = self.unflatten_params(box["p"])
+        fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
+        self.file.stream(update, fetch, ready=lambda: jax.block_until_ready(g_flat))
+        params = self.assemble(tuple(new_p))
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)

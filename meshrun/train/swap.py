@@ -110,7 +110,9 @@ class SwapFile:
         self.path = self.directory / f"optimizer-state-{os.getpid()}-{id(self):x}.bin"
         self.resident = self.peak_resident = 0  # host bytes of chunk buffers held by the tier
         self.bytes_read = self.bytes_written = 0
-        self.stream_s = 0.0  # wall seconds inside `stream` (the streamed update, I/O overlapped)
+        self.reads = self.writes = 0  # positional I/O calls (one per chunk unless a transfer comes up short)
+        self.streams, self.stream_bytes = 0, 0  # streamed updates; bytes they moved while timed
+        self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write on disk
         self._count = threading.Lock()
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -170,6 +172,7 @@ class SwapFile:
         try:
             while done < len(view):
                 n = os.preadv(self.fd, [view[done:]], off + done)
+                self.reads += 1
                 if n == 0:
                     raise OSError(errno.EIO, "short read")
                 done += n
@@ -192,21 +195,36 @@ class SwapFile:
                     rest.append(v[skip:] if skip < len(v) else v[len(v) :])
                     skip = max(0, skip - len(v))
                 done += os.pwritev(self.fd, [v for v in rest if len(v)], off + done)
+                self.writes += 1
+            _advise(self.fd, off, total)  # start the chunk's writeback now (its pages go once clean)
         except OSError as e:
             raise _io_error(self.directory, e, "write the optimizer state to") from None
         self.bytes_written += total
 
+    def settle(self) -> None:
+        """Every written chunk on disk, and the file's pages out of the page cache: the tier's state rests
+        on the disk, not in host memory, and the next pass reads it from there."""
+        try:
+            os.fdatasync(self.fd)
+        except OSError as e:
+            raise _io_error(self.directory, e, "write the optimizer state to") from None
+        _advise(self.fd, 0, 0)
+
     # ------------------------------------------------------------ the pipelined pass
 
-    def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]]) -> None:
+    def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
+               ready: Callable[[], object] = lambda: None) -> None:  # fmt: skip
         """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
         being computed; buf may be reused once it returns), then `fetch(handle)` on the writer thread
-        gives the new chunk's pieces, which are written back. Reads run one chunk ahead, writes one behind."""
+        gives the new chunk's pieces, which are written back. Reads run one chunk ahead, writes one behind.
+        `ready()` blocks until the update's inputs exist (the gradient): chunk 0 is read meanwhile, and
+        `stream_s` counts from its return to the last chunk on disk (`settle`)."""
         pending: Future | None = None
         _streams[0] += 1
-        t0 = time.perf_counter()
         ahead = self._reader.submit(self.read, 0, self._ring[0])
         try:
+            ready()
+            t0 = time.perf_counter()
             for i in range(self.n_chunks):
                 buf = ahead.result()
                 if i + 1 < self.n_chunks:
@@ -217,7 +235,10 @@ class SwapFile:
                 pending = self._writer.submit(self._write_back, i, fetch, handle, True)
             if pending is not None:
                 pending.result()
+            self.settle()
             self.stream_s += time.perf_counter() - t0
+            self.streams += 1
+            self.stream_bytes += 2 * self.state_bytes - self.chunk_bytes  # chunk 0's read: before t0
         finally:  # on an error: let the threads finish before the buffers go away
             for f in (ahead, pending):
                 if f is not None:
@@ -245,6 +266,7 @@ class SwapFile:
     def write_all(self, pieces: Callable[[int], list[np.ndarray]]) -> None:
         for i in range(self.n_chunks):
             self._write_back(i, pieces, i)
+        self.settle()
 
 
 def _close(fd: int, path: str) -> None:
@@ -252,6 +274,13 @@ def _close(fd: int, path: str) -> None:
         os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def _advise(fd: int, off: int, n: int) -> None:
+    """posix_fadvise(DONTNEED) on bytes [off, off + n) (n = 0: to the end): Linux starts writing dirty
+    pages back and drops clean ones. Without it the page cache would hold up to the whole file."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
 
 
 def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int:

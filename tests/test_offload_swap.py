@@ -1,0 +1,52 @@
+"""The NVMe tier's file on its own (no jax): chunk sizing from the budget, and one streamed pass's
+I/O: one positional read and one write per chunk, the update sees every chunk in order, the new
+state lands in the file, at most three chunks of host memory held, the bytes counted."""
+
+import numpy as np
+import pytest
+
+from meshrun.errors import ConfigError
+from meshrun.train import swap
+
+
+def test_chunk_elems_from_budget():
+    """Three chunks of (slots x rows) float32 rows fit the budget, in multiples of ALIGN, at most the
+    row rounded up to ALIGN; a budget below one ALIGN per buffer is a ConfigError naming the minimum."""
+    mib = 2**20
+    assert swap.SLOTS_IN_FLIGHT == 3 and swap.ALIGN == 1024
+    # 16 MiB / (3 buffers x 2 slots x 1 row x 4 B) = 699050.67 elements -> 682 x 1024
+    assert swap.chunk_elems(16 * mib, 2, 1, 13_000_000) == 682 * 1024
+    assert swap.chunk_elems(16 * mib, 3, 4, 13_000_000) == 113 * 1024  # master, m, v of 4 distinct rows
+    assert swap.chunk_elems(16 * mib, 2, 1, 5000) == 5 * 1024  # the whole row in one chunk
+    assert swap.chunk_elems(3 * 2 * 4 * 1024, 2, 1, 10**6) == 1024  # exactly one ALIGN per buffer
+    with pytest.raises(ConfigError, match=r"train.offload_budget_mb: .*use at least 0.02"):
+        swap.chunk_elems(3 * 2 * 4 * 1024 - 1, 2, 1, 10**6)
+
+
+def test_stream_one_read_one_write_per_chunk_three_chunks_held(tmp_path):
+    n, chunk = 5, (2, 3, 1024)
+    f = swap.SwapFile(tmp_path, n, chunk)
+    try:
+        start = np.arange(n * np.prod(chunk), dtype=np.float32).reshape(n, *chunk)
+        f.write_all(lambda i: list(start[i].reshape(-1, chunk[-1])))
+        assert (f.reads, f.writes) == (0, n)
+        seen, ready = [], []
+
+        def update(i, buf):
+            seen.append(i)
+            np.testing.assert_array_equal(buf, start[i])
+            return buf * 2 + i  # a new array: buf may be reused once update returns
+
+        fetch = lambda new: list(new.reshape(-1, chunk[-1]))
+        f.stream(update, fetch, ready=lambda: ready.append(len(seen)))
+        assert seen == list(range(n)) and ready == [0]  # ready() before the first update
+        assert (f.reads, f.writes, f.streams) == (n, 2 * n, 1)
+        assert f.bytes_read == f.state_bytes and f.bytes_written == 2 * f.state_bytes
+        assert f.stream_bytes == 2 * f.state_bytes - f.chunk_bytes  # chunk 0's read is before the timer
+        assert f.peak_resident == swap.SLOTS_IN_FLIGHT * f.chunk_bytes and f.resident == 2 * f.chunk_bytes
+        got = []
+        f.read_all(lambda i, buf: got.append(buf.copy()))
+        np.testing.assert_array_equal(np.stack(got), start * 2 + np.arange(n).reshape(n, 1, 1, 1))
+    finally:
+        f.close()
+    assert not f.path.exists()
