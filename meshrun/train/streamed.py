@@ -100,12 +100,12 @@ class FlatLayout:
         return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
 
     def put(self, rows: np.ndarray, n: int) -> jax.Array:
-        """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices (a copy: `rows`
-        may be reused at once)."""
+        """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices. `rows` must stay
+        unchanged until the computations reading the array have finished: XLA:CPU aliases a page-aligned
+        array (`swap.aligned`) instead of copying it, and a copy may still be in flight when this returns
+        (measured: a ring buffer refilled too early gave a chunk the next one's state)."""
         blk = (1,) * len(self.mesh.axis_names) + (n,)
-        # np.array: a copy of the (ring) buffer first. device_put(..., may_alias=False) alone read the
-        # buffer after it was refilled with the next chunk on XLA:CPU (wrong state, measured).
-        arrays = [jax.device_put(np.array(rows[u]).reshape(blk), d) for d, u in zip(self.local, self.owner)]
+        arrays = [jax.device_put(rows[u].reshape(blk), d) for d, u in zip(self.local, self.owner)]
         return jax.make_array_from_single_device_arrays(self.shape(n), self.sharding, arrays)
 
     def rows(self, flat: jax.Array) -> list[np.ndarray]:

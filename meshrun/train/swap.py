@@ -1,12 +1,15 @@
 """The NVMe tier's files: a process's optimizer state as fixed-size chunks in one preallocated file,
 read and written with positional I/O (`os.preadv` / `os.pwritev`, which release the GIL) on one
-reader and one writer thread, through a fixed ring of host buffers.
+reader and one writer thread.
 
 File layout: chunk-major, `[n_chunks][slots][rows][C]` float32, so one chunk (every slot: master,
 m, v, ... of every distinct local row, `C` elements each) is one contiguous read and one contiguous
 write. `stream` pipelines them the way DeepSpeed's `PipelinedOptimizerSwapper` does: while chunk i
 is updated, chunk i + 1 is read and chunk i - 1 written; the tier holds at most `SLOTS_IN_FLIGHT`
-chunks of host memory (two read buffers, one chunk being written), counted in `resident`.
+chunks of host memory (two read buffers, one chunk being written), counted in `resident`. The read
+buffers are page-aligned, so the device may take a chunk without a copy (XLA:CPU aliases such an
+array), and one is refilled only once the update that read it has finished. The file's pages leave
+the page cache as they are written (`settle`).
 The directory is locked (`flock`) for this process: a second process on it is refused.
 """
 
@@ -16,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import glob
+import mmap
 import os
 import signal
 import threading
@@ -126,7 +130,7 @@ class SwapFile:
             raise _io_error(self.directory, e, "allocate the optimizer state in") from None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="offload-write")
-        self._ring = [self._hold(np.empty(chunk, np.float32)) for _ in range(2)]
+        self._ring = [self._hold(aligned(chunk)) for _ in range(2)]
 
     @property
     def state_bytes(self) -> int:
@@ -140,7 +144,7 @@ class SwapFile:
 
     # ------------------------------------------------------------ accounting
 
-    def _hold(self, buf):
+    def _hold(self, buf=None):
         with self._count:
             self.resident += self.chunk_bytes
             self.peak_resident = max(self.peak_resident, self.resident)
@@ -215,11 +219,13 @@ class SwapFile:
     def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
                ready: Callable[[], object] = lambda: None) -> None:  # fmt: skip
         """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
-        being computed; buf may be reused once it returns), then `fetch(handle)` on the writer thread
-        gives the new chunk's pieces, which are written back. Reads run one chunk ahead, writes one behind.
-        `ready()` blocks until the update's inputs exist (the gradient): chunk 0 is read meanwhile, and
-        `stream_s` counts from its return to the last chunk on disk (`settle`)."""
+        being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
+        are written back. buf is refilled (with chunk i + 2) only after `fetch` returned: the update
+        may keep reading buf until then (a device aliasing it). Reads run one chunk ahead, writes one
+        behind. `ready()` blocks until the update's inputs exist (the gradient): chunk 0 is read
+        meanwhile, and `stream_s` counts from its return to the last chunk on disk (`settle`)."""
         pending: Future | None = None
+        fetched: threading.Event | None = None
         _streams[0] += 1
         ahead = self._reader.submit(self.read, 0, self._ring[0])
         try:
@@ -228,11 +234,14 @@ class SwapFile:
             for i in range(self.n_chunks):
                 buf = ahead.result()
                 if i + 1 < self.n_chunks:
+                    if fetched is not None:
+                        fetched.wait()  # chunk i - 1's update is done with the buffer chunk i + 1 goes into
                     ahead = self._reader.submit(self.read, i + 1, self._ring[(i + 1) % 2])
                 handle = update(i, buf)
                 if pending is not None:
                     pending.result()  # write i - 1 done before write i starts holding its chunk
-                pending = self._writer.submit(self._write_back, i, fetch, handle, True)
+                fetched = threading.Event()
+                pending = self._writer.submit(self._write_back, i, fetch, handle, fetched)
             if pending is not None:
                 pending.result()
             self.settle()
@@ -245,17 +254,22 @@ class SwapFile:
                     with contextlib.suppress(BaseException):
                         f.result()
 
-    def _write_back(self, i: int, fetch, handle, streamed: bool = False) -> None:
-        self._hold(None)
+    def _write_back(self, i: int, fetch, handle, fetched: threading.Event | None = None) -> None:
+        """Chunk i's new pieces (`fetch(handle)`) to the file, held while written. `fetched` (a streamed
+        update): set once they exist, and chunk i's fault hooks run."""
+        self._hold()
         try:
             parts = fetch(handle)
-            if streamed:
+            if fetched is not None:
+                fetched.set()
                 try:
                     _maybe_fault(i, self.n_chunks)
                 except OSError as e:
                     raise _io_error(self.directory, e, "write the optimizer state to") from None
             self.write(i, parts)
         finally:
+            if fetched is not None:
+                fetched.set()
             self._release()
 
     def read_all(self, each: Callable[[int, np.ndarray], None]) -> None:
@@ -274,6 +288,11 @@ def _close(fd: int, path: str) -> None:
         os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def aligned(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized float32 array on fresh anonymous pages (page-aligned; unmapped when unused)."""
+    return np.frombuffer(mmap.mmap(-1, int(np.prod(shape)) * 4), np.float32).reshape(shape)
 
 
 def _advise(fd: int, off: int, n: int) -> None:
