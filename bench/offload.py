@@ -79,6 +79,24 @@ def fs_type(directory: str) -> str:
     return best[1]
 
 
+def io_alone(tier, passes: int = 2) -> tuple[int, float]:
+    """(bytes, seconds) of `passes` streamed passes through a second file shaped as the tier's, with no
+    update: the tier's I/O pipeline alone (read one chunk ahead, write one behind, settle)."""
+    from meshrun.train import swap
+
+    f = swap.SwapFile(tier.directory, tier.file.n_chunks, tier.file.chunk)
+    try:
+        out = swap.aligned(f.chunk)
+        out[:] = 1.0
+        pieces = list(out.reshape(-1, f.chunk[-1]))
+        f.write_all(lambda i: pieces)
+        for _ in range(passes):
+            f.stream(lambda i, buf: None, lambda h: pieces)
+        return f.stream_bytes, f.stream_s
+    finally:
+        f.close()
+
+
 def update_alone(ts, state, batch) -> float:
     """Seconds of the nvme tier's streamed update without the disk: every chunk copied to the device,
     updated and copied back as the tier's step does, one after another, from a buffer in memory."""
@@ -149,6 +167,7 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
                 "update_s": update_alone(ts, state, batches[0]), "grad_row": 4 * lay.used * len(lay.first),
                 "param_row": jax.numpy.dtype(ts.tier.param_dtypes[0]).itemsize * lay.used * len(lay.first),
                 "master": ts.tier.master}  # fmt: skip
+        out["io_bytes"], out["io_s"] = io_alone(ts.tier)
     return out
 
 
@@ -187,6 +206,9 @@ def main() -> int:
           f"{mib(nv['peak_resident'])} MiB")  # fmt: skip
     print(f"swap: {swap / 1e9:.2f} GB/s read+write = {100 * swap / limit:.0f}% of the disk's limit for equal reads "
           f"and writes ({limit / 1e9:.2f} GB/s = 2 / (1/read + 1/write)); target >= 70%")  # fmt: skip
+    io = nv["io_bytes"] / nv["io_s"]
+    print(f"the tier's I/O pipeline alone (no update, 2 passes): {io / 1e9:.2f} GB/s = {100 * io / limit:.0f}% of "
+          "the disk's limit")  # fmt: skip
     print(f"streamed update: {stream_s:.3f} s per step (gradient ready -> state on disk); the update alone (no disk) "
           f"{nv['update_s']:.3f} s, the I/O at the disk's limit {io_s:.3f} s: "
           f"{stream_s / max(nv['update_s'], io_s):.2f}x their max")  # fmt: skip
