@@ -16,6 +16,7 @@ The directory is locked (`flock`) for this process: a second process on it is re
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import glob
@@ -44,6 +45,8 @@ _LOCKS_GUARD = threading.Lock()
 FAULT_ENOSPC = "MESHRUN_FAULT_OFFLOAD_ENOSPC"
 FAULT_KILL = "MESHRUN_FAULT_OFFLOAD_KILL"
 _streams = [0]
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter (malloc.h) and the value
+_MALLOPT_DONE: list = []
 
 
 def offload_dir(template: str, process: int) -> Path:
@@ -89,6 +92,21 @@ def lock_dir(path: Path) -> None:
         _LOCKS[key] = (fd, 1)
 
 
+def return_freed_buffers() -> None:
+    """Make glibc give freed chunk-sized buffers back to the OS (once per process). glibc raises its
+    mmap threshold to the size of any mapping freed, up to 32 MiB; chunk buffers and their device
+    copies then come from its per-thread arenas and stay resident after they are freed (measured: the
+    RSS before each step's device part grew by 60-90 MiB over three steps). A fixed 1 MiB threshold
+    maps each one and unmaps it when freed. Not glibc: nothing to do."""
+    if _MALLOPT_DONE:
+        return
+    _MALLOPT_DONE.append(True)
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
+
+
 def _io_error(path: Path, e: OSError, what: str) -> DataError:
     hint = "free space on it or use another train.offload_dir" if e.errno in (errno.ENOSPC, errno.EFBIG) else \
         "check the disk and train.offload_dir"  # fmt: skip
@@ -118,6 +136,7 @@ class SwapFile:
         self.streams, self.stream_bytes = 0, 0  # streamed updates; bytes they moved while timed
         self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write on disk
         self._count = threading.Lock()
+        return_freed_buffers()
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as e:
