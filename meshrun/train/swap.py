@@ -95,9 +95,9 @@ def lock_dir(path: Path) -> None:
 def return_freed_buffers() -> None:
     """Make glibc give freed chunk-sized buffers back to the OS (once per process). glibc raises its
     mmap threshold to the size of any mapping freed, up to 32 MiB; chunk buffers and their device
-    copies then come from its per-thread arenas and stay resident after they are freed (measured: the
-    RSS before each step's device part grew by 60-90 MiB over three steps). A fixed 1 MiB threshold
-    maps each one and unmaps it when freed. Not glibc: nothing to do."""
+    copies then come from its per-thread arenas and stay resident after they are freed, step after
+    step (docs/offload.md, "Peak host memory"). A fixed 1 MiB threshold maps each one and unmaps it
+    when freed. Not glibc: nothing to do."""
     if _MALLOPT_DONE:
         return
     _MALLOPT_DONE.append(True)
