@@ -117,12 +117,19 @@ class StreamedInit:
     def __init__(self, tier, chunk_tx):
         ts, lay, pattern = tier.ts, tier.layout, tier.pattern
         sh = ts.state_shardings
-        pdt = tier.param_dtypes[0]
-        pick = lambda st: (st.params, tuple(pattern.split(jax.tree.leaves(st.opt_state))[1]), st.step)
-        outs = (sh.params, tuple(tier.scalar_sh), sh.step)
-        self.parts = jax.jit(lambda: pick(ts.init()), out_shardings=outs)  # the unused moments are dead code
-        self.parts_from = jax.jit(lambda prm: pick(ts.init_from(prm)), out_shardings=outs)
-        self.flat_params = jax.jit(lambda leaves: lay.flatten(leaves, pdt), out_shardings=lay.sharding)
+        # The chunks' init starts from the params as a float32 row. With master weights that row is the
+        # whole init's master slot, taken from the same program as the in-memory init: XLA may keep
+        # excess precision there (measured: the master of bf16 params is the unrounded float32 init,
+        # not float32(params)), and the chunked init must give the same state.
+        def flat32(st):
+            leaves = pattern.split(jax.tree.leaves(st.opt_state))[0][0] if tier.master else jax.tree.leaves(st.params)
+            return lay.flatten([x.astype(jnp.float32) for x in leaves], jnp.float32)
+
+        pick = lambda st: (st.params, tuple(pattern.split(jax.tree.leaves(st.opt_state))[1]), st.step, flat32(st))
+        outs = (sh.params, tuple(tier.scalar_sh), sh.step, lay.sharding)
+        body = lambda f: getattr(f, "__wrapped__", f)  # the jitted init's function, traced inline
+        self.parts = jax.jit(lambda: pick(body(ts.init)()), out_shardings=outs)  # the unused moments: dead code
+        self.parts_from = jax.jit(lambda prm: pick(body(ts.init_from)(prm)), out_shardings=outs)
         cuts = list(np.cumsum(tier.pieces[:-1]))
 
         def init_chunk(p_flat, off):
@@ -136,11 +143,10 @@ class StreamedInit:
         self.init_chunk = jax.jit(init_chunk, out_shardings=(n,) * pattern.n_slots)
         self.tier = tier
 
-    def fill(self, params) -> None:
-        """The file's state: the optimizer's init of `params`, chunk by chunk."""
+    def fill(self, p_flat) -> None:
+        """The file's state: the optimizer's init of the params in the flat row `p_flat`, chunk by chunk."""
         tier = self.tier
         lay, f = tier.layout, tier.ensure_file()
-        p_flat = self.flat_params(jax.tree.leaves(params))
         for i in range(lay.n_chunks):
             with f.held():  # the chunk computed on the device, then copied to the file
                 new = self.init_chunk(p_flat, jnp.int32(i * lay.chunk))
@@ -148,6 +154,7 @@ class StreamedInit:
             del new
 
     def __call__(self, params_from=None):
-        params, scalars, step = self.parts() if params_from is None else self.parts_from(params_from)
-        self.fill(params)
+        params, scalars, step, p_flat = self.parts() if params_from is None else self.parts_from(params_from)
+        self.fill(p_flat)
+        del p_flat
         return type(self.tier.ts.abstract_run)(params, scalars, step)
