@@ -117,6 +117,7 @@ class StreamedInit:
     def __init__(self, tier, chunk_tx):
         ts, lay, pattern = tier.ts, tier.layout, tier.pattern
         sh = ts.state_shardings
+
         # The chunks' init starts from the params as a float32 row. With master weights that row is the
         # whole init's master slot, taken from the same program as the in-memory init: XLA may keep
         # excess precision there (measured: the master of bf16 params is the unrounded float32 init,
