@@ -152,3 +152,11 @@ def test_offload_params_needs_zero_3(capsys):
     over = ["train.offload_params=true", "train.zero=3", "train.offload_optimizer=nvme", "train.offload_dir=runs"]
     assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
     assert "train.offload_optimizer=host or none" in capsys.readouterr().err
+
+
+def test_offload_params_refuses_bf16_params(capsys):
+    over = ["train.offload_params=true", "train.zero=3", "model.param_dtype=bfloat16", "train.run_dir=runs/t-op-bf16"]
+    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
+    err = capsys.readouterr().err
+    assert "train.offload_params" in err and "model.param_dtype=float32" in err and "Traceback" not in err
+    assert err.count("\n") == 1

@@ -158,6 +158,12 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         check_ring_pipeline(cfg, split)
     if cfg.train.offload_params and getattr(cfg.model, "fp8", "none") != "none":
         raise ConfigError("train.offload_params", True, "turn model.fp8 off with it", "is not built with fp8 training")
+    if cfg.train.offload_params and str(getattr(cfg.model, "param_dtype", "float32")) != "float32":
+        # The fetched layer's gradient has the params' dtype, so bf16 params would round each layer's reduced
+        # gradient to bf16 before the float32 sums: not the numbers of the run without the switch.
+        raise ConfigError(
+            "train.offload_params", True, "use model.param_dtype=float32 with it", "is built for float32 params only"
+        )
     host = cfg.train.offload_optimizer == "host"
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
