@@ -212,18 +212,16 @@ def _resumed_line(run: Path) -> str:
 SLOW = {"MESHRUN_FAULT_SLOW": "0:0.4"}
 
 
-@pytest.mark.serial
-def test_both_ranks_killed_resume_from_the_local_step(mp_reference, tmp_path):
-    """Both ranks SIGKILLed once they hold a local step newer than persistent step 4: the supervisor
-    restarts the job, which resumes from that local step and ends at the uninterrupted final loss."""
-    ref, ref_final = mp_reference
+def _killed_once(tmp_path, kill):
+    """A supervised 2-process run, `kill(r0, r1, local)` once both ranks hold a local step newer than
+    persistent step 4, then the restarted job to its end: (run, local, step, persistent steps, kill
+    time, stdout, stderr, the supervisor's restart lines)."""
     run, local = tmp_path / "run", tmp_path / "local"
     sup = _supervised(run, local, SLOW)
     try:
         (r0, r1), step, persistent = _kill_when(run, local, sup, newer_than=4, deadline=time.monotonic() + 300)
         killed = time.time()
-        for pid in (r0, r1):
-            os.kill(pid, signal.SIGKILL)
+        kill(r0, r1, local)
         out, err = _finish(sup, 400)
     finally:
         if sup.poll() is None:
@@ -231,6 +229,20 @@ def test_both_ranks_killed_resume_from_the_local_step(mp_reference, tmp_path):
     assert sup.returncode == 0, err[-3000:]
     assert step > max(persistent) == 4
     restarts = [ln for ln in err.splitlines() if ln.startswith("meshrun supervise:")]
+    return run, local, step, persistent, killed, out, err, restarts
+
+
+@pytest.mark.serial
+def test_both_ranks_killed_resume_from_the_local_step(mp_reference, tmp_path):
+    """Both ranks SIGKILLed once they hold a local step newer than persistent step 4: the supervisor
+    restarts the job, which resumes from that local step and ends at the uninterrupted final loss."""
+    ref, ref_final = mp_reference
+
+    def kill_both(r0, r1, local):
+        for pid in (r0, r1):
+            os.kill(pid, signal.SIGKILL)
+
+    run, local, step, persistent, killed, out, err, restarts = _killed_once(tmp_path, kill_both)
     assert restarts == [f"meshrun supervise: restart 1/1: rank 0 died (signal KILL); resuming from local checkpoint "
                         f"step {step} on 2 process(es)"], err[-3000:]  # fmt: skip
     assert _resumed_line(run).startswith(f"resumed from step {step} (local checkpoint {local}/process-0/")
@@ -247,21 +259,13 @@ def test_lost_node_resumes_from_the_persistent_step(mp_reference, tmp_path):
     the restarted job finds local steps on process 0 only, says so, resumes from persistent step 4
     and ends at the uninterrupted final loss."""
     ref, ref_final = mp_reference
-    run, local = tmp_path / "run", tmp_path / "local"
-    sup = _supervised(run, local, SLOW)
-    try:
-        (r0, r1), step, persistent = _kill_when(run, local, sup, newer_than=4, deadline=time.monotonic() + 300)
-        killed = time.time()
+
+    def lose_node_1(r0, r1, local):
         os.kill(r1, signal.SIGKILL)
         shutil.rmtree(local / "process-1")
         os.kill(r0, signal.SIGCONT)
-        out, err = _finish(sup, 400)
-    finally:
-        if sup.poll() is None:
-            sup.kill()
-    assert sup.returncode == 0, err[-3000:]
-    assert step > max(persistent) == 4
-    restarts = [ln for ln in err.splitlines() if ln.startswith("meshrun supervise:")]
+
+    run, local, step, persistent, killed, out, err, restarts = _killed_once(tmp_path, lose_node_1)
     assert len(restarts) == 1 and restarts[0].endswith(
         "resuming from checkpoint step 4 (or a newer local one, if every host holds it) on 2 process(es)"
     ), err[-3000:]
