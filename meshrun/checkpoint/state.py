@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ class CheckpointDamaged(CheckpointError):
 
 _ORBAX_WRAPPER = "See full TensorStore details"  # orbax's read error: the reason is its __cause__
 _ORBAX_DIR = os.path.dirname(ocp.__file__)
+# orbax's per-fragment write coroutines (serialization.async_serialize_from_host and its kin)
+_UNSCHEDULED_WRITES = r"coroutine 'async_serialize\w*\.<locals>\.\w+' was never awaited"
 
 
 def _abandoned_read(u) -> bool:
@@ -116,6 +119,9 @@ def _quiet_writer_failures() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _NoWriterTraceback) for f in log.filters):
             log.addFilter(_NoWriterTraceback())
+    # the failed save's other fragment writes were created but never scheduled; Python reports each
+    # one when it is collected, often at exit ('sys:1: RuntimeWarning: coroutine ... never awaited')
+    warnings.filterwarnings("ignore", message=_UNSCHEDULED_WRITES, category=RuntimeWarning)
     _quiet_leftover_reads()  # the writer's other TensorStore futures complete on a closed event loop
 
 
