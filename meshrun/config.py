@@ -270,6 +270,29 @@ class PipelineConfig:
             )
 
 
+def offload_params_refusals(
+    zero: int, offload_optimizer: str, param_dtype: str | None = None, fp8: str | None = None
+) -> list[tuple[str, str]]:
+    """Why meshrun refuses `train.offload_params=true` beside these settings: (what, fix) pairs, empty
+    when it runs them. The one place these rules live: TrainConfig, the step's plan (the model's
+    fields) and the planner (which proposes only what this accepts) ask it. A field given as None is
+    not checked (TrainConfig does not see the model's)."""
+    out = []
+    if zero != 3:
+        out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
+    if offload_optimizer == "nvme":
+        out.append(
+            ("is not built with train.offload_optimizer=nvme", "use train.offload_optimizer=host or none with it")
+        )
+    if fp8 not in (None, "none"):
+        out.append(("is not built with fp8 training", "turn model.fp8 off with it"))
+    if param_dtype not in (None, "float32"):
+        # The fetched layer's gradient has the params' dtype, so bf16 params would round each layer's reduced
+        # gradient to bf16 before the float32 sums: not the numbers of the run without the switch.
+        out.append(("is built for float32 params only", "use model.param_dtype=float32 with it"))
+    return out
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20  # optimizer steps of the whole run (a resume continues up to it)
@@ -326,16 +349,8 @@ class TrainConfig:
             raise ConfigError("train.offload_budget_mb", self.offload_budget_mb, "use a positive size in MiB, e.g. 256")
         if self.offload_params not in (True, False):
             raise ConfigError("train.offload_params", self.offload_params, "use true or false")
-        if self.offload_params and self.zero != 3:
-            raise ConfigError(
-                "train.offload_params", True, "set train.zero=3 (or turn it off)",
-                f"needs ZeRO-3's sharded parameters (train.zero={self.zero})",
-            )  # fmt: skip
-        if self.offload_params and self.offload_optimizer == "nvme":
-            raise ConfigError(
-                "train.offload_params", True, "use train.offload_optimizer=host or none with it",
-                "is not built with train.offload_optimizer=nvme",
-            )  # fmt: skip
+        if self.offload_params and (refused := offload_params_refusals(self.zero, self.offload_optimizer)):
+            raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
         if self.offload_optimizer == "nvme" and not self.offload_dir:
             raise ConfigError(
                 "train.offload_dir", self.offload_dir, "give a local directory for the optimizer state files, "

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, ModelConfig, RunConfig
+from meshrun.config import AXES, ModelConfig, RunConfig, offload_params_refusals
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
@@ -156,14 +156,11 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
-    if cfg.train.offload_params and getattr(cfg.model, "fp8", "none") != "none":
-        raise ConfigError("train.offload_params", True, "turn model.fp8 off with it", "is not built with fp8 training")
-    if cfg.train.offload_params and str(getattr(cfg.model, "param_dtype", "float32")) != "float32":
-        # The fetched layer's gradient has the params' dtype, so bf16 params would round each layer's reduced
-        # gradient to bf16 before the float32 sums: not the numbers of the run without the switch.
-        raise ConfigError(
-            "train.offload_params", True, "use model.param_dtype=float32 with it", "is built for float32 params only"
-        )
+    if cfg.train.offload_params and (refused := offload_params_refusals(
+        cfg.train.zero, cfg.train.offload_optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
+        str(getattr(cfg.model, "fp8", "none")),
+    )):  # fmt: skip
+        raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
     host = cfg.train.offload_optimizer == "host"
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
