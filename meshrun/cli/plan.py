@@ -4,6 +4,8 @@ meshrun plan --model configs/models/gpt3-175b.yaml --cluster a100-80g:128x8 --gl
 meshrun plan --model gpt3-175b --cluster a100-80g:128x8,ib=8x200 --framework megatron \
     --evaluate tensor=8,pipe=16,remat=full --json
 meshrun plan --model llama-70b --cluster h100-80g:16x8 --seq-len 131072 --global-batch 32   # context parallelism
+meshrun plan --model llama-70b --cluster h100-80g:1x8 --global-batch 16 \
+    --evaluate tensor=4,data=2,zero=3,offload_params=true,offload_optimizer=host   # the offload levers
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 from pathlib import Path
 
 from meshrun.analysis.flops import param_counts
-from meshrun.config import FP8_RECIPES, MAX_DIM, OPTIMIZER_STATE_DTYPES, RunConfig, from_dict, load_yaml
+from meshrun.config import FP8_RECIPES, MAX_DIM, OFFLOAD_TIERS, OPTIMIZER_STATE_DTYPES, RunConfig, from_dict, load_yaml
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
@@ -25,7 +27,8 @@ from meshrun.planner.search import MAX_CONTEXT, SEARCHED_REMATS, Result, context
 from meshrun.planner.timing import FRAMEWORKS
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
-EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind")
+EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
+             "offload_params")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 # configs/models of the source tree, for `--model NAME`.
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -143,6 +146,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         executor=sched.executor(given.get("executor", "auto")),
         context=c,
         context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
+        offload_optimizer=given.get("offload_optimizer", "none"),
+        offload_params=given.get("offload_params", False),
     )
     model.check_context(c, "--evaluate context")  # the rule `train` applies
     if c > 1 and seq_len is not None and (bad := context_violations(layout, seq_len)):
@@ -183,6 +188,10 @@ def _parse_value(key: str, raw: str):
         return raw
     if key == "schedule":
         return registry.get(raw, field).name
+    if key == "offload_optimizer":
+        if raw not in OFFLOAD_TIERS:
+            raise ConfigError(field, raw, f"use one of {list(OFFLOAD_TIERS)}")
+        return raw
     low = raw.lower()
     if low not in ("true", "false", "1", "0", "yes", "no"):
         raise ConfigError(field, raw, "use true or false", "not a boolean")

@@ -23,7 +23,8 @@ class Layout:
     but the gradient reduction and the ZeRO shards run over data x expert x context
     (`grad_group`). `context_kind`: how attention crosses the split (CONTEXT_KINDS). `optimizer` and
     `state_dtype`: the optimizer (an entry of `meshrun.optim.registry`) and its moments' dtype, which
-    set the optimizer state's bytes (`precision_of`)."""
+    set the optimizer state's bytes (`precision_of`). `offload_optimizer` and `offload_params`: where
+    the state and the parameters rest (`search.evaluate` costs them with `offload.apply`)."""
 
     tensor: int = 1
     pipe: int = 1
@@ -41,6 +42,8 @@ class Layout:
     context_kind: str = "allgather"  # allgather (K/V all-gathered over 'context') | ring (K/V blocks ring)
     optimizer: str = "adamw"  # optimizer.name
     state_dtype: str = "float32"  # optimizer.state_dtype
+    offload_optimizer: str = "none"  # train.offload_optimizer: none | host | nvme (`tiers.py`)
+    offload_params: bool = False  # train.offload_params (`param_offload.py`)
 
     @property
     def sched(self) -> registry.Schedule:
@@ -102,6 +105,8 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         context_kind=getattr(cfg.model, "context_parallel", "allgather"),
         optimizer=cfg.optimizer.name,
         state_dtype=cfg.optimizer.state_dtype,
+        offload_optimizer=cfg.train.offload_optimizer,
+        offload_params=cfg.train.offload_params,
     )
 
 

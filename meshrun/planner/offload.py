@@ -9,8 +9,13 @@ Levers (the train step's `train.offload_optimizer` and `model.remat=offload`):
   their bytes per layer and micro-batch over the host link, overlapped with compute (DMA engines),
   so only the excess over the compute time is charged. Compute is selective's (no matmul recompute).
 
+* params: `train.offload_params` (ZeRO-3 layouts), with the state on the device, in host memory or
+  on NVMe (`param_offload.py`); only combinations meshrun's runtime accepts
+  (`param_offload.refusals`, which asks `config.offload_params_refusals`).
+
 When no layout fits in device memory, `propose` tries the levers in LEVERS' order and stops at the
-first that makes some layout fit: NVMe only when device + host memory do not fit.
+first that makes some layout fit: NVMe only when device + host memory do not fit; the parameters off
+the device only when the optimizer state's tiers alone do not fit.
 
 Host link per GPU, one direction: the catalogue's `GPU.pcie_bw` x `COMM_EFFICIENCY` (A100 PCIe 4.0
 x16 32 GB/s, H100/H200 PCIe 5.0 x16 64 GB/s, GH200 NVLink-C2C 450 GB/s).
@@ -18,16 +23,13 @@ x16 32 GB/s, H100/H200 PCIe 5.0 x16 64 GB/s, GH200 NVLink-C2C 450 GB/s).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-from meshrun.analysis.flops import param_counts
 from meshrun.config import ModelConfig
-from meshrun.planner import tiers
+from meshrun.planner import param_offload, tiers
 from meshrun.planner.activations import saved_name_bytes
 from meshrun.planner.cost import precision_of
 from meshrun.planner.hardware import GB, TB, Cluster
-from meshrun.planner.layout import DTYPE_BYTES
 from meshrun.planner.tiers import host_bw as host_bw
 
 # tried in this order when nothing fits ("optimizer": the host tier)
@@ -124,15 +126,88 @@ def propose(results, model: ModelConfig, cluster: Cluster, seq_len: int, top: in
                 host_misfit = misfits(h, r.layout, cluster)
             why = _why(o, levers, r, cluster, host_misfit)
             memory = dict(o["memory"], host=o["host"])
-            time = dict(r.time, total=o["time"], host_transfer=o["transfer_s"])
-            viol = [v for v in r.violations if not v.startswith("memory ")] + [why]
-            slower = r.step_time / o["time"]
-            out.append(replace(r, memory=memory, time=time, violations=viol, hard=False,
-                               tflops_per_device=r.tflops_per_device * slower, mfu=r.mfu * slower))  # fmt: skip
+            layout = replace(r.layout, offload_optimizer=o["tier"].tier)
+            out.append(_offloaded(r, layout, memory, dict(r.time, total=o["time"], host_transfer=o["transfer_s"]), why))
         if out:
             break
+    if not out and framework == "meshrun":
+        out = _propose_params(results, model, cluster, seq_len)
     out.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return out[:top]
+
+
+def _offloaded(r, layout, memory: dict, time: dict, why: str, hard: list[str] = ()):
+    """Result `r` with its layout's levers on: their memory and time, `why` as a note, `hard` misfits."""
+    viol = [v for v in r.violations if not v.startswith("memory ")] + [*hard, why]
+    slower = r.step_time / time["total"]
+    return replace(r, layout=layout, memory=memory, time=time, violations=viol, hard=bool(hard),
+                   tflops_per_device=r.tflops_per_device * slower, mfu=r.mfu * slower)  # fmt: skip
+
+
+def params_of(r, model: ModelConfig, cluster: Cluster, tier: str) -> param_offload.ParamTier:
+    """`train.offload_params` with the state in `tier` on Result `r` (a ZeRO-3 layout, meshrun's step)."""
+    mem = dict(r.memory, layers=max(r.time["split"]))  # SPMD: every stage has the largest stage's shape
+    return param_offload.param_tier(mem, model, r.layout, cluster, tier, r.time["dp_sync"])
+
+
+def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.ParamTier, why: str,
+                   hard: list[str] = ()):  # fmt: skip
+    """Result `r` with `train.offload_params` (and its state tier) on."""
+    memory = dict(pt.parts, host=pt.host, update_peak=pt.update)
+    memory["stages"] = {k: dict(memory, stage=v["stage"], layers=v["layers"]) for k, v in r.memory["stages"].items()}
+    time = dict(r.time, dp_sync=pt.dp_s, host_transfer=pt.exposed_s, total=_params_step(r, pt))
+    layout = replace(r.layout, offload_params=True, offload_optimizer=pt.optimizer)
+    return _offloaded(r, layout, memory, time, why, hard)
+
+
+def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[str]) -> str:
+    """A `train.offload_params` proposal's reason: what rests where, what it moves and costs, what did not fit."""
+    gpn, st, usable = cluster.gpus_per_node, cluster.storage, cluster.usable_memory
+    flags = "train.zero=3 train.offload_params=true" + f" train.offload_optimizer={pt.optimizer}" * (
+        pt.optimizer != "none"
+    )
+    disk = st.nvme_drives * st.nvme_drive_bytes
+    state = {"none": "the optimizer state on the device", "host": "the optimizer state in host memory too",
+             "nvme": f"the optimizer state on NVMe ({pt.nvme / GB:.1f} GB/device, {pt.nvme * gpn / TB:.2f} of "
+                     f"{disk / TB:.1f} TB per node, drives {pt.disk_s:.3g} s)"}  # fmt: skip
+    return (f"offload parameters to host memory ({flags}): {pt.host / GB:.1f} GB/device in host memory "
+            f"({pt.host * gpn / TB:.2f} of {st.host_bytes / TB:.2f} TB per node), {state[pt.optimizer]}; "
+            f"host link {pt.h2d / GB:.1f} GB in + {pt.d2h / GB:.1f} GB out per step (+{pt.link_s:.3g} s, not "
+            f"overlapped with compute: unmeasured on a GPU), ZeRO-3 sync {pt.dp_s:.3g} s; update peak "
+            f"{pt.update / GB:.1f} GB; {''.join(w + '; ' for w in lower)}without it this layout needs "
+            f"{r.memory['total'] / GB:.1f} GB > {usable / GB:.1f} GB usable")  # fmt: skip
+
+
+def _lower(r, model: ModelConfig, cluster: Cluster, seq_len: int | None, tier: str) -> list[str]:
+    """Why the cheaper levers do not fit layout `r`: the state's tiers alone, then `train.offload_params`
+    with the state nearer the device than `tier`."""
+    out = []
+    if seq_len is not None:
+        for levers in (("optimizer",), ("nvme",)):
+            o = with_offload(r, model, cluster, seq_len, levers)
+            out.append(f"{tier_of(levers)} offload alone does not fit ({'; '.join(misfits(o, r.layout, cluster))})")
+    for t in tiers.TIERS[: tiers.TIERS.index(tier)]:
+        pt = params_of(r, model, cluster, t)
+        why = param_offload.misfits(pt, cluster, r.layout) or param_offload.refusals(model, r.layout, t)
+        where = {"none": "on the device", "host": "in host memory"}[t]
+        out.append(f"with the state {where}: {'; '.join(why)}")
+    return out
+
+
+def _propose_params(results, model: ModelConfig, cluster: Cluster, seq_len: int | None = None) -> list:
+    """The ZeRO-3 layouts that fit with `train.offload_params`, the state's tier the nearest that fits
+    (device, host, NVMe), in combinations meshrun runs (`param_offload.refusals`)."""
+    for tier in tiers.TIERS:
+        out = []
+        for r in (r for r in results if r.layout.zero == 3):
+            pt = params_of(r, model, cluster, tier)
+            if param_offload.misfits(pt, cluster, r.layout) or param_offload.refusals(model, r.layout, tier):
+                continue
+            why = _params_why(pt, r, cluster, _lower(r, model, cluster, seq_len, tier))
+            out.append(_params_result(r, model, cluster, pt, why))
+        if out:
+            return out
+    return []
 
 
 def misfits(o: dict, layout, cluster: Cluster) -> list[str]:
@@ -142,25 +217,70 @@ def misfits(o: dict, layout, cluster: Cluster) -> list[str]:
     return tiers.misfits(t, cluster, layout)
 
 
+def apply(r, model: ModelConfig, cluster: Cluster, seq_len: int):
+    """Result `r` (`search.evaluate` of a layout whose `offload_optimizer` / `offload_params` are set)
+    with those levers costed; what does not fit, or what meshrun refuses, is a hard violation."""
+    lay, tier = r.layout, r.layout.offload_optimizer
+    base = replace(r, layout=replace(lay, offload_optimizer="none", offload_params=False))
+    if lay.offload_params:
+        pt = params_of(base, model, cluster, tier)
+        refused = [f"train.offload_params {w} (meshrun refuses it)" for w in param_offload.refusals(model, lay, tier)]
+        if lay.zero != 3:
+            return replace(r, violations=[*refused, *r.violations], hard=True)
+        hard = refused + param_offload.misfits(pt, cluster, lay)
+        return _params_result(base, model, cluster, pt, _params_why(pt, base, cluster, []), hard)
+    levers = ({"host": "optimizer", "nvme": "nvme"}[tier],)
+    o = with_offload(base, model, cluster, seq_len, levers)
+    why = _why(o, levers, base, cluster, [])
+    time = dict(r.time, total=o["time"], host_transfer=o["transfer_s"])
+    return _offloaded(base, lay, dict(o["memory"], host=o["host"]), time, why, misfits(o, lay, cluster))
+
+
 def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
-    """What keeps every layout of `results` (memory-only misfits) off the device even with the
-    optimizer state on NVMe, and the fix, in words."""
-    usable, n = cluster.usable_memory, cluster.n_devices
-    pb = DTYPE_BYTES[model.param_dtype]
-    params = pb * param_counts(model)["total"]
-    if params / n > usable:  # ZeRO-3 gathers a stage's weights for the step: never below params / n
-        return (f"even with the optimizer state on NVMe the {model.param_dtype} parameters alone are "
-                f"{params / n / GB:.1f} GB per device split over all {n} GPUs (tensor x pipe x ZeRO-3) > "
-                f"{usable / GB:.1f} GB usable; it needs the parameters off the device (train.offload_params), which "
-                f"the planner does not cost yet and the nvme tier does not combine with: use at least "
-                f"{math.ceil(params / usable)} GPUs of this kind (for the parameters alone)")  # fmt: skip
+    """What keeps every layout of `results` (memory-only misfits) off the device even with every lever
+    the planner costs, and the fix, in words: a `train.offload_params` combination that would fit
+    but meshrun refuses (`param_offload.refusals`), else the smallest need."""
+    z3, gpn = [r for r in results if r.layout.zero == 3], cluster.gpus_per_node
+    for tier in tiers.TIERS:
+        pts = ((r, params_of(r, model, cluster, tier)) for r in z3)
+        fit = [(r, pt) for r, pt in pts if not param_offload.misfits(pt, cluster, r.layout)]
+        if not fit:
+            continue
+        r, pt = min(fit, key=lambda rp: _params_step(*rp))
+        on = {"none": "", "host": " and the optimizer state in host memory", "nvme": " and the optimizer state on NVMe"}
+        nvme = f", {pt.nvme * gpn / TB:.2f} TB on NVMe per node" if pt.nvme else ""
+        combo = [f"train.offload_optimizer={tier}"] * (tier != "none") + [f"model.param_dtype={model.param_dtype}"]
+        refused = "; ".join(f"it {w}" for w in param_offload.refusals(model, r.layout, tier))
+        nearer = "; ".join(_lower(r, model, cluster, None, tier))
+        return (f"with the parameters in host memory (train.offload_params){on[tier]} it would fit "
+                f"({_degrees(r.layout)}: {pt.device / GB:.1f} GB per device, {pt.host * gpn / TB:.2f} TB of host "
+                f"memory per node{nvme}, {_params_step(r, pt):.3g} s/step), but meshrun does not run "
+                f"train.offload_params with {' and '.join(combo)}: {refused}"
+                f"{f' (nearer the device: {nearer})' if nearer else ''}; "
+                f"use more GPUs or GPUs with more memory")  # fmt: skip
+    if z3:
+        r, pt = min(((r, params_of(r, model, cluster, "nvme")) for r in z3), key=lambda rp: rp[1].device)
+        m, why = pt.parts, "; ".join(param_offload.misfits(pt, cluster, r.layout))
+        return (f"even with the parameters in host memory (train.offload_params) and the optimizer state on NVMe "
+                f"it needs {pt.device / GB:.1f} GB per device and {pt.host * gpn / TB:.2f} TB of host memory per "
+                f"node ({_degrees(r.layout)}: params {m['params'] / GB:.1f} GB, gradients {m['grads'] / GB:.1f} GB, "
+                f"activations {m['activations'] / GB:.1f} GB, logits {m['logits'] / GB:.1f} GB; {why}): use more "
+                f"GPUs or GPUs with more memory")  # fmt: skip
     r, o = min(((r, with_offload(r, model, cluster, seq_len, ("nvme",))) for r in results),
                key=lambda ro: ro[1]["memory"]["total"])  # fmt: skip
-    m, lay = o["memory"], r.layout
-    degrees = "".join(f" {k}={v}" for k, v in (("expert", lay.expert), ("context", lay.context)) if v > 1)
-    return (f"even with the optimizer state on NVMe it needs {m['total'] / GB:.1f} GB per device (tensor={lay.tensor} "
-            f"pipe={lay.pipe} data={lay.data}{degrees} zero={lay.zero} remat={lay.remat}: "
-            f"params {m['params'] / GB:.1f} GB, "
-            f"gradients {m['grads'] / GB:.1f} GB, activations {m['activations'] / GB:.1f} GB, update peak "
-            f"{o['tier'].update / GB:.1f} GB); parameters and gradients stay on the device (train.offload_params "
-            f"is not costed by the planner yet): use more GPUs or GPUs with more memory")  # fmt: skip
+    m = o["memory"]
+    return (f"even with the optimizer state on NVMe it needs {m['total'] / GB:.1f} GB per device "
+            f"({_degrees(r.layout)}: params {m['params'] / GB:.1f} GB, gradients {m['grads'] / GB:.1f} GB, "
+            f"activations {m['activations'] / GB:.1f} GB, update peak {o['tier'].update / GB:.1f} GB), and no "
+            f"ZeRO-3 layout for train.offload_params: use more GPUs or GPUs with more memory")  # fmt: skip
+
+
+def _params_step(r, pt: param_offload.ParamTier) -> float:
+    """Seconds per step of Result `r` with `train.offload_params`: its ZeRO-3 sync and host-link time."""
+    return r.time["total"] - r.time["dp_sync"] + pt.dp_s + pt.exposed_s
+
+
+def _degrees(lay) -> str:
+    extra = "".join(f" {k}={v}" for k, v in (("expert", lay.expert), ("context", lay.context)) if v > 1)
+    return (f"tensor={lay.tensor} pipe={lay.pipe} data={lay.data}{extra} zero={lay.zero} remat={lay.remat} "
+            f"micro_batch_size={lay.micro_batch_size} microbatches={lay.microbatches}")  # fmt: skip

@@ -49,6 +49,7 @@ class Result:
         out = asdict(self.layout)
         out.update(
             memory_gb=round(self.memory["total"] / GB, 3),
+            host_memory_gb=round(self.memory.get("host", 0.0) / GB, 3),
             step_time_s=round(self.step_time, 4),
             tflops_per_device=round(self.tflops_per_device, 2),
             mfu=round(self.mfu, 4),
@@ -164,7 +165,10 @@ def evaluate(
     n = cluster.n_devices
     hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
     mf = flops.model_flops(model, global_batch, seq_len)
-    return Result(
+    levers = layout.offload_params or layout.offload_optimizer != "none"
+    if levers and framework != "meshrun":
+        hard.append("offload_params / offload_optimizer: costed for meshrun's step only (--framework meshrun)")
+    r = Result(
         layout=layout,
         memory=mem,
         time=tm,
@@ -173,6 +177,10 @@ def evaluate(
         violations=hard + soft,
         hard=bool(hard),
     )
+    if not levers or framework != "meshrun":
+        return r
+    out = offload.apply(r, model, cluster, seq_len)  # the levers' memory and time; their misfits are hard
+    return replace(out, hard=out.hard or any(not v.startswith("memory ") for v in hard))
 
 
 def _divisors(n: int) -> list[int]:
@@ -340,6 +348,9 @@ def _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw) ->
 
 def predict_step_time(model: ModelConfig, layout, cluster: Cluster, global_batch: int, seq_len: int,
                       levers: tuple[str, ...] = ()) -> float:  # fmt: skip
-    """Seconds per step of a layout with the given levers on (remat=offload: pass layout.remat='selective')."""
-    r = evaluate(model, layout, cluster, global_batch, seq_len)
+    """Seconds per step of a layout with the given levers on (remat=offload: pass layout.remat='selective').
+    A layout with `offload_params` is costed by `evaluate` (its state's tier: `layout.offload_optimizer`)."""
+    if layout.offload_params:
+        return evaluate(model, layout, cluster, global_batch, seq_len).step_time
+    r = evaluate(model, replace(layout, offload_optimizer="none"), cluster, global_batch, seq_len)
     return offload.with_offload(r, model, cluster, seq_len, levers)["time"] if levers else r.step_time

@@ -1,0 +1,254 @@
+"""The planner's `train.offload_params` (ZeRO-3 parameters in host memory, fetched layer by layer):
+its element counts, the host-link traffic table of docs/offload.md, the tier bytes and time of one
+layout by hand, the rule that it is proposed only when the optimizer state's tiers do not fit, and
+that it proposes only what meshrun's runtime accepts (`config.offload_params_refusals`, pinned
+both ways by replacing that one function). Planner only, no jax."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshrun import config
+from meshrun.analysis.flops import layer_params, param_counts
+from meshrun.cli.main import main
+from meshrun.cli.plan import load_model
+from meshrun.errors import ConfigError
+from meshrun.planner import offload, param_offload, search, tiers
+from meshrun.planner.cost import Layout
+from meshrun.planner.hardware import GB, TB, parse_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = parse_cluster("h100-80g:1x8")
+LINK = 64 * GB * 0.8  # H100's PCIe 5.0 x16, one direction, at the planner's 80%
+
+
+def model(name: str, **kw):
+    return dataclasses.replace(load_model(name)[0], **kw)
+
+
+def run_cli(argv, capsys):
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------------------- elements and the traffic table
+
+
+@pytest.mark.parametrize(
+    "name,lay",
+    [
+        ("llama-70b", Layout(tensor=4, data=2, zero=3)),
+        ("llama-70b", Layout(tensor=2, pipe=2, data=2, microbatches=4, zero=3)),
+        ("mixtral-8x7b", Layout(tensor=2, data=2, expert=2, microbatches=2, zero=3)),
+    ],
+)
+def test_elements_are_the_zero3_shard(name, lay):
+    """The layers' and the non-layer shards add up to the optimizer's ZeRO-3 shard of meshrun's step
+    model; one unit gathered is a layer's params over tensor (and expert) parallelism."""
+    m = model(name)
+    r = search.evaluate(m, lay, parse_cluster(f"h100-80g:1x{lay.n_devices}"), lay.global_batch, 1024)
+    el = param_offload.elements(m, lay, max(r.time["split"]))
+    assert el.shard == pytest.approx(r.memory["opt_elems"], rel=1e-12)
+    h, t, e = m.d_model, lay.tensor, lay.expert
+    if not m.is_moe:
+        assert el.unit == pytest.approx((layer_params(m) - 2 * h) / t + 2 * h)
+    emb = param_counts(m)["embedding"] + param_counts(m)["head"]
+    assert el.edge == emb / t + h and el.edges == pytest.approx(emb / t / (lay.data * e) + h)
+    assert el.units == m.n_units / lay.pipe
+
+
+def _doc_table() -> dict[str, tuple[str, str]]:
+    """docs/offload.md's host-link traffic table: {phase: (host -> device, device -> host)}."""
+    text = (ROOT / "docs/offload.md").read_text()
+    start = text.index("**Host-link traffic per step and device**")
+    rows = {}
+    for line in text[start:].splitlines()[3:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] != "phase" and not set(cells[0]) <= {"-"}:
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def _eval(cell: str, n: float, b: float, m: int, g: float = 4) -> float:
+    """A cell of the table as a number: comments in words dropped, `·` a product."""
+    expr = re.sub(r"\((?:the|Adam)[^)]*\)", "", cell).replace("·", "*").strip()
+    expr = expr.replace("N*4", f"N*{g}")  # m = 1: the update reads the gradient in the param dtype
+    return eval(expr, {"N": n, "b": b, "m": m}) if expr else 0.0  # noqa: S307 (our own docs)
+
+
+@pytest.mark.parametrize("m,b", [(1, 2), (1, 4), (4, 2), (8, 4)])
+def test_link_bytes_follow_the_docs_table(m, b):
+    """`param_offload.link_bytes` is docs/offload.md's table row by row (m = 1: no sums row, the
+    update reads the gradient in the param dtype); the host tier adds its state both ways."""
+    n = 1000.0
+    rows = _doc_table()
+    assert list(rows) == ["forward", "backward", "gradient sums (m > 1 only)", "update: the norm, then the update",
+                          "update with `offload_optimizer=host`"]  # fmt: skip
+    h2d = d2h = 0.0
+    for phase in list(rows)[:4]:
+        if phase.startswith("gradient sums") and m == 1:
+            continue
+        g = 4 if m > 1 else b
+        h2d += _eval(rows[phase][0], n, b, m, g if phase.startswith("update") else 4)
+        d2h += _eval(rows[phase][1], n, b, m, g if phase.startswith("update") else 4)
+    assert param_offload.link_bytes(n, b, m) == pytest.approx((h2d, d2h), rel=0, abs=0)
+    host = rows["update with `offload_optimizer=host`"]
+    assert "8·N" in host[0] and "12·N with a float32 master" in host[0] and host[1] == "+ the same"
+    assert param_offload.link_bytes(n, b, m, 12.0) == pytest.approx((h2d + 12 * n, d2h + 12 * n), rel=0, abs=0)
+    # the table by hand, m = 4, bf16: forward 8000 + backward 8000 + sums 4 x 6000 + update 10000 in;
+    # backward 8000 + zeros 4000 + sums 16000 + update 2000 out
+    assert param_offload.link_bytes(1000, 2, 4) == (50_000, 30_000)
+    assert param_offload.link_bytes(1000, 2, 1) == (2_000 + 2_000 + 6_000, 2_000 + 2_000)
+
+
+# ----------------------------------------------------------------------------- one layout by hand
+
+
+def test_tier_bytes_and_time_by_hand():
+    """llama-70b with float32 params, TP 4, DP 2, ZeRO-3, 8 micro-batches on one DGX H100: every
+    tier's device, host, NVMe and host-link bytes, and the time added to the step."""
+    m = model("llama-70b", param_dtype="float32")
+    lay = Layout(tensor=4, data=2, microbatches=8, zero=3, remat="full", sequence_parallel=True)
+    r = search.evaluate(m, lay, H100, 16, 4096)
+    el = param_offload.elements(m, lay, m.n_layers)
+    n_l, n_e, n = el.layers, el.edges, el.shard
+    h, t = m.d_model, 4
+    assert el.unit == (layer_params(m) - 2 * h) / t + 2 * h
+    counts = param_counts(m)
+    assert n_l == pytest.approx((counts["layers"] - 2 * h * 80) / t / 2 + 2 * h * 80)
+    state = 8 * n  # float32 params: Adam's m and v
+    assert r.memory["opt_state"] == pytest.approx(state)
+    for tier in tiers.TIERS:
+        pt = offload.params_of(r, m, H100, tier)
+        assert pt.parts["params"] == pytest.approx(4 * (2 * el.unit + el.edge))  # two units + the non-layer params
+        u = n_l / 80
+        assert pt.parts["grads"] == pytest.approx(4 * el.unit + (4 + 4) * u + (4 + 4) * el.edge)
+        assert pt.parts["optimizer"] == pytest.approx(state if tier == "none" else 0.0)
+        rest = sum(r.memory[k] for k in ("activations", "logits", "overheads"))
+        assert pt.backward == pytest.approx(pt.parts["params"] + pt.parts["grads"] + pt.parts["optimizer"] + rest)
+        host_state = state if tier == "host" else 0.0
+        # forward 8 N 4, backward 8 N 4 in and out, sums 8 (4 + 4) N in and (4 + 8 x 4) N out, update 12 N in, 4 N out
+        h2d = 8 * 4 * n_l * 2 + 8 * 8 * n_l + 12 * n_l + 4 * n_e + host_state  # the non-layer params: once
+        d2h = 8 * 4 * n_l + (4 + 32) * n_l + 4 * n_l + 4 * n_e + host_state
+        if tier == "nvme":
+            assert pt.state.nvme == pt.nvme and pt.nvme >= state
+            h2d, d2h = h2d + pt.nvme, d2h + pt.nvme
+        assert (pt.h2d, pt.d2h) == pytest.approx((h2d, d2h))
+        assert pt.link_s == pytest.approx((h2d + d2h) / LINK)
+        assert pt.host == pytest.approx(4 * n + 4 * n_l + host_state + (256 * 2**20 / 8 if tier == "nvme" else 0))
+        assert pt.dp_s == pytest.approx(1.5 * 8 * r.time["dp_sync"])
+        if tier == "nvme":  # the drives: 8 GPUs' files on 8 drives at 70% of 6.4 / 3.8 GB/s, beyond the link
+            node = 8 * pt.nvme
+            assert pt.disk_s == pytest.approx(node / (8 * 0.7 * 6.4 * GB) + node / (8 * 0.7 * 3.8 * GB))
+            assert pt.exposed_s == pytest.approx(pt.link_s + max(0.0, pt.disk_s - 2 * pt.nvme / LINK))
+        else:
+            assert pt.exposed_s == pt.link_s
+    # the state on the device: 69 GB; host memory per node: params + float32 sums, 0.55 TB
+    none = offload.params_of(r, m, H100, "none")
+    assert none.device < H100.usable_memory < r.memory["total"]
+    assert 8 * none.host == pytest.approx(8 * (4 * n + 4 * n_l)) and 8 * none.host < 0.6 * TB
+
+
+def test_proposed_only_when_the_state_tiers_do_not_fit():
+    """llama-70b with float32 params on one DGX H100: neither the host nor the NVMe tier of the state
+    fits (the parameters and gradients stay), so the search proposes train.offload_params, with the
+    state on the device (the nearest tier that fits), each saying why; GPT-3 175B at 16K on 8 DGX
+    A100 fits with the host tier alone, so no proposal offloads parameters."""
+    m = model("llama-70b", param_dtype="float32")
+    rs = search.search(m, H100, 16, 4096, top=3)
+    assert rs and all(r.layout.offload_params and r.layout.offload_optimizer == "none" for r in rs)
+    for r in rs:
+        why = next(v for v in r.violations if v.startswith("offload parameters"))
+        assert "host offload alone does not fit" in why and "nvme offload alone does not fit" in why
+        assert "not overlapped with compute" in why and r.memory["total"] <= H100.usable_memory
+        assert r.time["host_transfer"] > 0 and r.layout.zero == 3
+    gpt3 = search.search(model("gpt3-175b"), parse_cluster("a100-80g:8x8"), 16, 16384, top=3, max_context=1)
+    assert gpt3 and not any(r.layout.offload_params for r in gpt3)
+
+
+# ----------------------------------------------------------------------------- the runtime's rules decide
+
+ARGV_405B = ["--model", "llama-405b", "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
+
+
+def test_405b_follows_the_runtimes_acceptance(capsys, monkeypatch):
+    """Today meshrun refuses train.offload_params with the nvme tier and bf16 params: the 405B on one
+    node exits 2 naming exactly that. Once `config.offload_params_refusals` accepts the combination,
+    the same command answers with a layout and its step time, with no other change."""
+    rc, out, err = run_cli(ARGV_405B, capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert ("with the parameters in host memory (train.offload_params) and the optimizer state on NVMe it would fit"
+            in err)  # fmt: skip
+    assert ("but meshrun does not run train.offload_params with train.offload_optimizer=nvme and "
+            "model.param_dtype=bfloat16: it is not built with train.offload_optimizer=nvme; it is built for "
+            "float32 params only") in err  # fmt: skip
+    assert "with the state in host memory: host memory" in err  # why not the host tier
+    monkeypatch.setattr(config, "offload_params_refusals", lambda *a, **k: [])
+    rc, out, err = run_cli([*ARGV_405B, "--top", "1"], capsys)
+    assert rc == 0 and err == ""
+    why = next(line for line in out.splitlines() if "offload parameters to host memory" in line)
+    assert "train.offload_params=true train.offload_optimizer=nvme" in why and "on NVMe" in why
+    row = out.splitlines()[3].split()
+    assert row[9] == "3" and float(row[13]) > 0  # ZeRO-3, a step time
+
+
+def test_a_refused_combination_is_never_proposed(monkeypatch):
+    """The float32 llama-70b on one node is proposed train.offload_params today; when the runtime's
+    rules refuse it, the search proposes nothing and says what refuses it."""
+    m = model("llama-70b", param_dtype="float32")
+    assert search.search(m, H100, 16, 4096, top=1)[0].layout.offload_params
+    monkeypatch.setattr(config, "offload_params_refusals", lambda *a, **k: [("is switched off here", "turn it on")])
+    with pytest.raises(ConfigError) as e:
+        search.search(m, H100, 16, 4096, top=1)
+    assert "would fit" in str(e.value) and "it is switched off here" in str(e.value)
+
+
+def test_the_planners_rules_are_the_runtimes():
+    """What the planner is told is refused is what TrainConfig raises."""
+    for tier in tiers.TIERS:
+        refused = config.offload_params_refusals(3, tier)
+        if not refused:
+            config.TrainConfig(zero=3, offload_params=True, offload_optimizer=tier, offload_dir="x")
+            continue
+        with pytest.raises(ConfigError, match=re.escape(refused[0][0])):
+            config.TrainConfig(zero=3, offload_params=True, offload_optimizer=tier, offload_dir="x")
+    muon = Layout(zero=3, optimizer="muon")
+    assert any("layer by layer" in w for w in param_offload.refusals(model("llama-7b"), muon, "none"))
+
+
+# ----------------------------------------------------------------------------- --evaluate
+
+
+def test_evaluate_shows_the_tier_bytes_and_host_link_time(tmp_path, capsys):
+    """`--evaluate ...,offload_params=true,offload_optimizer=host` prints the tier's host bytes and
+    host-link time; the JSON carries the host memory; a refused combination is a violation."""
+    raw = yaml.safe_load((ROOT / "configs/models/llama-70b.yaml").read_text())
+    raw["model"]["param_dtype"] = "float32"
+    path = tmp_path / "llama-70b-fp32.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    ev = "tensor=4,data=2,zero=3,microbatches=8,offload_params=true,offload_optimizer=host"
+    argv = ["--model", str(path), "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
+    rc, out, _ = run_cli([*argv, "--evaluate", ev], capsys)
+    m = model(str(path))
+    lay = Layout(tensor=4, data=2, microbatches=8, zero=3, remat=m.remat, sequence_parallel=m.sequence_parallel)
+    pt = offload.params_of(search.evaluate(m, lay, H100, 16, 4096), m, H100, "host")
+    why = next(line for line in out.splitlines() if "offload parameters" in line)
+    assert rc == 0 and f"{pt.host / GB:.1f} GB/device in host memory" in why
+    assert f"host link {pt.h2d / GB:.1f} GB in + {pt.d2h / GB:.1f} GB out per step (+{pt.link_s:.3g} s" in why
+    assert "meshrun refuses" not in out
+    rc, out, _ = run_cli([*argv, "--evaluate", ev, "--json"], capsys)
+    c = json.loads(out)["configs"][0]
+    assert c["offload_params"] is True and c["host_memory_gb"] == round(pt.host / GB, 3)
+    bf16 = ["--model", "llama-70b", *argv[2:], "--evaluate", ev.replace("host", "nvme")]
+    rc, out, _ = run_cli(bf16, capsys)
+    assert "train.offload_params is not built with train.offload_optimizer=nvme (meshrun refuses it)" in out
+    assert "train.offload_params is built for float32 params only (meshrun refuses it)" in out
