@@ -24,7 +24,6 @@ the in-memory step's once-per-step gather + reduce-scatter (`dp_seconds`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from meshrun import config
@@ -147,9 +146,7 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     if nv is not None:
         host += nv.host
         h2d, d2h, nvme = h2d + nv.nvme_read, d2h + nv.nvme_write, nv.nvme
-        st, gpn = cluster.storage, cluster.gpus_per_node
-        eff = tiers.NVME_EFFICIENCY * st.nvme_drives
-        disk = gpn * nvme * (1 / (eff * st.nvme_read_bw) + 1 / (eff * st.nvme_write_bw)) if st.nvme_drives else math.inf
+        disk = tiers.drive_seconds(cluster, nvme)
     bw = tiers.host_bw(cluster)
     link = (h2d + d2h) / bw
     state_link = (nv.nvme_read + nv.nvme_write) / bw if nv is not None else 0.0

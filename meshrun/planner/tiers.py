@@ -76,6 +76,16 @@ class Tier:
         return max(self.backward, self.update)
 
 
+def drive_seconds(cluster: Cluster, file: float) -> float:
+    """Seconds for a node's drives to read and then write back each of its GPUs' `file` bytes, at
+    NVME_EFFICIENCY of their sequential bandwidth (reads and writes share the flash: added)."""
+    st = cluster.storage
+    if not st.nvme_drives:
+        return math.inf
+    eff = NVME_EFFICIENCY * st.nvme_drives
+    return cluster.gpus_per_node * file * (1 / (eff * st.nvme_read_bw) + 1 / (eff * st.nvme_write_bw))
+
+
 def streamable(layout: Layout) -> bool:
     """The NVMe tier streams elementwise optimizers with float32 state only (`train/streamed.py`)."""
     return optimizers.get(layout.optimizer).elementwise and layout.state_dtype == "float32"
@@ -107,9 +117,7 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     file = n_chunks * c * slots * 4  # this GPU's rows of the process's file
     flat = (4 + DTYPE_BYTES[model.param_dtype]) * elems  # the flat gradient (float32) and param rows
     on_device = 2 * SLOTS_IN_FLIGHT * slots * 4 * c  # chunks copied in and their new state out
-    st = cluster.storage
-    eff = NVME_EFFICIENCY * st.nvme_drives
-    disk = gpn * file * (1 / (eff * st.nvme_read_bw) + 1 / (eff * st.nvme_write_bw)) if st.nvme_drives else math.inf
+    disk = drive_seconds(cluster, file)
     pcie = 2 * file
     io = max(disk, pcie / host_bw(cluster))
     update = stored + grads + flat + on_device + fixed
