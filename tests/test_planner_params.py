@@ -2,7 +2,8 @@
 its element counts, the host-link traffic table of docs/offload.md, the tier bytes and time of one
 layout by hand, the rule that it is proposed only when the optimizer state's tiers do not fit, and
 that it proposes only what meshrun's runtime accepts (`config.offload_params_refusals`, pinned
-both ways by replacing that one function). Planner only, no jax."""
+both ways by replacing that one function). Planner only, except the test that checks its shard
+bytes against the runtime's shardings (jax, nothing compiled)."""
 
 from __future__ import annotations
 
@@ -266,3 +267,40 @@ def test_evaluate_shows_the_tier_bytes_and_host_link_time(tmp_path, capsys, monk
     monkeypatch.setattr(config, "offload_params_refusals", refuse)
     rc, out, _ = run_cli([*argv, "--evaluate", ev], capsys)
     assert "train.offload_params is refused by this test (meshrun refuses it)" in out and why in out
+
+
+# ----------------------------------------------------------------------------- against the runtime
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=4"],
+        ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1"],
+        [],  # tiny_cpu: data 2 x pipe 2 x tensor 2
+    ],
+)
+def test_planner_shard_is_the_runtimes_host_params(over):
+    """The tiny model on 8 CPU devices with train.offload_params: the bytes of one device's parameter
+    shards that rest in pinned host memory (the step's own shardings, nothing compiled) equal the
+    planner's N·b for the layers and for the embedding, head and final norm."""
+    import jax
+    import numpy as np
+
+    from meshrun.config import load_config
+    from meshrun.planner.layout import layout_of
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
+
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.zero=3", "train.offload_params=true"])
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
+    ts = make_train_step(cfg, mesh)
+    host = {"layers": 0, "other": 0}
+    params, shardings = ts.abstract_run.params, ts.state_shardings.params
+    for key in params:
+        for a, s in zip(jax.tree.leaves(params[key]), jax.tree.leaves(shardings[key]), strict=True):
+            assert s.memory_kind == "pinned_host"
+            host["layers" if key == "layers" else "other"] += int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+    lay = layout_of(cfg, dict(mesh.shape))
+    el = param_offload.elements(cfg.model, lay, cfg.model.n_layers / lay.pipe)
+    assert (4 * el.layers, 4 * el.edges) == (host["layers"], host["other"])
