@@ -239,6 +239,8 @@ def test_the_planners_rules_are_the_runtimes():
             config.TrainConfig(zero=3, offload_params=True, offload_optimizer=tier, offload_dir="x")
     muon = Layout(zero=3, optimizer="muon")
     assert any("layer by layer" in w for w in param_offload.refusals(model("llama-7b"), muon, "none"))
+    f32 = model("llama-7b", param_dtype="float32")
+    assert param_offload.refusals(f32, Layout(zero=1), "none") == ["needs ZeRO-3's sharded parameters (train.zero=1)"]
 
 
 # ----------------------------------------------------------------------------- --evaluate

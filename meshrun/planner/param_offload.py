@@ -106,7 +106,7 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str) -> list[str]:
     """Why meshrun's runtime refuses this combination (empty: it runs it): `config.offload_params_refusals`
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
     fp8 = getattr(model, "fp8", None)
-    out = [what for what, _ in config.offload_params_refusals(3, optimizer, model.param_dtype, fp8)]
+    out = [what for what, _ in config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8)]
     if not optimizers.get(layout.optimizer).elementwise:
         out.append(f"streams the update layer by layer, which {layout.optimizer}'s update is not")
     return out
