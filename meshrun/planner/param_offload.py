@@ -8,7 +8,8 @@ docs/offload.md "Parameters off the device"). Per device of the fullest stage:
   float32 slice of the sums with micro-batches), the non-layer gradients (+ their float32 sums), the
   activations and logits of meshrun's step, and the optimizer state unless it rests elsewhere. The
   update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
-  the host tier; the nvme tier's chunks of state, params and gradients), the optimizer temporaries.
+  the host tier; with the nvme tier, assumed as that combination is not built yet: its chunks of
+  state beside their params' and gradients' slices), the optimizer temporaries.
 * host memory: the param shard, the layers' gradient (float32 sums with micro-batches, else the
   param dtype), and the optimizer state with the host tier (the nvme tier: its chunk budget).
 * NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks).
