@@ -140,6 +140,10 @@ class ModelConfig:
     capacity_factor: ClassVar[float] = 1.0
     moe_dispatch: ClassVar[str] = "capacity"
     moe_every: ClassVar[int] = 1
+    # the fields `meshrun checkpoints` shows for a saved model (the family's own fields follow)
+    summary: ClassVar[tuple[str, ...]] = (
+        "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype",
+    )  # fmt: skip
 
     def __post_init__(self):
         if type(self) is ModelConfig:
@@ -206,7 +210,7 @@ class ModelConfig:
         """The layer facts this family's class fixes rather than lets users set: {name: value}."""
         own = cls.__mro__[: cls.__mro__.index(ModelConfig)]  # the family's classes, not this base
         consts = (n for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is ClassVar)
-        consts = (n for n in consts if n not in ("context_attention", "predictable"))
+        consts = (n for n in consts if n not in ("context_attention", "predictable", "summary"))
         return {n: getattr(cls, n) for n in consts if any(n in vars(k) for k in own)}
 
 

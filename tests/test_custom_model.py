@@ -170,3 +170,18 @@ def test_custom_loop_matches_one_device():
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_meshrun_checkpoints_shows_the_familys_fields():
+    """The checkpoint table names the family and shows the fields its class lists and its own (shift),
+    not the transformer's heads; the built-in family keeps the transformer's fields."""
+    from dataclasses import asdict
+
+    from meshrun.cli.checkpoints import model_summary
+
+    mlp = model_summary(asdict(_cfg().model))
+    assert mlp.startswith(f"family={FAMILY} vocab=") and "shift=0.5" in mlp and "n_heads" not in mlp, mlp
+    llama = model_summary(asdict(load_config(ROOT / "configs/tiny_cpu.yaml").model))
+    assert "n_heads=" in llama and "n_kv_heads=" in llama and "shift" not in llama, llama
+    unknown = model_summary({"family": "nowhere.mod:FAMILY", "d_model": 8, "n_heads": 2})
+    assert unknown == "family=nowhere.mod:FAMILY d_model=8 n_heads=2", unknown

@@ -30,6 +30,7 @@ class MLPConfig(ModelConfig):
     shift: float = 0.5  # weight of the previous token's stream mixed into each block's input
 
     predictable = False  # ClassVar of ModelConfig: the start-up block skips the memory prediction
+    summary = ("vocab", "d_model", "n_layers", "d_ff", "dtype")  # `meshrun checkpoints` shows these, then `shift`
 
     def __post_init__(self):
         super().__post_init__()

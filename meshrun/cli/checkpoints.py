@@ -10,22 +10,31 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from meshrun.checkpoint.store import StepInfo, scan
+from meshrun.config import ModelConfig, model_class
 from meshrun.errors import EXIT_CHECKPOINT, ConfigError
 
-# ModelConfig fields shown in the table (all of them with --json)
-SUMMARY_KEYS = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype")
+
+def summary_keys(family: str) -> list[str]:
+    """The fields the table shows for a saved model of `family` (all of them with --json): the
+    family's `summary` then its own fields; the transformer's when its class cannot be imported here."""
+    try:
+        cls = model_class(family)
+    except ConfigError:
+        return ["family", *ModelConfig.summary]
+    base = {f.name for f in fields(ModelConfig)}
+    return [*(["family"] if family else []), *cls.summary, *(f.name for f in fields(cls) if f.name not in base)]
 
 
 def model_summary(model: dict[str, Any] | None) -> str:
     if not model:
         return "?"
-    keys = [k for k in SUMMARY_KEYS if k in model and not (k == "n_experts" and not model[k])]
-    return " ".join(f"{k}={model[k]}" for k in keys)
+    keys = [k for k in summary_keys(model.get("family", "")) if k in model]
+    return " ".join(f"{k}={model[k]}" for k in keys if not (k == "n_experts" and not model[k]))
 
 
 def format_table(run_dir: str, steps: list[StepInfo]) -> str:
