@@ -41,6 +41,7 @@ from bench.pipeline import CFG, SEQ  # noqa: E402
 from meshrun.config import PipelineConfig  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
 from meshrun.pipeline.residuals import activation_residuals  # noqa: E402
+from meshrun.pipeline.spec import pipeline_spec  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.runtime.mesh import build_mesh  # noqa: E402
 
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
                 pc = PipelineConfig(schedule=sched, microbatches=m, executor=ex)
                 pure = params.to_pure_dict()
                 pure["layers"] = layer_split(pc, CFG.n_layers, p).to_pipeline(pure["layers"])
-                pl = Pipeline.for_params(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline")
+                pl = Pipeline(pipeline_spec(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline"))
                 compiled = pl.lower(pure, tok, lab).compile()
                 jax.block_until_ready(compiled(pure, tok, lab))
                 runs.append((sched, ex, pl.program, compiled, (pure, tok, lab), []))

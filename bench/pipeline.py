@@ -43,6 +43,7 @@ from meshrun.config import PipelineConfig  # noqa: E402
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 from meshrun.pipeline import registry, schedules  # noqa: E402
 from meshrun.pipeline.executor import Pipeline  # noqa: E402
+from meshrun.pipeline.spec import pipeline_spec  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.runtime.mesh import build_mesh  # noqa: E402
 from meshrun.train.metrics import trace_options  # noqa: E402
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
                 pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
                 pure = params.to_pure_dict()
                 pure["layers"] = layer_split(pc, CFG.n_layers, p).to_pipeline(pure["layers"])
-                pl = Pipeline.for_params(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline")
+                pl = Pipeline(pipeline_spec(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline"))
                 compiled = pl.lower(pure, tok, lab).compile()
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)

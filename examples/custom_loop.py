@@ -25,7 +25,7 @@ def build(cfg: MLPConfig, mesh_cfg: meshrun.MeshConfig, pcfg: meshrun.PipelineCo
     """(pipeline, params placed for it): the family's parameters (an nnx.State, made plain by meshrun)."""
     mesh = meshrun.build_mesh(mesh_cfg)
     params = FAMILY.init_params(cfg, seed)
-    pipe = meshrun.Pipeline.for_params(FAMILY.model_fns(cfg), pcfg, mesh, params)
+    pipe = meshrun.Pipeline(meshrun.pipeline_spec(FAMILY.model_fns(cfg), pcfg, mesh, params))
     return pipe, pipe.place(params)
 
 

@@ -26,6 +26,8 @@ _LAZY = {
     "ModelFns": "meshrun.family.contract",
     "Family": "meshrun.family.contract",
     "Pipeline": "meshrun.pipeline.executor",
+    "PipelineSpec": "meshrun.pipeline.spec",
+    "pipeline_spec": "meshrun.pipeline.spec",
     "constrain": "meshrun.parallel.sharding",
 }
 

@@ -32,6 +32,7 @@ from meshrun.parallel.sharding import constrain
 from meshrun.pipeline import registry, schedules
 from meshrun.pipeline.executor import Pipeline
 from meshrun.pipeline.residuals import activation_residuals
+from meshrun.pipeline.spec import pipeline_spec
 from meshrun.pipeline.split import layer_split
 from meshrun.runtime.mesh import build_mesh
 
@@ -116,7 +117,7 @@ def toy_compiled(dims, schedule, m, v, b, **kw):
     params = toy_params()
     if placement == "pipeline":
         params = {**params, "layers": layer_split(pc, L, dims[0]).to_pipeline(params["layers"])}
-    pl = Pipeline.for_params(TOY, pc, mesh_of(*dims), params, **kw)
+    pl = Pipeline(pipeline_spec(TOY, pc, mesh_of(*dims), params, **kw))
     args = (params, *batch(b, V))
     return pl, pl.lower(*args).compile(), args
 
@@ -250,7 +251,7 @@ def test_model_parity(case):
     cfg, dims, schedule, m, v, as_state, *executor = MODEL_CASES[case]
     params, (tok, lab), ref_loss, ref_grads, ref_aux = model_ref(cfg, 16)
     pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, executor=(*executor, "auto")[0])
-    pl = Pipeline.for_params(mm.model_fns(cfg), pc, mesh_of(*dims), params)
+    pl = Pipeline(pipeline_spec(mm.model_fns(cfg), pc, mesh_of(*dims), params))
     loss, grads, aux = pl(params if as_state else params.to_pure_dict(), tok, lab)
     if as_state:
         assert type(grads) is type(params)
@@ -419,13 +420,13 @@ def toy_layers_remat(lp, x):
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
-    """`zb_split` cuts the stage backward's jaxpr: B keeps the activation-cotangent chain (2 matmuls
+def test_bw_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
+    """`bw_split` cuts the stage backward's jaxpr: B keeps the activation-cotangent chain (2 matmuls
     per toy layer: through w2 and w1; with remat also the recomputed forward's 2), W only the
     weight-gradient matmuls (2 per layer), where the unsplit backward has 4 (6). The stash is
     per-layer activation-sized values, never a weight; B's dx and W's grads equal the unsplit
     backward's."""
-    from meshrun.pipeline import zb_split
+    from meshrun.pipeline import bw_split
 
     lp = toy_params()["layers"]
     x = jax.random.normal(jax.random.key(5), (2, S, D))
@@ -435,10 +436,10 @@ def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
     full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))
     cj = jax.make_jaxpr(full)(leaves, cot)
     n = len(cj.jaxpr.outvars) - 1
-    plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+    bws = bw_split.split_jaxpr(cj.jaxpr, [False] * n + [True], [True] * n + [False])
     args = jax.tree.leaves((leaves, cot))
-    b = lambda a: zb_split.run_b(cj.jaxpr, plan, cj.consts, a)
-    w = lambda a, st: zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st)[:n]
+    b = lambda a: bw_split.run_b(cj.jaxpr, bws, cj.consts, a)
+    w = lambda a, st: bw_split.run_w(cj.jaxpr, bws, cj.consts, a, st)[:n]
     dx_and_stash = b(args)
     dx, stash = dx_and_stash[0][-1], dx_and_stash[1]
     ref = full(leaves, cot)
@@ -452,14 +453,14 @@ def test_zb_split_b_is_the_chain_and_w_the_weight_matmuls(remat):
 
 
 @pytest.mark.parametrize("uneven", [False, True])
-def test_zb_split_w_adds_into_the_sums_layer_by_layer(uneven):
+def test_bw_split_w_adds_into_the_sums_layer_by_layer(uneven):
     """`run_w(..., acc=sums)` returns sums + the weight gradients (float32 sums, bf16 gradients), adding
     each layer's slice inside W's layer loop: the compiled W holds the sums and one layer's gradient,
     so its temp bytes are below the plain W + add by the stacked gradients less one layer's gradient
     and its float32 slice. Uneven: a stage of an uneven split (`split.uneven_apply`: L - 3 layers as
     one call, then the padding tail under a `cond`, 2 of its 3 entries run) whose gradients are the
     two loops' ys padded and summed; they are added in place too, each loop into its own rows."""
-    from meshrun.pipeline import zb_split
+    from meshrun.pipeline import bw_split
     from meshrun.pipeline.split import uneven_apply
 
     lp = jax.tree.map(lambda a: a.astype(jnp.bfloat16), toy_params()["layers"])
@@ -471,16 +472,16 @@ def test_zb_split_w_adds_into_the_sums_layer_by_layer(uneven):
     full = lambda lv, ct: jax.tree.leaves(jax.tree.unflatten(tdef, lv)(ct))
     cj = jax.make_jaxpr(full)(leaves, cot)
     n = len(cj.jaxpr.outvars) - 1
-    plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+    bws = bw_split.split_jaxpr(cj.jaxpr, [False] * n + [True], [True] * n + [False])
     args = jax.tree.leaves((leaves, cot))
-    _, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, args)
+    _, stash = bw_split.run_b(cj.jaxpr, bws, cj.consts, args)
     sums = [jax.random.normal(jax.random.key(k), a.shape, jnp.float32) for k, a in enumerate(jax.tree.leaves(lp))]
 
     def plain(a, st, g):
-        return [s + d.astype(jnp.float32) for s, d in zip(g, zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st)[:n])]
+        return [s + d.astype(jnp.float32) for s, d in zip(g, bw_split.run_w(cj.jaxpr, bws, cj.consts, a, st)[:n])]
 
     def inplace(a, st, g):
-        return zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st, [*g, None])[:n]
+        return bw_split.run_w(cj.jaxpr, bws, cj.consts, a, st, [*g, None])[:n]
 
     for got, want in zip(inplace(args, stash, sums), plain(args, stash, sums), strict=True):
         assert got.dtype == jnp.float32
@@ -488,7 +489,7 @@ def test_zb_split_w_adds_into_the_sums_layer_by_layer(uneven):
     if uneven:  # the padding entry's gradient is zero: its sums rows come back as they went in
         for got, s in zip(inplace(args, stash, sums), sums, strict=True):
             np.testing.assert_array_equal(np.asarray(got)[L - 1], np.asarray(s)[L - 1])
-    parts, _ = zb_split._accumulable(cj.jaxpr, [*sums, None], plan.roles)
+    parts, _ = bw_split._accumulable(cj.jaxpr, [*sums, None], bws.roles)
     assert sorted({k for k, _ in parts.values()}) == list(range(n))  # every weight gradient, in place
     temp = lambda f: live_temp_bytes(jax.jit(f, donate_argnums=2).lower(args, stash, sums))
     stacked = sum(a.size * 2 for a in jax.tree.leaves(lp))  # the stage's bf16 gradients, all layers
@@ -500,9 +501,9 @@ def test_zb_split_w_adds_into_the_sums_layer_by_layer(uneven):
     # keep=False (an idle cell that computed on fill values): nothing is added, NaNs included
     nan_cot = (jnp.full_like(y, jnp.nan), cot[1])
     nan_args = jax.tree.leaves((leaves, nan_cot))
-    _, nan_stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, nan_args)
+    _, nan_stash = bw_split.run_b(cj.jaxpr, bws, cj.consts, nan_args)
     for keep, a, st, want in ((False, nan_args, nan_stash, sums), (True, args, stash, inplace(args, stash, sums))):
-        got = zb_split.run_w(cj.jaxpr, plan, cj.consts, a, st, [*sums, None], keep=jnp.asarray(keep))[:n]
+        got = bw_split.run_w(cj.jaxpr, bws, cj.consts, a, st, [*sums, None], keep=jnp.asarray(keep))[:n]
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -605,7 +606,7 @@ def test_zero2_reduce_scatters_once():
 def test_config_errors():
     mesh4 = mesh_of(4, 1, 1, 2)
     mesh2 = mesh_of(2, 2, 1, 2)
-    mk = lambda mesh, prm=None, **pc: Pipeline.for_params(TOY, PipelineConfig(**pc), mesh, prm or toy_params())
+    mk = lambda mesh, prm=None, **pc: Pipeline(pipeline_spec(TOY, PipelineConfig(**pc), mesh, prm or toy_params()))
     with pytest.raises(ConfigError, match="m >= p") as e:
         mk(mesh4, schedule="1f1b", microbatches=2)
     assert e.value.field == "pipeline.microbatches"
@@ -667,7 +668,7 @@ def uneven_compiled(case):
     dims, schedule, m, v, n, counts = UNEVEN_CASES[case]
     pc = PipelineConfig(schedule=schedule, microbatches=m, virtual=v, layers_per_stage=counts)
     prm = {**toy_params(), "layers": jax.tree.map(lambda a: a[:n], toy_params()["layers"])}
-    pl = Pipeline.for_params(TOY, pc, mesh_of(*dims), prm)
+    pl = Pipeline(pipeline_spec(TOY, pc, mesh_of(*dims), prm))
     args = (prm, *batch(8, V))
     return pl, pl.lower(*args).compile(), args
 
@@ -780,7 +781,7 @@ def test_zb_v_slots_bubble_and_temp_against_per_op_1f1b():
     def compiled(schedule, m, seqs, **kw):
         pc = PipelineConfig(schedule=schedule, microbatches=m, **kw)
         params = {**toy_params(), "layers": layer_split(pc, L, p).to_pipeline(toy_params()["layers"])}
-        pl = Pipeline.for_params(TOY, pc, mesh_of(*dims), params, placement="pipeline")
+        pl = Pipeline(pipeline_spec(TOY, pc, mesh_of(*dims), params, placement="pipeline"))
         return pl.lower(params, *batch(m * seqs, V))
 
     temp = lambda *a, **kw: compiled(*a, **kw).compile().memory_analysis().temp_size_in_bytes

@@ -9,7 +9,7 @@ layer's gradient over those axes and sums it over the remaining data-parallel ax
 `ZeroShardings.finish` reduces the whole gradient once per step, and moves it to host memory: the
 layer's gradient leaves the scan reduced, in the ZeRO-3 layout. With one microbatch that is the
 step's gradient; with more, each layer's is added into float32 sums in host memory (`add_slice`,
-used by `zb_split.vjp_into`'s accumulation: the slice of the sums and the gradient come to the
+used by `bw_split.vjp_into`'s accumulation: the slice of the sums and the gradient come to the
 device, the sum goes back). The fetch sits inside the unit's
 remat, so the backward fetches the layer again instead of keeping the gathered weights (a unit
 with no remat of its own is checkpointed around them: `FETCHED`).

@@ -10,7 +10,7 @@ Shape legend: M microbatches, B local microbatch rows, S sequence, D model width
 * Backward is an explicit per-stage `jax.vjp`; the activation-dependent residuals of in-flight
   microbatches live in a fixed slot buffer (min(m, 2p-1) slots for lockstep 1F1B), so memory does
   not grow with m. `pipeline.executor=per_op` plays the schedule's own one-op-per-tick timeline
-  (`per_op.py`), with each backward split into B and W (`zb_split.py`).
+  (`per_op.py`), with each backward split into B and W (`bw_split.py`).
 * Stage 0 embeds a microbatch when its first forward runs; head and loss run on the last virtual
   stage only (`lax.cond`), keeping dL/dx, never the logits. The loss is linear in the per-microbatch
   sums of `ModelFns` (`contract.finish`), so any split gives the single-device loss.
@@ -28,76 +28,45 @@ import functools
 import jax
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
-from meshrun.family.contract import ModelFns
 from meshrun.parallel.layer_fetch import on_host, use_layer_fetch
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
-from meshrun.pipeline.program import tick_program
-from meshrun.pipeline.spec import PipelineSpec, Placement, Residuals
-from meshrun.pipeline.split import layer_split
+from meshrun.pipeline.spec import PipelineSpec, pure
 from meshrun.pipeline.tick_loop import StageRun
 
 
 class Pipeline:
     """A pipelined loss-and-grads step of a `ModelFns` model:
-    `Pipeline(spec, zero, model_zero)(params, tokens, labels) -> (loss, grads, metrics)` (jitted), or
+    `Pipeline(spec)(params, tokens, labels) -> (loss, grads, metrics)` (jitted), or
     `loss_and_grads(...)` to trace it inside a caller's jit. `spec` (`PipelineSpec`: the model, the
-    tick program, the layer split, the mesh) is built once, by the step plan for training
-    (`StepPlan.pipeline_spec`); `zero` holds the ZeRO shardings of the params in the pipeline
-    placement; `model_zero`, those in model order, makes the step take 'layers' in model order and
-    return their gradients so (else it takes the pipeline placement as training stores it).
-    `Pipeline.for_params(fns, pcfg, mesh, params)` builds all three from a params tree. Nothing is
-    built lazily.
+    tick program, the layer split, the mesh, the params' ZeRO shardings) is built once: by the step
+    plan for training (`StepPlan.pipeline_spec`), by `pipeline_spec(fns, pcfg, mesh, params)` from a
+    params tree. With `spec.model_zero` the step takes 'layers' in model order and returns their
+    gradients so (else it takes the pipeline placement as training stores it). Nothing is built lazily.
 
     params: nnx.State or a nested dict of arrays; its logical axis names come from `fns.param_names`.
     'layers' leaves are stacked [L, ...]; the other leaves (embedding, final norm, head) are replicated
     over 'pipe'. tokens, labels: [global batch, S] int. grads come back as the same container type, in
     the same placement, in the ZeRO grad sharding. metrics: `contract.finish`, as on one device."""
 
-    def __init__(self, spec: PipelineSpec, zero: ZeroShardings, model_zero: ZeroShardings | None = None):
-        self.spec, self.zero, self.model_zero = spec, zero, model_zero
-        self.placement: Placement = "pipeline" if model_zero is None else "model"
+    def __init__(self, spec: PipelineSpec):
+        self.spec, self.zero, self.model_zero, self.placement = spec, spec.zero, spec.model_zero, spec.placement
         self.fns, self.mesh, self.split, self.program = spec.fns, spec.mesh, spec.split, spec.program
         self.p, self.dp = spec.p, spec.dp
         self._jit = jax.jit(self.loss_and_grads)
-
-    @classmethod
-    def for_params(cls, fns: ModelFns, pcfg: PipelineConfig, mesh: Mesh, params, *, zero: int = 0,
-                   placement: Placement = "model", residuals: Residuals = "store", nan_bubbles: bool = False,
-                   skip_idle: bool = True) -> Pipeline:  # fmt: skip
-        """A Pipeline for `params` (arrays or shapes; 'layers' stacked in `placement` order): its tick
-        program and layer split (from the stacked count and `pcfg`) and ZeRO stage-`zero` shardings."""
-        if placement not in ("model", "pipeline"):
-            raise ConfigError("placement", placement, "use 'model' or 'pipeline'")
-        arrays = _pure(params)
-        p = int(mesh.shape.get("pipe", 1))
-        program = tick_program(pcfg, p)  # the schedule's errors first
-        n = jax.tree.leaves(arrays["layers"])[0].shape[0]
-        lps = pcfg.layers_per_stage
-        split = layer_split(pcfg, sum(lps) if lps and placement == "pipeline" else n, p)
-        if fns.param_names is None:
-            raise ConfigError("ModelFns.param_names", None, "give the logical axis names of the params tree")
-        build = lambda t: ZeroShardings.build(fns.param_names, t, mesh, zero)
-        model_zero = None
-        if placement == "model":
-            model_zero = build(arrays)
-            arrays = {**arrays, "layers": jax.eval_shape(split.to_pipeline, arrays["layers"])}
-        spec = PipelineSpec(fns, program, split, mesh, residuals, nan_bubbles, skip_idle)
-        return cls(spec, build(arrays), model_zero)
 
     def place(self, params) -> dict:
         """`params` (nnx.State or a dict) as a dict of arrays laid out as the step takes them (its
         placement's ZeRO store shardings): pass the result, or the step re-lays them out each call and
         compiles for their first layout too."""
         store = self.model_zero.store if self.placement == "model" else self.zero.store
-        return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec)), _pure(params), store)
+        return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec)), pure(params), store)
 
     # ------------------------------------------------------------ checks and containers
 
@@ -121,7 +90,7 @@ class Pipeline:
             )
 
     def __call__(self, params, tokens, labels, segment_ids=None):
-        arrays = _pure(params)
+        arrays = pure(params)
         self.check(arrays, tokens)
         loss, grads, metrics = self._jit(arrays, tokens, labels, segment_ids)
         if isinstance(params, nnx.State):
@@ -131,7 +100,7 @@ class Pipeline:
         return loss, grads, metrics
 
     def lower(self, params, tokens, labels):
-        arrays = _pure(params)
+        arrays = pure(params)
         self.check(arrays, tokens)
         return self._jit.lower(arrays, tokens, labels)
 
@@ -191,11 +160,6 @@ class Pipeline:
                 self.fns, lax.psum(carry["loss"], MANUAL), run.n_tok, lax.psum(carry["aux"], MANUAL), run.n_seq
             )
             return loss, gl, go, metrics
-
-
-def _pure(params) -> dict:
-    """A nested dict of the arrays (or shapes) of `params` (nnx.State or a dict)."""
-    return params.to_pure_dict() if isinstance(params, nnx.State) else dict(params)
 
 
 def _wsc(mesh, tree, specs):

@@ -3,7 +3,7 @@
 
 Qi et al. (2023) split a stage's backward into B (the input gradient, on the critical path) and W
 (the weight gradients, needed only by the optimizer). Both come from one split of the stage
-backward's jaxpr (`zb_split`): B runs the chain of activation cotangents from the residuals F stored
+backward's jaxpr (`bw_split`): B runs the chain of activation cotangents from the residuals F stored
 and stashes, per layer, the cotangents at the weights' uses; W runs the weight-gradient matmuls from
 that stash and the same residuals. B + W is the unsplit backward's FLOPs. zb-h1 defers W's into the
 bubbles; 1F1B runs each W in the tick after its B (`schedules.one_f_one_b_split`), so every op is
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshrun.pipeline import zb_split
+from meshrun.pipeline import bw_split
 from meshrun.pipeline.tick_loop import StageRun, put, take
 
 OP_SCOPES = {"F": "per_op_F", "B": "per_op_B", "W": "per_op_W"}  # name scopes of a tick's three ops
@@ -57,7 +57,7 @@ class OpRun(StageRun):
     def split_backward(self):
         """(B, W): B(at, saved, dy) -> (dx, stash), W(at, saved, dy, stash, sums) -> the float32
         weight-gradient sums plus the op's weight gradients, added layer by layer inside W's layer
-        loop (`zb_split.run_w`'s acc), from one split of the stage backward's jaxpr, traced once (`at`:
+        loop (`bw_split.run_w`'s acc), from one split of the stage backward's jaxpr, traced once (`at`:
         (microbatch,), or (chunk, microbatch) with two chunks per stage, inputs of it) and shared by
         every tick's B and W."""
         if self._split is not None:
@@ -71,17 +71,17 @@ class OpRun(StageRun):
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         cj = jax.make_jaxpr(bwd)((i32,) * (2 if self.v > 1 else 1), self.res_structs(), self.x_aval)
         n = len(cj.jaxpr.outvars) - 1  # weight-gradient leaves, then dx
-        plan = zb_split.make_plan(cj.jaxpr, [False] * n + [True], [True] * n + [False])
-        self.w_reads = tuple(plan.in_w[len(cj.jaxpr.invars) - len(self.res_avals) - 1 :])  # saved..., dy
+        bws = bw_split.split_jaxpr(cj.jaxpr, [False] * n + [True], [True] * n + [False])
+        self.w_reads = tuple(bws.in_w[len(cj.jaxpr.invars) - len(self.res_avals) - 1 :])  # saved..., dy
         flat = lambda at, saved, dy: jax.tree.leaves((at, saved, dy))
 
         def b(at, saved, dy):
-            outs, stash = zb_split.run_b(cj.jaxpr, plan, cj.consts, flat(at, saved, dy))
+            outs, stash = bw_split.run_b(cj.jaxpr, bws, cj.consts, flat(at, saved, dy))
             return outs[-1], stash
 
         def w(at, saved, dy, stash, sums):
             acc = [*jax.tree.leaves(sums), None]
-            outs = zb_split.run_w(cj.jaxpr, plan, cj.consts, flat(at, saved, dy), stash, acc)
+            outs = bw_split.run_w(cj.jaxpr, bws, cj.consts, flat(at, saved, dy), stash, acc)
             return jax.tree.unflatten(chunk_def, outs[:n])
 
         self._split = (b, w)

@@ -16,7 +16,7 @@ from meshrun.family import contract
 from meshrun.parallel.layer_fetch import host_zeros, on_host
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
-from meshrun.pipeline import zb_split
+from meshrun.pipeline import bw_split
 from meshrun.pipeline.residuals import activation_residuals
 from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.split import LayerSplit, uneven_apply
@@ -101,12 +101,12 @@ class StageRun:
 
     def pullback_into(self, vjp, dy, g_layers, ch, keep=None):
         """(g_layers + chunk ch's weight gradients, dx) from the chunk's vjp: the backward's layer
-        loop adds each layer's gradients into the float32 sums in place (`zb_split.vjp_into`), so
+        loop adds each layer's gradients into the float32 sums in place (`bw_split.vjp_into`), so
         the chunk's whole fresh gradient (param dtype) is never held beside the sums. `keep`: a cell
         that computes when idle adds zeros where it is false (its gradients come from fill values)."""
         if self.v == 1:
-            return zb_split.vjp_into(vjp, (dy, self.aux_cot), g_layers, keep)
-        g, dx = zb_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: self.chunk_of(a, ch), g_layers), keep)
+            return bw_split.vjp_into(vjp, (dy, self.aux_cot), g_layers, keep)
+        g, dx = bw_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: self.chunk_of(a, ch), g_layers), keep)
         return jax.tree.map(lambda a, n: self.put_chunk(a, ch, n), g_layers, g), dx
 
     def layer_sums(self):

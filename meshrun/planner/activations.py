@@ -121,7 +121,7 @@ def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: 
 
 def stash_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: bool, remat: str) -> float:
     """Bytes per layer of B's stash under a split backward (per-op executor: what W reads of B's work,
-    `pipeline/zb_split.py`): the cotangents at each weight's use, i.e. the outputs of the fused qkv and
+    `pipeline/bw_split.py`): the cotangents at each weight's use, i.e. the outputs of the fused qkv and
     MLP-in matmuls (column-parallel, / t), of the two row-parallel matmuls (whole hidden rows) and of
     the two norms (/ t under sequence parallelism), plus each norm's statistic. Under full remat B
     recomputes the layer, so the weights' inputs go into the stash too (the normed inputs, the

@@ -67,7 +67,7 @@ def predict_memory_jax(
     * SPMD: every pipeline stage holds the embedding, head and final norm (replicated over 'pipe').
     * grads: the microbatch gradient, whole at every ZeRO stage (the data-parallel reduction runs
       once after the loop, so ZeRO-2 = ZeRO-1 here); when m > 1 the float32 sums plus one layer's
-      fresh gradient and the embedding/head's (the backward's layer loop adds in place, `zb_split.vjp_into`).
+      fresh gradient and the embedding/head's (the backward's layer loop adds in place, `bw_split.vjp_into`).
     * optimizer: the state the optimizer's registry entry declares (`precision_of`: AdamW's m and v,
       muon's momentum of the weight matrices) plus its update's float32 temporaries (`update_temps`
       per weight-matrix parameter, one per other parameter: clipped gradients / updates; params and
@@ -139,7 +139,7 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     grads = pb * (dense + experts)
     if lay.microbatches > 1:
         # the backward's layer loop adds each layer's weight gradients into the float32 sums in place
-        # (`zb_split.vjp_into` / `run_w`): fresh gradients are one layer's and the embedding/head's
+        # (`bw_split.vjp_into` / `run_w`): fresh gradients are one layer's and the embedding/head's
         one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
         other = (counts["embedding"] + counts["head"]) / t + h
         grads = pb * (other + one_layer)

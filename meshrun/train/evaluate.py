@@ -73,7 +73,7 @@ def make_eval_step(train_step: TrainStep, mesh) -> Callable:
     plan = train_step.plan
     cfg, fns = plan.cfg, plan.model_fns
     if plan.pipe > 1:  # the layers as the train step stores them: padded pipeline placement, the same split
-        pl = Pipeline(plan.pipeline_spec(mesh), plan.zero)
+        pl = Pipeline(plan.pipeline_spec(mesh))
         sums = lambda params, *batch: forward_sums(pl, params, *batch)
     else:
         sums = forward_sums_fn(fns, plan.zero, cfg.pipeline.microbatches)

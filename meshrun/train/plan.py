@@ -76,8 +76,9 @@ class StepPlan:
         return not (self.context > 1 and self.cfg.model.context_parallel == "ring")
 
     def pipeline_spec(self, mesh: Mesh) -> PipelineSpec:
-        """The pipelined step on `mesh` (pipe > 1): this plan's model, tick program and layer split."""
-        return PipelineSpec(self.model_fns, self.program, self.split, mesh, skip_idle=self.skip_idle)
+        """The pipelined step on `mesh` (pipe > 1): this plan's model, tick program, layer split and
+        ZeRO shardings (pipeline placement, as training stores the layers)."""
+        return PipelineSpec(self.model_fns, self.program, self.split, mesh, self.zero, skip_idle=self.skip_idle)
 
     @property
     def relaid(self) -> bool:

@@ -33,7 +33,7 @@ from meshrun.parallel import fp8
 from meshrun.parallel.layer_fetch import host_zeros, on_host, use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
-from meshrun.pipeline import zb_split
+from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
 from meshrun.train import layer_update, streamed
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
@@ -97,9 +97,9 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
                     add = lambda a, x: x if on_host(x) else a + x
                     return jax.tree.map(add, acc, (g, sums)), None
                 # the backward's layer loop adds each layer's gradients into the float32 sums in
-                # place (`zb_split.vjp_into`): no whole fresh gradient beside the sums
+                # place (`bw_split.vjp_into`): no whole fresh gradient beside the sums
                 loss, vjp, sums = jax.vjp(lambda p: share(p, *mb), params, has_aux=True)
-                (g,) = zb_split.vjp_into(vjp, jnp.ones_like(loss), (acc[0],))
+                (g,) = bw_split.vjp_into(vjp, jnp.ones_like(loss), (acc[0],))
                 return (g, jax.tree.map(jnp.add, acc[1], sums)), None
 
             shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
@@ -147,7 +147,7 @@ def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
     """(params, tokens, labels) -> (loss, grads in the ZeRO grad sharding, metrics), traced inside the
     step: the pipeline executor when mesh.pipe > 1 (params in pipeline placement), else the microbatch scan."""
     if plan.pipe > 1:
-        pl = Pipeline(plan.pipeline_spec(mesh), plan.zero)  # the layers in pipeline placement
+        pl = Pipeline(plan.pipeline_spec(mesh))  # the layers in pipeline placement
         return pl.loss_and_grads
     return functools.partial(accumulate_grads, plan.model_fns, plan.zero, plan.cfg.pipeline.microbatches)
 

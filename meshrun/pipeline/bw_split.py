@@ -1,18 +1,19 @@
-"""Split a stage's backward into B (input gradient) and W (weight gradients) without redoing work.
+"""The B/W split (weight-gradient split): a stage's backward cut into B (input gradient) and W (weight
+gradients) without redoing work.
 
 A backward pass interleaves two things: the chain of activation cotangents (dx = dy @ W^T, through
 every nonlinearity) and, hanging off it, the weight gradients (dW = x^T @ dy). ZB-H1 wants the chain
 now (B, on the critical path) and the weight gradients later (W, in a bubble). Calling the vjp twice,
 once for each, makes W re-derive the chain. Here the backward's jaxpr is split instead:
 
-* `make_plan` walks the jaxpr backwards from the outputs B needs and the outputs W needs. An equation
+* `split_jaxpr` walks the jaxpr backwards from the outputs B needs and the outputs W needs. An equation
   B needs runs in B; one only W needs runs in W; values B computes that W reads are the stash (per
   microbatch: the cotangents at each matmul output, about one activation set). A `scan` (the model's
   layer loop, transposed) that serves both is split into two scans over the same iterations: the B
   scan carries the chain and emits each iteration's stash as ys, the W scan reads them. `jit` and
   remat (`checkpoint`) calls are split through their bodies. Any other equation serving both (e.g. a `cond`)
   runs in B and again in W, so no weight-sized value is ever stashed.
-* `run_b` / `run_w` evaluate the plan by binding each equation's primitive (as `jax.core.eval_jaxpr`
+* `run_b` / `run_w` evaluate the split by binding each equation's primitive (as `jax.core.eval_jaxpr`
   does), re-creating split scans with `lax.scan`; their outputs match the unsplit backward's.
 """
 
@@ -37,8 +38,8 @@ CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoi
 
 
 @dataclass
-class Plan:
-    """Roles per equation of one jaxpr: None (dead), 'B', 'W', 'BW' (B, and again in W) or a `Split`."""
+class BWSplit:
+    """Roles per equation of one jaxpr: None (dead), 'B', 'W', 'BW' (B, and again in W) or an `EqnSplit`."""
 
     roles: list
     stash: list  # vars B computes and W reads, in order
@@ -47,9 +48,9 @@ class Plan:
 
 
 @dataclass
-class Split:
+class EqnSplit:
     kind: str  # 'scan' or 'call'
-    body: Plan
+    body: BWSplit
     b_out: list  # per eqn output: the B part produces it
     w_out: list  # per eqn output: the W part produces it
     b_car: list = field(default_factory=list)  # scan: carry indices B runs
@@ -66,7 +67,7 @@ def _inner(eqn):
     return (j.jaxpr, list(j.consts)) if hasattr(j, "consts") else (j, [])
 
 
-def make_plan(jaxpr, need_b: list[bool], need_w: list[bool]) -> Plan:
+def split_jaxpr(jaxpr, need_b: list[bool], need_w: list[bool]) -> BWSplit:
     live_b = {v for v, n in zip(jaxpr.outvars, need_b, strict=True) if n and _is_var(v)}
     live_w = {v for v, n in zip(jaxpr.outvars, need_w, strict=True) if n and _is_var(v)}
     roles: list[Any] = [None] * len(jaxpr.eqns)
@@ -93,19 +94,19 @@ def make_plan(jaxpr, need_b: list[bool], need_w: list[bool]) -> Plan:
     stash, seen = [], set()
     for eqn, r in zip(jaxpr.eqns, roles, strict=True):
         made = eqn.outvars if r == "B" else []
-        if isinstance(r, Split):
+        if isinstance(r, EqnSplit):
             made = [v for v, n in zip(eqn.outvars, r.b_out, strict=True) if n]
         for v in made:
             if _is_var(v) and v in live_w and v not in seen:
                 stash.append(v)
                 seen.add(v)
-    return Plan(roles, stash, [v in live_b for v in jaxpr.invars], [v in live_w for v in jaxpr.invars])
+    return BWSplit(roles, stash, [v in live_b for v in jaxpr.invars], [v in live_w for v in jaxpr.invars])
 
 
 def _split_call(eqn, ob, ow):
     body, _ = _inner(eqn)
-    plan = make_plan(body, ob, ow)
-    return Split("call", plan, ob, ow), plan.in_b, plan.in_w
+    bws = split_jaxpr(body, ob, ow)
+    return EqnSplit("call", bws, ob, ow), bws.in_b, bws.in_w
 
 
 def _split_scan(eqn, ob, ow):
@@ -115,18 +116,18 @@ def _split_scan(eqn, ob, ow):
     w_car = {j for j in range(ncar) if ow[j]} - b_car
     while True:  # carries either part reads must be run by some part: B's if B reads them
         car_b, car_w = [j in b_car for j in range(ncar)], [j in w_car for j in range(ncar)]
-        plan = make_plan(body, car_b + ob[ncar:], car_w + ow[ncar:])
-        nb = b_car | {j for j in range(ncar) if plan.in_b[nc + j]}
-        nw = (w_car | {j for j in range(ncar) if plan.in_w[nc + j]}) - nb
+        bws = split_jaxpr(body, car_b + ob[ncar:], car_w + ow[ncar:])
+        nb = b_car | {j for j in range(ncar) if bws.in_b[nc + j]}
+        nw = (w_car | {j for j in range(ncar) if bws.in_w[nc + j]}) - nb
         if (nb, nw) == (b_car, w_car):
             break
         b_car, w_car = nb, nw
     b_out = [j in b_car for j in range(ncar)] + ob[ncar:]
     w_out = [j in w_car for j in range(ncar)] + ow[ncar:]
-    car_stash = sorted(j for j in b_car if plan.in_w[nc + j])
-    sp = Split("scan", plan, b_out, w_out, sorted(b_car), sorted(w_car), car_stash)
-    in_b = plan.in_b[:nc] + [j in b_car for j in range(ncar)] + plan.in_b[nc + ncar :]
-    in_w = plan.in_w[:nc] + [j in w_car for j in range(ncar)] + plan.in_w[nc + ncar :]
+    car_stash = sorted(j for j in b_car if bws.in_w[nc + j])
+    sp = EqnSplit("scan", bws, b_out, w_out, sorted(b_car), sorted(w_car), car_stash)
+    in_b = bws.in_b[:nc] + [j in b_car for j in range(ncar)] + bws.in_b[nc + ncar :]
+    in_w = bws.in_w[:nc] + [j in w_car for j in range(ncar)] + bws.in_w[nc + ncar :]
     return sp, in_b, in_w
 
 
@@ -152,25 +153,25 @@ def _read(env, v):
     return v.val if isinstance(v, jc.Literal) else env.get(v)
 
 
-def run_b(jaxpr, plan: Plan, consts, args):
+def run_b(jaxpr, bws: BWSplit, consts, args):
     """(outputs, None where B does not produce them; stash pytree) of the B part."""
     env, sub = _env(jaxpr, consts, args), {}
-    for i, (eqn, r) in enumerate(zip(jaxpr.eqns, plan.roles, strict=True)):
+    for i, (eqn, r) in enumerate(zip(jaxpr.eqns, bws.roles, strict=True)):
         if r is None or r == "W":
             continue
         ins = [_read(env, v) for v in eqn.invars]
-        if isinstance(r, Split) and r.kind == "scan":
+        if isinstance(r, EqnSplit) and r.kind == "scan":
             outs, sub[i] = _scan_b(eqn, r, ins)
-        elif isinstance(r, Split):
+        elif isinstance(r, EqnSplit):
             body, bc = _inner(eqn)
             outs, sub[i] = run_b(body, r.body, bc, ins)
         else:
             outs = _bind(eqn, ins)
         env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if o is not None and _is_var(v))
-    return [_read(env, v) for v in jaxpr.outvars], {"v": [env[v] for v in plan.stash], "s": sub}
+    return [_read(env, v) for v in jaxpr.outvars], {"v": [env[v] for v in bws.stash], "s": sub}
 
 
-def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None, keep=None):
+def run_w(jaxpr, bws: BWSplit, consts, args, stash, acc=None, keep=None):
     """Outputs of the W part (None where W does not produce them), given B's stash.
 
     `acc` (a list aligned with the outputs, None where not wanted): output k becomes acc[k] + its
@@ -181,19 +182,19 @@ def run_w(jaxpr, plan: Plan, consts, args, stash, acc=None, keep=None):
     float32 sums needs the sums plus one layer's gradient, not the sums plus the stage's. `keep` (a
     scalar bool, or None): where false, zeros are added instead (a cell that computed on fill values)."""
     env = _env(jaxpr, consts, args)
-    env.update(zip(plan.stash, stash["v"], strict=True))
-    parts, skip = _accumulable(jaxpr, acc, plan.roles)
+    env.update(zip(bws.stash, stash["v"], strict=True))
+    parts, skip = _accumulable(jaxpr, acc, bws.roles)
     cur = dict(enumerate(acc or []))  # output index -> its accumulator so far
-    for i, (eqn, r) in enumerate(zip(jaxpr.eqns, plan.roles, strict=True)):
+    for i, (eqn, r) in enumerate(zip(jaxpr.eqns, bws.roles, strict=True)):
         if r is None or r == "B" or i in skip:
             continue
         ins = [_read(env, v) for v in eqn.invars]
-        if isinstance(r, Split) and r.kind == "scan":
+        if isinstance(r, EqnSplit) and r.kind == "scan":
             ncar = eqn.params["num_carry"]
             mine = {k - ncar: parts[v] for k, v in enumerate(eqn.outvars) if k >= ncar and v in parts}
             outs = _scan_w(eqn, r, ins, stash["s"][i], {j: (cur[o], off) for j, (o, off) in mine.items()}, keep)
             cur.update((o, outs[ncar + j]) for j, (o, _) in mine.items())
-        elif isinstance(r, Split):
+        elif isinstance(r, EqnSplit):
             body, bc = _inner(eqn)
             outs = run_w(body, r.body, bc, ins, stash["s"][i])
         else:
@@ -227,7 +228,7 @@ def _accumulable(jaxpr, acc, roles) -> tuple[dict, set]:
     made_by = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars if _is_var(v)}
     ys = set()
     for eqn, r in zip(jaxpr.eqns, roles, strict=True):
-        if eqn.primitive.name == "scan" and isinstance(r, Split) and r.kind == "scan":
+        if eqn.primitive.name == "scan" and isinstance(r, EqnSplit) and r.kind == "scan":
             ncar = eqn.params["num_carry"]
             ys.update(v for v, w in zip(eqn.outvars[ncar:], r.w_out[ncar:], strict=True) if w)
 
@@ -269,7 +270,7 @@ def _scan_parts(eqn, ins):
     return eqn.params["jaxpr"], nc, ncar, ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
 
 
-def _scan_b(eqn, sp: Split, ins):
+def _scan_b(eqn, sp: EqnSplit, ins):
     body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
     xs = [x if n else None for x, n in zip(xs, sp.body.in_b[nc + ncar :], strict=True)]
 
@@ -286,7 +287,7 @@ def _scan_b(eqn, sp: Split, ins):
     return _scan_outs(len(eqn.outvars), ncar, sp.b_car, last, sp.b_out, ys), {"body": st, "carry_in": cin}
 
 
-def _scan_w(eqn, sp: Split, ins, stash, acc=None, keep=None):
+def _scan_w(eqn, sp: EqnSplit, ins, stash, acc=None, keep=None):
     """The W part of a split scan; `acc` {ys index: (accumulator, offset)}: those ys are added into
     their accumulator's slice offset + iteration (carried, updated in place) instead of being stacked."""
     body, nc, ncar, consts, init, xs = _scan_parts(eqn, ins)
@@ -334,8 +335,8 @@ def _scan_outs(n_out: int, ncar: int, car: list, last, made: list, ys) -> list:
 # ---------------------------------------------------------------- whole backward, accumulating
 
 
-def _whole_plan(jaxpr) -> tuple[Plan, dict]:
-    """A plan that runs all of `jaxpr` as W, its top-level scans re-created (so `run_w`'s acc can add
+def _whole_w(jaxpr) -> tuple[BWSplit, dict]:
+    """A B/W split that runs all of `jaxpr` as W, its top-level scans re-created (so `run_w`'s acc can add
     their ys in place), and the empty stash it reads."""
     roles, stash = [], {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -344,11 +345,11 @@ def _whole_plan(jaxpr) -> tuple[Plan, dict]:
             continue
         body = eqn.params["jaxpr"].jaxpr
         n_in, ncar, n_out = len(body.invars), eqn.params["num_carry"], len(eqn.outvars)
-        bp = Plan(["W"] * len(body.eqns), [], [False] * n_in, [True] * n_in)
-        roles.append(Split("scan", bp, [False] * n_out, [True] * n_out, [], list(range(ncar)), []))
+        bp = BWSplit(["W"] * len(body.eqns), [], [False] * n_in, [True] * n_in)
+        roles.append(EqnSplit("scan", bp, [False] * n_out, [True] * n_out, [], list(range(ncar)), []))
         stash[i] = {"body": {"v": [], "s": {}}, "carry_in": []}
     n = len(jaxpr.invars)
-    return Plan(roles, [], [False] * n, [True] * n), {"v": [], "s": stash}
+    return BWSplit(roles, [], [False] * n, [True] * n), {"v": [], "s": stash}
 
 
 def vjp_into(vjp_fn, cot, sums, keep=None):
@@ -366,8 +367,8 @@ def vjp_into(vjp_fn, cot, sums, keep=None):
         return jax.tree.leaves(out)
 
     cj = jax.make_jaxpr(bwd)(leaves, cot)
-    plan, stash = _whole_plan(cj.jaxpr)
+    bws, stash = _whole_w(cj.jaxpr)
     acc = jax.tree.leaves(sums)
     acc = acc + [None] * (len(cj.jaxpr.outvars) - len(acc))
-    outs = run_w(cj.jaxpr, plan, cj.consts, jax.tree.leaves((leaves, cot)), stash, acc, keep)
+    outs = run_w(cj.jaxpr, bws, cj.consts, jax.tree.leaves((leaves, cot)), stash, acc, keep)
     return jax.tree.unflatten(out_tree[0], outs)
