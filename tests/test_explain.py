@@ -161,6 +161,25 @@ def test_planner_memory_matches_the_per_op_executor(sched):
     assert plan == pytest.approx(rep["memory"]["compiled"]["total"], rel=TOL), rep["memory"]
 
 
+def test_pipe_sends_the_sequence_slice_under_sequence_parallelism():
+    """With model.sequence_parallel the residual stream a stage sends is split over 'tensor' along the
+    sequence, so each device's collective-permute over 'pipe' carries b s h / t (as Megatron's
+    scatter/gather sends), the payload the planner's pipe bytes and `_pipe_seconds` count
+    (`step_model.pipe_payload`): zb-v on the per-op executor, the schedule of `meshrun plan`'s best
+    GPT-3 175B layout."""
+    from meshrun.analysis import hlo
+    from meshrun.planner.step_model import pipe_payload
+
+    over = [*TINY, "model.n_layers=4", "mesh.pipe=2", "mesh.tensor=2", "mesh.data=2", "model.sequence_parallel=true"]
+    cfg = load_config("configs/tiny_cpu.yaml", [*over, "pipeline.schedule=zb-v", "pipeline.microbatches=2"])
+    compiled, mesh, _ = explain.compile_step(cfg)
+    perms = [c for c in hlo.collectives(compiled.as_text(), dict(mesh.shape)) if c.op == "collective-permute"]
+    b, s, h, t = 8 // (2 * 2), cfg.train.seq_len, cfg.model.d_model, 2  # rows of a microbatch on a data shard
+    assert perms and {(c.axes, c.dims, c.dtypes) for c in perms} == {(("pipe",), ((b, s // t, h),), ("f32",))}
+    act = 4.0 * b * s * h  # a float32 microbatch activation of one data shard
+    assert {c.bytes for c in perms} == {pipe_payload(act, explain.planner_layout(cfg, dict(mesh.shape)))} == {act / t}
+
+
 def test_importing_explain_leaves_jax_unimported():
     """`meshrun explain` sets the simulated device count before jax starts: its module imports must not
     pull jax in (hlo.py and memory.py do, so explain imports them late)."""

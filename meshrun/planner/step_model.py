@@ -285,6 +285,13 @@ class _Tally:
         self.count[op] = self.count.get(op, 0.0) + n
 
 
+def pipe_payload(act: float, lay: Layout) -> float:
+    """Bytes one device sends per activation (or gradient) over 'pipe', of a b s h activation of `act`
+    bytes: the residual stream as the device holds it, its 1/t sequence slice under sequence
+    parallelism (tests/test_explain.py checks the compiled collective-permutes' operands)."""
+    return act / lay.tensor if lay.sequence_parallel and lay.tensor > 1 else act
+
+
 def _pass_ticks(lay: Layout, permutes):
     """(ticks that run a forward, ticks that run a backward, (permutes, activations moved)) of one
     (chunk of a) stage per step; without a pipeline every micro-batch is one forward and one backward."""
@@ -356,7 +363,7 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
     dense_axes = tuple(a for a, k in (("data", data), ("expert", e), ("context", c)) if k > 1)
     if p > 1:
         ops, moved = permutes
-        tally.add("collective-permute", ("pipe",), act * moved / ops, ops)
+        tally.add("collective-permute", ("pipe",), pipe_payload(act, lay) * moved / ops, ops)
         if rb == pb:  # one all-reduce over pipe and the DP axes
             tally.add("all-reduce", ("pipe", *dense_axes), edge_g)
             edge_g = 0.0

@@ -5,7 +5,8 @@ Frameworks (`--framework`): the same model trained two ways.
 * meshrun: gradients accumulated locally in float32 over the micro-batches and reduced ONCE
   per step after the loop (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
   params; ZeRO-3 all-gathers the params before the loop and reduce-scatters after), not overlapped
-  with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch.
+  with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch, b s h / t
+  with sequence parallelism (the residual stream a stage sends is already split over 'tensor').
 * megatron (PTD-P, Narayanan et al. 2021): fp32 gradient buffers all-reduced in fp32 after the
   pipeline flush; ZeRO-1 is the distributed optimizer (reduce-scatter + all-gather once per step);
   ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch; ZeRO-3 gathers weights forward and
@@ -30,6 +31,7 @@ from meshrun.planner.activations import context_kv_bytes
 from meshrun.planner.cost import Layout, Precision, precision_of
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
 from meshrun.planner.kernels import Calibration
+from meshrun.planner.step_model import pipe_payload
 
 FRAMEWORKS = ("meshrun", "megatron")
 # Fitted by `calibrate.fit_calibration()` on all ten rows of Megatron-LM's PTD-P Table 1 (least squares
@@ -266,11 +268,14 @@ def predict_time(
 
 
 def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) -> float:
-    """Per micro-batch: activations forward and gradients backward over 'pipe', per chunk."""
+    """Per micro-batch: activations forward and gradients backward over 'pipe', per chunk. Megatron
+    splits each send over the TP ranks (scatter/gather); meshrun sends what a device holds of the
+    residual stream: all of it, or its 1/t sequence slice under sequence parallelism (the compiled
+    collective-permute's operand, `step_model.pipe_payload`)."""
     t, p, v = layout.tensor, layout.pipe, layout.chunks
     if p == 1:
         return 0.0
-    sent = act / t if framework == "megatron" else act
+    sent = act / t if framework == "megatron" else pipe_payload(act, layout)
     return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
 
 
