@@ -96,6 +96,20 @@ def _short(cmd: str) -> str:
     return f"{cmd} train.steps=3"
 
 
+def test_pipeline_docs_list_the_registry():
+    """docs/pipeline.md's schedule tables have one row per entry of the schedule registry, in its order,
+    the page says how to add your own, and the README's row for the page names every entry."""
+    from meshrun.pipeline import registry
+
+    page = (ROOT / "docs" / "pipeline.md").read_text()
+    first = re.findall(r"^\| `([^`]+)`", page.split("\n## ", 1)[0], re.M)
+    table = re.findall(r"^\| `([^`]+)` \|", page.split("\n## The schedule registry", 1)[1].split("\n## ", 1)[0], re.M)
+    assert first[1:] == table == list(registry.SCHEDULES)  # first[0]: the header's `pipeline.schedule`
+    assert "\n## Your own schedule\n" in page
+    row = next(r for r in (ROOT / "README.md").read_text().splitlines() if "(docs/pipeline.md)" in r)
+    assert re.findall(r"`([^`]+)`", row) == list(registry.SCHEDULES)
+
+
 def test_train_commands_name_their_run_dir():
     """Every training command names its own train.run_dir (or trains a run dir's config.yaml); a run
     dir shared by two blocks would make the second one resume the first."""
