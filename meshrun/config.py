@@ -30,6 +30,7 @@ REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
 OFFLOAD_TIERS = ("none", "host", "nvme")  # train.offload_optimizer
+OFFLOAD_UPDATES = ("auto", "streamed", "whole")  # train.offload_update
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
 MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...
@@ -315,7 +316,10 @@ class TrainConfig:
     # memory, docs/offload.md). true/false are read as host/none.
     offload_optimizer: str | bool = "none"
     offload_dir: str = ""  # nvme: a local directory per process ("{process}" is replaced by its index)
-    offload_budget_mb: float = 256.0  # nvme: host memory for the streamed update's chunk buffers
+    offload_budget_mb: float = 256.0  # nvme, host: host memory for the streamed update's chunk buffers
+    # host tier's update: streamed (chunk by chunk, as nvme's; the device holds a few chunks of state) |
+    # whole (the whole shard to the device inside the step) | auto (streamed when the optimizer allows)
+    offload_update: str = "auto"
     # ZeRO-3 parameters rest in pinned host memory; each layer comes to the device (and is gathered)
     # inside the layer scan, and its reduced gradient goes back to host memory as the backward makes it
     offload_params: bool = False
@@ -349,6 +353,13 @@ class TrainConfig:
         if isinstance(self.offload_optimizer, bool):  # the older boolean spelling
             object.__setattr__(self, "offload_optimizer", "host" if self.offload_optimizer else "none")
         _choice("train.offload_optimizer", self.offload_optimizer, OFFLOAD_TIERS)
+        _choice("train.offload_update", self.offload_update, OFFLOAD_UPDATES)
+        if self.offload_update != "auto" and self.offload_optimizer != "host":
+            raise ConfigError("train.offload_update", self.offload_update, "leave it auto, or set "
+                              "train.offload_optimizer=host", "chooses the host tier's update only")  # fmt: skip
+        if self.offload_update == "streamed" and self.offload_params:
+            raise ConfigError("train.offload_update", "streamed", "leave it auto with train.offload_params",
+                              "train.offload_params streams the update layer by layer itself")  # fmt: skip
         if not 0 < self.offload_budget_mb <= 2**30:
             raise ConfigError("train.offload_budget_mb", self.offload_budget_mb, "use a positive size in MiB, e.g. 256")
         if self.offload_params not in (True, False):

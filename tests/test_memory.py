@@ -30,6 +30,8 @@ from meshrun.train import explain
 from meshrun.train.plan import check_host_memory
 from meshrun.train.step import make_train_step
 
+WHOLE_SHARD = ["train.offload_optimizer=true", "train.offload_update=whole"]  # the state in pinned host memory
+
 
 def _train(cfg, steps=3):
     """3 steps through one compiled executable; (losses, final state, compiled)."""
@@ -52,7 +54,7 @@ def _moments(state):
 def test_offload_optimizer_and_activations_pipelined_match_one_device():
     """pipe2 x data2 x tensor2, 1F1B, ZeRO-1: moments rest in pinned host memory (each rank its own
     shard); remat=offload stores the pipeline's residual slots in host memory."""
-    cfg = _cfg("tiny_cpu.yaml", ["train.zero=1", "train.offload_optimizer=true", "model.remat=offload"])
+    cfg = _cfg("tiny_cpu.yaml", ["train.zero=1", *WHOLE_SHARD, "model.remat=offload"])
     losses, state, compiled = _train(cfg)
     assert_same((losses, jax.device_get(state.params)), reference("tiny_cpu.yaml"))
     assert {x.sharding.memory_kind for x in _moments(state)} == {"pinned_host"}
@@ -67,7 +69,7 @@ def test_offload_optimizer_and_remat_every_data_parallel_match_one_device():
     optimizer state, which now sits in host memory (memory_analysis + the entry layout's S(5)), against
     the same layout and remat without the offload."""
     over = [*DP4, "train.zero=3"]
-    cfg = _cfg("tiny_cpu.yaml", [*over, "train.offload_optimizer=true", "model.remat=full", "model.remat_every=2"])
+    cfg = _cfg("tiny_cpu.yaml", [*over, *WHOLE_SHARD, "model.remat=full", "model.remat_every=2"])
     losses, state, compiled = _train(cfg)
     assert_same((losses, jax.device_get(state.params)), reference("tiny_cpu.yaml"))
     assert {x.sharding.memory_kind for x in _moments(state)} == {"pinned_host"}

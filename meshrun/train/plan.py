@@ -21,6 +21,7 @@ from meshrun.config import AXES, ModelConfig, RunConfig, offload_params_refusals
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
+from meshrun.optim import registry as optimizers
 from meshrun.parallel import context
 from meshrun.parallel.sharding import is_names, param_rules
 from meshrun.parallel.zero import ZeroShardings
@@ -108,12 +109,34 @@ def balance_gpu(mesh) -> tuple[str, str]:
     return DEFAULT_GPU, f"the planner's default: {kind or 'the device'} is not a GPU it models"
 
 
+def streams_update(cfg: RunConfig) -> bool:
+    """Whether the optimizer state rests outside the device and its update streams chunk by chunk
+    (`meshrun/train/streamed.py`): the nvme tier always; the host tier unless `train.offload_update`
+    is whole, train.offload_params streams it layer by layer itself, or the optimizer cannot be
+    streamed (auto then keeps the whole-shard update; streamed asked for it: a ConfigError)."""
+    t = cfg.train
+    if t.offload_optimizer != "host":
+        return t.offload_optimizer == "nvme"
+    if t.offload_update == "whole" or t.offload_params:
+        return False
+    why = None
+    if not optimizers.get(cfg.optimizer.name).elementwise:
+        why = f"{cfg.optimizer.name}'s update is not elementwise"
+    elif cfg.optimizer.state_dtype != "float32":
+        why = f"the streamed update keeps float32 state (optimizer.state_dtype={cfg.optimizer.state_dtype})"
+    elif getattr(cfg.model, "fp8", "none") != "none":
+        why = "the streamed update does not carry fp8 scaling state"
+    if why is not None and t.offload_update == "streamed":
+        raise ConfigError("train.offload_update", "streamed", "use auto or whole", why)
+    return why is None
+
+
 def offloaded(cfg: RunConfig) -> tuple[str, ...]:
     """ZeroShardings parts resting in host memory: the optimizer moments with train.offload_optimizer, and
     the parameters too when they are fp32 master weights of a lower-precision compute dtype, or with
     train.offload_params."""
     params = ("store",) if cfg.train.offload_params else ()  # ZeRO-3 params streamed layer by layer
-    if cfg.train.offload_optimizer != "host":  # nvme: the optimizer state rests in files (train/streamed.py)
+    if cfg.train.offload_optimizer != "host" or streams_update(cfg):  # its own store (train/streamed.py)
         return params
     return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype or params else ("opt",)
 
@@ -162,7 +185,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         str(getattr(cfg.model, "fp8", "none")),
     )):  # fmt: skip
         raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
-    host = cfg.train.offload_optimizer == "host"
+    host = cfg.train.offload_optimizer == "host" and not streams_update(cfg)  # pinned host memory
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
             "train.offload_params"  # fmt: skip

@@ -36,7 +36,7 @@ from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
 from meshrun.train import layer_update, streamed
-from meshrun.train.plan import StepPlan, build_plan, dp_degree
+from meshrun.train.plan import StepPlan, build_plan, dp_degree, streams_update
 
 
 class TrainState(NamedTuple):
@@ -62,7 +62,7 @@ class TrainStep:
     abstract_run: TrainState  # as abstract_state, in the placement `step` takes
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
     tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
-    tier: Any = None  # train.offload_optimizer=nvme: the streamed update's `streamed.Tier`
+    tier: Any = None  # the nvme tier or the streamed host tier: the streamed update's `streamed.Tier`
     to_save: Any = None  # run state -> what a checkpoint saves (None: to_model; the nvme tier streams its file)
     restore: Any = None  # (Checkpointer, step) -> run state (None: to_run of the restored model-order state)
 
@@ -233,7 +233,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         plan=plan,
         tx=tx,
     )
-    if cfg.train.offload_optimizer != "nvme":
+    if not streams_update(cfg):
         return ts
     return streamed.make_streamed(ts, cfg)
 

@@ -1,12 +1,14 @@
-"""train.offload_optimizer=nvme: the optimizer state rests in files and the update streams through
-host memory in chunks (ZeRO-Infinity, Rajbhandari et al. 2021; docs/offload.md).
+"""train.offload_optimizer=nvme (and host, unless train.offload_update=whole): the optimizer state
+rests in files (or host memory) and the update streams through the device in chunks (ZeRO-Infinity,
+Rajbhandari et al. 2021; docs/offload.md). Both tiers run the same code; only the store differs
+(`swap.SwapFile`, `swap.HostStore`), so the device never holds more than a few chunks of the state.
 
 The step runs in two parts. On the device, one jitted function: forward, backward, the one gradient
 reduction, the global gradient norm (once over the whole gradient, as the in-memory step computes
 it), and a flat view of the gradient and params: every device's ZeRO shard of every leaf
 concatenated into one row, `[*mesh, L]` (`FlatLayout`). Then, chunk by chunk (C elements of every
 row: a sub-group of each rank's shard of every optimizer leaf), the chunk's state (fp32 master,
-Adam m, v) is read from the file (`swap.SwapFile`), copied to the device and updated there by the
+Adam m, v) is read from the store (the file or host memory), copied to the device and updated there by the
 optimizer's elementwise part, clipped with the global norm by optax's formula; the new params stay
 on the device (joined into the params' layout after the last chunk) and the new state goes back to
 the file, while the next chunk is read and the previous one written. The update runs on the
@@ -187,14 +189,17 @@ def piece_sizes(chunk: int) -> tuple[int, int]:
 
 
 class Tier:
-    """The NVMe tier of one TrainStep (`make_streamed`)."""
+    """The streamed optimizer tier (nvme: files, host: host memory) of one TrainStep (`make_streamed`)."""
 
     def __init__(self, ts, cfg: RunConfig, chunk_tx, apply: Callable, master: bool):
         t, plan, tx, max_norm = cfg.train, ts.plan, ts.tx, cfg.optimizer.grad_clip
-        self.ts, self.master, self.file = ts, master, None
-        self.directory = swap.offload_dir(t.offload_dir, jax.process_index())
-        swap.check_dir(self.directory)
-        swap.lock_dir(self.directory)
+        self.ts, self.master, self.file = ts, master, None  # file: the store (a SwapFile or a HostStore)
+        self.kind = t.offload_optimizer  # nvme | host
+        self.directory = None
+        if self.kind == "nvme":
+            self.directory = swap.offload_dir(t.offload_dir, jax.process_index())
+            swap.check_dir(self.directory)
+            swap.lock_dir(self.directory)
         abstract = ts.abstract_run
         self.params_def = jax.tree.structure(abstract.params)
         self.full_def = jax.tree.structure(abstract.opt_state)
@@ -202,7 +207,7 @@ class Tier:
         slot_leaves, _ = self.pattern.split(jax.tree.leaves(abstract.opt_state))
         if any(x.dtype != jnp.float32 for s in slot_leaves for x in s):
             raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
-                              "train.offload_optimizer=nvme", "the NVMe tier stores float32 state only")  # fmt: skip
+                              f"train.offload_optimizer={self.kind}", "the tier stores float32 state only")  # fmt: skip
         self.layout = lay = flat_layout(plan.zero.mesh, abstract.params, plan.zero.opt, self.pattern.n_slots,
                                         t.offload_budget_mb * 2**20)  # fmt: skip
         self.pieces = pieces = piece_sizes(lay.chunk)
@@ -301,10 +306,12 @@ class Tier:
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)
 
-    def ensure_file(self) -> swap.SwapFile:
+    def ensure_file(self) -> swap.ChunkStore:
         if self.file is None:
             lay = self.layout
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, (self.pattern.n_slots, len(lay.first), lay.chunk))
+            shape = (self.pattern.n_slots, len(lay.first), lay.chunk)
+            self.file = swap.SwapFile(self.directory, lay.n_chunks, shape) if self.directory is not None else \
+                swap.HostStore(lay.n_chunks, shape)  # fmt: skip
         return self.file
 
     def save_view(self, state):
@@ -391,7 +398,7 @@ class _Compiled(_Stepper):
 
 
 def make_streamed(ts, cfg: RunConfig):
-    """The TrainStep `ts` (built in memory) with its optimizer state in the NVMe tier."""
+    """The TrainStep `ts` (built in memory) with its optimizer state in the streamed tier (nvme or host)."""
     master = jnp.dtype(cfg.model.param_dtype).itemsize < 4  # as make_optimizer decides
     elem = optimizer.elementwise_transform(cfg)  # a ConfigError for an optimizer that is not elementwise
     chunk_tx = optimizer.with_master_weights(elem) if master else elem

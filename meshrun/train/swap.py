@@ -1,6 +1,7 @@
-"""The NVMe tier's files: a process's optimizer state as fixed-size chunks in one preallocated file,
-read and written with positional I/O (`os.preadv` / `os.pwritev`, which release the GIL) on one
-reader and one writer thread.
+"""Where the streamed update's chunks rest: the NVMe tier's files (`SwapFile`: a process's optimizer
+state as fixed-size chunks in one preallocated file, read and written with positional I/O, `os.preadv`
+/ `os.pwritev`, which release the GIL, on one reader and one writer thread) or the host tier's memory
+(`HostStore`: the same chunks in one host array).
 
 File layout: chunk-major, `[n_chunks][slots][rows][C]` float32, so one chunk (every slot: master,
 m, v, ... of every distinct local row, `C` elements each) is one contiguous read and one contiguous
@@ -123,43 +124,48 @@ def _maybe_fault(i: int, n_chunks: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-class SwapFile:
-    """One process's optimizer state on disk: `n_chunks` chunks of shape `chunk` (slots, rows, C)."""
+class ChunkStore:
+    """A process's optimizer state as `n_chunks` chunks of shape `chunk` (slots, rows, C), and the
+    pipelined pass over them (`stream`). Where the chunks rest is the subclass's: a file (`SwapFile`,
+    the nvme tier) or host memory (`HostStore`, the host tier); `read`, `write` and `settle` move them."""
 
-    def __init__(self, directory: Path, n_chunks: int, chunk: tuple[int, int, int]):
-        self.directory, self.n_chunks, self.chunk = Path(directory), n_chunks, chunk
+    def __init__(self, n_chunks: int, chunk: tuple[int, int, int]):
+        self.n_chunks, self.chunk = n_chunks, chunk
         self.chunk_bytes = int(np.prod(chunk)) * 4
-        self.path = self.directory / f"optimizer-state-{os.getpid()}-{id(self):x}.bin"
         self.resident = self.peak_resident = 0  # host bytes of chunk buffers held by the tier
         self.bytes_read = self.bytes_written = 0
-        self.reads = self.writes = 0  # positional I/O calls (one per chunk unless a transfer comes up short)
+        self.reads = self.writes = 0  # read / write calls (one per chunk unless a transfer comes up short)
         self.streams, self.stream_bytes = 0, 0  # streamed updates; bytes they moved while timed
-        self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write on disk
+        self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write settled
         self._count = threading.Lock()
         return_freed_buffers()
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as e:
-            raise _io_error(self.directory, e, "create a file in") from None
-        self._final = weakref.finalize(self, _close, self.fd, str(self.path))
-        try:
-            os.posix_fallocate(self.fd, 0, self.n_chunks * self.chunk_bytes)  # a full disk fails here, not mid-step
-        except OSError as e:
-            self.close()
-            raise _io_error(self.directory, e, "allocate the optimizer state in") from None
+
+    def _start(self) -> None:
+        """The reader and writer threads and the two read buffers (once the store exists)."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="offload-write")
-        self._ring = [self._hold(aligned(chunk)) for _ in range(2)]
+        self._ring = [self._hold(aligned(self.chunk)) for _ in range(2)]
 
-    @property
-    def state_bytes(self) -> int:
-        return self.n_chunks * self.chunk_bytes
+    def read(self, i: int, buf: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def write(self, i: int, parts: Iterable[np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """After a pass: every written chunk where it rests."""
+
+    def _swap_out(self, i: int) -> None:
+        """Chunk i's new pieces exist and are about to be written (the fault hooks' place)."""
 
     def close(self) -> None:
         for pool in ("_reader", "_writer"):
             if hasattr(self, pool):
                 getattr(self, pool).shutdown(wait=True)
-        self._final()
+
+    @property
+    def state_bytes(self) -> int:
+        return self.n_chunks * self.chunk_bytes
 
     # ------------------------------------------------------------ accounting
 
@@ -187,6 +193,101 @@ class SwapFile:
     def buffer(self) -> np.ndarray:
         """A ring buffer for a pass outside `stream` (init, checkpoints)."""
         return self._ring[0]
+
+    # ------------------------------------------------------------ the pipelined pass
+
+    def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
+               ready: Callable[[], object] = lambda: None) -> None:  # fmt: skip
+        """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
+        being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
+        are written back. buf is refilled (with chunk i + 2) only after `fetch` returned: the update
+        may keep reading buf until then (a device aliasing it). Reads run one chunk ahead, writes one
+        behind. `ready()` blocks until the update's inputs exist (the gradient): chunk 0 is read
+        meanwhile, and `stream_s` counts from its return to the last chunk settled (`settle`)."""
+        pending: Future | None = None
+        fetched: threading.Event | None = None
+        _streams[0] += 1
+        ahead = self._reader.submit(self.read, 0, self._ring[0])
+        try:
+            ready()
+            t0 = time.perf_counter()
+            for i in range(self.n_chunks):
+                buf = ahead.result()
+                if i + 1 < self.n_chunks:
+                    if fetched is not None:
+                        fetched.wait()  # chunk i - 1's update is done with the buffer chunk i + 1 goes into
+                    ahead = self._reader.submit(self.read, i + 1, self._ring[(i + 1) % 2])
+                handle = update(i, buf)
+                if pending is not None:
+                    pending.result()  # write i - 1 done before write i starts holding its chunk
+                fetched = threading.Event()
+                pending = self._writer.submit(self._write_back, i, fetch, handle, fetched)
+            if pending is not None:
+                pending.result()
+            self.settle()
+            self.stream_s += time.perf_counter() - t0
+            self.streams += 1
+            self.stream_bytes += 2 * self.state_bytes - self.chunk_bytes  # chunk 0's read: before t0
+        finally:  # on an error: let the threads finish before the buffers go away
+            for f in (ahead, pending):
+                if f is not None:
+                    with contextlib.suppress(BaseException):
+                        f.result()
+
+    def _write_back(self, i: int, fetch, handle, fetched: threading.Event | None = None) -> None:
+        """Chunk i's new pieces (`fetch(handle)`) to the store, held while written. `fetched` (a streamed
+        update): set once they exist, and chunk i's fault hooks run."""
+        self._hold()
+        try:
+            parts = fetch(handle)
+            if fetched is not None:
+                fetched.set()
+                self._swap_out(i)
+            self.write(i, parts)
+        finally:
+            if fetched is not None:
+                fetched.set()
+            self._release()
+
+    def read_all(self, each: Callable[[int, np.ndarray], None]) -> None:
+        """`each(i, buf)` for every chunk in order (checkpoints: the whole state, one chunk at a time)."""
+        for i in range(self.n_chunks):
+            each(i, self.read(i, self._ring[0]))
+
+    def write_all(self, pieces: Callable[[int], list[np.ndarray]]) -> None:
+        for i in range(self.n_chunks):
+            self._write_back(i, pieces, i)
+        self.settle()
+
+
+class SwapFile(ChunkStore):
+    """One process's optimizer state on disk (the nvme tier): one preallocated file, positional I/O."""
+
+    def __init__(self, directory: Path, n_chunks: int, chunk: tuple[int, int, int]):
+        super().__init__(n_chunks, chunk)
+        self.directory = Path(directory)
+        self.path = self.directory / f"optimizer-state-{os.getpid()}-{id(self):x}.bin"
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise _io_error(self.directory, e, "create a file in") from None
+        self._final = weakref.finalize(self, _close, self.fd, str(self.path))
+        try:
+            os.posix_fallocate(self.fd, 0, self.n_chunks * self.chunk_bytes)  # a full disk fails here, not mid-step
+        except OSError as e:
+            self.close()
+            raise _io_error(self.directory, e, "allocate the optimizer state in") from None
+        self._start()
+
+    def close(self) -> None:
+        super().close()
+        self._final()
+
+    def _swap_out(self, i: int) -> None:
+        try:
+            _maybe_fault(i, self.n_chunks)
+        except OSError as e:
+            raise _io_error(self.directory, e, "write the optimizer state to") from None
 
     # ------------------------------------------------------------ positional I/O
 
@@ -233,73 +334,34 @@ class SwapFile:
             raise _io_error(self.directory, e, "write the optimizer state to") from None
         _advise(self.fd, 0, 0)
 
-    # ------------------------------------------------------------ the pipelined pass
 
-    def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
-               ready: Callable[[], object] = lambda: None) -> None:  # fmt: skip
-        """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
-        being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
-        are written back. buf is refilled (with chunk i + 2) only after `fetch` returned: the update
-        may keep reading buf until then (a device aliasing it). Reads run one chunk ahead, writes one
-        behind. `ready()` blocks until the update's inputs exist (the gradient): chunk 0 is read
-        meanwhile, and `stream_s` counts from its return to the last chunk on disk (`settle`)."""
-        pending: Future | None = None
-        fetched: threading.Event | None = None
-        _streams[0] += 1
-        ahead = self._reader.submit(self.read, 0, self._ring[0])
-        try:
-            ready()
-            t0 = time.perf_counter()
-            for i in range(self.n_chunks):
-                buf = ahead.result()
-                if i + 1 < self.n_chunks:
-                    if fetched is not None:
-                        fetched.wait()  # chunk i - 1's update is done with the buffer chunk i + 1 goes into
-                    ahead = self._reader.submit(self.read, i + 1, self._ring[(i + 1) % 2])
-                handle = update(i, buf)
-                if pending is not None:
-                    pending.result()  # write i - 1 done before write i starts holding its chunk
-                fetched = threading.Event()
-                pending = self._writer.submit(self._write_back, i, fetch, handle, fetched)
-            if pending is not None:
-                pending.result()
-            self.settle()
-            self.stream_s += time.perf_counter() - t0
-            self.streams += 1
-            self.stream_bytes += 2 * self.state_bytes - self.chunk_bytes  # chunk 0's read: before t0
-        finally:  # on an error: let the threads finish before the buffers go away
-            for f in (ahead, pending):
-                if f is not None:
-                    with contextlib.suppress(BaseException):
-                        f.result()
+class HostStore(ChunkStore):
+    """One process's optimizer state in host memory (the host tier): the chunks in one page-aligned
+    array, in the file's layout, so the streamed update, init and checkpoints run as for the nvme
+    tier. A read copies chunk i into a ring buffer and a write copies the new chunk back: the update
+    never takes the store's own memory, and what it holds beyond the store is counted as for a file."""
 
-    def _write_back(self, i: int, fetch, handle, fetched: threading.Event | None = None) -> None:
-        """Chunk i's new pieces (`fetch(handle)`) to the file, held while written. `fetched` (a streamed
-        update): set once they exist, and chunk i's fault hooks run."""
-        self._hold()
-        try:
-            parts = fetch(handle)
-            if fetched is not None:
-                fetched.set()
-                try:
-                    _maybe_fault(i, self.n_chunks)
-                except OSError as e:
-                    raise _io_error(self.directory, e, "write the optimizer state to") from None
-            self.write(i, parts)
-        finally:
-            if fetched is not None:
-                fetched.set()
-            self._release()
+    def __init__(self, n_chunks: int, chunk: tuple[int, int, int]):
+        super().__init__(n_chunks, chunk)
+        self.data = aligned((n_chunks, *chunk))  # untouched pages cost nothing until written
+        self._start()
 
-    def read_all(self, each: Callable[[int, np.ndarray], None]) -> None:
-        """`each(i, buf)` for every chunk in order (checkpoints: the whole state, one chunk at a time)."""
-        for i in range(self.n_chunks):
-            each(i, self.read(i, self._ring[0]))
+    def read(self, i: int, buf: np.ndarray) -> np.ndarray:
+        np.copyto(buf, self.data[i])
+        self.reads += 1
+        self.bytes_read += self.chunk_bytes
+        return buf
 
-    def write_all(self, pieces: Callable[[int], list[np.ndarray]]) -> None:
-        for i in range(self.n_chunks):
-            self._write_back(i, pieces, i)
-        self.settle()
+    def write(self, i: int, parts: Iterable[np.ndarray]) -> None:
+        """Chunk i from its (slot, row) pieces in store order."""
+        parts, row, done = list(parts), self.data[i].reshape(-1), 0
+        if sum(p.size for p in parts) != row.size:
+            raise ValueError(f"chunk {i}: {sum(p.size for p in parts) * 4} bytes, expected {self.chunk_bytes}")
+        for p in parts:
+            row[done : done + p.size] = p.reshape(-1)
+            done += p.size
+        self.writes += 1
+        self.bytes_written += self.chunk_bytes
 
 
 def _close(fd: int, path: str) -> None:
