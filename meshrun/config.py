@@ -311,9 +311,9 @@ class TrainConfig:
     run_dir: str = "runs/default"  # one run: config.yaml, metrics.jsonl, checkpoints/, logs; a rerun resumes
     profile: bool = False  # trace steps with jax.profiler into RUN_DIR/profile and print the profile report
     # Where the optimizer state (moments, and the float32 master weights of params stored below
-    # float32) rests between steps: none (device) | host (pinned host memory; the step moves it in and
-    # out) | nvme (files in offload_dir, updated in chunks streamed through offload_budget_mb of host
-    # memory, docs/offload.md). true/false are read as host/none.
+    # float32) rests between steps: none (device) | host (host memory) | nvme (files in offload_dir);
+    # host and nvme stream the update through the device in chunks of offload_budget_mb
+    # (docs/offload.md). true/false are read as host/none.
     offload_optimizer: str | bool = "none"
     offload_dir: str = ""  # nvme: a local directory per process ("{process}" is replaced by its index)
     offload_budget_mb: float = 256.0  # nvme, host: host memory for the streamed update's chunk buffers
