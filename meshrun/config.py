@@ -276,12 +276,13 @@ class PipelineConfig:
 
 
 def offload_params_refusals(
-    zero: int, offload_optimizer: str, param_dtype: str | None = None, fp8: str | None = None
+    zero: int, offload_optimizer: str, param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None
 ) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.offload_params=true` beside these settings: (what, fix) pairs, empty
     when it runs them. The one place these rules live: TrainConfig, the step's plan (the model's
-    fields) and the planner (which proposes only what this accepts) ask it. A field given as None is
-    not checked (TrainConfig does not see the model's)."""
+    fields, the mesh's pipeline degree) and the planner (which proposes only what this accepts) ask
+    it. A field given as None is not checked (TrainConfig does not see the model's), except that
+    params below float32 need `pipe` known: they are built without a pipeline only."""
     out = []
     if zero != 3:
         out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
@@ -291,10 +292,13 @@ def offload_params_refusals(
         )
     if fp8 not in (None, "none"):
         out.append(("is not built with fp8 training", "turn model.fp8 off with it"))
-    if param_dtype not in (None, "float32"):
-        # The fetched layer's gradient has the params' dtype, so bf16 params would round each layer's reduced
-        # gradient to bf16 before the float32 sums: not the numbers of the run without the switch.
-        out.append(("is built for float32 params only", "use model.param_dtype=float32 with it"))
+    if param_dtype not in (None, "float32") and (pipe is None or pipe > 1):
+        # The fetched layer's float32 gradient goes to float32 arrays beside the params
+        # (layer_fetch.Shadowed), which the microbatch scan differentiates; the pipeline's backward takes
+        # the vjp of the (bf16) params themselves, so each layer's reduced gradient would be rounded.
+        got = "mesh.pipe unknown" if pipe is None else f"mesh.pipe={pipe}"
+        out.append((f"is built for {param_dtype} params without a pipeline only ({got})",
+                    "use mesh.pipe=1 or model.param_dtype=float32 with it"))  # fmt: skip
     return out
 
 

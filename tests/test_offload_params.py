@@ -160,3 +160,47 @@ def test_offload_params_refuses_bf16_params(capsys):
     err = capsys.readouterr().err
     assert "train.offload_params" in err and "model.param_dtype=float32" in err and "Traceback" not in err
     assert err.count("\n") == 1
+
+
+BF16 = ["model.param_dtype=bfloat16", "model.dtype=bfloat16"]
+
+
+def _grads_and_one_step(over):
+    """(loss, float32 gradient, state after one step in model order) of tiny_cpu with `over`."""
+    cfg = _cfg("tiny_cpu.yaml", over)
+    mesh = build_mesh(cfg.mesh)
+    ts = make_train_step(cfg, mesh)
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
+    batch = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
+    state = ts.init()
+    loss, grads, _ = jax.device_get(jax.jit(ts.loss_and_grads)(state.params, *batch))
+    state, _ = ts.step(state, *batch)
+    return loss, grads, jax.device_get(ts.to_model(state))
+
+
+@pytest.mark.parametrize("over", [DP4_TP2, DP8_M1], ids=["data4-tensor2-m4", "data8-m1"])
+def test_bf16_params_reduce_the_fetched_gradient_in_float32(over):
+    """bf16 params with a float32 master: each fetched layer's gradient is reduced in float32 (the
+    backward sends it to float32 arrays beside the bf16 shards, `layer_fetch.Shadowed`), so the
+    gradient equals the run without the switch's float32 sums (rtol 1e-5; the sums are added in
+    another order: per microbatch after the reduction instead of before it; with one microbatch
+    the same numbers bit for bit) where a bf16 reduced gradient would be 2^-9 off. After one step
+    the float32 master and Adam's moments follow at rtol 1e-5 and the params are the rounded
+    master. Further steps are not compared: a last-bit difference of the master flips the bf16
+    rounding of a few params, and the runs then part by bf16 steps, with or without the switch."""
+    off = _grads_and_one_step([*BF16, *over])
+    on = _grads_and_one_step([*BF16, *over, *ON])
+    assert on[0] == off[0]
+    exact = "pipeline.microbatches=1" in over
+    for (path, g), r in zip(jax.tree.leaves_with_path(on[1]), jax.tree.leaves(off[1]), strict=True):
+        assert g.dtype == r.dtype == np.float32, path
+        if exact:
+            np.testing.assert_array_equal(g, r, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            g, r, rtol=1e-5, atol=1e-6 * float(np.abs(r).max()), err_msg=jax.tree_util.keystr(path)
+        )
+    state, ref = on[2], off[2]
+    for (path, a), b in zip(jax.tree.leaves_with_path(state.opt_state), jax.tree.leaves(ref.opt_state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    rounded = jax.tree.map(lambda m, p: np.asarray(m).astype(p.dtype), state.opt_state.master, state.params)
+    jax.tree.map(np.testing.assert_array_equal, state.params, rounded)

@@ -13,6 +13,12 @@ used by `bw_split.vjp_into`'s accumulation: the slice of the sums and the gradie
 device, the sum goes back). The fetch sits inside the unit's
 remat, so the backward fetches the layer again instead of keeping the gathered weights (a unit
 with no remat of its own is checkpointed around them: `FETCHED`).
+
+The reduced gradient is float32, as the whole-step reduction's is, whatever the params' dtype: a
+cotangent must have its primal's dtype, so the step differentiates with respect to float32 arrays
+shaped like the layers' shards (`Shadowed.z`: the gradient sums themselves, or zeros) that the
+forward ignores, not the (e.g. bf16) parameters, and the fetch's backward returns its float32
+gradient as their cotangent.
 """
 
 from __future__ import annotations
@@ -61,6 +67,28 @@ def fetch_layer(p: Any) -> Any:
     return p if fn is None else jax.tree.map(lambda x: checkpoint_name(x, FETCHED), fn(p))
 
 
+@jax.tree_util.register_pytree_node_class
+class Shadowed:
+    """A resting parameter shard `x` with a float32 array `z` of its shape: the fetch gathers `x`
+    and sends the reduced float32 gradient to `z` (see the module doc). A pytree node, so the
+    model's layer scan slices both."""
+
+    def __init__(self, x, z):
+        self.x, self.z = x, z
+
+    def tree_flatten(self):
+        return (self.x, self.z), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def shadowed(params: Any, z: Any) -> Any:
+    """`params` with each leaf paired with the float32 array of `z` at its place."""
+    return jax.tree.map(Shadowed, params, z)
+
+
 def on_host(x: jax.Array) -> bool:
     return jax.typeof(x).memory_space == HOST_SPACE
 
@@ -105,28 +133,37 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -
         scattered = {a for _, axes in gathers for a in axes}
         rest = tuple(a for a in live if a not in used and a not in scattered)
 
-        host = on_host(x)  # the cotangent goes back where the slice came from
-
-        @jax.custom_vjp
-        def fetch(x):
+        def gather(x):
             x = to_device(x)
             for d, axes in gathers:
                 x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
             return x
 
-        def fwd(x):
-            return fetch(x), None
-
-        def bwd(_, g):
-            dt = g.dtype
+        def reduce(g, dt, host):
             g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
             g = g if reduce_dtype is None else g.astype(reduce_dtype)
             for d, axes in gathers:
                 g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
             g = (jax.lax.psum(g, rest) if rest else g).astype(dt)
-            return (jax.device_put(g, HOST_SPACE) if host else g,)
+            return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
 
-        fetch.defvjp(fwd, bwd)
+        if isinstance(x, Shadowed):  # the float32 gradient goes to z; x (not differentiated) has none
+            z_host = on_host(x.z)
+
+            @jax.custom_vjp
+            def fetch2(x, z):
+                return gather(x)
+
+            fetch2.defvjp(lambda x, z: (gather(x), None), lambda _, g: (None, reduce(g, x.z.dtype, z_host)))
+            return fetch2(x.x, x.z)
+
+        host = on_host(x)
+
+        @jax.custom_vjp
+        def fetch(x):
+            return gather(x)
+
+        fetch.defvjp(lambda x: (fetch(x), None), lambda _, g: (reduce(g, g.dtype, host),))
         return fetch(x)
 
-    return lambda p: jax.tree.map(leaf, p, store, compute)
+    return lambda p: jax.tree.map(leaf, p, store, compute, is_leaf=lambda x: isinstance(x, Shadowed))

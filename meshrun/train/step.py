@@ -30,7 +30,7 @@ from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
-from meshrun.parallel.layer_fetch import host_zeros, on_host, use_layer_fetch
+from meshrun.parallel.layer_fetch import host_zeros, on_host, shadowed, use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
@@ -88,27 +88,33 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
                 loss_sum, _, aux = contract.forward_sums(fns, p, *mb)
                 return contract.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
 
-            grad_fn = jax.grad(share, has_aux=True)
+            if zl.streamed:  # differentiate w.r.t. float32 arrays beside the layers (`layer_fetch.Shadowed`):
+                layers = params["layers"]  # the layers' sums (or, with m = 1, zeros) in host memory
+                rest = {k: v for k, v in params.items() if k != "layers"}
+                share_d = lambda d, *mb: share({**d[0], "layers": shadowed(layers, d[1])}, *mb)
+                diff = lambda acc: ({k: v for k, v in acc.items() if k != "layers"}, acc["layers"])
+                primal = lambda acc: (rest, acc["layers"])
+                split_g = lambda g: {**g[0], "layers": g[1]}
+            else:
+                share_d, diff, primal, split_g = share, (lambda acc: acc), (lambda acc: params), (lambda g: g)
+            grad_fn = jax.grad(share_d, has_aux=True)
 
             def micro(acc, mb):
                 if m == 1:  # nothing to accumulate: the gradient is the sum
-                    g, sums = grad_fn(params, *mb)
+                    g, sums = grad_fn(primal(acc[0]), *mb)
                     # streamed layers: their gradient came out of the scan reduced, in host memory
                     add = lambda a, x: x if on_host(x) else a + x
-                    return jax.tree.map(add, acc, (g, sums)), None
+                    return jax.tree.map(add, acc, (split_g(g), sums)), None
                 # the backward's layer loop adds each layer's gradients into the float32 sums in
                 # place (`bw_split.vjp_into`): no whole fresh gradient beside the sums
-                loss, vjp, sums = jax.vjp(lambda p: share(p, *mb), params, has_aux=True)
-                (g,) = bw_split.vjp_into(vjp, jnp.ones_like(loss), (acc[0],))
-                return (g, jax.tree.map(jnp.add, acc[1], sums)), None
+                loss, vjp, sums = jax.vjp(lambda d: share_d(d, *mb), primal(acc[0]), has_aux=True)
+                (g,) = bw_split.vjp_into(vjp, jnp.ones_like(loss), (diff(acc[0]),))
+                return (split_g(g), jax.tree.map(jnp.add, acc[1], sums)), None
 
-            shapes = jax.eval_shape(grad_fn, params, *(a[:b] for a in batch))
+            shapes = jax.eval_shape(jax.grad(share, has_aux=True), params, *(a[:b] for a in batch))
             sums = accum_zeros(shapes[0])
-            if zl.streamed:  # the layers' (float32) sums rest in host memory, added to a layer at a time
-                # m = 1: the carry is the gradient itself, in the param dtype
-                sums["layers"] = host_zeros(
-                    jax.eval_shape(accum_zeros, shapes[0]["layers"]) if m > 1 else shapes[0]["layers"]
-                )
+            if zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time
+                sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes[0]["layers"]))
             zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
             # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a
