@@ -79,17 +79,16 @@ def _doc_table() -> dict[str, tuple[str, str]]:
     return rows
 
 
-def _eval(cell: str, n: float, b: float, m: int, g: float = 4) -> float:
+def _eval(cell: str, n: float, b: float, m: int) -> float:
     """A cell of the table as a number: comments in words dropped, `·` a product."""
     expr = re.sub(r"\((?:the|Adam)[^)]*\)", "", cell).replace("·", "*").strip()
-    expr = expr.replace("N*4", f"N*{g}")  # m = 1: the update reads the gradient in the param dtype
     return eval(expr, {"N": n, "b": b, "m": m}) if expr else 0.0  # noqa: S307 (our own docs)
 
 
 @pytest.mark.parametrize("m,b", [(1, 2), (1, 4), (4, 2), (8, 4)])
 def test_link_bytes_follow_the_docs_table(m, b):
-    """`param_offload.link_bytes` is docs/offload.md's table row by row (m = 1: no sums row, the
-    update reads the gradient in the param dtype); the host tier adds its state both ways."""
+    """`param_offload.link_bytes` is docs/offload.md's table row by row (m = 1: no sums row; the
+    gradient is float32 either way); the host tier adds its state both ways."""
     n = 1000.0
     rows = _doc_table()
     assert list(rows) == ["forward", "backward", "gradient sums (m > 1 only)", "update: the norm, then the update",
@@ -98,17 +97,16 @@ def test_link_bytes_follow_the_docs_table(m, b):
     for phase in list(rows)[:4]:
         if phase.startswith("gradient sums") and m == 1:
             continue
-        g = 4 if m > 1 else b
-        h2d += _eval(rows[phase][0], n, b, m, g if phase.startswith("update") else 4)
-        d2h += _eval(rows[phase][1], n, b, m, g if phase.startswith("update") else 4)
+        h2d += _eval(rows[phase][0], n, b, m)
+        d2h += _eval(rows[phase][1], n, b, m)
     assert param_offload.link_bytes(n, b, m) == pytest.approx((h2d, d2h), rel=0, abs=0)
     host = rows["update with `offload_optimizer=host`"]
     assert "8·N" in host[0] and "12·N with a float32 master" in host[0] and host[1] == "+ the same"
     assert param_offload.link_bytes(n, b, m, 12.0) == pytest.approx((h2d + 12 * n, d2h + 12 * n), rel=0, abs=0)
-    # the table by hand, m = 4, bf16: forward 8000 + backward 8000 + sums 4 x 6000 + update 10000 in;
-    # backward 8000 + zeros 4000 + sums 16000 + update 2000 out
-    assert param_offload.link_bytes(1000, 2, 4) == (50_000, 30_000)
-    assert param_offload.link_bytes(1000, 2, 1) == (2_000 + 2_000 + 6_000, 2_000 + 2_000)
+    # the table by hand, m = 4, bf16: forward 8000 + backward 8000 + sums 4 x 8000 + update 10000 in;
+    # backward 16000 + zeros 4000 + sums 16000 + update 2000 out
+    assert param_offload.link_bytes(1000, 2, 4) == (58_000, 38_000)
+    assert param_offload.link_bytes(1000, 2, 1) == (2_000 + 2_000 + 10_000, 4_000 + 4_000 + 2_000)
 
 
 # ----------------------------------------------------------------------------- one layout by hand
@@ -178,7 +176,10 @@ def test_proposed_only_when_the_state_tiers_do_not_fit():
 
 # ----------------------------------------------------------------------------- the runtime's rules decide
 
-ARGV_405B = ["--model", "llama-405b", "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
+# one node with 3 TB of host memory: a DGX H100's 2 TB (1.8 usable) cannot hold the 405B's bf16 params
+# and their float32 gradient (2.42 TB per node; test_405b_on_a_dgx_h100_needs_more_host_memory)
+ARGV_405B = ["--model", "llama-405b", "--cluster", "h100-80g:1x8,host=3TB", "--global-batch", "16", "--seq-len",
+             "4096"]  # fmt: skip
 
 
 def refuse(*args, **kw):
@@ -209,12 +210,20 @@ def test_405b_follows_the_runtimes_acceptance(capsys, monkeypatch):
     planner's answer follows `config.offload_params_refusals` alone: refused, it exits 2 naming what
     refuses it; accepted, the same command answers with a layout and its step time. Pinned both ways
     by replacing that one function, and checked against what it says today."""
-    today = [w for w, _ in config.offload_params_refusals(3, "nvme", "bfloat16", "none")]
+    today = [w for w, _ in config.offload_params_refusals(3, "nvme", "bfloat16", "none", 1)]  # its layout: pipe 1
     check_405b(*run_cli([*ARGV_405B, "--top", "1"], capsys), today)
     monkeypatch.setattr(config, "offload_params_refusals", refuse)
     check_405b(*run_cli([*ARGV_405B, "--top", "1"], capsys), ["is refused by this test"])
     monkeypatch.setattr(config, "offload_params_refusals", lambda *a, **k: [])
     check_405b(*run_cli([*ARGV_405B, "--top", "1"], capsys), [])
+
+
+def test_405b_on_a_dgx_h100_needs_more_host_memory(capsys):
+    """On a DGX H100 (2 TB of host memory) nothing fits: the params in host memory with their float32
+    gradient need 2.42 TB per node, so the planner names that bound, whatever the runtime accepts."""
+    argv = ["--model", "llama-405b", "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 2 and out == "" and "2.42 TB of host memory per node" in err and "> 1800 GB usable" in err
 
 
 def test_a_refused_combination_is_never_proposed(monkeypatch):

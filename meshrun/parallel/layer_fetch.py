@@ -141,7 +141,7 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -
 
         def reduce(g, dt, host):
             g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
-            g = g if reduce_dtype is None else g.astype(reduce_dtype)
+            g = g if reduce_dtype is None or not (gathers or rest) else g.astype(reduce_dtype)
             for d, axes in gathers:
                 g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
             g = (jax.lax.psum(g, rest) if rest else g).astype(dt)

@@ -10,8 +10,9 @@ docs/offload.md "Parameters off the device"). Per device of the fullest stage:
   update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
   the host tier; with the nvme tier, assumed as that combination is not built yet: its chunks of
   state beside their params' and gradients' slices), the optimizer temporaries.
-* host memory: the param shard, the layers' gradient (float32 sums with micro-batches, else the
-  param dtype), and the optimizer state with the host tier (the nvme tier: its chunk budget).
+* host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
+  the step's reduced gradient), and the optimizer state with the host tier (the
+  nvme tier: its chunk budget).
 * NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks).
 * host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
 
@@ -68,14 +69,13 @@ def elements(model: ModelConfig, layout: Layout, stage_layers: float) -> Element
 def link_bytes(n: float, b: float, m: int, state: float = 0.0) -> tuple[float, float]:
     """(host -> device, device -> host) bytes per step of a layer shard of `n` elements of `b` bytes
     with `m` micro-batches and `state` bytes per element resting in host memory (the host tier):
-    docs/offload.md's table, row by row."""
-    g = 4 if m > 1 else b  # the update's gradient: the float32 sums, or the step's in the param dtype
+    docs/offload.md's table, row by row (the reduced gradient is float32 whatever `b`)."""
     h2d = m * n * b + m * n * b  # forward fetch, backward fetch
-    d2h = m * n * b  # the backward's reduced gradient
-    if m > 1:  # the sums: slice and new gradient in, sum out (+ their zeros, made on the device)
-        h2d += m * (n * 4 + n * b)
-        d2h += n * 4 + m * n * 4
-    h2d += 2 * n * g + n * b  # the norm's read, then the update's gradient and params
+    d2h = m * n * 4 + n * 4  # the backward's reduced gradient, and the zeros it goes to (made on the device)
+    if m > 1:  # the sums: slice and new gradient in, sum out
+        h2d += m * (n * 4 + n * 4)
+        d2h += m * n * 4
+    h2d += 2 * n * 4 + n * b  # the norm's read, then the update's gradient and params
     d2h += n * b  # the new params
     return h2d + state * n, d2h + state * n
 
@@ -107,7 +107,8 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str) -> list[str]:
     """Why meshrun's runtime refuses this combination (empty: it runs it): `config.offload_params_refusals`
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
     fp8 = getattr(model, "fp8", None)
-    out = [what for what, _ in config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8)]
+    refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe)
+    out = [what for what, _ in refused]
     if not optimizers.get(layout.optimizer).elementwise:
         out.append(f"streams the update layer by layer, which {layout.optimizer}'s update is not")
     return out
@@ -121,7 +122,7 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
         raise ValueError(f"unknown optimizer tier {optimizer!r}; one of {tiers.TIERS}")
     el = elements(model, layout, mem.get("layers", model.n_layers / layout.pipe))
     pb, m = DTYPE_BYTES[model.param_dtype], layout.microbatches
-    g, sums = (4, 4) if m > 1 else (pb, 0)
+    g, sums = (4, 4) if m > 1 else (4, 0)  # the layers' gradient rests in float32 (layer_fetch.Shadowed)
     per_elem = mem["opt_state"] / mem["opt_elems"]  # state bytes per element of the shard
     state = per_elem * el.shard
     u = el.layers / el.units  # one unit's shard

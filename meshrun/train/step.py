@@ -113,7 +113,8 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
 
             shapes = jax.eval_shape(jax.grad(share, has_aux=True), params, *(a[:b] for a in batch))
             sums = accum_zeros(shapes[0])
-            if zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time
+            if zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time (m = 1:
+                # the float32 reduced gradient itself)
                 sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes[0]["layers"]))
             zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
