@@ -4,6 +4,7 @@ the whole-shard update (train.offload_update=whole) exactly: losses and params a
 tolerance 0. The device holds a few chunks of the state, never the whole shard (compiled bytes), and
 checkpoints are the other tiers' orbax ones (host -> none, host -> nvme, host -> whole)."""
 
+import json
 import math
 
 import jax
@@ -138,3 +139,31 @@ def test_offload_update_needs_the_host_tier(capsys):
     assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
     err = capsys.readouterr().err
     assert "train.offload_update" in err and "not elementwise" in err and "Traceback" not in err
+
+
+def test_explain_and_run_header_report_each_tier_where_it_rests(tmp_path, capsys):
+    """`meshrun explain` and the run header put the host tier's state in host memory and the nvme
+    tier's in NVMe files (not host memory): predicted, the state's bytes; compiled, the tier's own
+    count (its store per device, plus its chunk buffers in host memory), since the state is no
+    argument of the compiled device part."""
+    from meshrun.train.metrics import startup_lines
+
+    over = ["train.zero=1", "train.seq_len=16", "model.max_seq_len=16", "train.global_batch=16"]
+    tiers = {"host": [], "nvme": [f"train.offload_dir={tmp_path}"]}
+    for tier, extra in tiers.items():
+        cfg, mesh, ts = build([*over, f"train.offload_optimizer={tier}", *extra])
+        store, lay = ts.tier.ensure_file(), ts.tier.layout
+        state, buffers = store.state_bytes / len(lay.local), swap.SLOTS_IN_FLIGHT * store.chunk_bytes / len(lay.local)
+        assert main(["explain", "configs/tiny_cpu.yaml", *over, f"train.offload_optimizer={tier}", *extra,
+                     "--json"]) == 0  # fmt: skip
+        mem = json.loads(capsys.readouterr().out)["memory"]
+        pm, cm = mem["predicted"], mem["compiled"]
+        where, other = ("host", "nvme") if tier == "host" else ("nvme", "host")
+        # the store pads each row to whole chunks (multiples of 1024 elements): 2% here
+        assert pm[where] > 0 and pm[other] == 0 and pm[where] == pytest.approx(state, rel=0.05)
+        assert cm[where] == (state + buffers if tier == "host" else state)
+        assert cm[other] == (0 if tier == "host" else buffers)
+        assert cm["device"] + cm["host"] + cm["nvme"] == cm["total"]
+        (line,) = [x for x in startup_lines(cfg, mesh, ts.plan) if x.startswith("memory")]
+        assert f"host memory {pm['host'] / 2**20:.1f} MiB" in line
+        assert ("NVMe files" in line) == (tier == "nvme"), line

@@ -59,8 +59,9 @@ def predict_memory_jax(
     layout: Layout,
     *,
     seq_len: int | None = None,
-    offload_optimizer: bool = False,
+    offload_optimizer: bool | str = False,
     layers: float | None = None,
+    streamed: bool | None = None,
 ) -> dict[str, float]:
     """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
     argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
@@ -83,10 +84,12 @@ def predict_memory_jax(
     config's `layout_of`: the model's); `layers` is the layers of a stage (default n_layers / pipe).
     Memory levers: remat_every=k keeps every k-th input and rebuilds k layers at once; remat=offload
     keeps the unit input on the device and the selective names in host memory; offload_optimizer
-    moves the optimizer state (and fp32 master weights under a lower compute dtype) to host. `device` / `host`
-    split the total (as on a GPU: XLA:CPU elides in-step transfers). Context parallelism (layout.context
-    = c): activations and logits of the local s/c tokens (`activations.layer_activation_bytes`), ZeRO
-    shards over data x expert x context."""
+    moves the optimizer state (and fp32 master weights under a lower compute dtype) to host: True or
+    "host"; "nvme" moves the state to NVMe files. `streamed` (default: the nvme tier) keeps the stored
+    params on the device (the streamed update, `train/streamed.py`). `device` / `host` / `nvme` split
+    the total by where it rests between steps (as on a GPU: XLA:CPU elides in-step transfers). Context
+    parallelism (layout.context = c): activations and logits of the local s/c tokens
+    (`activations.layer_activation_bytes`), ZeRO shards over data x expert x context."""
     frac = (model.n_layers / layout.pipe if layers is None else layers) / model.n_layers
     s = seq_len or model.max_seq_len
     st = _state_bytes(model, layout, frac)
@@ -94,13 +97,18 @@ def predict_memory_jax(
     logits = _logits_bytes(model, layout, s)
     total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
     state = st["stored"] + st["moments"]  # the step's arguments
-    host_state = 0.0
-    if offload_optimizer:
-        host_state = st["moments"] + (st["stored"] if model.param_dtype != model.dtype else 0.0)
+    tier = ("host" if offload_optimizer else "none") if isinstance(offload_optimizer, bool) else offload_optimizer
+    streamed = tier == "nvme" if streamed is None else streamed
+    host_state = nvme = 0.0
+    if tier == "host":
+        host_state = st["moments"] + (st["stored"] if model.param_dtype != model.dtype and not streamed else 0.0)
+    elif tier == "nvme":
+        nvme = st["moments"]
     host = host_state + host_acts
     return {
-        "device": total - host,
+        "device": total - host - nvme,
         "host": host,
+        "nvme": nvme,
         "params": st["params"],
         "grads": st["grads"],
         "optimizer": st["opt"],

@@ -7,8 +7,10 @@ planner's prediction is printed beside what XLA reports:
 * memory per device: predicted parts (`planner.step_model.predict_memory_jax`, the model of meshrun's
   own step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
   total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp),
-  then split per memory space (`meshrun.analysis.memory.memory_spaces`): device bytes and pinned-host bytes
-  (state offloaded by train.offload_optimizer; activations offloaded by model.remat=offload on GPU).
+  then split by where it rests (`meshrun.analysis.memory.memory_spaces`): device bytes, host bytes
+  (pinned host memory: the whole-shard host tier's state, activations offloaded by model.remat=offload
+  on GPU; the streamed host tier's store) and NVMe bytes (the nvme tier's files). A streamed tier's
+  state is no argument of the compiled program: its bytes come from the tier (`Tier.bytes_per_device`).
 * collectives per step: result bytes on one device per mesh axis (`meshrun.analysis.hlo`; an op over several
   axes counts for each), and counts by op. A collective inside a while loop appears once in the HLO
   text but runs once per iteration: compiled numbers multiply each by the known trip counts of the
@@ -83,13 +85,16 @@ def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
     if not cfg.model.predictable:
         return {"memory": {}, "collectives": {}, "counts": {}}
     lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
-    off = cfg.train.offload_optimizer != "none"
-    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=off)
+    from meshrun.train.plan import streams_update
+
+    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.train.offload_optimizer,
+                                        streamed=streams_update(cfg))  # fmt: skip
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
     rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]
     comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes, grad_reduce_bytes=rb)
-    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host")
+    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host",
+            "nvme")  # fmt: skip
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
         "collectives": {k: int(v) for k, v in comm["bytes"].items()},
@@ -131,9 +136,11 @@ def buckets(colls) -> list[dict]:
     return sorted(out, key=lambda b: -b["bytes"])
 
 
-def compile_step(cfg, dump_to: str | None = None):
+def compile_step(cfg, dump_to: str | None = None, tier: dict | None = None):
     """Lower + compile the jitted train step with abstract arguments. Returns (compiled, mesh, plan).
-    `dump_to`: a directory for XLA's text dumps of the step (buffer assignment, live ranges)."""
+    `dump_to`: a directory for XLA's text dumps of the step (buffer assignment, live ranges). `tier`:
+    filled with the streamed tier's bytes per device where they rest ({"host": .., "nvme": ..}; empty
+    without one): its state is no argument of the compiled program (the device part)."""
     import jax
     import jax.numpy as jnp
 
@@ -147,6 +154,8 @@ def compile_step(cfg, dump_to: str | None = None):
     tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=train_step.batch_sharding)
     n_batch = 3 if cfg.data.pack_documents else 2  # tokens, labels[, segment_ids]
     lowered = train_step.step.lower(train_step.abstract_run, *(tokens,) * n_batch)
+    if tier is not None and train_step.tier is not None:
+        tier.update(train_step.tier.bytes_per_device())
     options = {}
     if dump_to is not None:
         options = {"xla_dump_to": dump_to, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*train_step.*"}
@@ -234,7 +243,8 @@ def explain(cfg) -> dict:
                 "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
         return out
     with tempfile.TemporaryDirectory() as d:
-        compiled, mesh, plan = compile_step(cfg, dump_to=d)
+        tier: dict = {}  # a streamed tier's state: outside the compiled program
+        compiled, mesh, plan = compile_step(cfg, dump_to=d, tier=tier)
         live = _read_live(d)
     shape = dict(mesh.shape)
     pred = predict(cfg, shape, plan.program)
@@ -250,7 +260,8 @@ def explain(cfg) -> dict:
     from meshrun.analysis.memory import memory_spaces  # imports jax: only after the devices are set up
 
     spaces = memory_spaces(compiled)
-    mem |= {"device": spaces["device"], "host": spaces["host"]}
+    mem |= {"device": spaces["device"], "host": spaces["host"] + tier.get("host", 0), "nvme": tier.get("nvme", 0)}
+    mem["total"] += mem["host"] - spaces["host"] + mem["nvme"]
     comm = compiled_collectives(compiled.as_text(), shape)
     out |= {
         "mesh": shape,
@@ -291,7 +302,8 @@ def format_report(rep: dict, title: str) -> str:
         ("alias (donated)", None, cm.get("alias")),
         ("total", pm.get("total"), cm.get("total")),
         ("  in device memory", pm.get("device"), cm.get("device")),
-        ("  in pinned host memory", pm.get("host"), cm.get("host")),
+        ("  in host memory", pm.get("host"), cm.get("host")),
+        ("  in NVMe files", pm.get("nvme"), cm.get("nvme")),
     ]
     for name, p, c in rows:
         lines.append(f"{name:<28}{_mb(p):>12}{_mb(c):>12}")

@@ -253,6 +253,7 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     planner's predicted memory per device (`planner.step_model.predict_memory_jax` on `plan.layout`)."""
     from meshrun.planner import predict_memory_jax
     from meshrun.runtime.mesh import describe_dict
+    from meshrun.train.plan import streams_update
 
     m, t, pc = cfg.model, cfg.train, cfg.pipeline
     if plan.abstract_params is not None:  # the family's own parameters
@@ -283,11 +284,15 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
         lines.append(f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})")
         return lines
     try:
-        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer != "none")
-        host = f", host {_gib(mem['host'])}" if mem.get("host") else ""
+        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer,
+                                 streamed=streams_update(plan.cfg))  # fmt: skip
+        where = ""
+        if mem["host"] or mem["nvme"]:  # where it rests: the state off the device
+            where = f"; device {_gib(mem['device'])}, host memory {_gib(mem['host'])}" + (
+                f", NVMe files {_gib(mem['nvme'])}" if mem["nvme"] else "")  # fmt: skip
         lines.append(
             f"memory    predicted {_gib(mem['total'])} per device (params {_gib(mem['params'])}, optimizer "
-            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}{host})"
+            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}){where}"
         )
     except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
         lines.append(f"memory    no prediction ({type(e).__name__})")

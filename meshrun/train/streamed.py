@@ -304,6 +304,15 @@ class Tier:
         params = self.assemble(tuple(new_p))
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 
+    def bytes_per_device(self) -> dict[str, float]:
+        """Where the tier's bytes rest, per device (this process's share): the store (host memory or
+        the NVMe file; rows replicated over devices are stored once) and the chunk buffers in host
+        memory (at most `swap.SLOTS_IN_FLIGHT` chunks)."""
+        lay = self.layout
+        row = self.pattern.n_slots * len(lay.first) * 4  # bytes of one element of every slot and row
+        store, buffers = row * lay.length / len(lay.local), swap.SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+        return {"host": store + buffers, "nvme": 0.0} if self.directory is None else {"host": buffers, "nvme": store}
+
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)
 
     def ensure_file(self) -> swap.ChunkStore:
