@@ -279,6 +279,13 @@ class Tier:
             for s in self.slot_sh
         ]
         self.flatten_slot = jax.jit(lambda leaves: lay.flatten(leaves, jnp.float32), out_shardings=lay.sharding)
+        if plan.relaid:  # the params between the checkpoint's layer order and the run's (to run, to model)
+            model_p, split = ts.abstract_state.params, plan.split
+            self.relay_params = tuple(
+                jax.jit(lambda prm, f=f: {**prm, "layers": f(prm["layers"])}, out_shardings=out)
+                for f, out in ((split.to_pipeline, sh.params), (split.from_pipeline, jax.tree.map(lambda x: x.sharding,
+                                                                                                 model_p)))
+            )  # fmt: skip
         self.init = tier_io.StreamedInit(self, chunk_tx)
         self.state_pieces = tier_io.StatePieces(self)
 
@@ -326,23 +333,23 @@ class Tier:
     def save_view(self, state):
         """The run state as a checkpoint takes it: the optimizer's parameter-shaped leaves as
         `StreamedArray`s read from the file while the save writes them (tier_io.py)."""
-        if self.ts.plan.relaid:  # the layers' order differs from the checkpoint's: the whole state
-            return self.ts.to_model(self.whole(state))
         slices.install()
         p, f32 = self.state_pieces, jnp.dtype(jnp.float32)
+        model_sh = jax.tree.leaves(self.ts.abstract_state.opt_state, is_leaf=lambda x: hasattr(x, "sharding"))
+        slot_sh, _ = self.pattern.split([x.sharding for x in model_sh])  # model order: the checkpoint's
         slots = [[slices.StreamedArray(key, p.shapes[key], f32, sh, p) for key, sh in zip(keys, shs, strict=True)]
-                 for keys, shs in zip(p.key_of, self.slot_sh, strict=True)]  # fmt: skip
+                 for keys, shs in zip(p.key_of, slot_sh, strict=True)]  # fmt: skip
         leaves = self.pattern.join(slots, list(state.opt_state))
-        return state._replace(opt_state=jax.tree.unflatten(self.full_def, leaves))
+        params = self.relay_params[1](state.params) if self.ts.plan.relaid else state.params
+        return state._replace(params=params, opt_state=jax.tree.unflatten(self.full_def, leaves))
 
     def restore(self, ckpt, step: int):
         """Checkpoint `step` into the tier: params and scalars into memory, the rest into the file."""
         ts = self.ts
-        if ts.plan.relaid:
-            return self.absorb(ts.to_run(ckpt.restore(step, ts.abstract_state)))
         state = ckpt.restore(step, ts.abstract_state, streamed=self.state_pieces)
         _, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
-        return state._replace(opt_state=tuple(scalars))
+        params = self.relay_params[0](state.params) if ts.plan.relaid else state.params
+        return state._replace(params=params, opt_state=tuple(scalars))
 
     def absorb(self, state):
         """A whole in-memory run state -> the tier's: its optimizer state written to the file."""

@@ -9,9 +9,10 @@ of optimizer state is ever in host memory (counted in `SwapFile.resident`):
 - a restore reads those leaves box by box into the file.
 
 `StatePieces` maps a chunk of the file (`[slot][row][C]`, a sub-range of every row) to boxes of the
-global optimizer leaves. Checkpoints keep the layers in model order; layouts whose run placement
-differs (interleaved or uneven pipelines, `plan.relaid`) save and restore through the whole state
-instead (`Tier.whole` / `Tier.absorb`).
+global optimizer leaves. Checkpoints keep the layers in model order; where the run places them
+otherwise (interleaved or uneven pipelines, `plan.relaid`), each box of a layer leaf becomes one
+piece per layer at its model-order index (`LayerSplit.pipeline_index`; padding layers are neither
+saved nor restored, so they stay zero, as `to_pipeline` pads them).
 """
 
 from __future__ import annotations
@@ -57,11 +58,19 @@ class StatePieces:
         n_opt = len(jax.tree.leaves(abstract.opt_state))
         paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]  # params, opt, step
         self.key_of, _ = tier.pattern.split(paths[k : k + n_opt])  # [slot][leaf]: checkpoint keys
-        leaves = jax.tree.leaves(abstract.params)
+        leaves = jax.tree.leaves(abstract.params)  # model order: the checkpoint's leaves
         self.shapes = {key: tuple(x.shape) for slot in self.key_of for key, x in zip(slot, leaves, strict=True)}
         self.keys = frozenset(self.shapes)
         self.sharding = [NamedSharding(lay.mesh, s) for s in lay.specs]
-        self.rows = [_rows(sh, tuple(x.shape), lay) for sh, x in zip(self.sharding, leaves, strict=True)]
+        run = tier.ts.abstract_run.params  # the run's placement: the file's rows
+        self.rows = [_rows(sh, tuple(x.shape), lay) for sh, x in zip(self.sharding, jax.tree.leaves(run), strict=True)]
+        # Layers in another order than the checkpoint's (interleaved, uneven pipelines): per layer leaf,
+        # the model-order layer at each run position of its first axis (-1: padding, not saved)
+        self.layer_index: list = [None] * len(self.rows)
+        if tier.ts.plan.relaid:
+            idx = tier.ts.plan.split.pipeline_index()
+            flags = jax.tree.leaves({k: jax.tree.map(lambda _, k=k: k == "layers", v) for k, v in run.items()})
+            self.layer_index = [idx if f else None for f in flags]
         self.zarr_chunk_bytes = lay.chunk * 4  # one row of one slot of a chunk
         self._sums = None
 
@@ -88,11 +97,20 @@ class StatePieces:
                     for b0, b1 in boxes:
                         box = tuple(e - a for a, e in zip(b0, b1, strict=True))
                         n = math.prod(box)
-                        out.append(slices.Piece(keys[leaf], tuple(a + o for a, o in zip(b0, start, strict=True)),
-                                                tuple(e + o for e, o in zip(b1, start, strict=True)),
-                                                flat[pos : pos + n].reshape(box), primary))  # fmt: skip
+                        g0 = tuple(a + o for a, o in zip(b0, start, strict=True))
+                        g1 = tuple(e + o for e, o in zip(b1, start, strict=True))
+                        out += self._placed(keys[leaf], leaf, g0, g1, flat[pos : pos + n].reshape(box), primary)
                         pos += n
         return out
+
+    def _placed(self, key: str, leaf: int, g0: tuple, g1: tuple, data: np.ndarray, primary: bool) -> list:
+        """A box of the run's leaf as pieces of the checkpoint's: itself, or one per layer moved to
+        its model-order index (padding layers dropped)."""
+        idx = self.layer_index[leaf]
+        if idx is None:
+            return [slices.Piece(key, g0, g1, data, primary)]
+        return [slices.Piece(key, (int(idx[r]), *g0[1:]), (int(idx[r]) + 1, *g1[1:]), data[r - g0[0] : r - g0[0] + 1],
+                             primary) for r in range(g0[0], g1[0]) if idx[r] >= 0]  # fmt: skip
 
     def save_pieces(self) -> Iterator[list[slices.Piece]]:
         f = self.tier.file
