@@ -16,8 +16,8 @@ device: the same XLA backend evaluates the same elementwise formulas as the in-m
 CPU's pow or division may differ from a GPU's in the last bit), at the device's memory bandwidth.
 Init, checkpoint saves and restores move the state between the file and its home (the optimizer's
 init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`tier_io.py`), so a
-run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, relaid
-pipeline layouts).
+run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, the
+local checkpoint tier).
 """
 
 from __future__ import annotations
