@@ -15,6 +15,7 @@ the streamed ones box by box into the source (`restore_pieces`), checking their 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -169,6 +170,18 @@ class _WithExtra:
         return getattr(self._store, name)
 
 
+async def _after_directories(coro) -> Any:
+    """Run the writer coroutine `coro` once orbax has created the checkpoint's directories; return its
+    result. An async save creates them in a background thread and first deletes whatever is already
+    there, so a write that starts before (TensorStore creates missing parent directories) is lost.
+    orbax's TypeHandler.serialize asks every storage write to wait through
+    `CommitFutureAwaitingContractedSignals`; its pytree handler's metadata write waits this same way."""
+    waiting = getattr(ocp.future, "CommitFutureAwaitingContractedSignals", None)
+    if waiting is None:  # an older orbax without signal contracts: nothing to wait on
+        return await coro
+    return await asyncio.to_thread(waiting(coro, name="streamed_array_writer").result)
+
+
 class SliceArrayHandler(ocp.type_handlers.ArrayHandler):
     """orbax's ArrayHandler, plus `StreamedArray` leaves written box by box (see the module docstring)."""
 
@@ -176,7 +189,7 @@ class SliceArrayHandler(ocp.type_handlers.ArrayHandler):
         args = list(args or [ocp.type_handlers.SaveArgs()] * len(values))
         streamed = [(v, i, a) for v, i, a in zip(values, infos, args, strict=True) if isinstance(v, StreamedArray)]
         plain = [(v, i, a) for v, i, a in zip(values, infos, args, strict=True) if not isinstance(v, StreamedArray)]
-        metas = await self._write_streamed(streamed) if streamed else []
+        metas = await _after_directories(self._write_streamed(streamed)) if streamed else []
         store = self._array_metadata_store
         if plain:
             self._array_metadata_store = _WithExtra(store, metas) if store is not None and metas else store
@@ -206,7 +219,7 @@ class SliceArrayHandler(ocp.type_handlers.ArrayHandler):
             specs.append((v.key, ts.Spec(spec.json), info.ts_context))
             metas.append(spec.metadata)
         if self._primary_host is None or jax.process_index() == self._primary_host:
-            txn = ts.Transaction()  # every array's metadata in one OCDBT commit
+            txn = ts.Transaction()  # every array's metadata in one OCDBT commit: fewer manifest writes
             for _, spec, context in specs:
                 await ts.open(spec, create=True, open=True, context=context, transaction=txn)
             await txn.commit_async()
