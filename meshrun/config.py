@@ -286,10 +286,6 @@ def offload_params_refusals(
     out = []
     if zero != 3:
         out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
-    if offload_optimizer == "nvme":
-        out.append(
-            ("is not built with train.offload_optimizer=nvme", "use train.offload_optimizer=host or none with it")
-        )
     if fp8 not in (None, "none"):
         out.append(("is not built with fp8 training", "turn model.fp8 off with it"))
     if param_dtype not in (None, "float32") and (pipe is None or pipe > 1):

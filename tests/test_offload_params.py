@@ -17,6 +17,7 @@ from test_train import _cfg, assert_same, run_steps
 from meshrun.analysis import placement
 from meshrun.analysis.memory import memory_spaces
 from meshrun.cli.main import main
+from meshrun.config import offload_params_refusals
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
@@ -149,17 +150,20 @@ def test_offload_params_needs_zero_3(capsys):
     err = capsys.readouterr().err
     assert "train.offload_params" in err and "set train.zero=3" in err and "Traceback" not in err
     assert err.count("\n") == 1
-    over = ["train.offload_params=true", "train.zero=3", "train.offload_optimizer=nvme", "train.offload_dir=runs"]
-    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
-    assert "train.offload_optimizer=host or none" in capsys.readouterr().err
 
 
-def test_offload_params_refuses_bf16_params(capsys):
+def test_offload_params_refuses_bf16_params_with_a_pipeline(capsys):
+    """bf16 params are built without a pipeline only (the pipeline's backward would round each layer's
+    reduced gradient to bf16); the config, the step's plan and the planner ask the same pure function,
+    which accepts the nvme tier and refuses fp8."""
     over = ["train.offload_params=true", "train.zero=3", "model.param_dtype=bfloat16", "train.run_dir=runs/t-op-bf16"]
-    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
+    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2  # tiny_cpu: mesh.pipe=2
     err = capsys.readouterr().err
-    assert "train.offload_params" in err and "model.param_dtype=float32" in err and "Traceback" not in err
+    assert "train.offload_params" in err and "use mesh.pipe=1" in err and "Traceback" not in err
     assert err.count("\n") == 1
+    assert offload_params_refusals(3, "nvme", "bfloat16", "none", 1) == []
+    assert offload_params_refusals(3, "none", "bfloat16", "none", 2) and offload_params_refusals(3, "none", "bfloat16")
+    assert offload_params_refusals(3, "none", "float32", "tensorwise", 1) and offload_params_refusals(1, "none")
 
 
 BF16 = ["model.param_dtype=bfloat16", "model.dtype=bfloat16"]

@@ -8,7 +8,7 @@ docs/offload.md "Parameters off the device"). Per device of the fullest stage:
   float32 slice of the sums with micro-batches), the non-layer gradients (+ their float32 sums), the
   activations and logits of meshrun's step, and the optimizer state unless it rests elsewhere. The
   update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
-  the host tier; with the nvme tier, assumed as that combination is not built yet: its chunks of
+  the host tier; with the nvme tier its chunks of
   state beside their params' and gradients' slices), the optimizer temporaries.
 * host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
   the step's reduced gradient), and the optimizer state with the host tier (the

@@ -43,7 +43,7 @@ def no_clip_optimizer(cfg: RunConfig, param_names: Any) -> optax.GradientTransfo
                                     param_names)  # fmt: skip
 
 
-def _kinds(tx, opt_state: Any, params: Any) -> list[str]:
+def kinds(tx, opt_state: Any, params: Any) -> list[str]:
     """Per optimizer-state leaf: LAYER (shaped like a stacked layer leaf), OTHER, or SCALAR."""
     flags = {k: jax.tree.map(lambda _, k=k: LAYER if k == "layers" else OTHER, v) for k, v in params.items()}
     return jax.tree.leaves(
@@ -60,16 +60,13 @@ def _back(new: jax.Array, like: jax.Array) -> jax.Array:
     return jax.device_put(new, HOST_SPACE) if on_host(like) else new
 
 
-def update(tx, grads: Any, opt_state: Any, params: Any, max_norm: float, cast: bool) -> tuple[Any, Any, jax.Array]:
-    """(new params, new optimizer state, the global gradient norm). `tx`: `no_clip_optimizer`;
-    `cast`: the gradient sums go to the param dtype before the optimizer (as the in-memory step
-    casts them); `max_norm`: the clip (0: none)."""
-    treedef = jax.tree.structure(opt_state)
-    kinds = _kinds(tx, opt_state, params)
-    leaves = jax.tree.leaves(opt_state)
-    dtype = lambda g, p: g.astype(p.dtype) if cast else g
-    sq = lambda g, p: jnp.sum(jnp.square(dtype(to_device(g), p).astype(jnp.float32)))
+def _dtype(g, p, cast: bool):
+    return g.astype(p.dtype) if cast else g
 
+
+def global_norm(grads: Any, params: Any, cast: bool) -> jax.Array:
+    """The gradient's global norm: the other entries on the device, then a scan over the layers."""
+    sq = lambda g, p: jnp.sum(jnp.square(_dtype(to_device(g), p, cast).astype(jnp.float32)))
     other = {k: v for k, v in params.items() if k != "layers"}
     other_g = {k: v for k, v in grads.items() if k != "layers"}
     total = sum(jax.tree.leaves(jax.tree.map(sq, other_g, other)), jnp.zeros((), jnp.float32))
@@ -79,39 +76,84 @@ def update(tx, grads: Any, opt_state: Any, params: Any, max_norm: float, cast: b
         return acc + sum(jax.tree.leaves(jax.tree.map(sq, g, p))), None
 
     total, _ = jax.lax.scan(norm_body, total, (grads["layers"], params["layers"]))
-    g_norm = jnp.sqrt(total)
+    return jnp.sqrt(total)
 
-    def run(g_tree, p_tree, opt_leaves):
-        g_tree = jax.tree.map(lambda g, p: dtype(to_device(g), p), g_tree, p_tree)
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """The optimizer (`no_clip_optimizer`) over one part of the tree at a time: the layers (one layer,
+    or a chunk of them: leaves with a leading layer axis) or the other entries; the leaves of the
+    part left out are empty arrays. `cast`: the gradient sums go to the param dtype before the
+    optimizer (as the in-memory step casts them); `max_norm`: the clip (0: none)."""
+
+    tx: Any
+    treedef: Any
+    kinds: tuple
+    dtypes: tuple  # of the optimizer-state leaves
+    max_norm: float
+    cast: bool
+
+    @classmethod
+    def of(cls, tx, opt_state: Any, params: Any, max_norm: float, cast: bool) -> Update:
+        dtypes = tuple(jnp.dtype(x.dtype) for x in jax.tree.leaves(opt_state))
+        return cls(tx, jax.tree.structure(opt_state), tuple(kinds(tx, opt_state, params)), dtypes, max_norm, cast)
+
+    def run(self, g_tree, p_tree, opt_leaves, g_norm):
+        g_tree = jax.tree.map(lambda g, p: _dtype(to_device(g), p, self.cast), g_tree, p_tree)
         p_tree = jax.tree.map(to_device, p_tree)
-        if max_norm > 0:
-            g_tree = jax.tree.map(lambda g: clip(g, g_norm, max_norm), g_tree)
-        state = jax.tree.unflatten(treedef, [to_device(x) for x in opt_leaves])
-        return optimizer.apply_optimizer(tx, g_tree, state, p_tree)
+        if self.max_norm > 0:
+            g_tree = jax.tree.map(lambda g: clip(g, g_norm, self.max_norm), g_tree)
+        state = jax.tree.unflatten(self.treedef, [to_device(x) for x in opt_leaves])
+        return optimizer.apply_optimizer(self.tx, g_tree, state, p_tree)
+
+    def layers(self, g, p, slots, scalars, like: Any, like_g: Any, g_norm) -> tuple[Any, list]:
+        """(new layer params, new LAYER leaves) of one layer or chunk: `slots` its LAYER leaves,
+        `scalars` the SCALAR leaves, `like` / `like_g` the params / gradient (for the other entries'
+        empty leaves)."""
+        it, sc = iter(slots), iter(scalars)
+        opt = [next(it) if k == LAYER else (next(sc) if k == SCALAR else jnp.zeros((0,), dt))
+               for k, dt in zip(self.kinds, self.dtypes, strict=True)]  # fmt: skip
+        empty = lambda t: {k: jax.tree.map(_empty, v) for k, v in t.items() if k != "layers"}
+        new_p, new_opt = self.run({**empty(like_g), "layers": g}, {**empty(like), "layers": p}, opt, g_norm)
+        return new_p["layers"], [n for n, k in zip(jax.tree.leaves(new_opt), self.kinds, strict=True) if k == LAYER]
+
+    def others(self, grads, params, kept, g_norm) -> tuple[Any, list]:
+        """(new params of the other entries, new non-LAYER leaves): `kept` the non-LAYER leaves."""
+        it = iter(kept)
+        opt = [jnp.zeros((0,), dt) if k == LAYER else next(it) for k, dt in zip(self.kinds, self.dtypes, strict=True)]
+        empty = jax.tree.map(_empty, params["layers"])
+        empty_g = jax.tree.map(_empty, grads["layers"])
+        other_g = {k: v for k, v in grads.items() if k != "layers"}
+        other = {k: v for k, v in params.items() if k != "layers"}
+        new_p, new_opt = self.run({**other_g, "layers": empty_g}, {**other, "layers": empty}, opt, g_norm)
+        return {k: v for k, v in new_p.items() if k != "layers"}, \
+            [n for n, k in zip(jax.tree.leaves(new_opt), self.kinds, strict=True) if k != LAYER]  # fmt: skip
+
+    def split(self, opt_state: Any) -> tuple[list, list]:
+        """(LAYER leaves, the other leaves) of an optimizer state."""
+        leaves = jax.tree.leaves(opt_state)
+        return [x for x, k in zip(leaves, self.kinds, strict=True) if k == LAYER], \
+            [x for x, k in zip(leaves, self.kinds, strict=True) if k != LAYER]  # fmt: skip
+
+    def join(self, layer_leaves: list, kept: list) -> Any:
+        a, b = iter(layer_leaves), iter(kept)
+        return jax.tree.unflatten(self.treedef, [next(a) if k == LAYER else next(b) for k in self.kinds])
+
+
+def update(tx, grads: Any, opt_state: Any, params: Any, max_norm: float, cast: bool) -> tuple[Any, Any, jax.Array]:
+    """(new params, new optimizer state, the global gradient norm). `tx`: `no_clip_optimizer`;
+    `cast`: the gradient sums go to the param dtype before the optimizer (as the in-memory step
+    casts them); `max_norm`: the clip (0: none)."""
+    up = Update.of(tx, opt_state, params, max_norm, cast)
+    g_norm = global_norm(grads, params, cast)
+    slots, kept = up.split(opt_state)
+    scalars = [x for x, k in zip(jax.tree.leaves(opt_state), up.kinds, strict=True) if k == SCALAR]
 
     def layer_body(_, xs):
         g, p, slots = xs
-        it = iter(slots)
-        opt = [
-            next(it) if k == LAYER else (x if k == SCALAR else _empty(x)) for x, k in zip(leaves, kinds, strict=True)
-        ]
-        new_p, new_opt = run(
-            {**jax.tree.map(_empty, other_g), "layers": g}, {**jax.tree.map(_empty, other), "layers": p}, opt
-        )
-        new_slots = [n for n, k in zip(jax.tree.leaves(new_opt), kinds, strict=True) if k == LAYER]
-        return None, (
-            jax.tree.map(_back, new_p["layers"], p),
-            [_back(n, s) for n, s in zip(new_slots, slots, strict=True)],
-        )
+        new_p, new_slots = up.layers(g, p, slots, scalars, params, grads, g_norm)
+        return None, (jax.tree.map(_back, new_p, p), [_back(n, s) for n, s in zip(new_slots, slots, strict=True)])
 
-    slots = [x for x, k in zip(leaves, kinds, strict=True) if k == LAYER]
     _, (new_layers, new_slots) = jax.lax.scan(layer_body, None, (grads["layers"], params["layers"], slots))
-
-    empty_layers = jax.tree.map(_empty, params["layers"])
-    opt = [_empty(x) if k == LAYER else x for x, k in zip(leaves, kinds, strict=True)]
-    new_p, new_opt = run(
-        {**other_g, "layers": jax.tree.map(_empty, grads["layers"])}, {**other, "layers": empty_layers}, opt
-    )
-    it = iter(new_slots)
-    out = [next(it) if k == LAYER else n for n, k in zip(jax.tree.leaves(new_opt), kinds, strict=True)]
-    return {**new_p, "layers": new_layers}, jax.tree.unflatten(treedef, out), g_norm
+    new_other, new_kept = up.others(grads, params, kept, g_norm)
+    return {**new_other, "layers": new_layers}, up.join(new_slots, new_kept), g_norm

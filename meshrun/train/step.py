@@ -35,7 +35,7 @@ from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
-from meshrun.train import layer_update, streamed
+from meshrun.train import layer_tier, layer_update, streamed
 from meshrun.train.plan import StepPlan, build_plan, dp_degree, streams_update
 
 
@@ -242,7 +242,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     )
     if not streams_update(cfg):
         return ts
-    return streamed.make_streamed(ts, cfg)
+    return (layer_tier.make_layer_streamed if zl.streamed else streamed.make_streamed)(ts, cfg)
 
 
 def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:

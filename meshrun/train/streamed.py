@@ -71,6 +71,12 @@ class FlatLayout:
         return self.length // self.chunk
 
     @property
+    def segments(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(leaf, first element in the leaf's flat shard, offset in the row, length) of each run of
+        consecutive elements of one leaf in the row: here each leaf's whole shard."""
+        return tuple((k, 0, o, math.prod(s)) for k, (o, s) in enumerate(zip(self.offsets, self.shapes, strict=True)))
+
+    @property
     def sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(*self.mesh.axis_names))
 
@@ -291,6 +297,9 @@ class Tier:
 
     # ------------------------------------------------------------ the step
 
+    def lower_device_part(self, state, *batch):
+        return self.device_part.lower(state.params, *batch)
+
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, *batch)
@@ -386,7 +395,7 @@ class _Stepper:
         return self.tier.step(state, *batch, device_part=self.device_part)
 
     def lower(self, state, *batch):
-        return _Lowered(self.tier, self.tier.device_part.lower(state.params, *batch))
+        return _Lowered(self.tier, self.tier.lower_device_part(state, *batch))
 
 
 class _Lowered:

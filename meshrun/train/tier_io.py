@@ -51,25 +51,32 @@ def _rows(sharding: NamedSharding, shape: tuple, lay) -> list[tuple[int, tuple, 
 class StatePieces:
     """The tier's optimizer leaves as a `slices.Source` (see the module docstring)."""
 
-    def __init__(self, tier):
+    def __init__(self, tier, key_of: list | None = None, only: str | None = None):
+        """`key_of` [slot][leaf]: the checkpoint keys of the file's leaves, the params' entry `only`
+        (e.g. 'layers') when given, else every parameter-shaped leaf of the optimizer state
+        (`tier.pattern`)."""
         lay, abstract = tier.layout, tier.ts.abstract_state
         self.tier = tier
-        k = tier.pattern.k
-        n_opt = len(jax.tree.leaves(abstract.opt_state))
-        paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]  # params, opt, step
-        self.key_of, _ = tier.pattern.split(paths[k : k + n_opt])  # [slot][leaf]: checkpoint keys
-        leaves = jax.tree.leaves(abstract.params)  # model order: the checkpoint's leaves
+        pick = (lambda t: t[only]) if only is not None else (lambda t: t)
+        if key_of is None:
+            k = tier.pattern.k
+            n_opt = len(jax.tree.leaves(abstract.opt_state))
+            paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]  # params, opt, step
+            key_of, _ = tier.pattern.split(paths[k : k + n_opt])  # [slot][leaf]: checkpoint keys
+        self.key_of = key_of
+        leaves = jax.tree.leaves(pick(abstract.params))  # model order: the checkpoint's leaves
         self.shapes = {key: tuple(x.shape) for slot in self.key_of for key, x in zip(slot, leaves, strict=True)}
         self.keys = frozenset(self.shapes)
         self.sharding = [NamedSharding(lay.mesh, s) for s in lay.specs]
         run = tier.ts.abstract_run.params  # the run's placement: the file's rows
-        self.rows = [_rows(sh, tuple(x.shape), lay) for sh, x in zip(self.sharding, jax.tree.leaves(run), strict=True)]
+        run_leaves = jax.tree.leaves(pick(run))
+        self.rows = [_rows(sh, tuple(x.shape), lay) for sh, x in zip(self.sharding, run_leaves, strict=True)]
         # Layers in another order than the checkpoint's (interleaved, uneven pipelines): per layer leaf,
         # the model-order layer at each run position of its first axis (-1: padding, not saved)
         self.layer_index: list = [None] * len(self.rows)
         if tier.ts.plan.relaid:
             idx = tier.ts.plan.split.pipeline_index()
-            flags = jax.tree.leaves({k: jax.tree.map(lambda _, k=k: k == "layers", v) for k, v in run.items()})
+            flags = jax.tree.leaves(pick({k: jax.tree.map(lambda _, k=k: k == "layers", v) for k, v in run.items()}))
             self.layer_index = [idx if f else None for f in flags]
         self.zarr_chunk_bytes = lay.chunk * 4  # one row of one slot of a chunk
         self._sums = None
@@ -84,11 +91,12 @@ class StatePieces:
         lay = self.tier.layout
         c0, c1 = i * lay.chunk, (i + 1) * lay.chunk
         out = []
-        for leaf, (off, shape) in enumerate(zip(lay.offsets, lay.shapes, strict=True)):
-            lo, hi = max(off, c0), min(off + math.prod(shape), c1)
+        for leaf, first, off, n in lay.segments:  # runs of one leaf's elements in the row
+            lo, hi = max(off, c0), min(off + n, c1)
             if lo >= hi:
                 continue
-            boxes = slices.flat_boxes(shape, lo - off, hi - off)
+            shape = lay.shapes[leaf]
+            boxes = slices.flat_boxes(shape, first + lo - off, first + hi - off)
             for u, start, primary in self.rows[leaf]:
                 if primary_only and not primary:
                     continue
