@@ -47,6 +47,7 @@ def test_offload_params_nvme_equals_the_state_in_memory(tmp_path):
     assert f.bytes_read == f.bytes_written == 3 * f.state_bytes + f.state_bytes  # init / 3 steps / the read-back
     assert f.reads * f.chunk_bytes == f.bytes_read and f.writes * f.chunk_bytes == f.bytes_written
     assert f.streams == 3
+    assert ts.tier.bytes_per_device() == {"host": 3 * f.chunk_bytes / 8, "nvme": f.state_bytes / 8}  # meshrun explain
 
 
 LAYOUTS = {  # config, overrides, the in-memory tier compared with, budget (MiB)

@@ -255,6 +255,14 @@ class LayerTier:
             return opt_state
         return tuple(self.up.split(opt_state)[1])
 
+    def bytes_per_device(self) -> dict[str, float]:
+        """Where the tier's bytes rest, per device (this process's share): the layers' state in the file
+        (rows replicated over devices stored once) and the chunk buffers in host memory."""
+        lay = self.layout
+        row = self.n_slots * len(lay.first) * 4  # bytes of one element of every slot and row
+        store, buffers = row * lay.length / len(lay.local), swap.SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+        return {"host": buffers, "nvme": store}
+
     def lower_device_part(self, state, *batch):
         return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
 
