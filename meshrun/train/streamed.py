@@ -303,10 +303,12 @@ class Tier:
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, *batch)
-        jax.block_until_ready(g_flat)  # the device part has read the old params
-        for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the new
-            x.delete()  # params come from the chunks' outputs, so the old ones need not stay beside them
         scalars, box, new_p = tuple(state.opt_state), {"scalars": None}, []
+
+        def ready():  # the first chunks are read while the device part runs
+            jax.block_until_ready(g_flat)  # the device part has read the old params
+            for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the
+                x.delete()  # new params come from the chunks' outputs, so the old ones need not stay beside them
 
         def update(i: int, buf: np.ndarray):
             slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
@@ -316,7 +318,7 @@ class Tier:
             return new_slots
 
         fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
-        self.file.stream(update, fetch, ready=lambda: jax.block_until_ready(g_flat))
+        self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
         params = self.assemble(tuple(new_p))
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 

@@ -6,7 +6,8 @@ state as fixed-size chunks in one preallocated file, read and written with posit
 File layout: chunk-major, `[n_chunks][slots][rows][C]` float32, so one chunk (every slot: master,
 m, v, ... of every distinct local row, `C` elements each) is one contiguous read and one contiguous
 write. `stream` pipelines them the way DeepSpeed's `PipelinedOptimizerSwapper` does: while chunk i
-is updated, chunk i + 1 is read and chunk i - 1 written; the tier holds at most `SLOTS_IN_FLIGHT`
+is updated, chunk i + 1 is read and chunk i - 1 written, each thread handing the chunk on to the
+next through a queue as soon as its part is done; the tier holds at most `SLOTS_IN_FLIGHT`
 chunks of host memory (two read buffers, one chunk being written), counted in `resident`. The read
 buffers are page-aligned, so the device may take a chunk without a copy (XLA:CPU aliases such an
 array), and one is refilled only once the update that read it has finished. The file's pages leave
@@ -23,12 +24,13 @@ import fcntl
 import glob
 import mmap
 import os
+import queue
 import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,7 @@ import numpy as np
 from meshrun.errors import ConfigError, DataError
 
 SLOTS_IN_FLIGHT = 3  # chunk buffers the pipeline holds at once: read i + 1, update i, write i - 1
+OUTPUTS_IN_FLIGHT = 2  # updates dispatched and not yet written: the one being written and the next
 ALIGN = 1024  # chunk length granularity in elements (4 KiB of float32: page-aligned file offsets)
 LOCK_NAME = "meshrun-offload.lock"
 DATA_GLOB = "optimizer-state-*.bin"
@@ -136,6 +139,7 @@ class ChunkStore:
         self.bytes_read = self.bytes_written = 0
         self.reads = self.writes = 0  # read / write calls (one per chunk unless a transfer comes up short)
         self.streams, self.stream_bytes = 0, 0  # streamed updates; bytes they moved while timed
+        self.early_reads = 0  # chunks the streamed updates read before their timer started
         self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write settled
         self._count = threading.Lock()
         return_freed_buffers()
@@ -197,42 +201,75 @@ class ChunkStore:
     # ------------------------------------------------------------ the pipelined pass
 
     def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
-               ready: Callable[[], object] = lambda: None) -> None:  # fmt: skip
+               ready: Callable[[], object] = lambda: None,
+               done: Callable[[object], object] | None = None) -> None:  # fmt: skip
         """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
         being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
-        are written back. buf is refilled (with chunk i + 2) only after `fetch` returned: the update
-        may keep reading buf until then (a device aliasing it). Reads run one chunk ahead, writes one
-        behind. `ready()` blocks until the update's inputs exist (the gradient): chunk 0 is read
-        meanwhile, and `stream_s` counts from its return to the last chunk settled (`settle`)."""
-        pending: Future | None = None
-        fetched: threading.Event | None = None
+        are written back. The update may keep reading buf (a device aliasing it) until `done(handle)`
+        returned, or without `done` until `fetch` returned; only then is buf refilled. The three threads
+        hand chunks to each other through queues (`_Handoff`): the reader fills a ring buffer as soon
+        as one is free, this thread only dispatches updates, the writer writes each chunk once its
+        update is done; at most OUTPUTS_IN_FLIGHT updates are dispatched and not yet written (their
+        outputs: device memory). `ready()` blocks until the update's inputs exist (the gradient): the
+        first chunks are read meanwhile. `stream_s` counts from its return to the last chunk settled
+        (`settle`), `stream_bytes` what moved in that time (`early_reads`: chunks read before)."""
         _streams[0] += 1
-        ahead = self._reader.submit(self.read, 0, self._ring[0])
+        h = _Handoff(self._ring)
+        reads = self._reader.submit(self._read_loop, h, done)
+        writes = self._writer.submit(self._write_loop, h, fetch, done is None)
         try:
             ready()
-            t0 = time.perf_counter()
+            t0, early = time.perf_counter(), h.read
             for i in range(self.n_chunks):
-                buf = ahead.result()
-                if i + 1 < self.n_chunks:
-                    if fetched is not None:
-                        fetched.wait()  # chunk i - 1's update is done with the buffer chunk i + 1 goes into
-                    ahead = self._reader.submit(self.read, i + 1, self._ring[(i + 1) % 2])
+                buf = h.filled.get()
+                if buf is None or h.failed:  # the reader or the writer failed: its error is raised below
+                    break
+                h.outstanding.acquire()
                 handle = update(i, buf)
-                if pending is not None:
-                    pending.result()  # write i - 1 done before write i starts holding its chunk
-                fetched = threading.Event()
-                pending = self._writer.submit(self._write_back, i, fetch, handle, fetched)
-            if pending is not None:
-                pending.result()
+                if done is not None:
+                    h.free.put((buf, handle))  # the reader refills buf once done(handle) returned
+                h.todo.put((i, handle, buf))
+            h.todo.put(None)
+            reads.result()
+            writes.result()
             self.settle()
             self.stream_s += time.perf_counter() - t0
             self.streams += 1
-            self.stream_bytes += 2 * self.state_bytes - self.chunk_bytes  # chunk 0's read: before t0
-        finally:  # on an error: let the threads finish before the buffers go away
-            for f in (ahead, pending):
-                if f is not None:
-                    with contextlib.suppress(BaseException):
-                        f.result()
+            self.early_reads += early
+            self.stream_bytes += 2 * self.state_bytes - early * self.chunk_bytes
+        finally:  # on an error: stop the threads and let them finish before the buffers go away
+            h.abort()
+            for f in (reads, writes):
+                with contextlib.suppress(BaseException):
+                    f.result()
+
+    def _read_loop(self, h: _Handoff, done) -> None:
+        """The reader's part of `stream`: chunk i into the next free ring buffer, in order."""
+        try:
+            for i in range(self.n_chunks):
+                item = h.free.get()
+                if item is None:
+                    return
+                if isinstance(item, tuple):  # (buf, the update reading it)
+                    item, handle = item
+                    done(handle)
+                h.filled.put(self.read(i, item))
+                h.read += 1
+        except BaseException:
+            h.abort()
+            raise
+
+    def _write_loop(self, h: _Handoff, fetch, frees: bool) -> None:
+        """The writer's part of `stream`: each updated chunk's pieces to the store, in order; with `frees`
+        its ring buffer goes back to the reader once fetched."""
+        try:
+            while (item := h.todo.get()) is not None:
+                i, handle, buf = item
+                self._write_back(i, fetch, handle, _Once(lambda b=buf: h.free.put(b) if frees else None))
+                h.outstanding.release()
+        except BaseException:
+            h.abort()
+            raise
 
     def _write_back(self, i: int, fetch, handle, fetched: threading.Event | None = None) -> None:
         """Chunk i's new pieces (`fetch(handle)`) to the store, held while written. `fetched` (a streamed
@@ -362,6 +399,39 @@ class HostStore(ChunkStore):
             done += p.size
         self.writes += 1
         self.bytes_written += self.chunk_bytes
+
+
+class _Once:
+    """`set()` calls `fn` the first time only (`_write_back`'s signal that the pieces exist)."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn: Callable[[], object] | None = fn
+
+    def set(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+class _Handoff:
+    """The queues of one `stream`: ring buffers to fill (-> reader), chunks read (reader -> main
+    thread), updated chunks to write (main thread -> writer); `outstanding` bounds the updates not yet
+    written. None in a queue: stop (`abort`, on an error anywhere)."""
+
+    def __init__(self, ring: list[np.ndarray]):
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.filled: queue.SimpleQueue = queue.SimpleQueue()
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.outstanding = threading.Semaphore(OUTPUTS_IN_FLIGHT)
+        self.read, self.failed = 0, False  # chunks read so far
+        for buf in ring:
+            self.free.put(buf)
+
+    def abort(self) -> None:
+        self.failed = True
+        for q in (self.free, self.filled, self.todo):
+            q.put(None)
+        self.outstanding.release()  # the main thread may wait for the writer
 
 
 def _close(fd: int, path: str) -> None:
