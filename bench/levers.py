@@ -23,7 +23,8 @@ LEVERS = (
     ("selective", ["model.remat=selective"]),
     ("full", ["model.remat=full"]),
     ("remat_every=2", ["model.remat=full", "model.remat_every=2"]),
-    ("offload optimizer", ["model.remat=selective", "train.offload_optimizer=true"]),
+    # the whole-shard host update: its state is an argument of the compiled step (docs/offload.md)
+    ("offload optimizer", ["model.remat=selective", "train.offload_optimizer=true", "train.offload_update=whole"]),
     ("offload activations", ["model.remat=offload"]),
 )
 
