@@ -101,7 +101,8 @@ def test_predicted_dp_bytes_halve_with_bf16_reduction():
     model = load_config("configs/tiny_cpu.yaml").model
     for kw in (dict(data=4), dict(data=2, pipe=2, tensor=2, microbatches=4)):  # ZeRO-0: all DP bytes are grads
         f32 = step_model.predict_collective_bytes(model, Layout(**kw), seq_len=64)["bytes"]
-        bf16 = step_model.predict_collective_bytes(model, Layout(**kw), seq_len=64, grad_reduce_bytes=2)["bytes"]
+        lay = Layout(**kw, grad_reduce_dtype="bfloat16")
+        bf16 = step_model.predict_collective_bytes(model, lay, seq_len=64)["bytes"]
         assert bf16["data"] == pytest.approx(f32["data"] / 2, rel=1e-12)
         assert {a: v for a, v in bf16.items() if a != "data"} == {a: v for a, v in f32.items() if a != "data"}
 

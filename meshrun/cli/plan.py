@@ -16,7 +16,17 @@ import json
 from pathlib import Path
 
 from meshrun.analysis.flops import param_counts
-from meshrun.config import FP8_RECIPES, MAX_DIM, OFFLOAD_TIERS, OPTIMIZER_STATE_DTYPES, RunConfig, from_dict, load_yaml
+from meshrun.config import (
+    FP8_RECIPES,
+    GRAD_REDUCE_DTYPES,
+    MAX_DIM,
+    OFFLOAD_TIERS,
+    OPTIMIZER_STATE_DTYPES,
+    RunConfig,
+    TrainConfig,
+    from_dict,
+    load_yaml,
+)
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
@@ -30,6 +40,7 @@ INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatc
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
              "offload_params")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
+FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -59,6 +70,9 @@ def register(subparsers) -> None:
     )
     p.add_argument("--state-dtype", default=None, choices=OPTIMIZER_STATE_DTYPES,
                    help="dtype of the optimizer moments (default: the YAML's optimizer.state_dtype)")  # fmt: skip
+    p.add_argument("--grad-reduce-dtype", default=None, metavar="DTYPE",
+                   help=f"dtype of meshrun's data-parallel gradient reduction: {list(GRAD_REDUCE_DTYPES)} "
+                   f"(default: the YAML's train.grad_reduce_dtype, else {TrainConfig.grad_reduce_dtype})")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object with key `configs`")
     p.set_defaults(func=run_plan)
 
@@ -96,6 +110,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         key, raw = key.strip(), raw.strip()
         if not sep:
             raise ConfigError("--evaluate", item, "write KEY=VALUE pairs separated by commas, e.g. tensor=8,pipe=16")
+        if key in FLAG_KEYS:
+            raise ConfigError(f"--evaluate {key}", raw, f"give it as {FLAG_KEYS[key]} {raw}", "not a layout key")
         if key not in EVAL_KEYS:
             close = difflib.get_close_matches(key, EVAL_KEYS, n=1, cutoff=0.5)
             fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {list(EVAL_KEYS)}"
@@ -232,6 +248,7 @@ def run_plan(args) -> int:
         raise ConfigError("--max-context", args.max_context, "use 1 (no context parallelism) or a larger degree")
     if args.framework == "megatron" and opt["optimizer"] != "adamw":
         raise ConfigError("--optimizer", opt["optimizer"], "use --framework meshrun (Megatron-LM's costing is Adam's)")
+    opt["grad_reduce_dtype"] = _grad_reduce(args, train)
     kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
         layout = dataclasses.replace(parse_evaluate(args.evaluate, model, cluster, batch, seq), **opt)
@@ -247,6 +264,7 @@ def run_plan(args) -> int:
             "params": counts["total"],
             "cluster": str(cluster),
             "framework": args.framework,
+            "grad_reduce_dtype": opt["grad_reduce_dtype"],
             "devices": cluster.n_devices,
             "usable_memory_gb": round(cluster.usable_memory / GB, 3),
             "global_batch": batch,
@@ -265,6 +283,20 @@ def _optimizer(args, cfg) -> dict[str, str]:
     name = args.optimizer if flag else cfg.name
     optimizers.get(name, "--optimizer" if flag else "optimizer.name")  # unknown: names where it came from
     return {"optimizer": name, "state_dtype": args.state_dtype or cfg.state_dtype}
+
+
+def _grad_reduce(args, train: dict) -> str:
+    """The dtype of the data-parallel gradient reduction to cost: --grad-reduce-dtype, else the YAML's
+    train.grad_reduce_dtype, else meshrun's default. Megatron-LM's costing reduces in float32."""
+    flag = args.grad_reduce_dtype
+    if flag is not None and flag not in GRAD_REDUCE_DTYPES:
+        raise ConfigError("--grad-reduce-dtype", flag, f"use one of {list(GRAD_REDUCE_DTYPES)}")
+    if args.framework == "megatron":
+        if flag not in (None, "float32"):
+            fix = "use --framework meshrun (Megatron-LM's costing reduces in fp32)"
+            raise ConfigError("--grad-reduce-dtype", flag, fix)
+        return "float32"
+    return flag or train.get("grad_reduce_dtype", TrainConfig.grad_reduce_dtype)
 
 
 def fold_zero(results: list[Result]) -> list[Result]:
@@ -295,7 +327,8 @@ def format_table(
 ) -> str:
     lines = [
         f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
-        f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics",
+        f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics, "
+        f"dp reduce {results[0].layout.grad_reduce_dtype}",
         "",
         f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'CP':>7} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} "
         f"{'remat':>9} {'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",

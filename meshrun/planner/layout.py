@@ -23,8 +23,10 @@ class Layout:
     but the gradient reduction and the ZeRO shards run over data x expert x context
     (`grad_group`). `context_kind`: how attention crosses the split (CONTEXT_KINDS). `optimizer` and
     `state_dtype`: the optimizer (an entry of `meshrun.optim.registry`) and its moments' dtype, which
-    set the optimizer state's bytes (`precision_of`). `offload_optimizer` and `offload_params`: where
-    the state and the parameters rest (`search.evaluate` costs them with `offload.apply`)."""
+    set the optimizer state's bytes (`precision_of`). `grad_reduce_dtype`: the dtype of meshrun's one
+    data-parallel gradient reduction per step (`train.grad_reduce_dtype`). `offload_optimizer` and
+    `offload_params`: where the state and the parameters rest (`search.evaluate` costs them with
+    `offload.apply`)."""
 
     tensor: int = 1
     pipe: int = 1
@@ -42,6 +44,7 @@ class Layout:
     context_kind: str = "allgather"  # allgather (K/V all-gathered over 'context') | ring (K/V blocks ring)
     optimizer: str = "adamw"  # optimizer.name
     state_dtype: str = "float32"  # optimizer.state_dtype
+    grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype (meshrun's default; Megatron reduces in fp32)
     offload_optimizer: str = "none"  # train.offload_optimizer: none | host | nvme (`tiers.py`)
     offload_params: bool = False  # train.offload_params (`param_offload.py`)
 
@@ -105,6 +108,7 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         context_kind=getattr(cfg.model, "context_parallel", "allgather"),
         optimizer=cfg.optimizer.name,
         state_dtype=cfg.optimizer.state_dtype,
+        grad_reduce_dtype=cfg.train.grad_reduce_dtype,
         offload_optimizer=cfg.train.offload_optimizer,
         offload_params=cfg.train.offload_params,
     )
@@ -119,6 +123,7 @@ class Precision:
     opt: float  # optimizer state of a hidden-layer weight matrix (moments + fp32 master when params are 16-bit)
     act: float
     opt_other: float | None = None  # of every other parameter (embeddings, head, norms) when it differs
+    reduce: float = 4.0  # per gradient element of the data-parallel reduction on the wire
 
     @property
     def opt_rest(self) -> float:
@@ -136,16 +141,17 @@ def precision_of(model: ModelConfig, framework: str = "meshrun", layout: Layout 
     (8 with bfloat16 moments), fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting
     agrees there). `layout` None: adamw with float32 moments, meshrun's default.
     `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
-    temporary on top. The DP reduction is charged at the param dtype: for bf16 params that is
-    meshrun's `train.grad_reduce_dtype=bfloat16` (its default, float32, moves twice the bytes)."""
+    temporary on top. The DP reduction (`reduce`) carries the float32 sums, or with
+    `layout.grad_reduce_dtype=bfloat16` their bf16 cast (half the bytes); Megatron's is fp32."""
     pb = DTYPE_BYTES[model.param_dtype]
     act = DTYPE_BYTES[model.dtype]
     if framework == "megatron":
-        return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act)
+        return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act, reduce=4)
     lay = layout or Layout()
     spec, master = optimizers.get(lay.optimizer), pb < 4
     opt, other = (spec.state_bytes(lay.state_dtype, master, matrix) for matrix in (True, False))
-    return Precision(param=pb, grad=pb, opt=opt, act=act, opt_other=None if other == opt else other)
+    rb = DTYPE_BYTES[lay.grad_reduce_dtype]
+    return Precision(param=pb, grad=pb, opt=opt, act=act, opt_other=None if other == opt else other, reduce=rb)
 
 
 CONTEXT_KINDS = ("allgather", "ring")

@@ -147,7 +147,8 @@ def _offloaded(r, layout, memory: dict, time: dict, why: str, hard: list[str] = 
 def params_of(r, model: ModelConfig, cluster: Cluster, tier: str) -> param_offload.ParamTier:
     """`train.offload_params` with the state in `tier` on Result `r` (a ZeRO-3 layout, meshrun's step)."""
     mem = dict(r.memory, layers=max(r.time["split"]))  # SPMD: every stage has the largest stage's shape
-    return param_offload.param_tier(mem, model, r.layout, cluster, tier, r.time["dp_sync"])
+    return param_offload.param_tier(mem, model, r.layout, cluster, tier, r.time["dp_sync"],
+                                    t_gather=r.time.get("dp_gather"))  # fmt: skip
 
 
 def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.ParamTier, why: str,

@@ -20,8 +20,8 @@ Time, conservatively: the host link's bytes (both directions) at `tiers.host_bw`
 step, none hidden behind compute. Each unit's fetch could overlap the previous unit's compute, but
 no GPU run has shown XLA doing so (XLA:CPU emits no transfers). The drives' time beyond the state's
 own host-link time is added too (nothing overlaps the update). The ZeRO-3 all-gather runs per
-micro-batch in the forward and again in the backward, the reduce-scatter per micro-batch: 3m/2 x
-the in-memory step's once-per-step gather + reduce-scatter (`dp_seconds`).
+micro-batch in the forward and again in the backward, the reduce-scatter per micro-batch: m x the
+in-memory step's once-per-step gather + reduce-scatter, plus m x its gather (`dp_seconds`).
 """
 
 from __future__ import annotations
@@ -115,9 +115,10 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str) -> list[str]:
 
 
 def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, optimizer: str, t_dp: float,
-               budget_mb: float = tiers.DEFAULT_BUDGET_MB) -> ParamTier:  # fmt: skip
+               budget_mb: float = tiers.DEFAULT_BUDGET_MB, t_gather: float | None = None) -> ParamTier:  # fmt: skip
     """The figures of `train.offload_params` for one stage's memory parts `mem` (`predict_memory`,
-    meshrun's step, ZeRO-3); `t_dp`: the in-memory step's once-per-step ZeRO-3 sync seconds."""
+    meshrun's step, ZeRO-3); `t_dp`: the in-memory step's once-per-step ZeRO-3 sync seconds, `t_gather`
+    its all-gathers' part (None: half)."""
     if optimizer not in tiers.TIERS:
         raise ValueError(f"unknown optimizer tier {optimizer!r}; one of {tiers.TIERS}")
     el = elements(model, layout, mem.get("layers", model.n_layers / layout.pipe))
@@ -154,15 +155,16 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     state_link = (nv.nvme_read + nv.nvme_write) / bw if nv is not None else 0.0
     exposed = link + max(0.0, disk - state_link)
     return ParamTier(optimizer, parts, backward, update, host, nvme, h2d, d2h, link, disk, exposed,
-                     dp_seconds(t_dp, m), nv)  # fmt: skip
+                     dp_seconds(t_dp, m, t_gather), nv)  # fmt: skip
 
 
-def dp_seconds(t_dp: float, m: int) -> float:
+def dp_seconds(t_dp: float, m: int, t_gather: float | None = None) -> float:
     """ZeRO-3 sync per step with layers fetched: per micro-batch a gather in the forward, one in the
     backward and a reduce-scatter, from the in-memory step's one gather + one reduce-scatter `t_dp`
-    (equal halves: meshrun's gradients have the params' dtype; the non-layer params, gathered once a
-    step, are counted as layers: an upper bound)."""
-    return 1.5 * m * t_dp
+    and its gather's part `t_gather` (None: half; the reduce-scatter carries the gradients in
+    `train.grad_reduce_dtype`, the gathers the params; the non-layer params, gathered once a step,
+    are counted as layers: an upper bound)."""
+    return m * (t_dp + (t_dp / 2 if t_gather is None else t_gather))
 
 
 def misfits(pt: ParamTier, cluster: Cluster, layout: Layout) -> list[str]:

@@ -274,14 +274,15 @@ def search(
     max_context: int = MAX_CONTEXT,
     optimizer: str = "adamw",
     state_dtype: str = "float32",
+    grad_reduce_dtype: str = "float32",
     **kw,
 ) -> list[Result]:
     """The `top` fastest layouts that fit in memory, best first (kw: `evaluate`'s framework, dropout,
     calibration). Context parallelism up to `max_context` (1: none) where the sequence is long enough
-    (`context_degrees`). Every layout runs `optimizer` with its moments in `state_dtype`. Raises
-    ConfigError when none fits."""
+    (`context_degrees`). Every layout runs `optimizer` with its moments in `state_dtype` and reduces
+    its gradients over data parallelism in `grad_reduce_dtype`. Raises ConfigError when none fits."""
     fitting, smallest, n_seen = [], None, 0
-    opt = dict(optimizer=optimizer, state_dtype=state_dtype)
+    opt = dict(optimizer=optimizer, state_dtype=state_dtype, grad_reduce_dtype=grad_reduce_dtype)
     for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
         layout = replace(layout, **opt)
         n_seen += 1

@@ -239,7 +239,6 @@ def predict_collective_bytes(
     *,
     seq_len: int | None = None,
     permutes: tuple[int, int] | None = None,  # (collective-permutes, activations moved) per step
-    grad_reduce_bytes: float | None = None,  # bytes per element of the DP gradient reduction (train.grad_reduce_dtype)
 ) -> dict[str, dict[str, float]]:
     """Per-step collective bytes on one device of meshrun's step, as `meshrun.analysis.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
@@ -258,8 +257,9 @@ def predict_collective_bytes(
     the all-reduce of the embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
     all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
     reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
-    loop and reduce-scatters. With a narrower `grad_reduce_bytes` the DP reductions carry that many
-    bytes per element, and the embedding/head gradients are first summed over 'pipe' in float32.
+    loop and reduce-scatters. The reductions carry the float32 gradient sums, or with
+    `layout.grad_reduce_dtype=bfloat16` their bf16 cast, the embedding/head gradients then first summed
+    over 'pipe' in float32; the all-gathers carry params.
     Context (c > 1; not yet checked against compiled HLO): activations of the local s/c tokens; per
     forward of a layer the all-gather kind all-gathers K and V (result: the gathered K/V,
     `activations.context_kv_bytes`) and per backward reduce-scatters dK, dV (result: the local 1/c) and
@@ -274,7 +274,7 @@ def predict_collective_bytes(
     tally = _Tally()
     _model_parallel(tally, model, layout, act, f_ticks, b_ticks)
     _context_parallel(tally, model, layout, s, f_ticks, b_ticks)
-    _gradient_sync(tally, model, layout, act, permutes, grad_reduce_bytes)
+    _gradient_sync(tally, model, layout, act, permutes)
     return {"bytes": tally.out, "count": tally.count}
 
 
@@ -357,34 +357,36 @@ def _context_parallel(tally: _Tally, model: ModelConfig, lay: Layout, s: int, f_
         tally.add("reduce-scatter", ("context",), gathered / c, layers * b_ticks)
 
 
-def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, permutes, grad_reduce_bytes) -> None:
+def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, permutes) -> None:
     """Pipe: activation permutes and the embedding/head gradient all-reduce; DP: the once-per-step
-    gradient reduction (ZeRO-0 all-reduce, else reduce-scatter + all-gather of the params)."""
+    gradient reduction (ZeRO-0 all-reduce, else reduce-scatter + all-gather of the params). The
+    gradients are summed in float32 (`zero.accum_zeros`, 16-bit params too) and reduced in
+    `lay.grad_reduce_dtype`; counts below are elements."""
     t, p, e, data, h, c = lay.tensor, lay.pipe, lay.expert, lay.data, model.d_model, lay.context
     counts = param_counts(model)
-    pb = precision_of(model).grad
+    prec = precision_of(model, layout=lay)
+    ab, rb, pb = 4, prec.reduce, prec.param  # float32 sums, the reduction's dtype, the params'
     norms = 2 * h * model.n_layers
-    layer_g = pb * ((counts["layers"] - norms) / p / t + norms / p)
-    edge_g = pb * ((counts["embedding"] + counts["head"]) / t + h)
-    expert_g = pb * counts["experts"] / p / (t * e)
-    rb = pb if grad_reduce_bytes is None else grad_reduce_bytes
+    layer_n = (counts["layers"] - norms) / p / t + norms / p
+    edge_n = (counts["embedding"] + counts["head"]) / t + h
+    expert_n = counts["experts"] / p / (t * e)
     dense_axes = tuple(a for a, k in (("data", data), ("expert", e), ("context", c)) if k > 1)
     if p > 1:
         ops, moved = permutes
         tally.add("collective-permute", ("pipe",), pipe_payload(act, lay) * moved / ops, ops)
-        if rb == pb:  # one all-reduce over pipe and the DP axes
-            tally.add("all-reduce", ("pipe", *dense_axes), edge_g)
-            edge_g = 0.0
+        if rb == ab:  # one all-reduce over pipe and the DP axes
+            tally.add("all-reduce", ("pipe", *dense_axes), ab * edge_n)
+            edge_n = 0.0
         else:  # summed over pipe in float32, then reduced over DP with the other gradients
-            tally.add("all-reduce", ("pipe",), edge_g)
-    groups = [(layer_g + edge_g, dense_axes, data * e * c)]
-    if expert_g:
-        groups.append((expert_g, tuple(a for a, k in (("data", data), ("context", c)) if k > 1), data * c))
-    for nbytes, axes, dp in groups:
+            tally.add("all-reduce", ("pipe",), ab * edge_n)
+    groups = [(layer_n + edge_n, dense_axes, data * e * c)]
+    if expert_n:
+        groups.append((expert_n, tuple(a for a, k in (("data", data), ("context", c)) if k > 1), data * c))
+    for n, axes, dp in groups:
         if not axes:
             continue
         if lay.zero == 0:
-            tally.add("all-reduce", axes, nbytes * rb / pb)
+            tally.add("all-reduce", axes, rb * n)
         else:
-            tally.add("reduce-scatter", axes, nbytes / dp * rb / pb)
-            tally.add("all-gather", axes, nbytes)
+            tally.add("reduce-scatter", axes, rb * n / dp)
+            tally.add("all-gather", axes, pb * n)

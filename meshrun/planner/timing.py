@@ -3,7 +3,8 @@ communication per framework, the pipeline bubble and the optimizer; the slowest 
 
 Frameworks (`--framework`): the same model trained two ways.
 * meshrun: gradients accumulated locally in float32 over the micro-batches and reduced ONCE
-  per step after the loop (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
+  per step after the loop, in `train.grad_reduce_dtype` (`layout.grad_reduce_dtype`: float32 by
+  default, bfloat16 half the bytes) (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
   params; ZeRO-3 all-gathers the params before the loop and reduce-scatters after), not overlapped
   with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch, b s h / t
   with sequence parallelism (the residual stream a stage sends is already split over 'tensor').
@@ -169,30 +170,31 @@ def _stage_times(split: tuple[int, ...], costs: tuple[float, float, float], plac
 
 
 def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision, framework: str) -> tuple:
-    """(seconds per micro-batch, seconds once per step) of data-parallel / ZeRO traffic of one device
-    of the first stage (the one holding the embedding). Dense params reduce over data x expert x
-    context ranks (TP inner: stride t), expert params over data x context ranks (stride t e without
-    context; with it the context ranks, t apart, are the inner part of the group)."""
+    """(seconds per micro-batch, seconds once per step, of those the params' all-gathers) of
+    data-parallel / ZeRO traffic of one device of the first stage (the one holding the embedding).
+    Gradients travel at `prec.reduce` bytes, params at `prec.param`. Dense params reduce over data x
+    expert x context ranks (TP inner: stride t), expert params over data x context ranks (stride t e
+    without context; with it the context ranks, t apart, are the inner part of the group)."""
     t, d, e, p, zero, c = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero, layout.context
     counts = param_counts(model)
     dense = (counts["layers"] / p + counts["embedding"]) / t
     experts = counts["experts"] / p / (t * e)
-    per_mb = per_step = 0.0
+    per_mb = per_step = gathers = 0.0
     for n, dp, stride in ((dense, d * e * c, t), (experts, d * c, t if c > 1 else t * e)):
         if dp <= 1 or n <= 0:
             continue
-        grads, params = n * prec.grad, n * prec.param
+        grads, params = n * prec.reduce, n * prec.param
         ar = cluster.allreduce_seconds(grads, dp, stride)
         rs = cluster.allreduce_seconds(grads, dp, stride, half=True)
         ag = cluster.allreduce_seconds(params, dp, stride, half=True)
         if zero == 0:
             per_step += ar
         elif framework == "meshrun" or zero == 1:
-            per_step += rs + ag
+            per_step, gathers = per_step + rs + ag, gathers + ag
         else:  # DeepSpeed ZeRO-2/3: reduce-scatter each micro-batch's gradients
             per_mb += rs + (2 * ag if zero == 3 else 0.0)
             per_step += ag if zero == 2 else 0.0
-    return per_mb, per_step
+    return per_mb, per_step, gathers
 
 
 def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Precision) -> float:
@@ -242,7 +244,7 @@ def predict_time(
     act = prec.act * b * (s / c if c > 1 else s) * model.d_model
     t_pp = _pipe_seconds(layout, cluster, act, framework)
     t_ep = _expert_seconds(model, layout, cluster, act, split[slow])
-    zero_mb, t_dp = _dp_comm(model, layout, cluster, prec, framework)
+    zero_mb, t_dp, t_gather = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
     t_zero = zero_mb - hidden + OVERLAP_COST * hidden
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
@@ -261,6 +263,7 @@ def predict_time(
         "optimizer": t_opt,
         "total": total,
         "dp_sync_full": t_dp + m * zero_mb,
+        "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,
         "split": split,
         "stage_seconds": times,

@@ -91,8 +91,7 @@ def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
                                         streamed=streams_update(cfg))  # fmt: skip
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
-    rb = cost.DTYPE_BYTES[cfg.train.grad_reduce_dtype]
-    comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes, grad_reduce_bytes=rb)
+    comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes)  # lay: its reduce dtype
     keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host",
             "nvme")  # fmt: skip
     return {
