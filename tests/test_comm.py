@@ -1,7 +1,9 @@
 """Communication levers: the data-parallel gradient reduction in bf16 (HLO dtype and bytes, gradients),
 rack-aware meshes, the planner's level-by-level DP all-reduce, `meshrun explain`'s bucket report."""
 
+import json
 import warnings
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.planner import step_model, timing
 from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
-from meshrun.planner.layout import Layout
+from meshrun.planner.layout import Layout, layout_of
 from meshrun.runtime.mesh import rack_of
 from meshrun.train.explain import buckets, format_buckets
 from meshrun.train.step import make_train_step
@@ -41,7 +43,8 @@ def _program_dp_collectives(over):
 
 
 def test_bf16_reduction_halves_the_data_parallel_bytes():
-    """The microbatch scan (data8, ZeRO-0): the same all-reduces, one per gradient leaf, in bf16."""
+    """The microbatch scan (data8, ZeRO-0): the same all-reduces, one per gradient leaf, in bf16; the
+    planner's 'data' bytes of the run's layout (its train.grad_reduce_dtype) are the program's."""
     over = ["mesh.pipe=1", "mesh.data=8", "pipeline.microbatches=2"]
     f32, bf16 = _program_dp_collectives(over), _program_dp_collectives([*over, BF16])
     assert f32 and {c.op for c in f32} == {c.op for c in bf16} == {"all-reduce"}
@@ -49,6 +52,17 @@ def test_bf16_reduction_halves_the_data_parallel_bytes():
     assert len(bf16) == len(f32)
     assert 2 * sum(c.bytes for c in bf16) == sum(c.bytes for c in f32)
     assert not any(c.in_loop for c in bf16)  # still once per step, after the accumulation loop
+    # bf16 params: the float32 sums are reduced in float32 by default, twice the param dtype's bytes
+    half = ["model.param_dtype=bfloat16"]
+    bf16_params, both_bf16 = _program_dp_collectives([*over, *half]), _program_dp_collectives([*over, *half, BF16])
+    assert {t for c in bf16_params for t in c.dtypes} == {"f32"} and {t for c in both_bf16 for t in c.dtypes} == {
+        "bf16"
+    }
+    for extra, program in (([], f32), ([BF16], bf16), (half, bf16_params), ([*half, BF16], both_bf16)):
+        cfg = _cfg("tiny_cpu.yaml", [*TINY, "mesh.tensor=1", *over, *extra])
+        lay = layout_of(cfg, dict(build_mesh(cfg.mesh).shape))
+        predicted = step_model.predict_collective_bytes(cfg.model, lay, seq_len=cfg.train.seq_len)["bytes"]["data"]
+        assert predicted == pytest.approx(sum(c.bytes for c in program if "data" in c.axes), rel=1e-3), extra
 
 
 def test_bf16_reduction_gradients_and_compiled_collectives():
@@ -105,6 +119,83 @@ def test_predicted_dp_bytes_halve_with_bf16_reduction():
         bf16 = step_model.predict_collective_bytes(model, lay, seq_len=64)["bytes"]
         assert bf16["data"] == pytest.approx(f32["data"] / 2, rel=1e-12)
         assert {a: v for a, v in bf16.items() if a != "data"} == {a: v for a, v in f32.items() if a != "data"}
+
+
+GPT3 = "configs/models/gpt3-175b.yaml"
+PLAN = ["plan", "--cluster", "a100-80g:128x8,ib=8x200", "--global-batch", "1536", "--json"]
+PLAN_175B = [*PLAN, "--model", "gpt3-175b", "--evaluate", "tensor=4,pipe=8,virtual=2,schedule=zb-v,zero=1"]
+
+
+def test_planner_dp_bytes_double_with_float32_reduction_of_bf16_params():
+    """bf16 params, gradients summed in float32: the default float32 reduction carries 4 bytes per
+    gradient element, bfloat16 2 (the param dtype, which the planner used to charge whatever the run
+    said); the params' all-gathers stay at 2 bytes, the float32 pipe sum of the embedding/head at 4.
+    Time: meshrun's float32 sync is Megatron's (both fp32, same collectives at ZeRO 0 and 1)."""
+    model = load_config(GPT3).model
+    assert model.param_dtype == "bfloat16"
+    cluster = parse_cluster("a100-80g:128x8,ib=8x200")
+    for kw in (dict(tensor=8, data=8), dict(tensor=4, pipe=4, data=8, microbatches=8)):
+        f32 = step_model.predict_collective_bytes(model, Layout(**kw), seq_len=2048)["bytes"]
+        bf16 = step_model.predict_collective_bytes(model, Layout(**kw, grad_reduce_dtype="bfloat16"), seq_len=2048)
+        assert f32["data"] == pytest.approx(2 * bf16["bytes"]["data"], rel=1e-12)
+        assert {a: v for a, v in f32.items() if a != "data"} == {a: v for a, v in bf16["bytes"].items() if a != "data"}
+        for zero in (0, 1):
+            lay = Layout(**kw, zero=zero)
+            mesh = timing.predict_time(model, lay, cluster, 2048)
+            narrow = timing.predict_time(model, replace(lay, grad_reduce_dtype="bfloat16"), cluster, 2048)
+            mega = timing.predict_time(model, lay, cluster, 2048, framework="megatron")
+            assert mesh["dp_sync"] == pytest.approx(mega["dp_sync"], rel=1e-12) and narrow["dp_sync"] < mesh["dp_sync"]
+    zero1 = Layout(tensor=8, data=8, zero=1)
+    f32, bf16 = (step_model.predict_collective_bytes(model, replace(zero1, grad_reduce_dtype=d), seq_len=2048)
+                 for d in ("float32", "bfloat16"))  # fmt: skip
+    n = step_model.param_counts(model)["total"] / 8  # the elements one device reduces (TP 8), roughly
+    # reduce-scatter (1/8 of the elements, 4 or 2 bytes) + all-gather (all of them, 2 bytes)
+    assert f32["bytes"]["data"] - bf16["bytes"]["data"] == pytest.approx(2 * n / 8, rel=0.01)
+
+
+def test_plan_costs_the_yamls_grad_reduce_dtype_unless_told(tmp_path, capsys):
+    """meshrun plan: the YAML's train.grad_reduce_dtype, else float32; --grad-reduce-dtype overrides
+    both; the header and --json name it."""
+    narrow = tmp_path / "gpt3-bf16-reduce.yaml"
+    narrow.write_text(open(GPT3).read().replace("train:\n", "train:\n  grad_reduce_dtype: bfloat16\n", 1))
+    got = {}
+    for name, argv in {"default": [], "flag": ["--grad-reduce-dtype", "bfloat16"]}.items():
+        assert main([*PLAN_175B, *argv]) == 0
+        got[name] = json.loads(capsys.readouterr().out)
+    assert main([*PLAN, "--model", str(narrow), *PLAN_175B[-2:]]) == 0
+    got["yaml"] = json.loads(capsys.readouterr().out)
+    assert main([*PLAN, "--model", str(narrow), *PLAN_175B[-2:], "--grad-reduce-dtype", "float32"]) == 0
+    got["yaml+flag"] = json.loads(capsys.readouterr().out)
+    dtype = {k: (v["grad_reduce_dtype"], v["configs"][0]["grad_reduce_dtype"]) for k, v in got.items()}
+    assert dtype == {"default": ("float32",) * 2, "flag": ("bfloat16",) * 2, "yaml": ("bfloat16",) * 2,
+                     "yaml+flag": ("float32",) * 2}  # fmt: skip
+    sync = {k: v["configs"][0]["time_parts_s"]["dp_sync"] for k, v in got.items()}
+    assert sync["default"] == sync["yaml+flag"] > sync["flag"] == sync["yaml"]
+    assert main([a for a in PLAN_175B if a != "--json"]) == 0
+    assert "meshrun semantics, dp reduce float32" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "argv, frag",
+    [
+        (
+            ["--grad-reduce-dtype", "float16"],
+            "--grad-reduce-dtype: invalid value (got 'float16'); use one of ['float32', 'bfloat16']",
+        ),
+        (
+            ["--grad-reduce-dtype", "bfloat16", "--framework", "megatron"],
+            "--grad-reduce-dtype: invalid value (got 'bfloat16'); use --framework meshrun",
+        ),
+        (
+            ["--evaluate", "tensor=8,grad_reduce_dtype=bfloat16"],
+            "--evaluate grad_reduce_dtype: not a layout key (got 'bfloat16'); give it as --grad-reduce-dtype bfloat16",
+        ),
+    ],
+)
+def test_plan_bad_grad_reduce_dtype_exits_2(argv, frag, capsys):
+    assert main([*PLAN[:-1], "--model", "gpt3-175b", *argv]) == 2
+    out = capsys.readouterr()
+    assert frag in out.err and "Traceback" not in out.err and out.out == ""
 
 
 def test_bad_grad_reduce_dtype_exits_2(capsys):
