@@ -4,6 +4,7 @@ meshrun plan --model configs/models/gpt3-175b.yaml --cluster a100-80g:128x8 --gl
 meshrun plan --model gpt3-175b --cluster a100-80g:128x8,ib=8x200 --framework megatron \
     --evaluate tensor=8,pipe=16,remat=full --json
 meshrun plan --model llama-70b --cluster h100-80g:16x8 --seq-len 131072 --global-batch 32   # context parallelism
+meshrun plan --model gpt3-175b --cluster a100-80g:128x8 --grad-reduce-dtype bfloat16   # bf16 DP reduction
 meshrun plan --model llama-70b --cluster h100-80g:1x8 --global-batch 16 \
     --evaluate tensor=4,data=2,zero=3,offload_params=true,offload_optimizer=host   # the offload levers
 """
