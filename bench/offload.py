@@ -151,7 +151,7 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak of the steps alone from here
     warm = None  # the tier's counters after step 1 (which compiles the chunk update): the swap from step 2 on
     for k, b in enumerate(batches):
-        if k == 1 and ts.tier is not None:
+        if k == 1 and tier == "nvme":
             warm = (ts.tier.file.stream_s, ts.tier.file.stream_bytes, ts.tier.file.streams)
         t0 = time.perf_counter()
         state, m = compiled(state, *b)
@@ -163,7 +163,7 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
            "params": params, "flat": 2 * params if ts.tier is not None else 0,
            "grads": sum(x.size * 4 for x in leaves), "temp": temp,
            "opt": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))}  # fmt: skip
-    if ts.tier is not None:
+    if tier == "nvme":  # (the host tier streams through a Tier too, without a file to time)
         f, lay = ts.tier.file, ts.tier.layout
         out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes - warm[1], "stream_s": f.stream_s - warm[0],
                 "streams": f.streams - warm[2],
