@@ -363,3 +363,24 @@ def test_lock_without_flock_falls_back_to_the_recorded_pid(tmp_path, monkeypatch
         assert lock.took_over.startswith(str(dead.pid))
         assert lock_file.read_text().split()[0] == str(os.getpid())
     assert not lock_file.exists()
+
+
+def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(tmp_path):
+    """Two runs started together: the loser's flock can fail before the winner has written its pid
+    into the lock file (empty until then). The loser waits for the record (bounded) and names it."""
+    import fcntl
+    import threading
+
+    from meshrun.errors import ConfigError
+    from meshrun.runtime.runlock import LOCK_NAME, RunLock
+
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the winner holds the lock, its record not yet written
+    writer = threading.Timer(0.3, lambda: os.pwrite(fd, b"4242 winnerhost 2026-12-05T07:00:00\n", 0))
+    writer.start()
+    try:
+        with pytest.raises(ConfigError, match=r"another meshrun run is using it \(pid 4242 on winnerhost\)"):
+            RunLock(tmp_path).acquire()
+    finally:
+        writer.join()
+        os.close(fd)

@@ -20,6 +20,7 @@ from pathlib import Path
 from meshrun.errors import ConfigError, DataError
 
 LOCK_NAME = ".meshrun.lock"
+RECORD_WAIT_S = 2.0  # how long a refused run waits for the new holder's record (written just after its flock)
 
 
 def _holder(path: Path) -> tuple[int | None, str, str]:
@@ -61,6 +62,16 @@ class RunLock:
             f"another meshrun run is using it ({who})",
         )
 
+    def _recorded_holder(self) -> tuple[int | None, str, str]:
+        """The holder's record. A run that has just taken the flock writes it a moment later (the
+        file is empty in between): wait for it, bounded, so the message names the pid."""
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while True:
+            pid, host, text = _holder(self.path)
+            if pid is not None or time.monotonic() >= deadline:
+                return pid, host, text
+            time.sleep(0.02)
+
     def acquire(self) -> RunLock:
         me = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
         while True:
@@ -69,7 +80,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise self._busy(*_holder(self.path)) from None
+                raise self._busy(*self._recorded_holder()) from None
             except OSError as e:
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     os.close(fd)
