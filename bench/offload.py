@@ -124,10 +124,10 @@ def rss(field: str) -> int:
     return 0
 
 
-def child(tier: str, directory: str, budget: float, steps: int) -> dict:
-    """One tier's run in this process: step times, swap counters, RSS figures."""
+def one_device_step(over: list[str], steps: int):
+    """configs/tiny_cpu.yaml with `over` on one CPU device: (train step, mesh, `steps` batches, the
+    compiled step). Shared by this bench's children and bench/offload_host.py's."""
     import jax
-    import numpy as np
     from jax.sharding import PartitionSpec as P
 
     from meshrun.config import load_config
@@ -136,14 +136,22 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
     from meshrun.runtime.mesh import build_mesh
     from meshrun.train.step import make_train_step
 
-    over = [*MODEL, f"train.offload_optimizer={tier}", f"train.offload_dir={directory}",
-            f"train.offload_budget_mb={budget}"]  # fmt: skip
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), over)
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     ts = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     batches = [global_batch_arrays(ds, i, mesh, P(DP_AXES)) for i in range(steps)]
-    compiled = ts.step.lower(ts.abstract_run, *batches[0]).compile()
+    return ts, mesh, batches, ts.step.lower(ts.abstract_run, *batches[0]).compile()
+
+
+def child(tier: str, directory: str, budget: float, steps: int) -> dict:
+    """One tier's run in this process: step times, swap counters, RSS figures."""
+    import jax
+    import numpy as np
+
+    over = [*MODEL, f"train.offload_optimizer={tier}", f"train.offload_dir={directory}",
+            f"train.offload_budget_mb={budget}"]  # fmt: skip
+    ts, _, batches, compiled = one_device_step(over, steps)
     temp = compiled.memory_analysis().temp_size_in_bytes
     overhead = rss("VmRSS")
     state, times = ts.init(), []

@@ -44,19 +44,9 @@ def child(variant: str, dtype: str, budget: float, steps: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from meshrun.analysis.memory import memory_spaces
-    from meshrun.config import load_config
-    from meshrun.data.datasets import global_batch_arrays, make_dataset
-    from meshrun.parallel.sharding import DP_AXES
-    from meshrun.runtime.mesh import build_mesh
-    from meshrun.train.step import make_train_step
 
     over = [*offload.MODEL, *DTYPES[dtype], *VARIANTS[variant], f"train.offload_budget_mb={budget}"]
-    cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), over)
-    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
-    ts = make_train_step(cfg, mesh)
-    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
-    batches = [global_batch_arrays(ds, i, mesh, P(DP_AXES)) for i in range(steps)]
-    compiled = ts.step.lower(ts.abstract_run, *batches[0]).compile()
+    ts, mesh, batches, compiled = offload.one_device_step(over, steps)
     step = memory_spaces(compiled)
     opt_sh = jax.tree.leaves(ts.state_shardings.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
     state = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
