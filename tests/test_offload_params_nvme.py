@@ -4,15 +4,20 @@ through the device (meshrun/train/layer_tier.py). The run equals the same run wi
 exactly (losses, params and the whole optimizer state after 3 steps, tolerance 0), the tier never holds
 more host memory than its budget, and checkpoints move between the tiers exactly."""
 
+import signal
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from test_offload_nvme import run
+from test_reliability import one_error_line
 
 from meshrun.checkpoint.state import Checkpointer
+from meshrun.checkpoint.store import scan
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
+from meshrun.train import swap
 
 OP = ["train.zero=3", "train.offload_params=true"]
 DP8_M1 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1", "model.n_layers=8"]
@@ -117,3 +122,46 @@ def test_offload_params_nvme_checkpoints_cross_tiers(tmp_path):
         ck.wait()
         same(jax.device_get(again.to_model(again.restore(ck, 3))), jax.device_get(mem.to_model(on_mem[0])))
         assert again.tier.file.peak_resident <= budget * MB
+
+
+def _cli_nvme(tmp_path) -> list[str]:
+    """`meshrun train` with the layers' state on NVMe: data 4 x tensor 2, 4 layers, 4 chunks a step."""
+    return [*OP, *nvme(tmp_path, 1.5)]
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_offload_params_nvme_sigkill_mid_swap_out_then_rerun(tmp_path):
+    """SIGKILL while step 3 writes its layers' state back (the middle chunk of 4): the rerun resumes from
+    checkpoint 2 and ends on the uninterrupted run's final loss exactly; the killed run's file is
+    cleared when the rerun takes the directory."""
+    from test_offload_nvme import _cli, _final_loss
+
+    over = _cli_nvme(tmp_path)
+    ref = _cli(tmp_path / "ref", *over)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = _cli(tmp_path / "k", *over, MESHRUN_FAULT_OFFLOAD_KILL="3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [e.step for e in scan(tmp_path / "k") if e.status == "complete"] == [2]
+    assert len(list(tmp_path.glob(swap.DATA_GLOB))) == 1  # the killed run's half-written file
+    rerun = _cli(tmp_path / "k", *over)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert _final_loss(tmp_path / "k") == _final_loss(tmp_path / "ref")
+    assert not list(tmp_path.glob(swap.DATA_GLOB))
+
+
+@pytest.mark.serial
+def test_offload_params_nvme_full_disk_mid_swap_exit_4(tmp_path):
+    """ENOSPC while step 3 writes its layers' state back: one line naming the directory, exit 4, and
+    checkpoint 2 intact (complete, and the rerun resumes from it to the last step)."""
+    from test_offload_nvme import _cli
+    from test_reliability import metrics_steps
+
+    r = _cli(tmp_path / "run", *_cli_nvme(tmp_path), MESHRUN_FAULT_OFFLOAD_ENOSPC="3")
+    assert r.returncode == 4, r.stderr[-2000:]
+    line = one_error_line(r.stderr)
+    assert str(tmp_path) in line and "No space left on device" in line
+    assert [(e.step, e.status) for e in scan(tmp_path / "run")] == [(2, "complete")]
+    rerun = _cli(tmp_path / "run", *_cli_nvme(tmp_path))
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert metrics_steps(tmp_path / "run")[-2:] == [3, 4]
