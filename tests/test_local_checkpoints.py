@@ -100,6 +100,24 @@ def test_cut_run_resumes_from_the_local_step_newer_than_the_persistent_one(refer
     assert _persistent(run) == [3, 6] and _local(local, run) == []  # local steps go once 6 is on disk
 
 
+@pytest.mark.slow
+def test_cut_nvme_run_resumes_from_the_local_step(reference, tmp_path, capsys):
+    """The same with the optimizer state on NVMe (the local steps stream the tier's file): the rerun
+    resumes from local 4 into the tier's file and ends at the in-memory run's losses, exactly."""
+    run, local, off = tmp_path / "run", tmp_path / "local", tmp_path / "off"
+    off.mkdir()
+    over = [*TIER, "checkpoint.every=3", f"checkpoint.local_dir={local}", "train.offload_optimizer=nvme",
+            f"train.offload_dir={off}", "train.offload_budget_mb=0.5"]  # fmt: skip
+    _cut(run, 5, *over)
+    assert _persistent(run) == [3] and _local(local, run) == [4]
+    rc, err = _train(capsys, run, *over)
+    assert rc == 0, err
+    assert [ln for ln in err.splitlines() if ln.startswith("resumed from")] == [
+        f"resumed from step 4 (local checkpoint {local}/process-0/{run_key(str(run))}/4)"
+    ]
+    assert _losses(run) == reference
+
+
 def test_damaged_or_half_written_local_step_is_never_taken(reference, tmp_path, capsys):
     """Local 3, 4 and no persistent step; one byte of 4 flipped, a half-written 5 (a killed save's
     temp directory) and a 5 without its data file: the rerun says why 4 cannot be restored, resumes

@@ -242,7 +242,7 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
                     saves.save(step + 1, (ts.to_save or ts.to_model)(stepper.state), force=stop)
                 elif saves.should_save_local(step + 1) and step + 1 < t.steps:  # the last step is saved for good
                     dog.phase("save", step + 1)
-                    saves.save_local(step + 1, ts.to_model(stepper.state))
+                    saves.save_local(step + 1, (ts.to_save or ts.to_model)(stepper.state))
                 if stop:
                     break
             else:

@@ -176,16 +176,20 @@ def local_candidates(tier: LocalTier, newer_than: int | None, max_step: int) -> 
 
 def restore_local(tier: LocalTier, train_step: TrainStep, candidates: list[int]) -> tuple[Any, int | None]:
     """(state, step) from the newest of `candidates` that every process restores (each reads only its
-    own files: no collective until all agree); (None, None) when none does."""
+    own files: no collective until all agree); (None, None) when none does. A streamed optimizer tier
+    takes its state straight into its file (`train_step.restore`), as from the persistent tier."""
     for step in candidates:
         try:
-            state, err = tier.restore(step, train_step.abstract_state), None
+            if train_step.restore is not None:
+                state, err = train_step.restore(tier, step), None
+            else:
+                state, err = tier.restore(step, train_step.abstract_state), None
         except LocalUnusable as e:
             state, err = None, str(e)
         except Exception as e:  # noqa: BLE001 - any failure here must still reach the agreement below
             state, err = None, f"{type(e).__name__}: {str(e)[:200]}"
         if agree(err is None):
-            return train_step.to_run(state), step
+            return (state if train_step.restore is not None else train_step.to_run(state)), step
         why = err if err is not None else "another process could not restore it"
         warn(f"local checkpoint step {step} cannot be restored ({why}); trying an older step or the persistent ones")
     return None, None

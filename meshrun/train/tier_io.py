@@ -120,12 +120,15 @@ class StatePieces:
         return [slices.Piece(key, (int(idx[r]), *g0[1:]), (int(idx[r]) + 1, *g1[1:]), data[r - g0[0] : r - g0[0] + 1],
                              primary) for r in range(g0[0], g1[0]) if idx[r] >= 0]  # fmt: skip
 
-    def save_pieces(self) -> Iterator[list[slices.Piece]]:
+    def save_pieces(self, primary_only: bool = True) -> Iterator[list[slices.Piece]]:
+        """Each chunk's boxes as read from the file: one copy of each element over all processes (orbax),
+        or every box of this process's rows (`primary_only=False`: the local tier, which saves what
+        this process restores)."""
         f = self.tier.file
         for i in range(f.n_chunks):
             buf = f.read(i, f.buffer)
             with f.held():  # TensorStore's copy of the chunk while it writes it
-                yield self.pieces(i, buf, primary_only=True)
+                yield self.pieces(i, buf, primary_only=primary_only)
 
     def restore_pieces(self) -> Iterator[list[slices.Piece]]:
         f = self.tier.ensure_file()
