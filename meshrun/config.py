@@ -298,6 +298,19 @@ def offload_params_refusals(
     return out
 
 
+def streamed_update_refusal(optimizer: str, elementwise: bool, state_dtype: str, fp8: str | None = None) -> str | None:
+    """Why the host tier cannot stream this optimizer's update chunk by chunk (None: it can), so that
+    `train.offload_update=auto` keeps the whole-shard update and `streamed` is refused. The one place
+    the rule lives: the step's plan (`train.plan.streams_update`) and the planner (`planner.tiers`)."""
+    if not elementwise:
+        return f"{optimizer}'s update is not elementwise"
+    if state_dtype != "float32":
+        return f"the streamed update keeps float32 state (optimizer.state_dtype={state_dtype})"
+    if fp8 not in (None, "none"):
+        return "the streamed update does not carry fp8 scaling state"
+    return None
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20  # optimizer steps of the whole run (a resume continues up to it)

@@ -5,8 +5,10 @@ jax), except the one test that checks the planner's bytes against the runtime's 
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -117,8 +119,10 @@ def test_any_cluster_string_parses_or_names_the_field(text):
 
 def test_tier_bytes_traffic_and_time_by_hand():
     """llama-70b, TP 4 PP 2 DP 2 ZeRO-1 on 2 DGX H100: the state is 12 bytes (fp32 master, m, v) per
-    element of the optimizer's shard; host moves it twice over the host link; NVMe holds it in
-    chunks sized as the runtime sizes them, reads and writes it once a step."""
+    element of the optimizer's shard; the whole-shard host update moves it twice over the host link
+    and waits for it; NVMe holds it in chunks sized as the runtime sizes them, reads and writes it
+    once a step; the streamed host update (the default) holds nvme's chunks in host memory and moves
+    them as nvme's, over the host link only."""
     m, c = model("llama-70b"), parse_cluster("h100-80g:2x8")
     lay = Layout(
         tensor=4,
@@ -135,7 +139,8 @@ def test_tier_bytes_traffic_and_time_by_hand():
     mem, t_upd = r.memory, r.time["optimizer"]
     elems = mem["opt_elems"]
     assert mem["opt_state"] == pytest.approx(12 * elems)
-    host = tiers.optimizer_tier(mem, m, lay, c, "host", t_upd)
+    host = tiers.optimizer_tier(mem, m, replace(lay, offload_update="whole"), c, "host", t_upd)
+    assert not host.streamed and host.chunk == 0
     assert host.host == pytest.approx(12 * elems) and host.pcie == pytest.approx(24 * elems)
     assert host.exposed_s == pytest.approx(24 * elems / (64 * GB * 0.8))
     fixed = 0.8e9 + mem["overhead_comm_buffers"]  # CUDA context, communicators
@@ -152,6 +157,12 @@ def test_tier_bytes_traffic_and_time_by_hand():
     # on the device: flat fp32 gradient + bf16 param rows instead of the 16 bytes of state + temporaries
     assert nv.update == pytest.approx(host.update - mem["optimizer"] + 6 * elems + 2 * 3 * 3 * 4 * chunk)
     assert nv.device < c.usable_memory < host.device
+    streamed = tiers.optimizer_tier(mem, m, lay, c, "host", t_upd)  # offload_update=auto streams adamw
+    assert streamed.streamed and (streamed.chunk, streamed.n_chunks) == (nv.chunk, nv.n_chunks)
+    assert streamed.host == nv.nvme + budget / 8 and streamed.nvme == streamed.nvme_read == streamed.nvme_write == 0
+    assert streamed.pcie == nv.pcie and streamed.update == nv.update
+    assert streamed.io_s == pytest.approx(nv.pcie / (64 * GB * 0.8))
+    assert streamed.exposed_s == pytest.approx(max(0.0, streamed.io_s - t_upd))
 
 
 def test_chunks_match_the_runtime_rule():
@@ -167,10 +178,12 @@ def test_chunks_match_the_runtime_rule():
     assert TrainConfig().offload_budget_mb == tiers.DEFAULT_BUDGET_MB
 
 
-def test_planner_state_bytes_equal_the_runtime_tiers(tmp_path):
-    """The tiny model on 8 CPU devices, train.offload_optimizer=nvme: the planner's elements per
-    rank, state slots, chunk and file bytes equal what the runtime's tier lays out, and a step
-    reads and writes exactly the file."""
+@pytest.mark.parametrize("kind", ["nvme", "host"])
+def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
+    """The tiny model on 8 CPU devices, train.offload_optimizer=nvme or host (streamed): the planner's
+    elements per rank, state slots, chunk and store bytes (the file, or the host tier's chunks in
+    host memory) equal what the runtime's tier lays out, and a step reads and writes exactly the
+    store: for nvme from the drives, and over the host link for both (the planner's pcie bytes)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -179,13 +192,15 @@ def test_planner_state_bytes_equal_the_runtime_tiers(tmp_path):
     from meshrun.parallel.sharding import DP_AXES
     from meshrun.planner.layout import layout_of
     from meshrun.runtime.mesh import build_mesh
+    from meshrun.train import swap
     from meshrun.train.step import make_train_step
 
     small = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16"]
     # pipe 2 x data 2 x tensor 2, ZeRO-1, bf16 params (3 fp32 slots: master, m, v)
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", "train.offload_budget_mb=0.5"]
+    tier_over = [f"train.offload_optimizer={kind}", "train.offload_budget_mb=0.5"]
+    tier_over += [f"train.offload_dir={tmp_path}"] if kind == "nvme" else []
     for over in (["train.zero=1", "model.param_dtype=bfloat16"],):
-        cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*small, *nvme, *over])
+        cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*small, *tier_over, *over])
         mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
         ts = make_train_step(cfg, mesh)
         state = ts.init()
@@ -193,15 +208,71 @@ def test_planner_state_bytes_equal_the_runtime_tiers(tmp_path):
         lay = layout_of(cfg, dict(mesh.shape))
         mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=16)
         mem |= {"total": mem["device"], "overhead_context": 0.0}
-        plan = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), "nvme", 0.0, 0.5)
+        plan = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), kind, 0.0, 0.5)
+        assert plan.streamed and isinstance(f, swap.SwapFile if kind == "nvme" else swap.HostStore)
         assert mem["opt_elems"] == tier.layout.used
         assert mem["opt_state"] == tier.layout.used * tier.pattern.n_slots * 4
         assert len(tier.layout.first) == 8 and plan.chunk == tier.layout.chunk and plan.n_chunks == tier.layout.n_chunks
-        assert 8 * plan.nvme == f.state_bytes
+        store = plan.nvme if kind == "nvme" else plan.host - 0.5 * 2**20 / 8  # the host tier: store + buffers
+        assert 8 * store == f.state_bytes
         ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=16, global_batch=16)
         before = f.bytes_read, f.bytes_written
         ts.step(state, *global_batch_arrays(ds, 0, mesh, P(DP_AXES)))
-        assert (f.bytes_read - before[0], f.bytes_written - before[1]) == (8 * plan.nvme_read, 8 * plan.nvme_write)
+        moved = (f.bytes_read - before[0], f.bytes_written - before[1])
+        assert moved == (8 * plan.pcie / 2, 8 * plan.pcie / 2)
+        assert moved == ((8 * plan.nvme_read, 8 * plan.nvme_write) if kind == "nvme" else (8 * store, 8 * store))
+
+
+HOST_UPDATES = {  # overrides -> whether the runtime streams the host tier's update
+    "adamw": ([], True),
+    "whole": (["train.offload_update=whole"], False),
+    "muon": (["optimizer.name=muon"], False),
+    "bf16-moments": (["optimizer.state_dtype=bfloat16"], False),
+    "fp8": (["model.fp8=tensorwise"], False),
+    "offload-params": (["train.zero=3", "train.offload_params=true"], False),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_UPDATES))
+def test_planner_streams_the_host_update_where_the_runtime_does(name):
+    """The planner models the streamed host update exactly where the step's plan streams it
+    (`train.plan.streams_update`), and the whole-shard update where auto falls back to it."""
+    from meshrun.config import load_config
+    from meshrun.planner.layout import layout_of
+    from meshrun.train.plan import streams_update
+
+    over, want = HOST_UPDATES[name]
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["train.offload_optimizer=host", *over])
+    lay = layout_of(cfg, {"data": 2, "pipe": 2, "tensor": 2, "expert": 1})
+    assert streams_update(cfg) is want and tiers.host_streams(cfg.model, lay) is want
+    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=64)
+    mem |= {"total": mem["device"]}
+    t = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), "host", 0.0)
+    assert t.streamed is want and (t.chunk > 0) is want
+
+
+def test_evaluate_offload_update(capsys):
+    """`--evaluate ...,offload_optimizer=host,offload_update=whole|streamed`: whole costs the whole-shard
+    update (its peak does not fit here), streamed (and auto) the chunked one; streamed with muon is
+    refused as the runtime refuses it; offload_update without the host tier exits 2."""
+    argv = ["--model", "llama-70b", "--cluster", "h100-80g:2x8", "--global-batch", "16", "--seq-len", "4096"]
+    ev = "tensor=4,pipe=2,data=2,zero=1,microbatches=8,offload_optimizer=host"
+    got = {}
+    for upd in ("auto", "streamed", "whole"):
+        rc, out, _ = run_cli([*argv, "--evaluate", f"{ev},offload_update={upd}", "--json"], capsys)
+        assert rc == 0
+        got[upd] = json.loads(out)["configs"][0]
+    keys = ("memory_gb", "host_memory_gb", "step_time_s")
+    assert [got["auto"][k] for k in keys] == [got["streamed"][k] for k in keys]
+    assert got["streamed"]["memory_gb"] < 80 < got["whole"]["memory_gb"] and got["whole"]["offload_update"] == "whole"
+    rc, out, _ = run_cli([*argv, "--evaluate", f"{ev},offload_update=whole"], capsys)
+    assert "update the whole shard on the device" in out and "the update's peak" in out
+    rc, out, _ = run_cli([*argv, "--evaluate", f"{ev},offload_update=streamed"], capsys)
+    assert "update streamed in" in out and "the update's peak" not in out
+    rc, out, _ = run_cli([*argv, "--optimizer", "muon", "--evaluate", f"{ev},offload_update=streamed"], capsys)
+    assert "train.offload_update=streamed: meshrun refuses it (muon's update is not elementwise" in out
+    rc, out, err = run_cli([*argv, "--evaluate", "tensor=4,pipe=2,data=2,offload_update=whole"], capsys)
+    assert rc == 2 and "--evaluate offload_update: chooses the host tier's update only" in err and out == ""
 
 
 # ----------------------------------------------------------------------------- which tier the search proposes
@@ -241,15 +312,23 @@ def test_no_offload_when_the_device_is_enough():
     assert not any(v.startswith("offload") for r in best for v in r.violations)
 
 
-def test_nvme_where_the_host_tiers_update_peak_does_not_fit(capsys):
-    """llama-70b on 2 DGX H100: the host tier brings the whole state shard to the device for the
-    update (105 GB); the NVMe tier streams it (flat rows + chunks: 62 GB), at the drives' pace."""
+def test_streamed_host_update_where_the_whole_shards_peak_does_not_fit(capsys):
+    """llama-70b on 2 DGX H100: the whole-shard host update brings the state shard to the device
+    (105 GB, it does not fit); the streamed one (the default for adamw) holds nvme's flat rows and
+    chunks (62 GB), so the host tier is proposed, at the host link's pace, not NVMe at the drives'."""
     argv = ["--model", "llama-70b", "--cluster", "h100-80g:2x8", "--global-batch", "16", "--seq-len", "4096"]
     rc, out, _ = run_cli([*argv, "--top", "2"], capsys)
     assert rc == 0
     why = [line for line in out.splitlines() if "offload optimizer" in line]
-    assert len(why) == 2 and all("to NVMe (train.offload_optimizer=nvme)" in w for w in why)
-    assert all("host offload does not fit (the update's peak" in w for w in why)
+    assert len(why) == 2 and all("offload optimizer to host memory" in w and "update streamed in" in w for w in why)
+    m, c = model("llama-70b"), parse_cluster("h100-80g:2x8")
+    lay = Layout(tensor=4, pipe=2, data=2, microbatches=8, zero=1)
+    r = search.evaluate(m, lay, c, 16, 4096)
+    tier = lambda kind, lay: tiers.optimizer_tier(r.memory, m, lay, c, kind, r.time["optimizer"])
+    whole, streamed, nv = tier("host", replace(lay, offload_update="whole")), tier("host", lay), tier("nvme", lay)
+    assert any(w.startswith("the update's peak") for w in tiers.misfits(whole, c, lay))
+    assert not tiers.misfits(streamed, c, lay) and streamed.update == nv.update < c.usable_memory < whole.update
+    assert streamed.exposed_s < nv.exposed_s
     # the runtime streams elementwise optimizers with float32 state only: muon (Newton-Schulz) and
     # bfloat16 moments are never put on NVMe
     m, c = model("llama-70b"), parse_cluster("h100-80g:2x8")

@@ -22,6 +22,7 @@ from meshrun.config import (
     GRAD_REDUCE_DTYPES,
     MAX_DIM,
     OFFLOAD_TIERS,
+    OFFLOAD_UPDATES,
     OPTIMIZER_STATE_DTYPES,
     RunConfig,
     TrainConfig,
@@ -39,7 +40,7 @@ from meshrun.planner.timing import FRAMEWORKS
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
-             "offload_params")  # fmt: skip
+             "offload_update", "offload_params")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
@@ -164,8 +165,16 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         context=c,
         context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
         offload_optimizer=given.get("offload_optimizer", "none"),
+        offload_update=given.get("offload_update", "auto"),
         offload_params=given.get("offload_params", False),
     )
+    upd, field = layout.offload_update, "--evaluate offload_update"
+    if upd != "auto" and layout.offload_optimizer != "host":  # the rules `train` applies (TrainConfig)
+        raise ConfigError(field, upd, "leave it auto, or set offload_optimizer=host",
+                          "chooses the host tier's update only")  # fmt: skip
+    if upd == "streamed" and layout.offload_params:
+        raise ConfigError(field, upd, "leave it auto with offload_params",
+                          "offload_params streams layer by layer itself")  # fmt: skip
     model.check_context(c, "--evaluate context")  # the rule `train` applies
     if c > 1 and seq_len is not None and (bad := context_violations(layout, seq_len)):
         need = 2 * c if layout.context_kind == "ring" else c
@@ -208,6 +217,10 @@ def _parse_value(key: str, raw: str):
     if key == "offload_optimizer":
         if raw not in OFFLOAD_TIERS:
             raise ConfigError(field, raw, f"use one of {list(OFFLOAD_TIERS)}")
+        return raw
+    if key == "offload_update":
+        if raw not in OFFLOAD_UPDATES:
+            raise ConfigError(field, raw, f"use one of {list(OFFLOAD_UPDATES)}")
         return raw
     low = raw.lower()
     if low not in ("true", "false", "1", "0", "yes", "no"):

@@ -26,7 +26,7 @@ class Layout:
     set the optimizer state's bytes (`precision_of`). `grad_reduce_dtype`: the dtype of meshrun's one
     data-parallel gradient reduction per step (`train.grad_reduce_dtype`). `offload_optimizer` and
     `offload_params`: where the state and the parameters rest (`search.evaluate` costs them with
-    `offload.apply`)."""
+    `offload.apply`); `offload_update`: whether the host tier streams its update (`tiers.host_streams`)."""
 
     tensor: int = 1
     pipe: int = 1
@@ -46,6 +46,7 @@ class Layout:
     state_dtype: str = "float32"  # optimizer.state_dtype
     grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype (meshrun's default; Megatron reduces in fp32)
     offload_optimizer: str = "none"  # train.offload_optimizer: none | host | nvme (`tiers.py`)
+    offload_update: str = "auto"  # train.offload_update: the host tier's update, auto | streamed | whole
     offload_params: bool = False  # train.offload_params (`param_offload.py`)
 
     @property
@@ -110,6 +111,7 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         state_dtype=cfg.optimizer.state_dtype,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
         offload_optimizer=cfg.train.offload_optimizer,
+        offload_update=cfg.train.offload_update,
         offload_params=cfg.train.offload_params,
     )
 

@@ -93,9 +93,10 @@ def _why(o: dict, levers: tuple[str, ...], r, cluster: Cluster, host_misfit: lis
     acts = " + activations" if "activations" in levers else ""
     without = f"without it this layout needs {r.memory['total'] / GB:.1f} GB > {usable / GB:.1f} GB usable"
     if t.tier == "host":
+        how = f"streamed in {t.n_chunks} chunks" if t.streamed else "the whole shard on the device"
         return (f"offload optimizer{acts} to host memory: {o['host'] / GB:.1f} GB/device in host memory "
                 f"({o['host'] * gpn / TB:.2f} of {st.host_bytes / TB:.2f} TB per node), {o['traffic'] / GB:.1f} "
-                f"GB/step over the host link (+{o['transfer_s']:.3g} s); update peak {t.update / GB:.1f} GB; "
+                f"GB/step over the host link (+{o['transfer_s']:.3g} s); update {how}, peak {t.update / GB:.1f} GB; "
                 f"{without}")  # fmt: skip
     host = f"{acts.removeprefix(' + ')} to host memory, " if acts else ""
     return (f"offload optimizer to NVMe (train.offload_optimizer=nvme){', ' + host if host else ': '}"
@@ -231,10 +232,15 @@ def apply(r, model: ModelConfig, cluster: Cluster, seq_len: int):
         hard = refused + param_offload.misfits(pt, cluster, lay)
         return _params_result(base, model, cluster, pt, _params_why(pt, base, cluster, []), hard)
     levers = ({"host": "optimizer", "nvme": "nvme"}[tier],)
-    o = with_offload(base, model, cluster, seq_len, levers)
+    o = with_offload(replace(base, layout=replace(base.layout, offload_update=lay.offload_update)), model, cluster,
+                     seq_len, levers)  # fmt: skip
     why = _why(o, levers, base, cluster, [])
     time = dict(r.time, total=o["time"], host_transfer=o["transfer_s"])
-    return _offloaded(base, lay, dict(o["memory"], host=o["host"]), time, why, misfits(o, lay, cluster))
+    hard = misfits(o, lay, cluster)
+    refused = tiers.host_refusal(model, lay) if tier == "host" and lay.offload_update == "streamed" else None
+    if refused is not None:
+        hard.append(f"train.offload_update=streamed: meshrun refuses it ({refused}; use auto or whole)")
+    return _offloaded(base, lay, dict(o["memory"], host=o["host"]), time, why, hard)
 
 
 def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:

@@ -4,12 +4,20 @@ memory model of the planner, per layout and per device. For each tier: the bytes
 from the drives; and the time of that I/O.
 
 * none: the state lives on the device (`predict_memory`).
-* host: the state rests in pinned host memory. It is the optimizer's moments and fp32 master, plus
-  the stored params when they are float32 under a 16-bit compute dtype (`train.plan.offloaded`).
-  The step brings the whole shard to the device for the update and puts it back. That is 2 x its
-  bytes over the host link, exposed, because the update waits for it. The device's peak is the
-  larger of the backward (no state) and the update (stored params, the update's gradients, the
-  whole state and the update's temporaries).
+* host, streamed (`train.offload_update=auto`, the default, where the runtime streams: `host_streams`):
+  the state rests in host memory in the nvme tier's chunk layout (`train/swap.HostStore`) and the
+  update streams it through the device chunk by chunk as nvme's does, through the same buffers
+  (`train.offload_budget_mb` per process). The device's update peak is nvme's (flat rows + a few
+  chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
+  once over the host link (2 x its bytes), overlapped with the update as nvme's I/O is, so only
+  the time beyond the update is exposed.
+* host, whole (`train.offload_update=whole`, and what auto falls back to: optimizers whose update is
+  not elementwise (muon), bf16 moments, fp8, `train.offload_params`): the state rests in pinned host
+  memory. It is the optimizer's moments and fp32 master, plus the stored params when they are
+  float32 under a 16-bit compute dtype (`train.plan.offloaded`). The step brings the whole shard to
+  the device for the update and puts it back. That is 2 x its bytes over the host link, exposed,
+  because the update waits for it. The device's peak is the larger of the backward (no state) and
+  the update (stored params, the update's gradients, the whole state and the update's temporaries).
 * nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
   in chunks through `train.offload_budget_mb` of host memory per process (`train/streamed.py`,
   one process per node). The device holds the flat float32 gradient row and the param row of its
@@ -27,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshrun.config import ModelConfig
+from meshrun.config import ModelConfig, streamed_update_refusal
 from meshrun.optim import registry as optimizers
 from meshrun.planner.hardware import COMM_EFFICIENCY, GB, Cluster
 from meshrun.planner.layout import DTYPE_BYTES, Layout
@@ -68,8 +76,9 @@ class Tier:
     nvme_write: float
     io_s: float  # the tier's I/O time per step
     exposed_s: float  # of it, not hidden behind the update
-    chunk: int = 0  # nvme: elements per row of one chunk
+    chunk: int = 0  # nvme and the streamed host tier: elements per row of one chunk
     n_chunks: int = 0
+    streamed: bool = False  # the update streams the state chunk by chunk (nvme; host unless whole)
 
     @property
     def device(self) -> float:
@@ -91,6 +100,22 @@ def streamable(layout: Layout) -> bool:
     return optimizers.get(layout.optimizer).elementwise and layout.state_dtype == "float32"
 
 
+def host_streams(model: ModelConfig, layout: Layout) -> bool:
+    """Whether the runtime streams the host tier's update (`train.plan.streams_update`): not with
+    `train.offload_update=whole` nor `train.offload_params` (which streams layer by layer itself), and
+    only where `config.streamed_update_refusal` has no objection (auto falls back to the whole shard)."""
+    if layout.offload_update == "whole" or layout.offload_params:
+        return False
+    return host_refusal(model, layout) is None
+
+
+def host_refusal(model: ModelConfig, layout: Layout) -> str | None:
+    """Why the host tier cannot stream this layout's optimizer (None: it can)."""
+    opt = layout.optimizer
+    return streamed_update_refusal(opt, optimizers.get(opt).elementwise, layout.state_dtype,
+                                   getattr(model, "fp8", "none"))  # fmt: skip
+
+
 def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, tier: str, t_update: float,
                    budget_mb: float = DEFAULT_BUDGET_MB) -> Tier:  # fmt: skip
     """The tier's figures for one stage's memory parts `mem` (`predict_memory`, meshrun's step);
@@ -101,12 +126,12 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     state = mem.get("opt_state", opt)
     if tier == "none":
         return Tier(tier, mem["total"], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    if tier == "host":
+    if tier == "host" and not host_streams(model, layout):
         rest = state + (stored if model.param_dtype != model.dtype else 0.0)
         pcie = 2 * rest
         t = pcie / host_bw(cluster)
         return Tier(tier, backward, stored + grads + opt + fixed, rest, 0.0, pcie, 0.0, 0.0, t, t)
-    if tier != "nvme":
+    if tier not in ("host", "nvme"):
         raise ValueError(f"unknown optimizer tier {tier!r}; one of {TIERS}")
     elems = mem.get("opt_elems", state / 12)
     slots = max(1, round(state / (4 * elems)))  # float32 state slots: master, m, v (m, v without a master)
@@ -117,11 +142,15 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     file = n_chunks * c * slots * 4  # this GPU's rows of the process's file
     flat = (4 + DTYPE_BYTES[model.param_dtype]) * elems  # the flat gradient (float32) and param rows
     on_device = 2 * SLOTS_IN_FLIGHT * slots * 4 * c  # chunks copied in and their new state out
-    disk = drive_seconds(cluster, file)
     pcie = 2 * file
-    io = max(disk, pcie / host_bw(cluster))
     update = stored + grads + flat + on_device + fixed
-    return Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks)
+    if tier == "host":  # the chunks rest in host memory (`HostStore`), beside the buffers
+        io = pcie / host_bw(cluster)
+        return Tier(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
+                    c, n_chunks, True)  # fmt: skip
+    io = max(drive_seconds(cluster, file), pcie / host_bw(cluster))
+    return Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
+                True)  # fmt: skip
 
 
 def misfits(t: Tier, cluster: Cluster, layout: Layout | None = None) -> list[str]:
@@ -134,13 +163,13 @@ def misfits(t: Tier, cluster: Cluster, layout: Layout | None = None) -> list[str
     if t.host * gpn > HOST_USABLE * st.host_bytes:
         out.append(f"host memory {t.host * gpn / GB:.0f} GB per node > {HOST_USABLE * st.host_bytes / GB:.0f} GB "
                    f"usable of {st.host_bytes / GB:.0f} GB")  # fmt: skip
+    if t.streamed and not t.chunk:
+        out.append("the chunk budget holds no chunk")
     if t.tier == "nvme":
         disk = st.nvme_drives * st.nvme_drive_bytes
         if layout is not None and not streamable(layout):
             out.append(f"the NVMe tier streams elementwise optimizers with float32 state only "
                        f"({layout.optimizer}, {layout.state_dtype})")  # fmt: skip
-        if not t.chunk:
-            out.append("the chunk budget holds no chunk")
         if t.nvme * gpn > disk:
             out.append(f"NVMe {t.nvme * gpn / GB:.0f} GB per node > {disk / GB:.0f} GB of local drives")
     return out

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, ModelConfig, RunConfig, offload_params_refusals
+from meshrun.config import AXES, ModelConfig, RunConfig, offload_params_refusals, streamed_update_refusal
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
@@ -119,13 +119,9 @@ def streams_update(cfg: RunConfig) -> bool:
         return t.offload_optimizer == "nvme"
     if t.offload_update == "whole" or t.offload_params:
         return False
-    why = None
-    if not optimizers.get(cfg.optimizer.name).elementwise:
-        why = f"{cfg.optimizer.name}'s update is not elementwise"
-    elif cfg.optimizer.state_dtype != "float32":
-        why = f"the streamed update keeps float32 state (optimizer.state_dtype={cfg.optimizer.state_dtype})"
-    elif getattr(cfg.model, "fp8", "none") != "none":
-        why = "the streamed update does not carry fp8 scaling state"
+    o = cfg.optimizer
+    why = streamed_update_refusal(o.name, optimizers.get(o.name).elementwise, o.state_dtype,
+                                  getattr(cfg.model, "fp8", "none"))  # fmt: skip
     if why is not None and t.offload_update == "streamed":
         raise ConfigError("train.offload_update", "streamed", "use auto or whole", why)
     return why is None
