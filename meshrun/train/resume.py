@@ -264,7 +264,8 @@ class Saves:
         return self.tier is not None and self.tier.should_save(step) and not self.ckpt.should_save(step)
 
     def save_local(self, step: int, model_state: Any) -> None:
-        """This process's shards to the local tier (the write goes on in the background)."""
+        """This process's shards to the local tier (the write goes on in the background; a streamed
+        tier's state is written from its file before this returns)."""
         self.report()
         self.tier.save(step, model_state)
 
