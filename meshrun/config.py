@@ -251,6 +251,10 @@ class PipelineConfig:
     # Megatron's), 'auto' (the schedule's registry entry decides). The schedule's entry says which
     # executors play it (`pipeline.registry.check_config`, run by the step plan: config sits below it).
     executor: str = "auto"  # auto | lockstep | per_op
+    # Reduce each chunk's gradients over the data-parallel axes as soon as its last backward op ran
+    # (ZeRO >= 1: its reduce-scatter), beside the rest of the tick loop, instead of all after it
+    # (Megatron's --overlap-grad-reduce). Schedules with 2+ chunks per stage (zb-v, interleaved).
+    overlap_grad_reduce: bool = False
 
     def __post_init__(self):
         if not self.schedule or not isinstance(self.schedule, str):
@@ -260,6 +264,8 @@ class PipelineConfig:
         _bounded("pipeline.microbatches", self.microbatches, 1, MAX_MICROBATCHES)
         _bounded("pipeline.virtual", self.virtual, 1, MAX_DIM)
         _choice("pipeline.balance", self.balance, ("even", "auto"))
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ConfigError("pipeline.overlap_grad_reduce", self.overlap_grad_reduce, "use true or false")
         if any(n < 1 for n in self.layers_per_stage):
             raise ConfigError(
                 "pipeline.layers_per_stage",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
@@ -113,16 +114,21 @@ class Pipeline:
         params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
+        by_chunk = bool(self.program.grad_cuts)  # pipeline.overlap_grad_reduce: one reduction per chunk
+        gl_specs = (zl_l.partial_specs(),) * self.program.v if by_chunk else zl_l.partial_specs()
         f = jax.shard_map(
             functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
             mesh=mesh,
             in_specs=(zl_l.local_compute(), zl_o.local_compute(), *(bspec,) * len(batch)),
-            out_specs=(P(), zl_l.partial_specs(), zl_o.partial_specs(), P()),
+            out_specs=(P(), gl_specs, zl_o.partial_specs(), P()),
             axis_names=set(MANUAL),
             check_vma=False,
         )
         loss, gl, go, metrics = f(layers, other, *batch)
-        gl, go = zl_l.finish(gl), zl_o.finish(go)  # ZeRO >= 1: one reduce-scatter per leaf
+        # ZeRO >= 1: one reduce-scatter per leaf (per chunk and leaf: a chunk's depends on no tick
+        # after its grad cut, so it can run beside them)
+        gl = _join_chunks(mesh, [zl_l.finish(g) for g in gl], zl_l.grads) if by_chunk else zl_l.finish(gl)
+        go = zl_o.finish(go)
         gspec = zl.grads
         if self.placement == "model":
             gl, gspec = lsplit.from_pipeline(gl), self.model_zero.grads
@@ -154,12 +160,22 @@ class Pipeline:
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroShardings.finish`.
-            gl = zl_l.reduce_local(run.layer_grads(carry["g_layers"]))
+            if self.program.grad_cuts:  # each chunk reduced on its own, from its sums as of its grad cut
+                gl = tuple(zl_l.reduce_local(g) for g in run.chunk_grads(carry["g_layers"]))
+            else:
+                gl = zl_l.reduce_local(run.layer_grads(carry["g_layers"]))
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
             loss, metrics = contract.finish(
                 self.fns, lax.psum(carry["loss"], MANUAL), run.n_tok, lax.psum(carry["aux"], MANUAL), run.n_seq
             )
             return loss, gl, go, metrics
+
+
+def _join_chunks(mesh, chunks: list, specs):
+    """A stage's reduced chunk gradients [Lc, ...] each (leading axis over 'pipe') -> its [v*Lc, ...] in
+    the pipeline placement: a local concatenation on every device, no data moved between them."""
+    body = lambda *cs: jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *cs)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,) * len(chunks), out_specs=specs, check_vma=False)(*chunks)
 
 
 def _wsc(mesh, tree, specs):

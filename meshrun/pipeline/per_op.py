@@ -286,6 +286,7 @@ class OpRun(StageRun):
                 return c, None
 
             carry, _ = lax.scan(body, carry, xs)
+            self.keep_final(carry, t1)
         return carry
 
 

@@ -27,16 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshrun.config import PipelineConfig
+from meshrun.errors import ConfigError
 from meshrun.pipeline import registry, schedules
 from meshrun.pipeline.registry import Executor
 from meshrun.pipeline.schedules import ChunkPlacement
 
 
-def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
+def _phases(lock, v: int, cuts: frozenset[int] = frozenset()) -> list[tuple[str, int, int, bool, bool]]:
     """Maximal runs of ticks of one kind: 'F' (forwards only), 'B' (backwards only), 'FB' (both),
     each with whether its ticks send activations / gradients (some tick of the run has a consumer
     next tick). One scan per run keeps the tick body specialised (a warm-up tick costs a forward
-    only) while the HLO holds few copies of the stage (compile time)."""
+    only) while the HLO holds few copies of the stage (compile time). A run also ends at each tick
+    of `cuts` (`grad_cuts`: a chunk's gradients are final there)."""
     p = len(lock[0])
     kinds, sf, sb = [], [], []
     for t, row in enumerate(lock):
@@ -47,7 +49,7 @@ def _phases(lock, v: int) -> list[tuple[str, int, int, bool, bool]]:
         sb.append(any(c.bwd is not None and c.bwd.chunk * p + s < v * p - 1 for s, c in enumerate(nxt)))
     out, t0 = [], 0
     for t in range(1, len(kinds) + 1):
-        if t == len(kinds) or kinds[t] != kinds[t0]:
+        if t == len(kinds) or kinds[t] != kinds[t0] or t in cuts:
             out.append((kinds[t0], t0, t, any(sf[t0:t]), any(sb[t0:t])))
             t0 = t
     return out
@@ -83,6 +85,10 @@ class TickProgram:
     # arrives from the stage below / above / itself (the V's tip, no permute), f_get / g_get what F / B read
     placement: ChunkPlacement = "loop"
     head_slots: int = 0  # per_op: the head's dy slots on the last virtual stage (its F to its B)
+    # pipeline.overlap_grad_reduce: (tick, chunks) pairs, ascending: at that tick (a phase boundary)
+    # the chunks' gradient sums are final on every stage, so their data-parallel reduction may run
+    # beside the ticks after it; the chunks not listed are reduced after the loop
+    grad_cuts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def stage_slots(self) -> tuple[int, ...]:
         """Residual slots each stage's schedule needs (the buffer has `slots`, the max, on every
@@ -121,6 +127,42 @@ class TickProgram:
         return f + b - both, f + b - (both if self.v == 1 else 0)
 
 
+def grad_final_ticks(table, v: int) -> tuple[int, ...]:
+    """Per chunk, the last tick of any stage that adds to its gradient sums (a backward; per-op: B or
+    W) in a per-op table, or a lockstep table (`schedules.lockstep`)."""
+    last = [-1] * v
+    for t, row in enumerate(table):
+        for cell in row:
+            if cell is None:
+                continue
+            if hasattr(cell, "bwd"):  # lockstep cell: (fwd, bwd)
+                if cell.bwd is not None:
+                    last[cell.bwd.chunk] = t
+            elif cell.kind != "F":
+                last[cell.chunk] = t
+    return tuple(last)
+
+
+def grad_cuts(final: tuple[int, ...], ticks: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(tick, chunks) where chunks' gradients are final before the last tick (`TickProgram.grad_cuts`)."""
+    cuts: dict[int, list[int]] = {}
+    for c, t in enumerate(final):
+        if 0 <= t < ticks - 1:
+            cuts.setdefault(t + 1, []).append(c)
+    return tuple((t, tuple(cs)) for t, cs in sorted(cuts.items()))
+
+
+def _check_overlap(pcfg: PipelineConfig, cuts, v: int, p: int) -> None:
+    if pcfg.overlap_grad_reduce and not cuts:
+        raise ConfigError(
+            "pipeline.overlap_grad_reduce",
+            True,
+            "use a schedule with 2+ chunks per stage (zb-v, or interleaved with virtual >= 2), or set it false",
+            f"{pcfg.schedule} on {p} stages with {v} chunk{'s' if v > 1 else ''} per stage finishes every "
+            "gradient in its last tick: nothing to overlap",
+        )
+
+
 def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     """The program of `pcfg`'s schedule on p stages (its registry entry's checks first)."""
     sched = registry.check_config(pcfg)
@@ -131,6 +173,8 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     if executor == "per_op":
         return _per_op_program(pcfg, p, table, bubbles)
     lock = schedules.lockstep(table)
+    cuts = grad_cuts(grad_final_ticks(lock, v), len(lock)) if pcfg.overlap_grad_reduce else ()
+    _check_overlap(pcfg, cuts, v, p)
     arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
     slots = max(schedules.max_in_flight(lock, s) for s in range(p))
     last = p - 1
@@ -140,8 +184,9 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
         or (row[last].fwd is not None and (row[last].fwd.mb, row[last].fwd.chunk) == (row[last].bwd.mb, v - 1))
         for row in lock
     )
-    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, tuple(_phases(lock, v)), arrs,
-                       stage_bubbles=bubbles)  # fmt: skip
+    phases = tuple(_phases(lock, v, frozenset(t for t, _ in cuts)))
+    return TickProgram(pcfg.schedule, p, pcfg.microbatches, v, len(lock), slots, fused, phases, arrs,
+                       stage_bubbles=bubbles, grad_cuts=cuts)  # fmt: skip
 
 
 KINDS = {"F": 1, "B": 2, "W": 3}  # per-op kind codes; 0 = idle
@@ -186,9 +231,12 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
             inbox[i] = max(inbox[i], 1 + max(box.values()))
             for key, (a, b) in iv.items():
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
-    phases, sends = _send_phases(table, p, MAX_PERIOD if placement == "loop" else 2 * MAX_PERIOD)
+    cuts = grad_cuts(grad_final_ticks(table, v), ticks) if pcfg.overlap_grad_reduce else ()
+    _check_overlap(pcfg, cuts, v, p)
+    period = MAX_PERIOD if placement == "loop" else 2 * MAX_PERIOD
+    phases, sends = _send_phases(table, p, period, frozenset(t for t, _ in cuts))
     return TickProgram(pcfg.schedule, p, m, v, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
-                       stash_slots, sends, bubbles, placement, head_slots)  # fmt: skip
+                       stash_slots, sends, bubbles, placement, head_slots, cuts)  # fmt: skip
 
 
 def _head_intervals(table, s: int, p: int, v: int, placement: str) -> dict:
@@ -257,7 +305,7 @@ def _permutes(f: frozenset, b: frozenset) -> tuple[tuple[tuple[int, int], ...], 
     return tuple(tuple(sorted(x)) for x in (f, b) if x)
 
 
-def _send_phases(table, p: int, max_period: int = MAX_PERIOD):
+def _send_phases(table, p: int, max_period: int = MAX_PERIOD, cuts: frozenset[int] = frozenset()):
     """Phases of the per-op program (one `lax.scan` each) and their sends. A collective costs one
     rendezvous of every device whatever it carries, so a tick makes its sends in as few
     collective-permutes as it can: one (each stage sends its op's one output) unless some stage
@@ -270,7 +318,8 @@ def _send_phases(table, p: int, max_period: int = MAX_PERIOD):
     residual buffers into each op's cond). Returns (phases, sends): ('FBW', t0, t1, sends
     activations, sends gradients) and per phase its u ticks' permutes (`TickProgram.sends`). 1F1B at
     p = 4, m = 8: 28 permutes per step in 5 compiled ticks (one per tick that sends; two per tick
-    before, 49); zb-h1: 37 in 6 (44 before; at least 33)."""
+    before, 49); zb-h1: 37 in 6 (44 before; at least 33). No phase spans a tick of `cuts` (a phase
+    ends there: `TickProgram.grad_cuts`); a phase between two bounds may then run one period."""
     v = 1 + max(op.chunk for row in table for op in row if op is not None)
     need = [_tick_sends(row, p, v, getattr(table, "placement", "loop")) for row in table]
     bits = {pr: 1 << i for i, pr in enumerate(sorted(set().union(*(f | b for f, b in need))))}
@@ -279,16 +328,19 @@ def _send_phases(table, p: int, max_period: int = MAX_PERIOD):
     cost = functools.cache(lambda f, b: len(_permutes(pairs_of(f), pairs_of(b))))  # f, b as bit masks
     ticks = len(table)
     best: list = [(0, None)] + [(float("inf"), None)] * ticks  # (cost, (t0, u)) of the best split of [0, t)
+    bounds = {0, ticks} | set(cuts)
     for t0 in range(ticks):
         for u in range(1, min(max_period, ticks - t0) + 1):
             pat, per_period = [(0, 0)] * u, 0  # each position's sends (masks); permutes per period
             for t in range(t0, ticks):
+                if t > t0 and t in cuts:
+                    break
                 j = (t - t0) % u
                 f, b = pat[j][0] | mask[t][0], pat[j][1] | mask[t][1]
                 if (f, b) != pat[j]:
                     per_period += cost(f, b) - cost(*pat[j])
                     pat[j] = (f, b)
-                if j == u - 1 and (t + 1 - t0 > u or (t0, t + 1) == (0, ticks)):  # two periods or more
+                if j == u - 1 and (t + 1 - t0 > u or (t0 in bounds and t + 1 in bounds)):  # two periods or more
                     c = best[t0][0] + (t + 1 - t0) // u * per_period + TICK_COPY_COST * u
                     if c < best[t + 1][0]:
                         best[t + 1] = (c, (t0, u))

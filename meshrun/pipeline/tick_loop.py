@@ -65,6 +65,7 @@ class StageRun:
         else:
             self.mask, self.res_avals = None, [self.x_aval]
         self.nslot = prog.slots + 1  # the last slot takes idle ticks' writes
+        self.final: dict = {}  # chunk -> its gradient sums as of its grad cut (`keep_final`)
 
     # ------------------------------------------------------------ helpers
 
@@ -293,7 +294,23 @@ class StageRun:
         for kind, t0, t1, send_f, send_b in self.prog.phases:
             xs = {k: jnp.asarray(a[t0:t1]) for k, a in self.prog.tables.items()}
             carry, _ = lax.scan(tick(kind, send_f, send_b), carry, xs)
+            self.keep_final(carry, t1)
         return carry
+
+    def keep_final(self, carry, t: int) -> None:
+        """pipeline.overlap_grad_reduce: after the phase that ends at tick t, keep the gradient sums of
+        the chunks final there (`TickProgram.grad_cuts`) in `self.final`, apart from the carry the
+        later phases go on with, so their reduction depends on no later tick."""
+        for tick, chunks in self.prog.grad_cuts:
+            if tick == t:
+                for c in chunks:
+                    self.final[c] = jax.tree.map(lambda a, c=c: self.chunk_of(a, c), carry["g_layers"])
+
+    def chunk_grads(self, g_layers) -> list:
+        """Each chunk's gradient sums [Lc, ...]: those kept at their cut (`keep_final`), else from the
+        final carry's `g_layers`."""
+        of = lambda c: jax.tree.map(lambda a: self.chunk_of(a, c), g_layers)
+        return [self.final[c] if c in self.final else of(c) for c in range(self.v)]
 
 
 SWAP = [(0, 1), (1, 0)]
