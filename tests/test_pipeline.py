@@ -134,6 +134,7 @@ def assert_tree_close(got, ref):
 
 # (mesh pipe, data, expert, tensor), schedule, m, v, global batch, options. Batches match the memory
 # and HLO tests' (1 sequence per microbatch and shard) where they can, so those reuse these compiles.
+OVERLAP = ("overlap_grad_reduce", True)
 TOY_CASES = {
     "p2d2t2-1f1b-m4": ((2, 2, 1, 2), "1f1b", 4, 1, 8, ()),
     "p2d2t2-gpipe-m16": ((2, 2, 1, 2), "gpipe", 16, 1, 32, ()),
@@ -168,10 +169,9 @@ TOY_CASES = {
     "p4d2-zb-v-m4": ((4, 2, 1, 1), "zb-v", 4, 2, 8, ()),
     "p2d2t2-zb-v-m8-zero2": ((2, 2, 1, 2), "zb-v", 8, 2, 16, (("zero", 2),)),
     # pipeline.overlap_grad_reduce: each chunk reduced (ZeRO-1: reduce-scattered) from its sums at its grad cut
-    "p2d2t2-zb-v-m4-zero1-overlap": ((2, 2, 1, 2), "zb-v", 4, 2, 8, (("zero", 1), ("overlap_grad_reduce", True))),
-    "p4d2-zb-v-m8-zero1-overlap": ((4, 2, 1, 1), "zb-v", 8, 2, 16, (("zero", 1), ("overlap_grad_reduce", True))),
-    "p2d2t2-interleaved-m4-overlap": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("placement", "pipeline"),
-                                      ("overlap_grad_reduce", True))),  # fmt: skip
+    "p2d2t2-zb-v-m4-zero1-overlap": ((2, 2, 1, 2), "zb-v", 4, 2, 8, (("zero", 1), OVERLAP)),
+    "p4d2-zb-v-m8-zero1-overlap": ((4, 2, 1, 1), "zb-v", 8, 2, 16, (("zero", 1), OVERLAP)),
+    "p2d2t2-interleaved-m4-overlap": ((2, 2, 1, 2), "interleaved", 4, 2, 8, (("placement", "pipeline"), OVERLAP)),
 }
 SLOW_TOY = {"p4t2-zb-v-m8", "p4d2-zb-v-m4", "p2d2t2-zb-v-m8-zero2", "p4d2-zb-v-m8-zero1-overlap"}
 
