@@ -1,6 +1,6 @@
 """Pipeline schedules side by side on 8 simulated CPU devices (a script, not a test).
 
-    python bench/pipeline.py [--pipes 4] [--ms 2 4] [--tensor 2] [--repeats 3] [--schedules ...]
+    python bench/pipeline.py [--pipes 4] [--ms 2 4] [--tensor 2] [--zero 0] [--repeats 3] [--schedules ...]
 
 First a table-only block (no compile): for p = 4, m = 8 and 16, the bubble of the schedule tables
 with F = 1 and B + W = 2 (1F1B, interleaved v = 2, zb-h1 with B = W = 1) and the peak in-flight
@@ -12,7 +12,9 @@ table bubble, residual slots, compiled per-device temp memory, collective-permut
 data x tensor parallel on the same 8 devices), and from a `jax.profiler` trace of two steps
 (`meshrun.analysis.trace`): the measured bubble per stage ((span - busy) / span) and the compute time per
 step summed over the stages (all ops' busy time: the work the schedule does, bubbles excluded).
-Microbatch size is fixed (1 sequence per data shard), so the global batch grows with m. On simulated
+A schedule named NAME+overlap runs NAME with `pipeline.overlap_grad_reduce` (each chunk's gradients
+reduced at its grad cut); its last column is its step time over NAME's in the same run (list NAME
+first). Microbatch size is fixed (1 sequence per data shard), so the global batch grows with m. On simulated
 devices 8 devices share the host's cores: the step ratio and the measured idle mostly show per-tick
 overhead and core sharing, not a GPU's bubble; the compute sum compares the schedules' work.
 """
@@ -100,6 +102,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tensor", type=int, default=2)
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--zero", type=int, default=0, help="ZeRO stage of the pipelined steps' shardings")
     a = ap.parse_args(argv)
     print(f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble (table)':>16}{'peak in-flight chunks':>23}")
     for m in (8, 16):
@@ -111,7 +114,7 @@ def main(argv=None) -> None:
     devs = f"{jax.device_count()} {jax.devices()[0].platform} devices"
     print(f"\nmodel: d_model={CFG.d_model} layers={CFG.n_layers} seq={SEQ}; {devs}")
     head = f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'bubble':>8}{'slots':>6}{'temp KiB':>10}{'permute KiB':>12}"
-    head += f"{'step s':>8}{'ratio':>7}  {'measured bubble per stage':<28}{'compute ms':>11}"
+    head += f"{'step s':>8}{'ratio':>7}  {'measured bubble per stage':<28}{'compute ms':>11}{'vs plain':>9}"
     print(head)
     for p in a.pipes:
         data = 8 // (p * a.tensor)
@@ -128,15 +131,18 @@ def main(argv=None) -> None:
                 base = float("nan")
             else:
                 base = baseline(flat, params, tok, lab, a.repeats)
-            for sched in a.schedules:
+            plain: dict[str, float] = {}
+            for row in a.schedules:
+                sched, _, opt = row.partition("+")
                 v = 2 if sched == "interleaved" else 1
                 if CFG.n_layers % (p * v):
                     continue
                 # Interleaved: params stored in pipeline order, so no weights cross 'pipe' per step.
-                pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v)
+                pc = PipelineConfig(schedule=sched, microbatches=m, virtual=v, overlap_grad_reduce=opt == "overlap")
                 pure = params.to_pure_dict()
                 pure["layers"] = layer_split(pc, CFG.n_layers, p).to_pipeline(pure["layers"])
-                pl = Pipeline(pipeline_spec(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline"))
+                spec = pipeline_spec(mm.model_fns(CFG), pc, mesh, pure, placement="pipeline", zero=a.zero)
+                pl = Pipeline(spec)
                 compiled = pl.lower(pure, tok, lab).compile()
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 pb = permute_bytes(compiled.as_text(), mesh)
@@ -144,9 +150,12 @@ def main(argv=None) -> None:
                 rep = measured(compiled, (pure, tok, lab), mesh, sched, p, m, v)
                 per_stage = " ".join(f"{r['measured_bubble']:.2f}" for r in rep["stages"])
                 work = 1e3 * sum(r["busy_s"] * len(r["devices"]) for r in rep["stages"]) / a.tensor / data
+                if not opt:
+                    plain[sched] = t
+                vs = f"{t / plain[sched]:>9.3f}" if opt and sched in plain else ""
                 print(
-                    f"{sched:<12}{p:>3}{m:>4}{v:>3}{pl.program.bubble:>8.3f}{pl.program.slots:>6}{temp / 1024:>10.1f}"
-                    f"{pb / 1024:>12.1f}{t:>8.3f}{t / base:>7.2f}  {per_stage:<28}{work:>11.1f}",
+                    f"{row:<12}{p:>3}{m:>4}{v:>3}{pl.program.bubble:>8.3f}{pl.program.slots:>6}{temp / 1024:>10.1f}"
+                    f"{pb / 1024:>12.1f}{t:>8.3f}{t / base:>7.2f}  {per_stage:<28}{work:>11.1f}{vs}",
                     flush=True,
                 )
     print(f"# baseline: non-pipelined data={8 // a.tensor} x tensor={a.tensor} step on the same devices")

@@ -271,3 +271,57 @@ def test_bad_cluster_racks():
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_cluster(text)
+
+
+def test_overlap_grad_reduce_credit_is_the_early_chunks_reduction_within_the_tail():
+    """pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce): the chunks whose gradients are
+    final before the last tick (zb-v at p 8, m 48: chunk 1 at tick 288 of 295) reduce their share of
+    the layers' gradients beside the ticks after the cut; the step saves (1 - OVERLAP_COST) of the
+    hidden seconds. Both frameworks get the same credit for the same layout (fp32 at ZeRO-1);
+    one-chunk schedules and Megatron's per-micro-batch ZeRO-2 none."""
+    model = load_config(GPT3).model
+    cluster = parse_cluster("a100-80g:128x8,ib=8x200")
+    zbv = Layout(tensor=4, pipe=8, data=32, schedule="zb-v", virtual=2, microbatches=48, zero=1, remat="selective",
+                 sequence_parallel=True, executor="per_op")  # fmt: skip
+    on = replace(zbv, overlap_grad_reduce=True)
+    assert step_model.overlap_cut(zbv) == (0, 0, 0.0) and step_model.overlap_cut(on) == (295, 288, 0.5)
+    inter = Layout(tensor=4, pipe=8, data=32, schedule="interleaved", virtual=4, microbatches=48, zero=1,
+                   overlap_grad_reduce=True)  # fmt: skip
+    assert step_model.overlap_cut(inter) == (230, 206, 0.75)
+    off_t, on_t = (timing.predict_time(model, lay, cluster, 2048) for lay in (zbv, on))
+    counts = step_model.param_counts(model)
+    layers = counts["layers"] / 8 / 4
+    share = 0.5 * layers / (layers + counts["embedding"] / 4)
+    loop = off_t["total"] - off_t["dp_sync"] - off_t["optimizer"]
+    reduce_s = off_t["dp_sync"] - off_t["dp_gather"]
+    assert on_t["dp_hidden"] == pytest.approx(min(share * reduce_s, 7 / 295 * loop), rel=1e-9)
+    assert 0 < on_t["dp_hidden"] < off_t["dp_sync"] and off_t["dp_hidden"] == 0
+    saved = (1 - timing.OVERLAP_COST) * on_t["dp_hidden"]
+    assert off_t["dp_sync"] - on_t["dp_sync"] == pytest.approx(saved, rel=1e-9)
+    assert off_t["total"] - on_t["total"] == pytest.approx(saved, rel=1e-9)
+    assert on_t["dp_sync_full"] == pytest.approx(off_t["dp_sync_full"], rel=1e-12)
+    mega = timing.predict_time(model, on, cluster, 2048, framework="megatron")
+    assert mega["dp_hidden"] == pytest.approx(on_t["dp_hidden"], rel=1e-9)  # same bytes (fp32), same cut
+    assert timing.predict_time(model, replace(on, zero=2), cluster, 2048, framework="megatron")["dp_hidden"] == 0
+    one = Layout(tensor=4, pipe=8, data=32, microbatches=48, zero=1, overlap_grad_reduce=True)
+    assert step_model.overlap_cut(one) == (0, 0, 0.0) and timing.predict_time(model, one, cluster, 2048)["dp_hidden"] == 0
+    # meshrun's step holds the chunks' reduced sums beside the array they are joined into
+    mem_off, mem_on = (step_model.predict_memory_jax(model, lay, seq_len=2048) for lay in (zbv, on))
+    reduced = 4 * ((counts["layers"] - 2 * 12288 * 96) / 8 / 4 / 32 + 2 * 12288 * 96 / 8)
+    assert mem_on["grads"] - mem_off["grads"] == pytest.approx(reduced, rel=1e-9)
+
+
+def test_plan_175b_overlaps_the_reduction_on_both_frameworks(capsys):
+    """The 175B search turns overlap_grad_reduce on for meshrun's ZB-V and Megatron's interleaved, and
+    says what it hid; --evaluate refuses it where nothing is final early (exit 2)."""
+    best = {}
+    for fw in ("meshrun", "megatron"):
+        assert main([*PLAN, "--model", "gpt3-175b", "--top", "1", "--framework", fw]) == 0
+        best[fw] = json.loads(capsys.readouterr().out)["configs"][0]
+    assert best["meshrun"]["schedule"] == "zb-v" and best["megatron"]["schedule"] == "interleaved"
+    assert all(b["overlap_grad_reduce"] and b["time_parts_s"]["dp_hidden"] > 0 for b in best.values())
+    assert best["meshrun"]["step_time_s"] < best["megatron"]["step_time_s"]
+    assert main([a for a in PLAN if a != "--json"] + ["--model", "gpt3-175b", "--top", "1"]) == 0
+    assert "#1 overlap_grad_reduce: " in capsys.readouterr().out
+    assert main([*PLAN, "--model", "gpt3-175b", "--evaluate", "tensor=4,pipe=8,zero=1,overlap_grad_reduce=true"]) == 2
+    assert "--evaluate overlap_grad_reduce: no chunk's gradients are final" in capsys.readouterr().err

@@ -36,11 +36,12 @@ from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.layout import CONTEXT_KINDS
 from meshrun.planner.search import MAX_CONTEXT, SEARCHED_REMATS, Result, context_violations, evaluate, search
-from meshrun.planner.timing import FRAMEWORKS
+from meshrun.planner.step_model import overlap_cut
+from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
-             "offload_update", "offload_params")  # fmt: skip
+             "offload_update", "offload_params", "overlap_grad_reduce")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
@@ -167,6 +168,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         offload_optimizer=given.get("offload_optimizer", "none"),
         offload_update=given.get("offload_update", "auto"),
         offload_params=given.get("offload_params", False),
+        overlap_grad_reduce=given.get("overlap_grad_reduce", False),
     )
     upd, field = layout.offload_update, "--evaluate offload_update"
     if upd != "auto" and layout.offload_optimizer != "host":  # the rules `train` applies (TrainConfig)
@@ -175,6 +177,10 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
     if upd == "streamed" and layout.offload_params:
         raise ConfigError(field, upd, "leave it auto with offload_params",
                           "offload_params streams layer by layer itself")  # fmt: skip
+    if layout.overlap_grad_reduce and not overlap_cut(layout)[2]:
+        raise ConfigError("--evaluate overlap_grad_reduce", True, "use pipe > 1 with a schedule of 2+ chunks per stage "
+                          "(zb-v, or interleaved with virtual >= 2), or leave it out",
+                          "no chunk's gradients are final before the last tick")  # fmt: skip
     model.check_context(c, "--evaluate context")  # the rule `train` applies
     if c > 1 and seq_len is not None and (bad := context_violations(layout, seq_len)):
         need = 2 * c if layout.context_kind == "ring" else c
@@ -376,7 +382,15 @@ def format_table(
     lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
     if best.layout.pipe > 1:
         lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
-    lines += [f"#1 time (s): {tm}", _axis_shares(best.time), "", "#1 memory per device (GB)"]
+    lines += [f"#1 time (s): {tm}", _axis_shares(best.time)]
+    if best.time.get("dp_hidden", 0) > 0:
+        ticks, cut, early = overlap_cut(best.layout)
+        lines.append(
+            f"#1 overlap_grad_reduce: {best.time['dp_hidden']:.3g} s of the gradient reduction ({early:.0%} of the "
+            f"layers) beside the last {ticks - cut} of {ticks} ticks, charged {OVERLAP_COST:.0%} "
+            f"(dp_sync {best.time['dp_sync_full']:.3g} s without it; modeled from the schedule, not measured on a GPU)"
+        )
+    lines += ["", "#1 memory per device (GB)"]
     stages = best.memory["stages"]
     lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))
     for label, part in stages.items():

@@ -127,31 +127,6 @@ class TickProgram:
         return f + b - both, f + b - (both if self.v == 1 else 0)
 
 
-def grad_final_ticks(table, v: int) -> tuple[int, ...]:
-    """Per chunk, the last tick of any stage that adds to its gradient sums (a backward; per-op: B or
-    W) in a per-op table, or a lockstep table (`schedules.lockstep`)."""
-    last = [-1] * v
-    for t, row in enumerate(table):
-        for cell in row:
-            if cell is None:
-                continue
-            if hasattr(cell, "bwd"):  # lockstep cell: (fwd, bwd)
-                if cell.bwd is not None:
-                    last[cell.bwd.chunk] = t
-            elif cell.kind != "F":
-                last[cell.chunk] = t
-    return tuple(last)
-
-
-def grad_cuts(final: tuple[int, ...], ticks: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """(tick, chunks) where chunks' gradients are final before the last tick (`TickProgram.grad_cuts`)."""
-    cuts: dict[int, list[int]] = {}
-    for c, t in enumerate(final):
-        if 0 <= t < ticks - 1:
-            cuts.setdefault(t + 1, []).append(c)
-    return tuple((t, tuple(cs)) for t, cs in sorted(cuts.items()))
-
-
 def _check_overlap(pcfg: PipelineConfig, cuts, v: int, p: int) -> None:
     if pcfg.overlap_grad_reduce and not cuts:
         raise ConfigError(
@@ -173,7 +148,7 @@ def tick_program(pcfg: PipelineConfig, p: int) -> TickProgram:
     if executor == "per_op":
         return _per_op_program(pcfg, p, table, bubbles)
     lock = schedules.lockstep(table)
-    cuts = grad_cuts(grad_final_ticks(lock, v), len(lock)) if pcfg.overlap_grad_reduce else ()
+    cuts = schedules.grad_cuts(schedules.grad_final_ticks(lock, v), len(lock)) if pcfg.overlap_grad_reduce else ()
     _check_overlap(pcfg, cuts, v, p)
     arrs = {k: np.asarray(a, np.int32) for k, a in schedules.lockstep_arrays(lock).items()}
     slots = max(schedules.max_in_flight(lock, s) for s in range(p))
@@ -231,7 +206,7 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
             inbox[i] = max(inbox[i], 1 + max(box.values()))
             for key, (a, b) in iv.items():
                 arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
-    cuts = grad_cuts(grad_final_ticks(table, v), ticks) if pcfg.overlap_grad_reduce else ()
+    cuts = schedules.grad_cuts(schedules.grad_final_ticks(table, v), ticks) if pcfg.overlap_grad_reduce else ()
     _check_overlap(pcfg, cuts, v, p)
     period = MAX_PERIOD if placement == "loop" else 2 * MAX_PERIOD
     phases, sends = _send_phases(table, p, period, frozenset(t for t, _ in cuts))

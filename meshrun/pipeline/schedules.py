@@ -403,3 +403,28 @@ def render(table, v: int = 1) -> str:
     head = "tick    " + " ".join(f"{t:>{wd}}" for t in range(len(table)))
     rows = [f"stage {s:<2}" + " ".join(f"{row[s]:>{wd}}" for row in cells) for s in range(p)]
     return "\n".join([head] + rows)
+
+
+def grad_final_ticks(table, v: int) -> tuple[int, ...]:
+    """Per chunk, the last tick of any stage that adds to its gradient sums (a backward; per-op: B or
+    W) in a per-op table, or a lockstep table (`schedules.lockstep`)."""
+    last = [-1] * v
+    for t, row in enumerate(table):
+        for cell in row:
+            if cell is None:
+                continue
+            if hasattr(cell, "bwd"):  # lockstep cell: (fwd, bwd)
+                if cell.bwd is not None:
+                    last[cell.bwd.chunk] = t
+            elif cell.kind != "F":
+                last[cell.chunk] = t
+    return tuple(last)
+
+
+def grad_cuts(final: tuple[int, ...], ticks: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(tick, chunks) where chunks' gradients are final before the last tick (`TickProgram.grad_cuts`)."""
+    cuts: dict[int, list[int]] = {}
+    for c, t in enumerate(final):
+        if 0 <= t < ticks - 1:
+            cuts.setdefault(t + 1, []).append(c)
+    return tuple((t, tuple(cs)) for t, cs in sorted(cuts.items()))

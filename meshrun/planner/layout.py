@@ -48,6 +48,7 @@ class Layout:
     offload_optimizer: str = "none"  # train.offload_optimizer: none | host | nvme (`tiers.py`)
     offload_update: str = "auto"  # train.offload_update: the host tier's update, auto | streamed | whole
     offload_params: bool = False  # train.offload_params (`param_offload.py`)
+    overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
 
     @property
     def sched(self) -> registry.Schedule:
@@ -113,6 +114,7 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         offload_optimizer=cfg.train.offload_optimizer,
         offload_update=cfg.train.offload_update,
         offload_params=cfg.train.offload_params,
+        overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
     )
 
 

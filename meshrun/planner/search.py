@@ -327,11 +327,16 @@ def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, s
     executors = layout.sched.executors
     if layout.pipe == 1 or kw.get("framework", "meshrun") != "meshrun":
         executors = executors[:1]
+    # overlap_grad_reduce where some chunk's gradients are final before the last tick (both frameworks:
+    # Megatron's --overlap-grad-reduce); off too, since the early chunks' sums cost memory in meshrun's step
+    overlaps = (False, True) if layout.chunks > 1 else (False,)
     best = None
     for ex in executors:
-        r = evaluate(model, replace(layout, executor=ex), cluster, global_batch, seq_len, **kw)
-        if best is None or (best.hard and not r.hard) or (best.hard == r.hard and r.step_time < best.step_time):
-            best = r
+        for ov in overlaps:
+            r = evaluate(model, replace(layout, executor=ex, overlap_grad_reduce=ov), cluster, global_batch, seq_len,
+                         **kw)  # fmt: skip
+            if best is None or (best.hard and not r.hard) or (best.hard == r.hard and r.step_time < best.step_time):
+                best = r
     return best
 
 

@@ -127,6 +127,28 @@ def predict_memory_jax(
     }
 
 
+@functools.lru_cache(maxsize=256)
+def _cuts(schedule: str, p: int, m: int, v: int, executor: str) -> tuple[int, int, float]:
+    sched = registry.get(schedule)
+    table = sched.table(p, m, v, executor)
+    if executor == "lockstep":
+        table = schedules.lockstep(table)
+    chunks = sched.chunks_of(v)
+    cuts = schedules.grad_cuts(schedules.grad_final_ticks(table, chunks), len(table))
+    if not cuts:
+        return len(table), len(table), 0.0
+    return len(table), cuts[0][0], sum(len(cs) for _, cs in cuts) / chunks
+
+
+def overlap_cut(lay: Layout) -> tuple[int, int, float]:
+    """pipeline.overlap_grad_reduce of `lay`: (ticks of the timeline its executor plays, the first grad
+    cut, the share of the stage's layers whose gradients are final there or at a later cut before the
+    end); (0, 0, 0.0) when off or nothing is final early (`schedules.grad_cuts`)."""
+    if not lay.overlap_grad_reduce or lay.pipe == 1 or lay.chunks == 1:
+        return 0, 0, 0.0
+    return _cuts(lay.schedule, lay.pipe, lay.microbatches, lay.virtual, lay.run_executor)
+
+
 def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, float]:
     """Params (as stored, and as the step holds them), grads (+ the accumulator), optimizer (moments
     + the update temporary) on one device holding `frac` of the layers; the element counts too."""
@@ -153,6 +175,10 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
         grads = pb * (other + one_layer)
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
+    if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards) beside
+        # the array they are joined into (`executor._join_chunks`); norm scales are never scattered
+        reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
+        grads += max(pb, 4) * reduced
     # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
     # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
     # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters

@@ -27,7 +27,7 @@ from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline.layer_balance import split_layers
-from meshrun.planner import kernels
+from meshrun.planner import kernels, step_model
 from meshrun.planner.activations import context_kv_bytes
 from meshrun.planner.cost import Layout, Precision, precision_of
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
@@ -250,7 +250,10 @@ def predict_time(
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
     per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
-    total = (m + bubble_slots) * per_mb + t_dp + t_opt
+    loop = (m + bubble_slots) * per_mb
+    hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
+    t_dp -= (1 - OVERLAP_COST) * hidden
+    total = loop + t_dp + t_opt
     return {
         "compute": m * t_mb,
         "tensor_comm": m * t_tp,
@@ -262,12 +265,32 @@ def predict_time(
         "dp_sync": t_dp,
         "optimizer": t_opt,
         "total": total,
-        "dp_sync_full": t_dp + m * zero_mb,
+        "dp_sync_full": t_dp + (1 - OVERLAP_COST) * hidden + m * zero_mb,
+        "dp_hidden": hidden,  # reduction seconds run beside the last ticks (modeled; `_overlapped_reduce`)
         "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,
         "split": split,
         "stage_seconds": times,
     }
+
+
+def _overlapped_reduce(model: ModelConfig, layout: Layout, reduce_s: float, loop_s: float, framework: str) -> float:
+    """Seconds of the data-parallel gradient reduction (`reduce_s`: all-reduce, or the reduce-scatter
+    half of ZeRO's sync) that run beside the pipeline's last ticks under overlap_grad_reduce (meshrun:
+    pipeline.overlap_grad_reduce; Megatron: --overlap-grad-reduce, which launches each model chunk's
+    reduction once its last backward is done). Structural only, unmeasured on a GPU: the chunks whose
+    gradients are final at the first grad cut (`step_model.overlap_cut`) reduce their share of the layer
+    gradients' bytes (by layer count; the embedding and head still reduce after the loop) while the
+    ticks after the cut run, each tick loop_s / ticks long; hidden = min(that share, that window).
+    Megatron's DeepSpeed-style ZeRO-2/3 already reduce per micro-batch: nothing more to hide."""
+    ticks, cut, early = step_model.overlap_cut(layout)
+    if not early or reduce_s <= 0 or (framework == "megatron" and layout.zero >= 2):
+        return 0.0
+    counts = param_counts(model)
+    p, t = layout.pipe, layout.tensor
+    layers = counts["layers"] / p / t + counts["experts"] / p / (t * layout.expert)
+    share = early * layers / (layers + counts["embedding"] / t)
+    return min(share * reduce_s, (ticks - cut) * loop_s / ticks)
 
 
 def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) -> float:
