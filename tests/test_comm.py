@@ -304,7 +304,8 @@ def test_overlap_grad_reduce_credit_is_the_early_chunks_reduction_within_the_tai
     assert mega["dp_hidden"] == pytest.approx(on_t["dp_hidden"], rel=1e-9)  # same bytes (fp32), same cut
     assert timing.predict_time(model, replace(on, zero=2), cluster, 2048, framework="megatron")["dp_hidden"] == 0
     one = Layout(tensor=4, pipe=8, data=32, microbatches=48, zero=1, overlap_grad_reduce=True)
-    assert step_model.overlap_cut(one) == (0, 0, 0.0) and timing.predict_time(model, one, cluster, 2048)["dp_hidden"] == 0
+    assert step_model.overlap_cut(one) == (0, 0, 0.0)
+    assert timing.predict_time(model, one, cluster, 2048)["dp_hidden"] == 0
     # meshrun's step holds the chunks' reduced sums beside the array they are joined into
     mem_off, mem_on = (step_model.predict_memory_jax(model, lay, seq_len=2048) for lay in (zbv, on))
     reduced = 4 * ((counts["layers"] - 2 * 12288 * 96) / 8 / 4 / 32 + 2 * 12288 * 96 / 8)
