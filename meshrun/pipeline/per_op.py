@@ -235,9 +235,10 @@ class OpRun(StageRun):
                    for where, i in self.stash_at]  # fmt: skip
             stash = jax.tree.unflatten(self.stash_def, got[: self.n_stash])
             dy = got[-1] if self.w_reads[-1] else self.x_zero
-            g, _ = self.into_chunk(
-                c["g_layers"], ch(), lambda sums: (w_part(ids(), at_slot(c["res"]), dy, stash, sums),)
-            )
+            sums = c["g_layers"] if self.v == 1 else jax.tree.map(lambda a: self.chunk_of(a, ch()), c["g_layers"])
+            g = w_part(ids(), at_slot(c["res"]), dy, stash, sums)
+            if self.v > 1:
+                g = jax.tree.map(lambda a, n: self.put_chunk(a, ch(), n), c["g_layers"], g)
             return g, c["w_runs"] + 1
 
         with jax.named_scope(OP_SCOPES["W"]):

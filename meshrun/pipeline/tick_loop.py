@@ -100,46 +100,20 @@ class StageRun:
             return g_layers
         return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), g_layers)
 
-    def into_chunk(self, g_layers, ch, fn):
-        """(g_layers with chunk ch's sums replaced by fn(sums)[0], fn's other outputs). With grad cuts
-        (`pipeline.overlap_grad_reduce`) the sums are one tree per chunk still accumulating (chunk ->
-        sums), so a chunk final at its cut leaves the carry without a copy: the op runs in the branch
-        of its chunk (`lax.switch`), which adds into that chunk's sums in place."""
-        if self.v == 1:
-            g, *rest = fn(g_layers)
-            return g, rest
-        if not self.prog.grad_cuts:
-            g, *rest = fn(jax.tree.map(lambda a: self.chunk_of(a, ch), g_layers))
-            return jax.tree.map(lambda a, n: self.put_chunk(a, ch, n), g_layers, g), rest
-        keys = sorted(g_layers)
-
-        def branch(k):
-            def run():
-                g, *rest = fn(g_layers[k])
-                return {**g_layers, k: g}, rest
-
-            return run
-
-        if len(keys) == 1:
-            return branch(keys[0])()
-        pos = jnp.asarray([keys.index(c) if c in keys else 0 for c in range(self.v)], jnp.int32)[ch]
-        return lax.switch(pos, [branch(k) for k in keys])
-
     def pullback_into(self, vjp, dy, g_layers, ch, keep=None):
         """(g_layers + chunk ch's weight gradients, dx) from the chunk's vjp: the backward's layer
         loop adds each layer's gradients into the float32 sums in place (`bw_split.vjp_into`), so
         the chunk's whole fresh gradient (param dtype) is never held beside the sums. `keep`: a cell
         that computes when idle adds zeros where it is false (its gradients come from fill values)."""
-        g, (dx,) = self.into_chunk(g_layers, ch, lambda sums: bw_split.vjp_into(vjp, (dy, self.aux_cot), sums, keep))
-        return g, dx
+        if self.v == 1:
+            return bw_split.vjp_into(vjp, (dy, self.aux_cot), g_layers, keep)
+        g, dx = bw_split.vjp_into(vjp, (dy, self.aux_cot), jax.tree.map(lambda a: self.chunk_of(a, ch), g_layers), keep)
+        return jax.tree.map(lambda a, n: self.put_chunk(a, ch, n), g_layers, g), dx
 
     def layer_sums(self):
-        """Zero float32 sums of the stage's layers, where the layers rest (host memory: made a slice at a
-        time); with grad cuts one tree per chunk (`into_chunk`)."""
+        """Zero float32 sums of the stage's layers, where the layers rest (host memory: made a slice at a time)."""
         if any(on_host(a) for a in jax.tree.leaves(self.layers_v)):
             return host_zeros(jax.eval_shape(accum_zeros, self.layers_v))
-        if self.prog.grad_cuts:
-            return {c: accum_zeros(jax.eval_shape(lambda c=c: self.chunk(c))) for c in range(self.v)}
         return accum_zeros(self.layers_v)
 
     def full(self, shape, dtype):
@@ -324,18 +298,19 @@ class StageRun:
         return carry
 
     def keep_final(self, carry, t: int) -> None:
-        """pipeline.overlap_grad_reduce: after the phase that ends at tick t, the sums of the chunks
-        final there (`TickProgram.grad_cuts`) leave the carry for `self.final`, so their reduction
-        depends on no later tick and the later phases carry only the chunks still accumulating."""
+        """pipeline.overlap_grad_reduce: after the phase that ends at tick t, keep the gradient sums of
+        the chunks final there (`TickProgram.grad_cuts`) in `self.final`, apart from the carry the
+        later phases go on with, so their reduction depends on no later tick."""
         for tick, chunks in self.prog.grad_cuts:
             if tick == t:
-                self.final |= {c: carry["g_layers"][c] for c in chunks}
-                carry["g_layers"] = {k: g for k, g in carry["g_layers"].items() if k not in chunks}
+                for c in chunks:
+                    self.final[c] = jax.tree.map(lambda a, c=c: self.chunk_of(a, c), carry["g_layers"])
 
     def chunk_grads(self, g_layers) -> list:
-        """Each chunk's gradient sums [Lc, ...]: those kept at their cut (`keep_final`), else the final
-        carry's."""
-        return [self.final[c] if c in self.final else g_layers[c] for c in range(self.v)]
+        """Each chunk's gradient sums [Lc, ...]: those kept at their cut (`keep_final`), else from the
+        final carry's `g_layers`."""
+        of = lambda c: jax.tree.map(lambda a: self.chunk_of(a, c), g_layers)
+        return [self.final[c] if c in self.final else of(c) for c in range(self.v)]
 
 
 SWAP = [(0, 1), (1, 0)]
