@@ -319,44 +319,43 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
     return out
 
 
-TICK_OPS = ("while", "conditional")  # a pipeline phase's loop, or a one-tick phase's op conditionals
+TICK_OPS = ("while", "conditional")  # a pipeline phase's loop, or a tick's op conditionals
 
 
 def overlappable(hlo_text: str, op: str = "reduce-scatter", work: tuple[str, ...] = TICK_OPS) -> list[int]:
-    """For each `op` of the entry computation (its async start, if split), how many instructions of
-    the entry whose opcode is in `work` are neither its operands' producers nor its users'
-    (transitively): the work a latency-hiding scheduler may run beside it. A collective after a
-    loop that depends on every tick gets 0; a chunk's gradient reduction issued at its grad cut
-    (`pipeline.overlap_grad_reduce`) gets the loops (or inlined op conditionals) of the later ticks."""
-    comps = computations(hlo_text)
-    entry = _ENTRY.search(hlo_text)
-    if not entry:
-        return []
-    deps: dict[str, set[str]] = {}
-    kind: dict[str, str] = {}
-    for line in comps[entry.group(1)].splitlines():
-        m, n = _OP.match(line), _NAME.match(line)
-        if not (m and n):
-            continue
-        kind[n.group(1)] = m.group("op")
-        deps[n.group(1)] = {r for r in re.findall(r"%([\w.\-]+)", line[m.end() :]) if r in kind}
-    users: dict[str, set[str]] = {k: set() for k in deps}
-    for k, ds in deps.items():
-        for d in ds:
-            users[d].add(k)
-
-    def reach(start: str, edges: dict[str, set[str]]) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for x in edges[todo.pop()]:
-                if x not in seen:
-                    seen.add(x)
-                    todo.append(x)
-        return seen
-
+    """For each `op` (its async start, if split) in any computation, how many instructions of that
+    computation whose opcode is in `work` are neither its operands' producers nor its users
+    (transitively): the work a latency-hiding scheduler may run beside it. A reduction after the
+    tick loops that depends on every tick gets 0; a final chunk's reduction inside a later tick
+    (`pipeline.overlap_grad_reduce`) gets that tick's op conditionals (F, B, W)."""
     out = []
-    for name, k in kind.items():
-        if k in (op, f"{op}-start"):
-            tied = reach(name, deps) | reach(name, users)
-            out.append(sum(1 for x, kx in kind.items() if kx in work and x not in tied and x != name))
+    for body in computations(hlo_text).values():
+        deps: dict[str, set[str]] = {}
+        kind: dict[str, str] = {}
+        for line in body.splitlines():
+            m, n = _OP.match(line), _NAME.match(line)
+            if not (m and n):
+                continue
+            kind[n.group(1)] = m.group("op")
+            deps[n.group(1)] = {r for r in re.findall(r"%([\w.\-]+)", line[m.end() :]) if r in kind}
+        if not any(k in (op, f"{op}-start") for k in kind.values()):
+            continue
+        users: dict[str, set[str]] = {k: set() for k in deps}
+        for k, ds in deps.items():
+            for d in ds:
+                users[d].add(k)
+
+        def reach(start: str, edges: dict[str, set[str]]) -> set[str]:
+            seen, todo = set(), [start]
+            while todo:
+                for x in edges[todo.pop()]:
+                    if x not in seen:
+                        seen.add(x)
+                        todo.append(x)
+            return seen
+
+        for name, k in kind.items():
+            if k in (op, f"{op}-start"):
+                tied = reach(name, deps) | reach(name, users)
+                out.append(sum(1 for x, kx in kind.items() if kx in work and x not in tied and x != name))
     return out

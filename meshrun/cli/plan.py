@@ -37,7 +37,7 @@ from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_clus
 from meshrun.planner.layout import CONTEXT_KINDS
 from meshrun.planner.search import MAX_CONTEXT, SEARCHED_REMATS, Result, context_violations, evaluate, search
 from meshrun.planner.step_model import overlap_cut
-from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST
+from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
@@ -293,7 +293,7 @@ def run_plan(args) -> int:
         }
         print(json.dumps(out))
     else:
-        print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework))
+        print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework, model))
     return 0
 
 
@@ -344,6 +344,7 @@ def format_table(
     seq: int,
     results: list[Result],
     framework: str = "meshrun",
+    model=None,
 ) -> str:
     lines = [
         f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
@@ -383,11 +384,12 @@ def format_table(
     if best.layout.pipe > 1:
         lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
     lines += [f"#1 time (s): {tm}", _axis_shares(best.time)]
-    if best.time.get("dp_hidden", 0) > 0:
-        ticks, cut, early = overlap_cut(best.layout)
+    if best.time.get("dp_hidden", 0) > 0 and model is not None:
+        early = overlap_cut(best.layout)[2]
+        used, n, ticks = overlap_ticks(model, best.layout, framework)
         lines.append(
             f"#1 overlap_grad_reduce: {best.time['dp_hidden']:.3g} s of the gradient reduction ({early:.0%} of the "
-            f"layers) beside the last {ticks - cut} of {ticks} ticks, charged {OVERLAP_COST:.0%} "
+            f"layers) beside {used} of the last {n} of {ticks} ticks, charged {OVERLAP_COST:.0%} "
             f"(dp_sync {best.time['dp_sync_full']:.3g} s without it; modeled from the schedule, not measured on a GPU)"
         )
     lines += ["", "#1 memory per device (GB)"]

@@ -249,6 +249,38 @@ class ZeroShardings:
             flat_g[i] = g
         return jax.tree.unflatten(tree, flat_g)
 
+    def reduce_rows(self, rows: Any) -> Any:
+        """Inside the loop's shard_map (manual over 'pipe' and the DP axes, auto over 'tensor'): what
+        `finish(reduce_local(rows))` gives for some rows of the stacked layer sums, as local shards
+        (ZeRO >= 1: reduce-scattered to their grad layout; else psum'd), in a shard_map manual over
+        'tensor' nested in the loop's, so each device moves its tensor shard as it is (the same
+        collectives with 'tensor' left to GSPMD all-gathered the tensor shards first).
+        `pipeline.overlap_grad_reduce` reduces a final chunk a few layers per tick this way."""
+        tensor = self.mesh.shape.get("tensor", 1) > 1
+
+        def one(g, base, target):
+            def body(g):
+                red = self._reduction_axes(base)
+                if not self._deferred(base, target):
+                    return jax.lax.psum(g, red) if red else g
+                dt, g = g.dtype, self._down(g)
+                for d, axes in dims_with(target, GRAD_AXES):
+                    if axes := tuple(a for a in axes if a in red):
+                        g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+                        red = tuple(a for a in red if a not in axes)
+                return (jax.lax.psum(g, red) if red else g).astype(dt)
+
+            if not tensor:
+                return body(g)
+            spec = restrict_spec(base, ("tensor",))
+            return jax.shard_map(body, in_specs=spec, out_specs=spec, axis_names={"tensor"}, check_vma=False)(g)
+
+        return jax.tree.map(one, rows, self.compute, self.grads)
+
+    def reduced_specs(self) -> Any:
+        """out_specs of `reduce_rows`'s output stacked into whole layers: the grad layout (manual axes)."""
+        return _map(restrict_spec, self.grads)
+
     # ------------------------------------------------------------ per-leaf rules
 
     def _down(self, g: jax.Array) -> jax.Array:

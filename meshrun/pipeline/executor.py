@@ -114,8 +114,12 @@ class Pipeline:
         params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
-        by_chunk = bool(self.program.grad_cuts)  # pipeline.overlap_grad_reduce: one reduction per chunk
-        gl_specs = (zl_l.partial_specs(),) * self.program.v if by_chunk else zl_l.partial_specs()
+        # pipeline.overlap_grad_reduce: chunks final before the last tick leave the loop reduced, the others
+        # as partial sums (one reduction per chunk)
+        early = {c for _, cs in self.program.grad_cuts for c in cs}
+        by_chunk = bool(early)
+        gl_specs = tuple(zl_l.reduced_specs() if c in early else zl_l.partial_specs() for c in range(self.program.v)) \
+            if by_chunk else zl_l.partial_specs()  # fmt: skip
         f = jax.shard_map(
             functools.partial(self._body, zl_l=zl_l, zl_o=zl_o),
             mesh=mesh,
@@ -127,7 +131,10 @@ class Pipeline:
         loss, gl, go, metrics = f(layers, other, *batch)
         # ZeRO >= 1: one reduce-scatter per leaf (per chunk and leaf: a chunk's depends on no tick
         # after its grad cut, so it can run beside them)
-        gl = _join_chunks(mesh, [zl_l.finish(g) for g in gl], zl_l.grads) if by_chunk else zl_l.finish(gl)
+        if by_chunk:
+            gl = _join_chunks(mesh, [g if c in early else zl_l.finish(g) for c, g in enumerate(gl)], zl_l.grads)
+        else:
+            gl = zl_l.finish(gl)
         go = zl_o.finish(go)
         gspec = zl.grads
         if self.placement == "model":
@@ -160,8 +167,10 @@ class Pipeline:
             carry = run.ticks()
             # One data-parallel reduction per step, after the loop: psum here; leaves that ZeRO
             # scatters leave as per-rank partial sums for `ZeroShardings.finish`.
-            if self.program.grad_cuts:  # each chunk reduced on its own, from its sums as of its grad cut
-                gl = tuple(zl_l.reduce_local(g) for g in run.chunk_grads(carry["g_layers"]))
+            if self.program.grad_cuts:  # the final chunks reduced in the ticks after their cut, the others here
+                early = carry["early"]
+                gl = tuple(early[c] if c in early else zl_l.reduce_local(run.chunk_grads(carry["g_layers"], c))
+                           for c in range(self.program.v))  # fmt: skip
             else:
                 gl = zl_l.reduce_local(run.layer_grads(carry["g_layers"]))
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))

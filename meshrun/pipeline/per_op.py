@@ -262,31 +262,38 @@ class OpRun(StageRun):
         carry = self.init_carry()
         for (kind, t0, t1, _, _), period in zip(self.prog.phases, self.prog.sends, strict=True):
             u = len(period)
-            xs = mine[t0:t1].reshape((t1 - t0) // u, u, len(TABLE_KEYS))
+            for s0, s1, draining in self.segments(t0, t1, u):
+                carry = self._scan(carry, mine[s0:s1].reshape((s1 - s0) // u, u, len(TABLE_KEYS)), kind, period,
+                                   draining, box, trash)  # fmt: skip
+            self.start_drain(carry, t1)
+        return carry
 
-            def body(c, rows, kind=kind, period=period):
-                for j, perms in enumerate(period):
-                    row = rows[j]
-                    c, out = self.run_tick(c, row, kind)
-                    if self.prog.placement != "loop":  # a V's tip: its own output into its inbox
-                        i = row[TABLE_KEYS.index("s_next")]
-                        c["inbox"] = put(c["inbox"], jnp.where(i >= 0, i, trash), out)
-                    got = [lax.ppermute(out, "pipe", list(pairs)) for pairs in perms]
-                    # one permute: a stage receives at most one value, so one put (of it, into its slot)
-                    for x, dirs in zip(got, ["fg"] if len(got) == 1 else ["f", "g"], strict=False):
-                        slot = trash
-                        for pre in dirs:
-                            if pre in box:
-                                i = row[TABLE_KEYS.index(f"{pre}_next")]
-                                slot = jnp.where(i >= 0, i + box[pre], slot)
-                            else:
-                                c[IN[pre]] = x
-                        if any(pre in box for pre in dirs):
-                            c["inbox"] = put(c["inbox"], slot, x)
-                return c, None
+    def _scan(self, carry, xs, kind, period, draining, box, trash):
+        """One scan over a phase's periods (`ticks`)."""
 
-            carry, _ = lax.scan(body, carry, xs)
-            self.keep_final(carry, t1)
+        def body(c, rows):
+            for j, perms in enumerate(period):
+                row = rows[j]
+                c = self.drain(c, draining)
+                c, out = self.run_tick(c, row, kind)
+                if self.prog.placement != "loop":  # a V's tip: its own output into its inbox
+                    i = row[TABLE_KEYS.index("s_next")]
+                    c["inbox"] = put(c["inbox"], jnp.where(i >= 0, i, trash), out)
+                got = [lax.ppermute(out, "pipe", list(pairs)) for pairs in perms]
+                # one permute: a stage receives at most one value, so one put (of it, into its slot)
+                for x, dirs in zip(got, ["fg"] if len(got) == 1 else ["f", "g"], strict=False):
+                    slot = trash
+                    for pre in dirs:
+                        if pre in box:
+                            i = row[TABLE_KEYS.index(f"{pre}_next")]
+                            slot = jnp.where(i >= 0, i + box[pre], slot)
+                        else:
+                            c[IN[pre]] = x
+                    if any(pre in box for pre in dirs):
+                        c["inbox"] = put(c["inbox"], slot, x)
+            return c, None
+
+        carry, _ = lax.scan(body, carry, xs)
         return carry
 
 

@@ -65,7 +65,7 @@ class StageRun:
         else:
             self.mask, self.res_avals = None, [self.x_aval]
         self.nslot = prog.slots + 1  # the last slot takes idle ticks' writes
-        self.final: dict = {}  # chunk -> its gradient sums as of its grad cut (`keep_final`)
+        self.zl = spec.zero.sub("layers")  # the layers' ZeRO shardings (`drain`'s reductions)
 
     # ------------------------------------------------------------ helpers
 
@@ -138,6 +138,8 @@ class StageRun:
         }
         if not self.prog.fused_head:
             carry["dy"] = self.full((self.nslot, *xs.shape), xs.dtype)
+        if self.prog.grad_cuts:  # pipeline.overlap_grad_reduce: the tick count, the final chunks' reduced layers
+            carry["tick"], carry["early"] = jnp.zeros((), jnp.int32), {}
         return carry
 
     def cell(self, row, kind):
@@ -271,8 +273,9 @@ class StageRun:
         fwd_perm = [(i, (i + 1) % p) for i in range(n)]
         bwd_perm = [((i + 1) % p, i) for i in range(n)]
 
-        def tick(kind, send_f, send_b):
+        def tick(kind, send_f, send_b, draining):
             def body(c, row):
+                c = self.drain(c, draining)
                 c, y, dx = self.run_tick(c, row, kind)
                 if send_f and send_b and p == 2:
                     # Two stages: both directions are one swap, so activations and gradients travel in
@@ -292,25 +295,74 @@ class StageRun:
 
         carry = self.init_carry()
         for kind, t0, t1, send_f, send_b in self.prog.phases:
-            xs = {k: jnp.asarray(a[t0:t1]) for k, a in self.prog.tables.items()}
-            carry, _ = lax.scan(tick(kind, send_f, send_b), carry, xs)
-            self.keep_final(carry, t1)
+            for s0, s1, draining in self.segments(t0, t1):
+                xs = {k: jnp.asarray(a[s0:s1]) for k, a in self.prog.tables.items()}
+                carry, _ = lax.scan(tick(kind, send_f, send_b, draining), carry, xs)
+            self.start_drain(carry, t1)
         return carry
 
-    def keep_final(self, carry, t: int) -> None:
-        """pipeline.overlap_grad_reduce: after the phase that ends at tick t, keep the gradient sums of
-        the chunks final there (`TickProgram.grad_cuts`) in `self.final`, apart from the carry the
-        later phases go on with, so their reduction depends on no later tick."""
+    # ------------------------------------------------------------ pipeline.overlap_grad_reduce
+
+    def start_drain(self, carry, t: int) -> None:
+        """After the phase that ends at tick t: for each chunk whose gradients are final there
+        (`TickProgram.grad_cuts`), a buffer for its reduced layers (their grad layout: ZeRO >= 1 a
+        1/dp shard), which the ticks after the cut fill a few layers each (`drain`)."""
         for tick, chunks in self.prog.grad_cuts:
             if tick == t:
                 for c in chunks:
-                    self.final[c] = jax.tree.map(lambda a, c=c: self.chunk_of(a, c), carry["g_layers"])
+                    row = jax.tree.map(lambda a, c=c: self.row_of(a, c, 0), carry["g_layers"])
+                    red = jax.eval_shape(self.zl.reduce_rows, row)
+                    carry["early"] = {
+                        **carry["early"],
+                        c: jax.tree.map(lambda r: jnp.zeros((self.split.lmax, *r.shape[1:]), r.dtype), red),
+                    }
 
-    def chunk_grads(self, g_layers) -> list:
-        """Each chunk's gradient sums [Lc, ...]: those kept at their cut (`keep_final`), else from the
-        final carry's `g_layers`."""
-        of = lambda c: jax.tree.map(lambda a: self.chunk_of(a, c), g_layers)
-        return [self.final[c] if c in self.final else of(c) for c in range(self.v)]
+    def segments(self, t0: int, t1: int, u: int = 1) -> list[tuple[int, int, tuple]]:
+        """The phase [t0, t1) (scan body of u ticks) as (start, end, draining) scans: `draining` holds
+        (cut, chunks, k) for the chunks final at a cut <= start whose layers are not all reduced yet:
+        k = ceil(Lc / ticks after the cut) layers per tick, over ceil(Lc / k) ticks from the cut (a
+        scan ends there, rounded up to whole bodies)."""
+        lc, plan, bounds = self.split.lmax, [], {t0, t1}
+        for cut, chunks in self.prog.grad_cuts:
+            k = -(-lc // (self.prog.ticks - cut))
+            end = cut + -(-lc // k)
+            plan.append((cut, chunks, k, end))
+            if t0 < end < t1 and (e := t0 + -(-(end - t0) // u) * u) < t1:
+                bounds.add(e)
+        b = sorted(bounds)
+        return [(s0, s1, tuple((cut, chunks, k) for cut, chunks, k, end in plan if cut <= s0 < end))
+                for s0, s1 in zip(b, b[1:])]  # fmt: skip
+
+    def drain(self, c, draining: tuple) -> dict:
+        """The start of a tick: each chunk of `draining` (`segments`) reduces its next k layers
+        (`ZeroShardings.reduce_rows`) into its buffer. The rows are read before the tick's ops and
+        nothing the tick computes reads the result, so the reduction may run beside the tick's
+        compute; it holds k layers' rows at a time. Counts the ticks."""
+        if not self.prog.grad_cuts:
+            return c
+        c = dict(c, early=dict(c["early"]))
+        n_layers = self.split.lmax
+        for cut, chunks, k in draining:
+            for ch in chunks:
+                for i in range(k):
+                    li = jnp.minimum((c["tick"] - cut) * k + i, n_layers - 1)
+                    red = self.zl.reduce_rows(
+                        jax.tree.map(lambda a, ch=ch, li=li: self.row_of(a, ch, li), c["g_layers"])
+                    )
+                    put_row = lambda b, r, li=li: lax.dynamic_update_slice_in_dim(b, r, li, 0)
+                    c["early"][ch] = jax.tree.map(put_row, c["early"][ch], red)
+        c["tick"] = c["tick"] + 1
+        return c
+
+    def row_of(self, a, c: int, li):
+        """Row li (traced) of chunk c of the stacked layer sums, as [1, ...]."""
+        if self.flat_chunks:
+            return lax.dynamic_slice_in_dim(a, c * self.split.lmax + li, 1, 0)
+        return lax.dynamic_slice_in_dim(take(a, c), li, 1, 0)
+
+    def chunk_grads(self, g_layers, c: int):
+        """Chunk c's gradient sums [Lc, ...] from the final carry's `g_layers`."""
+        return jax.tree.map(lambda a: self.chunk_of(a, c), g_layers)
 
 
 SWAP = [(0, 1), (1, 0)]

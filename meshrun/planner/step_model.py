@@ -175,12 +175,11 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
         grads = pb * (other + one_layer)
     if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
-    if early := overlap_cut(lay)[2]:  # overlap_grad_reduce: the early chunks' sums, copied out of the loop's
-        # carry at their cut (`StageRun.keep_final`), and the chunks' reduced sums (ZeRO >= 1: their
-        # shards) beside the array they are joined into (`executor._join_chunks`; norm scales are never scattered)
+    if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards; the final
+        # chunks' filled in the loop, `StageRun.drain`) beside the array they are joined into
+        # (`executor._join_chunks`); norm scales are never scattered
         reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
-        layer_elems = (counts["layers"] - norms) * frac / t + norms * frac + experts
-        grads += max(pb, 4) * (early * layer_elems + reduced)
+        grads += max(pb, 4) * reduced
     # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
     # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
     # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters

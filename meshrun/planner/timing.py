@@ -251,8 +251,11 @@ def predict_time(
     per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
     loop = (m + bubble_slots) * per_mb
-    hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
-    t_dp -= (1 - OVERLAP_COST) * hidden
+    # overlap_grad_reduce: `moved` seconds of the reduction go into the last ticks (`sent`: with meshrun's
+    # re-sent layers), `hidden` of them beside the ticks (charged OVERLAP_COST), the rest still exposed
+    moved, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
+    sent, t_dp_full = _resent(model, layout, framework) * moved, t_dp
+    t_dp = t_dp - moved + (sent - hidden) + OVERLAP_COST * hidden
     total = loop + t_dp + t_opt
     return {
         "compute": m * t_mb,
@@ -265,7 +268,7 @@ def predict_time(
         "dp_sync": t_dp,
         "optimizer": t_opt,
         "total": total,
-        "dp_sync_full": t_dp + (1 - OVERLAP_COST) * hidden + m * zero_mb,
+        "dp_sync_full": t_dp_full + m * zero_mb,
         "dp_hidden": hidden,  # reduction seconds run beside the last ticks (modeled; `_overlapped_reduce`)
         "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,
@@ -274,23 +277,56 @@ def predict_time(
     }
 
 
-def _overlapped_reduce(model: ModelConfig, layout: Layout, reduce_s: float, loop_s: float, framework: str) -> float:
-    """Seconds of the data-parallel gradient reduction (`reduce_s`: all-reduce, or the reduce-scatter
-    half of ZeRO's sync) that run beside the pipeline's last ticks under overlap_grad_reduce (meshrun:
-    pipeline.overlap_grad_reduce; Megatron: --overlap-grad-reduce, which launches each model chunk's
-    reduction once its last backward is done). Structural only, unmeasured on a GPU: the chunks whose
-    gradients are final at the first grad cut (`step_model.overlap_cut`) reduce their share of the layer
-    gradients' bytes (by layer count; the embedding and head still reduce after the loop) while the
-    ticks after the cut run, each tick loop_s / ticks long; hidden = min(that share, that window).
-    Megatron's DeepSpeed-style ZeRO-2/3 already reduce per micro-batch: nothing more to hide."""
+def _overlapped_reduce(
+    model: ModelConfig, layout: Layout, reduce_s: float, loop_s: float, framework: str
+) -> tuple[float, float]:  # fmt: skip
+    """(seconds of the data-parallel gradient reduction that overlap_grad_reduce moves into the
+    pipeline's last ticks, seconds of it those ticks hide) for `reduce_s` (all-reduce, or the
+    reduce-scatter half of ZeRO's sync). meshrun: pipeline.overlap_grad_reduce; Megatron:
+    --overlap-grad-reduce, which launches each model chunk's reduction once its last backward is done.
+    Structural only, unmeasured on a GPU: the chunks whose gradients are final at the first grad cut
+    (`step_model.overlap_cut`) move their share of the layer gradients' bytes (by layer count; the
+    embedding and head still reduce after the loop). Ticks are loop_s / ticks long; Megatron's
+    buckets may use every tick after the cut, meshrun reduces a chunk ceil(Lc / n) layers per tick
+    over the first ceil(Lc / k) of the n ticks after the cut (`StageRun.segments`), each tick hiding
+    at most its length. Megatron's DeepSpeed-style ZeRO-2/3 already reduce per micro-batch."""
     ticks, cut, early = step_model.overlap_cut(layout)
     if not early or reduce_s <= 0 or (framework == "megatron" and layout.zero >= 2):
-        return 0.0
+        return 0.0, 0.0
     counts = param_counts(model)
     p, t = layout.pipe, layout.tensor
     layers = counts["layers"] / p / t + counts["experts"] / p / (t * layout.expert)
-    share = early * layers / (layers + counts["embedding"] / t)
-    return min(share * reduce_s, (ticks - cut) * loop_s / ticks)
+    moved = early * layers / (layers + counts["embedding"] / t)
+    k, used = _drain(model, layout, ticks - cut)
+    window = (ticks - cut if framework == "megatron" else used) * loop_s / ticks
+    return moved * reduce_s, min(_resent(model, layout, framework) * moved * reduce_s, window)
+
+
+def overlap_ticks(model: ModelConfig, layout: Layout, framework: str = "meshrun") -> tuple[int, int, int]:
+    """(ticks the first cut's reduction runs beside, ticks after that cut, ticks) of overlap_grad_reduce."""
+    ticks, cut, early = step_model.overlap_cut(layout)
+    if not early:
+        return 0, 0, ticks
+    used = ticks - cut if framework == "megatron" else _drain(model, layout, ticks - cut)[1]
+    return used, ticks - cut, ticks
+
+
+def _drain(model: ModelConfig, layout: Layout, n: int) -> tuple[int, int]:
+    """(layers per tick, ticks) meshrun drains a final chunk of Lc layers in over the n ticks after its cut."""
+    lc = -(-model.n_layers // (layout.pipe * layout.chunks))
+    k = -(-lc // n)
+    return k, -(-lc // k)
+
+
+def _resent(model: ModelConfig, layout: Layout, framework: str) -> float:
+    """The bytes meshrun's drain moves over the chunk's (`_drain`: k ceil(Lc/k) layer reductions, the
+    last tick's k rounding up with the last layer again); 1 for Megatron's buckets."""
+    ticks, cut, early = step_model.overlap_cut(layout)
+    if framework == "megatron" or not early:
+        return 1.0
+    lc = -(-model.n_layers // (layout.pipe * layout.chunks))
+    k, used = _drain(model, layout, ticks - cut)
+    return k * used / lc
 
 
 def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) -> float:
