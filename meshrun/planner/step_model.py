@@ -177,9 +177,16 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
         grads += max(pb, 4) * (dense + experts)
     if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards; the final
         # chunks' filled in the loop, `StageRun.drain`) beside the array they are joined into
-        # (`executor._join_chunks`); norm scales are never scattered
+        # (`executor._join_chunks`; norm scales are never scattered), and the rows a drain tick reduces
         reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
-        grads += max(pb, 4) * reduced
+        ticks, cut, _ = overlap_cut(lay)
+        lc = -(-model.n_layers // (lay.pipe * lay.chunks))
+        rows = (
+            -(-lc // (ticks - cut))
+            * (dense + experts - (counts["embedding"] + counts["head"]) / t - h)
+            / (lc * lay.chunks)
+        )
+        grads += max(pb, 4) * (reduced + rows)
     # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
     # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
     # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters
