@@ -2,6 +2,7 @@
 params after several steps, tolerance 0) on every layout kind, and the tier holds no more host
 memory than its budget."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -116,6 +117,49 @@ def test_offload_dir_missing_or_shared_exit_2_before_compiling(capsys, tmp_path)
         holder.kill()
     assert status == 2 and "another process" in one_error_line(err)
     assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+@contextlib.contextmanager
+def _unwritable_dir(kind: str, tmp_path: Path):
+    """A directory this process cannot create files in, made the way `kind` says, or a skip saying why
+    this machine cannot make one that way."""
+    if kind == "procfs":  # os.access says writable for root; creating a file fails (ENOENT) for anyone
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("no /proc here")
+        yield Path("/proc")
+        return
+    d = tmp_path / kind
+    d.mkdir()
+    if kind == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root writes a mode 0555 directory (it is writable for root)")
+        d.chmod(0o555)
+        try:
+            yield d
+        finally:
+            d.chmod(0o755)
+        return
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True,
+                           text=True, timeout=30)  # fmt: skip
+    if mount.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {(mount.stderr or mount.stdout).strip().splitlines()[0]}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("kind", ["procfs", "chmod", "read-only-mount"])
+def test_offload_dir_not_writable_exits_2_before_compiling(capsys, tmp_path, kind):
+    """An offload_dir this process cannot create files in, as root too: exit 2, one line naming
+    train.offload_dir, the directory and the fix; no checkpoint written."""
+    with _unwritable_dir(kind, tmp_path) as d:
+        status, _, err = train(capsys, tmp_path / "run", "train.offload_optimizer=nvme", f"train.offload_dir={d}")
+        line = one_error_line(err)
+    assert status == 2, err
+    assert "train.offload_dir: not writable: cannot create a file in it" in line and f"(got '{d}')" in line, line
+    assert "use a directory this process can write" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def _cli(run_dir, *over, **env):

@@ -26,6 +26,7 @@ import mmap
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 import weakref
@@ -59,13 +60,20 @@ def offload_dir(template: str, process: int) -> Path:
 
 
 def check_dir(path: Path) -> None:
-    """The directory exists and this process can create files in it (ConfigError otherwise)."""
+    """The directory exists and this process can create files in it (ConfigError otherwise). It creates
+    and removes a probe file: os.access passes any directory for root, whose writes can still fail (a
+    read-only mount, NFS root squash, an immutable directory, /proc or /sys)."""
     field = "train.offload_dir"
     if not path.is_dir():
         raise ConfigError(field, str(path), "create it (a local disk, one directory per process)",
                           "no such directory")  # fmt: skip
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(field, str(path), "use a directory this process can write", "not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".meshrun-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(field, str(path), "use a directory this process can write (a local disk, one per process)",
+                          f"not writable: cannot create a file in it ({e.strerror})") from None  # fmt: skip
 
 
 def lock_dir(path: Path) -> None:
