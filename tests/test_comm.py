@@ -332,3 +332,26 @@ def test_plan_175b_overlaps_the_reduction_on_both_frameworks(capsys):
     assert "#1 overlap_grad_reduce: " in capsys.readouterr().out
     assert main([*PLAN, "--model", "gpt3-175b", "--evaluate", "tensor=4,pipe=8,zero=1,overlap_grad_reduce=true"]) == 2
     assert "--evaluate overlap_grad_reduce: no chunk's gradients are final" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("zero", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_overlap_grad_reduce_in_bf16_without_tensor_parallelism(zero):
+    """pipeline.overlap_grad_reduce with a bf16 reduction and 'tensor' of size 1 (data4 x pipe2, zb-v):
+    the drained chunk's 16-bit reductions run in the nested shard_map manual over 'tensor' (left to
+    GSPMD they aborted XLA:CPU); loss and gradients equal the run without the option's."""
+    base = [x for x in SMALL if "optimizer.eps" not in x]
+    over = [*base, "model.n_layers=4", "mesh.tensor=1", "mesh.data=4", "pipeline.schedule=zb-v",
+            "pipeline.microbatches=4", f"train.zero={zero}", BF16]  # fmt: skip
+    got = []
+    for on in (False, True):
+        cfg = load_config("configs/tiny_cpu.yaml", [*over, f"pipeline.overlap_grad_reduce={on}"])
+        mesh = build_mesh(cfg.mesh)
+        train_step = make_train_step(cfg, mesh)
+        ds = make_dataset(
+            cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch
+        )
+        tok, lab = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
+        got.append(jax.device_get(jax.jit(train_step.loss_and_grads)(train_step.init().params, tok, lab)[:2]))
+    np.testing.assert_allclose(float(got[1][0]), float(got[0][0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1][1]), jax.tree.leaves(got[0][1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-8)

@@ -254,9 +254,11 @@ class ZeroShardings:
         `finish(reduce_local(rows))` gives for some rows of the stacked layer sums, as local shards
         (ZeRO >= 1: reduce-scattered to their grad layout; else psum'd), in a shard_map manual over
         'tensor' nested in the loop's, so each device moves its tensor shard as it is (the same
-        collectives with 'tensor' left to GSPMD all-gathered the tensor shards first).
-        `pipeline.overlap_grad_reduce` reduces a final chunk a few layers per tick this way."""
-        tensor = self.mesh.shape.get("tensor", 1) > 1
+        collectives with 'tensor' left to GSPMD all-gathered the tensor shards first), also where
+        'tensor' has size 1: a 16-bit reduction (`reduce_dtype`) with an axis left to GSPMD aborted
+        XLA:CPU as in `_deferred`. `pipeline.overlap_grad_reduce` reduces a final chunk a few layers
+        per tick this way."""
+        tensor = "tensor" in self.mesh.shape
 
         def one(g, base, target):
             def body(g):
