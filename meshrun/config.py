@@ -31,6 +31,7 @@ GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
 OFFLOAD_TIERS = ("none", "host", "nvme")  # train.offload_optimizer
 OFFLOAD_UPDATES = ("auto", "streamed", "whole")  # train.offload_update
+OFFLOAD_GRADS = ("host", "nvme")  # train.offload_grads
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
 MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...
@@ -282,7 +283,8 @@ class PipelineConfig:
 
 
 def offload_params_refusals(
-    zero: int, offload_optimizer: str, param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None
+    zero: int, offload_optimizer: str, param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None,
+    offload_grads: str = "host", microbatches: int | None = None,
 ) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.offload_params=true` beside these settings: (what, fix) pairs, empty
     when it runs them. The one place these rules live: TrainConfig, the step's plan (the model's
@@ -290,6 +292,20 @@ def offload_params_refusals(
     it. A field given as None is not checked (TrainConfig does not see the model's), except that
     params below float32 need `pipe` known: they are built without a pipeline only."""
     out = []
+    if offload_grads == "nvme":
+        # The gradient goes to the nvme tier's file as the backward makes it and the streamed update
+        # reads it there once: the tier's file and its update must exist, and with several micro-
+        # batches every layer's sum would be read, added to and written back on NVMe m times a step.
+        if offload_optimizer != "nvme":
+            out.append((f"with train.offload_grads=nvme needs the nvme tier "
+                        f"(train.offload_optimizer={offload_optimizer})", "set train.offload_optimizer=nvme with it"))
+        if microbatches is not None and microbatches > 1:
+            out.append((f"with train.offload_grads=nvme writes each layer's gradient once a step, so it takes one "
+                        f"microbatch (pipeline.microbatches={microbatches})",
+                        "set pipeline.microbatches=1 (a larger micro-batch instead) or train.offload_grads=host"))
+        if pipe is not None and pipe > 1:
+            out.append((f"with train.offload_grads=nvme is built without a pipeline only (mesh.pipe={pipe})",
+                        "use mesh.pipe=1 or train.offload_grads=host with it"))  # fmt: skip
     if zero != 3:
         out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
     if fp8 not in (None, "none"):
@@ -342,6 +358,10 @@ class TrainConfig:
     # ZeRO-3 parameters rest in pinned host memory; each layer comes to the device (and is gathered)
     # inside the layer scan, and its reduced gradient goes back to host memory as the backward makes it
     offload_params: bool = False
+    # with offload_params and offload_optimizer=nvme: where the layers' float32 gradient rests between the
+    # backward and the update: host (pinned host memory) | nvme (written to the tier's file layer by layer
+    # as the backward makes it; one microbatch, no pipeline)
+    offload_grads: str = "host"
     # dtype of the one data-parallel gradient reduction per step (all-reduce / ZeRO reduce-scatter);
     # gradients accumulate in float32 either way and are cast back before the optimizer
     grad_reduce_dtype: str = "float32"
@@ -383,7 +403,13 @@ class TrainConfig:
             raise ConfigError("train.offload_budget_mb", self.offload_budget_mb, "use a positive size in MiB, e.g. 256")
         if self.offload_params not in (True, False):
             raise ConfigError("train.offload_params", self.offload_params, "use true or false")
-        if self.offload_params and (refused := offload_params_refusals(self.zero, self.offload_optimizer)):
+        _choice("train.offload_grads", self.offload_grads, OFFLOAD_GRADS)
+        if self.offload_grads != "host" and not self.offload_params:
+            raise ConfigError("train.offload_grads", self.offload_grads, "set train.offload_params=true with it "
+                              "(or leave it host)", "moves the gradient of the parameters train.offload_params "
+                              "streams")  # fmt: skip
+        if self.offload_params and (refused := offload_params_refusals(self.zero, self.offload_optimizer,
+                                                                       offload_grads=self.offload_grads)):
             raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
         if self.offload_optimizer == "nvme" and not self.offload_dir:
             raise ConfigError(

@@ -14,6 +14,12 @@ device, the sum goes back). The fetch sits inside the unit's
 remat, so the backward fetches the layer again instead of keeping the gathered weights (a unit
 with no remat of its own is checkpointed around them: `FETCHED`).
 
+With a gradient sink (`use_grad_sink`: train.offload_grads=nvme, one microbatch) the reduced
+gradient does not go to host memory at all: the fetch's backward hands each device's block of it
+to the sink (a host callback that writes it to the nvme tier's file) and returns, as the cotangent
+of a per-layer float32 scalar (`sink_index`: which layer and leaf, so the sink knows where it goes), the
+leaf's squared sum for the global norm (`sq_sum`, the formula the update's norm uses elsewhere).
+
 The reduced gradient is float32, as the whole-step reduction's is, whatever the params' dtype: a
 cotangent must have its primal's dtype, so the step differentiates with respect to float32 arrays
 shaped like the layers' shards (`Shadowed.z`: the gradient sums themselves, or zeros) that the
@@ -31,10 +37,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshrun.parallel.sharding import GRAD_AXES, dims_with
+from meshrun.parallel.sharding import GRAD_AXES, MANUAL, dims_with, restrict_spec, spec_dims
 
 HOST_SPACE = jax.memory.Space.Host
 DEVICE_SPACE = jax.memory.Space.Device
@@ -50,6 +57,49 @@ def use_layer_fetch(fn: Callable | None) -> Iterator[None]:
         yield
     finally:
         _FETCH.reset(token)
+
+
+_SINK: contextvars.ContextVar[Any] = contextvars.ContextVar("meshrun_grad_sink", default=None)
+
+
+@contextlib.contextmanager
+def use_grad_sink(sink: Any) -> Iterator[None]:
+    """Trace the step with each layer's reduced gradient handed to `sink` (its `write(index, block,
+    *coords)`, called on the host per device with the `sink_index` scalar and the device's mesh
+    coordinates; `cast`: square the gradient in the param dtype)."""
+    token = _SINK.set(sink)
+    try:
+        yield
+    finally:
+        _SINK.reset(token)
+
+
+def grad_sink() -> Any:
+    """The gradient sink the step is traced with (`use_grad_sink`), or None."""
+    return _SINK.get()
+
+
+def sink_index(layers: Any) -> Any:
+    """The scalars the layers are shadowed with for a gradient sink: per leaf j of K, [layer * K + j
+    for each layer] (float32, exact below 2**24)."""
+    leaves, tree = jax.tree.flatten(layers)
+    k = len(leaves)
+    return jax.tree.unflatten(tree, [jnp.arange(x.shape[0], dtype=jnp.float32) * k + j for j, x in enumerate(leaves)])
+
+
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec splits over, in order."""
+    return tuple(a for d in spec_dims(spec) for a in d)
+
+
+def sq_sum(g: jax.Array, axes: tuple[str, ...], dtype: Any = None) -> jax.Array:
+    """A leaf's squared sum from its local block `g`, inside a shard_map manual over every axis: the
+    block's sum, summed over the axes the leaf is split over (`axes`); `dtype`: the gradient is cast
+    to it first (as the step casts the sums to the param dtype). The layer-streamed update's norm uses
+    this one formula wherever the gradient rests, so the results agree to the bit."""
+    g = g if dtype is None else g.astype(dtype)
+    s = jnp.sum(jnp.square(g.astype(jnp.float32)))
+    return jax.lax.psum(s, axes) if axes else s
 
 
 FETCHED = "layer_fetch"  # checkpoint name of fetched weights: never saved for the backward
@@ -147,6 +197,9 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -
             g = (jax.lax.psum(g, rest) if rest else g).astype(dt)
             return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
 
+        if isinstance(x, Shadowed) and sink is not None:  # the gradient to the sink, its squared sum to z
+            return _to_sink(x, gather, reduce, spec)
+
         if isinstance(x, Shadowed):  # the float32 gradient goes to z; x (not differentiated) has none
             z_host = on_host(x.z)
 
@@ -165,5 +218,32 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -
 
         fetch.defvjp(lambda x: (fetch(x), None), lambda _, g: (reduce(g, g.dtype, host),))
         return fetch(x)
+
+    sink = grad_sink()
+    auto = tuple(a for a in mesh.axis_names if a not in MANUAL)  # auto inside the loop: manual for the sink
+
+    def _to_sink(x, gather, reduce, spec):
+        dtype = x.x.dtype if sink.cast else None
+        axes = spec_axes(spec)
+
+        def hand_over(g, layer):  # manual over every axis: this device's block
+            coords = tuple(jax.lax.axis_index(a) for a in mesh.axis_names)
+            io_callback(sink.write, None, layer, g, *coords)
+            return sq_sum(g, axes, dtype)
+
+        @jax.custom_vjp
+        def fetch3(x, z):
+            return gather(x)
+
+        def bwd(z, g):
+            g = reduce(g, jnp.float32, False)
+            if auto:
+                inner = restrict_spec(spec, auto)
+                return None, jax.shard_map(hand_over, in_specs=(inner, P()), out_specs=P(), axis_names=set(auto),
+                                           check_vma=False)(g, z)  # fmt: skip
+            return None, hand_over(g, z)
+
+        fetch3.defvjp(lambda x, z: (gather(x), z), bwd)
+        return fetch3(x.x, x.z)
 
     return lambda p: jax.tree.map(leaf, p, store, compute, is_leaf=lambda x: isinstance(x, Shadowed))

@@ -22,14 +22,11 @@ segments), in the same orbax format, so a run resumes across tiers.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshrun.checkpoint import slices
@@ -37,103 +34,12 @@ from meshrun.checkpoint.state import path_key
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.optim.optimizer import MasterState
-from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device
+from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
 from meshrun.train import layer_update, streamed, swap, tier_io
+from meshrun.train.grad_file import GradSink
+from meshrun.train.layer_layout import layer_layout
 from meshrun.train.layer_update import LAYER, SCALAR
-
-
-@dataclass(frozen=True)
-class LayerLayout(streamed.FlatLayout):
-    """A `FlatLayout` of the stacked layer leaves whose row is layer-major: `layers` local layers, each
-    cut into `split` pieces along every leaf's first axis after the layer axis, each piece `row`
-    elements (its slice of every leaf, then zeros up to a multiple of ALIGN). A chunk is `per` whole
-    layers (split 1) or one piece of a layer."""
-
-    layers: int = 0
-    split: int = 1
-    row: int = 0
-    per: int = 1
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Elements of each leaf in one piece."""
-        return tuple(math.prod(s[1:]) // self.split for s in self.shapes)
-
-    @property
-    def piece_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple((s[1] // self.split, *s[2:]) for s in self.shapes)
-
-    @property
-    def segments(self) -> tuple[tuple[int, int, int, int], ...]:
-        sizes, offs = self.sizes, self.offsets
-        return tuple((k, u * r, u * self.row + o, r) for u in range(self.layers * self.split)
-                     for k, (o, r) in enumerate(zip(offs, sizes, strict=True)))  # fmt: skip
-
-    def where(self, i: int) -> tuple[int, int]:
-        """(first local layer, piece) of chunk i."""
-        return (i * self.per, 0) if self.split == 1 else divmod(i, self.split)
-
-    def to_rows(self, leaves: list, n: int) -> jax.Array:
-        """Local slices of `n` pieces (or whole layers when split is 1) of the leaves -> the row [n * row]
-        (inside a shard_map body); whole shards [layers, ...] with n = layers * split."""
-        parts = [x.reshape(n, -1).astype(jnp.float32) for x in leaves]
-        pad = self.row - sum(self.sizes)
-        parts += [jnp.zeros((n, pad), jnp.float32)] if pad else []
-        return jnp.concatenate(parts, axis=1).reshape(-1)
-
-    def from_rows(self, row, n: int) -> list:
-        """The inverse of `to_rows`: float32 slices [n, *piece shape] of every leaf."""
-        row = row.reshape(n, self.row)
-        return [row[:, o : o + r].reshape(n, *s)
-                for o, r, s in zip(self.offsets, self.sizes, self.piece_shapes, strict=True)]  # fmt: skip
-
-    def flatten(self, leaves: list, dtype) -> jax.Array:
-        ndim, n = len(self.mesh.axis_names), self.layers * self.split
-        body = lambda *xs: self.to_rows(list(xs), n).astype(dtype).reshape((1,) * ndim + (self.length,))
-        axes = P(*self.mesh.axis_names)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=self.specs, out_specs=axes, check_vma=False)(*leaves)
-
-    def unflatten(self, flat: jax.Array, dtypes: list) -> list:
-        def body(v):
-            got = self.from_rows(v, self.layers * self.split)
-            return tuple(x.reshape(s).astype(dt) for x, s, dt in zip(got, self.shapes, dtypes, strict=True))
-
-        axes = P(*self.mesh.axis_names)
-        return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
-
-
-def layer_layout(mesh: Mesh, layers: Any, opt_specs: Any, slots: int, budget_bytes: float) -> LayerLayout:
-    """The layout of the stacked layer leaves `layers` (their optimizer specs `opt_specs`) whose chunks
-    fit the budget (`swap.SLOTS_IN_FLIGHT` of them): the most whole layers per chunk that divide the
-    local layer count, else the fewest pieces per layer that divide every leaf's first axis after
-    the layer axis; a ConfigError naming the budget the smallest chunk needs when none fits."""
-    base = streamed.flat_layout(mesh, layers, opt_specs, slots, 2**62)  # rows, shapes; its chunk is unused
-    n = base.shapes[0][0]
-    bytes_of = lambda row: swap.SLOTS_IN_FLIGHT * slots * len(base.first) * 4 * row  # in flight, one row a chunk
-    aligned = lambda x: -(-x // swap.ALIGN) * swap.ALIGN
-    firsts = [s[1] for s in base.shapes if len(s) > 1]
-    common = math.gcd(*firsts) if len(firsts) == len(base.shapes) else 1
-    sizes = [math.prod(s[1:]) for s in base.shapes]
-    split, per = 1, 0
-    row = aligned(sum(sizes))
-    fits = [j for j in range(1, n + 1) if n % j == 0 and j * bytes_of(row) <= budget_bytes]
-    if fits:
-        per = max(fits)
-    else:
-        for q in (q for q in range(2, common + 1) if common % q == 0):
-            split, row = q, aligned(sum(sizes) // q)
-            if bytes_of(row) <= budget_bytes:
-                per = 1
-                break
-    if not per:
-        raise ConfigError("train.offload_budget_mb", budget_bytes / 2**20, f"use at least {bytes_of(row) / 2**20:.2f}",
-                          f"too small for three chunks of the layers' optimizer state (train.offload_params "
-                          f"streams layers, cut into at most {common} pieces)")  # fmt: skip
-    offsets = tuple(int(o) for o in np.cumsum([0, *(r // split for r in sizes[:-1])]))
-    length = n * split * row
-    return LayerLayout(mesh, base.specs, base.shapes, offsets, length, length, per * row, base.local, base.owner,
-                       base.first, layers=n, split=split, row=row, per=per)  # fmt: skip
 
 
 class LayerTier:
@@ -141,7 +47,8 @@ class LayerTier:
 
     def __init__(self, ts, cfg: RunConfig):
         t, plan, zl = cfg.train, ts.plan, ts.plan.zero
-        self.ts, self.file = ts, None
+        self.ts, self.file, self.sink = ts, None, None
+        self.grads_nvme = t.offload_grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
         self.directory = swap.offload_dir(t.offload_dir, jax.process_index())
         swap.check_dir(self.directory)
         swap.lock_dir(self.directory)
@@ -154,9 +61,9 @@ class LayerTier:
             raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
                               "train.offload_optimizer=nvme", "the NVMe tier stores float32 state only")  # fmt: skip
         k = len(jax.tree.leaves(abstract.params["layers"]))
-        self.n_slots = len(slots_abs) // k
-        self.layout = lay = layer_layout(zl.mesh, abstract.params["layers"], zl.opt["layers"], self.n_slots,
-                                         t.offload_budget_mb * 2**20)  # fmt: skip
+        self.n_slots, self.cast = len(slots_abs) // k, cast
+        self.layout = lay = layer_layout(zl.mesh, abstract.params["layers"], zl.opt["layers"],
+                                         self.n_slots + self.grads_nvme, t.offload_budget_mb * 2**20)  # fmt: skip
         opt_sh = jax.tree.leaves(sh.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
         self.slot_sh, self.kept_sh = up.split(opt_sh)
         self.kept_def = [kd for kd in up.kinds if kd != LAYER]
@@ -164,6 +71,8 @@ class LayerTier:
         rep = NamedSharding(lay.mesh, P())
         specs = lambda tree: tuple(jax.tree.leaves(tree, is_leaf=is_spec))
         store, grads_sp, opt_sp = specs(zl.store["layers"]), specs(zl.grads["layers"]), specs(zl.opt["layers"])
+        if self.grads_nvme and not store == grads_sp == opt_sp:  # the gradient's rows are the state's
+            raise ValueError("train.offload_grads=nvme: the layers' gradient and state layouts differ")
         layers_def = jax.tree.structure(abstract.params["layers"])
         self.layers_def = layers_def
         per, axes = lay.per, P(*lay.mesh.axis_names)
@@ -171,13 +80,16 @@ class LayerTier:
 
         def device_part(params, kept, *batch):
             loss, grads, aux = ts.loss_and_grads(params, *plan.lay_out(batch))
-            g_norm = layer_update.global_norm(grads, params, cast)
+            if self.grads_nvme:  # the gradient went to the file; its squared sums came back
+                g_norm, g_layers = layer_update.sink_norm(grads, params, cast), ()
+            else:
+                g_norm, g_layers = layer_update.global_norm(grads, params, cast, zl), grads["layers"]
             new_other, new_kept = up.others(grads, params, kept, g_norm)
-            return grads["layers"], new_other, tuple(new_kept), g_norm, {"loss": loss, "grad_norm": g_norm, **aux}
+            return g_layers, new_other, tuple(new_kept), g_norm, {"loss": loss, "grad_norm": g_norm, **aux}
 
         self.device_part = jax.jit(
             device_part, in_shardings=(sh.params, tuple(self.kept_sh), *(ts.batch_sharding,) * n_batch),
-            out_shardings=(sh.params["layers"], other_sh, tuple(self.kept_sh), rep, None),
+            out_shardings=(() if self.grads_nvme else sh.params["layers"], other_sh, tuple(self.kept_sh), rep, None),
         )  # fmt: skip
 
         q = lay.split
@@ -197,8 +109,13 @@ class LayerTier:
 
         def layer_chunk(p_layers, g_layers, slots, scalars, g_norm, l0, k_):
             p = take(jax.tree.leaves(p_layers), store, l0, k_)
-            g = take(jax.tree.leaves(g_layers), grads_sp, l0, k_)
             rows = lambda *s: tuple(x for f in s for x in lay.from_rows(f.reshape(-1), per))
+            if self.grads_nvme:  # the chunk's last slot: its gradient, read with its state
+                g = jax.shard_map(rows, mesh=lay.mesh, in_specs=(axes,), out_specs=grads_sp,
+                                  check_vma=False)(slots[-1])  # fmt: skip
+                slots = slots[:-1]
+            else:
+                g = take(jax.tree.leaves(g_layers), grads_sp, l0, k_)
             state = jax.shard_map(rows, mesh=lay.mesh, in_specs=(axes,) * len(slots),
                                   out_specs=opt_sp * self.n_slots, check_vma=False)(*slots)  # fmt: skip
             like = {kk: v for kk, v in abstract.params.items() if kk != "layers"}
@@ -221,8 +138,9 @@ class LayerTier:
             return jax.tree.unflatten(layers_def, list(out)), new_rows
 
         scalar_sh = tuple(s for s, kd in zip(self.kept_sh, self.kept_def, strict=True) if kd == SCALAR)
+        g_sh = () if self.grads_nvme else sh.params["layers"]
         self.layer_chunk = jax.jit(
-            layer_chunk, in_shardings=(sh.params["layers"], sh.params["layers"], (lay.sharding,) * self.n_slots,
+            layer_chunk, in_shardings=(sh.params["layers"], g_sh, (lay.sharding,) * (self.n_slots + self.grads_nvme),
                                        scalar_sh, rep, rep, rep),
             out_shardings=(sh.params["layers"], (lay.sharding,) * self.n_slots), donate_argnums=(0,),
         )  # fmt: skip
@@ -256,21 +174,30 @@ class LayerTier:
         return tuple(self.up.split(opt_state)[1])
 
     def bytes_per_device(self) -> dict[str, float]:
-        """Where the tier's bytes rest, per device (this process's share): the layers' state in the file
-        (rows replicated over devices stored once) and the chunk buffers in host memory."""
+        """Where the tier's bytes rest, per device (this process's share): the layers' state (and with
+        train.offload_grads=nvme their gradient) in the file (rows replicated over devices stored
+        once) and the chunk buffers in host memory."""
         lay = self.layout
-        row = self.n_slots * len(lay.first) * 4  # bytes of one element of every slot and row
+        row = (self.n_slots + self.grads_nvme) * len(lay.first) * 4  # bytes of one element of every slot and row
         store, buffers = row * lay.length / len(lay.local), swap.SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
         return {"host": buffers, "nvme": store}
 
     def lower_device_part(self, state, *batch):
-        return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
+        self.ensure_file()
+        with use_grad_sink(self.sink):
+            return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
 
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         kept = self.kept(state.opt_state)
         scalars = tuple(x for x, kd in zip(kept, self.kept_def, strict=True) if kd == SCALAR)
-        g_layers, new_other, new_kept, g_norm, metrics = (device_part or self.device_part)(state.params, kept, *batch)
+        self.ensure_file()
+        with use_grad_sink(self.sink):
+            g_layers, new_other, new_kept, g_norm, metrics = (device_part or self.device_part)(state.params, kept,
+                                                                                               *batch)  # fmt: skip
+        if self.sink is not None:  # every layer's gradient in the file before the first chunk is read
+            jax.block_until_ready(g_norm)
+            self.sink.check()
         box = {"p": state.params["layers"]}
 
         def update(i: int, buf: np.ndarray):
@@ -290,7 +217,9 @@ class LayerTier:
     def ensure_file(self) -> swap.SwapFile:
         if self.file is None:
             lay = self.layout
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, (self.n_slots, len(lay.first), lay.chunk))
+            slots = self.n_slots + self.grads_nvme  # the gradient's slot last: read, never written by the stream
+            self.file = swap.SwapFile(self.directory, lay.n_chunks, (slots, len(lay.first), lay.chunk), self.n_slots)
+            self.sink = GradSink(self.file, lay, self.n_slots, self.cast) if self.grads_nvme else None
         return self.file
 
     def absorb(self, state):
@@ -311,7 +240,7 @@ class LayerTier:
         host = np.empty((self.n_slots, len(lay.first), lay.length), np.float32)
 
         def keep(i: int, buf: np.ndarray) -> None:
-            host[:, :, i * c : (i + 1) * c] = buf
+            host[:, :, i * c : (i + 1) * c] = buf[: self.n_slots]
 
         self.file.read_all(keep)
         move = lambda x, s: jax.device_put(x, s)

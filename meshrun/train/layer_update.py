@@ -21,11 +21,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import optimizer, registry
-from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device
+from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, spec_axes, sq_sum, to_device
+from meshrun.parallel.sharding import is_spec
 from meshrun.train.streamed import clip
 
 LAYER, OTHER, SCALAR = "layer", "other", "scalar"
@@ -64,18 +66,47 @@ def _dtype(g, p, cast: bool):
     return g.astype(p.dtype) if cast else g
 
 
-def global_norm(grads: Any, params: Any, cast: bool) -> jax.Array:
-    """The gradient's global norm: the other entries on the device, then a scan over the layers."""
+def other_sq(grads: Any, params: Any, cast: bool) -> jax.Array:
+    """The squared sum of the other entries' gradients (embedding, head, final norm), on the device."""
     sq = lambda g, p: jnp.sum(jnp.square(_dtype(to_device(g), p, cast).astype(jnp.float32)))
     other = {k: v for k, v in params.items() if k != "layers"}
     other_g = {k: v for k, v in grads.items() if k != "layers"}
-    total = sum(jax.tree.leaves(jax.tree.map(sq, other_g, other)), jnp.zeros((), jnp.float32))
+    return sum(jax.tree.leaves(jax.tree.map(sq, other_g, other)), jnp.zeros((), jnp.float32))
+
+
+def layer_sq(g: Any, p: Any, cast: bool, zl: Any) -> Any:
+    """One layer's squared sums per leaf (`layer_fetch.sq_sum` on each device's block, as the backward
+    computes them when the gradient goes to a sink); `zl`: the ZeroShardings of the step."""
+    specs = jax.tree.leaves(zl.grads["layers"], is_leaf=is_spec)
+
+    def one(g, p, spec):
+        spec = P(*spec[1:])  # one layer: the layer axis is sliced away
+        body = lambda g: sq_sum(g, spec_axes(spec), p.dtype if cast else None)
+        return jax.shard_map(body, mesh=zl.mesh, in_specs=spec, out_specs=P(), check_vma=False)(to_device(g))
+
+    return jax.tree.unflatten(jax.tree.structure(g), [one(*a) for a in zip(jax.tree.leaves(g), jax.tree.leaves(p),
+                                                                            specs, strict=True)])  # fmt: skip
+
+
+def global_norm(grads: Any, params: Any, cast: bool, zl: Any) -> jax.Array:
+    """The gradient's global norm: the other entries on the device, then a scan over the layers."""
 
     def norm_body(acc, xs):
         g, p = xs
-        return acc + sum(jax.tree.leaves(jax.tree.map(sq, g, p))), None
+        return acc + sum(jax.tree.leaves(layer_sq(g, p, cast, zl))), None
 
-    total, _ = jax.lax.scan(norm_body, total, (grads["layers"], params["layers"]))
+    total, _ = jax.lax.scan(norm_body, other_sq(grads, params, cast), (grads["layers"], params["layers"]))
+    return jnp.sqrt(total)
+
+
+def sink_norm(grads: Any, params: Any, cast: bool) -> jax.Array:
+    """The global norm when the layers' gradient went to a sink: `grads['layers']` holds each layer's
+    squared sums per leaf ([L] each), added exactly as `global_norm` adds them."""
+
+    def norm_body(acc, sq):
+        return acc + sum(jax.tree.leaves(sq)), None
+
+    total, _ = jax.lax.scan(norm_body, other_sq(grads, params, cast), grads["layers"])
     return jnp.sqrt(total)
 
 
@@ -140,12 +171,13 @@ class Update:
         return jax.tree.unflatten(self.treedef, [next(a) if k == LAYER else next(b) for k in self.kinds])
 
 
-def update(tx, grads: Any, opt_state: Any, params: Any, max_norm: float, cast: bool) -> tuple[Any, Any, jax.Array]:
+def update(tx, grads: Any, opt_state: Any, params: Any, max_norm: float, cast: bool,
+           zl: Any) -> tuple[Any, Any, jax.Array]:  # fmt: skip
     """(new params, new optimizer state, the global gradient norm). `tx`: `no_clip_optimizer`;
     `cast`: the gradient sums go to the param dtype before the optimizer (as the in-memory step
-    casts them); `max_norm`: the clip (0: none)."""
+    casts them); `max_norm`: the clip (0: none); `zl`: the step's ZeroShardings."""
     up = Update.of(tx, opt_state, params, max_norm, cast)
-    g_norm = global_norm(grads, params, cast)
+    g_norm = global_norm(grads, params, cast, zl)
     slots, kept = up.split(opt_state)
     scalars = [x for x, k in zip(jax.tree.leaves(opt_state), up.kinds, strict=True) if k == SCALAR]
 

@@ -183,7 +183,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         check_ring_pipeline(cfg, split)
     if cfg.train.offload_params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.train.offload_optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
-        str(getattr(cfg.model, "fp8", "none")), shape["pipe"],
+        str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.train.offload_grads, cfg.pipeline.microbatches,
     )):  # fmt: skip
         raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
     host = cfg.train.offload_optimizer == "host" and not streams_update(cfg)  # pinned host memory

@@ -30,7 +30,7 @@ from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
-from meshrun.parallel.layer_fetch import host_zeros, on_host, shadowed, use_layer_fetch
+from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, shadowed, sink_index, use_layer_fetch
 from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
@@ -75,6 +75,12 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
     psum = lambda x: jax.lax.psum(x, live) if live else x
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
     batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
+    sink = zl.streamed and grad_sink() is not None  # train.offload_grads=nvme: the layers' gradient to the file
+    if sink and m != 1:
+        raise ValueError("a gradient sink takes one microbatch (config.offload_params_refusals)")
+    out_grads = zl.partial_specs()
+    if sink:  # the layers' squared sums per layer and leaf, the same on every device
+        out_grads = {**out_grads, "layers": jax.tree.map(lambda _: P(), out_grads["layers"], is_leaf=is_spec)}
 
     def body(params, *batch):
         tokens, labels = batch[:2]
@@ -104,7 +110,10 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
                     g, sums = grad_fn(primal(acc[0]), *mb)
                     # streamed layers: their gradient came out of the scan reduced, in host memory
                     add = lambda a, x: x if on_host(x) else a + x
-                    return jax.tree.map(add, acc, (split_g(g), sums)), None
+                    out = jax.tree.map(add, acc, (split_g(g), sums))
+                    if sink:  # the layers' gradient went to the sink; their squared sums came back
+                        out[0]["layers"] = split_g(g)["layers"]
+                    return out, None
                 # the backward's layer loop adds each layer's gradients into the float32 sums in
                 # place (`bw_split.vjp_into`): no whole fresh gradient beside the sums
                 loss, vjp, sums = jax.vjp(lambda d: share_d(d, *mb), primal(acc[0]), has_aux=True)
@@ -113,7 +122,9 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
 
             shapes = jax.eval_shape(jax.grad(share, has_aux=True), params, *(a[:b] for a in batch))
             sums = accum_zeros(shapes[0])
-            if zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time (m = 1:
+            if sink:  # the layers are shadowed by their sink indices (`layer_fetch.sink_index`)
+                sums["layers"] = sink_index(params["layers"])
+            elif zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time (m = 1:
                 # the float32 reduced gradient itself)
                 sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes[0]["layers"]))
             zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
@@ -130,7 +141,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
         body,
         mesh=mesh,
         in_specs=(zl.local_compute(), *(batch_spec,) * len(batch)),
-        out_specs=(P(), zl.partial_specs(), P()),
+        out_specs=(P(), out_grads, P()),
         axis_names=set(MANUAL),
         check_vma=False,
     )
@@ -208,7 +219,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
             loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
             cast = not isinstance(state.opt_state, MasterState) or plan.pipe > 1  # as below / the pipeline does
             params, opt_state, g_norm = layer_update.update(
-                tx_streamed, grads, state.opt_state, state.params, cfg.optimizer.grad_clip, cast
+                tx_streamed, grads, state.opt_state, state.params, cfg.optimizer.grad_clip, cast, zl
             )
             return host(TrainState(params, opt_state, state.step + 1)), {"loss": loss, "grad_norm": g_norm, **aux}
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device

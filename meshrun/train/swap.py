@@ -140,9 +140,13 @@ class ChunkStore:
     pipelined pass over them (`stream`). Where the chunks rest is the subclass's: a file (`SwapFile`,
     the nvme tier) or host memory (`HostStore`, the host tier); `read`, `write` and `settle` move them."""
 
-    def __init__(self, n_chunks: int, chunk: tuple[int, int, int]):
+    def __init__(self, n_chunks: int, chunk: tuple[int, int, int], kept: int | None = None):
         self.n_chunks, self.chunk = n_chunks, chunk
         self.chunk_bytes = int(np.prod(chunk)) * 4
+        # slots a write carries: the first `kept` (the rest, e.g. a gradient slot, is written elsewhere
+        # and only read with the chunk)
+        self.kept = chunk[0] if kept is None else kept
+        self.write_bytes = self.chunk_bytes // chunk[0] * self.kept
         self.resident = self.peak_resident = 0  # host bytes of chunk buffers held by the tier
         self.bytes_read = self.bytes_written = 0
         self.reads = self.writes = 0  # read / write calls (one per chunk unless a transfer comes up short)
@@ -177,7 +181,7 @@ class ChunkStore:
 
     @property
     def state_bytes(self) -> int:
-        return self.n_chunks * self.chunk_bytes
+        return self.n_chunks * self.write_bytes
 
     # ------------------------------------------------------------ accounting
 
@@ -244,7 +248,7 @@ class ChunkStore:
             self.stream_s += time.perf_counter() - t0
             self.streams += 1
             self.early_reads += early
-            self.stream_bytes += 2 * self.state_bytes - early * self.chunk_bytes
+            self.stream_bytes += (self.chunk_bytes + self.write_bytes) * self.n_chunks - early * self.chunk_bytes
         finally:  # on an error: stop the threads and let them finish before the buffers go away
             h.abort()
             for f in (reads, writes):
@@ -308,8 +312,8 @@ class ChunkStore:
 class SwapFile(ChunkStore):
     """One process's optimizer state on disk (the nvme tier): one preallocated file, positional I/O."""
 
-    def __init__(self, directory: Path, n_chunks: int, chunk: tuple[int, int, int]):
-        super().__init__(n_chunks, chunk)
+    def __init__(self, directory: Path, n_chunks: int, chunk: tuple[int, int, int], kept: int | None = None):
+        super().__init__(n_chunks, chunk, kept)
         self.directory = Path(directory)
         self.path = self.directory / f"optimizer-state-{os.getpid()}-{id(self):x}.bin"
         try:
@@ -351,11 +355,11 @@ class SwapFile(ChunkStore):
         return buf
 
     def write(self, i: int, parts: Iterable[np.ndarray]) -> None:
-        """Chunk i from its (slot, row) pieces in file order."""
+        """Chunk i's first `kept` slots from their (slot, row) pieces in file order."""
         views = [memoryview(np.ascontiguousarray(p, np.float32)).cast("B") for p in parts]
         off, total = i * self.chunk_bytes, sum(len(v) for v in views)
-        if total != self.chunk_bytes:
-            raise ValueError(f"chunk {i}: {total} bytes, expected {self.chunk_bytes}")
+        if total != self.write_bytes:
+            raise ValueError(f"chunk {i}: {total} bytes, expected {self.write_bytes}")
         try:
             done = 0
             while done < total:  # a short write: continue after what was written

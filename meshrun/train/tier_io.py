@@ -137,7 +137,7 @@ class StatePieces:
             buf.fill(0)  # the rows' padding: zero, as `FlatLayout.flatten` pads
             with f.held():  # the boxes TensorStore reads before they land in the buffer
                 yield self.pieces(i, buf, primary_only=False)
-            f.write(i, [buf])
+            f.write(i, [buf[: f.kept]])
 
 
 class StreamedInit:
