@@ -283,8 +283,13 @@ class PipelineConfig:
 
 
 def offload_params_refusals(
-    zero: int, offload_optimizer: str, param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None,
-    offload_grads: str = "host", microbatches: int | None = None,
+    zero: int,
+    offload_optimizer: str,
+    param_dtype: str | None = None,
+    fp8: str | None = None,
+    pipe: int | None = None,
+    offload_grads: str = "host",
+    microbatches: int | None = None,
 ) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.offload_params=true` beside these settings: (what, fix) pairs, empty
     when it runs them. The one place these rules live: TrainConfig, the step's plan (the model's
@@ -297,12 +302,20 @@ def offload_params_refusals(
         # reads it there once: the tier's file and its update must exist, and with several micro-
         # batches every layer's sum would be read, added to and written back on NVMe m times a step.
         if offload_optimizer != "nvme":
-            out.append((f"with train.offload_grads=nvme needs the nvme tier "
-                        f"(train.offload_optimizer={offload_optimizer})", "set train.offload_optimizer=nvme with it"))
+            out.append(
+                (
+                    f"with train.offload_grads=nvme needs the nvme tier (train.offload_optimizer={offload_optimizer})",
+                    "set train.offload_optimizer=nvme with it",
+                )
+            )
         if microbatches is not None and microbatches > 1:
-            out.append((f"with train.offload_grads=nvme writes each layer's gradient once a step, so it takes one "
-                        f"microbatch (pipeline.microbatches={microbatches})",
-                        "set pipeline.microbatches=1 (a larger micro-batch instead) or train.offload_grads=host"))
+            out.append(
+                (
+                    f"with train.offload_grads=nvme writes each layer's gradient once a step, so it takes one "
+                    f"microbatch (pipeline.microbatches={microbatches})",
+                    "set pipeline.microbatches=1 (a larger micro-batch instead) or train.offload_grads=host",
+                )
+            )
         if pipe is not None and pipe > 1:
             out.append((f"with train.offload_grads=nvme is built without a pipeline only (mesh.pipe={pipe})",
                         "use mesh.pipe=1 or train.offload_grads=host with it"))  # fmt: skip
@@ -408,8 +421,9 @@ class TrainConfig:
             raise ConfigError("train.offload_grads", self.offload_grads, "set train.offload_params=true with it "
                               "(or leave it host)", "moves the gradient of the parameters train.offload_params "
                               "streams")  # fmt: skip
-        if self.offload_params and (refused := offload_params_refusals(self.zero, self.offload_optimizer,
-                                                                       offload_grads=self.offload_grads)):
+        if self.offload_params and (
+            refused := offload_params_refusals(self.zero, self.offload_optimizer, offload_grads=self.offload_grads)
+        ):
             raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
         if self.offload_optimizer == "nvme" and not self.offload_dir:
             raise ConfigError(

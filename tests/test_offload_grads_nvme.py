@@ -7,11 +7,14 @@ host-resident gradient exists, and the sink holds no more than a few layers' blo
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
+from test_offload_nvme import run
 from test_offload_params_nvme import DP8_M1, MB, OP, nvme, same
 
 from meshrun.cli.main import main
 from meshrun.config import offload_params_refusals
-from test_offload_nvme import run  # isort: skip
+from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.parallel.sharding import DP_AXES
 
 GRADS = ["train.offload_grads=nvme"]
 DP4_TP2_M1 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=1"]
@@ -37,11 +40,8 @@ def check_resident(ts, budget_mb: float) -> None:
     assert 0 < sink.peak_resident <= len(lay.local) * block
     grad_bytes = f.n_chunks * f.chunk_bytes // f.chunk[0]  # the gradient slot of every chunk
     assert sink.peak_resident < grad_bytes / 4
-    assert sink.bytes_written == 3 * lay.layers * sum(4 * math_prod(s[1:]) for s in lay.shapes) * len(lay.first)
-
-
-def math_prod(shape) -> int:
-    return int(np.prod(shape))
+    per_step = lay.layers * sum(4 * int(np.prod(s[1:])) for s in lay.shapes) * len(lay.first)  # every distinct row
+    assert sink.bytes_written == 3 * per_step
 
 
 def test_offload_grads_nvme_equals_in_memory(tmp_path):
@@ -62,15 +62,11 @@ def test_offload_grads_nvme_keeps_no_gradient_in_memory(tmp_path):
         d = tmp_path / name
         d.mkdir()
         _, _, ts = run("tiny_cpu.yaml", [*DP8_M1, *OP, *nvme(d, 2.0), *extra], steps=1)
-        state = ts.init()
-        from meshrun.data.datasets import global_batch_arrays, make_dataset
-        from meshrun.parallel.sharding import DP_AXES
-        from jax.sharding import PartitionSpec as P
-
         cfg = ts.plan.cfg
-        ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
-        mesh = ts.plan.zero.mesh
-        compiled = ts.step.lower(state, *global_batch_arrays(ds, 0, mesh, P(DP_AXES))).compile()
+        t = cfg.train
+        ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
+        batch = global_batch_arrays(ds, 0, ts.plan.zero.mesh, P(DP_AXES))
+        compiled = ts.step.lower(ts.init(), *batch).compile()
         outs[name] = compiled.memory_analysis().output_size_in_bytes
     layers = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ts.abstract_run.params["layers"])) * 4 // 8
     assert outs["host"] - outs["nvme"] >= layers
@@ -93,12 +89,13 @@ def test_offload_grads_nvme_layouts(name, tmp_path):
     "over, what",
     [
         (["pipeline.microbatches=4", "mesh.pipe=1", "mesh.data=4", "mesh.tensor=2"], "one microbatch"),
-        ([], "without a pipeline only"),  # tiny_cpu: pipe 2
+        (["train.offload_optimizer=host"], "needs the nvme tier"),
     ],
 )
 def test_offload_grads_nvme_refusals(over, what, tmp_path, capsys):
-    """Several microbatches or a pipeline: exit 2 with one line before compiling; the same rule the planner asks."""
-    argv = ["train", "configs/tiny_cpu.yaml", *over, *OP, *nvme(tmp_path, 2.0), *GRADS, "train.steps=1",
+    """Several microbatches, or the state not on NVMe: exit 2 with one line before compiling; the same
+    rules (and the pipeline's) the planner asks."""
+    argv = ["train", "configs/tiny_cpu.yaml", *OP, *nvme(tmp_path, 2.0), *over, *GRADS, "train.steps=1",
             f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -106,3 +103,4 @@ def test_offload_grads_nvme_refusals(over, what, tmp_path, capsys):
     assert offload_params_refusals(3, "nvme", "bfloat16", "none", 1, "nvme", 1) == []
     assert offload_params_refusals(3, "host", "float32", "none", 1, "nvme", 1)
     assert offload_params_refusals(3, "nvme", "float32", "none", 1, "nvme", 2)
+    assert "without a pipeline only" in offload_params_refusals(3, "nvme", "float32", "none", 2, "nvme", 1)[0][0]

@@ -44,7 +44,8 @@ class GradSink:
         size = lay.sizes[leaf]
         out = []
         for k in range(lay.split):
-            chunk, at = (layer // lay.per, (layer % lay.per) * lay.row) if lay.split == 1 else (layer * lay.split + k, 0)
+            whole = lay.split == 1  # a chunk of `per` whole layers, else one piece of one layer
+            chunk, at = (layer // lay.per, (layer % lay.per) * lay.row) if whole else (layer * lay.split + k, 0)
             elem = ((chunk * f.chunk[0] + self.slot) * rows + row) * c + at + lay.offsets[leaf]
             out.append((elem * 4, k * size, size))
         return out
