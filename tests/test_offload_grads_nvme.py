@@ -54,6 +54,7 @@ def test_offload_grads_nvme_equals_in_memory(tmp_path):
     assert ts.tier.bytes_per_device()["nvme"] == f.n_chunks * f.chunk_bytes / 8
 
 
+@pytest.mark.slow
 def test_offload_grads_nvme_keeps_no_gradient_in_memory(tmp_path):
     """The device part's outputs hold no gradient: their bytes are the other entries' params and state,
     the norm and the metrics; with the gradient in host memory they hold the layers' float32 gradient."""

@@ -109,6 +109,16 @@ def test_link_bytes_follow_the_docs_table(m, b):
     assert param_offload.link_bytes(1000, 2, 1) == (2_000 + 2_000 + 10_000, 4_000 + 4_000 + 2_000)
 
 
+def test_link_bytes_with_the_gradient_on_nvme():
+    """train.offload_grads=nvme (one micro-batch): the forward and backward fetches, the gradient out
+    once (no zeros; the norm's squared sums come from the backward, so no read for it), then the
+    update's gradient and params in and the new params out."""
+    assert param_offload.link_bytes(1000, 2, 1, grads="nvme") == (2_000 + 2_000 + 4_000 + 2_000, 4_000 + 2_000)
+    host = param_offload.link_bytes(1000, 2, 1)
+    assert host[0] - 4_000 == param_offload.link_bytes(1000, 2, 1, grads="nvme")[0]  # the norm's read
+    assert host[1] - 4_000 == param_offload.link_bytes(1000, 2, 1, grads="nvme")[1]  # the zeros
+
+
 # ----------------------------------------------------------------------------- one layout by hand
 
 
@@ -218,12 +228,35 @@ def test_405b_follows_the_runtimes_acceptance(capsys, monkeypatch):
     check_405b(*run_cli([*ARGV_405B, "--top", "1"], capsys), [])
 
 
-def test_405b_on_a_dgx_h100_needs_more_host_memory(capsys):
-    """On a DGX H100 (2 TB of host memory) nothing fits: the params in host memory with their float32
-    gradient need 2.42 TB per node, so the planner names that bound, whatever the runtime accepts."""
-    argv = ["--model", "llama-405b", "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
-    rc, out, err = run_cli(argv, capsys)
-    assert rc == 2 and out == "" and "2.42 TB of host memory per node" in err and "> 1800 GB usable" in err
+def _refuse_grads(*args, **kw):
+    """`config.offload_params_refusals` as today, and train.offload_grads=nvme refused as well."""
+    out = ORIGINAL_REFUSALS(*args, **kw)
+    grads = kw.get("offload_grads", args[5] if len(args) > 5 else "host")
+    return out + [("is refused with the gradient on NVMe by this test", "accept it")] * (grads == "nvme")
+
+
+ORIGINAL_REFUSALS = config.offload_params_refusals
+ARGV_DGX = ["--model", "llama-405b", "--cluster", "h100-80g:1x8", "--global-batch", "16", "--seq-len", "4096"]
+
+
+def test_405b_on_a_dgx_h100_puts_the_gradient_on_nvme(capsys, monkeypatch):
+    """On a DGX H100 (2 TB of host memory) the params in host memory with their float32 gradient need
+    2.42 TB per node; with the gradient on NVMe too (one micro-batch) the 405B fits: a ZeRO-3 layout
+    with 0.81 TB of host memory per node and a step time. Refused (the same function replaced), the
+    planner exits 2 naming the host memory the gradient would need."""
+    rc, out, err = run_cli([*ARGV_DGX, "--top", "1"], capsys)
+    assert rc == 0 and err == ""
+    why = next(line for line in out.splitlines() if "offload parameters to host memory" in line)
+    assert "train.offload_optimizer=nvme train.offload_grads=nvme pipeline.microbatches=1" in why
+    assert "(0.81 of 2.00 TB per node)" in why and "the layers' float32 gradient" in why
+    assert "with the state on NVMe (the gradient in host memory): host memory 2419 GB per node > 1800 GB" in why
+    row = out.splitlines()[3].split()
+    assert row[6] == "1" and row[9] == "3" and float(row[13]) > 0  # one micro-batch, ZeRO-3, a step time
+    monkeypatch.setattr(config, "offload_params_refusals", _refuse_grads)
+    rc, out, err = run_cli(ARGV_DGX, capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "and the optimizer state on NVMe (the gradient too) it would fit" in err
+    assert "it is refused with the gradient on NVMe by this test" in err and "host memory 2419 GB per node" in err
 
 
 def test_a_refused_combination_is_never_proposed(monkeypatch):
@@ -315,3 +348,55 @@ def test_planner_shard_is_the_runtimes_host_params(over):
     lay = layout_of(cfg, dict(mesh.shape))
     el = param_offload.elements(cfg.model, lay, cfg.model.n_layers / lay.pipe)
     assert (4 * el.layers, 4 * el.edges) == (host["layers"], host["other"])
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1"],
+        ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=1"],
+    ],
+)
+def test_planner_gradient_bytes_are_the_runtimes(over, tmp_path):
+    """The tiny model on 8 CPU devices with train.offload_grads=nvme, one step: the gradient bytes the
+    runtime writes to the file per device (the sink's count) are the planner's NVMe gradient (4·N of the
+    layers); the planner's host memory is the params' pinned shard (the runtime's shardings) plus the
+    chunk budget, the gradient's 4·N less than with the gradient in host memory; the runtime's tier
+    holds no more than that budget; its file holds the gradient beside the state."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from meshrun.config import load_config
+    from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.parallel.sharding import DP_AXES
+    from meshrun.planner.layout import layout_of
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
+
+    budget = 2.0
+    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", f"train.offload_budget_mb={budget}"]
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.zero=3", "train.offload_params=true", *nvme,
+                                                       "train.offload_grads=nvme"])  # fmt: skip
+    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
+    ts = make_train_step(cfg, mesh)
+    t = cfg.train
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
+    ts.step(ts.init(), *global_batch_arrays(ds, 0, mesh, P(DP_AXES)))
+    tier = ts.tier
+    params = sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+                 for a, s in zip(jax.tree.leaves(ts.abstract_run.params), jax.tree.leaves(ts.state_shardings.params),
+                                 strict=True))  # fmt: skip
+    lay = layout_of(cfg, dict(mesh.shape))
+    el = param_offload.elements(cfg.model, lay, cfg.model.n_layers)
+    r = search.evaluate(cfg.model, lay, H100, t.global_batch, t.seq_len)
+    mem = dict(r.memory, layers=max(r.time["split"]))
+    pts = {g: param_offload.param_tier(mem, cfg.model, lay, H100, "nvme", r.time["dp_sync"], budget, grads=g)
+           for g in ("host", "nvme")}  # fmt: skip
+    assert tier.sink.bytes_written / len(tier.layout.local) == pts["nvme"].grad_nvme == 4 * el.layers
+    assert pts["nvme"].host == pytest.approx(params + budget * 2**20 / 8)
+    assert pts["host"].host - pts["nvme"].host == pytest.approx(4 * el.layers)
+    assert tier.bytes_per_device()["host"] <= budget * 2**20 / 8 and tier.file.peak_resident <= budget * 2**20
+    per_device = tier.sink.bytes_written / len(tier.layout.local)
+    assert tier.bytes_per_device()["nvme"] >= per_device + tier.file.state_bytes / 8
+    assert pts["nvme"].nvme == pytest.approx(pts["host"].nvme + 4 * el.layers)

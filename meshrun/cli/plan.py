@@ -21,6 +21,7 @@ from meshrun.config import (
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
     MAX_DIM,
+    OFFLOAD_GRADS,
     OFFLOAD_TIERS,
     OFFLOAD_UPDATES,
     OPTIMIZER_STATE_DTYPES,
@@ -41,7 +42,7 @@ from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
-             "offload_update", "offload_params", "overlap_grad_reduce")  # fmt: skip
+             "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
@@ -169,6 +170,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         offload_update=given.get("offload_update", "auto"),
         offload_params=given.get("offload_params", False),
         overlap_grad_reduce=given.get("overlap_grad_reduce", False),
+        offload_grads=given.get("offload_grads", "host"),
     )
     upd, field = layout.offload_update, "--evaluate offload_update"
     if upd != "auto" and layout.offload_optimizer != "host":  # the rules `train` applies (TrainConfig)
@@ -227,6 +229,10 @@ def _parse_value(key: str, raw: str):
     if key == "offload_update":
         if raw not in OFFLOAD_UPDATES:
             raise ConfigError(field, raw, f"use one of {list(OFFLOAD_UPDATES)}")
+        return raw
+    if key == "offload_grads":
+        if raw not in OFFLOAD_GRADS:
+            raise ConfigError(field, raw, f"use one of {list(OFFLOAD_GRADS)}")
         return raw
     low = raw.lower()
     if low not in ("true", "false", "1", "0", "yes", "no"):

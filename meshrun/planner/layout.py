@@ -49,6 +49,7 @@ class Layout:
     offload_update: str = "auto"  # train.offload_update: the host tier's update, auto | streamed | whole
     offload_params: bool = False  # train.offload_params (`param_offload.py`)
     overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
+    offload_grads: str = "host"  # train.offload_grads: host | nvme, with offload_params
 
     @property
     def sched(self) -> registry.Schedule:
@@ -115,6 +116,7 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         offload_update=cfg.train.offload_update,
         offload_params=cfg.train.offload_params,
         overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
+        offload_grads=cfg.train.offload_grads,
     )
 
 

@@ -145,11 +145,18 @@ def _offloaded(r, layout, memory: dict, time: dict, why: str, hard: list[str] = 
                    tflops_per_device=r.tflops_per_device * slower, mfu=r.mfu * slower)  # fmt: skip
 
 
-def params_of(r, model: ModelConfig, cluster: Cluster, tier: str) -> param_offload.ParamTier:
-    """`train.offload_params` with the state in `tier` on Result `r` (a ZeRO-3 layout, meshrun's step)."""
+# Where `train.offload_params` keeps the optimizer state and the layers' gradient, nearest the device
+# first: the search proposes the first that fits (the gradient goes to NVMe only when host memory
+# cannot hold it beside the parameters).
+PARAM_TIERS = (("none", "host"), ("host", "host"), ("nvme", "host"), ("nvme", "nvme"))
+
+
+def params_of(r, model: ModelConfig, cluster: Cluster, tier: str, grads: str = "host") -> param_offload.ParamTier:
+    """`train.offload_params` with the state in `tier` (the layers' gradient in `grads`) on Result `r`
+    (a ZeRO-3 layout, meshrun's step)."""
     mem = dict(r.memory, layers=max(r.time["split"]))  # SPMD: every stage has the largest stage's shape
     return param_offload.param_tier(mem, model, r.layout, cluster, tier, r.time["dp_sync"],
-                                    t_gather=r.time.get("dp_gather"))  # fmt: skip
+                                    t_gather=r.time.get("dp_gather"), grads=grads)  # fmt: skip
 
 
 def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.ParamTier, why: str,
@@ -158,20 +165,24 @@ def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.Pa
     memory = dict(pt.parts, host=pt.host, update_peak=pt.update)
     memory["stages"] = {k: dict(memory, stage=v["stage"], layers=v["layers"]) for k, v in r.memory["stages"].items()}
     time = dict(r.time, dp_sync=pt.dp_s, host_transfer=pt.exposed_s, total=_params_step(r, pt))
-    layout = replace(r.layout, offload_params=True, offload_optimizer=pt.optimizer)
+    layout = replace(r.layout, offload_params=True, offload_optimizer=pt.optimizer, offload_grads=pt.grads)
     return _offloaded(r, layout, memory, time, why, hard)
 
 
 def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[str]) -> str:
     """A `train.offload_params` proposal's reason: what rests where, what it moves and costs, what did not fit."""
     gpn, st, usable = cluster.gpus_per_node, cluster.storage, cluster.usable_memory
-    flags = "train.zero=3 train.offload_params=true" + f" train.offload_optimizer={pt.optimizer}" * (
-        pt.optimizer != "none"
+    flags = (
+        "train.zero=3 train.offload_params=true"
+        + f" train.offload_optimizer={pt.optimizer}" * (pt.optimizer != "none")
+        + " train.offload_grads=nvme pipeline.microbatches=1" * (pt.grads == "nvme")
     )
     disk = st.nvme_drives * st.nvme_drive_bytes
+    grads = (f" and the layers' float32 gradient ({pt.grad_nvme / GB:.1f} GB/device, written by the backward and "
+             f"read by the update once a step)") * (pt.grads == "nvme")  # fmt: skip
     state = {"none": "the optimizer state on the device", "host": "the optimizer state in host memory too",
-             "nvme": f"the optimizer state on NVMe ({pt.nvme / GB:.1f} GB/device, {pt.nvme * gpn / TB:.2f} of "
-                     f"{disk / TB:.1f} TB per node, drives {pt.disk_s:.3g} s)"}  # fmt: skip
+             "nvme": f"the optimizer state{grads} on NVMe ({pt.nvme / GB:.1f} GB/device, {pt.nvme * gpn / TB:.2f} "
+                     f"of {disk / TB:.1f} TB per node, drives {pt.disk_s:.3g} s)"}  # fmt: skip
     return (f"offload parameters to host memory ({flags}): {pt.host / GB:.1f} GB/device in host memory "
             f"({pt.host * gpn / TB:.2f} of {st.host_bytes / TB:.2f} TB per node), {state[pt.optimizer]}; "
             f"host link {pt.h2d / GB:.1f} GB in + {pt.d2h / GB:.1f} GB out per step (+{pt.link_s:.3g} s, not "
@@ -180,7 +191,7 @@ def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[st
             f"{r.memory['total'] / GB:.1f} GB > {usable / GB:.1f} GB usable")  # fmt: skip
 
 
-def _lower(r, model: ModelConfig, cluster: Cluster, seq_len: int | None, tier: str) -> list[str]:
+def _lower(r, model: ModelConfig, cluster: Cluster, seq_len: int | None, tier: str, grads: str = "host") -> list[str]:
     """Why the cheaper levers do not fit layout `r`: the state's tiers alone, then `train.offload_params`
     with the state nearer the device than `tier`."""
     out = []
@@ -188,24 +199,24 @@ def _lower(r, model: ModelConfig, cluster: Cluster, seq_len: int | None, tier: s
         for levers in (("optimizer",), ("nvme",)):
             o = with_offload(r, model, cluster, seq_len, levers)
             out.append(f"{tier_of(levers)} offload alone does not fit ({'; '.join(misfits(o, r.layout, cluster))})")
-    for t in tiers.TIERS[: tiers.TIERS.index(tier)]:
-        pt = params_of(r, model, cluster, t)
-        why = param_offload.misfits(pt, cluster, r.layout) or param_offload.refusals(model, r.layout, t)
-        where = {"none": "on the device", "host": "in host memory"}[t]
-        out.append(f"with the state {where}: {'; '.join(why)}")
+    for t, g in PARAM_TIERS[: PARAM_TIERS.index((tier, grads))]:
+        pt = params_of(r, model, cluster, t, g)
+        why = param_offload.misfits(pt, cluster, r.layout) or param_offload.refusals(model, r.layout, t, g)
+        where = {"none": "on the device", "host": "in host memory", "nvme": "on NVMe"}[t]
+        out.append(f"with the state {where}{' (the gradient in host memory)' * (t == 'nvme')}: {'; '.join(why)}")
     return out
 
 
 def _propose_params(results, model: ModelConfig, cluster: Cluster, seq_len: int | None = None) -> list:
     """The ZeRO-3 layouts that fit with `train.offload_params`, the state's tier the nearest that fits
-    (device, host, NVMe), in combinations meshrun runs (`param_offload.refusals`)."""
-    for tier in tiers.TIERS:
+    (device, host, NVMe; then the gradient on NVMe too), in combinations meshrun runs (`param_offload.refusals`)."""
+    for tier, grads in PARAM_TIERS:
         out = []
         for r in (r for r in results if r.layout.zero == 3):
-            pt = params_of(r, model, cluster, tier)
-            if param_offload.misfits(pt, cluster, r.layout) or param_offload.refusals(model, r.layout, tier):
+            pt = params_of(r, model, cluster, tier, grads)
+            if param_offload.misfits(pt, cluster, r.layout) or param_offload.refusals(model, r.layout, tier, grads):
                 continue
-            why = _params_why(pt, r, cluster, _lower(r, model, cluster, seq_len, tier))
+            why = _params_why(pt, r, cluster, _lower(r, model, cluster, seq_len, tier, grads))
             out.append(_params_result(r, model, cluster, pt, why))
         if out:
             return out
@@ -223,10 +234,11 @@ def apply(r, model: ModelConfig, cluster: Cluster, seq_len: int):
     """Result `r` (`search.evaluate` of a layout whose `offload_optimizer` / `offload_params` are set)
     with those levers costed; what does not fit, or what meshrun refuses, is a hard violation."""
     lay, tier = r.layout, r.layout.offload_optimizer
-    base = replace(r, layout=replace(lay, offload_optimizer="none", offload_params=False))
+    base = replace(r, layout=replace(lay, offload_optimizer="none", offload_params=False, offload_grads="host"))
     if lay.offload_params:
-        pt = params_of(base, model, cluster, tier)
-        refused = [f"train.offload_params {w} (meshrun refuses it)" for w in param_offload.refusals(model, lay, tier)]
+        pt = params_of(base, model, cluster, tier, lay.offload_grads)
+        refused = [f"train.offload_params {w} (meshrun refuses it)"
+                   for w in param_offload.refusals(model, lay, tier, lay.offload_grads)]  # fmt: skip
         if lay.zero != 3:
             return replace(r, violations=[*refused, *r.violations], hard=True)
         hard = refused + param_offload.misfits(pt, cluster, lay)
@@ -248,27 +260,30 @@ def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
     the planner costs, and the fix, in words: a `train.offload_params` combination that would fit
     but meshrun refuses (`param_offload.refusals`), else the smallest need."""
     z3, gpn = [r for r in results if r.layout.zero == 3], cluster.gpus_per_node
-    for tier in tiers.TIERS:
-        pts = ((r, params_of(r, model, cluster, tier)) for r in z3)
+    for tier, grads in PARAM_TIERS:
+        pts = ((r, params_of(r, model, cluster, tier, grads)) for r in z3)
         fit = [(r, pt) for r, pt in pts if not param_offload.misfits(pt, cluster, r.layout)]
         if not fit:
             continue
         r, pt = min(fit, key=lambda rp: _params_step(*rp))
         on = {"none": "", "host": " and the optimizer state in host memory", "nvme": " and the optimizer state on NVMe"}
+        on_g = " (the gradient too)" * (grads == "nvme")
         nvme = f", {pt.nvme * gpn / TB:.2f} TB on NVMe per node" if pt.nvme else ""
-        combo = [f"train.offload_optimizer={tier}"] * (tier != "none") + [f"model.param_dtype={model.param_dtype}"]
-        refused = "; ".join(f"it {w}" for w in param_offload.refusals(model, r.layout, tier))
-        nearer = "; ".join(_lower(r, model, cluster, None, tier))
-        return (f"with the parameters in host memory (train.offload_params){on[tier]} it would fit "
+        combo = [f"train.offload_optimizer={tier}"] * (tier != "none") + ["train.offload_grads=nvme"] * (
+            grads == "nvme") + [f"model.param_dtype={model.param_dtype}"]  # fmt: skip
+        refused = "; ".join(f"it {w}" for w in param_offload.refusals(model, r.layout, tier, grads))
+        nearer = "; ".join(_lower(r, model, cluster, None, tier, grads))
+        return (f"with the parameters in host memory (train.offload_params){on[tier]}{on_g} it would fit "
                 f"({_degrees(r.layout)}: {pt.device / GB:.1f} GB per device, {pt.host * gpn / TB:.2f} TB of host "
                 f"memory per node{nvme}, {_params_step(r, pt):.3g} s/step), but meshrun does not run "
                 f"train.offload_params with {' and '.join(combo)}: {refused}"
                 f"{f' (nearer the device: {nearer})' if nearer else ''}; "
                 f"use more GPUs or GPUs with more memory")  # fmt: skip
     if z3:
-        r, pt = min(((r, params_of(r, model, cluster, "nvme")) for r in z3), key=lambda rp: rp[1].device)
+        r, pt = min(((r, params_of(r, model, cluster, "nvme", "nvme")) for r in z3), key=lambda rp: rp[1].device)
         m, why = pt.parts, "; ".join(param_offload.misfits(pt, cluster, r.layout))
-        return (f"even with the parameters in host memory (train.offload_params) and the optimizer state on NVMe "
+        return (f"even with the parameters in host memory (train.offload_params) and the optimizer state and the "
+                f"gradient on NVMe "
                 f"it needs {pt.device / GB:.1f} GB per device and {pt.host * gpn / TB:.2f} TB of host memory per "
                 f"node ({_degrees(r.layout)}: params {m['params'] / GB:.1f} GB, gradients {m['grads'] / GB:.1f} GB, "
                 f"activations {m['activations'] / GB:.1f} GB, logits {m['logits'] / GB:.1f} GB; {why}): use more "

@@ -11,9 +11,11 @@ docs/offload.md "Parameters off the device"). Per device of the fullest stage:
   the host tier; with the nvme tier its chunks of
   state beside their params' and gradients' slices), the optimizer temporaries.
 * host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
-  the step's reduced gradient), and the optimizer state with the host tier (the
-  nvme tier: its chunk budget).
-* NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks).
+  the step's reduced gradient) unless `train.offload_grads=nvme`, and the optimizer state with the
+  host tier (the nvme tier: its chunk budget).
+* NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks), and with
+  `train.offload_grads=nvme` the layers' float32 gradient beside it: written once by the backward,
+  read once by the update (one micro-batch: `config.offload_params_refusals`).
 * host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
 
 Time, conservatively: the host link's bytes (both directions) at `tiers.host_bw` are ADDED to the
@@ -66,10 +68,14 @@ def elements(model: ModelConfig, layout: Layout, stage_layers: float) -> Element
     return Elements(unit, edge + h, layers, edge / dp + h, model.n_units * frac)
 
 
-def link_bytes(n: float, b: float, m: int, state: float = 0.0) -> tuple[float, float]:
+def link_bytes(n: float, b: float, m: int, state: float = 0.0, grads: str = "host") -> tuple[float, float]:
     """(host -> device, device -> host) bytes per step of a layer shard of `n` elements of `b` bytes
     with `m` micro-batches and `state` bytes per element resting in host memory (the host tier):
-    docs/offload.md's table, row by row (the reduced gradient is float32 whatever `b`)."""
+    docs/offload.md's table, row by row (the reduced gradient is float32 whatever `b`). `grads`
+    nvme (m = 1): the backward's gradient goes out once, no zeros, no norm read (its squared sums
+    come from the backward), and the update reads it back once."""
+    if grads == "nvme":
+        return 2 * n * b + n * 4 + n * b + state * n, n * 4 + n * b + state * n
     h2d = m * n * b + m * n * b  # forward fetch, backward fetch
     d2h = m * n * 4 + n * 4  # the backward's reduced gradient, and the zeros it goes to (made on the device)
     if m > 1:  # the sums: slice and new gradient in, sum out
@@ -85,11 +91,13 @@ class ParamTier:
     """`train.offload_params` with the optimizer state in `optimizer` (none | host | nvme), per device."""
 
     optimizer: str
+    grads: str  # where the layers' gradient rests: host | nvme (train.offload_grads)
     parts: dict  # device bytes by MEMORY_PARTS (total: the larger of backward and update)
     backward: float
     update: float
     host: float  # host memory per GPU
-    nvme: float  # bytes on NVMe per GPU
+    nvme: float  # bytes on NVMe per GPU (the state's file, and the gradient with grads=nvme)
+    grad_nvme: float  # of it, the layers' float32 gradient (written and read once a step)
     h2d: float  # host-link bytes per step, each direction
     d2h: float
     link_s: float  # (h2d + d2h) / the host link: added to the step
@@ -103,11 +111,12 @@ class ParamTier:
         return max(self.backward, self.update)
 
 
-def refusals(model: ModelConfig, layout: Layout, optimizer: str) -> list[str]:
+def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "host") -> list[str]:
     """Why meshrun's runtime refuses this combination (empty: it runs it): `config.offload_params_refusals`
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
     fp8 = getattr(model, "fp8", None)
-    refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe)
+    refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe, grads,
+                                             layout.microbatches)  # fmt: skip
     out = [what for what, _ in refused]
     if not optimizers.get(layout.optimizer).elementwise:
         out.append(f"streams the update layer by layer, which {layout.optimizer}'s update is not")
@@ -115,12 +124,15 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str) -> list[str]:
 
 
 def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, optimizer: str, t_dp: float,
-               budget_mb: float = tiers.DEFAULT_BUDGET_MB, t_gather: float | None = None) -> ParamTier:  # fmt: skip
+               budget_mb: float = tiers.DEFAULT_BUDGET_MB, t_gather: float | None = None,
+               grads: str = "host") -> ParamTier:  # fmt: skip
     """The figures of `train.offload_params` for one stage's memory parts `mem` (`predict_memory`,
     meshrun's step, ZeRO-3); `t_dp`: the in-memory step's once-per-step ZeRO-3 sync seconds, `t_gather`
-    its all-gathers' part (None: half)."""
+    its all-gathers' part (None: half); `grads`: where the layers' gradient rests (host | nvme)."""
     if optimizer not in tiers.TIERS:
         raise ValueError(f"unknown optimizer tier {optimizer!r}; one of {tiers.TIERS}")
+    if grads not in config.OFFLOAD_GRADS:
+        raise ValueError(f"unknown gradient tier {grads!r}; one of {config.OFFLOAD_GRADS}")
     el = elements(model, layout, mem.get("layers", model.n_layers / layout.pipe))
     pb, m = DTYPE_BYTES[model.param_dtype], layout.microbatches
     g, sums = (4, 4) if m > 1 else (4, 0)  # the layers' gradient rests in float32 (layer_fetch.Shadowed)
@@ -129,10 +141,10 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     u = el.layers / el.units  # one unit's shard
     fixed = mem.get("overhead_context", 0.0) + mem.get("overhead_comm_buffers", 0.0)
     params = pb * (2 * el.unit + el.edge)
-    grads = pb * el.unit + (pb + sums) * u + (pb + sums) * el.edge
+    grad_b = pb * el.unit + (pb + sums) * u + (pb + sums) * el.edge
     on_device = state if optimizer == "none" else 0.0
-    parts = dict(mem, params=params, grads=grads, optimizer=on_device)
-    backward = params + grads + on_device + mem["activations"] + mem["logits"] + mem["overheads"]
+    parts = dict(mem, params=params, grads=grad_b, optimizer=on_device)
+    backward = params + grad_b + on_device + mem["activations"] + mem["logits"] + mem["overheads"]
     temps = 4 * optimizers.get(layout.optimizer).update_temps * u
     nv = tiers.optimizer_tier(mem, model, layout, cluster, "nvme", 0.0, budget_mb) if optimizer == "nvme" else None
     if nv is not None:  # chunks of state beside their params' and gradients' slices, in and out
@@ -141,20 +153,21 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
         window = 2 * u * (pb + g + (per_elem if optimizer == "host" else 0.0))
     update = fixed + (pb + g) * el.edge + on_device + window + temps
     parts["total"] = max(backward, update)
-    host = pb * el.shard + g * el.layers + (state if optimizer == "host" else 0.0)
-    h2d, d2h = link_bytes(el.layers, pb, m, per_elem if optimizer == "host" else 0.0)
+    g_nvme = g * el.layers if grads == "nvme" else 0.0  # the layers' float32 gradient in the file
+    host = pb * el.shard + (g * el.layers - g_nvme) + (state if optimizer == "host" else 0.0)
+    h2d, d2h = link_bytes(el.layers, pb, m, per_elem if optimizer == "host" else 0.0, grads)
     edge = (pb + (per_elem if optimizer == "host" else 0.0)) * el.edges  # non-layer: in once, updated, out
     h2d, d2h = h2d + edge, d2h + edge
     disk, nvme = 0.0, 0.0
     if nv is not None:
         host += nv.host
-        h2d, d2h, nvme = h2d + nv.nvme_read, d2h + nv.nvme_write, nv.nvme
-        disk = tiers.drive_seconds(cluster, nvme)
+        h2d, d2h, nvme = h2d + nv.nvme_read, d2h + nv.nvme_write, nv.nvme + g_nvme
+        disk = tiers.drive_seconds(cluster, nvme)  # the state and the gradient: each read and written once
     bw = tiers.host_bw(cluster)
     link = (h2d + d2h) / bw
-    state_link = (nv.nvme_read + nv.nvme_write) / bw if nv is not None else 0.0
+    state_link = (nv.nvme_read + nv.nvme_write + 2 * g_nvme) / bw if nv is not None else 0.0
     exposed = link + max(0.0, disk - state_link)
-    return ParamTier(optimizer, parts, backward, update, host, nvme, h2d, d2h, link, disk, exposed,
+    return ParamTier(optimizer, grads, parts, backward, update, host, nvme, g_nvme, h2d, d2h, link, disk, exposed,
                      dp_seconds(t_dp, m, t_gather), nv)  # fmt: skip
 
 
