@@ -251,7 +251,7 @@ def test_405b_on_a_dgx_h100_puts_the_gradient_on_nvme(capsys, monkeypatch):
     assert "(0.81 of 2.00 TB per node)" in why and "the layers' float32 gradient" in why
     assert "with the state on NVMe (the gradient in host memory): host memory 2419 GB per node > 1800 GB" in why
     row = out.splitlines()[3].split()
-    assert row[6] == "1" and row[9] == "3" and float(row[13]) > 0  # one micro-batch, ZeRO-3, a step time
+    assert row[7] == "1" and row[9] == "3" and float(row[13]) > 0  # one micro-batch, ZeRO-3, a step time
     monkeypatch.setattr(config, "offload_params_refusals", _refuse_grads)
     rc, out, err = run_cli(ARGV_DGX, capsys)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1

@@ -175,7 +175,7 @@ def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[st
     flags = (
         "train.zero=3 train.offload_params=true"
         + f" train.offload_optimizer={pt.optimizer}" * (pt.optimizer != "none")
-        + " train.offload_grads=nvme pipeline.microbatches=1" * (pt.grads == "nvme")
+        + f" train.offload_grads=nvme pipeline.microbatches={r.layout.microbatches}" * (pt.grads == "nvme")
     )
     disk = st.nvme_drives * st.nvme_drive_bytes
     grads = (f" and the layers' float32 gradient ({pt.grad_nvme / GB:.1f} GB/device, written by the backward and "
