@@ -98,16 +98,26 @@ def io_alone(tier, passes: int = 2) -> tuple[int, float]:
 
 
 def update_alone(ts, state, batch) -> float:
-    """Seconds of the nvme tier's streamed update without the disk: every chunk copied to the device,
-    updated and copied back as the tier's step does, one after another, from a buffer in memory."""
+    """Seconds of the nvme tier's streamed update without the disk: every chunk updated as the tier's
+    step does (in place in the device's own buffers on the CPU backend, else copied to the device and
+    back), one after another, from buffers in memory."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from meshrun.train import streamed
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
     g, p, g_norm, _ = tier.device_part(state.params, *batch)
     jax.block_until_ready(g)
+    if tier.in_place:
+        item = streamed.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
+        t0 = time.perf_counter()
+        for i in range(lay.n_chunks):
+            item.slots, _, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))
+            item.written()
+        return time.perf_counter() - t0
     buf = np.zeros(tier.file.chunk, np.float32)
     t0 = time.perf_counter()
     for i in range(lay.n_chunks):

@@ -22,6 +22,7 @@ local checkpoint tier).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from collections.abc import Callable
@@ -245,7 +246,7 @@ class Tier:
             out_shardings=(lay.sharding, None if master else lay.sharding, rep, None),
         )  # fmt: skip
 
-        def chunk_part(g_flat, p_flat, slots, scalars, g_norm, off):
+        def chunk_update(g_flat, p_flat, slots, scalars, g_norm, off):  # slots: each slot's two halves
             start = (0,) * (g_flat.ndim - 1) + (off,)
             size = (*g_flat.shape[:-1], lay.chunk)
             g = jax.lax.dynamic_slice(g_flat, start, size)
@@ -257,9 +258,7 @@ class Tier:
             # learning rate) then feed several elementwise fusions, as in the in-memory step, and XLA
             # makes the same algebraic rewrites there (measured: with one leaf it turned mu / bc into
             # mu * (1 / bc) where the in-memory step keeps the division: a last-bit difference).
-            cuts = list(np.cumsum(pieces[:-1]))
-            halves = lambda x: tuple(jnp.split(x, cuts, axis=-1))
-            state = self.chunk_pattern.join([halves(s) for s in slots], list(scalars))
+            state = self.chunk_pattern.join([tuple(s) for s in slots], list(scalars))
             state = jax.tree.unflatten(self.chunk_def, state)
             new_p, state = apply(chunk_tx, halves(g), state, halves(p))
             new_slots, new_scalars = self.chunk_pattern.split(jax.tree.leaves(state))
@@ -267,13 +266,27 @@ class Tier:
             # chunk): updating a whole flat row in place made XLA:CPU copy the row twice per chunk.
             return tuple(new_p), tuple(tuple(s) for s in new_slots), tuple(new_scalars)
 
+        cuts = list(np.cumsum(pieces[:-1]))
+        halves = lambda x: tuple(jnp.split(x, cuts, axis=-1))
+        chunk_part = lambda g_flat, p_flat, slots, *rest: chunk_update(g_flat, p_flat, [halves(x) for x in slots],
+                                                                       *rest)  # fmt: skip
         n_slots, scalar_sh = self.pattern.n_slots, tuple(self.scalar_sh)
-        self.chunk_part = jax.jit(
+        halves_sh = ((lay.sharding,) * len(pieces),) * n_slots
+        self.chunk_part = jax.jit(  # a chunk of every slot as one array per slot (read buffers on the host)
             chunk_part,
             in_shardings=(lay.sharding, None if master else lay.sharding, (lay.sharding,) * n_slots, scalar_sh, rep,
                           rep),
-            out_shardings=((lay.sharding,) * len(pieces), ((lay.sharding,) * len(pieces),) * n_slots, scalar_sh),
+            out_shardings=((lay.sharding,) * len(pieces), halves_sh, scalar_sh),
         )  # fmt: skip
+        # The same update on the slots' halves as the device's own arrays, donated: the new state
+        # lands in the old one's buffers (`DeviceChunk`, the CPU backend's in-place pass). The new
+        # slots come first: jax gives each donated buffer to the first output of its shape.
+        self.chunk_part_in_place = jax.jit(
+            lambda *args: (lambda p, slots, sc: (slots, p, sc))(*chunk_update(*args)), donate_argnums=2,
+            in_shardings=(lay.sharding, None if master else lay.sharding, halves_sh, scalar_sh, rep, rep),
+            out_shardings=(halves_sh, (lay.sharding,) * len(pieces), scalar_sh),
+        )  # fmt: skip
+        self.in_place = all(d.platform == "cpu" for d in lay.local)  # the device's memory is host memory
         self.assemble = jax.jit(  # the chunks' new params -> the params in their ZeRO layout
             lambda parts: jax.tree.unflatten(self.params_def,
                                              lay.unflatten(jnp.concatenate(parts, axis=-1), self.param_dtypes)),
@@ -310,16 +323,33 @@ class Tier:
             for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the
                 x.delete()  # new params come from the chunks' outputs, so the old ones need not stay beside them
 
-        def update(i: int, buf: np.ndarray):
-            slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
-            off = jnp.int32(i * lay.chunk)
-            p, new_slots, box["scalars"] = self.chunk_part(g_flat, p_flat, slots, scalars, g_norm, off)
-            new_p.extend(p)
-            return new_slots
+        if self.in_place:
+            ring = [DeviceChunk(lay, self.pieces, self.pattern.n_slots) for _ in range(swap.SLOTS_IN_FLIGHT)]
 
-        fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
-        self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
-        params = self.assemble(tuple(new_p))
+            def update(i: int, item: DeviceChunk):
+                item.spread()
+                off = jnp.int32(i * lay.chunk)
+                item.slots, p, box["scalars"] = self.chunk_part_in_place(g_flat, p_flat, item.slots, scalars, g_norm,
+                                                                         off)  # fmt: skip
+                new_p.extend(p)
+                return item
+
+            self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
+            del ring
+        else:
+
+            def update(i: int, buf: np.ndarray):
+                slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
+                off = jnp.int32(i * lay.chunk)
+                p, new_slots, box["scalars"] = self.chunk_part(g_flat, p_flat, slots, scalars, g_norm, off)
+                new_p.extend(p)
+                return new_slots
+
+            fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
+            self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
+        params = jax.block_until_ready(self.assemble(tuple(new_p)))
+        new_p.clear()
+        swap.trim_freed()  # what compiling and the chunks' updates freed
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 
     def bytes_per_device(self) -> dict[str, float]:
@@ -360,6 +390,7 @@ class Tier:
         state = ckpt.restore(step, ts.abstract_state, streamed=self.state_pieces)
         _, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
         params = self.relay_params[0](state.params) if ts.plan.relaid else state.params
+        swap.trim_freed()  # what the restore freed
         return state._replace(params=params, opt_state=tuple(scalars))
 
     def absorb(self, state):
@@ -384,6 +415,53 @@ class Tier:
         slots = [list(self.unflatten_slot[s](lay.put(host[s], lay.length))) for s in range(len(host))]
         leaves = self.pattern.join(slots, list(state.opt_state))
         return state._replace(opt_state=jax.tree.unflatten(self.full_def, leaves))
+
+
+class DeviceChunk:
+    """One ring buffer of the in-place pass (the CPU backend, where the device's memory is host
+    memory): a chunk of every slot as the device's own arrays, each slot's two halves. The store reads
+    chunk i straight into them (`views`), the update donates them and writes the new chunk into the
+    same buffers (XLA aliases a donated input with the output of its shape), and the store writes
+    those back: no copy between numpy and jax, no fresh pages per chunk. Only whole passes touch the
+    buffers: the store reads into one only after its last write finished, and no computation reads
+    it then. If XLA did not alias an input, the output arrays simply become the buffers."""
+
+    def __init__(self, lay: FlatLayout, pieces: tuple[int, ...], n_slots: int):
+        self.lay = lay
+        self.slots = tuple(tuple(jnp.zeros(lay.shape(n), jnp.float32, device=lay.sharding) for n in pieces)
+                           for _ in range(n_slots))  # fmt: skip
+        jax.block_until_ready(self.slots)  # the zeros written before the store reads into them
+
+    def _views(self, rows) -> list[np.ndarray]:
+        """Writable host views of the local rows `rows` of every slot's halves, in the file's order."""
+        out = []
+        for s in self.slots:
+            by_dev = [{x.device: x.data for x in half.addressable_shards} for half in s]
+            out += [_host_view(d[self.lay.local[r]]) for r in rows for d in by_dev]
+        return out
+
+    def views(self) -> list[np.ndarray]:
+        return self._views(self.lay.first)
+
+    def spread(self) -> None:
+        """Rows replicated over local devices: copy each distinct row to its other replicas."""
+        lay = self.lay
+        others = [r for r in range(len(lay.local)) if lay.first[lay.owner[r]] != r]
+        if others:
+            for dst, src in zip(self._views(others), self._views([lay.first[lay.owner[r]] for r in others]),
+                                strict=True):  # fmt: skip
+                np.copyto(dst, src)
+
+    def written(self) -> list[np.ndarray]:
+        """The new chunk's pieces in the file's order, once the update that made them has finished."""
+        jax.block_until_ready(self.slots)
+        return self.views()
+
+
+def _host_view(x: jax.Array) -> np.ndarray:
+    """A writable float32 view of a CPU device buffer (its memory is host memory)."""
+    n = x.size
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(x.unsafe_buffer_pointer()))
 
 
 class _Stepper:

@@ -119,6 +119,17 @@ def return_freed_buffers() -> None:
         pass
 
 
+def trim_freed() -> None:
+    """Give the memory freed into glibc's arenas back to the OS (`malloc_trim(0)`, a few ms). Buffers
+    below the mmap threshold that XLA's compiler, the tier's init and the chunk updates free stay
+    resident in the arenas otherwise (measured on bench/offload.py's model: about 120 MiB after
+    compiling, 90 MiB after init), beside the step's own peak. Not glibc: nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _io_error(path: Path, e: OSError, what: str) -> DataError:
     hint = "free space on it or use another train.offload_dir" if e.errno in (errno.ENOSPC, errno.EFBIG) else \
         "check the disk and train.offload_dir"  # fmt: skip
@@ -157,12 +168,27 @@ class ChunkStore:
         return_freed_buffers()
 
     def _start(self) -> None:
-        """The reader and writer threads and the two read buffers (once the store exists)."""
+        """The reader and writer threads (once the store exists)."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="offload-write")
-        self._ring = [self._hold(aligned(self.chunk)) for _ in range(2)]
+        self._buffers: list[np.ndarray] = []
 
-    def read(self, i: int, buf: np.ndarray) -> np.ndarray:
+    @property
+    def _ring(self) -> list[np.ndarray]:
+        """The store's two read buffers, made on first use (a pass with the caller's own ring,
+        `stream(ring=...)`, frees them first: `release_buffers`)."""
+        if not self._buffers:
+            self._buffers = [self._hold(aligned(self.chunk)) for _ in range(2)]
+        return self._buffers
+
+    def release_buffers(self) -> None:
+        """Unmap the store's read buffers (made again when next needed)."""
+        for _ in self._buffers:
+            self._release()
+        self._buffers = []
+
+    def read(self, i: int, buf: np.ndarray | list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+        """Chunk i into `buf`: one chunk-shaped array, or writable pieces in the chunk's order."""
         raise NotImplementedError
 
     def write(self, i: int, parts: Iterable[np.ndarray]) -> None:
@@ -214,7 +240,7 @@ class ChunkStore:
 
     def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
                ready: Callable[[], object] = lambda: None,
-               done: Callable[[object], object] | None = None) -> None:  # fmt: skip
+               done: Callable[[object], object] | None = None, ring: list | None = None) -> None:  # fmt: skip
         """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
         being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
         are written back. The update may keep reading buf (a device aliasing it) until `done(handle)`
@@ -224,11 +250,21 @@ class ChunkStore:
         update is done; at most OUTPUTS_IN_FLIGHT updates are dispatched and not yet written (their
         outputs: device memory). `ready()` blocks until the update's inputs exist (the gradient): the
         first chunks are read meanwhile. `stream_s` counts from its return to the last chunk settled
-        (`settle`), `stream_bytes` what moved in that time (`early_reads`: chunks read before)."""
+        (`settle`), `stream_bytes` what moved in that time (`early_reads`: chunks read before).
+
+        `ring` (in place): the caller's SLOTS_IN_FLIGHT buffers instead of the store's, objects whose
+        `views()` are chunk i's writable pieces in the chunk's order. The update may overwrite a buffer
+        with the new chunk (a device updating its donated input in place) and `fetch` return views of
+        it: a buffer goes back to the reader only once written, and the store holds no other copy."""
         _streams[0] += 1
-        h = _Handoff(self._ring)
+        in_place = ring is not None
+        if in_place:
+            self.release_buffers()
+            for _ in ring:
+                self._hold()
+        h = _Handoff(ring if in_place else self._ring)
         reads = self._reader.submit(self._read_loop, h, done)
-        writes = self._writer.submit(self._write_loop, h, fetch, done is None)
+        writes = self._writer.submit(self._write_loop, h, fetch, "after write" if in_place else done is None)
         try:
             ready()
             t0, early = time.perf_counter(), h.read
@@ -238,7 +274,7 @@ class ChunkStore:
                     break
                 h.outstanding.acquire()
                 handle = update(i, buf)
-                if done is not None:
+                if done is not None and not in_place:
                     h.free.put((buf, handle))  # the reader refills buf once done(handle) returned
                 h.todo.put((i, handle, buf))
             h.todo.put(None)
@@ -254,6 +290,9 @@ class ChunkStore:
             for f in (reads, writes):
                 with contextlib.suppress(BaseException):
                     f.result()
+            if in_place:
+                for _ in ring:
+                    self._release()
 
     def _read_loop(self, h: _Handoff, done) -> None:
         """The reader's part of `stream`: chunk i into the next free ring buffer, in order."""
@@ -265,28 +304,35 @@ class ChunkStore:
                 if isinstance(item, tuple):  # (buf, the update reading it)
                     item, handle = item
                     done(handle)
-                h.filled.put(self.read(i, item))
+                self.read(i, item if isinstance(item, np.ndarray) else item.views())
+                h.filled.put(item)
                 h.read += 1
         except BaseException:
             h.abort()
             raise
 
-    def _write_loop(self, h: _Handoff, fetch, frees: bool) -> None:
-        """The writer's part of `stream`: each updated chunk's pieces to the store, in order; with `frees`
-        its ring buffer goes back to the reader once fetched."""
+    def _write_loop(self, h: _Handoff, fetch, frees: bool | str) -> None:
+        """The writer's part of `stream`: each updated chunk's pieces to the store, in order; its ring
+        buffer goes back to the reader once fetched (`frees` True) or once written ("after write")."""
         try:
             while (item := h.todo.get()) is not None:
                 i, handle, buf = item
-                self._write_back(i, fetch, handle, _Once(lambda b=buf: h.free.put(b) if frees else None))
+                if frees == "after write":
+                    self._write_back(i, fetch, handle, _Once(lambda: None), hold=False)
+                    h.free.put(buf)
+                else:
+                    self._write_back(i, fetch, handle, _Once(lambda b=buf: h.free.put(b) if frees else None))
                 h.outstanding.release()
         except BaseException:
             h.abort()
             raise
 
-    def _write_back(self, i: int, fetch, handle, fetched: threading.Event | None = None) -> None:
-        """Chunk i's new pieces (`fetch(handle)`) to the store, held while written. `fetched` (a streamed
-        update): set once they exist, and chunk i's fault hooks run."""
-        self._hold()
+    def _write_back(self, i: int, fetch, handle, fetched: threading.Event | None = None, hold: bool = True) -> None:
+        """Chunk i's new pieces (`fetch(handle)`) to the store, held while written (`hold`: they are not
+        in a ring buffer). `fetched` (a streamed update): set once they exist, and chunk i's fault hooks
+        run."""
+        if hold:
+            self._hold()
         try:
             parts = fetch(handle)
             if fetched is not None:
@@ -296,7 +342,8 @@ class ChunkStore:
         finally:
             if fetched is not None:
                 fetched.set()
-            self._release()
+            if hold:
+                self._release()
 
     def read_all(self, each: Callable[[int, np.ndarray], None]) -> None:
         """`each(i, buf)` for every chunk in order (checkpoints: the whole state, one chunk at a time)."""
@@ -340,11 +387,14 @@ class SwapFile(ChunkStore):
 
     # ------------------------------------------------------------ positional I/O
 
-    def read(self, i: int, buf: np.ndarray) -> np.ndarray:
-        view, off, done = memoryview(buf).cast("B"), i * self.chunk_bytes, 0
+    def read(self, i: int, buf: np.ndarray | list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+        views = _bytes(buf if isinstance(buf, list) else [buf])
+        off, total, done = i * self.chunk_bytes, sum(len(v) for v in views), 0
+        if total != self.chunk_bytes:
+            raise ValueError(f"chunk {i}: a buffer of {total} bytes, expected {self.chunk_bytes}")
         try:
-            while done < len(view):
-                n = os.preadv(self.fd, [view[done:]], off + done)
+            while done < total:  # a short read: continue after what was read
+                n = os.preadv(self.fd, _after(views, done), off + done)
                 self.reads += 1
                 if n == 0:
                     raise OSError(errno.EIO, "short read")
@@ -356,18 +406,14 @@ class SwapFile(ChunkStore):
 
     def write(self, i: int, parts: Iterable[np.ndarray]) -> None:
         """Chunk i's first `kept` slots from their (slot, row) pieces in file order."""
-        views = [memoryview(np.ascontiguousarray(p, np.float32)).cast("B") for p in parts]
+        views = _bytes(np.ascontiguousarray(p, np.float32) for p in parts)
         off, total = i * self.chunk_bytes, sum(len(v) for v in views)
         if total != self.write_bytes:
             raise ValueError(f"chunk {i}: {total} bytes, expected {self.write_bytes}")
         try:
             done = 0
             while done < total:  # a short write: continue after what was written
-                skip, rest = done, []
-                for v in views:
-                    rest.append(v[skip:] if skip < len(v) else v[len(v) :])
-                    skip = max(0, skip - len(v))
-                done += os.pwritev(self.fd, [v for v in rest if len(v)], off + done)
+                done += os.pwritev(self.fd, _after(views, done), off + done)
                 self.writes += 1
             _advise(self.fd, off, total)  # start the chunk's writeback now (its pages go once clean)
         except OSError as e:
@@ -395,8 +441,17 @@ class HostStore(ChunkStore):
         self.data = aligned((n_chunks, *chunk))  # untouched pages cost nothing until written
         self._start()
 
-    def read(self, i: int, buf: np.ndarray) -> np.ndarray:
-        np.copyto(buf, self.data[i])
+    def read(self, i: int, buf: np.ndarray | list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+        if isinstance(buf, np.ndarray):
+            np.copyto(buf, self.data[i])
+        else:
+            row, done = self.data[i].reshape(-1), 0
+            if sum(b.size for b in buf) != row.size:
+                raise ValueError(f"chunk {i}: a buffer of {sum(b.size for b in buf) * 4} bytes, expected "
+                                 f"{self.chunk_bytes}")  # fmt: skip
+            for b in buf:
+                np.copyto(b, row[done : done + b.size].reshape(b.shape))
+                done += b.size
         self.reads += 1
         self.bytes_read += self.chunk_bytes
         return buf
@@ -444,6 +499,20 @@ class _Handoff:
         for q in (self.free, self.filled, self.todo):
             q.put(None)
         self.outstanding.release()  # the main thread may wait for the writer
+
+
+def _bytes(arrays: Iterable[np.ndarray]) -> list[memoryview]:
+    return [memoryview(a).cast("B") for a in arrays]
+
+
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """`views` without their first `skip` bytes (what is left after a short read or write)."""
+    rest = []
+    for v in views:
+        if skip < len(v):
+            rest.append(v[skip:])
+        skip = max(0, skip - len(v))
+    return rest
 
 
 def _close(fd: int, path: str) -> None:
