@@ -214,3 +214,45 @@ def test_full_disk_mid_swap_exit_4_last_checkpoint_intact(tmp_path):
     line = one_error_line(r.stderr)
     assert str(tmp_path) in line and "No space left on device" in line
     assert [(e.step, e.status) for e in scan(tmp_path / "run")] == [(2, "complete")]
+
+
+def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
+    """The CPU backend's in-place pass: each chunk's update writes the new state into the very buffers
+    the store read the chunk into (XLA aliases the donated halves), rows replicated over devices
+    (data 2, ZeRO-0) included; 3 steps equal the copy path's (the host buffers copied to the device
+    and back, a GPU's path) exactly (the tests above compare the in-place pass with the in-memory step)."""
+    over = ["mesh.data=2", "mesh.pipe=1", "mesh.tensor=2", "pipeline.microbatches=2"]
+    results = []
+    for in_place in (True, False):
+        (tmp_path / str(in_place)).mkdir()
+        cfg = load_config("configs/tiny_cpu.yaml", [*SMALL, *over, "train.offload_optimizer=nvme", BUDGET,
+                                                    f"train.offload_dir={tmp_path / str(in_place)}"])  # fmt: skip
+        mesh = build_mesh(cfg.mesh, devices=jax.devices()[:4])
+        ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len,
+                          global_batch=cfg.train.global_batch)  # fmt: skip
+        ts = make_train_step(cfg, mesh)
+        tier = ts.tier
+        assert tier.in_place and len(tier.layout.first) < len(tier.layout.local)  # replicated rows
+        tier.in_place = in_place
+        aliased, update = [], tier.chunk_part_in_place
+
+        def spy(g, p, slots, *rest, update=update, aliased=aliased):
+            before = [x.unsafe_buffer_pointer() for s in slots for h in s for x in (h.addressable_data(0),)]
+            out = update(g, p, slots, *rest)
+            aliased.extend(a == x.addressable_data(0).unsafe_buffer_pointer()
+                           for a, x in zip(before, [h for s in out[0] for h in s], strict=True))  # fmt: skip
+            return out
+
+        tier.chunk_part_in_place = spy
+        state, losses = ts.init(), []
+        for i in range(3):
+            state, metrics = ts.step(state, *global_batch_arrays(ds, i, mesh, P(DP_AXES)))
+            losses.append(float(metrics["loss"]))
+        halves = 3 * tier.layout.n_chunks * 2 * tier.pattern.n_slots  # 3 steps' chunks' slots' halves
+        assert tier.layout.n_chunks >= 3 and len(aliased) == (halves if in_place else 0)
+        assert all(aliased)
+        results.append((np.array(losses), jax.device_get(ts.to_model(state))))
+    for got in results[1:]:
+        np.testing.assert_array_equal(got[0], results[0][0])
+        for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(results[0][1]), strict=True):
+            np.testing.assert_array_equal(a, b)
