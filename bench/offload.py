@@ -97,10 +97,10 @@ def io_alone(tier, passes: int = 2) -> tuple[int, float]:
         f.close()
 
 
-def update_alone(ts, state, batch) -> float:
-    """Seconds of the nvme tier's streamed update without the disk: every chunk updated as the tier's
-    step does (in place in the device's own buffers on the CPU backend, else copied to the device and
-    back), one after another, from buffers in memory."""
+def update_alone(ts, state, batch) -> tuple[float, float]:
+    """(wall, CPU) seconds of the nvme tier's streamed update without the disk: every chunk updated as
+    the tier's step does (in place in the device's own buffers on the CPU backend, else copied to the
+    device and back), one after another, from buffers in memory. CPU: this process's, all threads."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -113,18 +113,32 @@ def update_alone(ts, state, batch) -> float:
     jax.block_until_ready(g)
     if tier.in_place:
         item = streamed.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i in range(lay.n_chunks):
             item.slots, _, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))
             item.written()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
     buf = np.zeros(tier.file.chunk, np.float32)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(lay.n_chunks):
         slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
         _, new_slots, _ = tier.chunk_part(g, p, slots, scalars, g_norm, jnp.int32(i * lay.chunk))
         [lay.rows(x) for s in new_slots for x in s]
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def cpu_of_streams(store) -> list[float]:
+    """Wraps `store.stream` to add up this process's CPU seconds (all threads) from the gradient ready
+    to the pass's end, the span `stream_s` times; returns the running total (one item)."""
+    total, stream = [0.0], store.stream
+
+    def timed(update, fetch, ready=lambda: None, **kw):
+        start = []
+        stream(update, fetch, ready=lambda: (ready(), start.append(time.process_time())), **kw)
+        total[0] += time.process_time() - start[0]
+
+    store.stream = timed
+    return total
 
 
 def rss(field: str) -> int:
@@ -168,9 +182,10 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
     init_peak = rss("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak of the steps alone from here
     warm = None  # the tier's counters after step 1 (which compiles the chunk update): the swap from step 2 on
+    cpu = cpu_of_streams(ts.tier.ensure_file()) if tier == "nvme" else [0.0]
     for k, b in enumerate(batches):
         if k == 1 and tier == "nvme":
-            warm = (ts.tier.file.stream_s, ts.tier.file.stream_bytes, ts.tier.file.streams)
+            warm = (ts.tier.file.stream_s, ts.tier.file.stream_bytes, ts.tier.file.streams, cpu[0])
         t0 = time.perf_counter()
         state, m = compiled(state, *b)
         float(m["loss"])
@@ -186,7 +201,8 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
         out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes - warm[1], "stream_s": f.stream_s - warm[0],
                 "streams": f.streams - warm[2],
                 "peak_resident": f.peak_resident, "chunks": f.n_chunks, "chunk_bytes": f.chunk_bytes,
-                "update_s": update_alone(ts, state, batches[0]), "grad_row": 4 * lay.used * len(lay.first),
+                "stream_cpu": cpu[0] - warm[3], "load": os.getloadavg()[0],
+                "update": update_alone(ts, state, batches[0]), "grad_row": 4 * lay.used * len(lay.first),
                 "param_row": jax.numpy.dtype(ts.tier.param_dtypes[0]).itemsize * lay.used * len(lay.first),
                 "master": ts.tier.master}  # fmt: skip
         out["io_bytes"], out["io_s"] = io_alone(ts.tier)
@@ -231,9 +247,12 @@ def main() -> int:
     io = nv["io_bytes"] / nv["io_s"]
     print(f"the tier's I/O pipeline alone (no update, 2 passes): {io / 1e9:.2f} GB/s = {100 * io / limit:.0f}% of "
           "the disk's limit")  # fmt: skip
+    (update_s, update_cpu), cores = nv["update"], os.cpu_count()
     print(f"streamed update: {stream_s:.3f} s per step (gradient ready -> state on disk); the update alone (no disk) "
-          f"{nv['update_s']:.3f} s, the I/O at the disk's limit {io_s:.3f} s: "
-          f"{stream_s / max(nv['update_s'], io_s):.2f}x their max")  # fmt: skip
+          f"{update_s:.3f} s, the I/O at the disk's limit {io_s:.3f} s: "
+          f"{stream_s / max(update_s, io_s):.2f}x their max")  # fmt: skip
+    print(f"CPU (this process, all threads): the stream {nv['stream_cpu'] / n:.3f} s per step, the update alone "
+          f"{update_cpu:.3f} s; {cores} cores, load average {nv['load']:.1f} after the nvme steps")  # fmt: skip
     bound = 1.1 * max(none_s, io_s)
     print(f"nvme step {nv['step_s']:.3f} s vs 1.1 x max(none {none_s:.3f} s, I/O {io_s:.3f} s) = {bound:.3f} s: "
           f"{'met' if nv['step_s'] <= bound else 'missed'} ({nv['step_s'] / bound:.2f}x)")  # fmt: skip
