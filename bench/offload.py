@@ -105,14 +105,14 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from meshrun.train import streamed
+    from meshrun.train import device_chunk
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
     g, p, g_norm, _ = tier.device_part(state.params, *batch)
     jax.block_until_ready(g)
     if tier.in_place:
-        item = streamed.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
+        item = device_chunk.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(lay.n_chunks):
             item.slots, _, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))

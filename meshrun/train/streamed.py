@@ -8,7 +8,8 @@ reduction, the global gradient norm (once over the whole gradient, as the in-mem
 it), and a flat view of the gradient and params: every device's ZeRO shard of every leaf
 concatenated into one row, `[*mesh, L]` (`FlatLayout`). Then, chunk by chunk (C elements of every
 row: a sub-group of each rank's shard of every optimizer leaf), the chunk's state (fp32 master,
-Adam m, v) is read from the store (the file or host memory), copied to the device and updated there by the
+Adam m, v) is read from the store (the file or host memory), copied to the device (on the CPU
+backend read straight into the device's own buffers, `DeviceChunk`) and updated there by the
 optimizer's elementwise part, clipped with the global norm by optax's formula; the new params stay
 on the device (joined into the params' layout after the last chunk) and the new state goes back to
 the file, while the next chunk is read and the previous one written. The update runs on the
@@ -22,7 +23,6 @@ local checkpoint tier).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 from collections.abc import Callable
@@ -42,6 +42,7 @@ from meshrun.errors import ConfigError
 from meshrun.optim import optimizer
 from meshrun.parallel.sharding import is_spec
 from meshrun.train import swap, tier_io
+from meshrun.train.device_chunk import DeviceChunk
 
 
 def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
@@ -415,53 +416,6 @@ class Tier:
         slots = [list(self.unflatten_slot[s](lay.put(host[s], lay.length))) for s in range(len(host))]
         leaves = self.pattern.join(slots, list(state.opt_state))
         return state._replace(opt_state=jax.tree.unflatten(self.full_def, leaves))
-
-
-class DeviceChunk:
-    """One ring buffer of the in-place pass (the CPU backend, where the device's memory is host
-    memory): a chunk of every slot as the device's own arrays, each slot's two halves. The store reads
-    chunk i straight into them (`views`), the update donates them and writes the new chunk into the
-    same buffers (XLA aliases a donated input with the output of its shape), and the store writes
-    those back: no copy between numpy and jax, no fresh pages per chunk. Only whole passes touch the
-    buffers: the store reads into one only after its last write finished, and no computation reads
-    it then. If XLA did not alias an input, the output arrays simply become the buffers."""
-
-    def __init__(self, lay: FlatLayout, pieces: tuple[int, ...], n_slots: int):
-        self.lay = lay
-        self.slots = tuple(tuple(jnp.zeros(lay.shape(n), jnp.float32, device=lay.sharding) for n in pieces)
-                           for _ in range(n_slots))  # fmt: skip
-        jax.block_until_ready(self.slots)  # the zeros written before the store reads into them
-
-    def _views(self, rows) -> list[np.ndarray]:
-        """Writable host views of the local rows `rows` of every slot's halves, in the file's order."""
-        out = []
-        for s in self.slots:
-            by_dev = [{x.device: x.data for x in half.addressable_shards} for half in s]
-            out += [_host_view(d[self.lay.local[r]]) for r in rows for d in by_dev]
-        return out
-
-    def views(self) -> list[np.ndarray]:
-        return self._views(self.lay.first)
-
-    def spread(self) -> None:
-        """Rows replicated over local devices: copy each distinct row to its other replicas."""
-        lay = self.lay
-        others = [r for r in range(len(lay.local)) if lay.first[lay.owner[r]] != r]
-        if others:
-            for dst, src in zip(self._views(others), self._views([lay.first[lay.owner[r]] for r in others]),
-                                strict=True):  # fmt: skip
-                np.copyto(dst, src)
-
-    def written(self) -> list[np.ndarray]:
-        """The new chunk's pieces in the file's order, once the update that made them has finished."""
-        jax.block_until_ready(self.slots)
-        return self.views()
-
-
-def _host_view(x: jax.Array) -> np.ndarray:
-    """A writable float32 view of a CPU device buffer (its memory is host memory)."""
-    n = x.size
-    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(x.unsafe_buffer_pointer()))
 
 
 class _Stepper:

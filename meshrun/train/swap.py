@@ -8,10 +8,11 @@ m, v, ... of every distinct local row, `C` elements each) is one contiguous read
 write. `stream` pipelines them the way DeepSpeed's `PipelinedOptimizerSwapper` does: while chunk i
 is updated, chunk i + 1 is read and chunk i - 1 written, each thread handing the chunk on to the
 next through a queue as soon as its part is done; the tier holds at most `SLOTS_IN_FLIGHT`
-chunks of host memory (two read buffers, one chunk being written), counted in `resident`. The read
-buffers are page-aligned, so the device may take a chunk without a copy (XLA:CPU aliases such an
-array), and one is refilled only once the update that read it has finished. The file's pages leave
-the page cache as they are written (`settle`).
+chunks of host memory, counted in `resident`: either the store's two page-aligned read buffers
+(the device may take a chunk without a copy; one is refilled only once the update that read it has
+finished) and one chunk being written, or, in place (`stream(ring=...)`, the CPU backend), the
+caller's three buffers, which the update overwrites with the new chunk and the writer writes back.
+The file's pages leave the page cache as they are written (`settle`).
 The directory is locked (`flock`) for this process: a second process on it is refused.
 """
 
