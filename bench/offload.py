@@ -83,10 +83,11 @@ def io_alone(tier, passes: int = 2) -> tuple[int, float]:
     """(bytes, seconds) of `passes` streamed passes through a second file shaped as the tier's, with no
     update: the tier's I/O pipeline alone (read one chunk ahead, write one behind, settle)."""
     from meshrun.train import swap
+    from meshrun.train.chunk_store import aligned
 
     f = swap.SwapFile(tier.directory, tier.file.n_chunks, tier.file.chunk)
     try:
-        out = swap.aligned(f.chunk)
+        out = aligned(f.chunk)
         out[:] = 1.0
         pieces = list(out.reshape(-1, f.chunk[-1]))
         f.write_all(lambda i: pieces)

@@ -1,5 +1,5 @@
 """train.offload_optimizer=host: the update streams chunk by chunk through the device, as the nvme
-tier's does (the chunks come from host memory, `swap.HostStore`), and equals the in-memory step and
+tier's does (the chunks come from host memory, `chunk_store.HostStore`), and equals the in-memory step and
 the whole-shard update (train.offload_update=whole) exactly: losses and params after 3 steps,
 tolerance 0. The device holds a few chunks of the state, never the whole shard (compiled bytes), and
 checkpoints are the other tiers' orbax ones (host -> none, host -> nvme, host -> whole)."""
@@ -21,7 +21,7 @@ from meshrun.checkpoint.state import Checkpointer
 from meshrun.cli.main import main
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
-from meshrun.train import swap
+from meshrun.train import chunk_store
 
 BUDGET_MB = 0.5
 HOST = ["train.offload_optimizer=host", f"train.offload_budget_mb={BUDGET_MB}"]
@@ -44,7 +44,7 @@ def test_host_streamed_equals_none_and_whole_shard():
     memory (no file), within its budget, and equals both other updates exactly."""
     ts, whole = assert_three_equal("tiny_cpu.yaml", ["train.zero=1"])
     f = ts.tier.file
-    assert isinstance(f, swap.HostStore) and ts.tier.directory is None
+    assert isinstance(f, chunk_store.HostStore) and ts.tier.directory is None
     assert ts.tier.layout.n_chunks >= 3 and f.peak_resident <= BUDGET_MB * 2**20
     assert f.streams == 3 and f.bytes_read == f.bytes_written == 4 * f.state_bytes  # 3 steps + the read-back
     assert whole.tier is None  # the whole-shard update: one jitted step, the state in pinned host memory
@@ -153,7 +153,8 @@ def test_explain_and_run_header_report_each_tier_where_it_rests(tmp_path, capsys
     for tier, extra in tiers.items():
         cfg, mesh, ts = build([*over, f"train.offload_optimizer={tier}", *extra])
         store, lay = ts.tier.ensure_file(), ts.tier.layout
-        state, buffers = store.state_bytes / len(lay.local), swap.SLOTS_IN_FLIGHT * store.chunk_bytes / len(lay.local)
+        n = len(lay.local)
+        state, buffers = store.state_bytes / n, chunk_store.SLOTS_IN_FLIGHT * store.chunk_bytes / n
         assert main(["explain", "configs/tiny_cpu.yaml", *over, f"train.offload_optimizer={tier}", *extra,
                      "--json"]) == 0  # fmt: skip
         mem = json.loads(capsys.readouterr().out)["memory"]

@@ -17,7 +17,7 @@ from meshrun.checkpoint.state import Checkpointer
 from meshrun.checkpoint.store import scan
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
-from meshrun.train import swap
+from meshrun.train import swap_dir
 
 OP = ["train.zero=3", "train.offload_params=true"]
 DP8_M1 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1", "model.n_layers=8"]
@@ -143,11 +143,11 @@ def test_offload_params_nvme_sigkill_mid_swap_out_then_rerun(tmp_path):
     killed = _cli(tmp_path / "k", *over, MESHRUN_FAULT_OFFLOAD_KILL="3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [e.step for e in scan(tmp_path / "k") if e.status == "complete"] == [2]
-    assert len(list(tmp_path.glob(swap.DATA_GLOB))) == 1  # the killed run's half-written file
+    assert len(list(tmp_path.glob(swap_dir.DATA_GLOB))) == 1  # the killed run's half-written file
     rerun = _cli(tmp_path / "k", *over)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert _final_loss(tmp_path / "k") == _final_loss(tmp_path / "ref")
-    assert not list(tmp_path.glob(swap.DATA_GLOB))
+    assert not list(tmp_path.glob(swap_dir.DATA_GLOB))
 
 
 @pytest.mark.serial

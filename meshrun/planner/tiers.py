@@ -5,7 +5,7 @@ from the drives; and the time of that I/O.
 
 * none: the state lives on the device (`predict_memory`).
 * host, streamed (`train.offload_update=auto`, the default, where the runtime streams: `host_streams`):
-  the state rests in host memory in the nvme tier's chunk layout (`train/swap.HostStore`) and the
+  the state rests in host memory in the nvme tier's chunk layout (`train/chunk_store.HostStore`) and the
   update streams it through the device chunk by chunk as nvme's does, through the same buffers
   (`train.offload_budget_mb` per process). The device's update peak is nvme's (flat rows + a few
   chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
@@ -47,7 +47,7 @@ HOST_USABLE = 0.9
 # disk's limit). bench/offload.py measured 34% on a loaded CPU host with small chunks (docs/offload.md).
 NVME_EFFICIENCY = 0.7
 DEFAULT_BUDGET_MB = 256.0  # train.offload_budget_mb's default
-SLOTS_IN_FLIGHT = 3  # train/swap.py: read i + 1, update i, write i - 1
+SLOTS_IN_FLIGHT = 3  # train/chunk_store.py: read i + 1, update i, write i - 1
 ALIGN = 1024  # train/swap.py: chunk length granularity in elements
 
 

@@ -1,6 +1,6 @@
 """The in-place pass's ring buffer (`DeviceChunk`): on the CPU backend the device's memory is host
 memory, so the streamed update's chunk buffers can be the device's own arrays, read and written by
-the store in place (`swap.ChunkStore.stream(ring=...)`, `streamed.Tier.step`)."""
+the store in place (`chunk_store.ChunkStore.stream(ring=...)`, `streamed.Tier.step`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class DeviceChunk:
     buffers: the store reads into one only after its last write finished, and no computation reads
     it then. If XLA did not alias an input, the output arrays simply become the buffers."""
 
-    def __init__(self, lay: Any, pieces: tuple[int, ...], n_slots: int):  # lay: a streamed.FlatLayout
+    def __init__(self, lay: Any, pieces: tuple[int, ...], n_slots: int):  # lay: a flat_layout.FlatLayout
         self.lay = lay
         self.slots = tuple(tuple(jnp.zeros(lay.shape(n), jnp.float32, device=lay.sharding) for n in pieces)
                            for _ in range(n_slots))  # fmt: skip

@@ -16,11 +16,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshrun.errors import ConfigError
-from meshrun.train import streamed, swap
+from meshrun.train import flat_layout, swap
+from meshrun.train.chunk_store import SLOTS_IN_FLIGHT
 
 
 @dataclass(frozen=True)
-class LayerLayout(streamed.FlatLayout):
+class LayerLayout(flat_layout.FlatLayout):
     """A `FlatLayout` of the stacked layer leaves whose row is layer-major: `layers` local layers, each
     cut into `split` pieces along every leaf's first axis after the layer axis, each piece `row`
     elements (its slice of every leaf, then zeros up to a multiple of ALIGN). A chunk is `per` whole
@@ -82,12 +83,12 @@ class LayerLayout(streamed.FlatLayout):
 def layer_layout(mesh: Mesh, layers: Any, opt_specs: Any, slots: int, budget_bytes: float) -> LayerLayout:
     """The layout of the stacked layer leaves `layers` (their optimizer specs `opt_specs`) whose chunks
     of `slots` rows (the state's, and the gradient's when it rests in the file too) fit the budget
-    (`swap.SLOTS_IN_FLIGHT` of them): the most whole layers per chunk that divide the
+    (`SLOTS_IN_FLIGHT` of them): the most whole layers per chunk that divide the
     local layer count, else the fewest pieces per layer that divide every leaf's first axis after
     the layer axis; a ConfigError naming the budget the smallest chunk needs when none fits."""
-    base = streamed.flat_layout(mesh, layers, opt_specs, slots, 2**62)  # rows, shapes; its chunk is unused
+    base = flat_layout.flat_layout(mesh, layers, opt_specs, slots, 2**62)  # rows, shapes; its chunk is unused
     n = base.shapes[0][0]
-    bytes_of = lambda row: swap.SLOTS_IN_FLIGHT * slots * len(base.first) * 4 * row  # in flight, one row a chunk
+    bytes_of = lambda row: SLOTS_IN_FLIGHT * slots * len(base.first) * 4 * row  # in flight, one row a chunk
     aligned = lambda x: -(-x // swap.ALIGN) * swap.ALIGN
     firsts = [s[1] for s in base.shapes if len(s) > 1]
     common = math.gcd(*firsts) if len(firsts) == len(base.shapes) else 1

@@ -8,7 +8,7 @@ layers fetched one at a time (`layer_fetch.py`), the global gradient norm (`laye
 and the update of the other entries (embedding, head, final norm), whose optimizer state stays where
 `offload_optimizer=none` keeps it. Then, chunk by chunk (`per` consecutive layers of every device's
 shard, or one piece of a layer when one layer's state does not fit the budget), the chunk's
-optimizer state is read from the file while the previous chunk's is written (`swap.SwapFile.stream`);
+optimizer state is read from the file while the previous chunk's is written (`chunk_store.ChunkStore.stream`);
 the chunk's gradient and params come from host memory and the optimizer runs on them exactly as the
 in-memory layer scan runs it on one layer (`layer_update.Update.layers`); the new params go back
 into the host-resident params in place (donated).
@@ -36,7 +36,8 @@ from meshrun.errors import ConfigError
 from meshrun.optim.optimizer import MasterState
 from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
-from meshrun.train import layer_update, streamed, swap, tier_io
+from meshrun.train import layer_update, streamed, swap, swap_dir, tier_io
+from meshrun.train.chunk_store import SLOTS_IN_FLIGHT
 from meshrun.train.grad_file import GradSink
 from meshrun.train.layer_layout import layer_layout
 from meshrun.train.layer_update import LAYER, SCALAR
@@ -49,9 +50,9 @@ class LayerTier:
         t, plan, zl = cfg.train, ts.plan, ts.plan.zero
         self.ts, self.file, self.sink = ts, None, None
         self.grads_nvme = t.offload_grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
-        self.directory = swap.offload_dir(t.offload_dir, jax.process_index())
-        swap.check_dir(self.directory)
-        swap.lock_dir(self.directory)
+        self.directory = swap_dir.offload_dir(t.offload_dir, jax.process_index())
+        swap_dir.check_dir(self.directory)
+        swap_dir.lock_dir(self.directory)
         abstract, sh = ts.abstract_run, ts.state_shardings
         tx = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
         cast = not isinstance(abstract.opt_state, MasterState)  # as the step without the tier
@@ -179,7 +180,7 @@ class LayerTier:
         once) and the chunk buffers in host memory."""
         lay = self.layout
         row = (self.n_slots + self.grads_nvme) * len(lay.first) * 4  # bytes of one element of every slot and row
-        store, buffers = row * lay.length / len(lay.local), swap.SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+        store, buffers = row * lay.length / len(lay.local), SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
         return {"host": buffers, "nvme": store}
 
     def lower_device_part(self, state, *batch):

@@ -1,12 +1,12 @@
 """train.offload_optimizer=nvme (and host, unless train.offload_update=whole): the optimizer state
 rests in files (or host memory) and the update streams through the device in chunks (ZeRO-Infinity,
 Rajbhandari et al. 2021; docs/offload.md). Both tiers run the same code; only the store differs
-(`swap.SwapFile`, `swap.HostStore`), so the device never holds more than a few chunks of the state.
+(`swap.SwapFile`, `chunk_store.HostStore`), so the device never holds more than a few chunks of the state.
 
 The step runs in two parts. On the device, one jitted function: forward, backward, the one gradient
 reduction, the global gradient norm (once over the whole gradient, as the in-memory step computes
 it), and a flat view of the gradient and params: every device's ZeRO shard of every leaf
-concatenated into one row, `[*mesh, L]` (`FlatLayout`). Then, chunk by chunk (C elements of every
+concatenated into one row, `[*mesh, L]` (`flat_layout.FlatLayout`). Then, chunk by chunk (C elements of every
 row: a sub-group of each rank's shard of every optimizer leaf), the chunk's state (fp32 master,
 Adam m, v) is read from the store (the file or host memory), copied to the device (on the CPU
 backend read straight into the device's own buffers, `DeviceChunk`) and updated there by the
@@ -24,171 +24,29 @@ local checkpoint tier).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshrun.checkpoint import slices
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import optimizer
-from meshrun.parallel.sharding import is_spec
-from meshrun.train import swap, tier_io
+from meshrun.train import swap, swap_dir, tier_io
+from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore
 from meshrun.train.device_chunk import DeviceChunk
+from meshrun.train.flat_layout import StatePattern, flat_layout
 
 
 def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
     """optax.clip_by_global_norm's formula for one array, with the global norm computed elsewhere."""
     trigger = jnp.squeeze(g_norm < max_norm)
     return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Every device's shard of every parameter leaf (in the optimizer's ZeRO layout) as one row of a
-    `[*mesh, length]` array; `local` are this process's devices (rows), `owner[r]` the distinct row
-    that local row r holds (replicas share one copy on disk), `first[u]` a local row holding u."""
-
-    mesh: Mesh
-    specs: tuple  # the optimizer's PartitionSpec per leaf
-    shapes: tuple  # local shard shape per leaf
-    offsets: tuple
-    used: int  # elements of a row holding data (the rest is zero padding)
-    length: int  # a multiple of `chunk`
-    chunk: int
-    local: tuple
-    owner: tuple
-    first: tuple
-
-    @property
-    def n_chunks(self) -> int:
-        return self.length // self.chunk
-
-    @property
-    def segments(self) -> tuple[tuple[int, int, int, int], ...]:
-        """(leaf, first element in the leaf's flat shard, offset in the row, length) of each run of
-        consecutive elements of one leaf in the row: here each leaf's whole shard."""
-        return tuple((k, 0, o, math.prod(s)) for k, (o, s) in enumerate(zip(self.offsets, self.shapes, strict=True)))
-
-    @property
-    def sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(*self.mesh.axis_names))
-
-    def shape(self, n: int) -> tuple[int, ...]:
-        return (*self.mesh.devices.shape, n)
-
-    def flatten(self, leaves: list, dtype) -> jax.Array:
-        """Leaves in the optimizer layout -> [*mesh, length] rows (inside jit)."""
-        ndim, pad = len(self.mesh.axis_names), self.length - self.used
-
-        def body(*xs):
-            parts = [x.reshape(-1).astype(dtype) for x in xs] + ([jnp.zeros(pad, dtype)] if pad else [])
-            return jnp.concatenate(parts).reshape((1,) * ndim + (self.length,))
-
-        axes = P(*self.mesh.axis_names)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=self.specs, out_specs=axes, check_vma=False)(*leaves)
-
-    def unflatten(self, flat: jax.Array, dtypes: list) -> list:
-        """The inverse of `flatten` (inside jit)."""
-
-        def body(v):
-            v = v.reshape(-1)
-            return tuple(
-                v[o : o + math.prod(s)].reshape(s).astype(dt)
-                for o, s, dt in zip(self.offsets, self.shapes, dtypes, strict=True)
-            )
-
-        axes = P(*self.mesh.axis_names)
-        return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
-
-    def put(self, rows: np.ndarray, n: int) -> jax.Array:
-        """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices. `rows` must stay
-        unchanged until the computations reading the array have finished: XLA:CPU aliases a page-aligned
-        array (`swap.aligned`) instead of copying it, and a copy may still be in flight when this returns
-        (measured: a ring buffer refilled too early gave a chunk the next one's state)."""
-        blk = (1,) * len(self.mesh.axis_names) + (n,)
-        arrays = [jax.device_put(rows[u].reshape(blk), d) for d, u in zip(self.local, self.owner)]
-        return jax.make_array_from_single_device_arrays(self.shape(n), self.sharding, arrays)
-
-    def rows(self, flat: jax.Array) -> list[np.ndarray]:
-        """A [*mesh, n] array -> its distinct local rows on the host, [n] each."""
-        by_dev = {s.device: s.data for s in flat.addressable_shards}
-        return [np.asarray(by_dev[self.local[r]]).reshape(-1) for r in self.first]
-
-
-def flat_layout(mesh: Mesh, params: Any, opt_specs: Any, slots: int, budget_bytes: float) -> FlatLayout:
-    leaves = jax.tree.leaves(params)
-    specs = tuple(jax.tree.leaves(opt_specs, is_leaf=is_spec))
-    shardings = [NamedSharding(mesh, s) for s in specs]
-    shapes = tuple(tuple(sh.shard_shape(x.shape)) for sh, x in zip(shardings, leaves, strict=True))
-    sizes = [math.prod(s) for s in shapes]
-    offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]]))
-    local = tuple(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    maps = [sh.devices_indices_map(x.shape) for sh, x in zip(shardings, leaves, strict=True)]
-    key = lambda d: tuple(tuple((s.start, s.stop, s.step) for s in m[d]) for m in maps)
-    distinct: dict = {}
-    owner = tuple(distinct.setdefault(key(d), len(distinct)) for d in local)
-    first = tuple(owner.index(u) for u in range(len(distinct)))
-    used = sum(sizes)
-    chunk = swap.chunk_elems(budget_bytes, slots, len(first), used)
-    length = -(-used // chunk) * chunk
-    return FlatLayout(mesh, specs, shapes, offsets, used, length, chunk, local, owner, first)
-
-
-@dataclass(frozen=True)
-class StatePattern:
-    """Where a state's parameter-shaped leaves are: `tokens[i]` is ('slot', s) or ('scalar', j) for the
-    i-th group of leaves (a slot: one copy of the parameter tree, k leaves)."""
-
-    tokens: tuple
-    k: int
-
-    @classmethod
-    def of(cls, tx, state: Any, params: Any) -> StatePattern:
-        k = len(jax.tree.leaves(params))
-        idx = jax.tree.unflatten(jax.tree.structure(params), list(range(k)))
-        marked = optax.tree_map_params(tx, lambda _, i: i, state, idx, transform_non_params=lambda _: -1)
-        marks = jax.tree.leaves(marked)
-        tokens, i, slots, scalars = [], 0, 0, 0
-        while i < len(marks):
-            if marks[i] == -1:
-                tokens.append(("scalar", scalars))
-                scalars, i = scalars + 1, i + 1
-                continue
-            if marks[i : i + k] != list(range(k)):
-                raise ValueError("optimizer state: a parameter-shaped subtree is not contiguous")
-            tokens.append(("slot", slots))
-            slots, i = slots + 1, i + k
-        return cls(tuple(tokens), k)
-
-    @property
-    def n_slots(self) -> int:
-        return sum(t == "slot" for t, _ in self.tokens)
-
-    def split(self, leaves: list) -> tuple[list[list], list]:
-        slots, scalars, i = [], [], 0
-        for kind, _ in self.tokens:
-            if kind == "slot":
-                slots.append(list(leaves[i : i + self.k]))
-                i += self.k
-            else:
-                scalars.append(leaves[i])
-                i += 1
-        return slots, scalars
-
-    def join(self, slots: list[list], scalars: list) -> list:
-        out: list = []
-        for kind, j in self.tokens:
-            out.extend(slots[j] if kind == "slot" else [scalars[j]])
-        return out
 
 
 def piece_sizes(chunk: int) -> tuple[int, int]:
@@ -205,9 +63,9 @@ class Tier:
         self.kind = t.offload_optimizer  # nvme | host
         self.directory = None
         if self.kind == "nvme":
-            self.directory = swap.offload_dir(t.offload_dir, jax.process_index())
-            swap.check_dir(self.directory)
-            swap.lock_dir(self.directory)
+            self.directory = swap_dir.offload_dir(t.offload_dir, jax.process_index())
+            swap_dir.check_dir(self.directory)
+            swap_dir.lock_dir(self.directory)
         abstract = ts.abstract_run
         self.params_def = jax.tree.structure(abstract.params)
         self.full_def = jax.tree.structure(abstract.opt_state)
@@ -325,7 +183,7 @@ class Tier:
                 x.delete()  # new params come from the chunks' outputs, so the old ones need not stay beside them
 
         if self.in_place:
-            ring = [DeviceChunk(lay, self.pieces, self.pattern.n_slots) for _ in range(swap.SLOTS_IN_FLIGHT)]
+            ring = [DeviceChunk(lay, self.pieces, self.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
 
             def update(i: int, item: DeviceChunk):
                 item.spread()
@@ -350,26 +208,26 @@ class Tier:
             self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
         params = jax.block_until_ready(self.assemble(tuple(new_p)))
         new_p.clear()
-        swap.trim_freed()  # what compiling and the chunks' updates freed
+        swap_dir.trim_freed()  # what compiling and the chunks' updates freed
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 
     def bytes_per_device(self) -> dict[str, float]:
         """Where the tier's bytes rest, per device (this process's share): the store (host memory or
         the NVMe file; rows replicated over devices are stored once) and the chunk buffers in host
-        memory (at most `swap.SLOTS_IN_FLIGHT` chunks)."""
+        memory (at most `SLOTS_IN_FLIGHT` chunks)."""
         lay = self.layout
         row = self.pattern.n_slots * len(lay.first) * 4  # bytes of one element of every slot and row
-        store, buffers = row * lay.length / len(lay.local), swap.SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+        store, buffers = row * lay.length / len(lay.local), SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
         return {"host": store + buffers, "nvme": 0.0} if self.directory is None else {"host": buffers, "nvme": store}
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)
 
-    def ensure_file(self) -> swap.ChunkStore:
+    def ensure_file(self) -> ChunkStore:
         if self.file is None:
             lay = self.layout
             shape = (self.pattern.n_slots, len(lay.first), lay.chunk)
             self.file = swap.SwapFile(self.directory, lay.n_chunks, shape) if self.directory is not None else \
-                swap.HostStore(lay.n_chunks, shape)  # fmt: skip
+                HostStore(lay.n_chunks, shape)  # fmt: skip
         return self.file
 
     def save_view(self, state):
@@ -391,7 +249,7 @@ class Tier:
         state = ckpt.restore(step, ts.abstract_state, streamed=self.state_pieces)
         _, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
         params = self.relay_params[0](state.params) if ts.plan.relaid else state.params
-        swap.trim_freed()  # what the restore freed
+        swap_dir.trim_freed()  # what the restore freed
         return state._replace(params=params, opt_state=tuple(scalars))
 
     def absorb(self, state):

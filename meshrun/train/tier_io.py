@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 
 from meshrun.checkpoint import slices
 from meshrun.checkpoint.state import path_key
-from meshrun.train import swap
+from meshrun.train import swap_dir
 
 
 def _rows(sharding: NamedSharding, shape: tuple, lay) -> list[tuple[int, tuple, bool]]:
@@ -188,5 +188,5 @@ class StreamedInit:
         params, scalars, step, p_flat = self.parts() if params_from is None else self.parts_from(params_from)
         self.fill(p_flat)
         del p_flat
-        swap.trim_freed()  # what compiling the init and its chunks freed
+        swap_dir.trim_freed()  # what compiling the init and its chunks freed
         return type(self.tier.ts.abstract_run)(params, scalars, step)
