@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from meshrun.errors import ConfigError
-from meshrun.train import swap
+from meshrun.train import chunk_store, swap
 
 
 def test_chunk_elems_from_budget():
     """Three chunks of (slots x rows) float32 rows fit the budget, in multiples of ALIGN, at most the
     row rounded up to ALIGN; a budget below one ALIGN per buffer is a ConfigError naming the minimum."""
     mib = 2**20
-    assert swap.SLOTS_IN_FLIGHT == 3 and swap.ALIGN == 1024
+    assert chunk_store.SLOTS_IN_FLIGHT == 3 and swap.ALIGN == 1024
     # 16 MiB / (3 buffers x 2 slots x 1 row x 4 B) = 699050.67 elements -> 682 x 1024
     assert swap.chunk_elems(16 * mib, 2, 1, 13_000_000) == 682 * 1024
     assert swap.chunk_elems(16 * mib, 3, 4, 13_000_000) == 113 * 1024  # master, m, v of 4 distinct rows
@@ -73,11 +73,11 @@ def test_stream_one_read_one_write_per_chunk_three_chunks_held(tmp_path, with_do
         else:
             f.stream(update, finish, ready=wait_both_read)
         assert seen == list(range(n)) and ready == [0]  # ready() before the first update
-        assert swap.OUTPUTS_IN_FLIGHT == 2 and max(unwritten) == 2  # the bound, reached (the writer is slow)
+        assert chunk_store.OUTPUTS_IN_FLIGHT == 2 and max(unwritten) == 2  # the bound, reached (the writer is slow)
         assert (f.reads, f.writes, f.streams, f.early_reads) == (n, 2 * n, 1, 2)
         assert f.bytes_read == f.state_bytes and f.bytes_written == 2 * f.state_bytes
         assert f.stream_bytes == 2 * f.state_bytes - 2 * f.chunk_bytes  # chunks 0 and 1 read before the timer
-        assert f.peak_resident == swap.SLOTS_IN_FLIGHT * f.chunk_bytes
+        assert f.peak_resident == chunk_store.SLOTS_IN_FLIGHT * f.chunk_bytes
         got = []
         f.read_all(lambda i, buf: got.append(buf.copy()))
         np.testing.assert_array_equal(np.stack(got), start * 2 + np.arange(n).reshape(n, 1, 1, 1))
