@@ -41,6 +41,13 @@ from meshrun.planner.step_model import overlap_cut
 from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
+# --evaluate keys whose value is one of a fixed set of names
+_CHOICES = {
+    "remat": SEARCHED_REMATS,
+    "offload_optimizer": OFFLOAD_TIERS,
+    "offload_update": OFFLOAD_UPDATES,
+    "offload_grads": OFFLOAD_GRADS,
+}
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
              "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
@@ -206,9 +213,10 @@ def _parse_value(key: str, raw: str):
         if key == "zero" and int(raw) not in (0, 1, 2, 3):
             raise ConfigError(field, raw, "use a ZeRO stage 0, 1, 2 or 3")
         return int(raw)
-    if key == "remat":
-        if raw not in SEARCHED_REMATS:
-            raise ConfigError(field, raw, f"use one of {list(SEARCHED_REMATS)}")
+    choices = _CHOICES.get(key)
+    if choices is not None:
+        if raw not in choices:
+            raise ConfigError(field, raw, f"use one of {list(choices)}")
         return raw
     if key == "context_kind":
         if raw not in CONTEXT_KINDS:
@@ -222,18 +230,6 @@ def _parse_value(key: str, raw: str):
         return raw
     if key == "schedule":
         return registry.get(raw, field).name
-    if key == "offload_optimizer":
-        if raw not in OFFLOAD_TIERS:
-            raise ConfigError(field, raw, f"use one of {list(OFFLOAD_TIERS)}")
-        return raw
-    if key == "offload_update":
-        if raw not in OFFLOAD_UPDATES:
-            raise ConfigError(field, raw, f"use one of {list(OFFLOAD_UPDATES)}")
-        return raw
-    if key == "offload_grads":
-        if raw not in OFFLOAD_GRADS:
-            raise ConfigError(field, raw, f"use one of {list(OFFLOAD_GRADS)}")
-        return raw
     low = raw.lower()
     if low not in ("true", "false", "1", "0", "yes", "no"):
         raise ConfigError(field, raw, "use true or false", "not a boolean")

@@ -229,13 +229,7 @@ class ZeroShardings:
         def body(*gs):
             out = []
             for g, i in zip(gs, idx, strict=True):
-                dt, g = g.dtype, self._down(g[0])
-                red = self._reduction_axes(flat_b[i])
-                for d, axes in dims_with(flat_t[i], GRAD_AXES):
-                    if axes := tuple(a for a in axes if a in red):
-                        g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-                        red = tuple(a for a in red if a not in axes)
-                out.append((jax.lax.psum(g, red) if red else g).astype(dt))
+                out.append(self._scatter_sum(g[0], flat_b[i], flat_t[i]))
             return tuple(out)
 
         fn = jax.shard_map(
@@ -262,15 +256,10 @@ class ZeroShardings:
 
         def one(g, base, target):
             def body(g):
+                if self._deferred(base, target):
+                    return self._scatter_sum(g, base, target)
                 red = self._reduction_axes(base)
-                if not self._deferred(base, target):
-                    return jax.lax.psum(g, red) if red else g
-                dt, g = g.dtype, self._down(g)
-                for d, axes in dims_with(target, GRAD_AXES):
-                    if axes := tuple(a for a in axes if a in red):
-                        g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-                        red = tuple(a for a in red if a not in axes)
-                return (jax.lax.psum(g, red) if red else g).astype(dt)
+                return jax.lax.psum(g, red) if red else g
 
             if not tensor:
                 return body(g)
@@ -284,6 +273,17 @@ class ZeroShardings:
         return _map(restrict_spec, self.grads)
 
     # ------------------------------------------------------------ per-leaf rules
+
+    def _scatter_sum(self, g: jax.Array, base: P, target: P) -> jax.Array:
+        """A scattered leaf's local sums (manual over every axis it reduces) onto its ZeRO grad layout:
+        reduce-scattered along the target's dims, psum'd over the rest, in `reduce_dtype`."""
+        dt, g = g.dtype, self._down(g)
+        red = self._reduction_axes(base)
+        for d, axes in dims_with(target, GRAD_AXES):
+            if axes := tuple(a for a in axes if a in red):
+                g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+                red = tuple(a for a in red if a not in axes)
+        return (jax.lax.psum(g, red) if red else g).astype(dt)
 
     def _down(self, g: jax.Array) -> jax.Array:
         """A gradient as the data-parallel collective carries it (`reduce_dtype`)."""
