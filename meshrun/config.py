@@ -290,6 +290,7 @@ def offload_params_refusals(
     pipe: int | None = None,
     offload_grads: str = "host",
     microbatches: int | None = None,
+    overlap_grad_reduce: bool = False,
 ) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.offload_params=true` beside these settings: (what, fix) pairs, empty
     when it runs them. The one place these rules live: TrainConfig, the step's plan (the model's
@@ -319,6 +320,9 @@ def offload_params_refusals(
         if pipe is not None and pipe > 1:
             out.append((f"with train.offload_grads=nvme is built without a pipeline only (mesh.pipe={pipe})",
                         "use mesh.pipe=1 or train.offload_grads=host with it"))  # fmt: skip
+    if overlap_grad_reduce:
+        out.append(("reduces each layer's gradients inside the layer loop already (pipeline.overlap_grad_reduce=true)",
+                    "set pipeline.overlap_grad_reduce=false with it"))  # fmt: skip
     if zero != 3:
         out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
     if fp8 not in (None, "none"):

@@ -17,7 +17,7 @@ from meshrun.cli.main import main
 from meshrun.config import load_config
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
-from meshrun.planner import step_model, timing
+from meshrun.planner import search, step_model, timing
 from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
 from meshrun.planner.layout import Layout, layout_of
 from meshrun.runtime.mesh import rack_of
@@ -271,6 +271,17 @@ def test_bad_cluster_racks():
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_cluster(text)
+
+
+def test_overlap_grad_reduce_on_a_layout_the_schedule_rejects_is_a_violation_not_a_crash():
+    """interleaved at p 4, v 2 needs m divisible by p: with overlap_grad_reduce on, `evaluate` still
+    reports the pipeline's rule as a hard violation (no overlap credited) instead of raising."""
+    model = load_config(GPT3).model
+    cluster = parse_cluster("a100-80g:4x8")
+    lay = Layout(tensor=4, pipe=4, data=2, schedule="interleaved", virtual=2, microbatches=6, overlap_grad_reduce=True)
+    assert step_model.overlap_cut(lay) == (0, 0, 0.0)
+    on, off = (search.evaluate(model, replace(lay, overlap_grad_reduce=o), cluster, 12, 2048) for o in (True, False))
+    assert on.hard and off.hard and any("microbatches" in w for w in on.violations)
 
 
 def test_overlap_grad_reduce_credit_is_the_early_chunks_reduction_within_the_tail():

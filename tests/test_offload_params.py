@@ -208,3 +208,16 @@ def test_bf16_params_reduce_the_fetched_gradient_in_float32(over):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     rounded = jax.tree.map(lambda m, p: np.asarray(m).astype(p.dtype), state.opt_state.master, state.params)
     jax.tree.map(np.testing.assert_array_equal, state.params, rounded)
+
+
+def test_offload_params_refuses_overlap_grad_reduce(capsys):
+    """offload_params reduces each layer's gradients inside its layer loop, so the pipeline's early-chunk
+    reduction has nothing to move: the step's plan and the planner refuse the pair through the same rule."""
+    over = ["train.offload_params=true", "train.zero=3", "pipeline.schedule=zb-v", "pipeline.microbatches=4",
+            "pipeline.overlap_grad_reduce=true", "train.run_dir=runs/t-op-overlap"]  # fmt: skip
+    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2  # tiny_cpu: mesh.pipe=2
+    err = capsys.readouterr().err
+    assert "train.offload_params" in err and "pipeline.overlap_grad_reduce=false" in err and "Traceback" not in err
+    assert err.count("\n") == 1
+    assert offload_params_refusals(3, "none", "float32", "none", 2, overlap_grad_reduce=True)
+    assert not offload_params_refusals(3, "none", "float32", "none", 2)

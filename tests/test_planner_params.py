@@ -283,6 +283,11 @@ def test_the_planners_rules_are_the_runtimes():
     assert any("layer by layer" in w for w in param_offload.refusals(model("llama-7b"), muon, "none"))
     f32 = model("llama-7b", param_dtype="float32")
     assert param_offload.refusals(f32, Layout(zero=1), "none") == ["needs ZeRO-3's sharded parameters (train.zero=1)"]
+    # --evaluate of both levers is refused, not costed (the step's plan raises on it)
+    off = Layout(pipe=2, data=4, zero=3, schedule="zb-v", virtual=2, microbatches=8)
+    assert any("overlap_grad_reduce" in w for w in param_offload.refusals(
+        f32, dataclasses.replace(off, overlap_grad_reduce=True), "none"))  # fmt: skip
+    assert not param_offload.refusals(f32, off, "none")
 
 
 # ----------------------------------------------------------------------------- --evaluate

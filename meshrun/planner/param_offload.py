@@ -116,7 +116,7 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "h
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
     fp8 = getattr(model, "fp8", None)
     refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe, grads,
-                                             layout.microbatches)  # fmt: skip
+                                             layout.microbatches, layout.overlap_grad_reduce)  # fmt: skip
     out = [what for what, _ in refused]
     if not optimizers.get(layout.optimizer).elementwise:
         out.append(f"streams the update layer by layer, which {layout.optimizer}'s update is not")

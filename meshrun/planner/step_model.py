@@ -130,7 +130,10 @@ def predict_memory_jax(
 @functools.lru_cache(maxsize=256)
 def _cuts(schedule: str, p: int, m: int, v: int, executor: str) -> tuple[int, int, float]:
     sched = registry.get(schedule)
-    table = sched.table(p, m, v, executor)
+    try:
+        table = sched.table(p, m, v, executor)
+    except ConfigError:  # a layout the schedule rejects (reported by the pipeline's rules): nothing overlapped
+        return 0, 0, 0.0
     if executor == "lockstep":
         table = schedules.lockstep(table)
     chunks = sched.chunks_of(v)

@@ -173,17 +173,16 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
             costs = None
         split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
         stage_bubbles = program.stage_bubbles  # of the table the program plays (per-op: F = B = W)
-    if cfg.pipeline.overlap_grad_reduce and (shape["pipe"] == 1 or cfg.train.offload_params):
-        why = "the data-parallel reduction overlaps the pipeline's last ticks" if shape["pipe"] == 1 else \
-            "train.offload_params reduces each layer's gradients inside the layer loop already"  # fmt: skip
-        fix = "set mesh.pipe > 1" if shape["pipe"] == 1 else "set train.offload_params false"
-        raise ConfigError("pipeline.overlap_grad_reduce", True, f"{fix}, or set it false", why)
+    if cfg.pipeline.overlap_grad_reduce and shape["pipe"] == 1:
+        why = "the data-parallel reduction overlaps the pipeline's last ticks"
+        raise ConfigError("pipeline.overlap_grad_reduce", True, "set mesh.pipe > 1, or set it false", why)
     check_remat_every(cfg, split)
     if shape["context"] > 1 and cfg.model.context_parallel == "ring":
         check_ring_pipeline(cfg, split)
     if cfg.train.offload_params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.train.offload_optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
         str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.train.offload_grads, cfg.pipeline.microbatches,
+        cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
         raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
     host = cfg.train.offload_optimizer == "host" and not streams_update(cfg)  # pinned host memory
