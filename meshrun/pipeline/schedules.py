@@ -421,6 +421,13 @@ def grad_final_ticks(table, v: int) -> tuple[int, ...]:
     return tuple(last)
 
 
+def drain(lc: int, n: int) -> tuple[int, int]:
+    """(layers per tick, ticks) pipeline.overlap_grad_reduce reduces a final chunk of lc layers in over
+    the n ticks after its cut: k = ceil(lc / n) a tick, over ceil(lc / k) ticks (`StageRun.segments`)."""
+    k = -(-lc // n)
+    return k, -(-lc // k)
+
+
 def grad_cuts(final: tuple[int, ...], ticks: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """(tick, chunks) where chunks' gradients are final before the last tick (`TickProgram.grad_cuts`)."""
     cuts: dict[int, list[int]] = {}

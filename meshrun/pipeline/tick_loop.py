@@ -16,7 +16,7 @@ from meshrun.family import contract
 from meshrun.parallel.layer_fetch import host_zeros, on_host
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
-from meshrun.pipeline import bw_split
+from meshrun.pipeline import bw_split, schedules
 from meshrun.pipeline.residuals import activation_residuals
 from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.split import LayerSplit, uneven_apply
@@ -324,8 +324,8 @@ class StageRun:
         scan ends there, rounded up to whole bodies)."""
         lc, plan, bounds = self.split.lmax, [], {t0, t1}
         for cut, chunks in self.prog.grad_cuts:
-            k = -(-lc // (self.prog.ticks - cut))
-            end = cut + -(-lc // k)
+            k, n = schedules.drain(lc, self.prog.ticks - cut)
+            end = cut + n
             plan.append((cut, chunks, k, end))
             if t0 < end < t1 and (e := t0 + -(-(end - t0) // u) * u) < t1:
                 bounds.add(e)

@@ -185,7 +185,7 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
         ticks, cut, _ = overlap_cut(lay)
         lc = -(-model.n_layers // (lay.pipe * lay.chunks))
         rows = (
-            -(-lc // (ticks - cut))
+            schedules.drain(lc, ticks - cut)[0]
             * (dense + experts - (counts["embedding"] + counts["head"]) / t - h)
             / (lc * lay.chunks)
         )

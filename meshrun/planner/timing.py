@@ -26,6 +26,7 @@ import functools
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.optim import registry as optimizers
+from meshrun.pipeline import schedules
 from meshrun.pipeline.layer_balance import split_layers
 from meshrun.planner import kernels, step_model
 from meshrun.planner.activations import context_kv_bytes
@@ -313,9 +314,7 @@ def overlap_ticks(model: ModelConfig, layout: Layout, framework: str = "meshrun"
 
 def _drain(model: ModelConfig, layout: Layout, n: int) -> tuple[int, int]:
     """(layers per tick, ticks) meshrun drains a final chunk of Lc layers in over the n ticks after its cut."""
-    lc = -(-model.n_layers // (layout.pipe * layout.chunks))
-    k = -(-lc // n)
-    return k, -(-lc // k)
+    return schedules.drain(-(-model.n_layers // (layout.pipe * layout.chunks)), n)
 
 
 def _resent(model: ModelConfig, layout: Layout, framework: str) -> float:
