@@ -244,8 +244,7 @@ def apply(r, model: ModelConfig, cluster: Cluster, seq_len: int):
         hard = refused + param_offload.misfits(pt, cluster, lay)
         return _params_result(base, model, cluster, pt, _params_why(pt, base, cluster, []), hard)
     levers = ({"host": "optimizer", "nvme": "nvme"}[tier],)
-    o = with_offload(replace(base, layout=replace(base.layout, offload_update=lay.offload_update)), model, cluster,
-                     seq_len, levers)  # fmt: skip
+    o = with_offload(base, model, cluster, seq_len, levers)  # base keeps lay's offload_update
     why = _why(o, levers, base, cluster, [])
     time = dict(r.time, total=o["time"], host_transfer=o["transfer_s"])
     hard = misfits(o, lay, cluster)
