@@ -26,6 +26,9 @@ class DeviceChunk:
         self.slots = tuple(tuple(jnp.zeros(lay.shape(n), jnp.float32, device=lay.sharding) for n in pieces)
                            for _ in range(n_slots))  # fmt: skip
         jax.block_until_ready(self.slots)  # the zeros written before the store reads into them
+        # rows replicated over local devices (not their owner's first): `spread` fills them
+        self.others = [r for r in range(len(lay.local)) if lay.first[lay.owner[r]] != r]
+        self.sources = [lay.first[lay.owner[r]] for r in self.others]
 
     def _views(self, rows) -> list[np.ndarray]:
         """Writable host views of the local rows `rows` of every slot's halves, in the file's order."""
@@ -40,11 +43,8 @@ class DeviceChunk:
 
     def spread(self) -> None:
         """Rows replicated over local devices: copy each distinct row to its other replicas."""
-        lay = self.lay
-        others = [r for r in range(len(lay.local)) if lay.first[lay.owner[r]] != r]
-        if others:
-            for dst, src in zip(self._views(others), self._views([lay.first[lay.owner[r]] for r in others]),
-                                strict=True):  # fmt: skip
+        if self.others:
+            for dst, src in zip(self._views(self.others), self._views(self.sources), strict=True):
                 np.copyto(dst, src)
 
     def written(self) -> list[np.ndarray]:
