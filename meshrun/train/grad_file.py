@@ -13,11 +13,11 @@ A stream reads the gradient slot with the state and writes back the state slots 
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
+from meshrun.errors import DataError
 from meshrun.train import swap
 from meshrun.train.layer_layout import LayerLayout
 
@@ -65,15 +65,13 @@ class GradSink:
             self.peak_resident = max(self.peak_resident, self.resident)
         try:
             for off, first, n in self.offsets(layer, leaf, row):
-                view, done = memoryview(flat[first : first + n]).cast("B"), 0
-                while done < len(view):
-                    done += os.pwrite(self.file.fd, view[done:], off + done)
-                    with self._count:
-                        self.writes += 1
+                view = memoryview(flat[first : first + n]).cast("B")
+                calls = self.file.write_at(off, [view], "write the gradient to")
                 with self._count:
+                    self.writes += calls
                     self.bytes_written += len(view)
-        except OSError as e:
-            self.error = swap._io_error(self.file.directory, e, "write the gradient to")
+        except DataError as e:
+            self.error = e
         finally:
             with self._count:
                 self.resident -= flat.nbytes

@@ -85,15 +85,27 @@ class SwapFile(ChunkStore):
         off, total = i * self.chunk_bytes, sum(len(v) for v in views)
         if total != self.write_bytes:
             raise ValueError(f"chunk {i}: {total} bytes, expected {self.write_bytes}")
+        self.writes += self.write_at(off, views)
         try:
-            done = 0
-            while done < total:  # a short write: continue after what was written
-                done += os.pwritev(self.fd, _after(views, done), off + done)
-                self.writes += 1
             _advise(self.fd, off, total)  # start the chunk's writeback now (its pages go once clean)
         except OSError as e:
             raise _io_error(self.directory, e, "write the optimizer state to") from None
         self.bytes_written += total
+
+    def write_at(self, off: int, views: list[memoryview], what: str = "write the optimizer state to") -> int:
+        """`views` (bytes) at byte offset `off`, continuing after a short write; the number of write
+        calls. An OSError (or a write that writes nothing) raises `DataError` saying what failed."""
+        total, done, calls = sum(len(v) for v in views), 0, 0
+        try:
+            while done < total:  # a short write: continue after what was written
+                n = os.pwritev(self.fd, _after(views, done), off + done)
+                calls += 1
+                if n == 0:
+                    raise OSError(errno.EIO, "short write")
+                done += n
+        except OSError as e:
+            raise _io_error(self.directory, e, what) from None
+        return calls
 
     def settle(self) -> None:
         """Every written chunk on disk, and the file's pages out of the page cache: the tier's state rests
