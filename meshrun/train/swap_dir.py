@@ -21,6 +21,7 @@ _LOCKS: dict[str, tuple[int, int]] = {}  # directory -> (lock fd, users in this 
 _LOCKS_GUARD = threading.Lock()
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter (malloc.h) and the value
 _MALLOPT_DONE: list = []
+_LIBC: list = []  # [glibc's CDLL, or None where there is none], loaded on first use (`_libc`)
 
 
 def offload_dir(template: str, process: int) -> Path:
@@ -83,8 +84,8 @@ def return_freed_buffers() -> None:
         return
     _MALLOPT_DONE.append(True)
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):
+        _libc().mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except AttributeError:  # not glibc (or no libc.so.6: None)
         pass
 
 
@@ -94,6 +95,16 @@ def trim_freed() -> None:
     resident in the arenas otherwise (measured on bench/offload.py's model: about 120 MiB after
     compiling, 90 MiB after init), beside the step's own peak. Not glibc: nothing to do."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
+        _libc().malloc_trim(0)
+    except AttributeError:  # not glibc (or no libc.so.6: None)
         pass
+
+
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once per process; None where there is no libc.so.6."""
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL("libc.so.6"))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
