@@ -146,7 +146,6 @@ class Tier:
             out_shardings=(halves_sh, (lay.sharding,) * len(pieces), scalar_sh),
         )  # fmt: skip
         self.in_place = all(d.platform == "cpu" for d in lay.local)  # the device's memory is host memory
-        self._device_ring: list[DeviceChunk] | None = None  # `device_ring`
         self.assemble = jax.jit(  # the chunks' new params -> the params in their ZeRO layout
             lambda parts: jax.tree.unflatten(self.params_def,
                                              lay.unflatten(jnp.concatenate(parts, axis=-1), self.param_dtypes)),
@@ -184,7 +183,7 @@ class Tier:
                 x.delete()  # new params come from the chunks' outputs, so the old ones need not stay beside them
 
         if self.in_place:
-            ring = self.device_ring()
+            ring = [DeviceChunk(lay, self.pieces, self.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
 
             def update(i: int, item: DeviceChunk):
                 item.spread()
@@ -195,6 +194,7 @@ class Tier:
                 return item
 
             self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
+            del ring
         else:
 
             def update(i: int, buf: np.ndarray):
@@ -210,16 +210,6 @@ class Tier:
         new_p.clear()
         swap_dir.trim_freed()  # what compiling and the chunks' updates freed
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
-
-    def device_ring(self) -> list[DeviceChunk]:
-        """The in-place pass's SLOTS_IN_FLIGHT buffers, made on first use and kept across steps (as
-        the store's own `_ring`): each update binds its donated output back into `item.slots`, so
-        after a pass the ring holds live buffers again. Made anew if a failed pass left one deleted."""
-        ring = self._device_ring
-        if ring is None or any(x.is_deleted() for item in ring for s in item.slots for x in s):
-            ring = self._device_ring = [DeviceChunk(self.layout, self.pieces, self.pattern.n_slots)
-                                        for _ in range(SLOTS_IN_FLIGHT)]  # fmt: skip
-        return ring
 
     def bytes_per_device(self) -> dict[str, float]:
         """Where the tier's bytes rest, per device (this process's share): the store (host memory or
