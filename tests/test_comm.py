@@ -273,7 +273,7 @@ def test_bad_cluster_racks():
             parse_cluster(text)
 
 
-def test_overlap_grad_reduce_on_a_layout_the_schedule_rejects_is_a_violation_not_a_crash():
+def test_overlap_grad_reduce_on_a_layout_the_schedule_rejects_is_a_violation_not_a_crash(capsys):
     """interleaved at p 4, v 2 needs m divisible by p: with overlap_grad_reduce on, `evaluate` still
     reports the pipeline's rule as a hard violation (no overlap credited) instead of raising."""
     model = load_config(GPT3).model
@@ -282,6 +282,13 @@ def test_overlap_grad_reduce_on_a_layout_the_schedule_rejects_is_a_violation_not
     assert step_model.overlap_cut(lay) == (0, 0, 0.0)
     on, off = (search.evaluate(model, replace(lay, overlap_grad_reduce=o), cluster, 12, 2048) for o in (True, False))
     assert on.hard and off.hard and any("microbatches" in w for w in on.violations)
+    ev = "tensor=4,pipe=4,data=2,schedule=interleaved,virtual=2,microbatches=6"
+    argv = ["plan", "--model", "gpt3-175b", "--cluster", "a100-80g:4x8", "--global-batch", "12", "--evaluate"]
+    outs = []
+    for extra in ("", ",overlap_grad_reduce=true"):  # --evaluate shows the schedule's rule either way
+        assert main([*argv, ev + extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert all("microbatches=6 is not divisible by pipe=4" in o for o in outs)
 
 
 def test_overlap_grad_reduce_credit_is_the_early_chunks_reduction_within_the_tail():

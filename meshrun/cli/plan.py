@@ -186,7 +186,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
     if upd == "streamed" and layout.offload_params:
         raise ConfigError(field, upd, "leave it auto with offload_params",
                           "offload_params streams layer by layer itself")  # fmt: skip
-    if layout.overlap_grad_reduce and not overlap_cut(layout)[2]:
+    if layout.overlap_grad_reduce and not overlap_cut(layout)[2] and not _schedule_rejects(layout):
         raise ConfigError("--evaluate overlap_grad_reduce", True, "use pipe > 1 with a schedule of 2+ chunks per stage "
                           "(zb-v, or interleaved with virtual >= 2), or leave it out",
                           "no chunk's gradients are final before the last tick")  # fmt: skip
@@ -201,6 +201,18 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
             bad[0],
         )
     return layout
+
+
+def _schedule_rejects(layout) -> bool:
+    """The layout's schedule refuses its pipe, micro-batches or chunks (evaluate reports that as a
+    hard violation, with or without overlap_grad_reduce)."""
+    if layout.pipe == 1 or layout.chunks == 1:
+        return False
+    try:
+        registry.get(layout.schedule).table(layout.pipe, layout.microbatches, layout.virtual, layout.run_executor)
+    except ConfigError:
+        return True
+    return False
 
 
 def _parse_value(key: str, raw: str):
