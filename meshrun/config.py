@@ -31,6 +31,7 @@ GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
 OFFLOAD_TIERS = ("none", "host", "nvme")  # train.offload_optimizer
 OFFLOAD_UPDATES = ("auto", "streamed", "whole")  # train.offload_update
+OFFLOAD_UPDATE_ON = ("auto", "device", "host")  # train.offload_update_on
 OFFLOAD_GRADS = ("host", "nvme")  # train.offload_grads
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
@@ -372,6 +373,10 @@ class TrainConfig:
     # host tier's update: streamed (chunk by chunk, as nvme's; the device holds a few chunks of state) |
     # whole (the whole shard to the device inside the step) | auto (streamed when the optimizer allows)
     offload_update: str = "auto"
+    # where the streamed update's chunks are computed: device (copied to the devices and back) | host (jax's
+    # CPU backend: the gradient comes down, the new params go up) | auto (in place on CPU devices, whose
+    # memory is host memory; device on others). docs/offload.md#where-the-update-runs
+    offload_update_on: str = "auto"
     # ZeRO-3 parameters rest in pinned host memory; each layer comes to the device (and is gathered)
     # inside the layer scan, and its reduced gradient goes back to host memory as the backward makes it
     offload_params: bool = False
@@ -416,6 +421,15 @@ class TrainConfig:
         if self.offload_update == "streamed" and self.offload_params:
             raise ConfigError("train.offload_update", "streamed", "leave it auto with train.offload_params",
                               "train.offload_params streams the update layer by layer itself")  # fmt: skip
+        _choice("train.offload_update_on", self.offload_update_on, OFFLOAD_UPDATE_ON)
+        if self.offload_update_on != "auto":
+            why = ("there is no optimizer tier (train.offload_optimizer=none)" if self.offload_optimizer == "none" else
+                   "train.offload_update=whole updates the whole shard on the device" if self.offload_update == "whole"
+                   else "train.offload_params streams the update layer by layer on the device" if self.offload_params
+                   else None)  # fmt: skip
+            if why is not None:
+                raise ConfigError("train.offload_update_on", self.offload_update_on, "leave it auto, or use it with "
+                                  "the streamed update (train.offload_optimizer=host or nvme)", why)  # fmt: skip
         if not 0 < self.offload_budget_mb <= 2**30:
             raise ConfigError("train.offload_budget_mb", self.offload_budget_mb, "use a positive size in MiB, e.g. 256")
         if self.offload_params not in (True, False):

@@ -35,7 +35,7 @@ class DeviceChunk:
         out = []
         for s in self.slots:
             by_dev = [{x.device: x.data for x in half.addressable_shards} for half in s]
-            out += [_host_view(d[self.lay.local[r]]) for r in rows for d in by_dev]
+            out += [host_view(d[self.lay.local[r]]) for r in rows for d in by_dev]
         return out
 
     def views(self) -> list[np.ndarray]:
@@ -53,7 +53,7 @@ class DeviceChunk:
         return self.views()
 
 
-def _host_view(x: jax.Array) -> np.ndarray:
+def host_view(x: jax.Array) -> np.ndarray:
     """A writable float32 view of a CPU device buffer (its memory is host memory)."""
     n = x.size
     return np.ctypeslib.as_array((ctypes.c_float * n).from_address(x.unsafe_buffer_pointer()))

@@ -124,6 +124,8 @@ def streams_update(cfg: RunConfig) -> bool:
                                   getattr(cfg.model, "fp8", "none"))  # fmt: skip
     if why is not None and t.offload_update == "streamed":
         raise ConfigError("train.offload_update", "streamed", "use auto or whole", why)
+    if why is not None and t.offload_update_on != "auto":
+        raise ConfigError("train.offload_update_on", t.offload_update_on, "leave it auto", why)
     return why is None
 
 

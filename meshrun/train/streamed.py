@@ -37,7 +37,7 @@ from meshrun.checkpoint import slices
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import optimizer
-from meshrun.train import swap, swap_dir, tier_io
+from meshrun.train import host_update, swap, swap_dir, tier_io
 from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore
 from meshrun.train.device_chunk import DeviceChunk
 from meshrun.train.flat_layout import StatePattern, flat_layout
@@ -111,6 +111,9 @@ class Tier:
             g = jax.lax.dynamic_slice(g_flat, start, size)
             # master: the params come from the state's fp32 master; `p` only carries the param dtype
             p = jnp.zeros(size, pdt) if master else jax.lax.dynamic_slice(p_flat, start, size)
+            return update_chunk(g, p, slots, scalars, g_norm)
+
+        def update_chunk(g, p, slots, scalars, g_norm):  # g, p: the chunk's rows [..., C]
             g = g if master else g.astype(p.dtype)
             g = clip(g, g_norm, max_norm) if max_norm > 0 else g  # make_optimizer: no clipping at 0
             # The chunk as a tree of two halves: the optimizer's shared scalars (bias corrections, the
@@ -125,6 +128,7 @@ class Tier:
             # chunk): updating a whole flat row in place made XLA:CPU copy the row twice per chunk.
             return tuple(new_p), tuple(tuple(s) for s in new_slots), tuple(new_scalars)
 
+        self.update_chunk = update_chunk  # also the host CPU's (`host_update.HostUpdate`)
         cuts = list(np.cumsum(pieces[:-1]))
         halves = lambda x: tuple(jnp.split(x, cuts, axis=-1))
         chunk_part = lambda g_flat, p_flat, slots, *rest: chunk_update(g_flat, p_flat, [halves(x) for x in slots],
@@ -145,7 +149,9 @@ class Tier:
             in_shardings=(lay.sharding, None if master else lay.sharding, halves_sh, scalar_sh, rep, rep),
             out_shardings=(halves_sh, (lay.sharding,) * len(pieces), scalar_sh),
         )  # fmt: skip
-        self.in_place = all(d.platform == "cpu" for d in lay.local)  # the device's memory is host memory
+        self.on = update_on(t.offload_update_on, lay.local)  # in_place | device | host
+        self.in_place = self.on == "in_place"
+        self.host = host_update.HostUpdate(self, self.scalar_sh) if self.on == "host" else None
         self.assemble = jax.jit(  # the chunks' new params -> the params in their ZeRO layout
             lambda parts: jax.tree.unflatten(self.params_def,
                                              lay.unflatten(jnp.concatenate(parts, axis=-1), self.param_dtypes)),
@@ -182,7 +188,9 @@ class Tier:
             for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the
                 x.delete()  # new params come from the chunks' outputs, so the old ones need not stay beside them
 
-        if self.in_place:
+        if self.host is not None:  # on jax's CPU backend (host_update.py)
+            new_p, box["scalars"] = self.host.run(g_flat, p_flat, g_norm, scalars, ready)
+        elif self.in_place:
             ring = [DeviceChunk(lay, self.pieces, self.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
 
             def update(i: int, item: DeviceChunk):
@@ -312,6 +320,15 @@ class _Compiled(_Stepper):
 
     def __getattr__(self, name: str):
         return getattr(self.device_part, name)
+
+
+def update_on(asked: str, devices) -> str:
+    """Where the chunk update runs (`train.offload_update_on`): in_place (auto on CPU devices: the
+    device's memory is host memory, so the ring buffers are the device's arrays), device (the copy
+    path: auto on other devices) or host (jax's CPU backend, `host_update.py`)."""
+    if asked == "auto":
+        return "in_place" if all(d.platform == "cpu" for d in devices) else "device"
+    return asked
 
 
 def make_streamed(ts, cfg: RunConfig):
