@@ -463,6 +463,31 @@ def test_pipeline_slots_closed_form_matches_the_tables(schedule, v):
             assert pipeline_slots_formula(schedule, p, m, v) == want, (p, m)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
+def test_grad_final_closed_form_matches_the_tables(schedule):
+    """The ticks and per-chunk last gradient ticks the planner's overlap_grad_reduce reads in closed form
+    (the registry entry's `grad_final`) equal those of the timeline the executor plays (the lockstep
+    view for interleaved), for every p >= 2, m and v the schedule accepts in a grid."""
+    from meshrun.pipeline import registry, schedules
+    from meshrun.planner.step_model import grad_final
+
+    sched, n = registry.get(schedule), 0
+    for p in range(2, 7):
+        for v in (2, 3, 4) if sched.chunks is None else (2,):
+            for m in range(1, 3 * p + 1):
+                try:
+                    sched.check(p, m, v)
+                except ConfigError:
+                    continue
+                table = sched.table(p, m, v)
+                table = schedules.lockstep(table) if sched.executor("auto") == "lockstep" else table
+                want = (len(table), schedules.grad_final_ticks(table, sched.chunks_of(v)))
+                assert sched.grad_final(p, m, sched.chunks_of(v), sched.executor("auto")) == want, (p, m, v)
+                assert grad_final(schedule, p, m, v, "auto") == want
+                n += 1
+    assert n >= 30
+
+
 def test_per_op_1f1b_slots_and_time_match_its_table():
     """pipeline.executor=per_op: the planner's slots (p on the first stage), stash slots (one) and
     tick time (one-op ticks, F = B = W: 3m + 2(p - 1) of them) equal the per-op executor's program."""

@@ -52,6 +52,9 @@ class Schedule:
     # microbatches' worth of a stage's layers stage `stage` holds at its peak (Megatron's accounting,
     # `planner.cost`): (p, m, v, stage) -> float
     held: Callable[[int, int, int, int], float] = lambda p, m, v, stage: float(min(p - stage, m))
+    # (p >= 2, m, v, executor) -> (ticks of the timeline the executor plays, per chunk the last tick that
+    # adds to its gradient sums: `schedules.grad_final_ticks`), or None to read them off the table
+    grad_final: Callable[[int, int, int, str], tuple[int, tuple[int, ...]]] | None = None
     lockstep_fb: bool = True  # a lockstep tick runs a forward and a backward (1F1B's steady state)
     searched: bool = False  # the planner's search tries it
     megatron: bool = False  # Megatron-LM runs it (`meshrun plan --framework megatron` tries it)
@@ -150,6 +153,18 @@ def _interleaved_held(p: int, m: int, v: int, stage: int) -> float:
     return n * (1.0 + (p - 1) / (p * v)) if stage == 0 and v > 1 else n
 
 
+def _interleaved_final(p: int, m: int, v: int, ex: str) -> tuple[int, tuple[int, ...]]:
+    # lockstep: v m + (v + 1) p - 2 ticks (`schedules.lockstep`); chunk c's last backward p c ticks before the end
+    ticks = v * m + (v + 1) * p - 2
+    return ticks, tuple(ticks - 1 - c * p for c in range(v))
+
+
+def _zbv_final(p: int, m: int, v: int, ex: str) -> tuple[int, tuple[int, ...]]:
+    # 6m + p - 1 one-op ticks (+ 2p - 2 - m when m < 2p - 2); chunk 1's last W p - 1 ticks before chunk 0's
+    ticks = 6 * m + p - 1 + max(0, 2 * p - 2 - m)
+    return ticks, (ticks - 1, ticks - p)
+
+
 def _zbv_orders(p: int, m: int, v: int) -> list[list[Task]]:
     # ZB-V (Qi et al. 2024; torchtitan's ScheduleZBVZeroBubble): stage r holds chunk 0 (virtual stage
     # r) and chunk 1 (2p-1-r). Warm-up: 2(p-r)-1 chunk-0 forwards, r pairs (F1, F0), then p-r rounds of
@@ -217,7 +232,7 @@ SCHEDULES: dict[str, Schedule] = {
             "interleaved", "interleaved 1F1B", _interleaved_orders, ("lockstep",), chunks=None,
             m_multiple_of_p=True,
             slots=lambda p, m, v, ex: min(m * v, (v + 1) * p - 1) if v > 1 else min(m, 2 * p - 1),
-            held=_interleaved_held, searched=True, megatron=True,
+            held=_interleaved_held, grad_final=_interleaved_final, searched=True, megatron=True,
         ),
         Schedule(
             # Qi et al. 2023: 1F1B's order with W's deferred into the bubbles, at most min(p, m)
@@ -234,7 +249,7 @@ SCHEDULES: dict[str, Schedule] = {
             slots=lambda p, m, v, ex: 2 * p, stash=lambda p, m: 2 * p - 1,
             idle=lambda p, m, v, ex: (p - 1 + max(0, 2 * p - 2 - m)) / 6,
             held=lambda p, m, v, stage: p + (2 * p - 1) / 2,  # residuals + stashes, in stage-layer units
-            searched=True,
+            grad_final=_zbv_final, searched=True,
         ),
     )
 }  # fmt: skip

@@ -127,20 +127,29 @@ def predict_memory_jax(
     }
 
 
+def grad_final(schedule: str, p: int, m: int, v: int, executor: str) -> tuple[int, tuple[int, ...]]:
+    """(ticks, per chunk the last tick adding to its gradient sums) of the timeline `executor` plays
+    (p >= 2): the schedule's closed form, or read off its table (`schedules.grad_final_ticks`)."""
+    sched = registry.get(schedule)
+    sched.check(p, m, v)
+    ex, chunks = sched.executor(executor), sched.chunks_of(v)
+    if sched.grad_final is not None:
+        return sched.grad_final(p, m, chunks, ex)
+    table = sched.timeline(p, m, chunks, ex)
+    table = schedules.lockstep(table) if ex == "lockstep" else table
+    return len(table), schedules.grad_final_ticks(table, chunks)
+
+
 @functools.lru_cache(maxsize=256)
 def _cuts(schedule: str, p: int, m: int, v: int, executor: str) -> tuple[int, int, float]:
-    sched = registry.get(schedule)
     try:
-        table = sched.table(p, m, v, executor)
+        ticks, final = grad_final(schedule, p, m, v, executor)
     except ConfigError:  # a layout the schedule rejects (reported by the pipeline's rules): nothing overlapped
         return 0, 0, 0.0
-    if executor == "lockstep":
-        table = schedules.lockstep(table)
-    chunks = sched.chunks_of(v)
-    cuts = schedules.grad_cuts(schedules.grad_final_ticks(table, chunks), len(table))
+    cuts = schedules.grad_cuts(final, ticks)
     if not cuts:
-        return len(table), len(table), 0.0
-    return len(table), cuts[0][0], sum(len(cs) for _, cs in cuts) / chunks
+        return ticks, ticks, 0.0
+    return ticks, cuts[0][0], sum(len(cs) for _, cs in cuts) / len(final)
 
 
 def overlap_cut(lay: Layout) -> tuple[int, int, float]:
