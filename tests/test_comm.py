@@ -336,6 +336,30 @@ def test_overlap_grad_reduce_credit_is_the_early_chunks_reduction_within_the_tai
     assert mem_on["grads"] - mem_off["grads"] == pytest.approx(reduced + row, rel=1e-9)
 
 
+def test_overlap_grad_reduce_drain_resends_when_its_layers_do_not_split_over_the_ticks():
+    """meshrun's drain reduces ceil(Lc / n) layers a tick: zb-v at p 5 (chunks of Lc = 10 of GPT-3's 96
+    layers, n = 4 ticks after the cut) reduces 3 a tick over 4 ticks, 12 layer reductions for 10 layers
+    (the last tick rounds up with the last layer again). It sends 6/5 of the bytes it moves, hides at
+    most that and at most the 4 ticks, and the step pays the rest; Megatron's buckets send what they move."""
+    model = load_config(GPT3).model
+    cluster = parse_cluster("a100-80g:5x8")
+    on = Layout(tensor=4, pipe=5, data=2, schedule="zb-v", virtual=2, microbatches=10, zero=1, executor="per_op",
+                overlap_grad_reduce=True)  # fmt: skip
+    ticks, cut, early = step_model.overlap_cut(on)
+    assert (ticks - cut, early) == (4, 0.5) and timing.overlap_ticks(model, on) == (4, 4, ticks)
+    counts = step_model.param_counts(model)
+    layers = counts["layers"] / 5 / 4
+    for fw, resent in (("meshrun", 12 / 10), ("megatron", 1.0)):
+        off_t, on_t = (timing.predict_time(model, lay, cluster, 2048, framework=fw)
+                       for lay in (replace(on, overlap_grad_reduce=False), on))  # fmt: skip
+        moved = early * layers / (layers + counts["embedding"] / 4) * (off_t["dp_sync"] - off_t["dp_gather"])
+        loop = off_t["total"] - off_t["dp_sync"] - off_t["optimizer"]
+        hidden = min(resent * moved, 4 / ticks * loop)
+        assert on_t["dp_hidden"] == pytest.approx(hidden, rel=1e-9) and 0 < hidden
+        want = off_t["dp_sync"] - moved + (resent * moved - hidden) + timing.OVERLAP_COST * hidden
+        assert on_t["dp_sync"] == pytest.approx(want, rel=1e-9), fw
+
+
 def test_plan_175b_overlaps_the_reduction_on_both_frameworks(capsys):
     """The 175B search turns overlap_grad_reduce on for meshrun's ZB-V and Megatron's interleaved, and
     says what it hid; --evaluate refuses it where nothing is final early (exit 2)."""

@@ -254,8 +254,8 @@ def predict_time(
     loop = (m + bubble_slots) * per_mb
     # overlap_grad_reduce: `moved` seconds of the reduction go into the last ticks (`sent`: with meshrun's
     # re-sent layers), `hidden` of them beside the ticks (charged OVERLAP_COST), the rest still exposed
-    moved, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
-    sent, t_dp_full = _resent(model, layout, framework) * moved, t_dp
+    moved, sent, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
+    t_dp_full = t_dp
     t_dp = t_dp - moved + (sent - hidden) + OVERLAP_COST * hidden
     total = loop + t_dp + t_opt
     return {
@@ -280,9 +280,10 @@ def predict_time(
 
 def _overlapped_reduce(
     model: ModelConfig, layout: Layout, reduce_s: float, loop_s: float, framework: str
-) -> tuple[float, float]:  # fmt: skip
+) -> tuple[float, float, float]:  # fmt: skip
     """(seconds of the data-parallel gradient reduction that overlap_grad_reduce moves into the
-    pipeline's last ticks, seconds of it those ticks hide) for `reduce_s` (all-reduce, or the
+    pipeline's last ticks, the seconds it sends there (`_resent`: meshrun's drain re-sends layers), the
+    seconds of those the ticks hide) for `reduce_s` (all-reduce, or the
     reduce-scatter half of ZeRO's sync). meshrun: pipeline.overlap_grad_reduce; Megatron:
     --overlap-grad-reduce, which launches each model chunk's reduction once its last backward is done.
     Structural only, unmeasured on a GPU: the chunks whose gradients are final at the first grad cut
@@ -293,14 +294,15 @@ def _overlapped_reduce(
     at most its length. Megatron's DeepSpeed-style ZeRO-2/3 already reduce per micro-batch."""
     ticks, cut, early = step_model.overlap_cut(layout)
     if not early or reduce_s <= 0 or (framework == "megatron" and layout.zero >= 2):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     counts = param_counts(model)
     p, t = layout.pipe, layout.tensor
     layers = counts["layers"] / p / t + counts["experts"] / p / (t * layout.expert)
     moved = early * layers / (layers + counts["embedding"] / t)
-    k, used = _drain(model, layout, ticks - cut)
+    used = _drain(model, layout, ticks - cut)[1]
     window = (ticks - cut if framework == "megatron" else used) * loop_s / ticks
-    return moved * reduce_s, min(_resent(model, layout, framework) * moved * reduce_s, window)
+    sent = _resent(model, layout, framework) * moved * reduce_s
+    return moved * reduce_s, sent, min(sent, window)
 
 
 def overlap_ticks(model: ModelConfig, layout: Layout, framework: str = "meshrun") -> tuple[int, int, int]:
