@@ -14,7 +14,9 @@ of 4 x 2048 tokens without recomputation about 10 GB more, and the logits a few 
 Each variant (`model.remat=none`, then `full`, then fp8: remat none with `model.fp8=tensorwise`,
 whose MFU is against the bf16 peak, and `loss_vs_bf16`; then offload_params: remat none with ZeRO-3
 and `train.offload_params=true`, the parameters resting in pinned host memory and crossing the host
-link layer by layer, with `loss_vs_none` and `step_ratio_vs_none`, not yet measured on a GPU)
+link layer by layer, with `loss_vs_none` and `step_ratio_vs_none`, not yet measured on a GPU; then
+offload_device and offload_host: the streamed host tier with its chunk update on the device or on the
+host CPU, `train.offload_update_on`, with `step_ratio_vs_none` and offload_host's `step_ratio_vs_device`)
 runs in its own process, so a failure (out of memory)
 or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
 processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL); the JSON
@@ -47,7 +49,12 @@ GPU_ENV = ROOT / "launch/gpu_env.sh"
 # with `loss_vs_bf16` (its last loss / remat=none's) and `speedup_vs_bf16` (step time ratio)
 # "offload_params": remat none, ZeRO-3, train.offload_params=true (docs/offload.md), reported under
 # `offload_params` with `loss_vs_none` and `step_ratio_vs_none` (its step time / remat=none's)
-VARIANTS = ("none", "full", "fp8", "offload_params")
+# "offload_device" / "offload_host": remat none with the streamed host tier (train.offload_optimizer=host),
+# the chunk update on the device (the copy path) or on the host CPU (jax's CPU backend), reported under
+# their names with `loss_vs_none`, `step_ratio_vs_none`, and on offload_host `step_ratio_vs_device`
+OFFLOAD_ON = {"offload_device": "device", "offload_host": "host"}  # train.offload_update_on
+VARIANTS = ("none", "full", "fp8", "offload_params", *OFFLOAD_ON)
+NAMED = ("fp8", "offload_params", *OFFLOAD_ON)  # reported under their own name, not remat_<name>
 REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
         "vocab": 32000, "seq_len": 2048}  # fmt: skip
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_ff": 128,
@@ -61,10 +68,13 @@ def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int)
     m = {k: v for k, v in model.items() if k != "seq_len"}
     fp8 = ["model.fp8=tensorwise"] if remat == "fp8" else []
     params_off = ["train.zero=3", "train.offload_params=true"] if remat == "offload_params" else []
-    remat = "none" if remat in ("fp8", "offload_params") else remat
+    state_off = ["train.offload_optimizer=host", f"train.offload_update_on={OFFLOAD_ON[remat]}"] \
+        if remat in OFFLOAD_ON else []  # fmt: skip
+    remat = "none" if remat in NAMED else remat
     return [
         *fp8,
         *params_off,
+        *state_off,
         *[f"model.{k}={v}" for k, v in m.items()],
         f"model.max_seq_len={model['seq_len']}",
         f"train.seq_len={model['seq_len']}",
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
         out["xla_flags"] = env.get("XLA_FLAGS", "")
         out["comm_flags"] = comm_flags(out["xla_flags"])
         for i, remat in enumerate(a.variants):
-            key = remat if remat in ("fp8", "offload_params") else "remat_" + remat
+            key = remat if remat in NAMED else "remat_" + remat
             left = deadline - time.monotonic()
             if left < 20:
                 out[key] = {"error": f"skipped: {left:.0f} s of --budget-s left"}
@@ -279,11 +289,15 @@ def main(argv=None) -> int:
     if bf16.get("loss_last") and fp8.get("loss_last") and fp8.get("step_time_s"):
         fp8["loss_vs_bf16"] = fp8["loss_last"] / bf16["loss_last"]
         fp8["speedup_vs_bf16"] = bf16["step_time_s"] / fp8["step_time_s"]
-    off = out.get("offload_params", {})
-    if bf16.get("loss_last") and off.get("loss_last") and off.get("step_time_s"):
-        off["loss_vs_none"] = off["loss_last"] / bf16["loss_last"]
-        off["step_ratio_vs_none"] = off["step_time_s"] / bf16["step_time_s"]
-    main_key = a.variants[0] if a.variants[0] in ("fp8", "offload_params") else "remat_" + a.variants[0]
+    for name in ("offload_params", *OFFLOAD_ON):
+        off = out.get(name, {})
+        if bf16.get("loss_last") and off.get("loss_last") and off.get("step_time_s"):
+            off["loss_vs_none"] = off["loss_last"] / bf16["loss_last"]
+            off["step_ratio_vs_none"] = off["step_time_s"] / bf16["step_time_s"]
+    on_dev, on_host = out.get("offload_device", {}), out.get("offload_host", {})
+    if on_dev.get("step_time_s") and on_host.get("step_time_s"):
+        on_host["step_ratio_vs_device"] = on_host["step_time_s"] / on_dev["step_time_s"]
+    main_key = a.variants[0] if a.variants[0] in NAMED else "remat_" + a.variants[0]
     first = out.get(main_key, {})
     head = {"bench": out.pop("bench"), "platform": platform, "device_kind": first.get("device_kind"),
             "remat": a.variants[0], **{k: first.get(k) for k in KEYS if k != "error"}}  # fmt: skip

@@ -1,11 +1,13 @@
 """The optimizer-state tiers side by side on this machine (a script, not a test).
 
-    python bench/offload.py [--dir DIR] [--disk-mb 1024] [--budget-mb 4] [--steps 6]
+    python bench/offload.py [--dir DIR] [--disk-mb 1024] [--budget-mb 4] [--steps 6] [--no-update-on]
 
 Prints, in one run: the sequential write and read bandwidth of DIR, the NVMe tier's achieved swap
 bandwidth against it, the streamed update against the update alone and the I/O at the disk's limit,
 the step time with train.offload_optimizer = none, host and nvme (each tier in its own process,
-ratios against none), and the NVMe tier's peak RSS in each phase (init, steps, checkpoint save,
+ratios against none), the nvme tier's stream and step with its chunk update in place (auto on CPU
+devices), on the device (the copy path) and on the host CPU (`train.offload_update_on`; skipped with
+--no-update-on), and the NVMe tier's peak RSS in each phase (init, steps, checkpoint save,
 restore) against its bound (`bench/offload_rss.py`). The model is sized so that its optimizer state
 is >= 4x the budget.
 
@@ -33,6 +35,7 @@ import _child  # noqa: E402  (bench/_child.py)
 import offload_rss  # noqa: E402  (bench/offload_rss.py: the nvme tier's peak RSS)
 
 ROOT = _child.ROOT
+PLACES = ("auto", "device", "host")  # train.offload_update_on
 MODEL = ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=64",
          "model.d_ff=1536", "model.vocab=256", "model.max_seq_len=128", "train.seq_len=128", "train.global_batch=8",
          "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=1", "data.kind=synthetic"]  # fmt: skip
@@ -106,12 +109,24 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from meshrun.train import device_chunk
+    from meshrun.train import device_chunk, host_update
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
     g, p, g_norm, _ = tier.device_part(state.params, *batch)
     jax.block_until_ready(g)
+    if tier.host is not None:  # on the CPU backend's device: the gradient down, the update, the params up
+        h = tier.host
+        item = host_update.HostChunk(h.cpu, len(lay.first), tier.pieces, tier.pattern.n_slots)
+        sc, gn = tuple(jax.device_put(x.addressable_data(0), h.cpu) for x in scalars), jax.device_put(
+            g_norm.addressable_data(0), h.cpu)  # fmt: skip
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(lay.n_chunks):
+            gc, pc = h.take(g, p, jnp.int32(i * lay.chunk))
+            item.slots, rows, _ = h.update(h.down(gc), None if pc is None else h.down(pc), item.slots, sc, gn)
+            jax.block_until_ready(h.up(rows))
+            item.written()
+        return time.perf_counter() - t0, time.process_time() - c0
     if tier.in_place:
         item = device_chunk.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -169,13 +184,15 @@ def one_device_step(over: list[str], steps: int):
     return ts, mesh, batches, ts.step.lower(ts.abstract_run, *batches[0]).compile()
 
 
-def child(tier: str, directory: str, budget: float, steps: int) -> dict:
-    """One tier's run in this process: step times, swap counters, RSS figures."""
+def child(name: str, directory: str, budget: float, steps: int) -> dict:
+    """One tier's run in this process (`name`: none, host, nvme or nvme:ON with train.offload_update_on=ON):
+    step times, swap counters, RSS figures."""
     import jax
     import numpy as np
 
+    tier, _, on = name.partition(":")
     over = [*MODEL, f"train.offload_optimizer={tier}", f"train.offload_dir={directory}",
-            f"train.offload_budget_mb={budget}"]  # fmt: skip
+            f"train.offload_budget_mb={budget}", *([f"train.offload_update_on={on}"] if on else [])]  # fmt: skip
     ts, _, batches, compiled = one_device_step(over, steps)
     temp = compiled.memory_analysis().temp_size_in_bytes
     overhead = rss("VmRSS")
@@ -213,7 +230,10 @@ def child(tier: str, directory: str, budget: float, steps: int) -> dict:
 def run_child(tier: str, directory: str, budget: float, steps: int) -> dict:
     cmd = [sys.executable, __file__, "--child", tier, "--dir", directory, "--budget-mb", str(budget),
            "--steps", str(steps)]  # fmt: skip
-    return _child.run_json(cmd, env=_child.env())
+    # the nvme runs get 2 CPU devices, the mesh the first: with train.offload_update_on=host the update's
+    # CPU device is then outside the mesh, as on a GPU machine (its gradient and params cross devices)
+    two = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()}
+    return _child.run_json(cmd, env=_child.env(**(two if tier.startswith("nvme") else {})))
 
 
 def main() -> int:
@@ -223,6 +243,8 @@ def main() -> int:
     ap.add_argument("--budget-mb", type=float, default=4.0)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--child", default="")
+    ap.add_argument("--no-update-on", dest="update_on", action="store_false",
+                    help="skip the nvme tier's runs with train.offload_update_on=device and host")  # fmt: skip
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.dir, args.budget_mb, args.steps)))
@@ -233,7 +255,8 @@ def main() -> int:
     w, r = disk_bandwidth(directory, args.disk_mb)
     print(f"disk {directory} ({fs_type(directory)}): sequential write {w / 1e9:.2f} GB/s (a rewrite up to "
           f"fdatasync), read {r / 1e9:.2f} GB/s (pages dropped); best of 2 passes over {args.disk_mb} MiB")  # fmt: skip
-    rows = {t: run_child(t, directory, args.budget_mb, args.steps) for t in ("none", "host", "nvme")}
+    tiers = ("none", "host", "nvme") + tuple(f"nvme:{on}" for on in PLACES[1:] if args.update_on)
+    rows = {t: run_child(t, directory, args.budget_mb, args.steps) for t in tiers}
     nv, none_s = rows["nvme"], rows["none"]["step_s"]
     state, n = nv["state"], nv["streams"]
     io_s = state / r + state / w  # one step's reads and writes at the disk's limit
@@ -264,9 +287,29 @@ def main() -> int:
     print("\n| tier | step s | x none |")
     print("|---|---:|---:|")
     for t, x in rows.items():
-        print(f"| {t} | {x['step_s']:.3f} | {x['step_s'] / rows['none']['step_s']:.2f} |", flush=True)
+        if ":" not in t:
+            print(f"| {t} | {x['step_s']:.3f} | {x['step_s'] / rows['none']['step_s']:.2f} |", flush=True)
+    if args.update_on:
+        update_places(rows, {"auto": 0, "device": 2 * state, "host": host})
     offload_rss.report(directory, args.budget_mb, 3)
     return 0
+
+
+def update_places(rows: dict, link: dict) -> None:
+    """The nvme tier's stream and step with the chunk update in each place (`train.offload_update_on`)."""
+    mib = lambda x: f"{x / 2**20:.1f}"
+    print("\nwhere the nvme tier's update runs (train.offload_update_on; auto: in place on CPU devices), "
+          f"load average {rows['nvme:host']['load']:.1f} after the last:")  # fmt: skip
+    print("| update on | stream s | x auto | update alone s | stream CPU s | step s | x none "
+          "| host link MiB/step on a GPU |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    auto, none_s = rows["nvme"], rows["none"]["step_s"]
+    per = lambda x: x["stream_s"] / x["streams"]
+    for on in PLACES:
+        x = rows["nvme" if on == "auto" else f"nvme:{on}"]
+        print(f"| {on} | {per(x):.3f} | {per(x) / per(auto):.2f} | {x['update'][0]:.3f} | "
+              f"{x['stream_cpu'] / x['streams']:.3f} | {x['step_s']:.3f} | {x['step_s'] / none_s:.2f} | "
+              f"{mib(link[on])} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

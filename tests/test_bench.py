@@ -43,6 +43,10 @@ def test_gpu_dry_run_prints_one_json_line():
     # the parameters in host memory, crossing to the device layer by layer: the same losses on CPU
     off = out["offload_params"]
     assert off["error"] is None and off["loss_vs_none"] == pytest.approx(1, rel=1e-5), off
+    # the streamed host tier's update on the device and on the host CPU: the in-memory run's losses exactly
+    for name in ("offload_device", "offload_host"):
+        assert out[name]["error"] is None and out[name]["loss_vs_none"] == 1, out[name]
+    assert out["offload_host"]["step_ratio_vs_device"] > 0
 
 
 def test_gpu_failure_still_prints_json_with_error():

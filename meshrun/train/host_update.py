@@ -89,12 +89,12 @@ class HostUpdate:
         # the new slots first: jax gives each donated buffer to the first output of its shape
         self.update = jax.jit(update, donate_argnums=2)
 
-    def _down(self, flat: jax.Array) -> tuple[jax.Array, ...]:
+    def down(self, flat: jax.Array) -> tuple[jax.Array, ...]:
         """A [*mesh, C] array's distinct local rows -> the CPU backend's device (device to host)."""
         by_dev = {s.device: s.data for s in flat.addressable_shards}
         return tuple(jax.device_put(by_dev[self.lay.local[r]], self.cpu) for r in self.lay.first)
 
-    def _up(self, rows: tuple[jax.Array, ...]) -> jax.Array:
+    def up(self, rows: tuple[jax.Array, ...]) -> jax.Array:
         """Distinct rows on the CPU backend -> a [*mesh, C] array on this process's devices (host to device)."""
         lay = self.lay
         arrays = [jax.device_put(rows[u], d) for d, u in zip(lay.local, lay.owner, strict=True)]
@@ -114,10 +114,10 @@ class HostUpdate:
 
         def update(i: int, item: HostChunk) -> HostChunk:
             g, p = self.take(g_flat, p_flat, jnp.int32(i * lay.chunk))
-            p_rows = None if p is None else self._down(p)
-            item.slots, rows, box["new"] = self.update(self._down(g), p_rows, item.slots, box["scalars"],
+            p_rows = None if p is None else self.down(p)
+            item.slots, rows, box["new"] = self.update(self.down(g), p_rows, item.slots, box["scalars"],
                                                        box["g_norm"])  # fmt: skip
-            new_p.append(self._up(rows))
+            new_p.append(self.up(rows))
             return item
 
         ring = [HostChunk(cpu, len(lay.first), tier.pieces, tier.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
