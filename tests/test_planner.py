@@ -429,6 +429,17 @@ MEGATRON_SIZES = {"1.7b": 1.7, "3.6b": 3.6, "7.5b": 7.5, "18b": 18.4, "39b": 39.
                   "310b": 310.1, "530b": 529.6, "1t": 1008.0}  # fmt: skip
 
 
+def test_cached_counts_are_the_callers_own(gpt3):
+    """param_counts is cached for the search: each call still returns a dict of its own, and
+    precision_of's cache keys on every field it reads (the optimizer's state bytes per layout)."""
+    counts = cost.param_counts(gpt3)
+    counts["total"] = 0
+    assert cost.param_counts(gpt3)["total"] == pytest.approx(175e9, rel=0.01)
+    adam, muon = (cost.precision_of(gpt3, layout=Layout(optimizer=o)) for o in ("adamw", "muon"))
+    assert adam.opt != muon.opt and cost.precision_of(gpt3, layout=Layout(optimizer="adamw")) == adam
+    assert cost.precision_of(gpt3, layout=Layout(grad_reduce_dtype="bfloat16")).reduce == 2 != adam.reduce
+
+
 @pytest.mark.parametrize("path", sorted(MODELS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_model_configs_load(path):
     cfg = load_config(path)

@@ -9,6 +9,8 @@ Megatron-LM's 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) (Narayanan et al. 2021, sec
 
 from __future__ import annotations
 
+import functools
+
 from meshrun.config import ModelConfig
 
 # ----------------------------------------------------------------------------- parameters
@@ -30,6 +32,12 @@ def layer_params(m: ModelConfig, moe: bool = False) -> int:
 
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
+    """Parameters of the layers (dense part), the experts, the embedding, the head, and the total."""
+    return dict(_param_counts(m))  # a copy: callers may change theirs
+
+
+@functools.lru_cache(maxsize=64)
+def _param_counts(m: ModelConfig) -> dict[str, int]:
     n_moe = m.n_moe_layers
     dense_layers = (m.n_layers - n_moe) * layer_params(m) + n_moe * (
         layer_params(m, True) - m.n_experts * mlp_params(m)
@@ -76,6 +84,7 @@ def _fwd_layers_flops(m: ModelConfig, tokens: float, s: int) -> float:
     return (m.n_layers - n_moe) * layer_fwd_flops(m, tokens, s) + n_moe * layer_fwd_flops(m, tokens, s, True)
 
 
+@functools.lru_cache(maxsize=256)  # the planner's search asks per layout
 def model_flops(m: ModelConfig, batch: float, s: int, *, causal_skip: bool = False) -> float:
     """Model FLOPs per step: 3 x forward, no recomputation, no MoE capacity padding (the useful math
     MFU counts). Embedding lookups and norms are not GEMMs. `causal_skip=True` halves the attention
@@ -88,6 +97,7 @@ def model_flops(m: ModelConfig, batch: float, s: int, *, causal_skip: bool = Fal
     return 3.0 * (fwd + 2.0 * tok * m.d_model * m.vocab)
 
 
+@functools.lru_cache(maxsize=256)
 def hardware_flops(m: ModelConfig, batch: float, s: int, remat: str) -> float:
     """Model FLOPs + recomputation, as Megatron reports TFLOP/s. Full remat: 96 B s L h^2
     (1 + s/(6h) + V/(16 L h)) (Narayanan 2021 eq. 3); selective recomputes the attention core only."""

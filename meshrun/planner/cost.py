@@ -131,7 +131,8 @@ def predict_memory(
     spmd = None
     if framework == "meshrun":
         # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
-        spmd = predict_memory_jax(model, replace(layout, sequence_parallel=sp), seq_len=s, layers=max(split))
+        lay = layout if sp == layout.sequence_parallel else replace(layout, sequence_parallel=sp)
+        spmd = predict_memory_jax(model, lay, seq_len=s, layers=max(split))
     for name, stage in stage_names(p).items():
         if spmd is not None:
             part = dict(spmd)

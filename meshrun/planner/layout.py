@@ -6,6 +6,7 @@ model (timing.py). Pure Python.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from meshrun.config import ModelConfig, RunConfig
@@ -149,14 +150,22 @@ def precision_of(model: ModelConfig, framework: str = "meshrun", layout: Layout 
     `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
     temporary on top. The DP reduction (`reduce`) carries the float32 sums, or with
     `layout.grad_reduce_dtype=bfloat16` their bf16 cast (half the bytes); Megatron's is fp32."""
-    pb = DTYPE_BYTES[model.param_dtype]
-    act = DTYPE_BYTES[model.dtype]
+    if framework == "megatron":
+        return _precision(model.param_dtype, model.dtype, "megatron")
+    lay = layout or Layout()
+    return _precision(model.param_dtype, model.dtype, framework, lay.optimizer, lay.state_dtype, lay.grad_reduce_dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _precision(param_dtype: str, dtype: str, framework: str, optimizer: str = "adamw", state_dtype: str = "float32",
+               grad_reduce_dtype: str = "float32") -> Precision:  # fmt: skip
+    """`precision_of` from the fields it reads (cached: the search asks it several times per layout)."""
+    pb, act = DTYPE_BYTES[param_dtype], DTYPE_BYTES[dtype]
     if framework == "megatron":
         return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act, reduce=4)
-    lay = layout or Layout()
-    spec, master = optimizers.get(lay.optimizer), pb < 4
-    opt, other = (spec.state_bytes(lay.state_dtype, master, matrix) for matrix in (True, False))
-    rb = DTYPE_BYTES[lay.grad_reduce_dtype]
+    spec, master = optimizers.get(optimizer), pb < 4
+    opt, other = (spec.state_bytes(state_dtype, master, matrix) for matrix in (True, False))
+    rb = DTYPE_BYTES[grad_reduce_dtype]
     return Precision(param=pb, grad=pb, opt=opt, act=act, opt_other=None if other == opt else other, reduce=rb)
 
 

@@ -284,7 +284,7 @@ def search(
     fitting, smallest, n_seen = [], None, 0
     opt = dict(optimizer=optimizer, state_dtype=state_dtype, grad_reduce_dtype=grad_reduce_dtype)
     for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
-        layout = replace(layout, **opt)
+        layout = _with(layout, **opt)
         n_seen += 1
         r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
         if r.hard:
@@ -320,6 +320,11 @@ def search(
     return fitting[:top]
 
 
+def _with(lay: Layout, **fields) -> Layout:
+    """`replace` where a field changes, else `lay` itself (the search builds tens of thousands)."""
+    return lay if all(getattr(lay, k) == v for k, v in fields.items()) else replace(lay, **fields)
+
+
 def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, kw) -> Result:
     """The layout on whichever executor of its schedule fits and is faster (first the entry's first):
     lockstep 1F1B holds min(m, 2p - 1) microbatches, the per-op executor p (+ one B's stash) with a
@@ -333,7 +338,7 @@ def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, s
     best = None
     for ex in executors:
         for ov in overlaps:
-            r = evaluate(model, replace(layout, executor=ex, overlap_grad_reduce=ov), cluster, global_batch, seq_len,
+            r = evaluate(model, _with(layout, executor=ex, overlap_grad_reduce=ov), cluster, global_batch, seq_len,
                          **kw)  # fmt: skip
             if best is None or (best.hard and not r.hard) or (best.hard == r.hard and r.step_time < best.step_time):
                 best = r
