@@ -165,6 +165,46 @@ def test_tier_bytes_traffic_and_time_by_hand():
     assert streamed.exposed_s == pytest.approx(max(0.0, streamed.io_s - t_upd))
 
 
+def test_update_on_the_device_or_the_host_cpu_by_hand():
+    """Where the streamed update runs (`train.offload_update_on`): on the host CPU the link carries the
+    gradient down and the new params up (6 bytes per element with bf16 params and a float32 master, 12
+    with float32 params), and the CPU's Adam pass moves 30 (28) bytes per element in host memory at 70%
+    of the node's host memory bandwidth (DGX H100: 2 x 8 channels of DDR5-4800), shared by its 8 GPUs;
+    the faster place wins, a tie keeps the device."""
+    assert NODES["h100-80g"].host_mem_bw == pytest.approx(614.4 * GB)
+    assert NODES["a100-80g"].host_mem_bw == pytest.approx(409.6 * GB)
+    assert tiers.host_adam_bytes(3, 2) == 4 + 24 + 2 and tiers.host_adam_bytes(2, 4) == 4 + 16 + 8
+    m, c = model("llama-70b"), parse_cluster("h100-80g:2x8")
+    lay = Layout(tensor=4, pipe=2, data=2, virtual=4, microbatches=8, zero=1, remat="selective",
+                 sequence_parallel=True, schedule="interleaved")  # fmt: skip
+    r = search.evaluate(m, lay, c, 16, 4096)
+    mem, t_upd = r.memory, r.time["optimizer"]
+    host = tiers.optimizer_tier(mem, m, lay, c, "host", t_upd)
+    padded = host.chunk * host.n_chunks
+    cpu = padded * 30 / (0.7 * 614.4 * GB / 8)
+    assert host.cpu_s == pytest.approx(cpu)
+    assert host.device_s == pytest.approx(max(0.0, 24 * padded / (64 * GB * 0.8) - t_upd))
+    assert host.host_s == pytest.approx(max(0.0, max(6 * padded / (64 * GB * 0.8), cpu) - t_upd))
+    assert host.update_on == "device" and host.device_s < host.host_s and host.exposed_s == host.device_s
+    slow = replace(c, gpu=replace(c.gpu, pcie_bw=16 * GB))  # a slower link: the host CPU wins
+    on_host = tiers.optimizer_tier(mem, m, lay, slow, "host", t_upd)
+    assert on_host.update_on == "host" and on_host.pcie == pytest.approx(6 * padded)
+    assert on_host.exposed_s == on_host.host_s < on_host.device_s
+    nv = tiers.optimizer_tier(mem, m, lay, slow, "nvme", t_upd)  # the drives bound both places: a tie
+    assert nv.update_on == "device" and nv.host_s == nv.device_s == nv.exposed_s
+
+
+def test_plan_says_where_the_update_runs(capsys):
+    """llama-70b on 2 DGX H100 keeps the update on the device; gpt3-175b at 16K on 8 DGX A100 (a PCIe 4
+    link) puts it on the host CPU and says so with the switch to set."""
+    argv = ["--model", "llama-70b", "--cluster", "h100-80g:2x8", "--global-batch", "16", "--seq-len", "4096", "--top",
+            "1"]  # fmt: skip
+    rc, out, _ = run_cli(argv, capsys)
+    assert rc == 0 and "update on the device: +2.03 s against +2.42 s on the host CPU" in out, out
+    rc, out, _ = run_cli([*GPT3_LONG[:-1], "1", "--cluster", "a100-80g:8x8"], capsys)
+    assert rc == 0 and "update on the host CPU (train.offload_update_on=host): +2.27 s against +2.55 s" in out, out
+
+
 def test_chunks_match_the_runtime_rule():
     from meshrun.train import chunk_store, swap
 

@@ -83,24 +83,29 @@ class NodeStorage:
     nvme_drive_bytes: float
     nvme_read_bw: float  # sequential, per drive, bytes/s
     nvme_write_bw: float
+    host_mem_bw: float = 0.0  # host memory's peak bandwidth, bytes/s (sockets x channels x MT/s x 8 B)
 
 
 # Local data drives of the DGX systems: 3.84 TB U.2 NVMe, PCIe Gen4 (Samsung PM1733 class: sequential
 # read 6.4 GB/s, write 3.8 GB/s per drive, its datasheet).
 U2_READ, U2_WRITE = 6.4 * GB, 3.8 * GB
+# Host memory's peak bandwidth: DGX A100: 2 AMD EPYC 7742, 8 channels of DDR4-3200 each (2 x 8 x 3.2 GT/s
+# x 8 B = 409.6 GB/s); DGX H100 / H200: 2 Intel Xeon Platinum 8480C, 8 channels of DDR5-4800 each
+# (614.4 GB/s); GH200: LPDDR5X, up to 512 GB/s per superchip (its datasheet).
+EPYC_7742_X2, XEON_8480_X2 = 2 * 8 * 3.2 * 8 * GB, 2 * 8 * 4.8 * 8 * GB
 NODES: dict[str, NodeStorage] = {
     # DGX A100 datasheet: the 320 GB system 1 TB memory and 4 x 3.84 TB NVMe (15 TB); the 640 GB
     # system 2 TB and 8 x 3.84 TB (30 TB).
-    "a100-40g": NodeStorage(8, 1 * TB, 4, 3.84 * TB, U2_READ, U2_WRITE),
-    "a100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    "a100-40g": NodeStorage(8, 1 * TB, 4, 3.84 * TB, U2_READ, U2_WRITE, EPYC_7742_X2),
+    "a100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, EPYC_7742_X2),
     # No reference system for 8 PCIe cards: assumed as the DGX A100 640 GB.
-    "a100-80g-pcie": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    "a100-80g-pcie": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, EPYC_7742_X2),
     # DGX H100 and DGX H200 datasheets: 2 TB memory, 8 x 3.84 TB NVMe U.2 (30 TB).
-    "h100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
-    "h200": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE),
+    "h100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, XEON_8480_X2),
+    "h200": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, XEON_8480_X2),
     # GH200 datasheet: 480 GB LPDDR5X per superchip. Drives vary by vendor: assumed one 3.84 TB drive
     # of the same class per superchip.
-    "gh200": NodeStorage(1, 480 * GB, 1, 3.84 * TB, U2_READ, U2_WRITE),
+    "gh200": NodeStorage(1, 480 * GB, 1, 3.84 * TB, U2_READ, U2_WRITE, 512 * GB),
 }
 
 
@@ -184,6 +189,7 @@ class Cluster:
             self.nvme_drive_bytes or ref.nvme_drive_bytes,
             self.nvme_read_gbs * GB or ref.nvme_read_bw,
             self.nvme_write_gbs * GB or ref.nvme_write_bw,
+            ref.host_mem_bw * k,
         )
 
     @property

@@ -96,14 +96,15 @@ def _why(o: dict, levers: tuple[str, ...], r, cluster: Cluster, host_misfit: lis
         how = f"streamed in {t.n_chunks} chunks" if t.streamed else "the whole shard on the device"
         return (f"offload optimizer{acts} to host memory: {o['host'] / GB:.1f} GB/device in host memory "
                 f"({o['host'] * gpn / TB:.2f} of {st.host_bytes / TB:.2f} TB per node), {o['traffic'] / GB:.1f} "
-                f"GB/step over the host link (+{o['transfer_s']:.3g} s); update {how}, peak {t.update / GB:.1f} GB; "
-                f"{without}")  # fmt: skip
+                f"GB/step over the host link (+{o['transfer_s']:.3g} s); update {how}, peak {t.update / GB:.1f} GB"
+                f"{'; ' + tiers.update_place(t) if t.streamed else ''}; {without}")  # fmt: skip
     host = f"{acts.removeprefix(' + ')} to host memory, " if acts else ""
     return (f"offload optimizer to NVMe (train.offload_optimizer=nvme){', ' + host if host else ': '}"
             f"{t.nvme / GB:.1f} GB/device on NVMe ({t.nvme * gpn / TB:.2f} of "
             f"{st.nvme_drives * st.nvme_drive_bytes / TB:.1f} TB per node), read and written once a step "
             f"in {t.n_chunks} chunks through {t.host * gpn / 2**20:.0f} MiB of host memory: drives and host "
-            f"link {t.io_s:.3g} s, +{t.exposed_s:.3g} s beyond the update; update peak {t.update / GB:.1f} GB; "
+            f"link {t.io_s:.3g} s, +{t.exposed_s:.3g} s beyond the update; {tiers.update_place(t)}; update peak "
+            f"{t.update / GB:.1f} GB; "
             f"host offload does not fit ({'; '.join(host_misfit)}); {without}")  # fmt: skip
 
 

@@ -26,6 +26,14 @@ from the drives; and the time of that I/O.
   only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
   flash, so the drives' time is the read time plus the write time (conservative).
 
+Where a streamed update runs (`train.offload_update_on`): on the device, the state crosses the host
+link both ways (above); on the host CPU (jax's CPU backend), only the gradient goes down and the new
+params up (6 bytes per element with bf16 params and a float32 master, 12 with float32 params), and
+the CPU's Adam pass reads and writes the state in host memory, at HOST_MEM_EFFICIENCY of the node's
+host memory bandwidth shared by its GPUs (`cpu_update_seconds`). Each layout gets the faster place;
+a tie keeps the device. Not modelled: the host-memory traffic of the link's DMA and of the store's
+copies, which both places pay.
+
 The chunk size follows the runtime's rule (`train/swap.chunk_elems`, pinned by tests): three chunks
 of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements.
 """
@@ -33,7 +41,7 @@ of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshrun.config import ModelConfig, streamed_update_refusal
 from meshrun.optim import registry as optimizers
@@ -49,6 +57,9 @@ NVME_EFFICIENCY = 0.7
 DEFAULT_BUDGET_MB = 256.0  # train.offload_budget_mb's default
 SLOTS_IN_FLIGHT = 3  # train/chunk_store.py: read i + 1, update i, write i - 1
 ALIGN = 1024  # train/swap.py: chunk length granularity in elements
+# Fraction of the host memory's peak bandwidth a CPU's streaming pass reaches: STREAM Triad on
+# two-socket DDR4/DDR5 servers measures about 70-80% of the DDR peak (an assumption, not measured here).
+HOST_MEM_EFFICIENCY = 0.7
 
 
 def host_bw(cluster: Cluster) -> float:
@@ -79,6 +90,10 @@ class Tier:
     chunk: int = 0  # nvme and the streamed host tier: elements per row of one chunk
     n_chunks: int = 0
     streamed: bool = False  # the update streams the state chunk by chunk (nvme; host unless whole)
+    update_on: str = "device"  # streamed: where the chunk update runs, the faster of device | host
+    device_s: float = 0.0  # streamed: the exposed seconds with the update on the device
+    host_s: float = 0.0  # ... and on the host CPU
+    cpu_s: float = 0.0  # the host CPU's Adam pass alone
 
     @property
     def device(self) -> float:
@@ -116,6 +131,35 @@ def host_refusal(model: ModelConfig, layout: Layout) -> str | None:
                                    getattr(model, "fp8", "none"))  # fmt: skip
 
 
+def host_adam_bytes(slots: int, param_bytes: int) -> int:
+    """Host-memory bytes per element of the host CPU's Adam pass: the gradient read (float32), the state's
+    slots read and written, the new params written, and without a float32 master the old params read."""
+    master = slots == 3
+    return 4 + 2 * 4 * slots + param_bytes * (1 if master else 2)
+
+
+def cpu_update_seconds(cluster: Cluster, elems: float, slots: int, param_bytes: int) -> float:
+    """Seconds of the host CPU's Adam pass over one GPU's `elems` elements: its bytes at HOST_MEM_EFFICIENCY
+    of the node's host memory bandwidth, shared by the node's GPUs (each runs its own pass at once)."""
+    bw = HOST_MEM_EFFICIENCY * cluster.storage.host_mem_bw / cluster.gpus_per_node
+    return elems * host_adam_bytes(slots, param_bytes) / bw if bw else math.inf
+
+
+def _placed(t: Tier, cluster: Cluster, elems: float, slots: int, param_bytes: int, drives_s: float,
+            t_update: float) -> Tier:  # fmt: skip
+    """Streamed tier `t` (the update on the device) with the update where it is faster: on the host CPU
+    the link carries the gradient down and the new params up (and the old params down without a master),
+    and the CPU's pass, not the device's update, overlaps the I/O."""
+    link = elems * (4 + param_bytes * (1 if slots == 3 else 2))
+    cpu = cpu_update_seconds(cluster, elems, slots, param_bytes)
+    io = max(drives_s, link / host_bw(cluster))
+    host_s = max(0.0, max(io, cpu) - t_update)
+    if host_s < t.exposed_s:
+        return replace(t, pcie=link, io_s=io, exposed_s=host_s, update_on="host", device_s=t.exposed_s,
+                       host_s=host_s, cpu_s=cpu)  # fmt: skip
+    return replace(t, device_s=t.exposed_s, host_s=host_s, cpu_s=cpu)
+
+
 def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, tier: str, t_update: float,
                    budget_mb: float = DEFAULT_BUDGET_MB) -> Tier:  # fmt: skip
     """The tier's figures for one stage's memory parts `mem` (`predict_memory`, meshrun's step);
@@ -144,13 +188,26 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     on_device = 2 * SLOTS_IN_FLIGHT * slots * 4 * c  # chunks copied in and their new state out
     pcie = 2 * file
     update = stored + grads + flat + on_device + fixed
+    pb, padded = DTYPE_BYTES[model.param_dtype], n_chunks * c
     if tier == "host":  # the chunks rest in host memory (`HostStore`), beside the buffers
         io = pcie / host_bw(cluster)
-        return Tier(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
-                    c, n_chunks, True)  # fmt: skip
-    io = max(drive_seconds(cluster, file), pcie / host_bw(cluster))
-    return Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
-                True)  # fmt: skip
+        t = Tier(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
+                 c, n_chunks, True)  # fmt: skip
+        return _placed(t, cluster, padded, slots, pb, 0.0, t_update)
+    drives = drive_seconds(cluster, file)
+    io = max(drives, pcie / host_bw(cluster))
+    t = Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
+             True)  # fmt: skip
+    return _placed(t, cluster, padded, slots, pb, drives, t_update)
+
+
+def update_place(t: Tier) -> str:
+    """Where a streamed tier's update runs and why, in words (the planner's note)."""
+    if t.update_on == "host":
+        return (f"update on the host CPU (train.offload_update_on=host): +{t.host_s:.3g} s against "
+                f"+{t.device_s:.3g} s on the device, its Adam pass {t.cpu_s:.3g} s")  # fmt: skip
+    return (f"update on the device: +{t.device_s:.3g} s against +{t.host_s:.3g} s on the host CPU (its Adam pass "
+            f"{t.cpu_s:.3g} s)")  # fmt: skip
 
 
 def misfits(t: Tier, cluster: Cluster, layout: Layout | None = None) -> list[str]:
