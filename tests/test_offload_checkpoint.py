@@ -32,6 +32,25 @@ def assert_same(got, want):
         np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
 
 
+def test_a_chunk_meets_the_runs_a_walk_over_every_run_finds():
+    """`tier_io.Runs.within` (bisection on the runs' offsets) gives each chunk of a layer-major row (3
+    leaves, 6 layers cut in 2 pieces padded to 24 elements, chunks not aligned to the pieces) the runs,
+    in row order, that walking every run of the row and keeping those the chunk overlaps gives."""
+    from meshrun.train.layer_layout import LayerLayout
+    from meshrun.train.tier_io import Runs
+
+    shapes, split, row = ((6, 4, 3), (6, 4), (6, 8, 2)), 2, 24  # a piece: 6 + 2 + 8 elements, 8 of padding
+    lay = LayerLayout(None, (), shapes, (0, 6, 8), 288, 288, 10, (), (), (), layers=6, split=split, row=row)
+    runs, n = Runs(lay.segments), 0
+    for chunk in (1, 7, 10, 24, 40, 288):
+        for c0 in range(0, lay.length, chunk):
+            c1 = c0 + chunk
+            want = [r for r in lay.segments if max(r[2], c0) < min(r[2] + r[3], c1)]
+            assert runs.within(c0, c1) == want, (chunk, c0)
+            n += len(want)
+    assert n > len(lay.segments) * 6
+
+
 def test_nvme_init_save_restore_stream_within_budget_and_cross_tier(tmp_path):
     """data 2 x pipe 2 x tensor 2, ZeRO-0 (the optimizer state replicated over data: each element is
     written once, every replica's row is filled on restore)."""

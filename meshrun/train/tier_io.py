@@ -17,6 +17,7 @@ saved nor restored, so they stay zero, as `to_pipeline` pads them).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 
@@ -49,6 +50,26 @@ def _rows(sharding: NamedSharding, shape: tuple, lay) -> list[tuple[int, tuple, 
     return out
 
 
+class Runs:
+    """A layout's `segments` (runs of one leaf's elements in the row) in row order, with the runs a
+    chunk [c0, c1) of the row meets found by bisection on their offsets: a chunk of a layer-major row
+    meets a few runs of the many (layers x pieces x leaves)."""
+
+    def __init__(self, segments):
+        self.segments = sorted(segments, key=lambda r: r[2])  # disjoint runs: their ends are in order too
+        self.starts = [r[2] for r in self.segments]
+
+    def within(self, c0: int, c1: int) -> list[tuple[int, int, int, int]]:
+        """The runs with an element in [c0, c1), in row order."""
+        out = []
+        for run in self.segments[max(bisect.bisect_right(self.starts, c0) - 1, 0) :]:
+            if run[2] >= c1:
+                break
+            if run[2] + run[3] > c0:
+                out.append(run)
+        return out
+
+
 class StatePieces:
     """The tier's optimizer leaves as a `slices.Source` (see the module docstring)."""
 
@@ -79,6 +100,7 @@ class StatePieces:
             idx = tier.ts.plan.split.pipeline_index()
             flags = jax.tree.leaves(pick({k: jax.tree.map(lambda _, k=k: k == "layers", v) for k, v in run.items()}))
             self.layer_index = [idx if f else None for f in flags]
+        self.runs = Runs(lay.segments)
         self.zarr_chunk_bytes = lay.chunk * 4  # one row of one slot of a chunk
         self._sums = None
 
@@ -92,7 +114,7 @@ class StatePieces:
         lay = self.tier.layout
         c0, c1 = i * lay.chunk, (i + 1) * lay.chunk
         out = []
-        for leaf, first, off, n in lay.segments:  # runs of one leaf's elements in the row
+        for leaf, first, off, n in self.runs.within(c0, c1):  # runs of one leaf's elements in the chunk
             lo, hi = max(off, c0), min(off + n, c1)
             if lo >= hi:
                 continue
