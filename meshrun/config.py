@@ -351,6 +351,14 @@ def streamed_update_refusal(optimizer: str, elementwise: bool, state_dtype: str,
     return None
 
 
+def streams_host_update(offload_update: str, offload_params: bool, refusal: str | None) -> bool:
+    """Whether the host tier's update streams chunk by chunk: not with train.offload_update=whole, nor
+    train.offload_params (which streams layer by layer itself), nor where `streamed_update_refusal`
+    objects (auto keeps the whole-shard update there). The one rule the step's plan
+    (`train.plan.streams_update`) and the planner (`planner.tiers.host_streams`) ask."""
+    return offload_update != "whole" and not offload_params and refusal is None
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20  # optimizer steps of the whole run (a resume continues up to it)

@@ -270,6 +270,9 @@ HOST_UPDATES = {  # overrides -> whether the runtime streams the host tier's upd
     "bf16-moments": (["optimizer.state_dtype=bfloat16"], False),
     "fp8": (["model.fp8=tensorwise"], False),
     "offload-params": (["train.zero=3", "train.offload_params=true"], False),
+    "streamed": (["train.offload_update=streamed"], True),
+    # train.offload_params streams layer by layer itself, whatever the optimizer (no refusal raised)
+    "offload-params-muon": (["train.zero=3", "train.offload_params=true", "optimizer.name=muon"], False),
 }
 
 

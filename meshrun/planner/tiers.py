@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from meshrun.config import ModelConfig, streamed_update_refusal
+from meshrun.config import ModelConfig, streamed_update_refusal, streams_host_update
 from meshrun.optim import registry as optimizers
 from meshrun.planner.hardware import COMM_EFFICIENCY, GB, Cluster
 from meshrun.planner.layout import DTYPE_BYTES, Layout
@@ -116,12 +116,8 @@ def streamable(layout: Layout) -> bool:
 
 
 def host_streams(model: ModelConfig, layout: Layout) -> bool:
-    """Whether the runtime streams the host tier's update (`train.plan.streams_update`): not with
-    `train.offload_update=whole` nor `train.offload_params` (which streams layer by layer itself), and
-    only where `config.streamed_update_refusal` has no objection (auto falls back to the whole shard)."""
-    if layout.offload_update == "whole" or layout.offload_params:
-        return False
-    return host_refusal(model, layout) is None
+    """Whether the runtime streams the host tier's update: `config.streams_host_update`'s rule."""
+    return streams_host_update(layout.offload_update, layout.offload_params, host_refusal(model, layout))
 
 
 def host_refusal(model: ModelConfig, layout: Layout) -> str | None:

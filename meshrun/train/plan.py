@@ -17,7 +17,14 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, ModelConfig, RunConfig, offload_params_refusals, streamed_update_refusal
+from meshrun.config import (
+    AXES,
+    ModelConfig,
+    RunConfig,
+    offload_params_refusals,
+    streamed_update_refusal,
+    streams_host_update,
+)
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
@@ -117,16 +124,15 @@ def streams_update(cfg: RunConfig) -> bool:
     t = cfg.train
     if t.offload_optimizer != "host":
         return t.offload_optimizer == "nvme"
-    if t.offload_update == "whole" or t.offload_params:
-        return False
     o = cfg.optimizer
     why = streamed_update_refusal(o.name, optimizers.get(o.name).elementwise, o.state_dtype,
                                   getattr(cfg.model, "fp8", "none"))  # fmt: skip
-    if why is not None and t.offload_update == "streamed":
-        raise ConfigError("train.offload_update", "streamed", "use auto or whole", why)
-    if why is not None and t.offload_update_on != "auto":
-        raise ConfigError("train.offload_update_on", t.offload_update_on, "leave it auto", why)
-    return why is None
+    if why is not None and t.offload_update != "whole" and not t.offload_params:  # a streamed update asked for
+        if t.offload_update == "streamed":
+            raise ConfigError("train.offload_update", "streamed", "use auto or whole", why)
+        if t.offload_update_on != "auto":
+            raise ConfigError("train.offload_update_on", t.offload_update_on, "leave it auto", why)
+    return streams_host_update(t.offload_update, t.offload_params, why)
 
 
 def offloaded(cfg: RunConfig) -> tuple[str, ...]:
