@@ -25,7 +25,9 @@ AXES = ("data", "pipe", "expert", "context", "tensor")
 DEFAULT_ORDER = ("pipe", "data", "expert", "context", "tensor")
 CONTEXT_KINDS = ("allgather", "ring")  # model.context_parallel
 # Model fields that decide how the step runs, not what it computes: a checkpoint resumes across them.
-EXECUTION_FIELDS = ("remat", "remat_every", "sequence_parallel", "attention_impl", "context_parallel")
+EXECUTION_FIELDS = (
+    "remat", "remat_every", "sequence_parallel", "tp_comm_overlap", "attention_impl", "context_parallel",
+)  # fmt: skip
 REMATS = ("none", "full", "selective", "offload")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
@@ -127,6 +129,10 @@ class ModelConfig:
     remat: str = "none"  # none | full | selective | offload (selective's names kept in host memory)
     remat_every: int = 1  # k > 1 (with remat=full): keep only every k-th layer's input (groups of k units)
     sequence_parallel: bool = False  # split the residual stream over mesh.tensor along the sequence
+    # with sequence_parallel: each block's tensor-parallel matmuls run as rings over mesh.tensor, the
+    # all-gather and reduce-scatter split into per-chunk transfers beside the chunks' matmuls (collective
+    # matmul, Megatron-Core's --tp-comm-overlap; docs/mesh.md)
+    tp_comm_overlap: bool = False
     # mesh.context > 1: how attention crosses the sequence split. allgather: K/V all-gathered over
     # 'context' (cheap with grouped-query attention); ring: K/V blocks passed around a ring (Liu et al.
     # 2023) with the causal work load-balanced (zigzag chunks)
@@ -175,6 +181,13 @@ class ModelConfig:
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, REMATS)
         _choice("model.context_parallel", self.context_parallel, CONTEXT_KINDS)
+        if not isinstance(self.tp_comm_overlap, bool):
+            raise ConfigError("model.tp_comm_overlap", self.tp_comm_overlap, "use true or false")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError(
+                "model.tp_comm_overlap", True, "set model.sequence_parallel=true with it (or turn it off)",
+                "overlaps the sequence-parallel all-gather and reduce-scatter, so it needs sequence parallelism",
+            )  # fmt: skip
         if self.remat_every < 1:
             raise ConfigError("model.remat_every", self.remat_every, "use a positive layer count, e.g. 2")
         if self.remat_every > 1 and self.remat != "full":

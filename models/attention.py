@@ -35,6 +35,7 @@ from meshrun_models.layers import (
 
 from meshrun.config import ModelConfig
 from meshrun.parallel import fp8
+from meshrun.parallel.collective_matmul import ag_matmul, matmul_rs
 from meshrun.parallel.context import local_index, sequence_split, zigzag_index
 from meshrun.parallel.sharding import CONTEXT, constrain
 
@@ -134,12 +135,15 @@ def attention(
     rotary: bool = True,
     bias: bool | None = None,
     f8: Mapping | None = None,
+    ring: int = 0,
 ) -> jax.Array:
     """Self-attention on normed input (full length). Returns the row-parallel output before the
     residual-stream constraint (the caller's constraint makes it an all-reduce or reduce-scatter).
     `rotary=False`: no RoPE (a family with learned absolute positions); `bias`: q/k/v biases
     (default cfg.qkv_bias). The output projection's bias, if any, is the caller's. `f8`: the block's
-    fp8 state (`layers.fp8_state`): the q/k/v and output GEMMs run in fp8 under cfg.fp8."""
+    fp8 state (`layers.fp8_state`): the q/k/v and output GEMMs run in fp8 under cfg.fp8. `ring` = t > 0
+    (model.tp_comm_overlap, `collective_matmul.ring_degree`): h comes split over the sequence and the
+    q/k/v and output GEMMs run as rings over the t tensor shards; the output comes back split too."""
     dt = dtype_of(cfg.dtype)
     recipe = fp8_recipe(cfg)
     gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
@@ -149,7 +153,10 @@ def attention(
     # one einsum gives one input-gradient all-reduce in backward instead of three.
     wq_DxKxGxDh = p["q"].reshape(cfg.d_model, n_kv, g, dh)
     w = jnp.concatenate([wq_DxKxGxDh, p["k"][:, :, None], p["v"][:, :, None]], axis=2)
-    qkv = gemm("bld,dkgh->blkgh", h_BxLxD, w if recipe != "none" else w.astype(dt), "qkv")
+    if ring:  # fp8 is refused with tp_comm_overlap (the config)
+        qkv = ag_matmul("bld,dkgh->blkgh", h_BxLxD, w.astype(dt), 1, ring)
+    else:
+        qkv = gemm("bld,dkgh->blkgh", h_BxLxD, w if recipe != "none" else w.astype(dt), "qkv")
     if cfg.qkv_bias if bias is None else bias:
         b_q = p["q_bias"].reshape(n_kv, g, dh)
         qkv = qkv + jnp.concatenate([b_q, p["k_bias"][:, None], p["v_bias"][:, None]], axis=1).astype(dt)
@@ -180,4 +187,6 @@ def attention(
         q = q_BxLxHxDh.reshape(b, length, n_kv, g, dh)
         o_BxLxHxDh = attention_core(q, k_BxLxKxDh, v_BxLxKxDh, mask, window).reshape(b, length, cfg.n_heads, dh)
     o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
+    if ring:
+        return matmul_rs("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt), 0, ring)
     return gemm("blhk,hkd->bld", o_BxLxHxDh, p["o"], "attn_out")

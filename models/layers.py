@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshrun.config import ModelConfig
 from meshrun.parallel import fp8
+from meshrun.parallel.collective_matmul import ag_matmul, matmul_rs
 from meshrun.parallel.sharding import constrain
 
 # Logical names must stay names (flax 0.12 would otherwise try to shard eagerly on creation).
@@ -211,13 +212,24 @@ def segment_positions(segment_ids_BxL: jax.Array) -> jax.Array:
     return idx - start
 
 
-def mlp(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, f8: Mapping | None = None) -> jax.Array:
+def mlp(
+    p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, f8: Mapping | None = None, ring: int = 0
+) -> jax.Array:
     """Dense MLP on normed input (full length). Returns the row-parallel output *before* the
     residual-stream constraint, so the caller's constraint decides all-reduce vs reduce-scatter.
-    `f8`: the block's fp8 state (`fp8_state`): its GEMMs run in fp8 under cfg.fp8."""
+    `f8`: the block's fp8 state (`fp8_state`): its GEMMs run in fp8 under cfg.fp8. `ring` = t > 0
+    (model.tp_comm_overlap): h comes split over the sequence, the in and out GEMMs run as rings over
+    the t tensor shards (`meshrun.parallel.collective_matmul`) and the output comes back split."""
     dt = dtype_of(cfg.dtype)
     recipe = fp8_recipe(cfg)
-    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
+
+    def gemm(spec, x, w, slot):
+        if ring:  # fp8 is refused with tp_comm_overlap (the config)
+            w_dim = spec.split(",")[1].index("f")
+            run = ag_matmul if slot == "mlp_in" else matmul_rs
+            return run(spec, x, w.astype(dt), w_dim, ring)
+        return fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
+
     if cfg.mlp == "swiglu":
         # gate and up in one einsum: one input-gradient all-reduce in backward instead of two.
         w_Dx2xF = jnp.stack([p["gate"], p["up"]], axis=1)

@@ -37,6 +37,7 @@ from meshrun_models.moe import STATS, MoE, moe_ffn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.parallel.collective_matmul import ring_degree
 from meshrun.parallel.layer_fetch import FETCHED, fetch_layer, fetching
 from meshrun.parallel.sharding import constrain
 
@@ -128,15 +129,22 @@ def embed(params: Any, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments=None):
-    h = constrain(checkpoint_name(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), "attn_in"), FULL)
+    # model.tp_comm_overlap: the matmuls gather the sequence themselves (rings), so h stays split.
+    ring = ring_degree(cfg.tp_comm_overlap, x_BxLxD.shape[1])
+    h = constrain(
+        checkpoint_name(rms_norm(x_BxLxD, p["attn_norm"]["scale"], cfg.norm_eps), "attn_in"), RESID if ring else FULL
+    )
     f8 = fp8_state(p, cfg)
-    x = x_BxLxD + constrain(attention(p["attn"], h, cfg, segments, f8=f8), RESID)
+    x = x_BxLxD + constrain(attention(p["attn"], h, cfg, segments, f8=f8, ring=ring), RESID)
     x = checkpoint_name(x, "resid_mid")
-    h = constrain(checkpoint_name(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "mlp_in"), FULL)
+    ring_mlp = 0 if moe else ring  # the experts' FFN keeps its own dispatch (docs/mesh.md)
+    h = constrain(
+        checkpoint_name(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "mlp_in"), RESID if ring_mlp else FULL
+    )
     if moe:  # the experts' GEMMs stay in the compute dtype (docs/fp8.md)
         y, stats = moe_ffn(p["moe"], h, cfg)
     else:
-        y, stats = mlp(p["mlp"], h, cfg, f8), {k: jnp.zeros((), jnp.float32) for k in STATS}
+        y, stats = mlp(p["mlp"], h, cfg, f8, ring_mlp), {k: jnp.zeros((), jnp.float32) for k in STATS}
     return constrain(x + constrain(y, RESID), RESID), stats
 
 

@@ -49,7 +49,7 @@ _CHOICES = {
     "offload_grads": OFFLOAD_GRADS,
 }
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
-             "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads")  # fmt: skip
+             "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads", "tp_comm_overlap")  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
@@ -178,7 +178,14 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         offload_params=given.get("offload_params", False),
         overlap_grad_reduce=given.get("overlap_grad_reduce", False),
         offload_grads=given.get("offload_grads", "host"),
+        tp_comm_overlap=given.get("tp_comm_overlap", getattr(model, "tp_comm_overlap", False)),
     )
+    if layout.tp_comm_overlap and not layout.sequence_parallel:
+        raise ConfigError("--evaluate tp_comm_overlap", True, "set sequence_parallel=true with it, or leave it out",
+                          "overlaps the sequence-parallel all-gathers and reduce-scatters")  # fmt: skip
+    if layout.tp_comm_overlap and p > 1 and layout.run_executor == "per_op":
+        raise ConfigError("--evaluate tp_comm_overlap", True, "use a schedule on the lockstep executor with it",
+                          f"meshrun's rings run on the lockstep executor only ({sched.name} on per_op)")  # fmt: skip
     upd, field = layout.offload_update, "--evaluate offload_update"
     if upd != "auto" and layout.offload_optimizer != "host":  # the rules `train` applies (TrainConfig)
         raise ConfigError(field, upd, "leave it auto, or set offload_optimizer=host",
@@ -405,6 +412,12 @@ def format_table(
             f"#1 overlap_grad_reduce: {best.time['dp_hidden']:.3g} s of the gradient reduction ({early:.0%} of the "
             f"layers) beside {used} of the last {n} of {ticks} ticks, charged {OVERLAP_COST:.0%} "
             f"(dp_sync {best.time['dp_sync_full']:.3g} s without it; modeled from the schedule, not measured on a GPU)"
+        )
+    if best.time.get("tp_hidden", 0) > 0:
+        lines.append(
+            f"#1 tp_comm_overlap: {best.time['tp_hidden']:.3g} s of the TP all-gathers and reduce-scatters hidden "
+            f"beside the chunks' matmuls, net of the {OVERLAP_COST:.0%} charge (tensor_comm "
+            f"{best.time['tensor_comm'] + best.time['tp_hidden']:.3g} s without it; modeled, not measured on a GPU)"
         )
     lines += ["", "#1 memory per device (GB)"]
     stages = best.memory["stages"]

@@ -51,6 +51,7 @@ class Layout:
     offload_params: bool = False  # train.offload_params (`param_offload.py`)
     overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
     offload_grads: str = "host"  # train.offload_grads: host | nvme, with offload_params
+    tp_comm_overlap: bool = False  # model.tp_comm_overlap (Megatron-Core: --tp-comm-overlap), with sequence_parallel
 
     @property
     def sched(self) -> registry.Schedule:
@@ -118,6 +119,7 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         offload_params=cfg.train.offload_params,
         overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
         offload_grads=cfg.train.offload_grads,
+        tp_comm_overlap=getattr(cfg.model, "tp_comm_overlap", False),
     )
 
 

@@ -338,11 +338,25 @@ def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, s
     best = None
     for ex in executors:
         for ov in overlaps:
-            r = evaluate(model, _with(layout, executor=ex, overlap_grad_reduce=ov), cluster, global_batch, seq_len,
-                         **kw)  # fmt: skip
-            if best is None or (best.hard and not r.hard) or (best.hard == r.hard and r.step_time < best.step_time):
-                best = r
+            for tp in _tp_overlaps(model, _with(layout, executor=ex), kw.get("framework", "meshrun")):
+                lay = _with(layout, executor=ex, overlap_grad_reduce=ov, tp_comm_overlap=tp)
+                r = evaluate(model, lay, cluster, global_batch, seq_len, **kw)
+                if best is None or (best.hard and not r.hard) or (best.hard == r.hard and r.step_time < best.step_time):
+                    best = r
     return best
+
+
+def _tp_overlaps(model, layout: Layout, framework: str) -> tuple[bool, ...]:
+    """model.tp_comm_overlap off, and on where it runs: sequence parallelism over t > 2 (t = 2 hides
+    nothing: `timing.tp_overlap_hidden`); meshrun's rings in a pipeline need the lockstep executor and
+    an even layer split (`train.plan.check_ring_pipeline`). Megatron-Core's --tp-comm-overlap: any
+    schedule (the published PTD-P runs had none: `--evaluate ...,tp_comm_overlap=false`)."""
+    if not (layout.sequence_parallel and layout.tensor > 2 and model.predictable):
+        return (False,)
+    if framework == "meshrun" and layout.pipe > 1:
+        if layout.run_executor != "lockstep" or model.n_units % (layout.pipe * layout.chunks):
+            return (False,)
+    return (False, True)
 
 
 def _context_text(lay: Layout) -> str:

@@ -76,9 +76,10 @@ def stage_seconds(
     local s/c tokens; its K/V exchange is `context_seconds`)."""
     t, c = layout.tensor, layout.context
     # only what the costs read: the search re-costs the same micro-batch, TP and remat for many layouts
+    sp = layout.sequence_parallel and t > 1
     key = Layout(tensor=t, micro_batch_size=layout.micro_batch_size, remat=layout.remat, expert=layout.expert,
-                 sequence_parallel=layout.sequence_parallel and t > 1, context=c,
-                 context_kind=layout.context_kind if c > 1 else "allgather")  # fmt: skip
+                 sequence_parallel=sp, context=c, context_kind=layout.context_kind if c > 1 else "allgather",
+                 tp_comm_overlap=sp and layout.tp_comm_overlap)  # fmt: skip
     return _stage_seconds(model, key, s, gpu, cal, cluster, dropout)
 
 
@@ -99,9 +100,35 @@ def _stage_seconds(
     if cluster is not None and t > 1:
         ar = cluster.allreduce_seconds(act * tok * model.d_model, t)
         layer += (4 + 2 * (remat == "full")) * ar  # 2 forward (attention out, MLP out) + 2 backward
+        layer -= tp_overlap_hidden(model, layout, s, cluster, cal, dropout)
         first += ar  # vocab-parallel embedding output
         last += ar  # the head's input gradient
     return layer, first, last
+
+
+def tp_overlap_hidden(
+    model: ModelConfig, layout: Layout, s: int, cluster: Cluster, cal: Calibration, dropout: bool = False
+) -> float:
+    """Seconds per layer and micro-batch of the TP collectives that model.tp_comm_overlap takes off
+    the step (Megatron-Core: --tp-comm-overlap; both need sequence parallelism). Each all-gather and
+    reduce-scatter of a layer (the 2 + 2 forward, 2 + 2 backward and, under full remat, 2 + 2
+    recomputed ones that `_stage_seconds` charges as all-reduces) runs as t - 1 ring steps of one
+    sequence chunk, each beside the matmul of one chunk (its share of the layer's forward or backward
+    GEMM time, / 4 collectives, / t chunks). Of the t - 1 steps the first's transfer has no matmul
+    before it: t - 2 are hidden, each up to its chunk's matmul, charged OVERLAP_COST (NCCL takes SMs
+    from the GEMMs it runs beside). MoE layers: only their attention's collectives (half) ring."""
+    t, c, b = layout.tensor, layout.context, layout.micro_batch_size
+    if not (layout.tp_comm_overlap and layout.sequence_parallel and t > 2):
+        return 0.0
+    act = precision_of(model).act
+    tok = b * (s / c if c > 1 else s)
+    half = cluster.allreduce_seconds(act * tok * model.d_model, t, half=True)  # one all-gather / reduce-scatter
+    step = half / (t - 1)
+    k = kernels.layer_seconds(model, layout, s, cluster.gpu, cal, moe=False, dropout=dropout, act=act,
+                              flash=model.attention_impl == "cudnn")  # fmt: skip
+    hidden = lambda gemm: 4 * (t - 2) * min(step, gemm / 4 / t) * (1 - OVERLAP_COST)
+    total = hidden(k["gemm_fwd"]) * (2 if layout.remat == "full" else 1) + hidden(k["gemm_bwd"])
+    return total * (1 - model.n_moe_layers / model.n_layers / 2)
 
 
 def context_seconds(
@@ -270,6 +297,8 @@ def predict_time(
         "optimizer": t_opt,
         "total": total,
         "dp_sync_full": t_dp_full + m * zero_mb,
+        # model.tp_comm_overlap: TP collective seconds the rings hide (net of OVERLAP_COST), slowest stage
+        "tp_hidden": m * split[slow] * tp_overlap_hidden(model, layout, s, cluster, cal, dropout > 0),
         "dp_hidden": hidden,  # reduction seconds run beside the last ticks (modeled; `_overlapped_reduce`)
         "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,

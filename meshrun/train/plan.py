@@ -10,6 +10,7 @@ conversion).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -76,12 +77,13 @@ class StepPlan:
 
     @property
     def skip_idle(self) -> bool:
-        """Whether the pipeline's idle cells skip their compute under a `lax.cond`. Not with the ring
-        kind: its collective-permutes over 'context' inside that conditional gave wrong values on
-        XLA:CPU (jax 0.10.2; a permute's pairs span every device, the all-reduces and all-gathers
-        there have per-group replica groups), so idle cells compute on fill values instead (the
-        residuals go to the trash slot, nothing is added): the same numbers, work in the bubble."""
-        return not (self.context > 1 and self.cfg.model.context_parallel == "ring")
+        """Whether the pipeline's idle cells skip their compute under a `lax.cond`. Not with layers
+        that pass blocks around a ring (`layer_rings`): their collective-permutes inside that
+        conditional gave wrong values on XLA:CPU (jax 0.10.2; a permute's pairs span every device,
+        the all-reduces and all-gathers there have per-group replica groups), so idle cells compute
+        on fill values instead (the residuals go to the trash slot, nothing is added): the same
+        numbers, work in the bubble."""
+        return layer_rings(self.cfg, self.mesh_shape) is None
 
     def pipeline_spec(self, mesh: Mesh) -> PipelineSpec:
         """The pipelined step on `mesh` (pipe > 1): this plan's model, tick program, layer split and
@@ -185,8 +187,8 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         why = "the data-parallel reduction overlaps the pipeline's last ticks"
         raise ConfigError("pipeline.overlap_grad_reduce", True, "set mesh.pipe > 1, or set it false", why)
     check_remat_every(cfg, split)
-    if shape["context"] > 1 and cfg.model.context_parallel == "ring":
-        check_ring_pipeline(cfg, split)
+    if (rings := layer_rings(cfg, shape)) is not None:
+        check_ring_pipeline(cfg, split, rings)
     if cfg.train.offload_params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.train.offload_optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
         str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.train.offload_grads, cfg.pipeline.microbatches,
@@ -248,7 +250,7 @@ def check_context(cfg: RunConfig, c: int, pipe: int = 1) -> None:
     cfg.model.check_context(c)
     kind = cfg.model.context_parallel
     if kind == "ring" and pipe > 1:
-        check_ring_pipeline(cfg)
+        check_ring_pipeline(cfg, None, ("model.context_parallel", "ring"))
     div = 2 * c if kind == "ring" else c
     for field, n in (("train.seq_len", cfg.train.seq_len),):
         if n % div:
@@ -259,10 +261,23 @@ def check_context(cfg: RunConfig, c: int, pipe: int = 1) -> None:
             )  # fmt: skip
 
 
-def check_ring_pipeline(cfg: RunConfig, split: LayerSplit | None = None) -> None:
-    """The ring kind in a pipeline runs on the lockstep executor over an even layer split: its
-    collective-permutes cannot sit inside a per-stage conditional (the per-op executor's op switch,
-    the skipped padding of an uneven split), where XLA:CPU gave wrong values (`StepPlan.skip_idle`)."""
+def layer_rings(cfg: RunConfig, shape: Mapping[str, int]) -> tuple[str, str] | None:
+    """(field, value) of the setting whose layers pass blocks around a ring of collective-permutes
+    (the ring kind of context parallelism; model.tp_comm_overlap's matmuls), or None."""
+    if shape.get("context", 1) > 1 and cfg.model.context_parallel == "ring":
+        return "model.context_parallel", "ring"
+    if shape.get("tensor", 1) > 1 and cfg.model.tp_comm_overlap:
+        return "model.tp_comm_overlap", True
+    return None
+
+
+def check_ring_pipeline(cfg: RunConfig, split: LayerSplit | None, rings: tuple[str, Any]) -> None:
+    """Layers with rings (`layer_rings`) in a pipeline run on the lockstep executor over an even
+    layer split: their collective-permutes cannot sit inside a per-stage conditional (the per-op
+    executor's op switch, the skipped padding of an uneven split), where XLA:CPU gave wrong values
+    (`StepPlan.skip_idle`). `rings`: `layer_rings`' answer."""
+    ring_field, ring_value = rings
+    off = "model.context_parallel=allgather" if ring_field == "model.context_parallel" else f"{ring_field}=false"
     pc = cfg.pipeline
     sched = check_config(pc)
     if sched.executor(pc.executor) == "per_op":
@@ -270,15 +285,15 @@ def check_ring_pipeline(cfg: RunConfig, split: LayerSplit | None = None) -> None
         field, value = ("pipeline.schedule", pc.schedule) if own else ("pipeline.executor", pc.executor)
         lock = "/".join(n for n, s in SCHEDULES.items() if "lockstep" in s.executors)
         raise ConfigError(
-            field, value, f"use model.context_parallel=allgather, or {lock} on the lockstep executor",
-            "the ring kind cannot run on the per-op executor",
+            field, value, f"use {off}, or {lock} on the lockstep executor",
+            f"{ring_field}={ring_value} cannot run on the per-op executor (its rings' permutes sit in the op switch)",
         )  # fmt: skip
     if split is not None and not split.even:
         field = "pipeline.layers_per_stage" if pc.layers_per_stage else "pipeline.balance"
         value = list(pc.layers_per_stage) if pc.layers_per_stage else pc.balance
         raise ConfigError(
-            field, value, f"use a layer count per stage that divides evenly (now {list(split.counts)}), or "
-            "model.context_parallel=allgather", "the ring kind needs the same layer count on every stage",
+            field, value, f"use a layer count per stage that divides evenly (now {list(split.counts)}), or {off}",
+            f"{ring_field}={ring_value} needs the same layer count on every stage",
         )  # fmt: skip
 
 

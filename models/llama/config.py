@@ -59,6 +59,11 @@ class LlamaConfig(ModelConfig):
         choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         choice("model.fp8", self.fp8, FP8_RECIPES)
+        if self.tp_comm_overlap and self.fp8 != "none":
+            raise ConfigError(
+                "model.tp_comm_overlap", True, "turn model.fp8 off with it, or model.tp_comm_overlap off",
+                f"runs its rings in the compute dtype, not fp8 (model.fp8={self.fp8})",
+            )  # fmt: skip
         if self.fp8_amax_history < 1:
             raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
         bounded("model.fp8_amax_history", self.fp8_amax_history, 1, MAX_DIM)
