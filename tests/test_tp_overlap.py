@@ -58,7 +58,7 @@ def test_rings_equal_the_plain_matmuls(t):
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+@pytest.mark.parametrize("remat", ["none", *(pytest.param(r, marks=pytest.mark.slow) for r in ("selective", "full"))])
 def test_model_parity_every_remat_policy(remat):
     """Loss and gradients of the model with the rings equal one device's on tensor 4 and tensor 2."""
     cfg = dataclasses.replace(DENSE, remat=remat)
