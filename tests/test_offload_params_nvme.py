@@ -55,6 +55,16 @@ def test_offload_params_nvme_equals_the_state_in_memory(tmp_path):
     assert ts.tier.bytes_per_device() == {"host": 3 * f.chunk_bytes / 8, "nvme": f.state_bytes / 8}  # meshrun explain
 
 
+def test_layer_tier_takes_its_directory_as_the_streamed_tiers_do(capsys, tmp_path):
+    """The layer tier takes train.offload_dir with the streamed tiers' `swap_dir.take_dir`: a missing
+    one exits 2 with one line naming train.offload_dir, before anything is written."""
+    from test_reliability import train
+
+    status, _, err = train(capsys, tmp_path / "run", *DP8_M1, *OP, *nvme(tmp_path / "missing", 1.5))
+    assert status == 2 and "train.offload_dir: no such directory" in one_error_line(err)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 LAYOUTS = {  # config, overrides, the in-memory tier compared with, budget (MiB)
     "data8-two-layers-a-chunk": ("tiny_cpu.yaml", DP8_M1, "none", 3.0),
     "data8-pieces-of-a-layer": ("tiny_cpu.yaml", DP8_M1, "none", 0.5),

@@ -37,6 +37,14 @@ FAULT_KILL = "MESHRUN_FAULT_OFFLOAD_KILL"
 _streams = [0]
 
 
+def resting_bytes(lay, slots: int) -> tuple[float, float]:
+    """(the store's bytes, its chunk buffers' bytes) per device of this process, for `slots` float32
+    rows per element of the layout `lay`: the whole rows (replicated over devices, stored once) and
+    `SLOTS_IN_FLIGHT` chunks of them (a tier's `bytes_per_device`)."""
+    row = slots * len(lay.first) * 4  # bytes of one element of every slot and distinct row
+    return row * lay.length / len(lay.local), SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+
+
 def maybe_fault(i: int, n_chunks: int) -> None:
     """The fault hooks (above) at chunk i's swap-out."""
     if i != n_chunks // 2:

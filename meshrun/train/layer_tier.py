@@ -37,7 +37,7 @@ from meshrun.optim.optimizer import MasterState
 from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
 from meshrun.train import layer_update, streamed, swap, swap_dir, tier_io
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT
+from meshrun.train.chunk_store import resting_bytes
 from meshrun.train.grad_file import GradSink
 from meshrun.train.layer_layout import layer_layout
 from meshrun.train.layer_update import LAYER, SCALAR
@@ -50,9 +50,7 @@ class LayerTier:
         t, plan, zl = cfg.train, ts.plan, ts.plan.zero
         self.ts, self.file, self.sink = ts, None, None
         self.grads_nvme = t.offload_grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
-        self.directory = swap_dir.offload_dir(t.offload_dir, jax.process_index())
-        swap_dir.check_dir(self.directory)
-        swap_dir.lock_dir(self.directory)
+        self.directory = swap_dir.take_dir(t.offload_dir, jax.process_index())
         abstract, sh = ts.abstract_run, ts.state_shardings
         tx = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
         cast = not isinstance(abstract.opt_state, MasterState)  # as the step without the tier
@@ -178,9 +176,7 @@ class LayerTier:
         """Where the tier's bytes rest, per device (this process's share): the layers' state (and with
         train.offload_grads=nvme their gradient) in the file (rows replicated over devices stored
         once) and the chunk buffers in host memory."""
-        lay = self.layout
-        row = (self.n_slots + self.grads_nvme) * len(lay.first) * 4  # bytes of one element of every slot and row
-        store, buffers = row * lay.length / len(lay.local), SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+        store, buffers = resting_bytes(self.layout, self.n_slots + self.grads_nvme)
         return {"host": buffers, "nvme": store}
 
     def lower_device_part(self, state, *batch):

@@ -38,7 +38,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import optimizer
 from meshrun.train import host_update, swap, swap_dir, tier_io
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore
+from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore, resting_bytes
 from meshrun.train.device_chunk import DeviceChunk
 from meshrun.train.flat_layout import StatePattern, flat_layout
 
@@ -63,9 +63,7 @@ class Tier:
         self.kind = t.offload_optimizer  # nvme | host
         self.directory = None
         if self.kind == "nvme":
-            self.directory = swap_dir.offload_dir(t.offload_dir, jax.process_index())
-            swap_dir.check_dir(self.directory)
-            swap_dir.lock_dir(self.directory)
+            self.directory = swap_dir.take_dir(t.offload_dir, jax.process_index())
         abstract = ts.abstract_run
         self.params_def = jax.tree.structure(abstract.params)
         self.full_def = jax.tree.structure(abstract.opt_state)
@@ -223,9 +221,7 @@ class Tier:
         """Where the tier's bytes rest, per device (this process's share): the store (host memory or
         the NVMe file; rows replicated over devices are stored once) and the chunk buffers in host
         memory (at most `SLOTS_IN_FLIGHT` chunks)."""
-        lay = self.layout
-        row = self.pattern.n_slots * len(lay.first) * 4  # bytes of one element of every slot and row
-        store, buffers = row * lay.length / len(lay.local), SLOTS_IN_FLIGHT * row * lay.chunk / len(lay.local)
+        store, buffers = resting_bytes(self.layout, self.pattern.n_slots)
         return {"host": store + buffers, "nvme": 0.0} if self.directory is None else {"host": buffers, "nvme": store}
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)

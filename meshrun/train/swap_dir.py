@@ -29,6 +29,15 @@ def offload_dir(template: str, process: int) -> Path:
     return Path(template.replace("{process}", str(process)))
 
 
+def take_dir(template: str, process: int) -> Path:
+    """The offload directory of process `process` (`offload_dir`), checked (`check_dir`) and taken for
+    this process (`lock_dir`): the setup of every tier that keeps files there."""
+    path = offload_dir(template, process)
+    check_dir(path)
+    lock_dir(path)
+    return path
+
+
 def check_dir(path: Path) -> None:
     """The directory exists and this process can create files in it (ConfigError otherwise). It creates
     and removes a probe file: os.access passes any directory for root, whose writes can still fail (a
