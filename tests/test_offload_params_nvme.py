@@ -65,6 +65,24 @@ def test_layer_tier_takes_its_directory_as_the_streamed_tiers_do(capsys, tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_layer_tier_tells_the_whole_state_from_its_own_by_structure(tmp_path):
+    """`LayerTier.kept` tells the whole optimizer state from the tier's run state (its non-LAYER leaves
+    as a tuple) by tree structure: a tuple as long as the kept leaves but of another structure is
+    refused, not taken for them."""
+    from meshrun.config import load_config
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["data.kind=synthetic", *DP8_M1, *OP, *nvme(tmp_path, 1.5)])
+    tier = make_train_step(cfg, build_mesh(cfg.mesh, devices=jax.devices()[:8])).tier
+    whole = tier.ts.abstract_run.opt_state
+    kept = tier.kept(whole)
+    assert len(kept) == len(tier.kept_def) == 8 and len(whole) == 2 and kept == tuple(tier.up.split(whole)[1])
+    assert tier.kept(kept) is kept
+    with pytest.raises(ValueError, match="neither"):
+        tier.kept(tuple({"m": x} for x in kept))
+
+
 LAYOUTS = {  # config, overrides, the in-memory tier compared with, budget (MiB)
     "data8-two-layers-a-chunk": ("tiny_cpu.yaml", DP8_M1, "none", 3.0),
     "data8-pieces-of-a-layer": ("tiny_cpu.yaml", DP8_M1, "none", 0.5),

@@ -167,10 +167,14 @@ class LayerTier:
     # ------------------------------------------------------------ the step
 
     def kept(self, opt_state) -> tuple:
-        """The non-LAYER optimizer leaves (the tier's run state keeps only those) of either form."""
-        if isinstance(opt_state, tuple) and len(opt_state) == len(self.kept_def):
-            return opt_state
-        return tuple(self.up.split(opt_state)[1])
+        """The non-LAYER optimizer leaves (the tier's run state keeps only those) of either form, told
+        apart by their tree structure: the whole optimizer state's, or a tuple of the kept leaves."""
+        got = jax.tree.structure(opt_state)
+        if got == self.up.treedef:
+            return tuple(self.up.split(opt_state)[1])
+        if got != jax.tree.structure((0,) * len(self.kept_def)):
+            raise ValueError(f"an optimizer state of neither the whole state's nor the tier's structure: {got}")
+        return opt_state
 
     def bytes_per_device(self) -> dict[str, float]:
         """Where the tier's bytes rest, per device (this process's share): the layers' state (and with
