@@ -89,6 +89,12 @@ CASES = [
         marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param("tiny_moe_cpu.yaml", [], id="moe", marks=pytest.mark.slow),  # attention rings, experts as before
+    pytest.param(
+        "tiny_cpu.yaml",
+        ["mesh.pipe=1", "mesh.data=-1", "mesh.context=2", "mesh.tensor=2"],
+        id="c2t2",
+        marks=pytest.mark.slow,
+    ),  # context parallelism (all-gather): the rings run on each chunk
 ]
 
 
@@ -110,6 +116,23 @@ def test_train_step_matches_one_device(config, over):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
     model_over = [x for x in over if x.startswith("model.n_kv")]
     assert_same_steps(run_steps(cfg), reference(config, model_over))
+
+
+@pytest.mark.slow  # two context-parallel steps compiled: ~40 s on 2 loaded cores
+def test_context_ring_kind_with_rings_equals_without():
+    """The ring kind of context parallelism beside the TP rings (data2 x context2 x tensor2): the step's
+    loss and every gradient equal the same step without the TP rings."""
+    no_eps = [x for x in SMALL if "optimizer.eps" not in x]
+    over = ["model.sequence_parallel=true", "mesh.pipe=1", "mesh.data=-1", "mesh.context=2", "mesh.tensor=2",
+            "model.context_parallel=ring"]  # fmt: skip
+    (l0, g0, *_), (l1, g1, *_) = (
+        first_grads(load_config("configs/tiny_cpu.yaml", [*no_eps, *over, f"model.tp_comm_overlap={on}"]))
+        for on in ("false", "true")
+    )
+    assert l1 == pytest.approx(l0, rel=1e-6)
+    for (path, a), b in zip(jax.tree.leaves_with_path(g0), jax.tree.leaves(g1), strict=True):
+        scale = float(np.abs(a).max())
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 BSD = 2 * 16 * 32 * 4  # one b·s·h activation, f32 (test_models' shapes)
