@@ -73,7 +73,12 @@ def test_model_parity_every_remat_policy(remat):
 
 CASES = [
     pytest.param("tiny_cpu.yaml", [], id="p2d2t2"),  # 1F1B over 4 microbatches
-    pytest.param("tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=2", "mesh.tensor=4", "model.n_kv_heads=4"], id="d2t4"),
+    pytest.param(
+        "tiny_cpu.yaml",
+        ["mesh.pipe=1", "mesh.data=2", "mesh.tensor=4", "model.n_kv_heads=4"],
+        id="d2t4",
+        marks=pytest.mark.slow,
+    ),  # tensor 4 by default: test_model_parity_every_remat_policy
     pytest.param(
         "tiny_cpu.yaml",
         [

@@ -7,8 +7,8 @@ Under sequence parallelism a column-parallel matmul needs the whole sequence (an
 run as t steps around the tensor ring: `ag_matmul` multiplies the sequence chunk it holds while
 `ppermute` passes it on; `matmul_rs` adds its share of one output chunk to a partial sum that then
 moves on while the next chunk's matmul runs. t - 1 collective-permutes replace each collective, and
-each transfer has a matmul beside it to hide under (XLA's latency-hiding scheduler runs them
-concurrently on GPUs). The backward is written out as the same rings (a custom_vjp, which also
+each transfer has a matmul beside it to hide under (on GPUs XLA's latency-hiding scheduler may run
+them concurrently; not measured here). The backward is written out as the same rings (a custom_vjp, which also
 keeps the nested shard_map out of autodiff, as `models/context.gather_kv` does): the residuals are
 the primal inputs only, so a remat policy's names keep their meaning (the gathered input is never
 stored; the backward passes the chunks around again for the weight gradient, as the all-gather's
@@ -130,9 +130,7 @@ def _tensor_map(fn, in_specs, out_specs):
     # (a model called under `use_rules` alone) the rules' mesh.
     mesh, _, manual = current_rules()
     mesh = None if manual else mesh
-    return jax.shard_map(
-        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR}, check_vma=False
-    )
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR}, check_vma=False)
 
 
 def _ag_specs(spec: str, w_ndim: int, w_dim: int, y_ndim: int) -> tuple[P, P, P]:
