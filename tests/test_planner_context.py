@@ -197,8 +197,12 @@ def test_search_picks_ring_for_flash_attention_and_both_kinds_are_tried(llama7b)
     cluster = parse_cluster("h100-80g:1x8")
     kinds = {(lay.context, lay.context_kind) for lay in search.candidates(llama7b, cluster, 4, S128K)}
     assert {(2, "allgather"), (2, "ring"), (8, "ring"), (1, "allgather")} <= kinds
-    best = search.search(flash(llama7b), cluster, 4, S128K, top=3)
-    assert best[0].layout.context > 1 and best[0].layout.context_kind == "ring" and not best[0].hard
+    # Among the context-parallel layouts the ring kind wins. (Overall, TP8 with model.tp_comm_overlap's
+    # rings, no context parallelism, is ahead: 26.01 s against CP2 ring's 26.62 s.)
+    ranked = search.search(flash(llama7b), cluster, 4, S128K, top=50)
+    best = [r for r in ranked if r.layout.context > 1]
+    assert best[0].layout.context_kind == "ring" and not best[0].hard
+    assert ranked[0].layout.tp_comm_overlap or ranked[0] is best[0]
 
 
 # ----------------------------------------------------------------------------- the search
