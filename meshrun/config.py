@@ -141,6 +141,7 @@ class ModelConfig:
     # ---- what a family declares: class constants, read by the planner, the FLOP counts and the
     # start-up block. A family's class either makes a layer fact its own field or fixes it.
     context_attention: ClassVar[bool] = False  # its attention can cross the 'context' mesh axis
+    tp_rings: ClassVar[bool] = False  # its blocks run model.tp_comm_overlap's rings
     predictable: ClassVar[bool] = True  # the planner's transformer formulas describe its layer
     mlp: ClassVar[str] = "gelu"  # swiglu: 3 matrices (gate, up, down); gelu: 2
     tie_embeddings: ClassVar[bool] = False  # the head reuses the embedding matrix
@@ -183,6 +184,11 @@ class ModelConfig:
         _choice("model.context_parallel", self.context_parallel, CONTEXT_KINDS)
         if not isinstance(self.tp_comm_overlap, bool):
             raise ConfigError("model.tp_comm_overlap", self.tp_comm_overlap, "use true or false")
+        if self.tp_comm_overlap and not self.tp_rings:
+            raise ConfigError(
+                "model.tp_comm_overlap", True, "turn it off for this family",
+                f"model.family={self.family} does not run its matmuls as tensor rings (docs/mesh.md)",
+            )  # fmt: skip
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError(
                 "model.tp_comm_overlap", True, "set model.sequence_parallel=true with it (or turn it off)",
@@ -226,7 +232,7 @@ class ModelConfig:
         """The layer facts this family's class fixes rather than lets users set: {name: value}."""
         own = cls.__mro__[: cls.__mro__.index(ModelConfig)]  # the family's classes, not this base
         consts = (n for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is ClassVar)
-        consts = (n for n in consts if n not in ("context_attention", "predictable", "summary"))
+        consts = (n for n in consts if n not in ("context_attention", "tp_rings", "predictable", "summary"))
         return {n: getattr(cls, n) for n in consts if any(n in vars(k) for k in own)}
 
 

@@ -348,13 +348,16 @@ def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, s
 
 def _tp_overlaps(model, layout: Layout, framework: str) -> tuple[bool, ...]:
     """model.tp_comm_overlap off, and on where it runs: sequence parallelism over t > 2 (t = 2 hides
-    nothing: `timing.tp_overlap_hidden`); meshrun's rings in a pipeline need the lockstep executor and
-    an even layer split (`train.plan.check_ring_pipeline`). Megatron-Core's --tp-comm-overlap: any
-    schedule (the published PTD-P runs had none: `--evaluate ...,tp_comm_overlap=false`)."""
+    nothing: `timing.tp_overlap_hidden`); meshrun's need a family that has them, no fp8 and, in a
+    pipeline, the lockstep executor and an even layer split (`train.plan.check_ring_pipeline`).
+    Megatron-Core's --tp-comm-overlap: any schedule (the published PTD-P runs had none:
+    `--evaluate ...,tp_comm_overlap=false`)."""
     if not (layout.sequence_parallel and layout.tensor > 2 and model.predictable):
         return (False,)
-    if framework == "meshrun" and layout.pipe > 1:
-        if layout.run_executor != "lockstep" or model.n_units % (layout.pipe * layout.chunks):
+    if framework == "meshrun":  # the family's blocks run the rings; not with fp8 (the config refuses it)
+        if not model.tp_rings or getattr(model, "fp8", "none") != "none":
+            return (False,)
+        if layout.pipe > 1 and (layout.run_executor != "lockstep" or model.n_units % (layout.pipe * layout.chunks)):
             return (False,)
     return (False, True)
 

@@ -34,11 +34,6 @@ class Gpt2Config(ModelConfig):
                 "model.n_kv_heads", self.n_kv_heads, f"set it to model.n_heads={self.n_heads}",
                 "model.family=gpt2 is multi-head attention (no grouped-query attention)",
             )  # fmt: skip
-        if self.tp_comm_overlap:
-            raise ConfigError(
-                "model.tp_comm_overlap", True, "turn it off for this family (model.family=llama has it)",
-                "model.family=gpt2 does not run its matmuls as tensor rings",
-            )  # fmt: skip
 
 
 CONFIG = Gpt2Config

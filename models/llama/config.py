@@ -43,6 +43,7 @@ class LlamaConfig(ModelConfig):
     fp8_first_last_bf16: bool = False  # the first and last layers stay in the compute dtype
 
     context_attention: ClassVar[bool] = True  # all-gather and ring attention over 'context'
+    tp_rings: ClassVar[bool] = True  # model.tp_comm_overlap (its attention and dense MLP)
 
     def __post_init__(self):
         super().__post_init__()
