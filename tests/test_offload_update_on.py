@@ -110,3 +110,16 @@ def test_bad_offload_update_on_exits_2(capsys, tmp_path, over, what):
     line = one_error_line(capsys.readouterr().err)
     assert status == 2 and line.startswith("meshrun train: error: train.offload_update_on") and what in line, line
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_host_without_the_cpu_backend_is_a_config_error(monkeypatch):
+    """JAX_PLATFORMS without cpu (e.g. cuda alone): host names the field and the fix instead of jax's error."""
+    from meshrun.errors import ConfigError
+    from meshrun.train import host_update
+
+    def no_cpu(backend=None):
+        raise RuntimeError(f"Unknown backend {backend}")
+
+    monkeypatch.setattr(jax, "local_devices", no_cpu)
+    with pytest.raises(ConfigError, match=r"offload_update_on: jax.s CPU backend is not available .*JAX_PLATFORMS"):
+        host_update.cpu_device(jax.devices())

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshrun.errors import ConfigError
 from meshrun.train.chunk_store import SLOTS_IN_FLIGHT
 from meshrun.train.device_chunk import host_view
 
@@ -32,7 +33,12 @@ from meshrun.train.device_chunk import host_view
 def cpu_device(mesh_devices) -> jax.Device:
     """This process's CPU backend device for the host update: one outside the mesh where there is one
     (always on a GPU machine), else the first."""
-    cpus, used = jax.local_devices(backend="cpu"), set(mesh_devices)
+    try:
+        cpus = jax.local_devices(backend="cpu")
+    except RuntimeError as e:  # JAX_PLATFORMS left the CPU backend out
+        raise ConfigError("train.offload_update_on", "host", "add cpu to JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu) "
+                          "or use device", f"jax's CPU backend is not available ({e})") from e  # fmt: skip
+    used = set(mesh_devices)
     return next((d for d in cpus if d not in used), cpus[0])
 
 
