@@ -109,11 +109,11 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from meshrun.train import device_chunk, host_update
+    from meshrun.train import device_chunk, host_update, swap_dir
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
-    g, p, g_norm, _ = tier.device_part(state.params, *batch)
+    g, p, g_norm, _ = tier.device_part(state.params, tier.new_rows(), *batch)
     jax.block_until_ready(g)
     if tier.host is not None:  # on the CPU backend's device: the gradient down, the update, the params up
         h = tier.host
@@ -129,10 +129,12 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
         return time.perf_counter() - t0, time.process_time() - c0
     if tier.in_place:
         item = device_chunk.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
+        p = tier.new_param_row() if p is None else p
         t0, c0 = time.perf_counter(), time.process_time()
-        for i in range(lay.n_chunks):
-            item.slots, _, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))
-            item.written()
+        with swap_dir.keeping_freed_buffers():  # as the tier's step
+            for i in range(lay.n_chunks):
+                item.slots, p, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))
+                item.written()
         return time.perf_counter() - t0, time.process_time() - c0
     buf = np.zeros(tier.file.chunk, np.float32)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -218,9 +218,10 @@ def test_full_disk_mid_swap_exit_4_last_checkpoint_intact(tmp_path):
 
 def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
     """The CPU backend's in-place pass: each chunk's update writes the new state into the very buffers
-    the store read the chunk into (XLA aliases the donated halves), rows replicated over devices
-    (data 2, ZeRO-0) included; 3 steps equal the copy path's (the host buffers copied to the device
-    and back, a GPU's path) exactly (the tests above compare the in-place pass with the in-memory step)."""
+    the store read the chunk into (XLA aliases the donated halves) and the new params into the param
+    row it read them from, rows replicated over devices (data 2, ZeRO-0) included; 3 steps equal the
+    copy path's (the host buffers copied to the device and back, a GPU's path) exactly (the tests
+    above compare the in-place pass with the in-memory step)."""
     over = ["mesh.data=2", "mesh.pipe=1", "mesh.tensor=2", "pipeline.microbatches=2"]
     results = []
     for in_place in (True, False):
@@ -238,9 +239,10 @@ def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
 
         def spy(g, p, slots, *rest, update=update, aliased=aliased):
             before = [x.unsafe_buffer_pointer() for s in slots for h in s for x in (h.addressable_data(0),)]
+            before.append(p.addressable_data(0).unsafe_buffer_pointer())  # the new params: into the param row
             out = update(g, p, slots, *rest)
             aliased.extend(a == x.addressable_data(0).unsafe_buffer_pointer()
-                           for a, x in zip(before, [h for s in out[0] for h in s], strict=True))  # fmt: skip
+                           for a, x in zip(before, [h for s in out[0] for h in s] + [out[1]], strict=True))  # fmt: skip
             return out
 
         tier.chunk_part_in_place = spy
@@ -248,7 +250,7 @@ def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
         for i in range(3):
             state, metrics = ts.step(state, *global_batch_arrays(ds, i, mesh, P(DP_AXES)))
             losses.append(float(metrics["loss"]))
-        halves = 3 * tier.layout.n_chunks * 2 * tier.pattern.n_slots  # 3 steps' chunks' slots' halves
+        halves = 3 * tier.layout.n_chunks * (2 * tier.pattern.n_slots + 1)  # 3 steps' chunks' slots' halves, row
         assert tier.layout.n_chunks >= 3 and len(aliased) == (halves if in_place else 0)
         assert all(aliased)
         results.append((np.array(losses), jax.device_get(ts.to_model(state))))

@@ -73,6 +73,7 @@ class ChunkStore:
         self.streams, self.stream_bytes = 0, 0  # streamed updates; bytes they moved while timed
         self.early_reads = 0  # chunks the streamed updates read before their timer started
         self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write settled
+        self.kept_ring: list | None = None  # a caller's in-place ring kept between passes (`keep_ring`)
         self._count = threading.Lock()
         return_freed_buffers()
 
@@ -87,8 +88,24 @@ class ChunkStore:
         """The store's two read buffers, made on first use (a pass with the caller's own ring,
         `stream(ring=...)`, frees them first: `release_buffers`)."""
         if not self._buffers:
+            self.drop_ring()
             self._buffers = [self._hold(aligned(self.chunk)) for _ in range(2)]
         return self._buffers
+
+    def keep_ring(self, make: Callable[[], list]) -> list:
+        """The caller's in-place ring for `stream(ring=...)`, kept from one pass to the next (made by
+        `make()` when there is none) and counted in `resident` while kept: the store's own buffers are
+        released first, and anything else that needs chunk buffers drops it (`drop_ring`)."""
+        if self.kept_ring is None:
+            self.release_buffers()
+            self.kept_ring = [self._hold(b) for b in make()]
+        return self.kept_ring
+
+    def drop_ring(self) -> None:
+        if self.kept_ring is not None:
+            for _ in self.kept_ring:
+                self._release()
+            self.kept_ring = None
 
     def release_buffers(self) -> None:
         """Unmap the store's read buffers (made again when next needed)."""
@@ -134,6 +151,7 @@ class ChunkStore:
     def held(self):
         """One more chunk of host memory held while inside (a chunk on its way to or from the file
         that is not one of the ring buffers: init's computed chunk, a checkpoint's copy)."""
+        self.drop_ring()
         self._hold(None)
         try:
             yield
@@ -161,22 +179,26 @@ class ChunkStore:
         first chunks are read meanwhile. `stream_s` counts from its return to the last chunk settled
         (`settle`), `stream_bytes` what moved in that time (`early_reads`: chunks read before).
 
-        `ring` (in place): the caller's SLOTS_IN_FLIGHT buffers instead of the store's, objects whose
-        `views()` are chunk i's writable pieces in the chunk's order. The update may overwrite a buffer
-        with the new chunk (a device updating its donated input in place) and `fetch` return views of
-        it: a buffer goes back to the reader only once written, and the store holds no other copy."""
+        `ring` (in place): the caller's SLOTS_IN_FLIGHT buffers instead of the store's (counted while
+        the pass runs, or kept: `keep_ring`), objects whose `views()` are chunk i's writable pieces in the
+        chunk's order. The update may overwrite a buffer with the new chunk (a device updating its
+        donated input in place) and `fetch` return views of it: a buffer goes back to the reader only
+        once written, and the store holds no other copy. Two of them are filled before `ready()`
+        returns, as the store's own two."""
         _streams[0] += 1
-        in_place = ring is not None
+        in_place, counted = ring is not None, ring is not None and ring is not self.kept_ring
         if in_place:
             self.release_buffers()
-            for _ in ring:
+            for _ in ring if counted else ():
                 self._hold()
-        h = _Handoff(ring if in_place else self._ring)
+        h = _Handoff(ring[:2] if in_place else self._ring)
         reads = self._reader.submit(self._read_loop, h, done)
         writes = self._writer.submit(self._write_loop, h, fetch, "after write" if in_place else done is None)
         try:
             ready()
             t0, early = time.perf_counter(), h.read
+            for buf in ring[2:] if in_place else ():
+                h.free.put(buf)
             for i in range(self.n_chunks):
                 buf = h.filled.get()
                 if buf is None or h.failed:  # the reader or the writer failed: its error is raised below
@@ -199,9 +221,8 @@ class ChunkStore:
             for f in (reads, writes):
                 with contextlib.suppress(BaseException):
                     f.result()
-            if in_place:
-                for _ in ring:
-                    self._release()
+            for _ in ring if counted else ():
+                self._release()
 
     def _read_loop(self, h: _Handoff, done) -> None:
         """The reader's part of `stream`: chunk i into the next free ring buffer, in order."""
@@ -241,6 +262,8 @@ class ChunkStore:
         in a ring buffer). `fetched` (a streamed update): set once they exist, and chunk i's fault hooks
         run."""
         if hold:
+            if fetched is None:  # not a pass's own chunk (init, a restore): no kept ring beside it
+                self.drop_ring()
             self._hold()
         try:
             parts = fetch(handle)

@@ -77,6 +77,27 @@ class FlatLayout:
         axes = P(*self.mesh.axis_names)
         return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
 
+    def unflatten_pieces(self, pieces: list, dtypes: list) -> list:
+        """`unflatten` of a row given as consecutive pieces ([*mesh, n_k] each, in row order; the streamed
+        update's outputs), each leaf cut straight from the pieces it spans: no whole row in between
+        (inside jit)."""
+        starts = [int(x) for x in np.cumsum([0, *(p.shape[-1] for p in pieces)])]
+
+        def leaf(ps: list, o: int, s: tuple, dt) -> jax.Array:
+            n = math.prod(s)
+            parts = [ps[k][max(o, a) - a : min(o + n, b) - a]
+                     for k, (a, b) in enumerate(zip(starts, starts[1:])) if max(o, a) < min(o + n, b)]  # fmt: skip
+            flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts) if parts else jnp.zeros(0, dt)
+            return flat.reshape(s).astype(dt)
+
+        def body(*ps):
+            ps = [p.reshape(-1) for p in ps]
+            return tuple(leaf(ps, o, s, dt) for o, s, dt in zip(self.offsets, self.shapes, dtypes, strict=True))
+
+        axes = P(*self.mesh.axis_names)
+        return list(jax.shard_map(body, mesh=self.mesh, in_specs=(axes,) * len(pieces), out_specs=self.specs,
+                                  check_vma=False)(*pieces))  # fmt: skip
+
     def put(self, rows: np.ndarray, n: int) -> jax.Array:
         """Host rows [distinct rows, n] -> a [*mesh, n] array on this process's devices. `rows` must stay
         unchanged until the computations reading the array have finished: XLA:CPU aliases a page-aligned

@@ -11,10 +11,13 @@ row: a sub-group of each rank's shard of every optimizer leaf), the chunk's stat
 Adam m, v) is read from the store (the file or host memory), copied to the device (on the CPU
 backend read straight into the device's own buffers, `DeviceChunk`) and updated there by the
 optimizer's elementwise part, clipped with the global norm by optax's formula; the new params stay
-on the device (joined into the params' layout after the last chunk) and the new state goes back to
-the file, while the next chunk is read and the previous one written. The update runs on the
-device: the same XLA backend evaluates the same elementwise formulas as the in-memory step (a host
-CPU's pow or division may differ from a GPU's in the last bit), at the device's memory bandwidth.
+on the device (in place: written into the flat param row; laid into the old params' buffers after the
+last chunk) and the new state goes back to the file, while the next chunk is read and the previous
+one written. The flat rows, the params and the in-place ring reuse their buffers from step to step
+(donated, as the in-memory step's outputs reuse its state's), so a step maps no fresh pages for them.
+The update runs on the device: the same XLA backend evaluates the same elementwise formulas as the
+in-memory step (a host CPU's pow or division may differ from a GPU's in the last bit), at the
+device's memory bandwidth.
 Init, checkpoint saves and restores move the state between the file and its home (the optimizer's
 init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`tier_io.py`), so a
 run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, the
@@ -88,7 +91,8 @@ class Tier:
         n_batch = 3 if cfg.data.pack_documents else 2
         rep = NamedSharding(lay.mesh, P())
 
-        def device_part(params, *batch):
+        def device_part(params, rows, *batch):  # rows: spare flat rows, donated: the new ones land in their buffers
+            del rows
             loss, grads, aux = ts.loss_and_grads(params, *plan.lay_out(batch))
             if not master:  # as the in-memory step: the fp32 sums in the param dtype
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -98,9 +102,20 @@ class Tier:
             p_flat = None if master else lay.flatten(jax.tree.leaves(params), pdt)  # master: the state has it
             return g_flat, p_flat, g_norm, metrics
 
+        # The flat rows the device part emits (the gradient; without a master, the params too) take the
+        # previous step's rows' buffers (`rows`, donated), as the in-memory step's outputs take its state's:
+        # no fresh pages for them each step.
+        self.row_dtypes = (jnp.dtype(jnp.float32),) if master else (jnp.dtype(jnp.float32), jnp.dtype(pdt))
+        rows_sh = (lay.sharding,) * len(self.row_dtypes)
+        self.rows_abstract = tuple(jax.ShapeDtypeStruct(lay.shape(lay.length), dt, sharding=lay.sharding)
+                                   for dt in self.row_dtypes)  # fmt: skip
+        self.new_rows = jax.jit(lambda: tuple(jnp.zeros(lay.shape(lay.length), dt) for dt in self.row_dtypes),
+                                out_shardings=rows_sh)  # fmt: skip
+        self.rows = None  # the spare rows: the last step's, or None (`new_rows`)
         self.device_part = jax.jit(
-            device_part, in_shardings=(sh.params, *(ts.batch_sharding,) * n_batch),
-            out_shardings=(lay.sharding, None if master else lay.sharding, rep, None),
+            device_part, in_shardings=(sh.params, rows_sh, *(ts.batch_sharding,) * n_batch),
+            out_shardings=(lay.sharding, None if master else lay.sharding, rep, None), donate_argnums=1,
+            keep_unused=True,
         )  # fmt: skip
 
         def chunk_update(g_flat, p_flat, slots, scalars, g_norm, off):  # slots: each slot's two halves
@@ -122,8 +137,6 @@ class Tier:
             state = jax.tree.unflatten(self.chunk_def, state)
             new_p, state = apply(chunk_tx, halves(g), state, halves(p))
             new_slots, new_scalars = self.chunk_pattern.split(jax.tree.leaves(state))
-            # The new params leave as the chunk's own outputs (`assemble` joins them after the last
-            # chunk): updating a whole flat row in place made XLA:CPU copy the row twice per chunk.
             return tuple(new_p), tuple(tuple(s) for s in new_slots), tuple(new_scalars)
 
         self.update_chunk = update_chunk  # also the host CPU's (`host_update.HostUpdate`)
@@ -139,21 +152,33 @@ class Tier:
                           rep),
             out_shardings=((lay.sharding,) * len(pieces), halves_sh, scalar_sh),
         )  # fmt: skip
+
         # The same update on the slots' halves as the device's own arrays, donated: the new state
         # lands in the old one's buffers (`DeviceChunk`, the CPU backend's in-place pass). The new
-        # slots come first: jax gives each donated buffer to the first output of its shape.
+        # slots come first: jax gives each donated buffer to the first output of its shape. The new
+        # params go into the chunk's place in `p_row`, donated too: without a master the param row the
+        # chunk's params were read from, with one a row of the param dtype. (The copy path's chunk
+        # update returns them as its own outputs instead: written into the row as two pieces, one per
+        # half, XLA:CPU copied the whole row twice per chunk; joined first, it writes in place.)
+        def chunk_in_place(g_flat, p_row, slots, scalars, g_norm, off):
+            new_p, new_slots, new_scalars = chunk_update(g_flat, None if master else p_row, slots, scalars, g_norm,
+                                                         off)  # fmt: skip
+            at = (0,) * (p_row.ndim - 1) + (off,)
+            return new_slots, jax.lax.dynamic_update_slice(p_row, jnp.concatenate(new_p, axis=-1), at), new_scalars
+
         self.chunk_part_in_place = jax.jit(
-            lambda *args: (lambda p, slots, sc: (slots, p, sc))(*chunk_update(*args)), donate_argnums=2,
-            in_shardings=(lay.sharding, None if master else lay.sharding, halves_sh, scalar_sh, rep, rep),
-            out_shardings=(halves_sh, (lay.sharding,) * len(pieces), scalar_sh),
+            chunk_in_place, donate_argnums=(1, 2),
+            in_shardings=(lay.sharding, lay.sharding, halves_sh, scalar_sh, rep, rep),
+            out_shardings=(halves_sh, lay.sharding, scalar_sh),
         )  # fmt: skip
+        self.new_param_row = jax.jit(lambda: jnp.zeros(lay.shape(lay.length), pdt), out_shardings=lay.sharding)
         self.on = update_on(t.offload_update_on, lay.local)  # in_place | device | host
         self.in_place = self.on == "in_place"
         self.host = host_update.HostUpdate(self, self.scalar_sh) if self.on == "host" else None
-        self.assemble = jax.jit(  # the chunks' new params -> the params in their ZeRO layout
-            lambda parts: jax.tree.unflatten(self.params_def,
-                                             lay.unflatten(jnp.concatenate(parts, axis=-1), self.param_dtypes)),
-            in_shardings=lay.sharding, out_shardings=sh.params,
+        unflatten = lambda parts: lay.unflatten_pieces(list(parts), self.param_dtypes)
+        self.assemble = jax.jit(  # the new params' pieces -> the params in their ZeRO layout, in the old ones' buffers
+            lambda old, parts: jax.tree.unflatten(self.params_def, unflatten(parts)),
+            in_shardings=(sh.params, lay.sharding), out_shardings=sh.params, donate_argnums=0, keep_unused=True,
         )  # fmt: skip
         f32 = [jnp.float32] * self.pattern.k
         self.unflatten_slot = [
@@ -174,33 +199,40 @@ class Tier:
     # ------------------------------------------------------------ the step
 
     def lower_device_part(self, state, *batch):
-        return self.device_part.lower(state.params, *batch)
+        return self.device_part.lower(state.params, self.rows_abstract, *batch)
 
     def step(self, state, *batch, device_part=None):
         lay = self.layout
-        g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, *batch)
+        rows, self.rows = self.rows or self.new_rows(), None
+        g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, rows, *batch)
+        del rows
         scalars, box, new_p = tuple(state.opt_state), {"scalars": None}, []
-
-        def ready():  # the first chunks are read while the device part runs
-            jax.block_until_ready(g_flat)  # the device part has read the old params
-            for x in jax.tree.leaves(state.params):  # donated, as the in-memory step donates the state: the
-                x.delete()  # new params come from the chunks' outputs, so the old ones need not stay beside them
+        ready = lambda: jax.block_until_ready(g_flat)  # the first chunks are read while the device part runs
 
         if self.host is not None:  # on jax's CPU backend (host_update.py)
             new_p, box["scalars"] = self.host.run(g_flat, p_flat, g_norm, scalars, ready)
-        elif self.in_place:
-            ring = [DeviceChunk(lay, self.pieces, self.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
+        elif self.in_place:  # the ring stays from step to step (the store drops it when it needs buffers)
+            ring = self.file.keep_ring(lambda: [DeviceChunk(lay, self.pieces, self.pattern.n_slots)
+                                                for _ in range(SLOTS_IN_FLIGHT)])  # fmt: skip
+            # the new params' row (`chunk_in_place`): without a master the param row itself
+            box["row"] = self.new_param_row() if self.master else p_flat
 
             def update(i: int, item: DeviceChunk):
                 item.spread()
                 off = jnp.int32(i * lay.chunk)
-                item.slots, p, box["scalars"] = self.chunk_part_in_place(g_flat, p_flat, item.slots, scalars, g_norm,
-                                                                         off)  # fmt: skip
-                new_p.extend(p)
+                item.slots, box["row"], box["scalars"] = self.chunk_part_in_place(g_flat, box["row"], item.slots,
+                                                                                  scalars, g_norm, off)  # fmt: skip
                 return item
 
-            self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
+            try:
+                with swap_dir.keeping_freed_buffers():  # each chunk's temporaries: the last chunk's pages
+                    self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
+            except BaseException:  # its buffers may be donated and gone
+                self.file.drop_ring()
+                raise
             del ring
+            new_p.append(box.pop("row"))  # the whole row: one piece
+            p_flat = None if self.master else new_p[0]  # (the device part's row, updated in place)
         else:
 
             def update(i: int, buf: np.ndarray):
@@ -212,8 +244,10 @@ class Tier:
 
             fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
             self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
-        params = jax.block_until_ready(self.assemble(tuple(new_p)))
+        # the old params are donated, as the in-memory step donates the state: the new ones take their buffers
+        params = jax.block_until_ready(self.assemble(state.params, tuple(new_p)))
         new_p.clear()
+        self.rows = (g_flat,) if self.master else (g_flat, p_flat)
         swap_dir.trim_freed()  # what compiling and the chunks' updates freed
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 

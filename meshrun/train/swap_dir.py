@@ -20,6 +20,8 @@ DATA_GLOB = "optimizer-state-*.bin"
 _LOCKS: dict[str, tuple[int, int]] = {}  # directory -> (lock fd, users in this process)
 _LOCKS_GUARD = threading.Lock()
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter (malloc.h) and the value
+M_TRIM_THRESHOLD, TRIM_THRESHOLD = -1, 2 << 20  # (2x the mmap threshold, as glibc sets it itself)
+KEPT_MMAP_THRESHOLD, KEPT_TRIM_THRESHOLD = 32 << 20, 1 << 30  # inside `keeping_freed_buffers` (32 MiB: the most)
 _MALLOPT_DONE: list = []
 _LIBC: list = []  # [glibc's CDLL, or None where there is none], loaded on first use (`_libc`)
 
@@ -94,8 +96,31 @@ def return_freed_buffers() -> None:
     _MALLOPT_DONE.append(True)
     try:
         _libc().mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        _libc().mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     except AttributeError:  # not glibc (or no libc.so.6: None)
         pass
+
+
+@contextlib.contextmanager
+def keeping_freed_buffers():
+    """Inside, buffers up to 32 MiB come from glibc's heap and stay there when freed, instead of being
+    mapped and unmapped (or trimmed off the heap's top) each time (`return_freed_buffers`' setting
+    again on exit). For a pass that allocates and frees the same buffers over and over: the
+    streamed update's chunks, whose temporaries XLA allocates for every chunk (each time a fresh
+    mapping, its pages faulted in). The caller gives what stayed back with `trim_freed` after. Not
+    glibc: nothing to do."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        yield
+        return
+    return_freed_buffers()
+    libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD)
+    libc.mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def trim_freed() -> None:
