@@ -125,6 +125,15 @@ def full_batch_reference(cfg, tok, lab):
     return float(loss), jax.device_get(grads), jax.device_get(metrics)
 
 
+def assert_grads_close(grads, ref):
+    """Every gradient leaf equals the reference's (same tree), fp32 rtol 1e-5 with an absolute floor
+    of 1e-6 of the leaf's largest reference value."""
+    assert jax.tree.structure(grads) == jax.tree.structure(ref)
+    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref), strict=True):
+        scale = float(np.abs(r).max())
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize(
     "config, over",
     [
@@ -147,10 +156,7 @@ def test_gradients_match_full_batch_value_and_grad(config, over):
     assert set(metrics) == set(ref_metrics)
     for k in ref_metrics:
         np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
-    assert jax.tree.structure(grads) == jax.tree.structure(ref)
-    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref), strict=True):
-        scale = float(np.abs(r).max())
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
+    assert_grads_close(grads, ref)
 
 
 @pytest.mark.parametrize("config", ["tiny_cpu.yaml", pytest.param("tiny_moe_cpu.yaml", marks=pytest.mark.slow)])
