@@ -84,3 +84,46 @@ def test_stream_one_read_one_write_per_chunk_three_chunks_held(tmp_path, with_do
     finally:
         f.close()
     assert not f.path.exists()
+
+
+def test_stream_behind_returns_before_the_last_writes(tmp_path):
+    """`stream(behind=True)` returns once every chunk is read and its update dispatched, while the last
+    chunk's write is still going (here held back until the caller goes on); the pass counts, and the
+    buffer it writes from is released, in `finish`, which every other use of the store (here
+    `read_all`) calls first. A write that fails after the return raises in `finish`."""
+    import threading
+
+    n, chunk = 5, (2, 3, 1024)
+    f = swap.SwapFile(tmp_path, n, chunk)
+    try:
+        start = np.arange(n * np.prod(chunk), dtype=np.float32).reshape(n, *chunk)
+        f.write_all(lambda i: list(start[i].reshape(-1, chunk[-1])))
+        go, fail = threading.Event(), []
+
+        def fetch(handle):
+            i, buf = handle
+            if i == n - 1:  # the last chunk's update "finishes" only after stream returned
+                assert go.wait(10)
+                if fail:
+                    raise OSError(28, "No space left on device")
+            return list((buf * 2 + i).reshape(-1, chunk[-1]))
+
+        f.stream(lambda i, buf: (i, buf), fetch, behind=True)
+        assert f.writes < 2 * n and f.streams == 0  # the last write still to come
+        go.set()
+        got = []
+        f.read_all(lambda i, buf: got.append(buf.copy()))
+        np.testing.assert_array_equal(np.stack(got), start * 2 + np.arange(n).reshape(n, 1, 1, 1))
+        assert (f.writes, f.streams) == (2 * n, 1) and f.stream_s >= f.wait_s > 0
+        assert f.resident == chunk_store.SLOTS_IN_FLIGHT * f.chunk_bytes - f.chunk_bytes  # the store's two buffers
+
+        go.clear()
+        fail.append(True)
+        f.stream(lambda i, buf: (i, buf), fetch, behind=True)  # returns: the failing write is the last
+        go.set()
+        with pytest.raises(OSError, match="No space left"):
+            f.finish()
+        f.finish()  # reported once
+    finally:
+        f.close()
+    assert not f.path.exists()

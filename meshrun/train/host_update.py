@@ -77,9 +77,7 @@ class HostUpdate:
         rep = NamedSharding(lay.mesh, P())
 
         def take(g_flat, p_flat, off):  # the chunk's columns of the flat rows, on the devices
-            start, size = (0,) * (g_flat.ndim - 1) + (off,), (*g_flat.shape[:-1], lay.chunk)
-            cut = lambda x: jax.lax.dynamic_slice(x, start, size)
-            return cut(g_flat), None if p_flat is None else cut(p_flat)
+            return tier.take_chunk(g_flat, off), None if p_flat is None else tier.take_chunk(p_flat, off)
 
         p_sh = None if master else lay.sharding
         self.take = jax.jit(take, in_shardings=(lay.sharding, p_sh, rep), out_shardings=(lay.sharding, p_sh))
@@ -127,6 +125,6 @@ class HostUpdate:
             return item
 
         ring = [HostChunk(cpu, len(lay.first), tier.pieces, tier.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
-        tier.file.stream(update, HostChunk.written, ready=start, ring=ring)
+        tier.file.stream(update, HostChunk.written, ready=start, ring=ring, behind=True)
         new_scalars = tuple(jax.device_put(x, s) for x, s in zip(box["new"], self.scalar_sh, strict=True))
         return new_p, new_scalars

@@ -107,6 +107,7 @@ class StatePieces:
     @property
     def stamp(self) -> tuple:
         f = self.tier.file
+        f.finish()  # the last pass's writes counted
         return (id(f), f.bytes_written)
 
     def pieces(self, i: int, buf: np.ndarray, primary_only: bool) -> list[slices.Piece]:
@@ -186,8 +187,7 @@ class StreamedInit:
         cuts = list(np.cumsum(tier.pieces[:-1]))
 
         def init_chunk(p_flat, off):
-            start = (0,) * (p_flat.ndim - 1) + (off,)
-            p = jax.lax.dynamic_slice(p_flat, start, (*p_flat.shape[:-1], lay.chunk))
+            p = tier.take_chunk(p_flat, off)
             state = chunk_tx.init(tuple(jnp.split(p, cuts, axis=-1)))  # the same two leaves as the step's
             new_slots, _ = tier.chunk_pattern.split(jax.tree.leaves(state))
             return tuple(tuple(s) for s in new_slots)
