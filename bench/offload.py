@@ -205,9 +205,7 @@ def child(name: str, directory: str, budget: float, steps: int) -> dict:
     cpu = cpu_of_streams(ts.tier.ensure_file()) if tier == "nvme" else [0.0]
     for k, b in enumerate(batches):
         if k == 1 and tier == "nvme":
-            ts.tier.file.finish()  # step 1's pass counted (its last writes run beside the next step)
-            f = ts.tier.file
-            warm = (f.stream_s, f.stream_bytes, f.streams, cpu[0], f.wait_s)
+            warm = (ts.tier.file.stream_s, ts.tier.file.stream_bytes, ts.tier.file.streams, cpu[0])
         t0 = time.perf_counter()
         state, m = compiled(state, *b)
         float(m["loss"])
@@ -220,9 +218,7 @@ def child(name: str, directory: str, budget: float, steps: int) -> dict:
            "opt": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))}  # fmt: skip
     if tier == "nvme":  # (the host tier streams through a Tier too, without a file to time)
         f, lay = ts.tier.file, ts.tier.layout
-        f.finish()
         out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes - warm[1], "stream_s": f.stream_s - warm[0],
-                "wait_s": f.wait_s - warm[4],
                 "streams": f.streams - warm[2],
                 "peak_resident": f.peak_resident, "chunks": f.n_chunks, "chunk_bytes": f.chunk_bytes,
                 "stream_cpu": cpu[0] - warm[3], "load": os.getloadavg()[0],
@@ -278,13 +274,10 @@ def main() -> int:
     print(f"the tier's I/O pipeline alone (no update, 2 passes): {io / 1e9:.2f} GB/s = {100 * io / limit:.0f}% of "
           "the disk's limit")  # fmt: skip
     (update_s, update_cpu), cores = nv["update"], os.cpu_count()
-    print(f"streamed update: {stream_s:.3f} s per step (gradient ready -> state on disk), of which the step waited "
-          f"{nv['wait_s'] / n:.3f} s (the last writes and the settle run beside the next step's device part); "
-          f"the update alone (no disk) "
+    print(f"streamed update: {stream_s:.3f} s per step (gradient ready -> state on disk); the update alone (no disk) "
           f"{update_s:.3f} s, the I/O at the disk's limit {io_s:.3f} s: "
           f"{stream_s / max(update_s, io_s):.2f}x their max")  # fmt: skip
-    print(f"CPU (this process, all threads): the stream (gradient ready -> its return) {nv['stream_cpu'] / n:.3f} s "
-          f"per step, the update alone "
+    print(f"CPU (this process, all threads): the stream {nv['stream_cpu'] / n:.3f} s per step, the update alone "
           f"{update_cpu:.3f} s; {cores} cores, load average {nv['load']:.1f} after the nvme steps")  # fmt: skip
     bound = 1.1 * max(none_s, io_s)
     print(f"nvme step {nv['step_s']:.3f} s vs 1.1 x max(none {none_s:.3f} s, I/O {io_s:.3f} s) = {bound:.3f} s: "

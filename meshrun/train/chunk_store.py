@@ -9,9 +9,6 @@ chunks of host memory, counted in `resident`: either the store's two page-aligne
 (the device may take a chunk without a copy; one is refilled only once the update that read it has
 finished) and one chunk being written, or, in place (`stream(ring=...)`, the CPU backend), the
 caller's three buffers, which the update overwrites with the new chunk and the writer writes back.
-With `behind` the pass returns once the last update is dispatched: the last chunks' writes and the
-settle go on beside the caller's next work (the next step's forward and backward), and `finish`,
-which every other use of the store calls first, waits for them.
 """
 
 from __future__ import annotations
@@ -76,8 +73,6 @@ class ChunkStore:
         self.streams, self.stream_bytes = 0, 0  # streamed updates; bytes they moved while timed
         self.early_reads = 0  # chunks the streamed updates read before their timer started
         self.stream_s = 0.0  # wall seconds of `stream` from the gradient ready to the last write settled
-        self.wait_s = 0.0  # of that, the seconds the passes kept their callers (less with `behind`)
-        self._pending: _Pending | None = None  # a pass whose last writes are still going (`finish`)
         self.kept_ring: list | None = None  # a caller's in-place ring kept between passes (`keep_ring`)
         self._count = threading.Lock()
         return_freed_buffers()
@@ -92,7 +87,6 @@ class ChunkStore:
     def _ring(self) -> list[np.ndarray]:
         """The store's two read buffers, made on first use (a pass with the caller's own ring,
         `stream(ring=...)`, frees them first: `release_buffers`)."""
-        self.finish()
         if not self._buffers:
             self.drop_ring()
             self._buffers = [self._hold(aligned(self.chunk)) for _ in range(2)]
@@ -102,14 +96,12 @@ class ChunkStore:
         """The caller's in-place ring for `stream(ring=...)`, kept from one pass to the next (made by
         `make()` when there is none) and counted in `resident` while kept: the store's own buffers are
         released first, and anything else that needs chunk buffers drops it (`drop_ring`)."""
-        self.finish()
         if self.kept_ring is None:
             self.release_buffers()
             self.kept_ring = [self._hold(b) for b in make()]
         return self.kept_ring
 
     def drop_ring(self) -> None:
-        self.finish()
         if self.kept_ring is not None:
             for _ in self.kept_ring:
                 self._release()
@@ -117,7 +109,6 @@ class ChunkStore:
 
     def release_buffers(self) -> None:
         """Unmap the store's read buffers (made again when next needed)."""
-        self.finish()
         for _ in self._buffers:
             self._release()
         self._buffers = []
@@ -136,8 +127,6 @@ class ChunkStore:
         """Chunk i's new pieces exist and are about to be written (the fault hooks' place)."""
 
     def close(self) -> None:
-        with contextlib.suppress(BaseException):  # going away: a failed last write is the file's end too
-            self.finish()
         for pool in ("_reader", "_writer"):
             if hasattr(self, pool):
                 getattr(self, pool).shutdown(wait=True)
@@ -162,7 +151,7 @@ class ChunkStore:
     def held(self):
         """One more chunk of host memory held while inside (a chunk on its way to or from the file
         that is not one of the ring buffers: init's computed chunk, a checkpoint's copy)."""
-        self.drop_ring()  # (and the last pass finished: `finish`)
+        self.drop_ring()
         self._hold(None)
         try:
             yield
@@ -177,8 +166,8 @@ class ChunkStore:
     # ------------------------------------------------------------ the pipelined pass
 
     def stream(self, update: Callable[[int, np.ndarray], object], fetch: Callable[[object], list[np.ndarray]],
-               ready: Callable[[], object] = lambda: None, done: Callable[[object], object] | None = None,
-               ring: list | None = None, behind: bool = False) -> None:  # fmt: skip
+               ready: Callable[[], object] = lambda: None,
+               done: Callable[[object], object] | None = None, ring: list | None = None) -> None:  # fmt: skip
         """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
         being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
         are written back. The update may keep reading buf (a device aliasing it) until `done(handle)`
@@ -195,15 +184,8 @@ class ChunkStore:
         chunk's order. The update may overwrite a buffer with the new chunk (a device updating its
         donated input in place) and `fetch` return views of it: a buffer goes back to the reader only
         once written, and the store holds no other copy. Two of them are filled before `ready()`
-        returns, as the store's own two.
-
-        `behind`: return once every update is dispatched and every chunk read; the writer writes the
-        last chunks and settles them while the caller goes on (the next step's forward), and `finish`
-        (which every other use of the store calls first: the next pass, init, checkpoints) waits for it
-        and raises what it raised. The chunks' new params are the caller's arrays, which need no
-        write; their buffers stay counted until written."""
+        returns, as the store's own two."""
         _streams[0] += 1
-        self.finish()
         in_place, counted = ring is not None, ring is not None and ring is not self.kept_ring
         if in_place:
             self.release_buffers()
@@ -212,11 +194,9 @@ class ChunkStore:
         h = _Handoff(ring[:2] if in_place else self._ring)
         reads = self._reader.submit(self._read_loop, h, done)
         writes = self._writer.submit(self._write_loop, h, fetch, "after write" if in_place else done is None)
-        ok = False
         try:
             ready()
-            t0 = h.t0 = time.perf_counter()
-            h.early = h.read
+            t0, early = time.perf_counter(), h.read
             for buf in ring[2:] if in_place else ():
                 h.free.put(buf)
             for i in range(self.n_chunks):
@@ -230,40 +210,19 @@ class ChunkStore:
                 h.todo.put((i, handle, buf))
             h.todo.put(None)
             reads.result()
-            if h.failed or not behind:
-                writes.result()  # the writer's error, if it failed
-            if h.failed:
-                raise RuntimeError("the chunk pass stopped without an error")  # (cannot happen: one failed)
-            self._pending = _Pending(writes, h, len(ring) if counted else 0)
-            self.wait_s += time.perf_counter() - t0
-            ok = True
+            writes.result()
+            self.settle()
+            self.stream_s += time.perf_counter() - t0
+            self.streams += 1
+            self.early_reads += early
+            self.stream_bytes += (self.chunk_bytes + self.write_bytes) * self.n_chunks - early * self.chunk_bytes
         finally:  # on an error: stop the threads and let them finish before the buffers go away
-            if not ok:
-                h.abort()
-                for f in (reads, writes):
-                    with contextlib.suppress(BaseException):
-                        f.result()
-                for _ in ring if counted else ():
-                    self._release()
-        if not behind:
-            self.finish()
-
-    def finish(self) -> None:
-        """The last pass's writes done and settled (`stream(behind=True)`), its counters added; raises
-        what its writer raised (a full disk: `DataError`)."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return
-        try:
-            p.writes.result()
-        finally:
-            for _ in range(p.counted):
+            h.abort()
+            for f in (reads, writes):
+                with contextlib.suppress(BaseException):
+                    f.result()
+            for _ in ring if counted else ():
                 self._release()
-        h = p.h
-        self.stream_s += h.end - h.t0
-        self.streams += 1
-        self.early_reads += h.early
-        self.stream_bytes += (self.chunk_bytes + self.write_bytes) * self.n_chunks - h.early * self.chunk_bytes
 
     def _read_loop(self, h: _Handoff, done) -> None:
         """The reader's part of `stream`: chunk i into the next free ring buffer, in order."""
@@ -294,9 +253,6 @@ class ChunkStore:
                 else:
                     self._write_back(i, fetch, handle, _Once(lambda b=buf: h.free.put(b) if frees else None))
                 h.outstanding.release()
-            if not h.failed:
-                self.settle()
-                h.end = time.perf_counter()
         except BaseException:
             h.abort()
             raise
@@ -323,12 +279,10 @@ class ChunkStore:
 
     def read_all(self, each: Callable[[int, np.ndarray], None]) -> None:
         """`each(i, buf)` for every chunk in order (checkpoints: the whole state, one chunk at a time)."""
-        self.finish()
         for i in range(self.n_chunks):
             each(i, self.read(i, self._ring[0]))
 
     def write_all(self, pieces: Callable[[int], list[np.ndarray]]) -> None:
-        self.finish()
         for i in range(self.n_chunks):
             self._write_back(i, pieces, i)
         self.settle()
@@ -372,14 +326,6 @@ class HostStore(ChunkStore):
         self.bytes_written += self.chunk_bytes
 
 
-class _Pending:
-    """A pass whose writer may still be writing (`ChunkStore.finish`): its future, its hand-off (times,
-    early reads) and the caller's ring buffers it counts until then."""
-
-    def __init__(self, writes, h: _Handoff, counted: int):
-        self.writes, self.h, self.counted = writes, h, counted
-
-
 class _Once:
     """`set()` calls `fn` the first time only (`_write_back`'s signal that the pieces exist)."""
 
@@ -403,8 +349,6 @@ class _Handoff:
         self.todo: queue.SimpleQueue = queue.SimpleQueue()
         self.outstanding = threading.Semaphore(OUTPUTS_IN_FLIGHT)
         self.read, self.failed = 0, False  # chunks read so far
-        self.t0 = self.end = 0.0  # the pass's start (the gradient ready) and its last write settled
-        self.early = 0  # chunks read before t0
         for buf in ring:
             self.free.put(buf)
 

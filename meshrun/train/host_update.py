@@ -125,6 +125,6 @@ class HostUpdate:
             return item
 
         ring = [HostChunk(cpu, len(lay.first), tier.pieces, tier.pattern.n_slots) for _ in range(SLOTS_IN_FLIGHT)]
-        tier.file.stream(update, HostChunk.written, ready=start, ring=ring, behind=True)
+        tier.file.stream(update, HostChunk.written, ready=start, ring=ring)
         new_scalars = tuple(jax.device_put(x, s) for x, s in zip(box["new"], self.scalar_sh, strict=True))
         return new_p, new_scalars

@@ -13,10 +13,8 @@ backend read straight into the device's own buffers, `DeviceChunk`) and updated 
 optimizer's elementwise part, clipped with the global norm by optax's formula; the new params stay
 on the device (in place: written into the flat param row; laid into the old params' buffers after the
 last chunk) and the new state goes back to the file, while the next chunk is read and the previous
-one written. The step returns once the last chunk's update is dispatched: the last writes and the
-file's settle run beside the next step's device part (`ChunkStore.stream(behind=True)`). The flat
-rows, the params and the in-place ring reuse their buffers from step to step (donated, as the
-in-memory step's outputs reuse its state's), so a step maps no fresh pages for them.
+one written. The flat rows, the params and the in-place ring reuse their buffers from step to step
+(donated, as the in-memory step's outputs reuse its state's), so a step maps no fresh pages for them.
 The update runs on the device: the same XLA backend evaluates the same elementwise formulas as the
 in-memory step (a host CPU's pow or division may differ from a GPU's in the last bit), at the
 device's memory bandwidth.
@@ -231,7 +229,7 @@ class Tier:
 
             try:
                 with swap_dir.keeping_freed_buffers():  # each chunk's temporaries: the last chunk's pages
-                    self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring, behind=True)
+                    self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
             except BaseException:  # its buffers may be donated and gone
                 self.file.drop_ring()
                 raise
@@ -248,7 +246,7 @@ class Tier:
                 return new_slots
 
             fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
-            self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready, behind=True)
+            self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
         # the old params are donated, as the in-memory step donates the state: the new ones take their buffers
         params = jax.block_until_ready(self.assemble(state.params, tuple(new_p)))
         new_p.clear()
@@ -276,7 +274,6 @@ class Tier:
     def save_view(self, state):
         """The run state as a checkpoint takes it: the optimizer's parameter-shaped leaves as
         `StreamedArray`s read from the file while the save writes them (tier_io.py)."""
-        self.ensure_file().finish()  # the last step's writes (a full disk fails here, before the save starts)
         slices.install()
         p, f32 = self.state_pieces, jnp.dtype(jnp.float32)
         model_sh = jax.tree.leaves(self.ts.abstract_state.opt_state, is_leaf=lambda x: hasattr(x, "sharding"))
