@@ -65,17 +65,8 @@ class FlatLayout:
         return jax.shard_map(body, mesh=self.mesh, in_specs=self.specs, out_specs=axes, check_vma=False)(*leaves)
 
     def unflatten(self, flat: jax.Array, dtypes: list) -> list:
-        """The inverse of `flatten` (inside jit)."""
-
-        def body(v):
-            v = v.reshape(-1)
-            return tuple(
-                v[o : o + math.prod(s)].reshape(s).astype(dt)
-                for o, s, dt in zip(self.offsets, self.shapes, dtypes, strict=True)
-            )
-
-        axes = P(*self.mesh.axis_names)
-        return list(jax.shard_map(body, mesh=self.mesh, in_specs=axes, out_specs=self.specs, check_vma=False)(flat))
+        """The inverse of `flatten` (inside jit): the row as one piece."""
+        return self.unflatten_pieces([flat], dtypes)
 
     def unflatten_pieces(self, pieces: list, dtypes: list) -> list:
         """`unflatten` of a row given as consecutive pieces ([*mesh, n_k] each, in row order; the streamed
