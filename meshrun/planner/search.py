@@ -341,16 +341,16 @@ def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, s
             for tp in _tp_overlaps(model, _with(layout, executor=ex), kw.get("framework", "meshrun")):
                 lay = _with(layout, executor=ex, overlap_grad_reduce=ov, tp_comm_overlap=tp)
                 r = evaluate(model, lay, cluster, global_batch, seq_len, **kw)
-                if best is None or (best.hard and not r.hard) or _better(r, best):
+                if best is None or _better(r, best):
                     best = r
     return best
 
 
 def _better(r: Result, best: Result) -> bool:
-    """Among fitting variants the faster; among variants that fit nowhere the smaller (the figure the
-    "fits on no layout" error quotes is the least any variant of the layout needs)."""
+    """A fitting variant before one that fits nowhere; among fitting ones the faster, among the others
+    the smaller (the figure the "fits on no layout" error quotes is the least any variant needs)."""
     if r.hard != best.hard:
-        return False
+        return best.hard
     return r.memory["total"] < best.memory["total"] if r.hard else r.step_time < best.step_time
 
 
