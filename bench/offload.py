@@ -253,6 +253,7 @@ def main() -> int:
         return 0
     (ROOT / "runs").mkdir(exist_ok=True)  # a fresh checkout has none
     directory = args.dir or tempfile.mkdtemp(prefix="meshrun-offload-", dir=ROOT / "runs")
+    Path(directory).mkdir(parents=True, exist_ok=True)  # --dir may name one not made yet
     mib = lambda x: f"{x / 2**20:.1f}"
     w, r = disk_bandwidth(directory, args.disk_mb)
     print(f"disk {directory} ({fs_type(directory)}): sequential write {w / 1e9:.2f} GB/s (a rewrite up to "

@@ -140,6 +140,7 @@ def main() -> int:
         return 0
     (ROOT / "runs").mkdir(exist_ok=True)  # a fresh checkout has none
     directory = args.dir or tempfile.mkdtemp(prefix="meshrun-offload-", dir=ROOT / "runs")
+    Path(directory).mkdir(parents=True, exist_ok=True)  # --dir may name one not made yet
     report(directory, args.budget_mb, args.steps)
     return 0
 

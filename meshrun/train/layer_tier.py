@@ -189,6 +189,10 @@ class LayerTier:
             return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
 
     def step(self, state, *batch, device_part=None):
+        with swap_dir.stepping():  # the device part's and the chunks' temporaries kept, then trimmed
+            return self._step(state, *batch, device_part=device_part)
+
+    def _step(self, state, *batch, device_part=None):
         lay = self.layout
         kept = self.kept(state.opt_state)
         scalars = tuple(x for x, kd in zip(kept, self.kept_def, strict=True) if kd == SCALAR)

@@ -205,6 +205,10 @@ class Tier:
         return self.device_part.lower(state.params, self.rows_abstract, *batch)
 
     def step(self, state, *batch, device_part=None):
+        with swap_dir.stepping():  # the device part's and the chunks' temporaries kept, then trimmed
+            return self._step(state, *batch, device_part=device_part)
+
+    def _step(self, state, *batch, device_part=None):
         lay = self.layout
         rows, self.rows = self.rows or self.new_rows(), None
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, rows, *batch)
@@ -228,8 +232,7 @@ class Tier:
                 return item
 
             try:
-                with swap_dir.keeping_freed_buffers():  # each chunk's temporaries: the last chunk's pages
-                    self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
+                self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
             except BaseException:  # its buffers may be donated and gone
                 self.file.drop_ring()
                 raise
@@ -251,7 +254,6 @@ class Tier:
         params = jax.block_until_ready(self.assemble(state.params, tuple(new_p)))
         new_p.clear()
         self.rows = (g_flat,) if self.master else (g_flat, p_flat)
-        swap_dir.trim_freed()  # what compiling and the chunks' updates freed
         return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
 
     def bytes_per_device(self) -> dict[str, float]:
