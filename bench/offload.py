@@ -209,7 +209,7 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
     ts, _, batches, compiled = one_device_step(over, steps)
     temp = compiled.memory_analysis().temp_size_in_bytes
     overhead = rss("VmRSS")
-    state, times, device = ts.init(), [], []  # device: the nvme step's device part (to the gradient ready)
+    state, times, device, rest = ts.init(), [], [], []  # nvme: the device part (to the gradient ready), the rest
     init_peak = rss("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak of the steps alone from here
     warm = None  # the tier's counters after step 1 (which compiles the chunk update): the swap from step 2 on
@@ -218,15 +218,17 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
         if k == 1 and tier == "nvme":
             f = ts.tier.file
             warm = (f.stream_s, f.stream_bytes, f.streams, cpu[0], f.early_reads)
+        s0 = ts.tier.file.stream_s if tier == "nvme" else 0.0
         t0 = time.perf_counter()
         state, m = compiled(state, *b)
         float(m["loss"])
         times.append(time.perf_counter() - t0)
-        device.append(cpu[1] - t0)  # (nvme only: the other tiers' 0 - t0 is left unused)
+        if tier == "nvme":  # the step less its device part and its stream
+            device.append(cpu[1] - t0)
+            rest.append(times[-1] - device[-1] - (ts.tier.file.stream_s - s0))
     leaves = jax.tree.leaves(state.params)
     params = sum(x.size * x.dtype.itemsize for x in leaves)
-    out = {"step_s": float(np.median(times[1:])), "device_s": float(np.median(device[1:])), "vmhwm": rss("VmHWM"),
-           "init_peak": init_peak, "overhead": overhead,
+    out = {"step_s": float(np.median(times[1:])), "vmhwm": rss("VmHWM"), "init_peak": init_peak, "overhead": overhead,
            "params": params, "flat": 2 * params if ts.tier is not None else 0,
            "grads": sum(x.size * 4 for x in leaves), "temp": temp,
            "opt": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))}  # fmt: skip
@@ -234,6 +236,7 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
         f, lay = ts.tier.file, ts.tier.layout
         out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes - warm[1], "stream_s": f.stream_s - warm[0],
                 "streams": f.streams - warm[2], "early_reads": f.early_reads - warm[4],
+                "device_s": float(np.median(device[1:])), "rest_s": float(np.median(rest[1:])),
                 "peak_resident": f.peak_resident, "chunks": f.n_chunks, "chunk_bytes": f.chunk_bytes,
                 "stream_cpu": cpu[0] - warm[3], "load": os.getloadavg()[0],
                 "update": update_alone(ts, state, batches[0]), "grad_row": 4 * lay.used * len(lay.first),
@@ -303,8 +306,8 @@ def main() -> int:
     # less the chunks read while the device part ran.
     early = nv["early_reads"] / n * nv["chunk_bytes"] / r
     floor = nv["device_s"] + max(update_s, io_s - early)
-    rest = nv["step_s"] - nv["device_s"] - stream_s
-    print(f"nvme step = device part {nv['device_s']:.3f} s + stream {stream_s:.3f} s + the rest {rest:.3f} s; its "
+    print(f"nvme step: device part {nv['device_s']:.3f} s, stream {stream_s:.3f} s, the rest {nv['rest_s']:.3f} s "
+          "(medians over the steps); its "
           f"floor = device part + max(update alone {update_s:.3f} s, I/O at the limit less the early reads "
           f"{io_s - early:.3f} s) = {floor:.3f} s = {floor / bound:.2f}x the bound; the step is "
           f"{nv['step_s'] / floor:.2f}x its floor")  # fmt: skip
