@@ -148,25 +148,25 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def cpu_of_streams(store) -> list[float]:
-    """Wraps `store.stream` to add up this process's CPU seconds (all threads) from the gradient ready
-    to the pass's end, the span `stream_s` times; returns [the running total, the wall clock when the
-    last pass's gradient was ready]."""
-    total, stream = [0.0, 0.0], store.stream
+def watch_streams(store) -> dict[str, float]:
+    """Wraps `store.stream`; returns what it records: "cpu", this process's CPU seconds (all threads)
+    from the gradient ready to the pass's end (the span `stream_s` times), added up over the passes;
+    "ready", the wall clock (`time.perf_counter`) when the last pass's gradient was ready."""
+    seen, stream = {"cpu": 0.0, "ready": 0.0}, store.stream
 
     def timed(update, fetch, ready=lambda: None, **kw):
         start = []
 
         def ready_then_start():
             ready()
-            total[1] = time.perf_counter()
+            seen["ready"] = time.perf_counter()
             start.append(time.process_time())
 
         stream(update, fetch, ready=ready_then_start, **kw)
-        total[0] += time.process_time() - start[0]
+        seen["cpu"] += time.process_time() - start[0]
 
     store.stream = timed
-    return total
+    return seen
 
 
 def rss(field: str) -> int:
@@ -213,18 +213,18 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
     init_peak = rss("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak of the steps alone from here
     warm = None  # the tier's counters after step 1 (which compiles the chunk update): the swap from step 2 on
-    cpu = cpu_of_streams(ts.tier.ensure_file()) if tier == "nvme" else [0.0, 0.0]
+    seen = watch_streams(ts.tier.ensure_file()) if tier == "nvme" else {"cpu": 0.0}
     for k, b in enumerate(batches):
         if k == 1 and tier == "nvme":
             f = ts.tier.file
-            warm = (f.stream_s, f.stream_bytes, f.streams, cpu[0], f.early_reads)
+            warm = (f.stream_s, f.stream_bytes, f.streams, seen["cpu"], f.early_reads)
         s0 = ts.tier.file.stream_s if tier == "nvme" else 0.0
         t0 = time.perf_counter()
         state, m = compiled(state, *b)
         float(m["loss"])
         times.append(time.perf_counter() - t0)
         if tier == "nvme":  # the step less its device part and its stream
-            device.append(cpu[1] - t0)
+            device.append(seen["ready"] - t0)
             rest.append(times[-1] - device[-1] - (ts.tier.file.stream_s - s0))
     leaves = jax.tree.leaves(state.params)
     params = sum(x.size * x.dtype.itemsize for x in leaves)
@@ -238,7 +238,7 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
                 "streams": f.streams - warm[2], "early_reads": f.early_reads - warm[4],
                 "device_s": float(np.median(device[1:])), "rest_s": float(np.median(rest[1:])),
                 "peak_resident": f.peak_resident, "chunks": f.n_chunks, "chunk_bytes": f.chunk_bytes,
-                "stream_cpu": cpu[0] - warm[3], "load": os.getloadavg()[0],
+                "stream_cpu": seen["cpu"] - warm[3], "load": os.getloadavg()[0],
                 "update": update_alone(ts, state, batches[0]), "grad_row": 4 * lay.used * len(lay.first),
                 "param_row": jax.numpy.dtype(ts.tier.param_dtypes[0]).itemsize * lay.used * len(lay.first),
                 "master": ts.tier.master}  # fmt: skip
