@@ -266,6 +266,9 @@ def main() -> int:
     ap.add_argument("--no-update-on", dest="update_on", action="store_false",
                     help="skip the nvme tier's runs with train.offload_update_on=device and host")  # fmt: skip
     args = ap.parse_args()
+    if args.global_batch < 1:  # one line, before any child runs (the config's own check would end in a traceback)
+        print(f"bench/offload.py: --global-batch {args.global_batch}: use a whole number >= 1", file=sys.stderr)
+        return 2
     if args.child:
         print(json.dumps(child(args.child, args.dir, args.budget_mb, args.steps, args.global_batch)))
         return 0
