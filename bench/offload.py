@@ -337,7 +337,7 @@ def main() -> int:
           f"{update_cpu:.3f} s; {cores} cores, load average {nv['load']:.1f} after the nvme steps")  # fmt: skip
     bound = 1.1 * max(none_s, io_s)
     # each round's nvme step against its own round's bound (the processes ran next to each other)
-    per_round = [n["step_s"] / (1.1 * max(o["step_s"], io_s)) for n, o in zip(runs["nvme"], runs["none"])]
+    per_round = [a["step_s"] / (1.1 * max(b["step_s"], io_s)) for a, b in zip(runs["nvme"], runs["none"])]
     verdict = float(np.median(per_round))
     print(f"nvme step {nv['step_s']:.3f} s vs 1.1 x max(none {none_s:.3f} s, I/O {io_s:.3f} s) = {bound:.3f} s "
           f"(medians over {args.rounds} rounds); each round's nvme step / its bound: "
