@@ -9,7 +9,7 @@ the gaps take turns within each repetition. A step's device part is such a gap f
 at bench/offload.py's default batch, 2.5 s at `--global-batch 32`. Prints, per gap, the pass's
 seconds (median), its bandwidth against the disk's limit for equal reads and writes, and the
 process's kernel CPU seconds per pass (getrusage). On a machine where the gap does not matter the
-rows agree; docs/offload.md ("Speed") has what this CPU machine gave and why.
+rows agree; docs/offload.md ("A gap before the pass") has what this CPU machine gave.
 """
 
 from __future__ import annotations
