@@ -28,6 +28,7 @@ tier's state is meant to exceed host memory, where the page cache could not hold
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -87,23 +88,32 @@ def fs_type(directory: str) -> str:
     return best[1]
 
 
-def io_alone(tier, passes: int = 2) -> tuple[int, float]:
-    """(bytes, seconds) of `passes` streamed passes through a second file shaped as the tier's, with no
-    update: the tier's I/O pipeline alone (read one chunk ahead, write one behind, settle)."""
+@contextlib.contextmanager
+def io_file(directory, n_chunks: int, chunk: tuple[int, int, int]):
+    """A swap file of `n_chunks` chunks shaped `chunk` in `directory`, written once, and a pass over it
+    without an update: the tier's I/O pipeline alone (read one chunk ahead, write one behind, settle).
+    Yields (the file, the pass); the file is closed (and removed) on exit."""
     from meshrun.train import swap
     from meshrun.train.chunk_store import aligned
 
-    f = swap.SwapFile(tier.directory, tier.file.n_chunks, tier.file.chunk)
+    f = swap.SwapFile(Path(directory), n_chunks, chunk)
     try:
         out = aligned(f.chunk)
         out[:] = 1.0
         pieces = list(out.reshape(-1, f.chunk[-1]))
         f.write_all(lambda i: pieces)
-        for _ in range(passes):
-            f.stream(lambda i, buf: None, lambda h: pieces)
-        return f.stream_bytes, f.stream_s
+        yield f, lambda: f.stream(lambda i, buf: None, lambda h: pieces)
     finally:
         f.close()
+
+
+def io_alone(tier, passes: int = 2) -> tuple[int, float]:
+    """(bytes, seconds) of `passes` passes of the tier's I/O pipeline alone (`io_file`) through a second
+    file shaped as the tier's."""
+    with io_file(tier.directory, tier.file.n_chunks, tier.file.chunk) as (f, one_pass):
+        for _ in range(passes):
+            one_pass()
+        return f.stream_bytes, f.stream_s
 
 
 def update_alone(ts, state, batch) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _child  # noqa: E402  (bench/_child.py)
-from offload import disk_bandwidth, fs_type  # noqa: E402  (bench/offload.py)
+from offload import disk_bandwidth, fs_type, io_file  # noqa: E402  (bench/offload.py)
 
 ROOT = _child.ROOT
 CHUNKS = 19  # bench/offload.py's state at its 16 MiB budget: 19 chunks of 2 slots (Adam's m, v) x 1 row
@@ -43,7 +43,6 @@ def gaps_arg(text: str) -> list[float]:
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     from meshrun.train import swap
-    from meshrun.train.chunk_store import aligned
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="")
@@ -60,23 +59,16 @@ def main() -> int:
     w, r = disk_bandwidth(directory, args.disk_mb)
     limit = 2 / (1 / r + 1 / w)
     chunk = (2, 1, swap.chunk_elems(16 * 2**20, 2, 1, 1 << 30))  # the chunk that budget gives
-    f = swap.SwapFile(Path(directory), CHUNKS, chunk)
-    try:
-        out = aligned(f.chunk)
-        out[:] = 1.0
-        pieces = list(out.reshape(-1, f.chunk[-1]))
-        f.write_all(lambda i: pieces)
+    with io_file(directory, CHUNKS, chunk) as (f, one_pass):
         moved = f.n_chunks * (f.chunk_bytes + f.write_bytes)  # one pass: every chunk read and written
-        f.stream(lambda i, buf: None, lambda h: pieces)  # once untimed: the threads and buffers exist
+        one_pass()  # once untimed: the threads and buffers exist
         runs: dict[float, list[tuple[float, float]]] = {g: [] for g in args.gaps}
         for _ in range(args.reps):
             for gap in args.gaps:
                 time.sleep(gap)
                 s0, k0 = f.stream_s, resource.getrusage(resource.RUSAGE_SELF).ru_stime
-                f.stream(lambda i, buf: None, lambda h: pieces)
+                one_pass()
                 runs[gap].append((f.stream_s - s0, resource.getrusage(resource.RUSAGE_SELF).ru_stime - k0))
-    finally:
-        f.close()
     print(f"disk {directory} ({fs_type(directory)}): write {w / 1e9:.2f} GB/s, read {r / 1e9:.2f} GB/s, limit for "
           f"equal reads and writes {limit / 1e9:.2f} GB/s; one pass moves {moved / 2**20:.1f} MiB "
           f"({CHUNKS} chunks); {args.reps} passes per gap, the gaps in turn")  # fmt: skip
