@@ -188,11 +188,8 @@ class LayerTier:
         with use_grad_sink(self.sink):
             return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
 
+    @swap_dir.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
     def step(self, state, *batch, device_part=None):
-        with swap_dir.stepping():  # the device part's and the chunks' temporaries kept, then trimmed
-            return self._step(state, *batch, device_part=device_part)
-
-    def _step(self, state, *batch, device_part=None):
         lay = self.layout
         kept = self.kept(state.opt_state)
         scalars = tuple(x for x, kd in zip(kept, self.kept_def, strict=True) if kd == SCALAR)

@@ -204,11 +204,8 @@ class Tier:
     def lower_device_part(self, state, *batch):
         return self.device_part.lower(state.params, self.rows_abstract, *batch)
 
+    @swap_dir.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
     def step(self, state, *batch, device_part=None):
-        with swap_dir.stepping():  # the device part's and the chunks' temporaries kept, then trimmed
-            return self._step(state, *batch, device_part=device_part)
-
-    def _step(self, state, *batch, device_part=None):
         lay = self.layout
         rows, self.rows = self.rows or self.new_rows(), None
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, rows, *batch)
