@@ -63,33 +63,14 @@ def predict_memory_jax(
     layers: float | None = None,
     streamed: bool | None = None,
 ) -> dict[str, float]:
-    """Per-device bytes of meshrun's own compiled train step (what `memory_analysis()` reports as
-    argument + temp), part by part. Differs from `predict_memory` (Megatron's accounting) where JAX does:
-    * SPMD: every pipeline stage holds the embedding, head and final norm (replicated over 'pipe').
-    * grads: the microbatch gradient, whole at every ZeRO stage (the data-parallel reduction runs
-      once after the loop, so ZeRO-2 = ZeRO-1 here); when m > 1 the float32 sums plus one layer's
-      fresh gradient and the embedding/head's (the backward's layer loop adds in place, `bw_split.vjp_into`).
-    * optimizer: the state the optimizer's registry entry declares (`precision_of`: AdamW's m and v,
-      muon's momentum of the weight matrices) plus its update's float32 temporaries (`update_temps`
-      per weight-matrix parameter, one per other parameter: clipped gradients / updates; params and
-      state are donated and updated in place).
-    * activations: `activations.meshrun_layer_bytes` per layer; without a pipeline one micro-batch's worth
-      (the loop runs value_and_grad per micro-batch); with one, the executor's fixed residual buffer
-      of `slots + 1` chunks (+1 trash slot) plus the chunk(s) being produced or consumed; plus the
-      loop-invariant causal-mask residual (f32 + bool [b, a, s, s]) of each layer of a unit.
-    * logits: a micro-batch's fp32 logits, exp and masked copy plus the bool label mask, vocab-parallel.
-    Remat (checked on CPU only without it, as the tiny configs run): full keeps each layer's input
-    (b·s·h, /t with sequence parallelism) plus one layer's residuals while its backward runs;
-    selective drops the s x s attention core. remat and sequence_parallel are the layout's (a run
-    config's `layout_of`: the model's); `layers` is the layers of a stage (default n_layers / pipe).
-    Memory levers: remat_every=k keeps every k-th input and rebuilds k layers at once; remat=offload
-    keeps the unit input on the device and the selective names in host memory; offload_optimizer
-    moves the optimizer state (and fp32 master weights under a lower compute dtype) to host: True or
-    "host"; "nvme" moves the state to NVMe files. `streamed` (default: the nvme tier) keeps the stored
-    params on the device (the streamed update, `train/streamed.py`). `device` / `host` / `nvme` split
-    the total by where it rests between steps (as on a GPU: XLA:CPU elides in-step transfers). Context
-    parallelism (layout.context = c): activations and logits of the local s/c tokens
-    (`activations.layer_activation_bytes`), ZeRO shards over data x expert x context."""
+    """Per-device bytes of meshrun's own compiled train step (`memory_analysis()`'s argument + temp), part
+    by part, where JAX differs from Megatron's accounting (`predict_memory`): every pipeline stage holds
+    the embedding and head; the microbatch gradient is whole at every ZeRO stage (reduced once after the
+    loop); optimizer state per its registry entry plus the update's float32 temporaries; activations per
+    `activations.meshrun_layer_bytes` (the executor's residual slots with a pipeline); fp32 logits.
+    `offload_optimizer`: False/True/"host"/"nvme"; `streamed` (default: the nvme tier) keeps the stored
+    params on the device. `device` / `host` / `nvme` split the total by where it rests between steps.
+    docs/memory.md explains each part."""
     frac = (model.n_layers / layout.pipe if layers is None else layers) / model.n_layers
     s = seq_len or model.max_seq_len
     st = _state_bytes(model, layout, frac)

@@ -256,19 +256,10 @@ def predict_time(
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or CALIBRATION
     prec = precision or precision_of(model, framework, layout)
-    p, v, m, b = layout.pipe, layout.virtual, layout.microbatches, layout.micro_batch_size
-    c = layout.context
-    s, gpu = seq_len, cluster.gpu
-    compute = stage_seconds(model, layout, s, gpu, cal, dropout=dropout > 0)
-    full = stage_seconds(model, layout, s, gpu, cal, cluster=cluster, dropout=dropout > 0)
-    cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout > 0)
-    with_cp = (full[0] + cp_layer, *full[1:])
-    v, placement = layout.chunks if p > 1 else v, layout.sched.placement
-    split = layers_per_stage(model.n_layers, p, v, with_cp, placement)
-    times, busy = _stage_times(split, with_cp, placement), _stage_times(split, compute, placement)
-    slow = max(range(p), key=times.__getitem__)
+    m, b, c, s, gpu = layout.microbatches, layout.micro_batch_size, layout.context, seq_len, cluster.gpu
+    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0)
     t_cp = split[slow] * cp_layer
-    t_mb, t_tp = busy[slow], times[slow] - busy[slow] - t_cp
+    t_mb, t_tp = busy, times[slow] - busy - t_cp
     act = prec.act * b * (s / c if c > 1 else s) * model.d_model
     t_pp = _pipe_seconds(layout, cluster, act, framework)
     t_ep = _expert_seconds(model, layout, cluster, act, split[slow])
@@ -305,6 +296,23 @@ def predict_time(
         "split": split,
         "stage_seconds": times,
     }
+
+
+def _split_stages(
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, prec: Precision, dropout: bool
+) -> tuple[list[int], list[float], int, float, float]:
+    """The layer split balanced on each layer's compute + tensor + context seconds: (split, each stage's
+    seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone)."""
+    p = layout.pipe
+    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout)
+    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout)
+    cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout)
+    with_cp = (full[0] + cp_layer, *full[1:])
+    v, placement = layout.chunks if p > 1 else layout.virtual, layout.sched.placement
+    split = layers_per_stage(model.n_layers, p, v, with_cp, placement)
+    times, busy = _stage_times(split, with_cp, placement), _stage_times(split, compute, placement)
+    slow = max(range(p), key=times.__getitem__)
+    return split, times, slow, cp_layer, busy[slow]
 
 
 def _overlapped_reduce(
