@@ -193,34 +193,37 @@ def test_every_command_has_a_description_examples_and_argument_help():
 USER_PAGES = [p for p in PAGES if p.name != "development.md"]
 FORBIDDEN_WORDS = [r"\bissues? #?\d+", r"\bthe seed\b"]
 CONFIG_SECTIONS = {"mesh", "model", "train", "pipeline", "optimizer", "checkpoint", "data", "offload", "eval"}
-# meshrun's public surface besides what `import meshrun` exports (meshrun.__all__): a family's contract,
-# a schedule's and an optimizer's registry entry. A user writes against these, and their attributes.
-PUBLIC = {"Schedule", "Task", "SCHEDULES", "contract.layers_fn", "contract.finish", "schedules.place", "place_split",
-          "model_fns", "init_params", "abstract_params", "check_mesh", "flops_per_token"}  # fmt: skip
+# meshrun's public surface besides what `import meshrun` exports (meshrun.__all__): a family's contract
+# and Hugging Face adapter, a schedule's and an optimizer's registry entry. A user writes against these.
+PUBLIC = {"Schedule", "Task", "SCHEDULES", "OptimizerSpec", "contract.layers_fn", "contract.finish", "schedules.place",
+          "place_split", "model_fns", "init_params", "abstract_params", "check_mesh", "flops_per_token",
+          "model_config", "hf_config", "top_map", "layer_map"}  # fmt: skip
 FILES = r"\.(py|json|jsonl|yaml|yml|txt|png|md|bin|npy|gz)$"
 
 
 def _meshrun_names() -> tuple[set[str], set[str], set[str]]:
-    """(module names, class names, function and method names as `name` and `Class.name`) of meshrun/."""
+    """(module names, class names, function and method names as `name` and `Class.name`) of meshrun/;
+    a name that is also a class's field (a config key, a contract's entry) is not a function here."""
     import ast
 
-    modules, classes, functions = set(), set(), set()
+    modules, classes, functions, fields = set(), set(), set(), set()
     for path in (ROOT / "meshrun").rglob("*.py"):
         modules.add(path.parent.name if path.stem == "__init__" else path.stem)
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef):
                 classes.add(node.name)
-                defs = (n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))
+                defs = [n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
                 functions |= {f"{node.name}.{n.name}" for n in defs}
+                fields |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and hasattr(n.target, "id")}
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 functions.add(node.name)
-    return modules, classes, functions
+    return modules, classes, functions - fields
 
 
 def internal_names(text: str, names: tuple[set[str], set[str], set[str]]) -> list[str]:
     """Backticked names in `text` that are meshrun's internals: a private name (`_x`, `a._x`), a
     dotted name into a module or class that is not public (`swap_dir.stepping`, `Tier.step`), a
-    non-public class, or a call of a non-public function (`make_streamed(cfg)`)."""
+    non-public class, or a non-public function called or named in snake_case (`make_streamed(cfg)`)."""
     import meshrun
 
     modules, classes, functions = names
@@ -241,7 +244,8 @@ def internal_names(text: str, names: tuple[set[str], set[str], set[str]]) -> lis
         if not private and (suffixes & public or parts[0] in public and parts[0] in classes):
             continue
         dotted = len(parts) > 1 and (parts[0] in modules or parts[0] in classes)
-        if private or dotted or name in classes or (m.group(2) and name in functions):
+        called = name in functions and (m.group(2) or "_" in name)  # `make_streamed(cfg)`, `make_streamed`
+        if private or dotted or name in classes or called:
             out.append(span)
     return out
 
@@ -250,7 +254,8 @@ def test_internal_names_are_found():
     """The check below catches what it is for, and leaves config keys and public names alone."""
     names = ({"swap_dir", "streamed", "registry"}, {"Tier", "Schedule", "ModelFns"}, {"make_streamed", "Tier.step"})
     bad = ["_Stepper", "layer_tier._Stepper", "Tier.step", "make_streamed(cfg)", "swap_dir.stepping", "Tier"]
-    good = ["train.steps", "offload.dir", "ModelFns", "Schedule.check", "meshrun train x", "8·N", "make_streamed"]
+    bad += ["make_streamed"]
+    good = ["train.steps", "offload.dir", "ModelFns", "Schedule.check", "meshrun train x", "8·N", "step", "val_loss"]
     text = " ".join(f"`{n}`" for n in bad + good) + "\n```bash\n`_hidden_in_a_block`\n```\n"
     assert internal_names(text, names) == bad
 
