@@ -186,3 +186,88 @@ def test_every_command_has_a_description_examples_and_argument_help():
             bad.append(f"{name}: no description or no example")
         bad += [f"{name}: {a.dest} has no help" for a in p._actions if not a.help]
     assert not bad, "\n".join(bad)
+
+
+# User pages speak of what a user sets and runs; meshrun's internals, issue numbers and "the seed" are
+# for contributors (docs/development.md) and commit messages.
+USER_PAGES = [p for p in PAGES if p.name != "development.md"]
+FORBIDDEN_WORDS = [r"\bissues? #?\d+", r"\bthe seed\b"]
+CONFIG_SECTIONS = {"mesh", "model", "train", "pipeline", "optimizer", "checkpoint", "data", "offload", "eval"}
+# meshrun's public surface besides what `import meshrun` exports (meshrun.__all__): a family's contract
+# and Hugging Face adapter, a schedule's and an optimizer's registry entry. A user writes against these.
+PUBLIC = {"Schedule", "Task", "SCHEDULES", "OptimizerSpec", "contract.layers_fn", "contract.finish", "schedules.place",
+          "place_split", "model_fns", "init_params", "abstract_params", "check_mesh", "flops_per_token",
+          "model_config", "hf_config", "top_map", "layer_map"}  # fmt: skip
+FILES = r"\.(py|json|jsonl|yaml|yml|txt|png|md|bin|npy|gz)$"
+
+
+def _meshrun_names() -> tuple[set[str], set[str], set[str]]:
+    """(module names, class names, function and method names as `name` and `Class.name`) of meshrun/;
+    a name that is also a class's field (a config key, a contract's entry) is not a function here."""
+    import ast
+
+    modules, classes, functions, fields = set(), set(), set(), set()
+    for path in (ROOT / "meshrun").rglob("*.py"):
+        modules.add(path.parent.name if path.stem == "__init__" else path.stem)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes.add(node.name)
+                defs = [n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+                functions |= {f"{node.name}.{n.name}" for n in defs}
+                fields |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and hasattr(n.target, "id")}
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                functions.add(node.name)
+    return modules, classes, functions - fields
+
+
+def internal_names(text: str, names: tuple[set[str], set[str], set[str]]) -> list[str]:
+    """Backticked names in `text` that are meshrun's internals: a private name (`_x`, `a._x`), a
+    dotted name into a module or class that is not public (`swap_dir.stepping`, `Tier.step`), a
+    non-public class, or a non-public function called or named in snake_case (`make_streamed(cfg)`)."""
+    import meshrun
+
+    modules, classes, functions = names
+    public = PUBLIC | set(meshrun.__all__)
+    out = []
+    for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+        m = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(\(.*\))?", span.strip())
+        if not m or re.search(FILES, m.group(1)):
+            continue
+        parts = m.group(1).split(".")
+        if parts[0] == "meshrun":
+            parts = parts[1:] or ["meshrun"]
+        elif parts[0] in CONFIG_SECTIONS:
+            continue
+        name = ".".join(parts)
+        private = any(p.startswith("_") and not p.endswith("__") for p in parts)
+        suffixes = {".".join(parts[i:]) for i in range(len(parts))}  # meshrun.family.contract.finish: contract.finish
+        if not private and (suffixes & public or parts[0] in public and parts[0] in classes):
+            continue
+        dotted = len(parts) > 1 and (parts[0] in modules or parts[0] in classes)
+        called = name in functions and (m.group(2) or "_" in name)  # `make_streamed(cfg)`, `make_streamed`
+        if private or dotted or name in classes or called:
+            out.append(span)
+    return out
+
+
+def test_internal_names_are_found():
+    """The check below catches what it is for, and leaves config keys and public names alone."""
+    names = ({"swap_dir", "streamed", "registry"}, {"Tier", "Schedule", "ModelFns"}, {"make_streamed", "Tier.step"})
+    bad = ["_Stepper", "layer_tier._Stepper", "Tier.step", "make_streamed(cfg)", "swap_dir.stepping", "Tier"]
+    bad += ["make_streamed"]
+    good = ["train.steps", "offload.dir", "ModelFns", "Schedule.check", "meshrun train x", "8·N", "step", "val_loss"]
+    text = " ".join(f"`{n}`" for n in bad + good) + "\n```bash\n`_hidden_in_a_block`\n```\n"
+    assert internal_names(text, names) == bad
+
+
+def test_user_pages_are_a_manual():
+    """README.md and docs/*.md (but docs/development.md, for contributors) name no issue numbers, no
+    "the seed" and none of meshrun's internal names: only what a user sets, runs and imports."""
+    names = _meshrun_names()
+    bad = []
+    for page in USER_PAGES:
+        text = page.read_text()
+        for pattern in FORBIDDEN_WORDS:
+            bad += [f"{page.name}: '{w}'" for w in re.findall(pattern, text, re.I)]
+        bad += [f"{page.name}: `{n}`" for n in internal_names(text, names)]
+    assert not bad, "internal names in user pages (move them to docs/development.md or drop them):\n" + "\n".join(bad)
