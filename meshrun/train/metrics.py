@@ -10,12 +10,11 @@ padding; a family with neither gets no TFLOP/s and no MFU. Peaks come from the G
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +54,16 @@ def memory_in_use() -> dict[str, int]:
 
 
 class MetricRows:
-    """Which steps get a metrics.jsonl row, and what is in it: the step's metrics plus lr, step time,
+    """What is in a metrics.jsonl row: the step's metrics plus lr, step time,
     tokens/s, TFLOP/s per device and MFU (when the family's FLOPs and the device's peak are known),
     the pipeline bubble and device memory."""
 
     def __init__(self, cfg: Any, n_devices: int, bubble: float, lr: Callable[[int], float], family: Any):
         t = cfg.train
-        self.log_every, self.n_devices, self.bubble, self.lr = t.log_every, n_devices, bubble, lr
+        self.n_devices, self.bubble, self.lr = n_devices, bubble, lr
         self.tokens = t.global_batch * t.seq_len
         self.flops = family.model_flops(cfg.model, t.global_batch, t.seq_len)
         self.peak = peak_flops(jax.devices()[0])
-
-    def due(self, step: int, ran: int, last: bool) -> bool:
-        """train.log_every=k: the first step of this call, every k-th step, and the last one (the run's
-        end, a preemption or `stop_after`). NaN/Inf stops the run without a row."""
-        return ran == 1 or last or step % self.log_every == 0
 
     def row(self, metrics: dict, step: int, dt: float) -> dict:
         """The row of 0-based `step` that took `dt` seconds."""
@@ -209,27 +203,6 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def trace_options() -> jax.profiler.ProfileOptions:
-    """meshrun's profiler settings: no Python function events (compiling a step alone fills the
-    trace's 1M-event cap with them, crowding out the device ops `meshrun.analysis.trace` reads)."""
-    opts = jax.profiler.ProfileOptions()
-    opts.python_tracer_level = 0
-    return opts
-
-
-@contextlib.contextmanager
-def profile_trace(run_dir: str | Path, enabled: bool) -> Iterator[Path | None]:
-    """jax.profiler.trace into run_dir/profile when enabled (open it with TensorBoard or Perfetto; the
-    Perfetto file is what `meshrun.analysis.trace` reads)."""
-    if not enabled:
-        yield None
-        return
-    out = Path(run_dir) / "profile"
-    out.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=trace_options()):
-        yield out
 
 
 def _gib(n: float) -> str:
