@@ -8,6 +8,7 @@ run-dir lock (`runtime.processes`), restores and trains. Each step runs the side
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,8 @@ from meshrun.runtime.processes import agree, lost_peer, say, take_lock, warn
 from meshrun.runtime.watchdog import Watchdog
 from meshrun.train.config_file import warn_config_differs, write_config
 from meshrun.train.hooks import StepInfo
-from meshrun.train.metrics import MetricsLogger, startup_lines
+from meshrun.train.metrics import MetricsLogger
+from meshrun.train.plan import StepPlan
 from meshrun.train.prepare import Prepared, prepare
 from meshrun.train.restore import (
     check_checkpoints,
@@ -42,11 +44,20 @@ from meshrun.train.step import TrainStep
 __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # kept importable from here
 
 
+Startup = Callable[[RunConfig, Any, StepPlan], list[str]]  # (config, mesh, plan) -> the start-up block's lines
+
+
 def run(
-    cfg: RunConfig, *, devices: list | None = None, quiet: bool = False, stop_after: int | None = None
+    cfg: RunConfig,
+    *,
+    devices: list | None = None,
+    quiet: bool = False,
+    stop_after: int | None = None,
+    startup: Startup | None = None,
 ) -> dict[str, Any]:
     """Train `cfg.train.steps` steps (resuming from the newest intact checkpoint in run_dir).
     `stop_after`: stop (without the final save) once this many steps ran in this call (tests).
+    `startup`: the start-up block to print once the checks passed (`meshrun.report.startup.startup_lines`).
 
     Order: everything checkable first (mesh, config, data, existing checkpoints) and nothing is
     written until it passed; then the run-dir lock, the checkpointer, the metrics file."""
@@ -70,7 +81,7 @@ def run(
         if tier is not None:
             closers.insert(0, tier.close)
         check_same_model(ckpt, built.train_step, steps)  # refused before the start-up block, alone
-        for line in startup_lines(cfg, built.mesh, built.train_step.plan):
+        for line in startup(cfg, built.mesh, built.train_step.plan) if startup is not None else []:
             say(line, quiet)
         warn_config_differs(cfg, steps)
         dog = _watchdog(cfg, built)
