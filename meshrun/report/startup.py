@@ -32,11 +32,9 @@ def flops_lines(family: Any, m: Any, tokens: int, seq_len: int) -> list[str]:
 
 
 def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
-    """The start-up block printed before compiling: model, mesh, batch, schedule, layer split and the
-    planner's predicted memory per device (`planner.step_model.predict_memory_jax` on `plan.layout`)."""
-    from meshrun.planner import predict_memory_jax
+    """The start-up block printed before compiling: model, mesh, batch, schedule, layer split, FLOPs and
+    the planner's predicted memory per device."""
     from meshrun.runtime.mesh import describe_dict
-    from meshrun.train.plan import streams_update
 
     m, t, pc = cfg.model, cfg.train, cfg.pipeline
     if plan.abstract_params is not None:  # the family's own parameters
@@ -63,20 +61,28 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
         how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
     lines += flops_lines(plan.family, m, t.global_batch * t.seq_len, t.seq_len)
+    return [*lines, _memory_line(cfg, plan)]
+
+
+def _memory_line(cfg: Any, plan: Any) -> str:
+    """The planner's predicted memory per device (`planner.step_model.predict_memory_jax` on
+    `plan.layout`), and where it rests when part of it is off the device."""
+    from meshrun.planner import predict_memory_jax
+    from meshrun.train.plan import streams_update
+
+    m, t = cfg.model, cfg.train
     if not m.predictable:
-        lines.append(f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})")
-        return lines
+        return f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})"
     try:
         mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer,
                                  streamed=streams_update(plan.cfg))  # fmt: skip
-        where = ""
-        if mem["host"] or mem["nvme"]:  # where it rests: the state off the device
-            where = f"; device {_gib(mem['device'])}, host memory {_gib(mem['host'])}" + (
-                f", NVMe files {_gib(mem['nvme'])}" if mem["nvme"] else "")  # fmt: skip
-        lines.append(
-            f"memory    predicted {_gib(mem['total'])} per device (params {_gib(mem['params'])}, optimizer "
-            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}){where}"
-        )
     except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
-        lines.append(f"memory    no prediction ({type(e).__name__})")
-    return lines
+        return f"memory    no prediction ({type(e).__name__})"
+    where = ""
+    if mem["host"] or mem["nvme"]:  # where it rests: the state off the device
+        where = f"; device {_gib(mem['device'])}, host memory {_gib(mem['host'])}" + (
+            f", NVMe files {_gib(mem['nvme'])}" if mem["nvme"] else "")  # fmt: skip
+    return (
+        f"memory    predicted {_gib(mem['total'])} per device (params {_gib(mem['params'])}, optimizer "
+        f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}){where}"
+    )

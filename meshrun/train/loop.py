@@ -77,9 +77,7 @@ def run(
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
-        tier = LocalTier(cfg.checkpoint, t.run_dir, checkpoint_meta(cfg)) if cfg.checkpoint.local_every else None
-        if tier is not None:
-            closers.insert(0, tier.close)
+        tier = _local_tier(cfg, closers)
         check_same_model(ckpt, built.train_step, steps)  # refused before the start-up block, alone
         for line in startup(cfg, built.mesh, built.train_step.plan) if startup is not None else []:
             say(line, quiet)
@@ -92,14 +90,29 @@ def run(
         stepper = Stepper(built.train_step, state, dog, faults)
         result = _train(cfg, built, stepper, Saves(ckpt, quiet, tier), Bounds(start, stop_after, flag), quiet)
     except BaseException as e:
-        lost = lost_peer(e)
-        if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
-            _close_all([c for c in closers if ckpt is None or c != ckpt.close], quiet=True)
-            raise DistributedError(f"{lost}; {resume_hint(t.run_dir)}") from e
-        _close_all(closers, quiet=True)  # a failure while closing must not hide the one that got us here
+        _close_after(e, closers, ckpt, t.run_dir)
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+def _local_tier(cfg: RunConfig, closers: list) -> LocalTier | None:
+    """The local checkpoint tier when checkpoint.local_every is set; closed before the checkpointer."""
+    if not cfg.checkpoint.local_every:
+        return None
+    tier = LocalTier(cfg.checkpoint, cfg.train.run_dir, checkpoint_meta(cfg))
+    closers.insert(0, tier.close)
+    return tier
+
+
+def _close_after(e: BaseException, closers: list, ckpt: Checkpointer | None, run_dir: str) -> None:
+    """Close everything after the failure `e` (quietly: a failure while closing must not hide it); a
+    lost peer becomes a DistributedError that says how to resume."""
+    lost = lost_peer(e)
+    if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
+        _close_all([c for c in closers if ckpt is None or c != ckpt.close], quiet=True)
+        raise DistributedError(f"{lost}; {resume_hint(run_dir)}") from e
+    _close_all(closers, quiet=True)
 
 
 def check_local_tier(cfg: RunConfig) -> None:

@@ -96,6 +96,33 @@ def _scalar(v: Any) -> Any:
     return f if math.isfinite(f) else str(f)  # JSON has no nan/inf; keep them readable
 
 
+def _row_parts(row: dict, mean: float | None) -> list[str]:
+    """The progress line's fields of a row; tokens/s smoothed by the `mean` step time."""
+    st, parts = row.get("step_time_s"), []
+    f = lambda k: isinstance(row.get(k), float)  # noqa: E731
+    if f("loss"):
+        parts.append(f"loss {row['loss']:.4f}")
+    if f("val_loss"):
+        parts.append(f"val_loss {row['val_loss']:.4f}")
+    if f("tokens_per_s"):  # smoothed: tokens per step / the mean step time
+        parts.append(f"{row['tokens_per_s'] * (st / mean if mean and f('step_time_s') else 1):,.0f} tok/s")
+    if f("step_time_s"):
+        parts.append(f"{1000 * st:.0f} ms/step")
+    if f("lr"):
+        parts.append(f"lr {row['lr']:.2e}")
+    if f("grad_norm"):
+        parts.append(f"gnorm {row['grad_norm']:.3f}")
+    if f("mfu"):
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if isinstance(row.get("memory_in_use"), (int, float)):
+        parts.append(f"mem {row['memory_in_use'] / 2**30:.2f} GiB")
+    if isinstance(row.get("dropped_tokens"), (int, float)):
+        parts.append(f"dropped {row['dropped_tokens']:.0f}")
+    if f("moe_aux_loss"):
+        parts.append(f"aux {row['moe_aux_loss']:.4f}")
+    return parts
+
+
 class MetricsLogger:
     """One JSON line per `log` in run_dir/metrics.jsonl, a progress line on stderr, TensorBoard events
     (run_dir/tb) when tensorboardX is installed. Only process 0 writes anything."""
@@ -144,28 +171,7 @@ class MetricsLogger:
         if isinstance(st, float) and st > 0:
             self._recent.append(st)
         mean = sum(self._recent) / len(self._recent) if self._recent else None
-        parts = [f"step {step}/{self.total_steps}"]
-        f = lambda k: isinstance(row.get(k), float)  # noqa: E731
-        if f("loss"):
-            parts.append(f"loss {row['loss']:.4f}")
-        if f("val_loss"):
-            parts.append(f"val_loss {row['val_loss']:.4f}")
-        if f("tokens_per_s"):  # smoothed: tokens per step / the mean step time
-            parts.append(f"{row['tokens_per_s'] * (st / mean if mean and f('step_time_s') else 1):,.0f} tok/s")
-        if f("step_time_s"):
-            parts.append(f"{1000 * st:.0f} ms/step")
-        if f("lr"):
-            parts.append(f"lr {row['lr']:.2e}")
-        if f("grad_norm"):
-            parts.append(f"gnorm {row['grad_norm']:.3f}")
-        if f("mfu"):
-            parts.append(f"MFU {100 * row['mfu']:.1f}%")
-        if isinstance(row.get("memory_in_use"), (int, float)):
-            parts.append(f"mem {row['memory_in_use'] / 2**30:.2f} GiB")
-        if isinstance(row.get("dropped_tokens"), (int, float)):
-            parts.append(f"dropped {row['dropped_tokens']:.0f}")
-        if f("moe_aux_loss"):
-            parts.append(f"aux {row['moe_aux_loss']:.4f}")
+        parts = [f"step {step}/{self.total_steps}", *_row_parts(row, mean)]
         done = step - self._step0
         eta = (
             mean * (self.total_steps - step)
@@ -175,7 +181,10 @@ class MetricsLogger:
             else None
         )
         parts.append(f"ETA {_fmt_time(eta)}" if eta is not None else "ETA --")
-        line = "  ".join(parts)
+        self._write("  ".join(parts), step)
+
+    def _write(self, line: str, step: int) -> None:
+        """A progress bar on a terminal, else one line per row."""
         if self.stream.isatty():
             width = 30
             filled = int(width * min(step, self.total_steps) / max(self.total_steps, 1))
