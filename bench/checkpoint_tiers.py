@@ -65,7 +65,7 @@ def main() -> None:
     from meshrun.checkpoint.local import LocalTier
     from meshrun.checkpoint.state import Checkpointer
     from meshrun.config import CheckpointConfig
-    from meshrun.train.resume import checkpoint_meta
+    from meshrun.train.restore import checkpoint_meta
 
     ts, state, cfg = build(args.d_model, args.layers)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))

@@ -5,7 +5,7 @@
     python bench/memory.py --quick    # four rows
     python bench/memory.py --dtype bfloat16 --quick
 
-Saved activations per layer and sequence: `meshrun.train.explain.saved_bytes_per_layer`, the double
+Saved activations per layer and sequence: `meshrun.report.explain.saved_bytes_per_layer`, the double
 difference of compiled temp bytes over two depths and two microbatch sizes (working set, gradients
 and optimizer temporaries cancel): the bytes live at once (from XLA's buffer-assignment and
 live-range dumps), and beside them the same difference of `memory_analysis().temp`, the extent of
@@ -80,7 +80,7 @@ def grid(quick: bool):
 
 
 def activation_table(rows, dtype: str) -> list[str]:
-    from meshrun.train.explain import saved_bytes_per_layer
+    from meshrun.report.explain import saved_bytes_per_layer
 
     out = ["| model | TP | SP | remat | compiled MB/layer | temp extent MB/layer | Megatron's count MB "
            "| compiled / count | planner MB | planner / compiled |",
@@ -103,7 +103,7 @@ def activation_table(rows, dtype: str) -> list[str]:
 def state_bytes(dtype: str) -> list[str]:
     """Bytes per parameter of one layer's state and its non-activation temporaries on one device
     (depth difference of argument and temp bytes, less the activations), per ZeRO stage, m = 1 and 4."""
-    from meshrun.train.explain import compile_step, live_temp, saved_bytes_per_layer
+    from meshrun.report.explain import compile_step, live_temp, saved_bytes_per_layer
 
     out = ["| ZeRO | microbatches | argument B/param | temp B/param (grads + optimizer temporaries) |",
            "|---:|---:|---:|---:|"]  # fmt: skip

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshrun.analysis import hlo  # noqa: E402
 from meshrun.analysis import trace as profile  # noqa: E402
+from meshrun.analysis.profiler import trace_options  # noqa: E402
 from meshrun.config import PipelineConfig  # noqa: E402
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, use_rules  # noqa: E402
 from meshrun.pipeline import registry, schedules  # noqa: E402
@@ -48,7 +49,6 @@ from meshrun.pipeline.executor import Pipeline  # noqa: E402
 from meshrun.pipeline.spec import pipeline_spec  # noqa: E402
 from meshrun.pipeline.split import layer_split  # noqa: E402
 from meshrun.runtime.mesh import build_mesh  # noqa: E402
-from meshrun.train.metrics import trace_options  # noqa: E402
 
 SEQ = 32
 CFG = LlamaConfig(vocab=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, max_seq_len=SEQ)

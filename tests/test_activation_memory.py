@@ -11,7 +11,7 @@ from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.config import ModelConfig, load_config
 from meshrun.planner import activations
-from meshrun.train.explain import saved_bytes_per_layer
+from meshrun.report.explain import saved_bytes_per_layer
 
 S, B = 32, 1
 

@@ -20,8 +20,8 @@ from meshrun.parallel.sharding import DP_AXES
 from meshrun.planner import search, step_model, timing
 from meshrun.planner.hardware import COMM_EFFICIENCY, COMM_LATENCY_S, GB, parse_cluster
 from meshrun.planner.layout import Layout, layout_of
+from meshrun.report.explain import buckets, format_buckets
 from meshrun.runtime.mesh import rack_of
-from meshrun.train.explain import buckets, format_buckets
 from meshrun.train.step import make_train_step
 
 BF16 = "train.grad_reduce_dtype=bfloat16"

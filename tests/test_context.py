@@ -322,7 +322,7 @@ def test_temp_bytes_fall_as_one_over_c(kind):
 def test_planner_context_bytes_equal_the_compiled_step(over):
     """`meshrun explain`: the planner's bytes over 'context' per step (K/V gathers and reduce-scatters,
     or the ring's blocks and float32 dK/dV) equal the compiled program's."""
-    from meshrun.train.explain import explain
+    from meshrun.report.explain import explain
 
     rep = explain(load_config("configs/tiny_cpu.yaml", over))
     pred, comp = rep["collectives"]["predicted"]["context"], rep["collectives"]["compiled"]["context"]

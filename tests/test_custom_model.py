@@ -41,7 +41,7 @@ def test_trains_on_pipe_data_tensor_as_on_one_device():
 
 
 def test_its_config_class_fields_and_count():
-    from meshrun.train.metrics import startup_lines
+    from meshrun.report.startup import startup_lines
     from meshrun.train.plan import build_plan
 
     cfg = _cfg()
@@ -64,7 +64,8 @@ def test_mfu_counts_the_familys_own_flops_or_none():
     declares none and is not a transformer gets "n/a" in the start-up block and no TFLOP/s or MFU rows;
     a transformer family keeps the transformer formula."""
     from meshrun.analysis.flops import model_flops
-    from meshrun.train.metrics import MetricRows, startup_lines
+    from meshrun.report.startup import startup_lines
+    from meshrun.train.metrics import MetricRows
     from meshrun.train.plan import build_plan
 
     cfg = _cfg()

@@ -11,7 +11,7 @@ import pytest
 
 from meshrun.cli.main import main
 from meshrun.config import load_config
-from meshrun.train import explain
+from meshrun.report import explain
 
 TOL = 0.15  # predicted per-device memory within +-15% of the compiled step
 
@@ -190,5 +190,5 @@ def test_importing_explain_leaves_jax_unimported():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    code = "import sys, meshrun.train.explain; sys.exit('jax' in sys.modules)"
+    code = "import sys, meshrun.report.explain; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, cwd=root, env=env).returncode == 0

@@ -25,8 +25,8 @@ from meshrun.cli.main import main
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.errors import ConfigError
 from meshrun.parallel.sharding import DP_AXES
+from meshrun.report import explain
 from meshrun.runtime.mesh import build_mesh
-from meshrun.train import explain
 from meshrun.train.plan import check_host_memory
 from meshrun.train.step import make_train_step
 

@@ -10,7 +10,8 @@ import pytest
 from meshrun_models.llama.config import LlamaConfig
 
 from meshrun.analysis.flops import model_flops
-from meshrun.train.metrics import MetricsLogger, peak_flops, profile_trace, throughput
+from meshrun.analysis.profiler import profile_trace
+from meshrun.train.metrics import MetricsLogger, peak_flops, throughput
 
 
 def gpt(h, L, heads, V, s):

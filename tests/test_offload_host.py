@@ -150,7 +150,7 @@ def test_explain_and_run_header_report_each_tier_where_it_rests(tmp_path, capsys
     tier's in NVMe files (not host memory): predicted, the state's bytes; compiled, the tier's own
     count (its store per device, plus its chunk buffers in host memory), since the state is no
     argument of the compiled device part."""
-    from meshrun.train.metrics import startup_lines
+    from meshrun.report.startup import startup_lines
 
     over = ["train.zero=1", "train.seq_len=16", "model.max_seq_len=16", "train.global_batch=16"]
     tiers = {"host": [], "nvme": [f"train.offload_dir={tmp_path}"]}

@@ -18,8 +18,8 @@ from meshrun.optim import registry
 from meshrun.optim.optimizer import elementwise_transform, make_optimizer, muon_dims
 from meshrun.planner.cost import precision_of
 from meshrun.planner.layout import Layout
+from meshrun.report import explain
 from meshrun.runtime.mesh import build_mesh
-from meshrun.train import explain
 from meshrun.train.step import make_train_step
 
 MUON = ["optimizer.name=muon"]

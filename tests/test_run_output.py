@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from meshrun.config import load_config, to_dict
+from meshrun.report.startup import startup_lines
 from meshrun.train import loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def _cfg(run_dir: Path, *over: str):
 def test_startup_block_config_yaml_and_saves(tmp_path, capsys):
     run_dir = tmp_path / "run"
     cfg = _cfg(run_dir, "train.steps=2", "checkpoint.async_save=false")
-    out = loop.run(cfg)
+    out = loop.run(cfg, startup=startup_lines)
     err = capsys.readouterr().err
     lines = err.splitlines()
     want = [

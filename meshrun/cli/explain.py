@@ -1,5 +1,5 @@
 """`meshrun explain CONFIG [section.key=value ...] [--json] [--cluster C]`: a thin shell over
-`meshrun.train.explain` (compile the train step, never run it)."""
+`meshrun.report.explain` (compile the train step, never run it)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 from meshrun.config import load_config, load_mesh
 from meshrun.errors import ConfigError
+from meshrun.report.explain import MAX_SIMULATED, check_cluster, explain, format_report, step_time
 from meshrun.runtime.devices import add_fast_compile_flag, needed_devices, simulate_cpu_devices
-from meshrun.train.explain import MAX_SIMULATED, check_cluster, explain, format_report, step_time
 
 
 def register(sub) -> None:

@@ -1,5 +1,5 @@
 """`meshrun profile CONFIG [section.key=value ...] [--steps N] [--out DIR] [--json]`: a thin shell over
-`meshrun.train.profile` (trace N steps, report busy/idle/collective time per pipeline stage)."""
+`meshrun.report.profile` (trace N steps, report busy/idle/collective time per pipeline stage)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def run_profile(args) -> int:
     start_command(load_mesh(args.config, args.overrides), args, "profile")  # before a family's module imports jax
     cfg = load_config(args.config, args.overrides)
     from meshrun.analysis.trace import format_report  # imports jax: only once the devices are set up
-    from meshrun.train.profile import profile
+    from meshrun.report.profile import profile
 
     out = Path(args.out) if args.out else Path(cfg.train.run_dir) / "profile"
     rep = profile(cfg, args.steps, out)

@@ -45,9 +45,10 @@ def run_train(args) -> int:
     args.devices = args.devices or 0
     start_command(load_mesh(args.config, args.overrides), args, "train")  # before a family's module imports jax
     cfg = load_config(args.config, args.overrides)
-    from meshrun.train.loop import run  # imports jax: only once the devices are set up
+    from meshrun.report.startup import startup_lines  # imports jax: only once the devices are set up
+    from meshrun.train.loop import run
 
-    result = run(cfg, quiet=args.quiet)
+    result = run(cfg, quiet=args.quiet, startup=startup_lines)
     keys = ("step", "loss", "first_loss", "val_loss", "tokens_per_s", "run_dir")
     print(json.dumps({k: result[k] for k in keys if k in result}))
     return 0

@@ -1,14 +1,14 @@
-"""The training loop: data -> jitted step -> metrics -> orbax checkpoints, resumable and preemptible.
+"""The training loop: data -> jitted step -> side jobs (hooks) -> orbax checkpoints, resumable and preemptible.
 
-`run` checks everything first (`prepare`, the run dir, its checkpoints: `resume`), then takes the
-run-dir lock (`runtime.processes`), restores and trains. Rows: `metrics.MetricRows`; profiling:
-`profile`."""
+`run` checks everything first (`prepare`, the run dir, its checkpoints: `restore`), then takes the
+run-dir lock (`runtime.processes`), restores and trains. Each step runs the side jobs due then
+(`side_jobs.SideJobs.hooks`: checks, evaluation, metric rows, saves).
+"""
 
 from __future__ import annotations
 
-import math
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,37 +20,44 @@ from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir
 from meshrun.config import RunConfig
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import ConfigError, DistributedError, TrainingError
-from meshrun.optim.optimizer import lr_schedule
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.faults import Faults
 from meshrun.runtime.processes import agree, lost_peer, say, take_lock, warn
-from meshrun.runtime.stragglers import Stragglers
 from meshrun.runtime.watchdog import Watchdog
-from meshrun.train.evaluate import evaluate, make_eval_step
-from meshrun.train.metrics import MetricRows, MetricsLogger, startup_lines
+from meshrun.train.config_file import warn_config_differs, write_config
+from meshrun.train.hooks import StepInfo
+from meshrun.train.metrics import MetricsLogger
+from meshrun.train.plan import StepPlan
 from meshrun.train.prepare import Prepared, prepare
-from meshrun.train.profile import train_report, train_trace
-from meshrun.train.resume import (
-    Saves,
+from meshrun.train.restore import (
     check_checkpoints,
     check_same_model,
     checkpoint_meta,
     initial_state,
     resume_hint,
     run_first_loss,
-    warn_config_differs,
-    write_config,
 )
+from meshrun.train.saves import Saves
+from meshrun.train.side_jobs import SideJobs, profile_report, trace
 from meshrun.train.step import TrainStep
 
 __all__ = ["TrainingError", "checkpoint_meta", "prepare", "run"]  # kept importable from here
 
 
+Startup = Callable[[RunConfig, Any, StepPlan], list[str]]  # (config, mesh, plan) -> the start-up block's lines
+
+
 def run(
-    cfg: RunConfig, *, devices: list | None = None, quiet: bool = False, stop_after: int | None = None
+    cfg: RunConfig,
+    *,
+    devices: list | None = None,
+    quiet: bool = False,
+    stop_after: int | None = None,
+    startup: Startup | None = None,
 ) -> dict[str, Any]:
     """Train `cfg.train.steps` steps (resuming from the newest intact checkpoint in run_dir).
     `stop_after`: stop (without the final save) once this many steps ran in this call (tests).
+    `startup`: the start-up block to print once the checks passed (`meshrun.report.startup.startup_lines`).
 
     Order: everything checkable first (mesh, config, data, existing checkpoints) and nothing is
     written until it passed; then the run-dir lock, the checkpointer, the metrics file."""
@@ -70,11 +77,9 @@ def run(
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
-        tier = LocalTier(cfg.checkpoint, t.run_dir, checkpoint_meta(cfg)) if cfg.checkpoint.local_every else None
-        if tier is not None:
-            closers.insert(0, tier.close)
+        tier = _local_tier(cfg, closers)
         check_same_model(ckpt, built.train_step, steps)  # refused before the start-up block, alone
-        for line in startup_lines(cfg, built.mesh, built.train_step.plan):
+        for line in startup(cfg, built.mesh, built.train_step.plan) if startup is not None else []:
             say(line, quiet)
         warn_config_differs(cfg, steps)
         dog = _watchdog(cfg, built)
@@ -85,14 +90,29 @@ def run(
         stepper = Stepper(built.train_step, state, dog, faults)
         result = _train(cfg, built, stepper, Saves(ckpt, quiet, tier), Bounds(start, stop_after, flag), quiet)
     except BaseException as e:
-        lost = lost_peer(e)
-        if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
-            _close_all([c for c in closers if ckpt is None or c != ckpt.close], quiet=True)
-            raise DistributedError(f"{lost}; {resume_hint(t.run_dir)}") from e
-        _close_all(closers, quiet=True)  # a failure while closing must not hide the one that got us here
+        _close_after(e, closers, ckpt, t.run_dir)
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+def _local_tier(cfg: RunConfig, closers: list) -> LocalTier | None:
+    """The local checkpoint tier when checkpoint.local_every is set; closed before the checkpointer."""
+    if not cfg.checkpoint.local_every:
+        return None
+    tier = LocalTier(cfg.checkpoint, cfg.train.run_dir, checkpoint_meta(cfg))
+    closers.insert(0, tier.close)
+    return tier
+
+
+def _close_after(e: BaseException, closers: list, ckpt: Checkpointer | None, run_dir: str) -> None:
+    """Close everything after the failure `e` (quietly: a failure while closing must not hide it); a
+    lost peer becomes a DistributedError that says how to resume."""
+    lost = lost_peer(e)
+    if lost is not None:  # the job is over: a save or a barrier would wait for the dead process
+        _close_all([c for c in closers if ckpt is None or c != ckpt.close], quiet=True)
+        raise DistributedError(f"{lost}; {resume_hint(run_dir)}") from e
+    _close_all(closers, quiet=True)
 
 
 def check_local_tier(cfg: RunConfig) -> None:
@@ -181,6 +201,14 @@ class Bounds:
     stop_after: int | None
     flag: PreemptionFlag
 
+    def decide(self, info: StepInfo, steps: int) -> StepInfo:
+        """Whether `info`'s step is this call's last: preemption (agreed by all processes, so that they
+        save and leave at the same step), `stop_after`, or the run's end at `steps`."""
+        info.stop = self.flag.should_stop()
+        info.cut = self.stop_after is not None and info.ran >= self.stop_after
+        info.last = info.stop or info.cut or info.step == steps
+        return info
+
 
 @dataclass
 class Tally:
@@ -193,88 +221,44 @@ class Tally:
     timed_steps: int = 0
     ran: int = 0
 
-    def add(self, loss: float, dt: float) -> None:
+    def add(self, loss: float, dt: float) -> int:
+        """Count a step; returns how many ran."""
         self.loss = loss
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.ran += 1
         if self.ran > 1:  # the first step includes compilation
             self.timed_s, self.timed_steps = self.timed_s + dt, self.timed_steps + 1
+        return self.ran
 
 
 def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: Bounds, quiet: bool) -> dict[str, Any]:
-    """Steps start..train.steps: step, check the loss, evaluate, log, checkpoint; stop early on
+    """Steps start..train.steps: batch, step, then the side jobs due (`SideJobs.hooks`); stop early on
     preemption or `stop_after`."""
     t, mesh, ts = cfg.train, built.mesh, built.train_step
-    rows = MetricRows(cfg, mesh.size, ts.plan.bubble, lr_schedule(cfg), ts.plan.family)
-    eval_step = make_eval_step(ts, mesh) if t.eval_every else None
-    tally, batch, dog = Tally(), None, stepper.dog
-    stragglers = Stragglers(t.straggler_threshold, t.log_every)
+    batch_of = lambda step: global_batch_arrays(built.ds, step, mesh, P(DP_AXES))  # noqa: E731
+    tally, batch = Tally(), None
     with MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet) as logger:
+        jobs = SideJobs(cfg, built, stepper, saves, tally, logger, quiet)
+        hooks = jobs.hooks()
         if b.start < t.steps:
-            stepper.compile(global_batch_arrays(built.ds, b.start, mesh, P(DP_AXES)), b.start + 1, quiet)
-        with train_trace(cfg):
-            for step in range(b.start, t.steps):
+            stepper.compile(batch_of(b.start), b.start + 1, quiet)
+        with trace(cfg):
+            for step in range(b.start + 1, t.steps + 1):
                 t0 = time.perf_counter()
-                batch = global_batch_arrays(built.ds, step, mesh, P(DP_AXES))  # tokens, labels[, segment_ids]
-                metrics, dt = stepper(batch, step + 1)
-                _check_loss(metrics["loss"], step, saves.ckpt, t.run_dir)
-                tally.add(metrics["loss"], dt)
-                if tally.ran > 1:  # host time before the call (data, hooks), then the wait in it
-                    stragglers.add(step + 1, time.perf_counter() - t0 - dt, dt)
-                if stragglers.due(step + 1):
-                    dog.phase("gather step times", step + 1)
-                    metrics |= stragglers.check(step + 1)
-                stop = b.flag.should_stop()  # agreed by all processes: they save and leave at the same step
-                cut = b.stop_after is not None and tally.ran >= b.stop_after
-                last = stop or cut or step + 1 == t.steps
-                if eval_step is not None and ((step + 1) % t.eval_every == 0 or last):
-                    dog.phase("eval", step + 1)
-                    metrics |= evaluate(eval_step, stepper.state.params, built.ds.val, t.eval_batches, mesh)
-                    tally.val_loss = metrics["val_loss"]
-                if rows.due(step + 1, tally.ran, last=last) or "val_loss" in metrics:
-                    logger.log(step + 1, rows.row(metrics, step, dt))
-                    _rank_progress(step + 1, t.steps, metrics["loss"], dt, quiet)
-                saves.report()
-                if cut:
-                    break
-                if stop or saves.ckpt.should_save(step + 1):  # every checkpoint.every steps, or now
-                    dog.phase("save", step + 1)
-                    saves.save(step + 1, (ts.to_save or ts.to_model)(stepper.state), force=stop)
-                elif saves.should_save_local(step + 1) and step + 1 < t.steps:  # the last step is saved for good
-                    dog.phase("save", step + 1)
-                    saves.save_local(step + 1, (ts.to_save or ts.to_model)(stepper.state))
-                if stop:
+                batch = batch_of(step - 1)  # tokens, labels[, segment_ids]
+                metrics, dt = stepper(batch, step)
+                host_s = time.perf_counter() - t0 - dt  # the batch and the previous step's hooks
+                info = b.decide(StepInfo(step, metrics, dt, host_s, tally.add(metrics["loss"], dt)), t.steps)
+                hooks.run(info)
+                if info.stop or info.cut:
                     break
             else:
-                dog.phase("save", t.steps)
-                saves.save(t.steps, (ts.to_save or ts.to_model)(stepper.state), force=True)
-        dog.phase("save", b.start + tally.ran)
-        saves.finish()
-    dog.close()
+                jobs.save_final()
+        jobs.finish(b.start + tally.ran)
+    stepper.dog.close()
     if t.profile and tally.ran:
-        train_report(cfg, mesh, ts, stepper.state, batch, tally.ran)
+        profile_report(cfg, mesh, ts, stepper.state, batch, tally.ran)
     return _result(cfg, tally, b)
-
-
-def _rank_progress(step: int, steps: int, loss: float, dt: float, quiet: bool) -> None:
-    """Processes other than 0: their progress in their own log (process 0 has the metrics logger's)."""
-    if jax.process_index() and not quiet:
-        print(f"step {step}/{steps}  loss {loss:.4f}  {1000 * dt:.0f} ms/step  (process {jax.process_index()})",
-              file=sys.stderr, flush=True)  # fmt: skip
-
-
-def _check_loss(loss: float, step: int, ckpt: Checkpointer, run_dir: str) -> None:
-    """A NaN/Inf loss stops the run without saving."""
-    if not math.isfinite(loss):
-        last = ckpt.latest_step()
-        kept = (
-            f"The last good checkpoint (step {last}) in {run_dir} is intact"
-            if last is not None
-            else f"No checkpoint was saved in {run_dir} yet (checkpoint.every sets how often)"
-        )
-        raise TrainingError(
-            f"loss is {loss} at step {step + 1}; stopped without saving. {kept}; lower optimizer.lr or check the data"
-        )
 
 
 def _result(cfg: RunConfig, tally: Tally, b: Bounds) -> dict[str, Any]:

@@ -10,18 +10,16 @@ padding; a family with neither gets no TFLOP/s and no MFU. Peaks come from the G
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from meshrun.analysis.flops import param_counts
 from meshrun.planner.hardware import peak_flops_of_kind
 
 
@@ -55,21 +53,16 @@ def memory_in_use() -> dict[str, int]:
 
 
 class MetricRows:
-    """Which steps get a metrics.jsonl row, and what is in it: the step's metrics plus lr, step time,
+    """What is in a metrics.jsonl row: the step's metrics plus lr, step time,
     tokens/s, TFLOP/s per device and MFU (when the family's FLOPs and the device's peak are known),
     the pipeline bubble and device memory."""
 
     def __init__(self, cfg: Any, n_devices: int, bubble: float, lr: Callable[[int], float], family: Any):
         t = cfg.train
-        self.log_every, self.n_devices, self.bubble, self.lr = t.log_every, n_devices, bubble, lr
+        self.n_devices, self.bubble, self.lr = n_devices, bubble, lr
         self.tokens = t.global_batch * t.seq_len
         self.flops = family.model_flops(cfg.model, t.global_batch, t.seq_len)
         self.peak = peak_flops(jax.devices()[0])
-
-    def due(self, step: int, ran: int, last: bool) -> bool:
-        """train.log_every=k: the first step of this call, every k-th step, and the last one (the run's
-        end, a preemption or `stop_after`). NaN/Inf stops the run without a row."""
-        return ran == 1 or last or step % self.log_every == 0
 
     def row(self, metrics: dict, step: int, dt: float) -> dict:
         """The row of 0-based `step` that took `dt` seconds."""
@@ -101,6 +94,33 @@ def _scalar(v: Any) -> Any:
     except (TypeError, ValueError):
         return str(v)
     return f if math.isfinite(f) else str(f)  # JSON has no nan/inf; keep them readable
+
+
+def _row_parts(row: dict, mean: float | None) -> list[str]:
+    """The progress line's fields of a row; tokens/s smoothed by the `mean` step time."""
+    st, parts = row.get("step_time_s"), []
+    f = lambda k: isinstance(row.get(k), float)  # noqa: E731
+    if f("loss"):
+        parts.append(f"loss {row['loss']:.4f}")
+    if f("val_loss"):
+        parts.append(f"val_loss {row['val_loss']:.4f}")
+    if f("tokens_per_s"):  # smoothed: tokens per step / the mean step time
+        parts.append(f"{row['tokens_per_s'] * (st / mean if mean and f('step_time_s') else 1):,.0f} tok/s")
+    if f("step_time_s"):
+        parts.append(f"{1000 * st:.0f} ms/step")
+    if f("lr"):
+        parts.append(f"lr {row['lr']:.2e}")
+    if f("grad_norm"):
+        parts.append(f"gnorm {row['grad_norm']:.3f}")
+    if f("mfu"):
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if isinstance(row.get("memory_in_use"), (int, float)):
+        parts.append(f"mem {row['memory_in_use'] / 2**30:.2f} GiB")
+    if isinstance(row.get("dropped_tokens"), (int, float)):
+        parts.append(f"dropped {row['dropped_tokens']:.0f}")
+    if f("moe_aux_loss"):
+        parts.append(f"aux {row['moe_aux_loss']:.4f}")
+    return parts
 
 
 class MetricsLogger:
@@ -151,28 +171,7 @@ class MetricsLogger:
         if isinstance(st, float) and st > 0:
             self._recent.append(st)
         mean = sum(self._recent) / len(self._recent) if self._recent else None
-        parts = [f"step {step}/{self.total_steps}"]
-        f = lambda k: isinstance(row.get(k), float)  # noqa: E731
-        if f("loss"):
-            parts.append(f"loss {row['loss']:.4f}")
-        if f("val_loss"):
-            parts.append(f"val_loss {row['val_loss']:.4f}")
-        if f("tokens_per_s"):  # smoothed: tokens per step / the mean step time
-            parts.append(f"{row['tokens_per_s'] * (st / mean if mean and f('step_time_s') else 1):,.0f} tok/s")
-        if f("step_time_s"):
-            parts.append(f"{1000 * st:.0f} ms/step")
-        if f("lr"):
-            parts.append(f"lr {row['lr']:.2e}")
-        if f("grad_norm"):
-            parts.append(f"gnorm {row['grad_norm']:.3f}")
-        if f("mfu"):
-            parts.append(f"MFU {100 * row['mfu']:.1f}%")
-        if isinstance(row.get("memory_in_use"), (int, float)):
-            parts.append(f"mem {row['memory_in_use'] / 2**30:.2f} GiB")
-        if isinstance(row.get("dropped_tokens"), (int, float)):
-            parts.append(f"dropped {row['dropped_tokens']:.0f}")
-        if f("moe_aux_loss"):
-            parts.append(f"aux {row['moe_aux_loss']:.4f}")
+        parts = [f"step {step}/{self.total_steps}", *_row_parts(row, mean)]
         done = step - self._step0
         eta = (
             mean * (self.total_steps - step)
@@ -182,7 +181,10 @@ class MetricsLogger:
             else None
         )
         parts.append(f"ETA {_fmt_time(eta)}" if eta is not None else "ETA --")
-        line = "  ".join(parts)
+        self._write("  ".join(parts), step)
+
+    def _write(self, line: str, step: int) -> None:
+        """A progress bar on a terminal, else one line per row."""
         if self.stream.isatty():
             width = 30
             filled = int(width * min(step, self.total_steps) / max(self.total_steps, 1))
@@ -209,91 +211,3 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def trace_options() -> jax.profiler.ProfileOptions:
-    """meshrun's profiler settings: no Python function events (compiling a step alone fills the
-    trace's 1M-event cap with them, crowding out the device ops `meshrun.analysis.trace` reads)."""
-    opts = jax.profiler.ProfileOptions()
-    opts.python_tracer_level = 0
-    return opts
-
-
-@contextlib.contextmanager
-def profile_trace(run_dir: str | Path, enabled: bool) -> Iterator[Path | None]:
-    """jax.profiler.trace into run_dir/profile when enabled (open it with TensorBoard or Perfetto; the
-    Perfetto file is what `meshrun.analysis.trace` reads)."""
-    if not enabled:
-        yield None
-        return
-    out = Path(run_dir) / "profile"
-    out.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=trace_options()):
-        yield out
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def flops_lines(family: Any, m: Any, tokens: int, seq_len: int) -> list[str]:
-    """The start-up block's FLOPs line for a family that is not costed by the transformer formula: its
-    own count, or why TFLOP/s and MFU are not reported. Transformer families print none."""
-    if family.flops_per_token is not None:
-        per_token = family.model_flops(m, 1, seq_len) / seq_len
-        why = f"{family.name}'s flops_per_token"
-        return [f"flops     {per_token * tokens / 1e9:.3g} GFLOP per step ({per_token:,.0f} per token, {why})"]
-    if not m.predictable:
-        return [f"flops     n/a: family {family.name} declares no flops (no TFLOP/s, MFU n/a)"]
-    return []
-
-
-def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
-    """The start-up block printed before compiling: model, mesh, batch, schedule, layer split and the
-    planner's predicted memory per device (`planner.step_model.predict_memory_jax` on `plan.layout`)."""
-    from meshrun.planner import predict_memory_jax
-    from meshrun.runtime.mesh import describe_dict
-    from meshrun.train.plan import streams_update
-
-    m, t, pc = cfg.model, cfg.train, cfg.pipeline
-    if plan.abstract_params is not None:  # the family's own parameters
-        n = sum(math.prod(a.shape) for a in jax.tree.leaves(plan.abstract_params))
-    else:  # a mesh given as a shape only (explain's prediction): the transformer formula
-        n = param_counts(m)["total"]
-    d = describe_dict(mesh)
-    shape = " x ".join(f"{a}{d['shape'][a]}" for a in d["axes"] if d["shape"][a] > 1) or "1 device"
-    racks = f" in {d['racks']} racks" if d["racks"] > 1 else ""
-    experts = f", {m.n_experts} experts, top-{m.top_k}" if m.n_experts else ""
-    lines = [
-        f"model     {plan.family.name}: {n / 1e6:.2f}M params ({m.n_layers} layers, d_model {m.d_model}{experts})",
-        f"mesh      {shape} = {mesh.size} devices on {d['hosts']} host(s){racks}; ZeRO {t.zero}",
-        f"batch     {t.global_batch} sequences x {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step",
-    ]
-    if plan.split is not None:
-        sched = pc.schedule + (f" (virtual {pc.virtual})" if pc.virtual > 1 else "")
-        lines.append(f"pipeline  {pc.microbatches} microbatches, {sched}, bubble {100 * plan.bubble:.1f}%")
-        costed = f", costed on {plan.balance_on[0]} ({plan.balance_on[1]})" if plan.balance_on else ""
-        lines.append(f"layers    per stage {list(plan.split.counts)} (pipeline.balance={pc.balance}{costed})")
-    elif pc.microbatches > 1:
-        lines.append(f"accum     {pc.microbatches} microbatches per step (no pipeline)")
-    if plan.context > 1:
-        how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
-        lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
-    lines += flops_lines(plan.family, m, t.global_batch * t.seq_len, t.seq_len)
-    if not m.predictable:
-        lines.append(f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})")
-        return lines
-    try:
-        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer,
-                                 streamed=streams_update(plan.cfg))  # fmt: skip
-        where = ""
-        if mem["host"] or mem["nvme"]:  # where it rests: the state off the device
-            where = f"; device {_gib(mem['device'])}, host memory {_gib(mem['host'])}" + (
-                f", NVMe files {_gib(mem['nvme'])}" if mem["nvme"] else "")  # fmt: skip
-        lines.append(
-            f"memory    predicted {_gib(mem['total'])} per device (params {_gib(mem['params'])}, optimizer "
-            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}){where}"
-        )
-    except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
-        lines.append(f"memory    no prediction ({type(e).__name__})")
-    return lines

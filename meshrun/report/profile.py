@@ -3,22 +3,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
 from pathlib import Path
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from meshrun.analysis.trace import device_intervals, draw_timeline, format_report, load_trace, report_of_trace
+from meshrun.analysis.profiler import trace_options
+from meshrun.analysis.trace import device_intervals, draw_timeline, load_trace, report_of_trace
 from meshrun.checkpoint.params import restore_params
-from meshrun.config import RunConfig
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import MATPLOTLIB_FIX
 from meshrun.parallel.sharding import DP_AXES
-from meshrun.runtime.processes import warn
-from meshrun.train.metrics import profile_trace, trace_options
 from meshrun.train.prepare import prepare
 
 
@@ -54,24 +50,3 @@ def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
             rep["timeline_png"], rep["timeline_note"] = None, f"cannot write {png} ({e.strerror or e})"
         Path(out, "profile.json").write_text(json.dumps(rep, indent=1) + "\n")  # with the picture's path
     return rep
-
-
-def train_trace(cfg: RunConfig):
-    """train.profile=true: a context tracing the run's steps into RUN_DIR/profile (else a no-op)."""
-    if not cfg.train.profile:
-        return contextlib.nullcontext()
-    return profile_trace(cfg.train.run_dir, True)
-
-
-def train_report(cfg: RunConfig, mesh, train_step, state, batch, ran: int) -> None:
-    """train.profile=true: the `meshrun profile` report of the traced steps, on stderr and in
-    RUN_DIR/profile/profile.json. Best effort: a failure is a warning, never the run's end."""
-    if jax.process_index() != 0:
-        return
-    try:
-        text = train_step.step.lower(state, *batch).compile().as_text()  # the step's cached executable
-        predicted = train_step.plan.stage_bubbles
-        rep = report_of_trace(Path(cfg.train.run_dir) / "profile", text, cfg, mesh, ran, predicted)
-        print(format_report(rep, "train.profile"), file=sys.stderr, flush=True)
-    except Exception as e:  # noqa: BLE001
-        warn(f"train.profile: no bubble report ({type(e).__name__}: {e})")

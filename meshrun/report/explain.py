@@ -1,28 +1,16 @@
 """`meshrun explain CONFIG [section.key=value ...] [--json]`: compile the train step, never run it.
 
-A dry run before anyone pays for GPUs: the step is lowered with abstract state and a
-ShapeDtypeStruct batch on simulated CPU devices of the config's mesh and compiled, and the
-planner's prediction is printed beside what XLA reports:
+The step is lowered with abstract state and a ShapeDtypeStruct batch on simulated CPU devices of the
+config's mesh and compiled; the planner's prediction is printed beside what XLA reports:
+* memory per device: the predicted parts (`planner.step_model.predict_memory_jax`) vs
+  `compiled.memory_analysis()` (total = argument + temp + output - alias), split by where it rests
+  (device, pinned host memory, NVMe files; a streamed tier's bytes come from the tier itself);
+* collectives per step: bytes per mesh axis and counts by op (`meshrun.analysis.hlo`), each multiplied
+  by the trip counts of the loops around it; `static` counts each once.
 
-* memory per device: predicted parts (`planner.step_model.predict_memory_jax`, the model of meshrun's
-  own step) vs `compiled.memory_analysis()`: argument (params + optimizer state), temp, output, alias,
-  total = argument + temp + output - alias (outputs alias the donated state, so total ~ argument + temp),
-  then split by where it rests (`meshrun.analysis.memory.memory_spaces`): device bytes, host bytes
-  (pinned host memory: the whole-shard host tier's state, activations offloaded by model.remat=offload
-  on GPU; the streamed host tier's store) and NVMe bytes (the nvme tier's files). A streamed tier's
-  state is no argument of the compiled program: its bytes come from the tier (`Tier.bytes_per_device`).
-* collectives per step: result bytes on one device per mesh axis (`meshrun.analysis.hlo`; an op over several
-  axes counts for each), and counts by op. A collective inside a while loop appears once in the HLO
-  text but runs once per iteration: compiled numbers multiply each by the known trip counts of the
-  loops around it (`hlo.Collective.per_step`: layer scan, microbatch scan, pipeline tick phases);
-  `static` counts each once. Collectives inside `lax.cond` branches (pipeline embedding / head)
-  count as if taken, on every tick that runs the branch's conditional.
-
-Meshes of more than MAX_SIMULATED devices (GPT-3 175B: 1024) are not compiled: XLA's SPMD partitioner
-on that many simulated CPU devices takes far too long on a small host. There the prediction is
-printed alone with a note; shrink the mesh with overrides (e.g. `mesh.data=1 mesh.pipe=2
-model.n_layers=4`) to compile a scaled-down layout. On CPU the compiled step uses the CPU kernels
-(cudnn attention falls back to XLA's), so memory of GPU templates is indicative only.
+Meshes of more than MAX_SIMULATED devices are not compiled (the prediction is printed alone with a
+note); shrink the mesh with overrides, e.g. `mesh.data=1 mesh.pipe=2 model.n_layers=4`. On CPU the
+compiled step uses the CPU kernels, so memory of GPU templates is indicative only.
 """
 
 from __future__ import annotations
@@ -190,13 +178,10 @@ def saved_bytes_per_layer(cfg, depths: tuple[int, int] = (2, 4), measure: str = 
     and the per-layer gradient and optimizer temporaries (they do not grow with the batch) cancel:
     [T(L2, 2) - T(L1, 2) - T(L2, 1) + T(L1, 1)] / (L2 - L1). Needs mesh.pipe = 1.
     measure: "peak", the bytes live at once (`live_temp`; what the program holds), or "extent",
-    `memory_analysis().temp`, which adds the holes XLA's heap packing leaves: they do not grow with
-    depth, but they change from one compile to the next by up to a working set, so the extent's double
-    difference can miss the saved bytes by a few of them (gelu TP1 selective at d_model 256: 3.54
-    MB/layer at depths (2, 4), 1.58 at (6, 8); the peak gives 2.62 at both).
-    Run it with the compute dtype float32 on CPU: XLA:CPU computes bf16 dots in float32 and hoists
-    the conversion of a whole stack of saved bf16 activations out of the backward loop, a float32
-    copy a GPU never makes (seen in the buffer assignment)."""
+    `memory_analysis().temp`, which adds the holes XLA's heap packing leaves (they change from one
+    compile to the next by up to a working set, so the extent's difference is the noisier one).
+    Run it with the compute dtype float32 on CPU: XLA:CPU computes bf16 dots in float32 and keeps a
+    float32 copy of the saved bf16 activations that a GPU never makes."""
     if cfg.mesh.pipe != 1:
         raise ValueError("saved_bytes_per_layer needs mesh.pipe=1 (the pipeline holds several microbatches)")
     if measure not in ("peak", "extent"):
@@ -216,37 +201,25 @@ def saved_bytes_per_layer(cfg, depths: tuple[int, int] = (2, 4), measure: str = 
     return (temp[l2, 2] - temp[l1, 2] - temp[l2, 1] + temp[l1, 1]) / (l2 - l1)
 
 
-def explain(cfg) -> dict:
-    """The report: {config, mesh, devices, compiled: bool, note, memory {predicted, compiled},
-    collectives {predicted, compiled} (bytes per axis per step), counts {predicted, compiled}}."""
-    n = needed_devices(cfg)
-    shape = {a: getattr(cfg.mesh, a) for a in AXES}
-    out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
-    if not cfg.model.predictable:
-        if n > MAX_SIMULATED:
-            what = f"model.family={cfg.model.family} has no prediction to show without compiling"
-            raise ConfigError("mesh", n, f"shrink the mesh to at most {MAX_SIMULATED} devices", what)
-        out["note"] = unpredicted(cfg.model.family)
-    elif n > MAX_SIMULATED:
-        from meshrun.train.plan import build_plan
+def _predicted_only(cfg, shape: dict[str, int], n: int) -> dict:
+    """The report's prediction alone, for a mesh too large to compile on simulated devices."""
+    from meshrun.train.plan import build_plan
 
-        plan = build_plan(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
-        pred = predict(cfg, shape, plan.program)
-        out["note"] = (
-            f"compiling needs the real device count ({n}); this host simulates at most {MAX_SIMULATED} CPU "
-            "devices, so only the prediction is shown: shrink the mesh with overrides (e.g. mesh.data=1 "
-            "mesh.pipe=2 model.n_layers=4) to compile a scaled-down layout"
-        )
-        out |= {"memory": {"predicted": pred["memory"], "compiled": None},
-                "collectives": {"predicted": pred["collectives"], "compiled": None},
-                "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
-        return out
-    with tempfile.TemporaryDirectory() as d:
-        tier: dict = {}  # a streamed tier's state: outside the compiled program
-        compiled, mesh, plan = compile_step(cfg, dump_to=d, tier=tier)
-        live = _read_live(d)
-    shape = dict(mesh.shape)
+    plan = build_plan(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
     pred = predict(cfg, shape, plan.program)
+    note = (
+        f"compiling needs the real device count ({n}); this host simulates at most {MAX_SIMULATED} CPU "
+        "devices, so only the prediction is shown: shrink the mesh with overrides (e.g. mesh.data=1 "
+        "mesh.pipe=2 model.n_layers=4) to compile a scaled-down layout"
+    )
+    return {"note": note, "memory": {"predicted": pred["memory"], "compiled": None},
+            "collectives": {"predicted": pred["collectives"], "compiled": None},
+            "counts": {"predicted": pred["counts"], "compiled": None}}  # fmt: skip
+
+
+def _compiled_memory(compiled, live: dict | None, tier: dict) -> dict[str, int | None]:
+    """The compiled step's memory per device (`memory_analysis()`), with where it rests: device, host
+    (plus a streamed tier's store) and NVMe (a streamed tier's files)."""
     ma = compiled.memory_analysis()
     mem = {
         "argument": int(ma.argument_size_in_bytes),
@@ -261,6 +234,29 @@ def explain(cfg) -> dict:
     spaces = memory_spaces(compiled)
     mem |= {"device": spaces["device"], "host": spaces["host"] + tier.get("host", 0), "nvme": tier.get("nvme", 0)}
     mem["total"] += mem["host"] - spaces["host"] + mem["nvme"]
+    return mem
+
+
+def explain(cfg) -> dict:
+    """The report: {config, mesh, devices, compiled: bool, note, memory {predicted, compiled},
+    collectives {predicted, compiled} (bytes per axis per step), counts {predicted, compiled}}."""
+    n = needed_devices(cfg)
+    shape = {a: getattr(cfg.mesh, a) for a in AXES}
+    out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
+    if not cfg.model.predictable:
+        if n > MAX_SIMULATED:
+            what = f"model.family={cfg.model.family} has no prediction to show without compiling"
+            raise ConfigError("mesh", n, f"shrink the mesh to at most {MAX_SIMULATED} devices", what)
+        out["note"] = unpredicted(cfg.model.family)
+    elif n > MAX_SIMULATED:
+        return out | _predicted_only(cfg, shape, n)
+    with tempfile.TemporaryDirectory() as d:
+        tier: dict = {}  # a streamed tier's state: outside the compiled program
+        compiled, mesh, plan = compile_step(cfg, dump_to=d, tier=tier)
+        live = _read_live(d)
+    shape = dict(mesh.shape)
+    pred = predict(cfg, shape, plan.program)
+    mem = _compiled_memory(compiled, live, tier)
     comm = compiled_collectives(compiled.as_text(), shape)
     out |= {
         "mesh": shape,
@@ -282,12 +278,20 @@ def _mb(x) -> str:
 
 
 def format_report(rep: dict, title: str) -> str:
+    """The report as text: memory per device, collectives per step, then the gradient buckets."""
     shape = " x ".join(f"{a}={rep['mesh'][a]}" for a in AXES if rep["mesh"].get(a, 1) != 1) or "1 device"
     lines = [f"{title}: mesh {shape} ({rep['devices']} devices)"]
     if rep["note"]:
         lines.append(f"note: {rep['note']}")
+    lines += _memory_lines(rep) + _collective_lines(rep)
+    if rep.get("data_parallel") is not None:
+        lines += ["", *format_buckets(rep["data_parallel"], rep.get("grad_reduce_dtype", "float32"))]
+    return "\n".join(lines)
+
+
+def _memory_lines(rep: dict) -> list[str]:
     pm, cm = rep["memory"]["predicted"], rep["memory"]["compiled"] or {}
-    lines += ["", f"{'memory per device (MiB)':<28}{'predicted':>12}{'compiled':>12}"]
+    lines = ["", f"{'memory per device (MiB)':<28}{'predicted':>12}{'compiled':>12}"]
     rows = [
         ("argument (params + opt)", pm.get("argument"), cm.get("argument")),
         ("temp (grads, acts, logits)", pm.get("temp"), cm.get("temp")),
@@ -312,6 +316,11 @@ def format_report(rep: dict, title: str) -> str:
         st = rep["step_time_s"]
         lines.append(f"{'step time (s) on ' + st['cluster']:<28}{st['predicted']:>12.4g}")
     lines.append(f"{'(Megatron accounting)':<28}{_mb(pm.get('megatron_total')):>12}")
+    return lines
+
+
+def _collective_lines(rep: dict) -> list[str]:
+    pm, lines = rep["memory"]["predicted"], []
     pc, cc = rep["collectives"]["predicted"], rep["collectives"]["compiled"] or {}
     zero = 0 if pm else None  # an unpredicted family: "-" rather than a predicted 0
     axes = [a for a in AXES if a in pc or a in cc]
@@ -334,9 +343,7 @@ def format_report(rep: dict, title: str) -> str:
         "\ncompiled per step = each HLO collective x the trip counts of its loops; static = each once. "
         "Predicted omits scalar all-reduces (loss, token counts)."
     )
-    if rep.get("data_parallel") is not None:
-        lines += ["", *format_buckets(rep["data_parallel"], rep.get("grad_reduce_dtype", "float32"))]
-    return "\n".join(lines)
+    return lines
 
 
 def format_buckets(dp: list[dict], grad_dtype: str) -> list[str]:

@@ -1,17 +1,15 @@
-"""A run's checkpoints and config file: where a run starts (the newest intact checkpoint, parameters
-to start from, or a fresh init), what a checkpoint must agree on, and the saves the loop reports."""
+"""Where a run starts: the checks of RUN_DIR/checkpoints against the config, and the restore
+(`initial_state`: the newest restorable local or persistent checkpoint, else checkpoint.init_params,
+else a fresh init). `checkpoint_meta` is what a checkpoint must agree on to be restored.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
-
-import jax
-import yaml
 
 from meshrun.checkpoint.local import LocalTier, LocalUnusable, agreed_steps
 from meshrun.checkpoint.params import restore_params
@@ -22,11 +20,6 @@ from meshrun.errors import CheckpointError, ConfigError
 from meshrun.runtime.processes import agree, say, warn
 from meshrun.train.step import TrainStep
 
-CONFIG_FILE = "config.yaml"
-# Fields a resume routinely changes without changing the run (a run dir moved or copied): not worth a
-# warning. A changed train.steps is listed: it moves the learning-rate schedule's end.
-RESUME_FREE = frozenset({"train.run_dir"})
-
 
 def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint must agree on to be restored: the model and the optimizer's name (layouts and
@@ -35,54 +28,6 @@ def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     data = {"kind": cfg.data.kind, "path": os.path.abspath(cfg.data.path) if cfg.data.path else ""}
     return {"model": to_dict(cfg.model), "optimizer": {"name": cfg.optimizer.name},
             "init_params": cfg.checkpoint.init_params, "data": data}  # fmt: skip
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_diff(old: dict, new: dict) -> list[str]:
-    """`section.key old -> new` for every resolved field that differs between two config dicts
-    (RESUME_FREE left out)."""
-    a, b = _flat(old), _flat(new)
-    keys = sorted((a.keys() | b.keys()) - RESUME_FREE)
-    return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
-
-
-def read_config(run_dir: str) -> dict | None:
-    """The config.yaml a previous run left in `run_dir` (a dict), None when there is none or it is unreadable."""
-    old = None
-    with contextlib.suppress(Exception):
-        old = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
-    return old if isinstance(old, dict) else None
-
-
-def write_config(cfg: RunConfig) -> None:
-    """RUN_DIR/config.yaml: the resolved config, the one a rerun should use (atomic: a temp file
-    renamed over it). Process 0 only."""
-    if jax.process_index() != 0:
-        return
-    path = Path(cfg.train.run_dir) / CONFIG_FILE
-    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        os.replace(tmp, path)
-    except OSError as e:  # a full disk: no half-written temp file left, the message names the file
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None
-
-
-def warn_config_differs(cfg: RunConfig, steps: list[int]) -> None:
-    """A resume whose config differs from the run dir's config.yaml: one warning listing the fields."""
-    old = read_config(cfg.train.run_dir)
-    if steps and old is not None and (diff := config_diff(old, to_dict(cfg))):
-        warn(f"resuming with a config that differs from {Path(cfg.train.run_dir) / CONFIG_FILE}: " + "; ".join(diff))
 
 
 def check_checkpoints(cfg: RunConfig) -> list[int]:
@@ -248,54 +193,3 @@ def run_first_loss(run_dir: str, default: float | None) -> float | None:
             if row.get("step") == 1 and isinstance(row.get("loss"), float):
                 return row["loss"]
     return default
-
-
-class Saves:
-    """Checkpoint saves of one run: starts them (async where configured) and reports each one once it
-    is on disk: `saved checkpoint N (size, seconds) in PATH` (process 0)."""
-
-    def __init__(self, ckpt: Checkpointer, quiet: bool = False, tier: LocalTier | None = None):
-        self.ckpt, self.quiet, self.tier = ckpt, quiet, tier
-        self._pending: list[tuple[int, float]] = []  # (step, start time) of saves not reported yet
-        self._local_said: int | None = None
-        self._saved: int | None = None  # the newest persistent step this run saved
-
-    def should_save_local(self, step: int) -> bool:
-        return self.tier is not None and self.tier.should_save(step) and not self.ckpt.should_save(step)
-
-    def save_local(self, step: int, model_state: Any) -> None:
-        """This process's shards to the local tier (the write goes on in the background; a streamed
-        tier's state is written from its file before this returns)."""
-        self.report()
-        self.tier.save(step, model_state)
-
-    def save(self, step: int, model_state: Any, force: bool) -> None:
-        self.report()  # orbax finishes the previous async save before it starts this one
-        t0 = time.perf_counter()
-        if self.ckpt.save(step, model_state, force=force):
-            self._pending.append((step, t0))
-            self._saved = step
-
-    def report(self) -> None:
-        done = [(s, t0) for s, t0 in self._pending if (Path(self.ckpt.directory) / str(s)).is_dir()]
-        for s, t0 in done:
-            self._pending.remove((s, t0))
-            path = Path(self.ckpt.directory) / str(s)
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            took = time.perf_counter() - t0
-            say(f"saved checkpoint {s} ({size / 2**20:.1f} MiB, {took:.1f} s) in {path}", self.quiet)
-        last = self.tier.last if self.tier is not None else None
-        if last is not None and last[0] != self._local_said:
-            self._local_said = last[0]
-            say(f"saved local checkpoint {last[0]} ({last[1] / 2**20:.1f} MiB on process 0, {last[2]:.2f} s) "
-                f"in {self.tier.directory / str(last[0])}", self.quiet)  # fmt: skip
-
-    def finish(self) -> None:
-        """Wait for the last async saves and report them. Then the local steps up to the last
-        persistent one are deleted (a RAM disk keeps nothing a restart could prefer)."""
-        self.ckpt.wait()
-        if self.tier is not None:
-            self.tier.wait_quietly()
-            if self._saved is not None:
-                self.tier.drop(lambda s: s > self._saved)
-        self.report()

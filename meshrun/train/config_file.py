@@ -1,0 +1,71 @@
+"""The run dir's config.yaml: the resolved config a run writes, and how a resumed run's config differs.
+
+`write_config` writes it once a run's state was accepted; `warn_config_differs` warns when a resume
+changes fields (`config_diff`); `read_config` reads it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from meshrun.config import RunConfig, to_dict
+from meshrun.runtime.processes import warn
+
+CONFIG_FILE = "config.yaml"
+# Fields a resume routinely changes without changing the run (a run dir moved or copied): not worth a
+# warning. A changed train.steps is listed: it moves the learning-rate schedule's end.
+RESUME_FREE = frozenset({"train.run_dir"})
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """`section.key old -> new` for every resolved field that differs between two config dicts
+    (RESUME_FREE left out)."""
+    a, b = _flat(old), _flat(new)
+    keys = sorted((a.keys() | b.keys()) - RESUME_FREE)
+    return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def read_config(run_dir: str) -> dict | None:
+    """The config.yaml a previous run left in `run_dir` (a dict), None when there is none or it is unreadable."""
+    old = None
+    with contextlib.suppress(Exception):
+        old = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
+    return old if isinstance(old, dict) else None
+
+
+def write_config(cfg: RunConfig) -> None:
+    """RUN_DIR/config.yaml: the resolved config, the one a rerun should use (atomic: a temp file
+    renamed over it). Process 0 only."""
+    if jax.process_index() != 0:
+        return
+    path = Path(cfg.train.run_dir) / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no half-written temp file left, the message names the file
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def warn_config_differs(cfg: RunConfig, steps: list[int]) -> None:
+    """A resume whose config differs from the run dir's config.yaml: one warning listing the fields."""
+    old = read_config(cfg.train.run_dir)
+    if steps and old is not None and (diff := config_diff(old, to_dict(cfg))):
+        warn(f"resuming with a config that differs from {Path(cfg.train.run_dir) / CONFIG_FILE}: " + "; ".join(diff))
