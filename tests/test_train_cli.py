@@ -225,3 +225,19 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_0(tmp_path):
     assert 2 <= last["step"] < 200
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [last["step"]]
+
+
+def test_other_state_dtype_is_refused_and_the_checkpoints_kept(tmp_path, capsys):
+    """A resume with another optimizer.state_dtype is a config mismatch: exit 2 naming the field,
+    never a checksum failure that moves the intact checkpoints aside."""
+    over = ["--quiet", *SMALL, "mesh.pipe=1", "mesh.data=4", "train.steps=1", f"train.run_dir={tmp_path}"]
+    assert main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over]) == 0
+    before = _snapshot(tmp_path / "checkpoints")
+    capsys.readouterr()
+    rc = main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over, "optimizer.state_dtype=bfloat16", "train.steps=2"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("meshrun train: error: optimizer.state_dtype: ") and "float32" in line, line
+    assert _snapshot(tmp_path / "checkpoints") == before
+    assert main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over, "train.steps=2"]) == 0  # the original resumes

@@ -181,6 +181,21 @@ def tree_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
+def tree_dtypes(tree: Any) -> dict[str, str]:
+    """{'a.b.0': dtype name} of every leaf with a dtype (as `tree_shapes`)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {path_key(p): np.dtype(x.dtype).name for p, x in flat if getattr(x, "dtype", None) is not None}
+
+
+def _dtype_refusal(step: int, run_dir: str, key: str, saved: str, want: str) -> ConfigError:
+    """The optimizer's moments in another dtype: optimizer.state_dtype; any other array: train.run_dir."""
+    held = f"checkpoint step {step} holds {key} as {saved}, the state needs {want}"
+    if key.startswith("opt"):
+        fix = f"use optimizer.state_dtype={saved} to resume it, or a new train.run_dir"
+        return ConfigError("optimizer.state_dtype", want, fix, held)
+    return ConfigError("train.run_dir", run_dir, "use a new train.run_dir or the settings it was written with", held)
+
+
 def _abstract(x: Any) -> Any:
     """Array leaf -> ShapeDtypeStruct with its sharding (what StandardRestore reads into)."""
     if isinstance(x, jax.Array):
@@ -321,6 +336,11 @@ class Checkpointer:
                 "use a new train.run_dir or matching model settings",
                 f"checkpoint in {self.run_dir} was written for {was}, config has {now}",
             )
+        self._check_arrays(step, target)
+
+    def _check_arrays(self, step: int, target: Any) -> None:
+        """ConfigError when the saved arrays' names, shapes or dtypes differ from `target`'s: a restore
+        would fail or cast, and its checksums (of the saved bytes) would then call an intact step damaged."""
         try:
             with _quiet_absl():
                 tree = self.manager.item_metadata(step)[STATE]
@@ -342,6 +362,10 @@ class Checkpointer:
                     fix,
                     f"checkpoint step {step} holds {k} with shape {saved_shapes[k]}, the state needs {shape}",
                 )
+        saved_types, want_types = tree_dtypes(tree), tree_dtypes(target)
+        other = [k for k, t in want_types.items() if saved_types.get(k, t) != t]
+        if other:
+            raise _dtype_refusal(step, self.run_dir, other[0], saved_types[other[0]], want_types[other[0]])
 
     def restore(self, step: int, target: Any, streamed: slices.Source | None = None) -> Any:
         """Restore step `step` into the layout of `target`: a pytree of jax.ShapeDtypeStruct with
