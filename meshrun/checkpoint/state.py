@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -33,7 +32,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from meshrun.checkpoint import checksum, slices
-from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
+from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json, write_error
 from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, saved_model
 from meshrun.errors import CheckpointError, ConfigError
 
@@ -146,15 +145,16 @@ def check_run_dir_writable(run_dir: str | Path) -> None:
     """Create `run_dir` and write a probe file in it, or raise ConfigError naming train.run_dir."""
     try:
         os.makedirs(run_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-probe-"):
-            pass
+        why = write_error(run_dir)
     except OSError as e:
+        why = e.strerror or str(e)
+    if why is not None:
         raise ConfigError(
             "train.run_dir",
             str(run_dir),
             "choose a directory you can create and write, e.g. train.run_dir=runs/NAME",
-            f"cannot create or write it ({e.strerror or e})",
-        ) from None
+            f"cannot create or write it ({why})",
+        )
 
 
 def _json_roundtrip(x: Any) -> Any:
