@@ -111,7 +111,22 @@ class _NoWriterTraceback(logging.Filter):
         return True
 
 
+class _NoChunkSizeAdvice(logging.Filter):
+    """Orbax advises against zarr chunks under 1 MiB once per array written with a smaller
+    chunk_byte_size; the streamed leaves' chunks are one row of a tier chunk on purpose (a save writes
+    them as they stream), so it said so for every leaf of every save. Only that record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.pathname.startswith(_ORBAX_DIR) and str(record.msg).startswith(_CHUNK_ADVICE))
+
+
+_CHUNK_ADVICE = "Setting the target_byte_size too small"
+
+
 def _quiet_writer_failures() -> None:
+    absl_log = logging.getLogger("absl")
+    if not any(isinstance(f, _NoChunkSizeAdvice) for f in absl_log.filters):
+        absl_log.addFilter(_NoChunkSizeAdvice())
     if os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
         return
     for name in ("absl", "asyncio"):
