@@ -19,6 +19,7 @@ from meshrun.checkpoint.state import CheckpointDamaged, Checkpointer
 from meshrun.checkpoint.store import newest_complete, scan
 from meshrun.config import RunConfig, to_dict
 from meshrun.errors import CheckpointError, ConfigError
+from meshrun.optim.optimizer import schedule_moved
 from meshrun.runtime.processes import agree, say, warn
 from meshrun.train.step import TrainStep
 
@@ -83,6 +84,8 @@ def warn_config_differs(cfg: RunConfig, steps: list[int]) -> None:
     old = read_config(cfg.train.run_dir)
     if steps and old is not None and (diff := config_diff(old, to_dict(cfg))):
         warn(f"resuming with a config that differs from {Path(cfg.train.run_dir) / CONFIG_FILE}: " + "; ".join(diff))
+        if (moved := schedule_moved(old, cfg, steps[-1] + 1)) is not None:
+            warn(moved)
 
 
 def check_checkpoints(cfg: RunConfig) -> list[int]:
