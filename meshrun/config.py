@@ -611,7 +611,13 @@ bounded, choice = _bounded, _choice  # for the families' config classes
 # ---------------------------------------------------------------- generic loading
 
 
+# other frameworks' names for a key, too far from it for difflib (optax, PyTorch, HF Trainer)
+_ALIASES = {"learning_rate": "lr", "epsilon": "eps", "max_steps": "steps", "num_steps": "steps"}
+
+
 def _suggest(key: str, options) -> str:
+    if _ALIASES.get(key) in options:
+        return f"did you mean '{_ALIASES[key]}'?"
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {sorted(options)}"
 
