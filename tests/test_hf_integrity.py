@@ -334,3 +334,21 @@ def test_padded_ids_are_never_data():
     tokens, labels = ds.batch(0)[:2]
     assert int(np.max(tokens)) < 100 and int(np.max(labels)) < 100
     assert int(np.max(tokens)) >= 90  # the whole used range is drawn
+
+
+def test_a_transposed_tensor_is_named_not_config_json(tmp_path, capsys):
+    src = _copy("llama2", tmp_path)
+    f = src / "model.safetensors"
+    header, start = read_header(f)
+    name = "model.layers.0.mlp.down_proj.weight"
+    rows, cols = header[name]["shape"]
+    assert rows != cols
+    header[name]["shape"] = [cols, rows]  # the same bytes, stored as the transpose
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    data = f.read_bytes()[start:]
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    rc, err = _import_rc(capsys, src, tmp_path / "run")
+    line = _one_line(err)
+    assert rc == 2 and name in line and "stored transposed" in line and "config.json:" not in line, line
+    assert not (tmp_path / "run").exists()
