@@ -74,7 +74,10 @@ def test_export_skips_a_checkpoint_that_fails_its_checksum(llama, tmp_path, caps
     assert json.loads(out)["source"] == str(run / "checkpoints" / "1")  # the step exported, not the newest
     # --step: that checkpoint or nothing (a damaged one is not replaced by another; a missing one is bad input)
     assert main(["export-hf", "trained", "out-s2", "--step", "2"]) == 5
-    assert "no intact checkpoint" in capsys.readouterr().err and not (tmp_path / "out-s2" / "config.json").exists()
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "older" not in err, err  # no other step is tried: none is announced
+    assert "checkpoints/2 is damaged" in err and "does not match its checksum" in err, err
+    assert not (tmp_path / "out-s2" / "config.json").exists()
     assert main(["export-hf", "trained", "out-s7", "--step", "7"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshrun export-hf: error: --step: no complete checkpoint at that step in ")

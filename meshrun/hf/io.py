@@ -331,6 +331,9 @@ def load_params_from(
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
             why = f"{type(e).__name__}: {first[:160]}"
             damaged.append(directory.name)
+            if step is not None:  # that checkpoint or nothing: no older one is tried
+                other = "export another --step (`meshrun checkpoints RUN_DIR --verify` lists the intact ones)"
+                raise CheckpointError(f"checkpoint {directory} is damaged ({why}); {other}") from None
             if not quiet:
                 print(f"meshrun: checkpoint {directory} is damaged ({why}); trying an older one", file=sys.stderr)
             continue
