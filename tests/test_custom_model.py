@@ -187,6 +187,20 @@ def test_meshrun_checkpoints_shows_the_familys_fields():
     assert unknown == "family=nowhere.mod:FAMILY d_model=8 n_heads=2", unknown
 
 
+def test_meshrun_checkpoints_says_when_it_cannot_import_the_family():
+    from meshrun.checkpoint.store import StepInfo
+    from meshrun.cli.checkpoints import format_table
+
+    model = {"family": "nowhere.mod:FAMILY", "d_model": 8, "n_heads": 2}
+    table = format_table("run", [StepInfo(1, "complete", "1", model), StepInfo(2, "complete", "2", model)])
+    notes = [ln for ln in table.splitlines() if "could not import" in ln]
+    assert notes == [
+        "model.family nowhere.mod:FAMILY: could not import it here (no such module), so the shared fields are "
+        "shown; add its folder to PYTHONPATH to see its own"
+    ], table
+    assert "could not import" not in format_table("run", [StepInfo(1, "complete", "1", {"family": "llama"})])
+
+
 @pytest.mark.parametrize(
     "name, source, words",
     [
