@@ -250,3 +250,30 @@ def test_a_failed_saves_unscheduled_writes_are_not_reported_at_exit(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "write_fragment" not in r.stderr, r.stderr
     assert "coroutine 'other.<locals>.mine' was never awaited" in r.stderr, r.stderr
+
+
+def test_a_save_compiles_nothing_for_small_replicated_arrays(tmp_path, mesh_a):
+    """orbax splits a replicated array among its replicas with an eager slice, one XLA compile per
+    array shape: most of a small model's first save. Small arrays are written by one replica."""
+    from jax import monitoring
+
+    from meshrun.checkpoint import checksum
+    from meshrun.checkpoint.state import path_key
+
+    state = _state(mesh_a, SPECS_A)
+    checksum.checksums(state, path_key)  # its own (one) compile, before counting
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta=META) as ck:
+            ck.save(1, state, force=True)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    with Checkpointer(tmp_path, CheckpointConfig(), meta=META) as ck:
+        _assert_tree_equal(ck.restore(1, _abstract(state)), state)
