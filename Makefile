@@ -5,6 +5,6 @@ run:
 test:
 	python3 tasks.py test
 lint:
-	.venv/bin/ruff check meshrun models tests bench tasks.py && .venv/bin/ruff format --check meshrun models tests bench tasks.py
+	.venv/bin/ruff check meshrun models tests bench examples tasks.py && .venv/bin/ruff format --check meshrun models tests bench examples tasks.py
 bench:
 	.venv/bin/python bench/pipeline.py && .venv/bin/python bench/train.py

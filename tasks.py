@@ -60,8 +60,11 @@ def main() -> None:
             slow = "" if os.environ.get("MESHRUN_TEST_ALL") == "1" else " and not slow"
             sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial" + slow)
             sh(PY, "-m", "pytest", "-m", "serial" + slow)
+    elif what in ("help", "-h", "--help"):
+        print(__doc__)
     else:
-        sys.exit(__doc__)
+        print(f"tasks.py: unknown task {what!r}; use run, test or help", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

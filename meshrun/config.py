@@ -483,8 +483,8 @@ OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer (`name`: an entry of meshrun/optim/registry.py), its learning-rate schedule
-    (linear warmup from 0 to lr, cosine decay to min_lr_ratio·lr at train.steps) and global-norm
-    clipping. `state_dtype`: the dtype of its moments (the float32 master copy stays float32)."""
+    (linear warmup from 0 to lr, cosine decay to min_lr_ratio·lr at decay_steps or train.steps) and
+    global-norm clipping. `state_dtype`: the dtype of its moments (the float32 master copy stays float32)."""
 
     name: str = "adamw"  # an entry of meshrun/optim/registry.py: adamw | muon
     lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
@@ -498,8 +498,10 @@ class OptimizerConfig:
     momentum: float = 0.95  # muon: momentum of the orthogonalized weight matrices
     ns_steps: int = 5  # muon: Newton-Schulz iterations
     state_dtype: str = "float32"  # dtype of the moments: float32 | bfloat16 (the fp32 master stays fp32)
+    decay_steps: int = 0  # the cosine reaches min_lr_ratio·lr at this step (0: train.steps), then stays
 
     def __post_init__(self):
+        _bounded("optimizer.decay_steps", self.decay_steps, 0, MAX_STEPS)
         if not self.lr > 0:
             raise ConfigError("optimizer.lr", self.lr, "use a positive learning rate")
         if self.warmup_steps < 0:
@@ -609,7 +611,13 @@ bounded, choice = _bounded, _choice  # for the families' config classes
 # ---------------------------------------------------------------- generic loading
 
 
+# other frameworks' names for a key, too far from it for difflib (optax, PyTorch, HF Trainer)
+_ALIASES = {"learning_rate": "lr", "epsilon": "eps", "max_steps": "steps", "num_steps": "steps"}
+
+
 def _suggest(key: str, options) -> str:
+    if _ALIASES.get(key) in options:
+        return f"did you mean '{_ALIASES[key]}'?"
     close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {sorted(options)}"
 

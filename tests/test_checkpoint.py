@@ -250,3 +250,44 @@ def test_a_failed_saves_unscheduled_writes_are_not_reported_at_exit(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "write_fragment" not in r.stderr, r.stderr
     assert "coroutine 'other.<locals>.mine' was never awaited" in r.stderr, r.stderr
+
+
+def test_a_save_compiles_nothing_for_small_replicated_arrays(tmp_path, mesh_a):
+    """orbax splits a replicated array among its replicas with an eager slice, one XLA compile per
+    array shape: most of a small model's first save. Small arrays are written by one replica, and a
+    small state's checksums are summed on the host (no jit compile)."""
+    from jax import monitoring
+
+    state = jax.block_until_ready(_state(mesh_a, SPECS_A, scale=3.0))
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with Checkpointer(tmp_path, CheckpointConfig(async_save=False), meta=META) as ck:
+            ck.save(1, state, force=True)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    with Checkpointer(tmp_path, CheckpointConfig(), meta=META) as ck:
+        _assert_tree_equal(ck.restore(1, _abstract(state)), state)
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float32, jnp.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_, np.uint16]
+)
+@pytest.mark.parametrize("shape", [(), (7,), (8, 16), (4, 6, 8)])
+def test_host_checksums_equal_the_devices(mesh_a, dtype, shape):
+    """A small state is summed in numpy (no jit compile): the same two sums as the device pass, for
+    every element size and any sharding."""
+    from meshrun.checkpoint import checksum
+
+    rng = np.random.default_rng(sum(shape) + len(shape))
+    x = (rng.standard_normal(shape) * 100).astype(dtype)
+    spec = P("data", "tensor") if len(shape) >= 2 else P()
+    arr = jax.device_put(x, NamedSharding(mesh_a, spec))
+    (device,) = jax.device_get(checksum._all_sums([arr], (None,)))  # noqa: SLF001
+    assert checksum.host_sums(np.asarray(x)) == [int(v) for v in np.asarray(device)]

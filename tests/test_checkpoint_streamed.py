@@ -64,3 +64,24 @@ def test_streamed_leaves_written_after_late_directory_creation(tmp_path, monkeyp
         np.testing.assert_array_equal(np.asarray(got["opt"][str(i)]), source.arrays[f"opt.{i}"])
     for i in range(3):
         np.testing.assert_array_equal(np.asarray(got["params"][str(i)]), np.asarray(state["params"][str(i)]))
+
+
+def test_a_streamed_save_logs_no_orbax_chunk_size_warning(tmp_path, caplog):
+    """The streamed leaves' zarr chunks are one row of a chunk, below orbax's 1 MiB advice: its warning
+    (once per leaf, each save, even under --quiet) is dropped; its other warnings are not."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    slices.install()
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), P())
+    source = ArraySource({f"opt.{i}": np.full((ROWS, COLS), i, np.float32) for i in range(3)})
+    f32 = np.dtype(np.float32)
+    state = {"opt": {str(i): slices.StreamedArray(f"opt.{i}", (ROWS, COLS), f32, sharding, source) for i in range(3)}}
+    cfg = load_config("configs/tiny_cpu.yaml", ["checkpoint.async_save=false"]).checkpoint
+    with caplog.at_level(logging.WARNING), Checkpointer(tmp_path / "run", cfg, meta={}) as ck:
+        assert ck.save(1, state, force=True)
+        absl_logging.warning("another orbax warning")
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "target_byte_size" in m], said
+    assert "another orbax warning" in said

@@ -82,3 +82,12 @@ def test_configuration_reference_is_current():
     assert page.read_text() == config_ref.markdown(), (
         f"docs/configuration.md is out of date with meshrun/config.py: run `{config_ref.REGENERATE}`"
     )
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [("optimizer.learning_rate", "lr"), ("optimizer.epsilon", "eps"), ("train.max_steps", "steps")],
+)
+def test_other_frameworks_names_suggest_meshruns_key(given, want):
+    with pytest.raises(ConfigError, match=rf"{given}: unknown key .*did you mean '{want}'\?"):
+        load_config(None, [f"{given}=1"])

@@ -186,3 +186,51 @@ def test_meshrun_checkpoints_shows_the_familys_fields():
     assert "n_heads=" in llama and "n_kv_heads=" in llama and "shift" not in llama, llama
     unknown = model_summary({"family": "nowhere.mod:FAMILY", "d_model": 8, "n_heads": 2})
     assert unknown == "family=nowhere.mod:FAMILY d_model=8 n_heads=2", unknown
+
+
+def test_meshrun_checkpoints_says_when_it_cannot_import_the_family():
+    from meshrun.checkpoint.store import StepInfo
+    from meshrun.cli.checkpoints import format_table
+
+    model = {"family": "nowhere.mod:FAMILY", "d_model": 8, "n_heads": 2}
+    table = format_table("run", [StepInfo(1, "complete", "1", model), StepInfo(2, "complete", "2", model)])
+    notes = [ln for ln in table.splitlines() if "could not import" in ln]
+    assert notes == [
+        "model.family nowhere.mod:FAMILY: could not import it here (no such module), so the shared fields are "
+        "shown; add its folder to PYTHONPATH to see its own"
+    ], table
+    assert "could not import" not in format_table("run", [StepInfo(1, "complete", "1", {"family": "llama"})])
+
+
+@pytest.mark.parametrize(
+    "name, source, words",
+    [
+        ("raises", "raise RuntimeError('no GPU here')\n", "importing raises_mod failed (RuntimeError: no GPU here)"),
+        ("syntax", "def broken(:\n", "importing syntax_mod failed (SyntaxError: "),
+        ("empty", None, "no module before ':'"),
+    ],
+)
+def test_a_family_module_that_cannot_be_imported_is_a_config_error(tmp_path, monkeypatch, name, source, words):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if source is not None:
+        (tmp_path / f"{name}_mod.py").write_text(source)
+    family = f"{name}_mod:FAMILY" if source is not None else ":FAMILY"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.family={family}"])
+    assert e.value.field == "model.family" and words in str(e.value), str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_a_meshrun_folder_that_shadows_the_package_is_named(tmp_path):
+    """A folder named meshrun on PYTHONPATH (a checkout beside the user's package): one line naming it."""
+    (tmp_path / "meshrun").mkdir()
+    (tmp_path / "meshrun" / "__init__.py").write_text("")
+    (tmp_path / "mine.py").write_text("from meshrun import Family\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    bin_dir = os.path.dirname(sys.executable)
+    r = subprocess.run([os.path.join(bin_dir, "meshrun"), "train", str(ROOT / "configs/tiny_cpu.yaml"),
+                        "model.family=mine:FAMILY", f"train.run_dir={tmp_path / 'r'}"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert f"meshrun is imported from {tmp_path / 'meshrun'}, not the installed package" in line, line

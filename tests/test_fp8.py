@@ -173,6 +173,9 @@ def test_fp8_config_errors():
         load_config(None, ["model.fp8=mxfp8"])
     with pytest.raises(ConfigError, match="model.fp8_amax_history"):
         load_config(None, ["model.fp8=delayed", "model.fp8_amax_history=0"])
+    load_config(None, ["model.fp8=delayed", "model.fp8_amax_history=1024"])  # NVIDIA's and MaxText's longest
+    with pytest.raises(ConfigError, match=r"model.fp8_amax_history: .*\(got 1025\); use at most 1024"):
+        load_config(None, ["model.fp8=delayed", "model.fp8_amax_history=1025"])
 
 
 def test_fp8_refused_on_a_gpu_without_fp8():
@@ -186,7 +189,7 @@ def test_fp8_refused_on_a_gpu_without_fp8():
 
 
 def test_cli_bad_fp8_input_exits_2(tmp_path):
-    for bad in ("model.fp8=e4m3", "model.fp8_amax_history=0"):
+    for bad in ("model.fp8=e4m3", "model.fp8_amax_history=0", "model.fp8_amax_history=16777216"):
         r = subprocess.run(
             [sys.executable, "-m", "meshrun.cli", "train", "configs/tiny_cpu.yaml", bad, f"train.run_dir={tmp_path}/r"],
             capture_output=True, text=True, timeout=120,

@@ -314,3 +314,18 @@ def test_checkpoints_written_before_the_new_model_fields_still_resume(tmp_path):
     with Checkpointer(tmp_path, CheckpointConfig(), meta={"model": to_dict(LlamaConfig(qkv_bias=True))}) as ck:
         with pytest.raises(ConfigError, match="model.qkv_bias"):
             ck.check_compatible(1, state)
+
+
+def test_import_onto_a_mesh_larger_than_the_devices_names_devices(tmp_path):
+    """import-hf mesh.tensor=2 on one CPU device without --devices: the line names --devices and the
+    degree asked, not mesh.data."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    fixture = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama2"
+    r = subprocess.run([sys.executable, "-m", "meshrun.cli", "import-hf", str(fixture), str(tmp_path / "run"),
+                        "mesh.tensor=2"], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("meshrun import-hf: error: --devices: ") and "mesh.tensor=2" in line, line
+    assert not (tmp_path / "run").exists()

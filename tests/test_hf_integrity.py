@@ -74,7 +74,10 @@ def test_export_skips_a_checkpoint_that_fails_its_checksum(llama, tmp_path, caps
     assert json.loads(out)["source"] == str(run / "checkpoints" / "1")  # the step exported, not the newest
     # --step: that checkpoint or nothing (a damaged one is not replaced by another; a missing one is bad input)
     assert main(["export-hf", "trained", "out-s2", "--step", "2"]) == 5
-    assert "no intact checkpoint" in capsys.readouterr().err and not (tmp_path / "out-s2" / "config.json").exists()
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "older" not in err, err  # no other step is tried: none is announced
+    assert "checkpoints/2 is damaged" in err and "does not match its checksum" in err, err
+    assert not (tmp_path / "out-s2" / "config.json").exists()
     assert main(["export-hf", "trained", "out-s7", "--step", "7"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshrun export-hf: error: --step: no complete checkpoint at that step in ")
@@ -282,6 +285,7 @@ def test_import_refuses_an_unsupported_dtype_naming_the_file(tmp_path, capsys):
     f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
     rc, err = _import_rc(capsys, src, tmp_path / "run")
     assert rc == 2 and str(f) in _one_line(err) and "F8_E4M3" in err
+    assert "I64" not in err and "F32, F16, BF16" in err and "dequantize" in err, err  # what a weight may be
     assert not (tmp_path / "run").exists()
 
 
@@ -333,3 +337,21 @@ def test_padded_ids_are_never_data():
     tokens, labels = ds.batch(0)[:2]
     assert int(np.max(tokens)) < 100 and int(np.max(labels)) < 100
     assert int(np.max(tokens)) >= 90  # the whole used range is drawn
+
+
+def test_a_transposed_tensor_is_named_not_config_json(tmp_path, capsys):
+    src = _copy("llama2", tmp_path)
+    f = src / "model.safetensors"
+    header, start = read_header(f)
+    name = "model.layers.0.mlp.down_proj.weight"
+    rows, cols = header[name]["shape"]
+    assert rows != cols
+    header[name]["shape"] = [cols, rows]  # the same bytes, stored as the transpose
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    data = f.read_bytes()[start:]
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    rc, err = _import_rc(capsys, src, tmp_path / "run")
+    line = _one_line(err)
+    assert rc == 2 and name in line and "stored transposed" in line and "config.json:" not in line, line
+    assert not (tmp_path / "run").exists()

@@ -384,3 +384,23 @@ def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(tmp_p
     finally:
         writer.join()
         os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "over, want",
+    [
+        (["model.attention_impl=cudnn"], "model.attention_impl=cudnn ignored: no GPU (platform cpu)"),
+        (["model.fp8_first_last_bf16=true"], "model.fp8_first_last_bf16=True ignored: model.fp8 is none"),
+        (["model.fp8=tensorwise", "model.fp8_amax_history=32"], "model.fp8_amax_history=32 ignored: model.fp8 is"),
+        (["checkpoint.local_keep=5"], "checkpoint.local_keep=5 ignored: checkpoint.local_every is 0"),
+        (["checkpoint.local_dir=/tmp/x"], "checkpoint.local_dir=/tmp/x ignored: checkpoint.local_every is 0"),
+    ],
+)
+def test_settings_without_effect_warn_once_each(over, want):
+    """Valid keys that do nothing in this run: one warning line each, naming the key and why."""
+    from meshrun.train.prepare import config_warnings
+
+    mesh = types.SimpleNamespace(shape={"pipe": 2})
+    (line,) = config_warnings(load_config(CONFIG, [*SMALL, *over]), mesh, platform="cpu")
+    assert line.startswith(want), line
+    assert config_warnings(load_config(CONFIG, SMALL), mesh, platform="cpu") == []

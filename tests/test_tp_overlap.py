@@ -257,3 +257,26 @@ def _evaluate_cli(ev: str):
 
     model = load_config("configs/models/gpt3-175b.yaml").model
     return parse_evaluate(ev, model, parse_cluster("a100-80g:128x8,ib=8x200"), 1536, 2048)
+
+
+@pytest.mark.parametrize(
+    "fp8, ev, why",
+    [
+        ("delayed", "tensor=8,pipe=16,virtual=2,sequence_parallel=true,tp_comm_overlap=true", "model.fp8=delayed"),
+        ("none", "tensor=4,pipe=32,virtual=2,sequence_parallel=true,tp_comm_overlap=true", "same layer count"),
+    ],
+)
+def test_evaluate_refuses_what_train_and_the_search_refuse(fp8, ev, why):
+    """`plan --evaluate` costs no tp_comm_overlap that `train` refuses (with fp8; in a pipeline, over an
+    uneven layer split), and the search proposes none of them."""
+    from meshrun.cli.plan import parse_evaluate
+    from meshrun.planner.hardware import parse_cluster
+    from meshrun.planner.search import _tp_overlaps
+
+    model = dataclasses.replace(load_config("configs/models/gpt3-175b.yaml").model, fp8=fp8)
+    with pytest.raises(ConfigError, match="--evaluate tp_comm_overlap") as e:
+        parse_evaluate(ev, model, parse_cluster("a100-80g:128x8,ib=8x200"), 1536, 2048)
+    assert why in str(e.value), str(e.value)
+    lay = parse_evaluate(ev.replace("tp_comm_overlap=true", "tp_comm_overlap=false"), model,
+                         parse_cluster("a100-80g:128x8,ib=8x200"), 1536, 2048)  # fmt: skip
+    assert _tp_overlaps(model, lay, "meshrun") == (False,)

@@ -225,3 +225,42 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_0(tmp_path):
     assert 2 <= last["step"] < 200
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [last["step"]]
+
+
+def test_other_state_dtype_is_refused_and_the_checkpoints_kept(tmp_path, capsys):
+    """A resume with another optimizer.state_dtype is a config mismatch: exit 2 naming the field,
+    never a checksum failure that moves the intact checkpoints aside."""
+    over = ["--quiet", *SMALL, "mesh.pipe=1", "mesh.data=4", "train.steps=1", f"train.run_dir={tmp_path}"]
+    assert main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over]) == 0
+    before = _snapshot(tmp_path / "checkpoints")
+    capsys.readouterr()
+    rc = main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over, "optimizer.state_dtype=bfloat16", "train.steps=2"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("meshrun train: error: optimizer.state_dtype: ") and "float32" in line, line
+    assert _snapshot(tmp_path / "checkpoints") == before
+    assert main(["train", str(ROOT / "configs/tiny_cpu.yaml"), *over, "train.steps=2"]) == 0  # the original resumes
+
+
+def _lrs(run_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_resume_with_more_steps_says_the_schedule_moved_and_decay_steps_keeps_it(tmp_path, capsys):
+    """A larger train.steps at resume stretches the cosine: one warning line says so and names
+    optimizer.decay_steps, which keeps the original horizon (the lr stays at its floor after it)."""
+    cfg = str(ROOT / "configs/tiny_cpu.yaml")
+    over = ["--quiet", *SMALL, "mesh.pipe=1", "mesh.data=4", "train.steps=4", "optimizer.lr=1e-3"]
+    for name in ("a", "b"):
+        assert main(["train", cfg, *over, f"train.run_dir={tmp_path / name}"]) == 0
+    capsys.readouterr()
+    assert main(["train", cfg, *over, f"train.run_dir={tmp_path / 'a'}", "train.steps=6"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "learning-rate schedule" in ln]
+    assert len(lines) == 1 and "ends at step 6 (was 4)" in lines[0] and "optimizer.decay_steps=4" in lines[0], lines
+    assert _lrs(tmp_path / "a")[5] > 1e-4  # stretched: back up from the floor
+    assert main(["train", cfg, *over, f"train.run_dir={tmp_path / 'b'}", "train.steps=6",
+                 "optimizer.decay_steps=4"]) == 0  # fmt: skip
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if "learning-rate schedule" in ln]
+    lrs = _lrs(tmp_path / "b")
+    assert lrs[5] == lrs[6] == pytest.approx(1e-4, rel=1e-6)  # min_lr_ratio 0.1 of lr, from step 4 on

@@ -58,12 +58,38 @@ def _all_sums(leaves: list, to_device: tuple) -> list:
     return [_sums(x if s is None else jax.device_put(x, s)) for x, s in zip(leaves, to_device, strict=True)]
 
 
+_HOST_BYTES = 64 << 20  # a state this small is summed on the host: no jit compile (2-3 s for a small model)
+_KNUTH = 2654435761
+
+
+def host_sums(a: np.ndarray) -> list[int]:
+    """`_sums` of a host array of 1-, 2- or 4-byte elements, in numpy (the same two 32-bit sums)."""
+    w = np.ascontiguousarray(a).reshape(-1)
+    w = w.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[w.dtype.itemsize]).astype(np.uint64)
+    weight = (np.arange(w.size, dtype=np.uint64) * np.uint64(_KNUTH) + np.uint64(1)) & np.uint64(0xFFFFFFFF)
+    return [int(np.sum(w, dtype=np.uint64)) & 0xFFFFFFFF, int(np.sum(w * weight, dtype=np.uint64)) & 0xFFFFFFFF]
+
+
+def _on_host(leaves: list) -> bool:
+    """Sum on the host: a small state of plain arrays this process holds whole (no PRNG keys, no
+    64-bit words)."""
+    plain = all(
+        getattr(x, "is_fully_addressable", True)
+        and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        and jnp.dtype(x.dtype).itemsize <= 4
+        for x in leaves
+    )
+    return plain and sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves) <= _HOST_BYTES
+
+
 def checksums(tree: Any, key) -> dict[str, list[int]]:
     """{leaf key: [sum, weighted sum]} of every array leaf; `key(path)` names a leaf."""
     flat = [(key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "dtype")]
     out = {k: x.sums() for k, x in flat if hasattr(x, "sums")}  # streamed leaves sum themselves (slices.py)
     flat = [(k, x) for k, x in flat if k not in out]
     leaves = [x for _, x in flat]
+    if _on_host(leaves):
+        return out | {k: host_sums(np.asarray(a)) for (k, _), a in zip(flat, jax.device_get(leaves), strict=True)}
     sums = jax.device_get(_all_sums(leaves, tuple(_device_sharding(x) for x in leaves)))
     out |= {k: [int(v) for v in np.asarray(s)] for (k, _), s in zip(flat, sums, strict=True)}
     return out

@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 
 from meshrun.checkpoint import slices
 from meshrun.checkpoint.state import path_key
-from meshrun.checkpoint.store import local_root, run_key
+from meshrun.checkpoint.store import local_root, run_key, write_error
 from meshrun.config import CheckpointConfig
 from meshrun.errors import ConfigError
 
@@ -69,8 +69,8 @@ def check_local_dir(cfg: CheckpointConfig, process: int) -> None:
             raise ConfigError(field, value, fix, f"its parent {probe} does not exist")
     elif not configured.is_dir():
         raise ConfigError(field, value, fix, f"{configured} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(field, value, fix, f"{probe} is not writable")
+    if (why := write_error(probe)) is not None:
+        raise ConfigError(field, value, fix, f"{probe} is not writable: creating a file in it fails ({why})")
 
 
 def agreed_steps(mine: list[int]) -> tuple[list[int], list[list[int]]]:

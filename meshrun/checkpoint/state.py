@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -31,9 +30,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src.serialization.type_handler_registry import GLOBAL_TYPE_HANDLER_REGISTRY
 
 from meshrun.checkpoint import checksum, slices
-from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json
+from meshrun.checkpoint.store import DAMAGED_TAG, META, STATE, read_json, write_error
 from meshrun.config import EXECUTION_FIELDS, CheckpointConfig, saved_model
 from meshrun.errors import CheckpointError, ConfigError
 
@@ -112,7 +112,22 @@ class _NoWriterTraceback(logging.Filter):
         return True
 
 
+class _NoChunkSizeAdvice(logging.Filter):
+    """Orbax advises against zarr chunks under 1 MiB once per array written with a smaller
+    chunk_byte_size; the streamed leaves' chunks are one row of a tier chunk on purpose (a save writes
+    them as they stream), so it said so for every leaf of every save. Only that record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.pathname.startswith(_ORBAX_DIR) and str(record.msg).startswith(_CHUNK_ADVICE))
+
+
+_CHUNK_ADVICE = "Setting the target_byte_size too small"
+
+
 def _quiet_writer_failures() -> None:
+    absl_log = logging.getLogger("absl")
+    if not any(isinstance(f, _NoChunkSizeAdvice) for f in absl_log.filters):
+        absl_log.addFilter(_NoChunkSizeAdvice())
     if os.environ.get("MESHRUN_DEBUG", "") not in ("", "0"):
         return
     for name in ("absl", "asyncio"):
@@ -137,6 +152,19 @@ def _quiet_absl():
         absl_log.setLevel(level)
 
 
+_MIN_REPLICA_SLICE = 4 << 20  # bytes: a replicated array written by one replica below this
+
+
+def _whole_small_replicas() -> None:
+    """Orbax writes a replicated array in parallel from its replicas, each slicing off its part with
+    an eager jax op: one XLA compile per array shape and replica count, about 7 s of the quickstart
+    model's 7.5 s first save. Arrays under 4 MiB a replica are written whole by one replica instead
+    (the jax.Array handler registered now: orbax's, or slices.SliceArrayHandler)."""
+    handler = GLOBAL_TYPE_HANDLER_REGISTRY.get(jax.Array)
+    if getattr(handler, "_min_slice_bytes_for_replica_parallel", 0) is None:
+        handler._min_slice_bytes_for_replica_parallel = _MIN_REPLICA_SLICE  # noqa: SLF001 - no public setter
+
+
 def _is_resource_error(e: BaseException) -> bool:
     """Out of memory while restoring says nothing about the files: not a reason to move them aside."""
     return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
@@ -146,15 +174,16 @@ def check_run_dir_writable(run_dir: str | Path) -> None:
     """Create `run_dir` and write a probe file in it, or raise ConfigError naming train.run_dir."""
     try:
         os.makedirs(run_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-probe-"):
-            pass
+        why = write_error(run_dir)
     except OSError as e:
+        why = e.strerror or str(e)
+    if why is not None:
         raise ConfigError(
             "train.run_dir",
             str(run_dir),
             "choose a directory you can create and write, e.g. train.run_dir=runs/NAME",
-            f"cannot create or write it ({e.strerror or e})",
-        ) from None
+            f"cannot create or write it ({why})",
+        )
 
 
 def _json_roundtrip(x: Any) -> Any:
@@ -179,6 +208,21 @@ def tree_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     return {
         path_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")
     }
+
+
+def tree_dtypes(tree: Any) -> dict[str, str]:
+    """{'a.b.0': dtype name} of every leaf with a dtype (as `tree_shapes`)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {path_key(p): np.dtype(x.dtype).name for p, x in flat if getattr(x, "dtype", None) is not None}
+
+
+def _dtype_refusal(step: int, run_dir: str, key: str, saved: str, want: str) -> ConfigError:
+    """The optimizer's moments in another dtype: optimizer.state_dtype; any other array: train.run_dir."""
+    held = f"checkpoint step {step} holds {key} as {saved}, the state needs {want}"
+    if key.startswith("opt"):
+        fix = f"use optimizer.state_dtype={saved} to resume it, or a new train.run_dir"
+        return ConfigError("optimizer.state_dtype", want, fix, held)
+    return ConfigError("train.run_dir", run_dir, "use a new train.run_dir or the settings it was written with", held)
 
 
 def _abstract(x: Any) -> Any:
@@ -240,6 +284,7 @@ class Checkpointer:
         meta = {**self.meta, "checksums": checksum.checksums(state, path_key)}  # checked on restore
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         self.wait()  # the previous async save: a failure there names its own step, not this one
+        _whole_small_replicas()
         self._started.add(step)
         with self._saving(step):
             started = bool(self.manager.save(step, args=args, force=True))
@@ -321,6 +366,11 @@ class Checkpointer:
                 "use a new train.run_dir or matching model settings",
                 f"checkpoint in {self.run_dir} was written for {was}, config has {now}",
             )
+        self._check_arrays(step, target)
+
+    def _check_arrays(self, step: int, target: Any) -> None:
+        """ConfigError when the saved arrays' names, shapes or dtypes differ from `target`'s: a restore
+        would fail or cast, and its checksums (of the saved bytes) would then call an intact step damaged."""
         try:
             with _quiet_absl():
                 tree = self.manager.item_metadata(step)[STATE]
@@ -342,6 +392,10 @@ class Checkpointer:
                     fix,
                     f"checkpoint step {step} holds {k} with shape {saved_shapes[k]}, the state needs {shape}",
                 )
+        saved_types, want_types = tree_dtypes(tree), tree_dtypes(target)
+        other = [k for k, t in want_types.items() if saved_types.get(k, t) != t]
+        if other:
+            raise _dtype_refusal(step, self.run_dir, other[0], saved_types[other[0]], want_types[other[0]])
 
     def restore(self, step: int, target: Any, streamed: slices.Source | None = None) -> Any:
         """Restore step `step` into the layout of `target`: a pytree of jax.ShapeDtypeStruct with

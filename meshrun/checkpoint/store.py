@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,19 @@ class StepInfo:
     name: str  # the entry's name in RUN_DIR/checkpoints
     model: dict[str, Any] | None  # the model config the checkpoint was written for (its meta), if readable
     note: str = ""
+
+
+def write_error(directory: str | Path) -> str | None:
+    """Why this process cannot create a file in `directory` (None: it can). It creates and removes a
+    probe file: os.access passes any directory for root, whose writes can still fail (a read-only
+    mount, NFS root squash, an immutable directory, /proc or /sys)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".meshrun-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def read_json(path: Path) -> tuple[Any, str]:

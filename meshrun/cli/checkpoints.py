@@ -47,7 +47,19 @@ def format_table(run_dir: str, steps: list[StepInfo]) -> str:
     lines = [f"checkpoints in {root} (a run resumes from the newest complete one)"]
     for r in [head, *rows]:
         lines.append("  ".join([r[0].rjust(width[0]), r[1].ljust(width[1]), r[2].ljust(width[2]), r[3]]).rstrip())
-    return "\n".join(lines)
+    return "\n".join(lines + _unimportable(s.model.get("family", "") for s in steps if s.model))
+
+
+def _unimportable(families) -> list[str]:
+    """One note per saved family whose class cannot be imported here (its fields are then not shown)."""
+    notes = []
+    for family in sorted(set(families)):
+        try:
+            model_class(family)
+        except ConfigError as e:
+            notes.append(f"model.family {family}: could not import it here ({e.what or 'unknown family'}), so "
+                         "the shared fields are shown; add its folder to PYTHONPATH to see its own")  # fmt: skip
+    return notes
 
 
 def register(sub) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
-from meshrun.config import MAX_DIM, MeshConfig, check_device_count, load_section
+from meshrun.config import AXES, MAX_DIM, MeshConfig, check_device_count, load_section
 from meshrun.errors import ConfigError
 from meshrun.hf.files import parse_size, read_hf_dir
 from meshrun.runtime.devices import setup_devices
@@ -59,9 +60,23 @@ def _import_cmd(args) -> int:
     from meshrun.hf.io import import_hf  # imports jax: after the devices
     from meshrun.runtime.mesh import build_mesh
 
+    if not args.devices:
+        _check_enough_devices(mesh_cfg)
     result = import_hf(args.model_dir, args.run_dir, mesh=build_mesh(mesh_cfg), vocab_multiple=args.vocab_multiple)
     print(json.dumps(result))
     return 0
+
+
+def _check_enough_devices(mesh_cfg: MeshConfig) -> None:
+    """Mesh degrees whose product does not divide the devices here (no --devices): name --devices."""
+    import jax
+
+    given = {ax: getattr(mesh_cfg, ax) for ax in AXES if getattr(mesh_cfg, ax) not in (1, -1)}
+    need, n = math.prod(given.values()), jax.device_count()
+    if n % need:
+        asked = " ".join(f"mesh.{ax}={v}" for ax, v in given.items())
+        raise ConfigError("--devices", None, f"give --devices {need} (CPU: simulated devices) or smaller mesh degrees",
+                          f"{asked} needs a multiple of {need} devices, {n} here")  # fmt: skip
 
 
 def _export_cmd(args) -> int:

@@ -36,7 +36,15 @@ from meshrun.pipeline import registry
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.layout import CONTEXT_KINDS
-from meshrun.planner.search import MAX_CONTEXT, SEARCHED_REMATS, Result, context_violations, evaluate, search
+from meshrun.planner.search import (
+    MAX_CONTEXT,
+    SEARCHED_REMATS,
+    Result,
+    context_violations,
+    evaluate,
+    search,
+    tp_overlap_refusal,
+)
 from meshrun.planner.step_model import overlap_cut
 from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
@@ -180,12 +188,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         offload_grads=given.get("offload_grads", "host"),
         tp_comm_overlap=given.get("tp_comm_overlap", getattr(model, "tp_comm_overlap", False)),
     )
-    if layout.tp_comm_overlap and not layout.sequence_parallel:
-        raise ConfigError("--evaluate tp_comm_overlap", True, "set sequence_parallel=true with it, or leave it out",
-                          "overlaps the sequence-parallel all-gathers and reduce-scatters")  # fmt: skip
-    if layout.tp_comm_overlap and p > 1 and layout.run_executor == "per_op":
-        raise ConfigError("--evaluate tp_comm_overlap", True, "use a schedule on the lockstep executor with it",
-                          f"meshrun's rings run on the lockstep executor only ({sched.name} on per_op)")  # fmt: skip
+    if layout.tp_comm_overlap and (refusal := tp_overlap_refusal(model, layout)) is not None:
+        raise ConfigError("--evaluate tp_comm_overlap", True, *refusal)  # the rules `train` and the search apply
     upd, field = layout.offload_update, "--evaluate offload_update"
     if upd != "auto" and layout.offload_optimizer != "host":  # the rules `train` applies (TrainConfig)
         raise ConfigError(field, upd, "leave it auto, or set offload_optimizer=host",

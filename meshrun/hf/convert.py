@@ -202,6 +202,10 @@ def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) 
     return out
 
 
+class TransposedTensor(ValueError):
+    """A layer's tensor holds the transpose of another layer's shape: the file is wrong, not config.json."""
+
+
 def _same_shapes(tmpl: str, lead: tuple[int, ...], get: Callable[[str], np.ndarray]) -> None:
     """ValueError naming the tensor when a layer's (or expert's) tensor differs in shape from layer 0's."""
     first = tmpl.format(l=0, e=0)
@@ -209,8 +213,11 @@ def _same_shapes(tmpl: str, lead: tuple[int, ...], get: Callable[[str], np.ndarr
     for i in range(lead[0]):
         for e in range(lead[1] if len(lead) > 1 else 1):
             name = tmpl.format(l=i, e=e)
-            if tuple(get(name).shape) != want:
-                raise ValueError(f"{name} has shape {tuple(get(name).shape)}, {first} has {want}")
+            got = tuple(get(name).shape)
+            if got != want and len(got) == 2 and got == want[::-1]:
+                raise TransposedTensor(f"{name} has shape {got}, {first} has {want}: one is stored transposed")
+            if got != want:
+                raise ValueError(f"{name} has shape {got}, {first} has {want}")
 
 
 def _whole(a: np.ndarray) -> Lazy:

@@ -33,6 +33,7 @@ from meshrun.config import MeshConfig, ModelConfig, from_dict, saved_model, to_d
 from meshrun.errors import CheckpointError, ConfigError
 from meshrun.family import registry
 from meshrun.hf.convert import (
+    TransposedTensor,
     adapter,
     expected_names,
     family_of,
@@ -165,6 +166,10 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
     fix = "give a config.json that matches the checkpoint's tensors (or the tensors its config.json describes)"
     try:
         lazies = lazy_params(cfg, st.get, hf["vocab_size"])
+    except TransposedTensor as e:
+        raise ConfigError(
+            "MODEL_DIR", str(model_dir), "store every layer's tensor as transformers does", str(e)
+        ) from None
     except ValueError as e:  # a per-head reshape that does not fit the stored tensor
         raise ConfigError(f"{model_dir}/config.json", str(e), fix, "contradicts the tensor shapes") from None
     ad = adapter(cfg)
@@ -326,6 +331,9 @@ def load_params_from(
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
             why = f"{type(e).__name__}: {first[:160]}"
             damaged.append(directory.name)
+            if step is not None:  # that checkpoint or nothing: no older one is tried
+                other = "export another --step (`meshrun checkpoints RUN_DIR --verify` lists the intact ones)"
+                raise CheckpointError(f"checkpoint {directory} is damaged ({why}); {other}") from None
             if not quiet:
                 print(f"meshrun: checkpoint {directory} is damaged ({why}); trying an older one", file=sys.stderr)
             continue

@@ -64,7 +64,9 @@ def check_entry(path: Path, name: str, info, data_bytes: int) -> None:
         raise FormatError(f"{path}: tensor {name} has no header entry")
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in DTYPES:
-        raise FormatError(f"{path}: tensor {name} has unsupported dtype {dtype} (meshrun reads {sorted(DTYPES)})")
+        hint = "; dequantize the fp8 checkpoint to BF16 first" if str(dtype).startswith("F8") else ""
+        raise FormatError(f"{path}: tensor {name} has unsupported dtype {dtype} (meshrun reads weights stored as "
+                          f"F64, F32, F16, BF16{hint})")  # fmt: skip
     ints = lambda v: isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v)
     if not ints(shape) or not ints(offs) or len(offs) != 2:
         raise FormatError(f"{path}: tensor {name} has a malformed shape or data_offsets")

@@ -39,12 +39,31 @@ from meshrun.errors import ConfigError
 from meshrun.optim import registry
 
 
-def lr_schedule(cfg: RunConfig) -> optax.Schedule:
-    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio·lr at train.steps."""
-    o, steps = cfg.optimizer, cfg.train.steps
+def lr_schedule(cfg: RunConfig, horizon: int | None = None) -> optax.Schedule:
+    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio·lr at `horizon` (default
+    `decay_horizon(cfg)`), flat after it."""
+    o, steps = cfg.optimizer, decay_horizon(cfg) if horizon is None else horizon
     return optax.warmup_cosine_decay_schedule(
         0.0, o.lr, max(o.warmup_steps, 1), max(steps, o.warmup_steps + 1), o.lr * o.min_lr_ratio
     )
+
+
+def decay_horizon(cfg: RunConfig) -> int:
+    """The step where the cosine ends: optimizer.decay_steps, else train.steps."""
+    return cfg.optimizer.decay_steps or cfg.train.steps
+
+
+def schedule_moved(old: dict, cfg: RunConfig, step: int) -> str | None:
+    """A resume whose schedule ends at another step than the run's config.yaml (`old`) said (a larger
+    train.steps stretches the cosine): one line with the lr at `step` before and after, and the key
+    that keeps the old horizon; None when it ends where it did."""
+    was = (old.get("optimizer") or {}).get("decay_steps") or (old.get("train") or {}).get("steps")
+    now = decay_horizon(cfg)
+    if not isinstance(was, int) or was == now:
+        return None
+    before, after = (float(lr_schedule(cfg, h)(step)) for h in (was, now))
+    return (f"the learning-rate schedule now ends at step {now} (was {was}): the lr at step {step} is {after:.3g} "
+            f"(was {before:.3g}); set optimizer.decay_steps={was} to keep the original horizon")  # fmt: skip
 
 
 def _entry(cfg: RunConfig, param_names: Any) -> optax.GradientTransformation:

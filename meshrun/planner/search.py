@@ -356,18 +356,33 @@ def _better(r: Result, best: Result) -> bool:
 
 def _tp_overlaps(model, layout: Layout, framework: str) -> tuple[bool, ...]:
     """model.tp_comm_overlap off, and on where it runs: sequence parallelism over t > 2 (t = 2 hides
-    nothing: `timing.tp_overlap_hidden`); meshrun's need a family that has them, no fp8 and, in a
-    pipeline, the lockstep executor and an even layer split (`train.plan.check_ring_pipeline`).
+    nothing: `timing.tp_overlap_hidden`); meshrun's where `tp_overlap_refusal` allows them.
     Megatron-Core's --tp-comm-overlap: any schedule (the published PTD-P runs had none:
     `--evaluate ...,tp_comm_overlap=false`)."""
     if not (layout.sequence_parallel and layout.tensor > 2 and model.predictable):
         return (False,)
-    if framework == "meshrun":  # the family's blocks run the rings; not with fp8 (the config refuses it)
-        if not model.tp_rings or getattr(model, "fp8", "none") != "none":
-            return (False,)
-        if layout.pipe > 1 and (layout.run_executor != "lockstep" or model.n_units % (layout.pipe * layout.chunks)):
-            return (False,)
+    if framework == "meshrun" and tp_overlap_refusal(model, layout) is not None:
+        return (False,)
     return (False, True)
+
+
+def tp_overlap_refusal(model, layout: Layout) -> tuple[str, str] | None:
+    """(fix, why) when `train` refuses model.tp_comm_overlap on `layout`, else None: the model config's
+    own rules (a family with rings, sequence parallelism, no fp8), and in a pipeline the lockstep
+    executor over an even layer split (`train.plan.check_ring_pipeline`). The search and `plan
+    --evaluate` both ask it."""
+    try:
+        replace(model, tp_comm_overlap=True, sequence_parallel=layout.sequence_parallel)
+    except ConfigError as e:
+        return e.fix, e.what or "invalid value"
+    if layout.pipe > 1 and layout.run_executor != "lockstep":
+        why = f"meshrun's rings run on the lockstep executor only ({layout.schedule} on {layout.run_executor})"
+        return "use a schedule on the lockstep executor with it", why
+    if layout.pipe > 1 and model.n_units % (layout.pipe * layout.chunks):
+        return ("use pipe*virtual dividing the layers, or leave it out",
+                f"needs the same layer count on every stage chunk ({model.n_units} layers over "
+                f"pipe*virtual={layout.pipe * layout.chunks})")  # fmt: skip
+    return None
 
 
 def _context_text(lay: Layout) -> str:

@@ -15,6 +15,7 @@ import jax
 import yaml
 
 from meshrun.config import RunConfig, to_dict
+from meshrun.optim.optimizer import schedule_moved
 from meshrun.runtime.processes import warn
 
 CONFIG_FILE = "config.yaml"
@@ -69,3 +70,5 @@ def warn_config_differs(cfg: RunConfig, steps: list[int]) -> None:
     old = read_config(cfg.train.run_dir)
     if steps and old is not None and (diff := config_diff(old, to_dict(cfg))):
         warn(f"resuming with a config that differs from {Path(cfg.train.run_dir) / CONFIG_FILE}: " + "; ".join(diff))
+        if (moved := schedule_moved(old, cfg, steps[-1] + 1)) is not None:
+            warn(moved)

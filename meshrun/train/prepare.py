@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 from jax.sharding import Mesh
 
 from meshrun.checkpoint.params import check_params
@@ -24,12 +25,12 @@ class Prepared(NamedTuple):
     ds: Any
 
 
-def config_warnings(cfg: RunConfig, mesh) -> list[str]:
-    """Settings that are valid but have no effect on this mesh. `pipeline.schedule`/`virtual`/`executor`
-    (and the layer split: `layers_per_stage`, `balance`) with
-    mesh.pipe = 1 warn rather than fail: the same config file is often run with `mesh.pipe=1` to
-    debug, and they take effect again as soon as pipe > 1 (`pipeline.microbatches` still counts:
-    gradient accumulation)."""
+def config_warnings(cfg: RunConfig, mesh, platform: str | None = None) -> list[str]:
+    """Settings that are valid but have no effect in this run (on this mesh, on `platform`, default
+    jax's backend): one line each. `pipeline.schedule`/`virtual`/`executor` (and the layer split:
+    `layers_per_stage`, `balance`) with mesh.pipe = 1 warn rather than fail: the same config file is
+    often run with `mesh.pipe=1` to debug, and they take effect again as soon as pipe > 1
+    (`pipeline.microbatches` still counts: gradient accumulation)."""
     out = []
     if mesh.shape["pipe"] == 1:
         default = PipelineConfig()
@@ -38,6 +39,28 @@ def config_warnings(cfg: RunConfig, mesh) -> list[str]:
         if keys:
             given = ", ".join(f"pipeline.{k}={getattr(cfg.pipeline, k)}" for k in keys)
             out.append(f"{given} ignored: mesh.pipe is 1 (no pipeline); set mesh.pipe > 1 to use it, or drop it")
+    return out + [f"{k}={v} ignored: {why}; {fix}" for k, v, why, fix in _without_effect(cfg, platform)]
+
+
+def _without_effect(cfg: RunConfig, platform: str | None) -> list[tuple[str, Any, str, str]]:
+    """(key, value, why, fix) of the model and checkpoint settings this run does not use."""
+    m, c, out = cfg.model, cfg.checkpoint, []
+    platform = platform or jax.default_backend()
+    if m.attention_impl == "cudnn" and platform != "gpu":
+        out.append(("model.attention_impl", "cudnn", f"no GPU (platform {platform}): XLA's attention runs",
+                    "it takes effect on a GPU"))  # fmt: skip
+    fp8 = getattr(m, "fp8", "none")
+    if getattr(m, "fp8_first_last_bf16", False) and fp8 == "none":
+        out.append(("model.fp8_first_last_bf16", True, "model.fp8 is none", "set model.fp8, or drop it"))
+    history = getattr(m, "fp8_amax_history", None)
+    if history is not None and history != getattr(type(m), "fp8_amax_history", history) and fp8 != "delayed":
+        out.append(("model.fp8_amax_history", history, f"model.fp8 is {fp8} (only delayed keeps a history)",
+                    "set model.fp8=delayed, or drop it"))  # fmt: skip
+    if c.local_every == 0:
+        for k in ("local_keep", "local_dir"):
+            if getattr(c, k) != getattr(type(c), k):
+                out.append((f"checkpoint.{k}", getattr(c, k), "checkpoint.local_every is 0 (no local tier)",
+                            "set checkpoint.local_every > 0, or drop it"))  # fmt: skip
     return out
 
 

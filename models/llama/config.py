@@ -12,6 +12,8 @@ from typing import ClassVar
 from meshrun.config import FP8_RECIPES, MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
 
+MAX_AMAX_HISTORY = 1024  # the longest delayed-scaling history NVIDIA Transformer Engine and MaxText use
+
 
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
@@ -67,7 +69,9 @@ class LlamaConfig(ModelConfig):
             )  # fmt: skip
         if self.fp8_amax_history < 1:
             raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
-        bounded("model.fp8_amax_history", self.fp8_amax_history, 1, MAX_DIM)
+        if self.fp8_amax_history > MAX_AMAX_HISTORY:  # a parameter per fp8 GEMM, with Adam moments of its own
+            fix = f"use at most {MAX_AMAX_HISTORY} steps, e.g. 16"
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, fix, "longer than any recipe uses")
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
