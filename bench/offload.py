@@ -20,7 +20,7 @@ The disk and the tier are measured the same way, without the page cache: the dis
 rewrite of a file written once before (as the tier rewrites its preallocated file each step), timed
 up to `fdatasync`, and a read after `posix_fadvise(DONTNEED)` dropped the file's pages; the tier
 drops its pages as it writes and ends each streamed update with `fdatasync` + DONTNEED
-(`swap.SwapFile.settle`), so its reads come from the disk too. Both figures are then the disk's,
+(`swap_file.SwapFile.settle`), so its reads come from the disk too. Both figures are then the disk's,
 whatever the file size and the free memory; on a tmpfs (printed) they are memory bandwidth. The
 tier's state is meant to exceed host memory, where the page cache could not hold it anyway.
 """
@@ -93,10 +93,10 @@ def io_file(directory, n_chunks: int, chunk: tuple[int, int, int]):
     """A swap file of `n_chunks` chunks shaped `chunk` in `directory`, written once, and a pass over it
     without an update: the tier's I/O pipeline alone (read one chunk ahead, write one behind, settle).
     Yields (the file, the pass); the file is closed (and removed) on exit."""
-    from meshrun.train import swap
-    from meshrun.train.chunk_store import aligned
+    from meshrun.offload import swap_file
+    from meshrun.offload.chunk_store import aligned
 
-    f = swap.SwapFile(Path(directory), n_chunks, chunk)
+    f = swap_file.SwapFile(Path(directory), n_chunks, chunk)
     try:
         out = aligned(f.chunk)
         out[:] = 1.0
@@ -124,7 +124,7 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from meshrun.train import device_chunk, host_update, swap_dir
+    from meshrun.offload import device_chunk, host_update, malloc
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
@@ -146,7 +146,7 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
         item = device_chunk.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
         p = tier.new_param_row() if p is None else p
         t0, c0 = time.perf_counter(), time.process_time()
-        with swap_dir.keeping_freed_buffers():  # as the tier's step
+        with malloc.keeping_freed_buffers():  # as the tier's step
             for i in range(lay.n_chunks):
                 item.slots, p, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))
                 item.written()

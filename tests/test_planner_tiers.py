@@ -206,13 +206,13 @@ def test_plan_says_where_the_update_runs(capsys):
 
 
 def test_chunks_match_the_runtime_rule():
-    from meshrun.train import chunk_store, swap
+    from meshrun.offload import chunk_store, swap_file
 
     for budget in (0.5, 16, 256, 4096):
         for slots, rows, row_len in ((2, 1, 10**6), (3, 8, 123_457), (3, 8, 10**10), (2, 4, 100)):
-            want = swap.chunk_elems(budget * 2**20, slots, rows, row_len)
+            want = swap_file.chunk_elems(budget * 2**20, slots, rows, row_len)
             assert tiers.chunk_elems(budget * 2**20, slots, rows, row_len) == want
-    assert tiers.SLOTS_IN_FLIGHT == chunk_store.SLOTS_IN_FLIGHT and tiers.ALIGN == swap.ALIGN
+    assert tiers.SLOTS_IN_FLIGHT == chunk_store.SLOTS_IN_FLIGHT and tiers.ALIGN == swap_file.ALIGN
     from meshrun.config import OffloadConfig
 
     assert OffloadConfig().budget_mb == tiers.DEFAULT_BUDGET_MB
@@ -229,10 +229,10 @@ def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
 
     from meshrun.config import load_config
     from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.offload import chunk_store, swap_file
     from meshrun.parallel.sharding import DP_AXES
     from meshrun.planner.layout import layout_of
     from meshrun.runtime.mesh import build_mesh
-    from meshrun.train import chunk_store, swap
     from meshrun.train.step import make_train_step
 
     small = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16"]
@@ -249,7 +249,7 @@ def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
         mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=16)
         mem |= {"total": mem["device"], "overhead_context": 0.0}
         plan = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), kind, 0.0, 0.5)
-        assert plan.streamed and isinstance(f, swap.SwapFile if kind == "nvme" else chunk_store.HostStore)
+        assert plan.streamed and isinstance(f, swap_file.SwapFile if kind == "nvme" else chunk_store.HostStore)
         assert mem["opt_elems"] == tier.layout.used
         assert mem["opt_state"] == tier.layout.used * tier.pattern.n_slots * 4
         assert len(tier.layout.first) == 8 and plan.chunk == tier.layout.chunk and plan.n_chunks == tier.layout.n_chunks

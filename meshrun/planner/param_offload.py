@@ -1,6 +1,6 @@
 """`offload.params` in the planner: ZeRO-3 parameters rest in pinned host memory and come to
 the device one scan unit (layer) at a time, in the forward and again in the backward; each unit's
-reduced gradient leaves as the backward makes it (`parallel/layer_fetch.py`, `train/layer_update.py`,
+reduced gradient leaves as the backward makes it (`parallel/layer_fetch.py`, `offload/layer_update.py`,
 docs/offload.md "Parameters off the device"). Per device of the fullest stage:
 
 * device: two units' gathered weights (the one computed, the next fetched), the non-layer params

@@ -5,7 +5,7 @@ from the drives; and the time of that I/O.
 
 * none: the state lives on the device (`predict_memory`).
 * host, streamed (`offload.update=auto`, the default, where the runtime streams: `host_streams`):
-  the state rests in host memory in the nvme tier's chunk layout (`train/chunk_store.HostStore`) and the
+  the state rests in host memory in the nvme tier's chunk layout (`offload/chunk_store.HostStore`) and the
   update streams it through the device chunk by chunk as nvme's does, through the same buffers
   (`offload.budget_mb` per process). The device's update peak is nvme's (flat rows + a few
   chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
@@ -19,7 +19,7 @@ from the drives; and the time of that I/O.
   because the update waits for it. The device's peak is the larger of the backward (no state) and
   the update (stored params, the update's gradients, the whole state and the update's temporaries).
 * nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
-  in chunks through `offload.budget_mb` of host memory per process (`train/streamed.py`,
+  in chunks through `offload.budget_mb` of host memory per process (`offload/optimizer_tier.py`,
   one process per node). The device holds the flat float32 gradient row and the param row of its
   shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
   over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
@@ -34,7 +34,7 @@ host memory bandwidth shared by its GPUs (`cpu_update_seconds`). Each layout get
 a tie keeps the device. Not modelled: the host-memory traffic of the link's DMA and of the store's
 copies, which both places pay.
 
-The chunk size follows the runtime's rule (`train/swap.chunk_elems`, pinned by tests): three chunks
+The chunk size follows the runtime's rule (`offload/swap_file.chunk_elems`, pinned by tests): three chunks
 of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements.
 """
 
@@ -55,8 +55,8 @@ HOST_USABLE = 0.9
 # disk's limit). bench/offload.py measured 34% on a loaded CPU host with small chunks (docs/offload.md).
 NVME_EFFICIENCY = 0.7
 DEFAULT_BUDGET_MB = 256.0  # offload.budget_mb's default
-SLOTS_IN_FLIGHT = 3  # train/chunk_store.py: read i + 1, update i, write i - 1
-ALIGN = 1024  # train/swap.py: chunk length granularity in elements
+SLOTS_IN_FLIGHT = 3  # offload/chunk_store.py: read i + 1, update i, write i - 1
+ALIGN = 1024  # offload/swap_file.py: chunk length granularity in elements
 # Fraction of the host memory's peak bandwidth a CPU's streaming pass reaches: STREAM Triad on
 # two-socket DDR4/DDR5 servers measures about 70-80% of the DDR peak (an assumption, not measured here).
 HOST_MEM_EFFICIENCY = 0.7
@@ -68,7 +68,7 @@ def host_bw(cluster: Cluster) -> float:
 
 
 def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int:
-    """Elements per row of one chunk, as `train.swap.chunk_elems` (0: the budget holds no chunk)."""
+    """Elements per row of one chunk, as `offload.swap_file.chunk_elems` (0: the budget holds no chunk)."""
     fit = int(budget_bytes // (SLOTS_IN_FLIGHT * slots * rows * 4)) // ALIGN * ALIGN
     return min(fit, -(-row_len // ALIGN) * ALIGN) if fit >= ALIGN else 0
 
@@ -111,7 +111,7 @@ def drive_seconds(cluster: Cluster, file: float) -> float:
 
 
 def streamable(layout: Layout) -> bool:
-    """The NVMe tier streams elementwise optimizers with float32 state only (`train/streamed.py`)."""
+    """The NVMe tier streams elementwise optimizers with float32 state only (`offload/optimizer_tier.py`)."""
     return optimizers.get(layout.optimizer).elementwise and layout.state_dtype == "float32"
 
 

@@ -120,7 +120,7 @@ def balance_gpu(mesh) -> tuple[str, str]:
 
 def streams_update(cfg: RunConfig) -> bool:
     """Whether the optimizer state rests outside the device and its update streams chunk by chunk
-    (`meshrun/train/streamed.py`): the nvme tier always; the host tier unless `offload.update`
+    (`meshrun/offload/optimizer_tier.py`): the nvme tier always; the host tier unless `offload.update`
     is whole, offload.params streams it layer by layer itself, or the optimizer cannot be
     streamed (auto then keeps the whole-shard update; streamed asked for it: a ConfigError)."""
     t = cfg.offload
@@ -142,7 +142,7 @@ def offloaded(cfg: RunConfig) -> tuple[str, ...]:
     the parameters too when they are fp32 master weights of a lower-precision compute dtype, or with
     offload.params."""
     params = ("store",) if cfg.offload.params else ()  # ZeRO-3 params streamed layer by layer
-    if cfg.offload.optimizer != "host" or streams_update(cfg):  # its own store (train/streamed.py)
+    if cfg.offload.optimizer != "host" or streams_update(cfg):  # its own store (offload/optimizer_tier.py)
         return params
     return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype or params else ("opt",)
 

@@ -1,7 +1,7 @@
 """offload.optimizer=nvme (and host, unless offload.update=whole): the optimizer state
 rests in files (or host memory) and the update streams through the device in chunks (ZeRO-Infinity,
 Rajbhandari et al. 2021; docs/offload.md). Both tiers run the same code; only the store differs
-(`swap.SwapFile`, `chunk_store.HostStore`), so the device never holds more than a few chunks of the state.
+(`swap_file.SwapFile`, `chunk_store.HostStore`), so the device never holds more than a few chunks of the state.
 
 The step runs in two parts. On the device, one jitted function: forward, backward, the one gradient
 reduction, the global gradient norm (once over the whole gradient, as the in-memory step computes
@@ -19,7 +19,7 @@ The update runs on the device: the same XLA backend evaluates the same elementwi
 in-memory step (a host CPU's pow or division may differ from a GPU's in the last bit), at the
 device's memory bandwidth.
 Init, checkpoint saves and restores move the state between the file and its home (the optimizer's
-init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`tier_io.py`), so a
+init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`checkpoint_io.py`), so a
 run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, the
 local checkpoint tier).
 """
@@ -39,11 +39,11 @@ from jax.sharding import PartitionSpec as P
 from meshrun.checkpoint import slices
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
+from meshrun.offload import checkpoint_io, directory, host_update, malloc, swap_file
+from meshrun.offload.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore, resting_bytes
+from meshrun.offload.device_chunk import DeviceChunk
+from meshrun.offload.flat_layout import StatePattern, flat_layout
 from meshrun.optim import optimizer
-from meshrun.train import host_update, swap, swap_dir, tier_io
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore, resting_bytes
-from meshrun.train.device_chunk import DeviceChunk
-from meshrun.train.flat_layout import StatePattern, flat_layout
 
 
 def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
@@ -54,7 +54,7 @@ def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
 
 def piece_sizes(chunk: int) -> tuple[int, int]:
     """The chunk as two leaves of different lengths (`Tier.chunk_part`)."""
-    return chunk // 2 + swap.ALIGN // 4, chunk - chunk // 2 - swap.ALIGN // 4
+    return chunk // 2 + swap_file.ALIGN // 4, chunk - chunk // 2 - swap_file.ALIGN // 4
 
 
 class Tier:
@@ -66,7 +66,7 @@ class Tier:
         self.kind = t.optimizer  # nvme | host
         self.directory = None
         if self.kind == "nvme":
-            self.directory = swap_dir.take_dir(t.dir, jax.process_index())
+            self.directory = directory.take_dir(t.dir, jax.process_index())
         abstract = ts.abstract_run
         self.params_def = jax.tree.structure(abstract.params)
         self.full_def = jax.tree.structure(abstract.opt_state)
@@ -191,8 +191,8 @@ class Tier:
                 for f, out in ((split.to_pipeline, sh.params), (split.from_pipeline, jax.tree.map(lambda x: x.sharding,
                                                                                                  model_p)))
             )  # fmt: skip
-        self.init = tier_io.StreamedInit(self, chunk_tx)
-        self.state_pieces = tier_io.StatePieces(self)
+        self.init = checkpoint_io.StreamedInit(self, chunk_tx)
+        self.state_pieces = checkpoint_io.StatePieces(self)
 
     # ------------------------------------------------------------ the step
 
@@ -204,7 +204,7 @@ class Tier:
     def lower_device_part(self, state, *batch):
         return self.device_part.lower(state.params, self.rows_abstract, *batch)
 
-    @swap_dir.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
+    @malloc.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         rows, self.rows = self.rows or self.new_rows(), None
@@ -266,13 +266,13 @@ class Tier:
         if self.file is None:
             lay = self.layout
             shape = (self.pattern.n_slots, len(lay.first), lay.chunk)
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, shape) if self.directory is not None else \
+            self.file = swap_file.SwapFile(self.directory, lay.n_chunks, shape) if self.directory is not None else \
                 HostStore(lay.n_chunks, shape)  # fmt: skip
         return self.file
 
     def save_view(self, state):
         """The run state as a checkpoint takes it: the optimizer's parameter-shaped leaves as
-        `StreamedArray`s read from the file while the save writes them (tier_io.py)."""
+        `StreamedArray`s read from the file while the save writes them (checkpoint_io.py)."""
         slices.install()
         p, f32 = self.state_pieces, jnp.dtype(jnp.float32)
         model_sh = jax.tree.leaves(self.ts.abstract_state.opt_state, is_leaf=lambda x: hasattr(x, "sharding"))
@@ -289,7 +289,7 @@ class Tier:
         state = ckpt.restore(step, ts.abstract_state, streamed=self.state_pieces)
         _, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
         params = self.relay_params[0](state.params) if ts.plan.relaid else state.params
-        swap_dir.trim_freed()  # what the restore freed
+        malloc.trim_freed()  # what the restore freed
         return state._replace(params=params, opt_state=tuple(scalars))
 
     def absorb(self, state):

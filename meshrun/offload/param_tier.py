@@ -14,8 +14,8 @@ in-memory layer scan runs it on one layer (`layer_update.Update.layers`); the ne
 into the host-resident params in place (donated).
 
 The file row is layer-major (`LayerLayout`): layer l (or its piece) of every layer leaf's local
-shard, then the next, each padded to a multiple of `swap.ALIGN`, so a chunk is whole layers or one
-piece. Checkpoints stream the file as the nvme tier's do (`tier_io.StatePieces` over the row's
+shard, then the next, each padded to a multiple of `swap_file.ALIGN`, so a chunk is whole layers or one
+piece. Checkpoints stream the file as the nvme tier's do (`checkpoint_io.StatePieces` over the row's
 segments), in the same orbax format, so a run resumes across tiers.
 """
 
@@ -33,14 +33,14 @@ from meshrun.checkpoint import slices
 from meshrun.checkpoint.state import path_key
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
+from meshrun.offload import checkpoint_io, directory, layer_update, malloc, optimizer_tier, swap_file
+from meshrun.offload.chunk_store import resting_bytes
+from meshrun.offload.grad_file import GradSink
+from meshrun.offload.layer_layout import layer_layout
+from meshrun.offload.layer_update import LAYER, SCALAR
 from meshrun.optim.optimizer import MasterState
 from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
-from meshrun.train import layer_update, streamed, swap, swap_dir, tier_io
-from meshrun.train.chunk_store import resting_bytes
-from meshrun.train.grad_file import GradSink
-from meshrun.train.layer_layout import layer_layout
-from meshrun.train.layer_update import LAYER, SCALAR
 
 
 class LayerTier:
@@ -50,7 +50,7 @@ class LayerTier:
         t, plan, zl = cfg.offload, ts.plan, ts.plan.zero
         self.ts, self.file, self.sink = ts, None, None
         self.grads_nvme = t.grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
-        self.directory = swap_dir.take_dir(t.dir, jax.process_index())
+        self.directory = directory.take_dir(t.dir, jax.process_index())
         abstract, sh = ts.abstract_run, ts.state_shardings
         tx = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
         cast = not isinstance(abstract.opt_state, MasterState)  # as the step without the tier
@@ -162,7 +162,7 @@ class LayerTier:
         n_p = len(jax.tree.leaves(saved.params))
         keys, _ = up.split(paths[n_p : n_p + len(jax.tree.leaves(saved.opt_state))])  # checkpoint keys
         key_of = [keys[i * k : (i + 1) * k] for i in range(self.n_slots)]
-        self.state_pieces = tier_io.StatePieces(self, key_of, only="layers")
+        self.state_pieces = checkpoint_io.StatePieces(self, key_of, only="layers")
 
     # ------------------------------------------------------------ the step
 
@@ -188,7 +188,7 @@ class LayerTier:
         with use_grad_sink(self.sink):
             return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
 
-    @swap_dir.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
+    @malloc.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         kept = self.kept(state.opt_state)
@@ -216,11 +216,11 @@ class LayerTier:
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)
 
-    def ensure_file(self) -> swap.SwapFile:
+    def ensure_file(self) -> swap_file.SwapFile:
         if self.file is None:
             lay = self.layout
             slots = self.n_slots + self.grads_nvme  # the gradient's slot last: read, never written by the stream
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, (slots, len(lay.first), lay.chunk), self.n_slots)
+            self.file = swap_file.SwapFile(self.directory, lay.n_chunks, (slots, len(lay.first), lay.chunk), self.n_slots)
             self.sink = GradSink(self.file, lay, self.n_slots, self.cast) if self.grads_nvme else None
         return self.file
 
@@ -255,7 +255,7 @@ class LayerTier:
 
     def save_view(self, state):
         """The run state as a checkpoint takes it: the layers' optimizer leaves as `StreamedArray`s read
-        from the file while the save writes them (tier_io.py)."""
+        from the file while the save writes them (checkpoint_io.py)."""
         ts = self.ts
         if ts.plan.relaid:
             return ts.to_model(self.whole(state))
@@ -287,7 +287,7 @@ def make_layer_streamed(ts, cfg: RunConfig):
     tier = LayerTier(ts, cfg)
     return dataclasses.replace(
         ts,
-        step=streamed._Stepper(tier),
+        step=optimizer_tier._Stepper(tier),
         init=lambda: tier.absorb(ts.init()),
         init_from=lambda prm: tier.absorb(ts.init_from(prm)),
         to_run=lambda st: tier.absorb(ts.to_run(st)),
