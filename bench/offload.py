@@ -125,13 +125,14 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     import numpy as np
 
     from meshrun.offload import device_chunk, host_update, malloc
+    from meshrun.offload.optimizer_tier import HostCPUUpdate, InPlaceUpdate
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
     g, p, g_norm, _ = tier.device_part(state.params, tier.new_rows(), *batch)
     jax.block_until_ready(g)
-    if tier.host is not None:  # on the CPU backend's device: the gradient down, the update, the params up
-        h = tier.host
+    if isinstance(tier.update, HostCPUUpdate):  # on the CPU backend's device: the gradient down, the update, up
+        h = tier.update.host
         item = host_update.HostChunk(h.cpu, len(lay.first), tier.pieces, tier.pattern.n_slots)
         sc, gn = tuple(jax.device_put(x.addressable_data(0), h.cpu) for x in scalars), jax.device_put(
             g_norm.addressable_data(0), h.cpu)  # fmt: skip
@@ -142,7 +143,7 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
             jax.block_until_ready(h.up(rows))
             item.written()
         return time.perf_counter() - t0, time.process_time() - c0
-    if tier.in_place:
+    if isinstance(tier.update, InPlaceUpdate):
         item = device_chunk.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
         p = tier.new_param_row() if p is None else p
         t0, c0 = time.perf_counter(), time.process_time()
@@ -244,7 +245,7 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
            "params": params, "flat": 2 * params if ts.tier is not None else 0,
            "grads": sum(x.size * 4 for x in leaves), "temp": temp,
            "opt": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))}  # fmt: skip
-    if tier == "nvme":  # (the host tier streams through a Tier too, without a file to time)
+    if tier == "nvme":  # (the host tier streams through an OptimizerTier too, without a file to time)
         f, lay = ts.tier.file, ts.tier.layout
         out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes - warm[1], "stream_s": f.stream_s - warm[0],
                 "streams": f.streams - warm[2], "early_reads": f.early_reads - warm[4],

@@ -66,7 +66,7 @@ def test_layer_tier_takes_its_directory_as_the_streamed_tiers_do(capsys, tmp_pat
 
 
 def test_layer_tier_tells_the_whole_state_from_its_own_by_structure(tmp_path):
-    """`LayerTier.kept` tells the whole optimizer state from the tier's run state (its non-LAYER leaves
+    """`ParamTier.kept` tells the whole optimizer state from the tier's run state (its non-LAYER leaves
     as a tuple) by tree structure: a tuple as long as the kept leaves but of another structure is
     refused, not taken for them."""
     from meshrun.config import load_config

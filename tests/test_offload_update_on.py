@@ -72,7 +72,7 @@ def test_host_update_runs_on_the_cpu_backend_in_place(tmp_path):
                                                 "offload.update_on=host"])  # fmt: skip
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:4])
     ts = make_train_step(cfg, mesh)
-    host = ts.tier.host
+    host = ts.tier.update.host
     assert host.cpu not in set(mesh.devices.flat) and host.cpu.platform == "cpu"
     calls, update = [], host.update
 

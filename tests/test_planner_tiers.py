@@ -279,15 +279,15 @@ HOST_UPDATES = {  # overrides -> whether the runtime streams the host tier's upd
 @pytest.mark.parametrize("name", list(HOST_UPDATES))
 def test_planner_streams_the_host_update_where_the_runtime_does(name):
     """The planner models the streamed host update exactly where the step's plan streams it
-    (`train.plan.streams_update`), and the whole-shard update where auto falls back to it."""
+    (`offload.registry.placement`), and the whole-shard update where auto falls back to it."""
     from meshrun.config import load_config
+    from meshrun.offload.registry import placement
     from meshrun.planner.layout import layout_of
-    from meshrun.train.plan import streams_update
 
     over, want = HOST_UPDATES[name]
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["offload.optimizer=host", *over])
     lay = layout_of(cfg, {"data": 2, "pipe": 2, "tensor": 2, "expert": 1})
-    assert streams_update(cfg) is want and tiers.host_streams(cfg.model, lay) is want
+    assert placement(cfg).streams is want and tiers.host_streams(cfg.model, lay) is want
     mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=64)
     mem |= {"total": mem["device"]}
     t = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), "host", 0.0)

@@ -57,7 +57,7 @@ def keeping_freed_buffers():
 
 @contextlib.contextmanager
 def stepping():
-    """A streamed tier's step (`optimizer_tier.Tier.step`, `param_tier.LayerTier.step`): inside, freed buffers
+    """A streamed tier's step (`optimizer_tier.OptimizerTier.step`, `param_tier.ParamTier.step`): inside, freed buffers
     stay in glibc's heap (`keeping_freed_buffers`), as glibc's own rule keeps them in the in-memory
     step's process: the device part's temporaries are reused from step to step instead of mapped,
     faulted in and unmapped each time above the tiers' 1 MiB mmap threshold (measured on

@@ -49,7 +49,7 @@ def tier_of(levers: tuple[str, ...]) -> str:
     return "nvme" if "nvme" in levers else "host" if "optimizer" in levers else "none"
 
 
-def _device_part(part: dict, levers: tuple[str, ...], share: float, tier: tiers.Tier) -> dict:
+def _device_part(part: dict, levers: tuple[str, ...], share: float, tier: tiers.TierCost) -> dict:
     """One stage's memory parts left on the device: the optimizer off it between the update's; the
     total the larger of the backward (less the offloaded activations) and the update's peak."""
     out = dict(part)

@@ -104,7 +104,7 @@ class ParamTier:
     disk_s: float  # the drives' read + write time of the state (nvme)
     exposed_s: float  # link_s + the drives' time beyond the state's own link time
     dp_s: float  # the ZeRO-3 gathers and reduce-scatters per step (replaces the step's dp_sync)
-    state: tiers.Tier | None = None  # the nvme tier's chunks and file
+    state: tiers.TierCost | None = None  # the nvme tier's chunks and file
 
     @property
     def device(self) -> float:
@@ -183,6 +183,6 @@ def dp_seconds(t_dp: float, m: int, t_gather: float | None = None) -> float:
 def misfits(pt: ParamTier, cluster: Cluster, layout: Layout) -> list[str]:
     """Why the combination does not fit on `cluster` (empty: it fits): device, host memory per node,
     and the nvme tier's own rules (`tiers.misfits`)."""
-    t = tiers.Tier(pt.optimizer, pt.backward, pt.update, pt.host, pt.nvme, pt.h2d + pt.d2h, 0, 0, 0, 0,
+    t = tiers.TierCost(pt.optimizer, pt.backward, pt.update, pt.host, pt.nvme, pt.h2d + pt.d2h, 0, 0, 0, 0,
                    pt.state.chunk if pt.state else 0, pt.state.n_chunks if pt.state else 0)  # fmt: skip
     return tiers.misfits(t, cluster, layout if pt.optimizer == "nvme" else None)

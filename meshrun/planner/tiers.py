@@ -74,7 +74,7 @@ def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int
 
 
 @dataclass(frozen=True)
-class Tier:
+class TierCost:
     """The optimizer tier of one layout, per device: bytes in each tier, traffic and time per step."""
 
     tier: str
@@ -141,8 +141,8 @@ def cpu_update_seconds(cluster: Cluster, elems: float, slots: int, param_bytes: 
     return elems * host_adam_bytes(slots, param_bytes) / bw if bw else math.inf
 
 
-def _placed(t: Tier, cluster: Cluster, elems: float, slots: int, param_bytes: int, drives_s: float,
-            t_update: float) -> Tier:  # fmt: skip
+def _placed(t: TierCost, cluster: Cluster, elems: float, slots: int, param_bytes: int, drives_s: float,
+            t_update: float) -> TierCost:  # fmt: skip
     """Streamed tier `t` (the update on the device) with the update where it is faster: on the host CPU
     the link carries the gradient down and the new params up (and the old params down without a master),
     and the CPU's pass, not the device's update, overlaps the I/O."""
@@ -157,7 +157,7 @@ def _placed(t: Tier, cluster: Cluster, elems: float, slots: int, param_bytes: in
 
 
 def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, tier: str, t_update: float,
-                   budget_mb: float = DEFAULT_BUDGET_MB) -> Tier:  # fmt: skip
+                   budget_mb: float = DEFAULT_BUDGET_MB) -> TierCost:  # fmt: skip
     """The tier's figures for one stage's memory parts `mem` (`predict_memory`, meshrun's step);
     `t_update`: the update's seconds (the time model's `optimizer`)."""
     opt, fixed = mem["optimizer"], mem.get("overhead_context", 0.0) + mem.get("overhead_comm_buffers", 0.0)
@@ -165,12 +165,12 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     stored, grads = mem.get("stored", mem["params"]), mem.get("grads_update", mem["grads"])
     state = mem.get("opt_state", opt)
     if tier == "none":
-        return Tier(tier, mem["total"], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return TierCost(tier, mem["total"], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     if tier == "host" and not host_streams(model, layout):
         rest = state + (stored if model.param_dtype != model.dtype else 0.0)
         pcie = 2 * rest
         t = pcie / host_bw(cluster)
-        return Tier(tier, backward, stored + grads + opt + fixed, rest, 0.0, pcie, 0.0, 0.0, t, t)
+        return TierCost(tier, backward, stored + grads + opt + fixed, rest, 0.0, pcie, 0.0, 0.0, t, t)
     if tier not in ("host", "nvme"):
         raise ValueError(f"unknown optimizer tier {tier!r}; one of {TIERS}")
     elems = mem.get("opt_elems", state / 12)
@@ -187,17 +187,17 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     pb, padded = DTYPE_BYTES[model.param_dtype], n_chunks * c
     if tier == "host":  # the chunks rest in host memory (`HostStore`), beside the buffers
         io = pcie / host_bw(cluster)
-        t = Tier(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
+        t = TierCost(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
                  c, n_chunks, True)  # fmt: skip
         return _placed(t, cluster, padded, slots, pb, 0.0, t_update)
     drives = drive_seconds(cluster, file)
     io = max(drives, pcie / host_bw(cluster))
-    t = Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
+    t = TierCost(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
              True)  # fmt: skip
     return _placed(t, cluster, padded, slots, pb, drives, t_update)
 
 
-def update_place(t: Tier) -> str:
+def update_place(t: TierCost) -> str:
     """Where a streamed tier's update runs and why, in words (the planner's note)."""
     if t.update_on == "host":
         return (f"update on the host CPU (offload.update_on=host): +{t.host_s:.3g} s against "
@@ -206,7 +206,7 @@ def update_place(t: Tier) -> str:
             f"{t.cpu_s:.3g} s)")  # fmt: skip
 
 
-def misfits(t: Tier, cluster: Cluster, layout: Layout | None = None) -> list[str]:
+def misfits(t: TierCost, cluster: Cluster, layout: Layout | None = None) -> list[str]:
     """Why the tier does not fit on `cluster` (empty: it fits): device, host memory or NVMe capacity
     (host and NVMe per node: the node's GPUs together)."""
     out, usable, gpn, st = [], cluster.usable_memory, cluster.gpus_per_node, cluster.storage

@@ -68,14 +68,13 @@ def _memory_line(cfg: Any, plan: Any) -> str:
     """The planner's predicted memory per device (`planner.step_model.predict_memory_jax` on
     `plan.layout`), and where it rests when part of it is off the device."""
     from meshrun.planner import predict_memory_jax
-    from meshrun.train.plan import streams_update
 
     m, t = cfg.model, cfg.train
     if not m.predictable:
         return f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})"
     try:
         mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=cfg.offload.optimizer,
-                                 streamed=streams_update(plan.cfg))  # fmt: skip
+                                 streamed=plan.offload.streams)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
         return f"memory    no prediction ({type(e).__name__})"
     where = ""

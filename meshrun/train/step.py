@@ -28,7 +28,9 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
-from meshrun.offload import layer_update, optimizer_tier, param_tier
+from meshrun.offload import layer_update
+from meshrun.offload.registry import build_tier
+from meshrun.offload.tier import StateTier, with_tier
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
 from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, shadowed, sink_index, use_layer_fetch
@@ -36,7 +38,7 @@ from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
-from meshrun.train.plan import StepPlan, build_plan, dp_degree, streams_update
+from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
 class TrainState(NamedTuple):
@@ -62,7 +64,7 @@ class TrainStep:
     abstract_run: TrainState  # as abstract_state, in the placement `step` takes
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
     tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
-    tier: Any = None  # the nvme tier or the streamed host tier: the streamed update's `optimizer_tier.Tier`
+    tier: StateTier | None = None  # the tier holding part of the state (`meshrun.offload`), if any
     to_save: Any = None  # run state -> what a checkpoint saves (None: to_model; the nvme tier streams its file)
     restore: Any = None  # (Checkpointer, step) -> run state (None: to_run of the restored model-order state)
 
@@ -251,9 +253,8 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         plan=plan,
         tx=tx,
     )
-    if not streams_update(cfg):
-        return ts
-    return (param_tier.make_layer_streamed if zl.streamed else optimizer_tier.make_streamed)(ts, cfg)
+    tier = build_tier(ts, cfg)
+    return ts if tier is None else with_tier(ts, tier)
 
 
 def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:
