@@ -121,7 +121,7 @@ class OptimizerTier:
 
     def _build_chunk_update(self, cfg: RunConfig, chunk_tx, apply: Callable) -> None:
         """The optimizer's elementwise update of one chunk (`update_chunk`, traced) and its jitted forms:
-        the copy path's (`chunk_part`) and the in-place pass's (`chunk_part_in_place`)."""
+        the copy path's (`chunk_part`) and the in-place pass's (`_build_in_place`)."""
         lay, master, pieces, rep = self.layout, self.master, self.pieces, self.rep
         pdt, max_norm = self.param_dtypes[0], cfg.optimizer.grad_clip
 
@@ -157,6 +157,12 @@ class OptimizerTier:
                           rep),
             out_shardings=((lay.sharding,) * len(pieces), halves_sh, scalar_sh),
         )  # fmt: skip
+        self._update_at = chunk_update  # the chunk at `off` of the flat rows (`_build_in_place`)
+        self._build_in_place(halves_sh, scalar_sh)
+
+    def _build_in_place(self, halves_sh: tuple, scalar_sh: tuple) -> None:
+        """The in-place pass's jitted chunk update (`chunk_part_in_place`) and its param row."""
+        lay, master, rep, chunk_update = self.layout, self.master, self.rep, self._update_at
 
         # The same update on the slots' halves as the device's own arrays, donated: the new state
         # lands in the old one's buffers (`DeviceChunk`, the CPU backend's in-place pass). The new
@@ -175,6 +181,7 @@ class OptimizerTier:
             in_shardings=(lay.sharding, lay.sharding, halves_sh, scalar_sh, rep, rep),
             out_shardings=(halves_sh, lay.sharding, scalar_sh),
         )  # fmt: skip
+        pdt = self.param_dtypes[0]
         self.new_param_row = jax.jit(lambda: jnp.zeros(lay.shape(lay.length), pdt), out_shardings=lay.sharding)
 
     def _build_moves(self) -> None:
