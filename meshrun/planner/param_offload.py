@@ -102,34 +102,34 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "h
     return out
 
 
+# What `param_tier` models, per device of the fullest stage:
+# * device: two units' gathered weights (the one computed, the next fetched), the non-layer params
+#   (embedding, head, final norm) gathered whole, one unit's fresh gradient and its reduced shard (+ the
+#   float32 slice of the sums with micro-batches), the non-layer gradients (+ their float32 sums), the
+#   activations and logits of meshrun's step, and the optimizer state unless it rests elsewhere. The
+#   update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
+#   the host tier; with the nvme tier its chunks of
+#   state beside their params' and gradients' slices), the optimizer temporaries.
+# * host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
+#   the step's reduced gradient) unless `offload.grads=nvme`, and the optimizer state with the
+#   host tier (the nvme tier: its chunk budget).
+# * NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks), and with
+#   `offload.grads=nvme` the layers' float32 gradient beside it: written once by the backward,
+#   read once by the update (one micro-batch: `config.offload_params_refusals`).
+# * host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
+#
+# Time, conservatively: the host link's bytes (both directions) at `tiers.host_bw` are ADDED to the
+# step, none hidden behind compute. Each unit's fetch could overlap the previous unit's compute, but
+# no GPU run has shown XLA doing so (XLA:CPU emits no transfers). The drives' time beyond the state's
+# own host-link time is added too (nothing overlaps the update). The ZeRO-3 all-gather runs per
+# micro-batch in the forward and again in the backward, the reduce-scatter per micro-batch: m x the
+# in-memory step's once-per-step gather + reduce-scatter, plus m x its gather (`dp_seconds`).
 def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, optimizer: str, t_dp: float,
                budget_mb: float = tiers.DEFAULT_BUDGET_MB, t_gather: float | None = None,
                grads: str = "host") -> ParamTierCost:  # fmt: skip
     """The figures of `offload.params` for one stage's memory parts `mem` (`predict_memory`,
     meshrun's step, ZeRO-3); `t_dp`: the in-memory step's once-per-step ZeRO-3 sync seconds, `t_gather`
-    its all-gathers' part (None: half); `grads`: where the layers' gradient rests (host | nvme).
-
-    * device: two units' gathered weights (the one computed, the next fetched), the non-layer params
-      (embedding, head, final norm) gathered whole, one unit's fresh gradient and its reduced shard (+ the
-      float32 slice of the sums with micro-batches), the non-layer gradients (+ their float32 sums), the
-      activations and logits of meshrun's step, and the optimizer state unless it rests elsewhere. The
-      update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
-      the host tier; with the nvme tier its chunks of
-      state beside their params' and gradients' slices), the optimizer temporaries.
-    * host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
-      the step's reduced gradient) unless `offload.grads=nvme`, and the optimizer state with the
-      host tier (the nvme tier: its chunk budget).
-    * NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks), and with
-      `offload.grads=nvme` the layers' float32 gradient beside it: written once by the backward,
-      read once by the update (one micro-batch: `config.offload_params_refusals`).
-    * host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
-
-    Time, conservatively: the host link's bytes (both directions) at `tiers.host_bw` are ADDED to the
-    step, none hidden behind compute. Each unit's fetch could overlap the previous unit's compute, but
-    no GPU run has shown XLA doing so (XLA:CPU emits no transfers). The drives' time beyond the state's
-    own host-link time is added too (nothing overlaps the update). The ZeRO-3 all-gather runs per
-    micro-batch in the forward and again in the backward, the reduce-scatter per micro-batch: m x the
-    in-memory step's once-per-step gather + reduce-scatter, plus m x its gather (`dp_seconds`)."""
+    its all-gathers' part (None: half); `grads`: where the layers' gradient rests (host | nvme)."""
     if optimizer not in tiers.TIERS:
         raise ValueError(f"unknown optimizer tier {optimizer!r}; one of {tiers.TIERS}")
     if grads not in config.OFFLOAD_GRADS:

@@ -123,44 +123,44 @@ def _placed(t: TierCost, cluster: Cluster, elems: float, slots: int, param_bytes
     return replace(t, device_s=t.exposed_s, host_s=host_s, cpu_s=cpu)
 
 
+# What `optimizer_tier` models, per tier:
+# * none: the state lives on the device (`predict_memory`).
+# * host, streamed (`offload.update=auto`, the default, where the runtime streams: `host_streams`):
+#   the state rests in host memory in the nvme tier's chunk layout (`offload/chunk_store.HostStore`) and the
+#   update streams it through the device chunk by chunk as nvme's does, through the same buffers
+#   (`offload.budget_mb` per process). The device's update peak is nvme's (flat rows + a few
+#   chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
+#   once over the host link (2 x its bytes), overlapped with the update as nvme's I/O is, so only
+#   the time beyond the update is exposed.
+# * host, whole (`offload.update=whole`, and what auto falls back to: optimizers whose update is
+#   not elementwise (muon), bf16 moments, fp8, `offload.params`): the state rests in pinned host
+#   memory. It is the optimizer's moments and fp32 master, plus the stored params when they are
+#   float32 under a 16-bit compute dtype (`offload.registry.placement`). The step brings the whole shard to
+#   the device for the update and puts it back. That is 2 x its bytes over the host link, exposed,
+#   because the update waits for it. The device's peak is the larger of the backward (no state) and
+#   the update (stored params, the update's gradients, the whole state and the update's temporaries).
+# * nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
+#   in chunks through `offload.budget_mb` of host memory per process (`offload/optimizer_tier.py`,
+#   one process per node). The device holds the flat float32 gradient row and the param row of its
+#   shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
+#   over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
+#   only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
+#   flash, so the drives' time is the read time plus the write time (conservative).
+#
+# Where a streamed update runs (`offload.update_on`): on the device, the state crosses the host
+# link both ways (above); on the host CPU (jax's CPU backend), only the gradient goes down and the new
+# params up (6 bytes per element with bf16 params and a float32 master, 12 with float32 params), and
+# the CPU's Adam pass reads and writes the state in host memory, at HOST_MEM_EFFICIENCY of the node's
+# host memory bandwidth shared by its GPUs (`cpu_update_seconds`). Each layout gets the faster place;
+# a tie keeps the device. Not modelled: the host-memory traffic of the link's DMA and of the store's
+# copies, which both places pay.
+#
+# The chunk size follows the runtime's rule (`offload/swap_file.chunk_elems`, pinned by tests): three chunks
+# of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements.
 def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, tier: str, t_update: float,
                    budget_mb: float = DEFAULT_BUDGET_MB) -> TierCost:  # fmt: skip
     """The tier's figures for one stage's memory parts `mem` (`predict_memory`, meshrun's step);
-    `t_update`: the update's seconds (the time model's `optimizer`).
-
-    * none: the state lives on the device (`predict_memory`).
-    * host, streamed (`offload.update=auto`, the default, where the runtime streams: `host_streams`):
-      the state rests in host memory in the nvme tier's chunk layout (`offload/chunk_store.HostStore`) and the
-      update streams it through the device chunk by chunk as nvme's does, through the same buffers
-      (`offload.budget_mb` per process). The device's update peak is nvme's (flat rows + a few
-      chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
-      once over the host link (2 x its bytes), overlapped with the update as nvme's I/O is, so only
-      the time beyond the update is exposed.
-    * host, whole (`offload.update=whole`, and what auto falls back to: optimizers whose update is
-      not elementwise (muon), bf16 moments, fp8, `offload.params`): the state rests in pinned host
-      memory. It is the optimizer's moments and fp32 master, plus the stored params when they are
-      float32 under a 16-bit compute dtype (`offload.registry.placement`). The step brings the whole shard to
-      the device for the update and puts it back. That is 2 x its bytes over the host link, exposed,
-      because the update waits for it. The device's peak is the larger of the backward (no state) and
-      the update (stored params, the update's gradients, the whole state and the update's temporaries).
-    * nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
-      in chunks through `offload.budget_mb` of host memory per process (`offload/optimizer_tier.py`,
-      one process per node). The device holds the flat float32 gradient row and the param row of its
-      shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
-      over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
-      only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
-      flash, so the drives' time is the read time plus the write time (conservative).
-
-    Where a streamed update runs (`offload.update_on`): on the device, the state crosses the host
-    link both ways (above); on the host CPU (jax's CPU backend), only the gradient goes down and the new
-    params up (6 bytes per element with bf16 params and a float32 master, 12 with float32 params), and
-    the CPU's Adam pass reads and writes the state in host memory, at HOST_MEM_EFFICIENCY of the node's
-    host memory bandwidth shared by its GPUs (`cpu_update_seconds`). Each layout gets the faster place;
-    a tie keeps the device. Not modelled: the host-memory traffic of the link's DMA and of the store's
-    copies, which both places pay.
-
-    The chunk size follows the runtime's rule (`offload/swap_file.chunk_elems`, pinned by tests): three chunks
-    of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements."""
+    `t_update`: the update's seconds (the time model's `optimizer`)."""
     opt, fixed = mem["optimizer"], mem.get("overhead_context", 0.0) + mem.get("overhead_comm_buffers", 0.0)
     backward = mem["total"] - opt
     stored, grads = mem.get("stored", mem["params"]), mem.get("grads_update", mem["grads"])
