@@ -14,6 +14,7 @@ from meshrun.data.datasets import make_dataset
 from meshrun.errors import ConfigError
 from meshrun.runtime.mesh import build_mesh
 from meshrun.runtime.processes import warn
+from meshrun.train.restore import fresh_params
 from meshrun.train.step import TrainStep, make_train_step
 
 
@@ -81,5 +82,7 @@ def prepare(cfg: RunConfig, devices: list | None = None) -> Prepared:
             "there is no validation split",
         )
     if cfg.checkpoint.init_params:
-        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params, family=cfg.model.family)
+        fresh = fresh_params(cfg, train_step)  # state the model's init makes without random numbers
+        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params, family=cfg.model.family,
+                     fresh=fresh)  # fmt: skip
     return Prepared(mesh, train_step, ds)
