@@ -100,7 +100,9 @@ def check_params(
         )
 
 
-def restore_params(directory: str | Path, target: Any, field: str = FIELD, fresh: Mapping[str, Any] | None = None) -> Any:
+def restore_params(
+    directory: str | Path, target: Any, field: str = FIELD, fresh: Mapping[str, Any] | None = None
+) -> Any:
     """Params from `directory` into the layout of `target` (ShapeDtypeStructs with shardings, model
     order); shapes checked first (`check_params`). `fresh`: {key: array} for leaves the checkpoint
     lacks (`meshrun.family.fresh.seed_free`), put in as they are."""

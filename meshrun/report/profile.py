@@ -23,7 +23,8 @@ def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
     `timeline`: also draw out/timeline.png (one traced step per device by phase, `draw_timeline`):
     rep["timeline_png"] is its path, or None with rep["timeline_note"] saying why not."""
     mesh, train_step, ds = prepare(cfg)
-    state = train_step.init_from(initial_params(cfg, train_step, True)) if cfg.checkpoint.init_params else train_step.init()
+    init = cfg.checkpoint.init_params
+    state = train_step.init_from(initial_params(cfg, train_step, True)) if init else train_step.init()
     batch = lambda s: global_batch_arrays(ds, s, mesh, P(DP_AXES))
     compiled = train_step.step.lower(state, *batch(0)).compile()
     state, metrics = compiled(state, *batch(0))
