@@ -64,6 +64,15 @@ def test_its_config_class_fields_and_count():
     assert f"{n / 1e6:.2f}M params" in lines[0] and "not predicted" in _line(lines, "memory")
 
 
+def test_a_family_without_attention_has_no_head_fields():
+    """The example family fixes the attention heads (ClassVar): model.n_heads is refused as a field it
+    does not have, and the shared checks skip the fields a family lacks (no n_kv_heads error)."""
+    with pytest.raises(ConfigError, match=rf"^model.n_heads: {FAMILY} has no such field"):
+        _cfg(["model.n_heads=3"])
+    with pytest.raises(ConfigError, match=r"^model.d_ff: "):  # its shared fields are still checked
+        _cfg(["model.d_ff=0"])
+
+
 def test_mfu_counts_the_familys_own_flops_or_none():
     """TFLOP/s and MFU count the FLOPs the family declares (`Family.flops_per_token`); a family that
     declares none and is not a transformer gets "n/a" in the start-up block and no TFLOP/s or MFU rows;
