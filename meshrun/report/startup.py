@@ -64,7 +64,7 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
     lines += [_dtypes_line(cfg), *_fp8_lines(cfg), _optimizer_line(cfg)]
     lines += flops_lines(plan.family, m, t.global_batch * t.seq_len, t.seq_len)
-    lines += [_memory_line(cfg, plan), *_offload_lines(cfg, mesh), _saves_line(cfg)]
+    lines += [_memory_line(cfg, plan), *_offload_lines(cfg, plan), _saves_line(cfg)]
     return lines
 
 
@@ -117,19 +117,16 @@ def _optimizer_line(cfg: Any) -> str:
             f"at step {end}; weight decay {o.weight_decay:g}{clip}; state {o.state_dtype}")  # fmt: skip
 
 
-def _offload_lines(cfg: Any, mesh: Any) -> list[str]:
-    """Each offload tier in use and where it rests (none: everything on the devices)."""
-    from meshrun.train.plan import streams_update
-
+def _offload_lines(cfg: Any, plan: Any) -> list[str]:
+    """Each offload tier in use and where it rests (none: everything on the devices), as the step's plan
+    places it (`plan.offload`)."""
     o, m = cfg.offload, cfg.model
     parts = []
     if o.optimizer != "none":
         what = "optimizer state" + (" + float32 master" if m.param_dtype != "float32" else "")
         where = f"NVMe files in {o.dir}" if o.optimizer == "nvme" else "host memory"
-        if streams_update(cfg):
-            devices = getattr(mesh, "devices", None)
-            cpu = devices is not None and all(dev.platform == "cpu" for dev in devices.flat)
-            on = ("in place" if cpu else "on the device") if o.update_on == "auto" else f"on the {o.update_on}"
+        if plan.offload.streams:
+            on = {"in_place": "in place", "host": "on the host"}.get(plan.offload.update_on, "on the device")
             how = f"update streamed through {o.budget_mb:g} MiB of host buffers, {on}"
         else:
             how = "whole-shard update on the device"
