@@ -68,3 +68,27 @@ def test_planner_on_every_published_row(cases):
         other = [v for v in r.violations if not v.startswith(("memory", "tensor*context"))]
         assert not other, (c.id, r.violations)
     assert statistics.median(ratios) > 0
+
+
+def test_every_published_layout_fits_its_gpu(cases):
+    """At every published layout the predicted memory (its fullest stage, with the runtime overheads)
+    is at most the GPU's: the runs fit, so must the prediction."""
+    for c in cases:
+        r = published.evaluate(c)
+        assert r.memory["total"] <= c.cluster.usable_memory, (c.id, r.memory["total"] / 1e9)
+        assert not [v for v in r.violations if v.startswith("memory")], (c.id, r.violations)
+
+
+def test_megatron_state_bytes_follow_the_documented_optimizers():
+    """Bytes per parameter under Megatron's semantics: Megatron-Core's distributed optimizer table
+    (bf16 params, fp32 grads: 6 + 12/d), the bf16 gradient buffer of grad_sync_dtype bf16 (4 + 12/d),
+    and NeMo's distributed Adam with master remainders on a bf16 model (4 + 10/d)."""
+    from meshrun.planner.layout import Layout, precision_of
+
+    model = published.cases(DATA)[0].model  # bf16 params
+    d = 4
+    for lay, want in ((Layout(), 6 + 12 / d), (Layout(grad_reduce_dtype="bfloat16"), 4 + 12 / d),
+                      (Layout(grad_reduce_dtype="bfloat16", param_remainders=True), 4 + 10 / d)):  # fmt: skip
+        p = precision_of(model, "megatron", lay)
+        assert p.param + p.grad + p.opt / d == pytest.approx(want)
+        assert p.reduce == p.grad  # the buffer is what travels

@@ -59,8 +59,10 @@ def model_of(spec: dict, row: dict) -> ModelConfig:
 
 
 def case_of(data: dict, row: dict) -> Case:
-    """The row's model, layout (Megatron's degrees; data = the GPUs left over, expert folded out of it)
-    and cluster (DGX H100 nodes of 8)."""
+    """The row's model, layout (Megatron's degrees; data = the GPUs left over, expert folded out of it;
+    the distributed optimizer: ZeRO-1, the gradient buffer in grad_sync_dtype) and cluster (DGX H100
+    nodes of 8). fp8 rows (fp8_params): the weights as fp8 data plus the transposed copy Hopper's fp8
+    GEMMs read, costed as the 2 bytes of bf16."""
     spec = data["models"][row["model"]]
     model = model_of(spec, row)
     t, p, c, e = row["tensor"], row["pipe"], row["context"], row["expert"]
@@ -71,6 +73,9 @@ def case_of(data: dict, row: dict) -> Case:
         microbatches=row["global_batch"] // (b * d * e), zero=1, remat=model.remat,
         sequence_parallel=bool(row["sp"]), schedule="interleaved" if row["virtual"] > 1 else "1f1b",
         tp_comm_overlap=bool(row["tp_overlap"]) and bool(row["sp"]), overlap_grad_reduce=row["virtual"] > 1,
+        grad_reduce_dtype={"bf16": "bfloat16", "fp32": "float32"}[spec["grad_sync_dtype"]],
+        # NeMo's distributed Adam keeps 16-bit master remainders on bf16 models, a full fp32 copy with fp8_params
+        param_remainders=spec["optimizer"] == "distributed_fused_adam" and row["dtype"] == "bf16",
     )  # fmt: skip
     cluster = parse_cluster(f"h100-80g:{max(1, row['gpus'] // 8)}x{min(8, row['gpus'])}")
     return Case(row, model, layout, cluster, float(spec.get("dropout", 0.0)))
