@@ -17,6 +17,9 @@ from meshrun.pipeline import registry
 from meshrun.planner.activations import context_kv_bytes as context_kv_bytes
 from meshrun.planner.activations import context_working_bytes
 from meshrun.planner.activations import layer_activation_bytes as layer_activation_bytes
+from meshrun.planner.constants import COMM_BUFFER_BYTES as COMM_BUFFER_BYTES
+from meshrun.planner.constants import CUDA_CONTEXT_BYTES as CUDA_CONTEXT_BYTES
+from meshrun.planner.constants import FRAGMENTATION as FRAGMENTATION
 from meshrun.planner.layout import DTYPE_BYTES as DTYPE_BYTES
 from meshrun.planner.layout import Layout as Layout
 from meshrun.planner.layout import Precision as Precision
@@ -27,18 +30,8 @@ from meshrun.planner.step_model import predict_memory_jax
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "overheads", "total")
 
-# Runtime memory besides the model's tensors, charged on GPU plans (`overhead_bytes`):
-# CUDA context + cuBLAS/cuDNN handles and workspaces: ~0.5-1 GB per process on A100/H100 with CUDA 12
-# (PyTorch's CUDA semantics notes; what nvidia-smi shows for a process that has allocated nothing).
-CUDA_CONTEXT_BYTES = 0.8e9
-# NCCL communicator buffers: NCCL_BUFFSIZE (4 MiB, NCCL's environment-variable docs) per channel and
-# ring peer (send + recv), up to 16 channels on NVLink: 128 MiB per communicator (one per mesh axis
-# of size > 1).
-COMM_BUFFER_BYTES = 16 * 2 * 4 * 2**20
-# Allocator fragmentation: transient tensors (activations, logits) cost this much more than their size
-# (PyTorch caching allocator / XLA BFC; ZeRO-R, Rajbhandari et al. 2020 sec. 3.2, reports OOMs with
-# >30% free in bad cases; 10% is the usual headroom in Megatron-LM and MaxText memory estimates).
-FRAGMENTATION = 0.10
+# Runtime memory besides the model's tensors, charged on GPU plans (`overhead_bytes`): CUDA_CONTEXT_BYTES,
+# COMM_BUFFER_BYTES (NCCL communicator buffers), FRAGMENTATION of the transient bytes (constants.py).
 
 
 # ----------------------------------------------------------------------------- memory

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 from meshrun.errors import ConfigError
 
+# NCCL's achievable fraction of link bandwidth and per-message latency: `constants.py`
+from meshrun.planner.constants import COMM_EFFICIENCY as COMM_EFFICIENCY
+from meshrun.planner.constants import COMM_LATENCY_S as COMM_LATENCY_S
+
 GB = 1e9
 TB = 1e12
 MIB = 2**20
@@ -26,12 +30,6 @@ MIB = 2**20
 # less the driver's reservation) = 85.5e9 bytes. NVIDIA's published Nemotron-4 340B run (TP8 PP8 VP12,
 # DP2, tests/data/published_runs.yaml) needs more than 80e9 bytes by Megatron's documented accounting.
 H100_MEMORY_BYTES = 81559 * MIB
-
-# Fraction of a link's bandwidth that NCCL collectives reach in practice (nccl-tests bus bandwidth on
-# DGX A100/H100 is ~75-85% of the link rate for large messages).
-COMM_EFFICIENCY = 0.8
-# Fixed cost per collective / p2p message (launch + latency), seconds.
-COMM_LATENCY_S = 10e-6
 
 
 @dataclass(frozen=True)

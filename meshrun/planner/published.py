@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 
 from meshrun.config import ModelConfig, model_class
-from meshrun.family import registry as _families  # noqa: F401 - registers the model families
 from meshrun.planner import search
 from meshrun.planner.hardware import GB, parse_cluster
 from meshrun.planner.layout import Layout
@@ -60,7 +59,9 @@ def model_of(spec: dict, row: dict) -> ModelConfig:
 
 def case_of(data: dict, row: dict) -> Case:
     """The row's model, layout (Megatron's degrees; data = the GPUs left over, expert folded out of it;
-    the distributed optimizer: ZeRO-1, the gradient buffer in grad_sync_dtype) and cluster (DGX H100
+    the distributed optimizer: ZeRO-1, the gradient buffer in grad_sync_dtype; context parallelism as
+    Megatron-Core runs it, Transformer Engine's ring of K/V blocks beside the attention with zigzag load
+    balancing: the `ring` kind) and cluster (DGX H100
     nodes of 8). fp8 rows (fp8_params): the weights as fp8 data plus the transposed copy Hopper's fp8
     GEMMs read, costed as the 2 bytes of bf16."""
     spec = data["models"][row["model"]]
@@ -69,7 +70,7 @@ def case_of(data: dict, row: dict) -> Case:
     d = row["gpus"] // (t * p * c * e)
     b = row["micro_batch"]
     layout = Layout(
-        tensor=t, pipe=p, data=d, expert=e, context=c, virtual=row["virtual"], micro_batch_size=b,
+        tensor=t, pipe=p, data=d, expert=e, context=c, context_kind="ring", virtual=row["virtual"], micro_batch_size=b,
         microbatches=row["global_batch"] // (b * d * e), zero=1, remat=model.remat,
         sequence_parallel=bool(row["sp"]), schedule="interleaved" if row["virtual"] > 1 else "1f1b",
         tp_comm_overlap=bool(row["tp_overlap"]) and bool(row["sp"]), overlap_grad_reduce=row["virtual"] > 1,
