@@ -159,3 +159,24 @@ def test_fp8_covers_the_experts_under_megatron_only(cases):
     mega = search.evaluate(grok.model, lay, grok.cluster, 1024, 8192, framework="megatron")
     assert not any("covers the dense GEMMs only" in v for v in mega.violations)
     assert mega.time["compute"] < mesh.time["compute"]
+
+
+def test_dropless_all_to_all_is_the_routed_volume_under_megatron(cases):
+    """A dropless MoE on EP 8: Megatron's dispatch sends the routed rows (top_k per token, times the
+    stated imbalance), meshrun's dropless exchange its fixed worst-case buffer (ep x min(top_k, E/ep)
+    rows per token): the all-to-all seconds scale by that ratio."""
+    from dataclasses import replace
+
+    from meshrun.planner import search
+    from meshrun.planner.constants import COMM_LATENCY_S, MOE_DROPLESS_IMBALANCE
+
+    grok = next(c for c in cases if c.id == "grok1-314b-bf16")
+    model = replace(grok.model, moe_dispatch="dropless")
+    lay = replace(grok.layout, tp_comm_overlap=False, overlap_grad_reduce=False)
+    t = {fw: search.evaluate(model, lay, grok.cluster, 1024, 8192, framework=fw).time["expert_comm"]
+         for fw in ("meshrun", "megatron")}  # fmt: skip
+    e, k = lay.expert, model.top_k
+    assert t["megatron"] < t["meshrun"]
+    latency = lay.microbatches * 8 * 4 * COMM_LATENCY_S  # 8 MoE layers a stage, 4 all-to-alls each, per micro-batch
+    ratio = (t["megatron"] - latency) / (t["meshrun"] - latency)
+    assert ratio == pytest.approx(k * MOE_DROPLESS_IMBALANCE / (e * min(k, model.n_experts // e)), rel=1e-6)

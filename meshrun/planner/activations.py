@@ -6,6 +6,7 @@ measures it on compiled programs; tests/test_memory.py asserts the two agree).""
 from __future__ import annotations
 
 from meshrun.config import ModelConfig
+from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE
 
 # Context parallelism (`context` = c > 1): every per-token tensor holds the local s/c tokens of each
 # sequence; only attention sees the whole sequence. allgather: the local queries score against all s
@@ -72,7 +73,8 @@ def layer_activation_bytes(
     mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
     mlp = act * mlp_elems
     if moe:  # routed copies of the tokens (top_k x capacity), router logits, dispatch + combine buffers
-        routed = m.top_k * m.capacity_factor
+        # Megatron's dropless MoE keeps the routed rows it received (top_k per token, the busiest rank's share)
+        routed = m.top_k * (MOE_DROPLESS_IMBALANCE if m.moe_dispatch == "dropless" else m.capacity_factor)
         mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
     split = act * s * b * (q + 2 * kv) + act * s * b * q + mlp
     if kv_len is None:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores

@@ -64,6 +64,12 @@ COMM_LATENCY_S = 10e-6
 # rings, the gradient reduction beside the last ticks, ZeRO-2/3 per-micro-batch traffic, CP rings).
 OVERLAP_COST = 0.25
 
+# Assumed: a dropless MoE's busiest expert rank receives this many times the mean routed rows (top_k per
+# token); 1.0: the expectation, the load-balancing loss keeping the routing even. Scales the expert GEMMs
+# (both semantics: both run the real rows) and, under Megatron's semantics, the all-to-all and the
+# routed activations (meshrun's dropless exchange moves a fixed worst-case buffer: `flops.moe_routed`).
+MOE_DROPLESS_IMBALANCE = 1.0
+
 # ----------------------------------------------------------------------------- runtime memory (GPU plans)
 
 # Sourced: CUDA context + cuBLAS/cuDNN handles and workspaces: ~0.5-1 GB per process on A100/H100 with

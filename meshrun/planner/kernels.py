@@ -22,7 +22,7 @@ import math
 
 from meshrun.config import ModelConfig
 from meshrun.planner.constants import FLASH_EFFICIENCY as FLASH_EFFICIENCY
-from meshrun.planner.constants import Calibration
+from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, Calibration
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU
 from meshrun.planner.layout import Layout
 
@@ -134,7 +134,8 @@ def layer_seconds(
     cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
     if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
         local = model.n_experts / expert
-        padding = 1.0 if model.moe_dispatch == "dropless" else model.capacity_factor  # grouped GEMM: real rows
+        # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
+        padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
         routed = tok * model.top_k * padding / local
         e8 = f8 and fp8_experts
         parts += [

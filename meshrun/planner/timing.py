@@ -31,8 +31,8 @@ from meshrun.pipeline.layer_balance import split_layers
 from meshrun.planner import kernels, step_model
 from meshrun.planner.activations import context_kv_bytes
 from meshrun.planner.constants import CALIBRATION as CALIBRATION
+from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, calibration_for
 from meshrun.planner.constants import OVERLAP_COST as OVERLAP_COST
-from meshrun.planner.constants import calibration_for
 from meshrun.planner.cost import Layout, Precision, precision_of
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
 from meshrun.planner.kernels import Calibration
@@ -261,7 +261,7 @@ def predict_time(
     t_mb, t_tp = busy, times[slow] - busy - t_cp
     act = prec.act * b * (s / c if c > 1 else s) * model.d_model
     t_pp = _pipe_seconds(layout, cluster, act, framework)
-    t_ep = _expert_seconds(model, layout, cluster, act, split[slow])
+    t_ep = _expert_seconds(model, layout, cluster, act, split[slow], framework)
     zero_mb, t_dp, t_gather = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
     t_zero = zero_mb - hidden + OVERLAP_COST * hidden
@@ -380,14 +380,21 @@ def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) 
     return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
 
 
-def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float) -> float:
+def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float,
+                    framework: str = "meshrun") -> float:  # fmt: skip
     """Per micro-batch: dispatch + combine all-to-all of the stage's MoE layers, forward and backward
-    (+ recompute)."""
+    (+ recompute), not overlapped (Megatron-Core's all-to-all dispatcher of these releases runs it
+    between the attention and the experts). Rows per token: `flops.moe_routed` (capacity routing: the
+    padded buffers; meshrun's dropless exchange: its fixed worst-case buffer); Megatron's dropless
+    dispatch sends the routed rows, top_k per token x MOE_DROPLESS_IMBALANCE on the busiest rank."""
     t, e = layout.tensor, layout.expert
     n_moe = model.n_moe_layers * stage_layers / model.n_layers
     if not (n_moe and e > 1):
         return 0.0
-    a2a = act * moe_routed(model, e) / (t if layout.sequence_parallel and t > 1 else 1)
+    rows = moe_routed(model, e)
+    if framework == "megatron" and model.moe_dispatch == "dropless":
+        rows = model.top_k * MOE_DROPLESS_IMBALANCE
+    a2a = act * rows / (t if layout.sequence_parallel and t > 1 else 1)
     one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
     return n_moe * (4 + 2 * (layout.remat == "full")) * one
 
