@@ -33,7 +33,9 @@ from meshrun.config.mesh import AXES, DEFAULT_ORDER, MeshConfig
 from meshrun.config.model import (
     CONTEXT_KINDS,
     EXECUTION_FIELDS,
+    FP8_FIELDS,
     FP8_RECIPES,
+    MAX_AMAX_HISTORY,
     REMATS,
     ModelConfig,
     default_model,
@@ -57,8 +59,9 @@ from meshrun.config.train import GRAD_REDUCE_DTYPES, TrainConfig
 from meshrun.errors import ConfigError
 
 __all__ = [
-    "AXES", "CONTEXT_KINDS", "DEFAULT_ORDER", "EXECUTION_FIELDS", "FP8_RECIPES", "GRAD_REDUCE_DTYPES",
-    "MAX_DEVICES", "MAX_DIM", "MAX_MICROBATCHES", "MAX_SIMULATED_DEVICES", "MAX_STEPS", "MOVED_KEYS",
+    "AXES", "CONTEXT_KINDS", "DEFAULT_ORDER", "EXECUTION_FIELDS", "FP8_FIELDS", "FP8_RECIPES",
+    "GRAD_REDUCE_DTYPES", "MAX_AMAX_HISTORY", "MAX_DEVICES", "MAX_DIM", "MAX_MICROBATCHES",
+    "MAX_SIMULATED_DEVICES", "MAX_STEPS", "MOVED_KEYS",
     "OFFLOAD_GRADS", "OFFLOAD_TIERS", "OFFLOAD_UPDATES", "OFFLOAD_UPDATE_ON", "OPTIMIZER_STATE_DTYPES",
     "REMATS", "CheckpointConfig", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OffloadConfig",
     "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig", "bounded", "check_device_count",

@@ -128,7 +128,7 @@ def streams_update(cfg: RunConfig) -> bool:
         return t.optimizer == "nvme"
     o = cfg.optimizer
     why = streamed_update_refusal(o.name, optimizers.get(o.name).elementwise, o.state_dtype,
-                                  getattr(cfg.model, "fp8", "none"))  # fmt: skip
+                                  cfg.model.fp8)  # fmt: skip
     if why is not None and t.update != "whole" and not t.params:  # a streamed update asked for
         if t.update == "streamed":
             raise ConfigError("offload.update", "streamed", "use auto or whole", why)
@@ -191,7 +191,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         check_ring_pipeline(cfg, split, rings)
     if cfg.offload.params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.offload.optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
-        str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
+        cfg.model.fp8, shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
         cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
         raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
