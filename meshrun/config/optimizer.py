@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshrun.config.base import MAX_STEPS, _bounded, _choice
@@ -16,7 +17,8 @@ class OptimizerConfig:
     (linear warmup from 0 to lr, cosine decay to min_lr_ratio·lr at decay_steps or train.steps) and
     global-norm clipping. `state_dtype`: the dtype of its moments (the float32 master copy stays float32)."""
 
-    name: str = "adamw"  # an entry of meshrun/optim/registry.py: adamw | muon
+    # adamw | muon (meshrun/optim/registry.py), or your own optimizer as package.module:SPEC (docs/optimizers.md)
+    name: str = "adamw"
     lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     warmup_steps: int = 2  # steps of linear warmup from 0
@@ -25,12 +27,14 @@ class OptimizerConfig:
     beta2: float = 0.95  # Adam second-moment decay
     eps: float = 1e-8  # Adam epsilon (muon: also the Newton-Schulz normalization's)
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
-    momentum: float = 0.95  # muon: momentum of the orthogonalized weight matrices
+    momentum: float = 0.95  # muon: momentum of the orthogonalized weight matrices (also yours to read)
     ns_steps: int = 5  # muon: Newton-Schulz iterations
     state_dtype: str = "float32"  # dtype of the moments: float32 | bfloat16 (the fp32 master stays fp32)
     decay_steps: int = 0  # the cosine reaches min_lr_ratio·lr at this step (0: train.steps), then stays
 
     def __post_init__(self):
+        if _lookup is not None:
+            _lookup(self.name)  # an unknown name, or a user's optimizer that does not import: ConfigError
         _bounded("optimizer.decay_steps", self.decay_steps, 0, MAX_STEPS)
         if not self.lr > 0:
             raise ConfigError("optimizer.lr", self.lr, "use a positive learning rate")
@@ -46,3 +50,13 @@ class OptimizerConfig:
             raise ConfigError("optimizer.eps", self.eps, "use a small positive number, e.g. 1e-8")
         _bounded("optimizer.ns_steps", self.ns_steps, 1, 100)
         _choice("optimizer.state_dtype", self.state_dtype, OPTIMIZER_STATE_DTYPES)
+
+
+# The optimizer of an `optimizer.name` (its registry entry, or the user's `package.module:SPEC`),
+# installed by `meshrun.optim.registry` when imported (the `meshrun` package imports it first).
+_lookup: Callable[[str], object] | None = None
+
+
+def use_optimizer_lookup(lookup: Callable[[str], object]) -> None:
+    global _lookup
+    _lookup = lookup

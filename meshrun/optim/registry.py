@@ -13,14 +13,21 @@ Each entry declares what the rest of meshrun asks about, so nothing else assumes
 * `elementwise`: each element's update depends only on that element and global scalars, so the
   update can run on any chunk of the state (AdamW yes; Muon orthogonalizes whole matrices: no).
 
+An optimizer outside meshrun needs no entry here: `optimizer.name: package.module:SPEC` names its
+`OptimizerSpec` (whose `build` may be the function itself); examples/custom_optimizer shows one.
+
 Which state leaves ZeRO shards and offload moves needs no declaration: every parameter-shaped leaf
 of the optax state (`optax.tree_map_params`). Plain Python: the planner imports it without jax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
+from meshrun import config
+from meshrun.config.user_code import import_object
 from meshrun.errors import ConfigError
 
 STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -32,7 +39,8 @@ class OptimizerSpec:
     """One optimizer as meshrun uses it (see the module docstring)."""
 
     name: str
-    build: str  # "module:function": (OptimizerConfig, schedule, param_names) -> optax.GradientTransformation
+    # (OptimizerConfig, schedule, param_names) -> optax.GradientTransformation, or its "module:function"
+    build: str | Callable
     moments: int  # state tensors per element of a hidden-layer weight matrix
     moments_other: int  # per element of every other parameter
     elementwise: bool
@@ -61,8 +69,24 @@ OPTIMIZERS = {
 
 
 def get(name: str, field: str = "optimizer.name") -> OptimizerSpec:
-    """The optimizer registered as `name`; a ConfigError naming `field` (the key or flag the name came
-    from) for an unknown one."""
+    """The optimizer registered as `name`, or a user's `package.module:SPEC`; a ConfigError naming
+    `field` (the key or flag the name came from) for an unknown one."""
+    if ":" in name:
+        return _external(name, field)
     if name not in OPTIMIZERS:
-        raise ConfigError(field, name, f"use one of {', '.join(sorted(OPTIMIZERS))}", "unknown optimizer")
+        fix = f"use one of {', '.join(sorted(OPTIMIZERS))}, or your own as package.module:SPEC"
+        raise ConfigError(field, name, fix, "unknown optimizer")
     return OPTIMIZERS[name]
+
+
+@cache
+def _external(name: str, field: str) -> OptimizerSpec:
+    """`package.module:ATTR`: the OptimizerSpec ATTR of an importable module (the user's own optimizer)."""
+    spec = import_object(field, name, "SPEC", "OptimizerSpec")
+    if not isinstance(spec, OptimizerSpec):
+        what = f"not an OptimizerSpec ({type(spec).__name__})"
+        raise ConfigError(field, name, "point at a meshrun.OptimizerSpec", what)
+    return spec
+
+
+config.use_optimizer_lookup(get)
