@@ -6,7 +6,7 @@ and sharding helpers load on first use.
 
 import importlib
 
-from meshrun.config import MeshConfig, ModelConfig, PipelineConfig, RunConfig, load_config
+from meshrun.config import MeshConfig, ModelConfig, OptimizerConfig, PipelineConfig, RunConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.family import registry as _registry  # noqa: F401  (gives meshrun.config the family classes)
 from meshrun.optim.registry import OptimizerSpec  # (also gives meshrun.config the optimizer lookup)
@@ -33,7 +33,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "ConfigError", "MeshConfig", "ModelConfig", "OptimizerSpec", "PipelineConfig", "RunConfig", "load_config", *_LAZY,
+    "ConfigError", "MeshConfig", "ModelConfig", "OptimizerConfig", "OptimizerSpec", "PipelineConfig", "RunConfig",
+    "load_config", *_LAZY,
 ]  # fmt: skip
 
 

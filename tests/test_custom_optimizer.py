@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SGD = "custom_optimizer.sgd:SGD"
 # data2 x pipe2 x tensor2 with ZeRO-1: the momentum is sharded over 'data' like Adam's moments
 RUN = ["model.n_layers=2", "train.seq_len=16", "model.max_seq_len=16", "train.global_batch=8", "train.steps=4",
-       "pipeline.microbatches=2", "data.kind=synthetic", "train.zero=1", "optimizer.momentum=0.8",
+       "pipeline.microbatches=2", "data.kind=synthetic", "train.zero=1",
        "optimizer.lr=0.05", "checkpoint.async_save=false", "--quiet"]  # fmt: skip
 
 
@@ -31,20 +31,33 @@ def importable():
     sys.path.remove(str(ROOT / "examples"))
 
 
-def _losses(tmp_path, name: str) -> list[float]:
+def _losses(tmp_path, name: str, *over: str) -> list[float]:
     run = tmp_path / re.sub(r"\W", "_", name)
-    assert main(["train", "configs/tiny_cpu.yaml", *RUN, f"optimizer.name={name}", f"train.run_dir={run}"]) == 0
+    assert main(["train", "configs/tiny_cpu.yaml", *RUN, *over, f"optimizer.name={name}", f"train.run_dir={run}"]) == 0
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_trains_as_the_same_optimizer_written_inline(tmp_path, monkeypatch):
+    from custom_optimizer.sgd import SgdConfig
+
     inline = OptimizerSpec("sgd_inline", build=lambda opt, schedule, _names: optax.sgd(schedule, momentum=opt.momentum),
-                           moments=1, moments_other=1, elementwise=True)  # fmt: skip
+                           moments=1, moments_other=1, elementwise=True, config=SgdConfig)  # fmt: skip
     monkeypatch.setitem(registry.OPTIMIZERS, "sgd_inline", inline)
-    mine, ref, adamw = (_losses(tmp_path, n) for n in (SGD, "sgd_inline", "adamw"))
+    mine, ref = (_losses(tmp_path, n, "optimizer.momentum=0.8") for n in (SGD, "sgd_inline"))
+    adamw = _losses(tmp_path, "adamw")
     assert len(mine) == 4 and mine == ref, (mine, ref)  # the same bits
     assert mine[1:] != adamw[1:]  # (the optimizer is the one that ran)
     assert registry.get(SGD) is registry.get(SGD) and registry.get(SGD).elementwise
+
+
+def test_its_own_config_class():
+    """optimizer.momentum is the example's own key (SgdConfig), checked by its class."""
+    cfg = load_config(None, [f"optimizer.name={SGD}", "optimizer.momentum=0.5"])
+    assert type(cfg.optimizer).__name__ == "SgdConfig" and cfg.optimizer.momentum == 0.5
+    with pytest.raises(ConfigError, match=r"optimizer.momentum: .*\(got 1.0\); use a number in \[0, 1\)"):
+        load_config(None, [f"optimizer.name={SGD}", "optimizer.momentum=1"])
+    with pytest.raises(ConfigError, match=r"optimizer.ns_steps: muon's option, not custom_optimizer.sgd:SGD's"):
+        load_config(None, [f"optimizer.name={SGD}", "optimizer.ns_steps=3"])
 
 
 @pytest.mark.parametrize(

@@ -2,24 +2,39 @@
 
     m <- momentum * m + g        p <- p - lr * m
 
-`lr` follows the run's schedule (optimizer.lr, warmup_steps, min_lr_ratio, decay_steps) and
-`momentum` is optimizer.momentum. meshrun wraps it as it wraps its own optimizers: global-norm
-clipping (optimizer.grad_clip), the moments in optimizer.state_dtype, a float32 master copy of
-params stored below float32. Each element's update reads only that element and the step count
-(`elementwise=True`), so the offload tiers may update the state chunk by chunk.
+`lr` follows the run's schedule (optimizer.lr, warmup_steps, min_lr_ratio, decay_steps);
+`momentum` is this optimizer's own key, optimizer.momentum (`SgdConfig`). meshrun wraps it as it
+wraps its own optimizers: global-norm clipping (optimizer.grad_clip), the moments in
+optimizer.state_dtype, a float32 master copy of params stored below float32. Each element's update
+reads only that element and the step count (`elementwise=True`), so the offload tiers may update
+the state chunk by chunk.
 
-    PYTHONPATH=examples meshrun train configs/tiny_cpu.yaml optimizer.name=custom_optimizer.sgd:SGD
+PYTHONPATH=examples meshrun train configs/tiny_cpu.yaml optimizer.name=custom_optimizer.sgd:SGD optimizer.momentum=0.8
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from meshrun import OptimizerSpec
+from meshrun import ConfigError, OptimizerConfig, OptimizerSpec
+
+
+@dataclass(frozen=True)
+class SgdConfig(OptimizerConfig):
+    """The `optimizer:` section with this optimizer: the shared keys and its own."""
+
+    name: str = "custom_optimizer.sgd:SGD"
+    momentum: float = 0.9  # m <- momentum * m + g
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("optimizer.momentum", self.momentum, "use a number in [0, 1)")
 
 
 class SgdState(NamedTuple):
@@ -27,7 +42,7 @@ class SgdState(NamedTuple):
     momentum: Any  # one params-shaped tree: meshrun shards and offloads it like the params
 
 
-def sgd(opt, schedule: optax.Schedule, param_names: Any = None) -> optax.GradientTransformation:
+def sgd(opt: SgdConfig, schedule: optax.Schedule, param_names: Any = None) -> optax.GradientTransformation:
     """`opt`: the run's `optimizer:` section; `schedule`: step -> learning rate; `param_names`: the
     model's logical axis names per parameter (for optimizers that treat weight matrices apart)."""
     del param_names
@@ -45,4 +60,4 @@ def sgd(opt, schedule: optax.Schedule, param_names: Any = None) -> optax.Gradien
 
 
 # moments: state tensors per parameter element (the planner's memory model reads them)
-SGD = OptimizerSpec("sgd", build=sgd, moments=1, moments_other=1, elementwise=True)
+SGD = OptimizerSpec("sgd", build=sgd, moments=1, moments_other=1, elementwise=True, config=SgdConfig)

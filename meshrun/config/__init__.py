@@ -25,6 +25,7 @@ from meshrun.config.load import (
     load_yaml,
     merge,
     model_from_dict,
+    optimizer_from_dict,
     parse_overrides,
     saved_model,
     to_dict,
@@ -52,7 +53,12 @@ from meshrun.config.offload import (
     streamed_update_refusal,
     streams_host_update,
 )
-from meshrun.config.optimizer import OPTIMIZER_STATE_DTYPES, OptimizerConfig, use_optimizer_lookup
+from meshrun.config.optimizer import (
+    OPTIMIZER_STATE_DTYPES,
+    OptimizerConfig,
+    optimizer_class,
+    use_optimizer_classes,
+)
 from meshrun.config.pipeline import PipelineConfig
 from meshrun.config.run import MOVED_KEYS, RunConfig
 from meshrun.config.train import GRAD_REDUCE_DTYPES, TrainConfig
@@ -66,6 +72,7 @@ __all__ = [
     "REMATS", "CheckpointConfig", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OffloadConfig",
     "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig", "bounded", "check_device_count",
     "choice", "default_model", "from_dict", "load_config", "load_mesh", "load_section", "load_yaml", "merge",
-    "model_class", "model_from_dict", "offload_params_refusals", "parse_overrides", "saved_model",
-    "streamed_update_refusal", "streams_host_update", "to_dict", "use_model_classes", "use_optimizer_lookup",
+    "model_class", "model_from_dict", "offload_params_refusals", "optimizer_class", "optimizer_from_dict",
+    "parse_overrides", "saved_model", "streamed_update_refusal", "streams_host_update", "to_dict",
+    "use_model_classes", "use_optimizer_classes",
 ]  # fmt: skip

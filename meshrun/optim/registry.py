@@ -27,11 +27,28 @@ from dataclasses import dataclass
 from functools import cache
 
 from meshrun import config
+from meshrun.config import OptimizerConfig, bounded
 from meshrun.config.user_code import import_object
 from meshrun.errors import ConfigError
 
 STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MASTER_BYTES = 4  # the float32 master copy of params stored below float32
+
+
+@dataclass(frozen=True)
+class MuonConfig(OptimizerConfig):
+    """Muon's options: the shared ones (its Adam part, on the non-matrix parameters, reads beta1,
+    beta2 and eps) and its own."""
+
+    name: str = "muon"
+    momentum: float = 0.95  # momentum of the orthogonalized weight matrices
+    ns_steps: int = 5  # Newton-Schulz iterations per update
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.momentum <= 1:
+            raise ConfigError("optimizer.momentum", self.momentum, "use a number in [0, 1]")
+        bounded("optimizer.ns_steps", self.ns_steps, 1, 100)
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,7 @@ class OptimizerSpec:
     elementwise: bool
     update_temps: float = 1.0
     ns_iterations: int = 0  # Newton-Schulz iterations per update (muon: optimizer.ns_steps' default)
+    config: type[OptimizerConfig] = OptimizerConfig  # the `optimizer:` section's class: its own options
 
     def matrix_update_flops(self, d_model: int) -> float:
         """FLOPs per weight-matrix parameter: a quintic Newton-Schulz iteration on an m x n matrix
@@ -63,7 +81,13 @@ OPTIMIZERS = {
     # Newton-Schulz's temporaries (X X^T, its square, their product with X) live after the backward
     # has freed the activations: the compiled step's temp bytes equal adamw's (tiny_cpu, data4)
     "muon": OptimizerSpec(
-        "muon", "meshrun.optim.optimizer:muon", moments=1, moments_other=2, elementwise=False, ns_iterations=5
+        "muon",
+        "meshrun.optim.optimizer:muon",
+        moments=1,
+        moments_other=2,
+        elementwise=False,
+        ns_iterations=5,
+        config=MuonConfig,
     ),  # fmt: skip
 }
 
@@ -86,7 +110,10 @@ def _external(name: str, field: str) -> OptimizerSpec:
     if not isinstance(spec, OptimizerSpec):
         what = f"not an OptimizerSpec ({type(spec).__name__})"
         raise ConfigError(field, name, "point at a meshrun.OptimizerSpec", what)
+    if not (isinstance(spec.config, type) and issubclass(spec.config, OptimizerConfig)):
+        raise ConfigError(field, name, "make its config a subclass of meshrun.OptimizerConfig",
+                          f"its config is {spec.config!r}")  # fmt: skip
     return spec
 
 
-config.use_optimizer_lookup(get)
+config.use_optimizer_classes(lambda name: get(name).config)
