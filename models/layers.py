@@ -133,14 +133,9 @@ class Fp8State(nnx.Module):
             self.on = param(((layer != 0) & (layer != cfg.n_layers - 1)).astype(jnp.float32))
 
 
-def fp8_recipe(cfg: ModelConfig) -> str:
-    """model.fp8 of a family that has it (llama), else none."""
-    return getattr(cfg, "fp8", "none")
-
-
 def fp8_state(p: Mapping, cfg: ModelConfig) -> Mapping | None:
     """A block's fp8 state leaves (None when it has none)."""
-    return p.get(fp8.STATE_KEY) if fp8_recipe(cfg) != "none" else None
+    return p.get(fp8.STATE_KEY) if cfg.fp8 != "none" else None
 
 
 class MLP(nnx.Module):
@@ -221,7 +216,7 @@ def mlp(
     (model.tp_comm_overlap): h comes split over the sequence, the in and out GEMMs run as rings over
     the t tensor shards (`meshrun.parallel.collective_matmul`) and the output comes back split."""
     dt = dtype_of(cfg.dtype)
-    recipe = fp8_recipe(cfg)
+    recipe = cfg.fp8
 
     def gemm(spec, x, w, slot):
         if ring:  # fp8 is refused with tp_comm_overlap (the config)

@@ -26,7 +26,6 @@ from meshrun_models.layers import (
     RMSNorm,
     arrays,
     embed_lookup,
-    fp8_recipe,
     fp8_state,
     mlp,
     normal_param,
@@ -58,7 +57,7 @@ class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is an MLP or an MoE."""
 
     def __init__(self, cfg: ModelConfig, lead: Lead, *, moe: bool, rngs: nnx.Rngs):
-        if fp8_recipe(cfg) != "none" and (cfg.fp8 == "delayed" or cfg.fp8_first_last_bf16):
+        if cfg.fp8 != "none" and (cfg.fp8 == "delayed" or cfg.fp8_first_last_bf16):
             self.fp8 = Fp8State(cfg, lead, last_in_group=moe)
         self.attn_norm = RMSNorm(cfg, lead)
         self.attn = Attention(cfg, lead, rngs=rngs)

@@ -17,7 +17,9 @@ EXECUTION_FIELDS = (
     "remat", "remat_every", "sequence_parallel", "tp_comm_overlap", "attention_impl", "context_parallel",
 )  # fmt: skip
 REMATS = ("none", "full", "selective", "offload")
-FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
+FP8_RECIPES = ("none", "tensorwise", "delayed")  # model.fp8 (meshrun.parallel.fp8)
+FP8_FIELDS = ("fp8", "fp8_amax_history", "fp8_first_last_bf16")
+MAX_AMAX_HISTORY = 1024  # the longest delayed-scaling history NVIDIA Transformer Engine and MaxText use
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the parameters; bfloat16 keeps a float32 master copy in the optimizer
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the normal weight initialisation
+    # fp8 GEMMs in every layer's q/k/v, attention output, MLP in and out (docs/fp8.md): none |
+    # tensorwise (scales from the current amax) | delayed (from the max of an amax history); a family
+    # without fp8 GEMMs refuses anything but none
+    fp8: str = "none"
+    fp8_amax_history: int = 16  # fp8=delayed: steps of amax history
+    fp8_first_last_bf16: bool = False  # with fp8: the first and last layers stay in the compute dtype
     # ---- execution settings (EXECUTION_FIELDS)
 
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
@@ -63,6 +71,7 @@ class ModelConfig:
     # start-up block. A family's class either makes a layer fact its own field or fixes it.
     context_attention: ClassVar[bool] = False  # its attention can cross the 'context' mesh axis
     tp_rings: ClassVar[bool] = False  # its blocks run model.tp_comm_overlap's rings
+    fp8_gemms: ClassVar[bool] = False  # its layers run model.fp8's GEMMs (else the fp8 keys are refused)
     predictable: ClassVar[bool] = True  # the planner's transformer formulas describe its layer
     mlp: ClassVar[str] = "gelu"  # swiglu: 3 matrices (gate, up, down); gelu: 2
     tie_embeddings: ClassVar[bool] = False  # the head reuses the embedding matrix
@@ -126,6 +135,25 @@ class ModelConfig:
                 "set model.remat=full (a group of k layers is rematerialised from its input), or remat_every=1",
                 f"grouping layers needs full remat (model.remat={self.remat})",
             )
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        if not self.fp8_gemms:
+            for f in FP8_FIELDS:
+                if getattr(self, f) != type(self).__dataclass_fields__[f].default:
+                    raise ConfigError(f"model.{f}", getattr(self, f), "remove it (or use a family with fp8 GEMMs)",
+                                      f"model.family={self.family} has no fp8 GEMMs")  # fmt: skip
+        _choice("model.fp8", self.fp8, FP8_RECIPES)
+        if self.tp_comm_overlap and self.fp8 != "none":
+            raise ConfigError(
+                "model.tp_comm_overlap", True, "turn model.fp8 off with it, or model.tp_comm_overlap off",
+                f"runs its rings in the compute dtype, not fp8 (model.fp8={self.fp8})",
+            )  # fmt: skip
+        if self.fp8_amax_history < 1:
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
+        if self.fp8_amax_history > MAX_AMAX_HISTORY:  # a parameter per fp8 GEMM, with Adam moments of its own
+            fix = f"use at most {MAX_AMAX_HISTORY} steps, e.g. 16"
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, fix, "longer than any recipe uses")
 
     @property
     def is_moe(self) -> bool:
@@ -155,7 +183,8 @@ class ModelConfig:
         """The layer facts this family's class fixes rather than lets users set: {name: value}."""
         own = cls.__mro__[: cls.__mro__.index(ModelConfig)]  # the family's classes, not this base
         consts = (n for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is ClassVar)
-        consts = (n for n in consts if n not in ("context_attention", "tp_rings", "predictable", "summary"))
+        declared = ("context_attention", "tp_rings", "fp8_gemms", "predictable", "summary")
+        consts = (n for n in consts if n not in declared)
         return {n: getattr(cls, n) for n in consts if any(n in vars(k) for k in own)}
 
 

@@ -58,7 +58,7 @@ def streams_update(cfg: RunConfig) -> bool:
         return t.optimizer == "nvme"
     o = cfg.optimizer
     why = streamed_update_refusal(o.name, optimizers.get(o.name).elementwise, o.state_dtype,
-                                  getattr(cfg.model, "fp8", "none"))  # fmt: skip
+                                  cfg.model.fp8)  # fmt: skip
     if why is not None and t.update != "whole" and not t.params:  # a streamed update asked for
         if t.update == "streamed":
             raise ConfigError("offload.update", "streamed", "use auto or whole", why)

@@ -161,7 +161,7 @@ def _megatron_stage(
     span data x expert x context (dp x cp)."""
     prec = precision_of(model, "megatron", layout)
     pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
-    fp8 = getattr(model, "fp8", "none") != "none"  # Transformer Engine keeps the fp8 GEMMs' inputs in fp8
+    fp8 = model.fp8 != "none"  # Transformer Engine keeps the fp8 GEMMs' inputs in fp8
     flash = model.attention_impl == "cudnn" if flash is None else flash
     s, t, p, b, h = seq_len, layout.tensor, layout.pipe, layout.micro_batch_size, model.d_model
     data, expert, context, zero = layout.data, layout.expert, layout.context, layout.zero

@@ -128,7 +128,7 @@ def layer_seconds(
     tok, h = b * (s / context if context > 1 else s), model.d_model
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
-    f8 = getattr(model, "fp8", "none") != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
+    f8 = model.fp8 != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
     dense = [(h, (q + 2 * kv) / t), (q / t, h)] + ([] if moe else [(h, up), (model.d_ff / t, h)])
     parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
     cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
@@ -152,7 +152,7 @@ def layer_seconds(
     mem = hbm_seconds(elementwise_bytes(model, tok, t, sp=sp, dropout=dropout, act=act), gpu, cal)
     # tensorwise fp8: one amax all-reduce (a scalar: latency) per covered GEMM forward (x) and backward
     # (dY); delayed scaling's amaxes ride the gradient reduction (a few KB per layer)
-    amax = COMM_LATENCY_S * len(cast) if getattr(model, "fp8", "none") == "tensorwise" else 0.0
+    amax = COMM_LATENCY_S * len(cast) if model.fp8 == "tensorwise" else 0.0
     return {
         "gemm_fwd": sum(f for f, _ in parts),
         "gemm_bwd": sum(bw for _, bw in parts),

@@ -93,7 +93,7 @@ class ParamTierCost:
 def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "host") -> list[str]:
     """Why meshrun's runtime refuses this combination (empty: it runs it): `config.offload_params_refusals`
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
-    fp8 = getattr(model, "fp8", None)
+    fp8 = model.fp8
     refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe, grads,
                                              layout.microbatches, layout.overlap_grad_reduce)  # fmt: skip
     out = [what for what, _ in refused]

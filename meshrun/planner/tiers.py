@@ -91,7 +91,7 @@ def host_refusal(model: ModelConfig, layout: Layout) -> str | None:
     """Why the host tier cannot stream this layout's optimizer (None: it can)."""
     opt = layout.optimizer
     return streamed_update_refusal(opt, optimizers.get(opt).elementwise, layout.state_dtype,
-                                   getattr(model, "fp8", "none"))  # fmt: skip
+                                   model.fp8)  # fmt: skip
 
 
 def host_adam_bytes(slots: int, param_bytes: int) -> int:

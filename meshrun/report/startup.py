@@ -98,11 +98,11 @@ def _dtypes_line(cfg: Any) -> str:
 def _fp8_lines(cfg: Any) -> list[str]:
     """The fp8 recipe, when the family has fp8 GEMMs and it is on."""
     m = cfg.model
-    fp8 = getattr(m, "fp8", "none")
+    fp8 = m.fp8
     if fp8 == "none":
         return []
     how = f", amax history {m.fp8_amax_history} steps" if fp8 == "delayed" else ""
-    ends = f"; first and last layers in {m.dtype}" if getattr(m, "fp8_first_last_bf16", False) else ""
+    ends = f"; first and last layers in {m.dtype}" if m.fp8_first_last_bf16 else ""
     return [f"fp8       {fp8} scaling{how}{ends}"]
 
 

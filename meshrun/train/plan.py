@@ -157,7 +157,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         check_ring_pipeline(cfg, split, rings)
     if cfg.offload.params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.offload.optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
-        str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
+        cfg.model.fp8, shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
         cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
         raise ConfigError("offload.params", True, refused[0][1], refused[0][0])

@@ -175,7 +175,7 @@ def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
 def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) -> TrainStep:
     """Jitted train step with explicit in/out shardings and donated state (`plan`: `build_plan(cfg, mesh)`)."""
     plan = plan or build_plan(cfg, mesh)
-    fp8.check_platform(getattr(cfg.model, "fp8", "none"), mesh.devices.flat[0])
+    fp8.check_platform(cfg.model.fp8, mesh.devices.flat[0])
     tx = make_optimizer(cfg, plan.model_fns.param_names)
     fns = plan.model_fns
     if cfg.data.pack_documents and not fns.segments:

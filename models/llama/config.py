@@ -9,10 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from meshrun.config import FP8_RECIPES, MAX_DIM, ModelConfig, bounded, choice
+from meshrun.config import MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
-
-MAX_AMAX_HISTORY = 1024  # the longest delayed-scaling history NVIDIA Transformer Engine and MaxText use
 
 
 @dataclass(frozen=True)
@@ -38,14 +36,10 @@ class LlamaConfig(ModelConfig):
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
     z_loss_coef: float = 0.001  # weight of the router z-loss
-    # fp8 GEMMs in every layer's q/k/v, attention output, MLP in and out (docs/fp8.md): none |
-    # tensorwise (scales from the current amax) | delayed (from the max of an amax history)
-    fp8: str = "none"
-    fp8_amax_history: int = 16  # delayed: steps of amax history
-    fp8_first_last_bf16: bool = False  # the first and last layers stay in the compute dtype
 
     context_attention: ClassVar[bool] = True  # all-gather and ring attention over 'context'
     tp_rings: ClassVar[bool] = True  # model.tp_comm_overlap (its attention and dense MLP)
+    fp8_gemms: ClassVar[bool] = True  # model.fp8 (its q/k/v, attention output and dense MLP)
 
     def __post_init__(self):
         super().__post_init__()
@@ -61,17 +55,6 @@ class LlamaConfig(ModelConfig):
         choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
-        choice("model.fp8", self.fp8, FP8_RECIPES)
-        if self.tp_comm_overlap and self.fp8 != "none":
-            raise ConfigError(
-                "model.tp_comm_overlap", True, "turn model.fp8 off with it, or model.tp_comm_overlap off",
-                f"runs its rings in the compute dtype, not fp8 (model.fp8={self.fp8})",
-            )  # fmt: skip
-        if self.fp8_amax_history < 1:
-            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
-        if self.fp8_amax_history > MAX_AMAX_HISTORY:  # a parameter per fp8 GEMM, with Adam moments of its own
-            fix = f"use at most {MAX_AMAX_HISTORY} steps, e.g. 16"
-            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, fix, "longer than any recipe uses")
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
