@@ -195,6 +195,11 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
         raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
+    if getattr(cfg.model, "balance", "aux_loss") == "bias" and (cfg.train.offload_params or streams_update(cfg)):
+        raise ConfigError(
+            "model.balance", "bias", "use model.balance=aux_loss with it, or train.offload_update=whole without "
+            "train.offload_params", "the streamed updates do not carry the MoE balance biases",
+        )  # fmt: skip
     host = cfg.train.offload_optimizer == "host" and not streams_update(cfg)  # pinned host memory
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
