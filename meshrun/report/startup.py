@@ -74,7 +74,7 @@ def _memory_line(cfg: Any, plan: Any) -> str:
     if not m.predictable:
         return f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})"
     try:
-        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer,
+        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=cfg.offload.optimizer,
                                  streamed=streams_update(plan.cfg))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
         return f"memory    no prediction ({type(e).__name__})"

@@ -36,8 +36,7 @@ class LlamaConfig(ModelConfig):
     capacity_factor: float = 1.25  # moe_dispatch=capacity only
     moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
-    # MoE shapes of Qwen3-MoE and DeepSeek-V3 (docs/moe.md)
-    moe_d_ff: int = 0  # one routed expert's hidden size (0: d_ff; fine-grained experts are narrower)
+    moe_d_ff: int = 0  # one routed expert's hidden size (0: d_ff; Qwen3-MoE and DeepSeek-V3 use narrower ones)
     n_shared_experts: int = 0  # experts every token passes through (one MLP of width n_shared_experts * moe_d_ff)
     first_dense_layers: int = 0  # the first k layers are dense (width d_ff), the MoE units follow
     router_score: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3) expert scores
