@@ -236,3 +236,14 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, over, text):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     assert text in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_param_counts_cover_fine_grained_shared_and_first_dense():
+    """analysis.flops (MFU, the planner's memory) counts the params the model has (balance state aside),
+    and a token's active matmul params: top_k narrow experts + the shared one + the router."""
+    from meshrun.analysis.flops import _matmul_active, attn_params, param_counts
+
+    _, params = init_params(DS, 0)
+    have = sum(x.size for path, x in jax.tree.leaves_with_path(arrays(params)) if "balance" not in str(path))
+    assert param_counts(DS)["total"] == have
+    assert _matmul_active(DS, True) == attn_params(DS) + 3 * 32 * 16 * (2 + 1) + 32 * 8
