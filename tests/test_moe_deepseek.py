@@ -247,3 +247,27 @@ def test_param_counts_cover_fine_grained_shared_and_first_dense():
     have = sum(x.size for path, x in jax.tree.leaves_with_path(arrays(params)) if "balance" not in str(path))
     assert param_counts(DS)["total"] == have
     assert _matmul_active(DS, True) == attn_params(DS) + 3 * 32 * 16 * (2 + 1) + 32 * 8
+
+
+@pytest.mark.slow
+def test_balance_biases_are_checkpointed_and_resume_gives_the_same_losses(tmp_path):
+    """The biases are in the train state: a run stopped after step 3 (checkpoint at step 2) and resumed
+    logs the losses of an uninterrupted run (step 3 again, then 4)."""
+    import json
+
+    from meshrun.config import load_config
+    from meshrun.train.loop import run
+
+    over = ["mesh.tensor=1", "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic",
+            "checkpoint.every=2", "checkpoint.async_save=false", "train.steps=4", "model.bias_rate=0.05"]  # fmt: skip
+    config = f"configs/{CONFIG}"
+    run(load_config(config, [*over, f"train.run_dir={tmp_path / 'a'}"]), quiet=True)
+    part = load_config(config, [*over, f"train.run_dir={tmp_path / 'b'}"])
+    run(part, quiet=True, stop_after=3)
+    run(part, quiet=True)
+    rows = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in rows("a")}
+    resumed = rows("b")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
