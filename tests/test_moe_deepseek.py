@@ -164,8 +164,9 @@ def reference(over=()):
 NO_TP = ["mesh.tensor=1"]
 LAYOUTS = [
     pytest.param([], [], id="data2-expert2-tensor2-dropless"),
-    pytest.param(["model.moe_dispatch=capacity", "model.capacity_factor=1.0"], [], id="capacity-drops",
-                 marks=pytest.mark.slow),  # fmt: skip
+    pytest.param(
+        ["model.moe_dispatch=capacity", "model.capacity_factor=1.0"], [], id="capacity-drops", marks=pytest.mark.slow
+    ),  # fmt: skip
     pytest.param([], ["mesh.pipe=2", *NO_TP], id="pipe2-data2-expert2", marks=pytest.mark.slow),
     pytest.param([], ["mesh.context=2", *NO_TP], id="context2-data2-expert2", marks=pytest.mark.slow),
     pytest.param([], ["train.zero=1"], id="zero1", marks=pytest.mark.slow),
@@ -271,3 +272,11 @@ def test_balance_biases_are_checkpointed_and_resume_gives_the_same_losses(tmp_pa
     assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]
     for r in resumed:
         assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
+
+
+def test_family_without_the_fields_exits_2(capsys):
+    from meshrun.cli.main import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt2_cpu.yaml")
+    assert main(["train", config, "model.balance=bias", "--quiet"]) == 2
+    assert "model.balance: gpt2 has no such field (got 'bias'); remove it" in capsys.readouterr().err
