@@ -335,3 +335,13 @@ def test_family_without_the_fields_exits_2(capsys):
     config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt2_cpu.yaml")
     assert main(["train", config, "model.balance=bias", "--quiet"]) == 2
     assert "model.balance: gpt2 has no such field (got 'bias'); remove it" in capsys.readouterr().err
+
+
+def test_hugging_face_exchange_refuses_the_new_shapes():
+    """export-hf writes Mixtral-shaped MoE models only: the new shapes are refused with one line."""
+    from meshrun_models.llama import hf
+
+    mixtral = dict(hf.MIXTRAL_ROUTING, route_group_limit=0)
+    hf.layer_map(dataclasses.replace(DS, **mixtral))
+    with pytest.raises(ConfigError, match=r"^model.moe_d_ff: .*got 16.*use moe_d_ff=0"):
+        hf.layer_map(DS)
