@@ -224,12 +224,20 @@ def run_master(cfg, n_devices=8, steps=3):
     return np.array(losses), state.params, state.opt_state.master
 
 
+# bf16 params across layouts. The step's float32 reduction order differs by a few ulp between layouts;
+# a master weight that lies that close to a bf16 rounding boundary rounds one bf16 step (2^-8 relative)
+# apart, the next step's gradients move with it and Adam (eps 1e-4 here) amplifies small-gradient
+# differences. Measured after 3 steps, data 2 x expert 2 x tensor 2 ZeRO-1 vs one device: losses within 6.5e-6,
+# about a fifth of the bf16 params one step apart, the master within 1.5e-3 of its norm per tensor;
+# the dense configs/tiny_cpu.yaml on data 4 x tensor 2 ZeRO-1 shows the same (1.7e-6, 1.6e-3): the
+# rounding, not the MoE. After 1 step (warmup: lr 0) everything is bit-identical. So: the losses at
+# rtol 1e-5, the balance biases (sums of integer loads) exactly, each master tensor by its norm.
+MASTER_NORM_RTOL = 5e-3
+
+
 @pytest.mark.slow
 def test_bf16_params_with_float32_master_match_one_device():
-    """bf16 params, float32 master, data 2 x expert 2 x tensor 2 with ZeRO-1: the losses and the
-    master weights after 3 steps equal one device's at rtol 1e-5 (the bf16 params are the rounded
-    master: a master within float noise of a rounding boundary may round one bf16 step apart), the
-    balance biases exactly."""
+    """bf16 params, float32 master, data 2 x expert 2 x tensor 2 with ZeRO-1 against one device after 3 steps."""
     bf16 = ["model.param_dtype=bfloat16"]
     ref = run_master(_cfg(CONFIG, [*bf16, *ONE_DEVICE]), n_devices=1)
     got = run_master(_cfg(CONFIG, [*bf16, "train.zero=1"]))
@@ -238,8 +246,9 @@ def test_bf16_params_with_float32_master_match_one_device():
     assert bias(got[1]).dtype == np.float32 and np.any(bias(got[1]))
     np.testing.assert_array_equal(bias(got[1]), bias(ref[1]))
     for (path, g), r in zip(jax.tree.leaves_with_path(got[2]), jax.tree.leaves(ref[2]), strict=True):
-        if "balance" not in jax.tree_util.keystr(path):  # the optimizer's copy of the biases is never read
-            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        if "balance" not in name:  # the optimizer's copy of the biases is never read
+            assert np.linalg.norm(g - r) <= MASTER_NORM_RTOL * np.linalg.norm(r), name
 
 
 # ---------------------------------------------------------------- bad input
