@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from meshrun.config.base import MAX_DIM, _bounded, _choice
@@ -85,15 +85,17 @@ class ModelConfig:
         own = type(self).__dataclass_fields__["family"].default
         if self.family != own and ":" not in self.family:  # package.module:FAMILY names a user's family
             raise ConfigError("model.family", self.family, f"use {type(self).__name__} only for model.family={own}")
+        has = {f.name for f in fields(self)}  # a family may fix a shared field as a ClassVar: not checked here
         for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
-            _bounded(f"model.{f}", getattr(self, f), 1, MAX_DIM)
+            if f in has:
+                _bounded(f"model.{f}", getattr(self, f), 1, MAX_DIM)
         if not self.norm_eps > 0:
             raise ConfigError("model.norm_eps", self.norm_eps, "use a positive number")
         if not self.init_std >= 0:
             raise ConfigError("model.init_std", self.init_std, "use a number >= 0")
         if not 0 <= self.vocab_used <= self.vocab:
             raise ConfigError("model.vocab_used", self.vocab_used, f"use 0 (no padding) or 1..model.vocab={self.vocab}")
-        if self.n_heads % self.n_kv_heads:
+        if {"n_heads", "n_kv_heads"} <= has and self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 "model.n_kv_heads",
                 self.n_kv_heads,

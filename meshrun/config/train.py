@@ -9,6 +9,7 @@ from meshrun.config.base import MAX_DIM, MAX_STEPS, _bounded, _choice
 from meshrun.errors import ConfigError
 
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # train.loggers (meshrun.train.loggers)
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage 0..3
     seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
+    # where each metrics row goes besides RUN_DIR/metrics.jsonl (always written): tensorboard (RUN_DIR/tb),
+    # wandb (offline in RUN_DIR/wandb unless WANDB_MODE), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI)
+    loggers: tuple[str, ...] = ("jsonl",)
     eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
     eval_batches: int = 4  # global batches per evaluation (the same ones every time)
     run_dir: str = "runs/default"  # one run: config.yaml, metrics.jsonl, checkpoints/, logs; a rerun resumes
@@ -50,3 +54,7 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        if isinstance(self.loggers, str):  # train.loggers=wandb: a list of one
+            object.__setattr__(self, "loggers", (self.loggers,))
+        for name in self.loggers:
+            _choice("train.loggers", name, LOGGERS)
