@@ -115,9 +115,10 @@ class Fp8State(nnx.Module):
     """A block's fp8 scaling state (`meshrun.parallel.fp8`), float32, created without drawing random
     numbers (the weights are the same with fp8 on or off). delayed: 'hist' [S, T, H] scale exponents
     and 'obs' [S, T, N] (zeros; its gradient is the step's histogram); fp8_first_last_bf16: 'on' (0
-    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every."""
+    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every;
+    `first`: a block of the model.first_dense_layers stack."""
 
-    def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False):
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False, first: bool = False):
         shape = tuple(s for s, _ in lead)
         names = tuple(n for _, n in lead)
         param = lambda v: nnx.Param(v, out_sharding=names + (None,) * (v.ndim - len(names)))
@@ -129,7 +130,8 @@ class Fp8State(nnx.Module):
             k = cfg.moe_every if cfg.is_moe else 1
             unit = jnp.arange(shape[0])[(...,) + (None,) * (len(shape) - 1)]
             inner = jnp.arange(shape[1])[None] if len(shape) > 1 else (k - 1 if last_in_group else 0)
-            layer = unit * k + inner
+            # `first`: the model.first_dense_layers stack, before the units
+            layer = unit if first else getattr(cfg, "first_dense_layers", 0) + unit * k + inner
             self.on = param(((layer != 0) & (layer != cfg.n_layers - 1)).astype(jnp.float32))
 
 
@@ -141,8 +143,8 @@ def fp8_state(p: Mapping, cfg: ModelConfig) -> Mapping | None:
 class MLP(nnx.Module):
     """SwiGLU (gate, up, down; Llama) or GELU (up, down; GPT). Column-parallel in, row-parallel out."""
 
-    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        d, f = cfg.d_model, cfg.d_ff if d_ff is None else d_ff
         if cfg.mlp == "swiglu":
             self.gate = normal_param(rngs.params(), (d, f), ("embed", "mlp"), lead, cfg)
         self.up = normal_param(rngs.params(), (d, f), ("embed", "mlp"), lead, cfg)

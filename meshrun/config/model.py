@@ -80,6 +80,10 @@ class ModelConfig:
     capacity_factor: ClassVar[float] = 1.0
     moe_dispatch: ClassVar[str] = "capacity"
     moe_every: ClassVar[int] = 1
+    moe_d_ff: ClassVar[int] = 0  # one routed expert's width (0: d_ff)
+    n_shared_experts: ClassVar[int] = 0  # experts every token passes through (width n_shared_experts * expert_d_ff)
+    first_dense_layers: ClassVar[int] = 0  # leading dense layers before the MoE units
+    balance: ClassVar[str] = "aux_loss"  # how the routed experts' load is balanced: aux_loss | bias
     # the fields `meshrun checkpoints` shows for a saved model (the family's own fields follow)
     summary: ClassVar[tuple[str, ...]] = (
         "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype",
@@ -160,10 +164,16 @@ class ModelConfig:
         return self.n_experts > 0
 
     @property
+    def expert_d_ff(self) -> int:
+        """One routed expert's hidden size: moe_d_ff, or d_ff when it is 0."""
+        return self.moe_d_ff or self.d_ff
+
+    @property
     def n_units(self) -> int:
-        """Entries on the stacked 'layers' axis: n_layers (dense), or n_layers / moe_every (MoE: groups
-        of moe_every - 1 dense blocks and one MoE block)."""
-        return self.n_layers // self.moe_every if self.is_moe else self.n_layers
+        """Entries on the stacked 'layers' axis: n_layers (dense), or (n_layers - first_dense_layers) /
+        moe_every (MoE: groups of moe_every - 1 dense blocks and one MoE block; the first dense layers
+        are not on the axis)."""
+        return (self.n_layers - self.first_dense_layers) // self.moe_every if self.is_moe else self.n_layers
 
     @property
     def n_moe_layers(self) -> int:

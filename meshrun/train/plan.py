@@ -162,6 +162,11 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     )):  # fmt: skip
         raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
     offload = placement(cfg, mesh.devices.flat if hasattr(mesh, "devices") else None)
+    if cfg.model.balance == "bias" and (cfg.offload.params or offload.streams):
+        raise ConfigError(
+            "model.balance", "bias", "use model.balance=aux_loss with it, or offload.update=whole without "
+            "offload.params", "the streamed updates do not carry the MoE balance biases",
+        )  # fmt: skip
     host = cfg.offload.optimizer == "host" and not offload.streams  # pinned host memory
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.offload.params):
         field = "offload.optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \

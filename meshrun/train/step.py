@@ -227,10 +227,14 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
         scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
+        if fns.update_state is not None:  # untrained model state (MoE balance biases) from the reduced grads
+            scaled, grads = fns.update_state(scaled, grads)
         if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
         params = fp8.with_state(params, scaled)
+        if fns.keep_state is not None:
+            params = fns.keep_state(params, scaled)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return host(TrainState(params, opt_state, state.step + 1)), metrics
 
