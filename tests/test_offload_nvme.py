@@ -260,3 +260,15 @@ def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
         np.testing.assert_array_equal(got[0], results[0][0])
         for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(results[0][1]), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_delayed_fp8_on_nvme_is_refused(tmp_path, capsys):
+    """model.fp8=delayed with offload.optimizer=nvme trained silently wrong (the amax history went
+    stale): exit 2, one line naming offload.optimizer, and no run directory written."""
+    run_dir = tmp_path / "run"
+    over = ["model.fp8=delayed", "offload.optimizer=nvme", f"offload.dir={tmp_path / 'nvme'}", "train.steps=1"]
+    rc, _, err = train(capsys, run_dir, *over)
+    line = one_error_line(err)
+    assert rc == 2 and "offload.optimizer" in line and "amax history" in line, line
+    assert not run_dir.exists()
+    load_config(CONFIG, [*CLI_SMALL, "model.fp8=tensorwise", "offload.optimizer=nvme", "offload.dir=x"])

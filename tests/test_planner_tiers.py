@@ -397,3 +397,16 @@ def test_1t_on_four_nodes_needs_the_parameters_off_the_device(capsys):
         assert all(f"it {w}" in err for w, _ in refused)
     else:
         assert rc == 0 and "offload.params=true offload.optimizer=nvme" in out
+
+
+def test_delayed_fp8_is_never_put_on_nvme():
+    """Delayed scaling's amax history is updated outside the nvme tier's elementwise update: the
+    planner refuses the pair as the run's config does (tensorwise, which has no such state, is
+    costed as before)."""
+    c = parse_cluster("h100-80g:2x8")
+    lay = Layout(tensor=4, pipe=2, data=2, microbatches=8, zero=1)
+    for fp8, refused in (("delayed", True), ("tensorwise", False), ("none", False)):
+        m = replace(model("llama-70b"), fp8=fp8)
+        r = search.evaluate(m, lay, c, 16, 4096)
+        t = tiers.optimizer_tier(r.memory, m, lay, c, "nvme", r.time["optimizer"])
+        assert any("amax history" in w for w in tiers.misfits(t, c, lay)) is refused, fp8

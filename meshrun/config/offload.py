@@ -132,6 +132,16 @@ def offload_params_refusals(
     return out
 
 
+def fp8_tier_refusal(fp8: str, tier: str) -> str | None:
+    """Why optimizer tier `tier` cannot carry fp8 recipe `fp8` (None: it can). The nvme tier's update
+    is the optimizer's elementwise pass over the state's chunks; delayed scaling's amax history is
+    updated by the step outside that pass, so it would go stale and the run would silently differ.
+    The one rule: the run's config and the planner (`planner.tiers`) ask it."""
+    if tier == "nvme" and fp8 == "delayed":
+        return "the nvme tier's update does not carry delayed scaling's amax history"
+    return None
+
+
 def streamed_update_refusal(optimizer: str, elementwise: bool, state_dtype: str, fp8: str | None = None) -> str | None:
     """Why the host tier cannot stream this optimizer's update chunk by chunk (None: it can), so that
     `offload.update=auto` keeps the whole-shard update and `streamed` is refused. The one place

@@ -8,7 +8,8 @@ from meshrun.config.checkpoint import CheckpointConfig
 from meshrun.config.data import DataConfig
 from meshrun.config.mesh import MeshConfig
 from meshrun.config.model import ModelConfig, default_model
-from meshrun.config.offload import OffloadConfig
+from meshrun.config.offload import OffloadConfig, fp8_tier_refusal
+from meshrun.errors import ConfigError
 from meshrun.config.optimizer import OptimizerConfig
 from meshrun.config.pipeline import PipelineConfig
 from meshrun.config.train import TrainConfig
@@ -27,6 +28,9 @@ class RunConfig:
 
     def __post_init__(self):
         self.offload.check_run(self.train.zero)
+        if why := fp8_tier_refusal(self.model.fp8, self.offload.optimizer):
+            fix = "use offload.optimizer=host (its update carries it) or model.fp8=tensorwise"
+            raise ConfigError("offload.optimizer", self.offload.optimizer, fix, why)
 
 
 # Keys that moved to another section: an old YAML fails with one line naming the new key.

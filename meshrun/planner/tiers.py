@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from meshrun.config import ModelConfig, streamed_update_refusal, streams_host_update
+from meshrun.config import ModelConfig, fp8_tier_refusal, streamed_update_refusal, streams_host_update
 from meshrun.optim import registry as optimizers
 from meshrun.planner.hardware import COMM_EFFICIENCY, GB, Cluster
 from meshrun.planner.layout import DTYPE_BYTES, Layout
@@ -61,6 +61,7 @@ class TierCost:
     device_s: float = 0.0  # streamed: the exposed seconds with the update on the device
     host_s: float = 0.0  # ... and on the host CPU
     cpu_s: float = 0.0  # the host CPU's Adam pass alone
+    refused: str = ""  # why meshrun does not run this tier with this model (`config.fp8_tier_refusal`)
 
     @property
     def device(self) -> float:
@@ -194,7 +195,7 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     drives = drive_seconds(cluster, file)
     io = max(drives, pcie / host_bw(cluster))
     t = TierCost(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
-             True)  # fmt: skip
+             True, refused=fp8_tier_refusal(model.fp8, tier) or "")  # fmt: skip
     return _placed(t, cluster, padded, slots, pb, drives, t_update)
 
 
@@ -219,6 +220,8 @@ def misfits(t: TierCost, cluster: Cluster, layout: Layout | None = None) -> list
                    f"usable of {st.host_bytes / GB:.0f} GB")  # fmt: skip
     if t.streamed and not t.chunk:
         out.append("the chunk budget holds no chunk")
+    if t.refused:
+        out.append(t.refused)
     if t.tier == "nvme":
         disk = st.nvme_drives * st.nvme_drive_bytes
         if layout is not None and not streamable(layout):
