@@ -2,21 +2,16 @@
 communication per framework, the pipeline bubble and the optimizer; the slowest stage sets the pace.
 
 Frameworks (`--framework`): the same model trained two ways.
-* meshrun: gradients accumulated locally in float32 over the micro-batches and reduced ONCE
-  per step after the loop, in `train.grad_reduce_dtype` (`layout.grad_reduce_dtype`: float32 by
-  default, bfloat16 half the bytes) (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
-  params; ZeRO-3 all-gathers the params before the loop and reduce-scatters after), not overlapped
-  with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch, b s h / t
-  with sequence parallelism (the residual stream a stage sends is already split over 'tensor').
-* megatron (PTD-P, Narayanan et al. 2021): fp32 gradient buffers all-reduced in fp32 after the
-  pipeline flush; ZeRO-1 is the distributed optimizer (reduce-scatter + all-gather once per step);
-  ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch; ZeRO-3 gathers weights forward and
-  backward); pipeline sends split over the TP ranks (scatter/gather optimisation, b s h / t).
+* meshrun: gradients accumulated in float32 over the micro-batches and reduced once per step after
+  the loop in `train.grad_reduce_dtype` (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather;
+  ZeRO-3 gathers before the loop); pipeline sends b s h per micro-batch (/ t with sequence parallelism).
+* megatron (PTD-P, Narayanan et al. 2021): fp32 gradients all-reduced after the flush; ZeRO-1 is the
+  distributed optimizer; ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch); pipeline sends
+  split over the TP ranks (b s h / t).
 
-Context parallelism (layout.context = c, both frameworks): every per-token kernel runs on the local
-s/c tokens; attention adds the K/V exchange of each layer (`context_seconds`) over the context group
-(c ranks t apart: NVLink while t c fits in a node, the node's NICs once it leaves it); gradients
-reduce over data x expert x context.
+Context parallelism (layout.context = c): per-token kernels run on s/c tokens; attention adds each
+layer's K/V exchange over the context group (`context_seconds`); gradients reduce over data x expert
+x context.
 """
 
 from __future__ import annotations
