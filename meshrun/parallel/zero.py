@@ -70,7 +70,7 @@ class ZeroShardings:
     opt: Any
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
     offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
-    streamed: bool = False  # train.offload_params: params['layers'] fetched layer by layer (layer_fetch.py)
+    streamed: bool = False  # offload.params: params['layers'] fetched layer by layer (layer_fetch.py)
     root: bool = False  # with `streamed`: this is the layout of params['layers'] itself (`sub('layers')`)
 
     @classmethod
@@ -131,7 +131,7 @@ class ZeroShardings:
             return tree
         return jax.tree.map(lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, tree, shardings)
 
-    # ------------------------------------------------------------ layer by layer (train.offload_params)
+    # ------------------------------------------------------------ layer by layer (offload.params)
 
     def layer_fetch(self) -> Callable | None:
         """The per-layer fetch the loop traces the model with (`layer_fetch.use_layer_fetch`), or None."""

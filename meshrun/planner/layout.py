@@ -46,11 +46,11 @@ class Layout:
     optimizer: str = "adamw"  # optimizer.name
     state_dtype: str = "float32"  # optimizer.state_dtype
     grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype (meshrun's default; Megatron reduces in fp32)
-    offload_optimizer: str = "none"  # train.offload_optimizer: none | host | nvme (`tiers.py`)
-    offload_update: str = "auto"  # train.offload_update: the host tier's update, auto | streamed | whole
-    offload_params: bool = False  # train.offload_params (`param_offload.py`)
+    offload_optimizer: str = "none"  # offload.optimizer: none | host | nvme (`tiers.py`)
+    offload_update: str = "auto"  # offload.update: the host tier's update, auto | streamed | whole
+    offload_params: bool = False  # offload.params (`param_offload.py`)
     overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
-    offload_grads: str = "host"  # train.offload_grads: host | nvme, with offload_params
+    offload_grads: str = "host"  # offload.grads: host | nvme, with offload_params
     tp_comm_overlap: bool = False  # model.tp_comm_overlap (Megatron-Core: --tp-comm-overlap), with sequence_parallel
 
     @property
@@ -114,11 +114,11 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         optimizer=cfg.optimizer.name,
         state_dtype=cfg.optimizer.state_dtype,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-        offload_optimizer=cfg.train.offload_optimizer,
-        offload_update=cfg.train.offload_update,
-        offload_params=cfg.train.offload_params,
+        offload_optimizer=cfg.offload.optimizer,
+        offload_update=cfg.offload.update,
+        offload_params=cfg.offload.params,
         overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
-        offload_grads=cfg.train.offload_grads,
+        offload_grads=cfg.offload.grads,
         tp_comm_overlap=getattr(cfg.model, "tp_comm_overlap", False),
     )
 
