@@ -267,10 +267,7 @@ def prepare(
     files = list_files(pattern) if files is None else files  # `files`: an explicit list instead of the glob
     if tokenizer:  # bad arguments are refused before --out is created
         find_eos(*load_tokenizer(tokenizer), eos)
-    out_p = Path(out)
-    if out_p.exists() and not out_p.is_dir():
-        raise ConfigError("--out", out, "give a directory (new, or one prepare-data wrote)", "not a directory")
-    out_p.mkdir(parents=True, exist_ok=True)
+    out_p = _out_dir(out)
     tok, tok_path = _tokenizer_for(out_p, tokenizer, train_bpe, files, text_field, quiet)
     eos_name, eos_id = find_eos(tok, tok_path, eos)
     tok_json = (out_p / "tokenizer.json").read_text()
@@ -299,6 +296,15 @@ def prepare(
         "seconds": round(dt, 3),
         "tokens_per_s": round(new_tokens / dt, 1),
     }
+
+
+def _out_dir(out: str) -> Path:
+    """--out, created if new (a file there is a ConfigError)."""
+    out_p = Path(out)
+    if out_p.exists() and not out_p.is_dir():
+        raise ConfigError("--out", out, "give a directory (new, or one prepare-data wrote)", "not a directory")
+    out_p.mkdir(parents=True, exist_ok=True)
+    return out_p
 
 
 def _check_sizes(shard_mb: float, workers: int | None, train_bpe: int | None) -> None:
