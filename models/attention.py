@@ -146,6 +146,17 @@ def attention(
     dt = dtype_of(cfg.dtype)
     recipe = cfg.fp8
     gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
+    qkv = _qkv(p, h_BxLxD, cfg, gemm, bias, ring)
+    o_BxLxHxDh = _attend(qkv, cfg, segments, rotary)
+    if ring:
+        return matmul_rs("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt), 0, ring)
+    return gemm("blhk,hkd->bld", o_BxLxHxDh, p["o"], "attn_out")
+
+
+def _qkv(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, gemm, bias, ring: int) -> jax.Array:
+    """The q/k/v projection in Megatron's fused GQA layout, B x L x K x (G+2) x Dh (biases added)."""
+    dt = dtype_of(cfg.dtype)
+    recipe = cfg.fp8
     n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     # Megatron's fused GQA layout [D, K, G+2, Dh] built on the fly: query head n = kv*G + g uses kv
     # head kv (jax.nn.dot_product_attention's grouping), so sharding K shards all three alike and
@@ -159,7 +170,12 @@ def attention(
     if cfg.qkv_bias if bias is None else bias:
         b_q = p["q_bias"].reshape(n_kv, g, dh)
         qkv = qkv + jnp.concatenate([b_q, p["k_bias"][:, None], p["v_bias"][:, None]], axis=1).astype(dt)
-    qkv = checkpoint_name(constrain(qkv, ("batch", None, "kv_heads", None, "head_dim")), "qkv")
+    return checkpoint_name(constrain(qkv, ("batch", None, "kv_heads", None, "head_dim")), "qkv")
+
+
+def _attend(qkv: jax.Array, cfg: ModelConfig, segments, rotary: bool) -> jax.Array:
+    """Causal attention of the fused q/k/v (RoPE applied if `rotary`): B x L x H x Dh."""
+    n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
@@ -185,7 +201,4 @@ def attention(
     else:
         q = q_BxLxHxDh.reshape(b, length, n_kv, g, dh)
         o_BxLxHxDh = attention_core(q, k_BxLxKxDh, v_BxLxKxDh, mask, window).reshape(b, length, cfg.n_heads, dh)
-    o_BxLxHxDh = checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
-    if ring:
-        return matmul_rs("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt), 0, ring)
-    return gemm("blhk,hkd->bld", o_BxLxHxDh, p["o"], "attn_out")
+    return checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")

@@ -2,19 +2,14 @@
 
 Called inside a shard_map that is manual over `axis`: each device holds L local tokens of a
 sequence of c L, and only attention crosses the axis. Two kinds:
-
-- `allgather_attention`: K and V are all-gathered over the axis (autodiff transposes that into a
-  reduce-scatter of dK, dV) and the local queries attend to every key (Llama 3's choice).
-- `ring_attention`: Ring Attention (Liu et al. 2023): K/V blocks pass around the ring by
-  ppermute, c - 1 steps, with an online log-sum-exp softmax in float32; the backward is a second
-  ring (flash attention's: each block's probabilities are recomputed from q, k, v, the output and
-  the log-sum-exp) in which dK/dV travel with their block and end at its owner. In the zigzag
-  layout (Brandon et al. 2023, Megatron-CP; `zigzag_index`) every ring step after the first
-  computes exactly half a block: the rest is masked out by causality and skipped.
+- `allgather_attention`: K and V are all-gathered over the axis and the local queries attend to
+  every key (Llama 3's choice).
+- `ring_attention`: Ring Attention (Liu et al. 2023): K/V blocks pass around the ring by ppermute
+  with an online float32 softmax; the backward is a second ring in which dK/dV travel with their
+  block. In the zigzag layout (`zigzag_index`) every ring step after the first computes half a block.
 
 The mask is exact in global token indices (causal, same packed document, sliding window), with
-attention_core's arithmetic: float32 scores, scale Dh**-0.5, masked scores -0.7 float32 max.
-Shape letters as in `layers.py`; S is the length of a block of keys.
+attention_core's arithmetic. Shape letters as in `layers.py`; S is the length of a block of keys.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Dropless MoE dispatch (`model.moe_dispatch=dropless`): every (token, choice) assignment is computed.
 
 Tokens are sorted by expert and the local experts run as one grouped matmul (`jax.lax.ragged_dot`,
-MegaBlocks-style, Gale et al. 2022); no capacity, no padding to a per-expert buffer, no drops.
+MegaBlocks-style, Gale et al. 2022); no capacity, no padding, no drops.
 
 Expert parallelism over `axis` (ep devices, E/ep experts each): the per-destination row counts are
-exchanged first (an all_to_all of ep x E/ep int32), then the rows travel in a *fixed-size* all_to_all
-sized to the worst case, M = T * min(k, E/ep) rows per destination (T local tokens: each token's k
-choices are distinct experts, so at most min(k, E/ep) of them land on one device). Send and receive
-buffers are ep * M * D each, i.e. ep * min(k, E/ep) / k times the T*k*D rows that are actually
-routed (Mixtral E=8, k=2 on expert=8: 4x; capacity routing at capacity_factor=1 sends 1x). Why not
-`jax.lax.ragged_all_to_all`, which would move only the routed rows: XLA:CPU does not implement it
-(jax 0.10.2: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), and this path must run on the
-simulated CPU devices the tests use. The receiver sorts the rows it got by local expert, runs the
-grouped matmul and sends the results back the same way.
-
-On XLA:CPU ragged_dot is lowered as a masked dense matmul over all local experts (E/ep times the
-FLOPs, an [E/ep, rows, D] temporary); GPU/TPU lower it to a grouped GEMM.
+exchanged first, then the rows travel in a fixed-size all_to_all sized to the worst case,
+M = T * min(k, E/ep) rows per destination (it runs on XLA:CPU, which has no ragged all-to-all). The
+receiver sorts the rows by local expert, runs the grouped matmul and sends the results back the same
+way. On XLA:CPU ragged_dot is a masked dense matmul over all local experts; GPUs run a grouped GEMM.
 
 Shape letters as in layers.py; A = T*k assignments, M rows per destination, R = ep*M received rows.
 """

@@ -1,25 +1,15 @@
 """Mixture-of-experts FFN: top-k router, capacity with token dropping, expert parallelism by all-to-all.
 
-`model.moe_dispatch`: `capacity` (this module, below) or `dropless` (dropless.py: tokens sorted by
-expert, grouped matmul, nothing dropped); both run under the same shard_map and report the same stats.
+`model.moe_dispatch`: `capacity` (this module) or `dropless` (dropless.py: nothing dropped); both run
+under the same shard_map and report the same stats.
 
-Routing groups are sequences: each of the B sequences is one group of S = L tokens (GShard's
-groups), so capacity, drops and the auxiliary losses do not depend on the mesh or the microbatch
-split. Per group and expert the buffer holds C = ceil(capacity_factor * S * top_k / E) tokens; a
-token's j-th choice is queued after every token's (j-1)-th choice (GShard priority), and
-assignments past C are dropped (the token keeps its residual; its other choices still count).
-
-Expert parallelism (Lepikhin et al. 2020, GShard): inside a shard_map manual over ('data',
-'expert') -- auto over 'tensor' -- each device routes its own sequences, `all_to_all` over
-'expert' sends every expert's buffer to the device that holds that expert, the experts run (their
-'mlp' dimension still tensor-parallel under GSPMD), and a second all_to_all brings results home.
-Expert weights never move. With 'expert' already manual in the caller (a pipeline executor), the
-same local code runs directly; without a mesh it runs with no communication.
-
-Statistics per layer, summed over groups: `moe_aux_loss` = sum_g E * sum_e f_ge * P_ge (Switch
-Transformer load balancing, f = fraction of the group's S*k assignments sent to e, P = mean router
-probability; 1.0 per group when balanced), `moe_z_loss` = sum_g mean_s logsumexp(logits_s)^2
-(ST-MoE router z-loss), `dropped_tokens` = number of (token, choice) assignments dropped.
+Routing groups are sequences (GShard's groups), so capacity, drops and the auxiliary losses do not
+depend on the mesh or the microbatch split. Per group and expert the buffer holds
+C = ceil(capacity_factor * S * top_k / E) tokens, filled in GShard priority; assignments past C drop.
+Expert parallelism (GShard): inside a shard_map manual over ('data', 'expert'), `all_to_all` over
+'expert' sends each expert's buffer to its device and a second one brings results home; expert
+weights never move. Statistics per layer, summed over groups: `moe_aux_loss` (Switch load
+balancing, 1.0 per group when balanced), `moe_z_loss` (ST-MoE router z-loss), `dropped_tokens`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The local checkpoint tier: every `checkpoint.local_every` steps each process writes the shards it
 holds to its own local disk or RAM disk, beside the rarer persistent orbax checkpoints.
 
-Layout: LOCAL/RUN-KEY/STEP/{index.json, shards.bin}, where LOCAL is `checkpoint.local_dir` with
-"{process}" replaced by the process index (without it: LOCAL_DIR/process-P) and RUN-KEY names the
-run dir (its base name and a hash of its absolute path), so runs sharing a local dir never mix.
-`shards.bin` holds the raw bytes of each distinct shard this process addresses; `index.json` says
-where each one is, its global index and a CRC-32 of its bytes. A step is written as STEP.tmp-PID and
-renamed when complete, and restoring checks every byte it uses against its CRC, so a half-written or
-damaged step is never taken for a good one (it is skipped, the next older one or the persistent
-tier is used). A step restores only with the process count it was written with, onto a layout whose
-shards this process saved (the same mesh, typically); otherwise the persistent tier is used.
+Layout: LOCAL/RUN-KEY/STEP/{index.json, shards.bin}: LOCAL is `checkpoint.local_dir` with "{process}"
+replaced by the process index, RUN-KEY names the run dir. `index.json` says where each shard's bytes
+are, its global index and a CRC-32. A step is written as STEP.tmp-PID and renamed when complete, and
+restoring checks every byte against its CRC, so a damaged step is skipped (the next older one or the
+persistent tier is used). A step restores only with the process count and layout it was written with.
 
-The tier itself runs no collective when it saves: the host copy happens in the train loop (the next step may donate the
-arrays), the write in a background thread (`checkpoint.async_save`). State that rests in a streamed
-optimizer tier (`slices.StreamedArray` leaves: the nvme and streamed host tiers) is never whole in
-host memory: its source's chunks are written box by box, in the loop (the next step changes them),
-each box an entry like a shard's; a restore fills the source's boxes from them the same way.
-Which step a run resumes from is agreed by all processes (`agreed_steps`: an all-gather of each one's complete steps).
-Why not orbax's emergency checkpoint manager: see docs/faults.md ("Two checkpoint tiers").
+Saving runs no collective: the host copy happens in the train loop, the write in a background thread
+(`checkpoint.async_save`). Streamed optimizer state (`slices.StreamedArray`) is written box by box.
+All processes agree on the step to resume from (`agreed_steps`). docs/faults.md compares this with
+orbax's emergency checkpoint manager.
 """
 
 from __future__ import annotations

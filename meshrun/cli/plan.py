@@ -121,44 +121,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
     """`tensor=8,pipe=16,...` -> a Layout; keys left out get defaults (data takes the devices left over).
     Degrees above the device count, degrees whose product is not the device count, a context degree
     that does not split `seq_len` and an unknown context_kind are ConfigErrors (exit 2)."""
-    given: dict = {}
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        key, sep, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not sep:
-            raise ConfigError("--evaluate", item, "write KEY=VALUE pairs separated by commas, e.g. tensor=8,pipe=16")
-        if key in FLAG_KEYS:
-            raise ConfigError(f"--evaluate {key}", raw, f"give it as {FLAG_KEYS[key]} {raw}", "not a layout key")
-        if key not in EVAL_KEYS:
-            close = difflib.get_close_matches(key, EVAL_KEYS, n=1, cutoff=0.5)
-            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {list(EVAL_KEYS)}"
-            raise ConfigError(f"--evaluate {key}", raw, fix, "unknown key")
-        given[key] = _parse_value(key, raw)
-    n = cluster.n_devices
-    for key in DEGREES:
-        if given.get(key, 1) > n:
-            raise ConfigError(
-                f"--evaluate {key}", given[key], f"use a degree that divides the {n} devices of {cluster}", "too large"
-            )
-    t, p, e, c = (given.get(k, 1) for k in ("tensor", "pipe", "expert", "context"))
-    if "data" not in given and n % (t * p * e * c):
-        named = "*".join(k for k in DEGREES if k in given) or "tensor"
-        raise ConfigError(
-            f"--evaluate {named}",
-            t * p * e * c,
-            f"choose degrees whose product divides the {n} devices of {cluster} (data takes the rest)",
-            "does not divide the device count",
-        )
-    d = given.get("data", max(1, n // (t * p * e * c)))
-    if t * p * e * c * d != n:
-        raise ConfigError(
-            "--evaluate " + "*".join(DEGREES),
-            t * p * e * c * d,
-            f"make tensor*pipe*data*expert*context equal the {n} devices of {cluster} (or leave data out)",
-            "product is not the device count",
-        )
+    given = _evaluate_pairs(text)
+    t, p, e, c, d = _evaluate_degrees(given, cluster)
     b = given.get("micro_batch_size", 1)
     m = given.get("microbatches", max(1, global_batch // (b * d * e)))
     sched = registry.get(given.get("schedule", registry.default_name(given.get("virtual", 1))), "--evaluate schedule")
@@ -188,6 +152,62 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         offload_grads=given.get("offload_grads", "host"),
         tp_comm_overlap=given.get("tp_comm_overlap", getattr(model, "tp_comm_overlap", False)),
     )
+    _check_evaluated(layout, model, seq_len)
+    return layout
+
+
+def _evaluate_pairs(text: str) -> dict:
+    """`key=value,...` -> {key: parsed value}; an unknown key, a flag's key or a pair without `=`
+    is a ConfigError."""
+    given: dict = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep:
+            raise ConfigError("--evaluate", item, "write KEY=VALUE pairs separated by commas, e.g. tensor=8,pipe=16")
+        if key in FLAG_KEYS:
+            raise ConfigError(f"--evaluate {key}", raw, f"give it as {FLAG_KEYS[key]} {raw}", "not a layout key")
+        if key not in EVAL_KEYS:
+            close = difflib.get_close_matches(key, EVAL_KEYS, n=1, cutoff=0.5)
+            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {list(EVAL_KEYS)}"
+            raise ConfigError(f"--evaluate {key}", raw, fix, "unknown key")
+        given[key] = _parse_value(key, raw)
+    return given
+
+
+def _evaluate_degrees(given: dict, cluster: Cluster) -> tuple[int, int, int, int, int]:
+    """(tensor, pipe, expert, context, data) of the given degrees; data takes the devices left over."""
+    n = cluster.n_devices
+    for key in DEGREES:
+        if given.get(key, 1) > n:
+            raise ConfigError(
+                f"--evaluate {key}", given[key], f"use a degree that divides the {n} devices of {cluster}", "too large"
+            )
+    t, p, e, c = (given.get(k, 1) for k in ("tensor", "pipe", "expert", "context"))
+    if "data" not in given and n % (t * p * e * c):
+        named = "*".join(k for k in DEGREES if k in given) or "tensor"
+        raise ConfigError(
+            f"--evaluate {named}",
+            t * p * e * c,
+            f"choose degrees whose product divides the {n} devices of {cluster} (data takes the rest)",
+            "does not divide the device count",
+        )
+    d = given.get("data", max(1, n // (t * p * e * c)))
+    if t * p * e * c * d != n:
+        raise ConfigError(
+            "--evaluate " + "*".join(DEGREES),
+            t * p * e * c * d,
+            f"make tensor*pipe*data*expert*context equal the {n} devices of {cluster} (or leave data out)",
+            "product is not the device count",
+        )
+    return t, p, e, c, d
+
+
+def _check_evaluated(layout: Layout, model, seq_len: int | None) -> None:
+    """The rules `train` and the search apply to a layout given with --evaluate."""
+    c = layout.context
     if layout.tp_comm_overlap and (refusal := tp_overlap_refusal(model, layout)) is not None:
         raise ConfigError("--evaluate tp_comm_overlap", True, *refusal)  # the rules `train` and the search apply
     upd, field = layout.offload_update, "--evaluate offload_update"
@@ -211,7 +231,6 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
             f"(e.g. a power of two)",
             bad[0],
         )
-    return layout
 
 
 def _schedule_rejects(layout) -> bool:
@@ -263,36 +282,9 @@ def run_plan(args) -> int:
     model, train, name, opt_cfg = load_model(args.model)
     opt = _optimizer(args, opt_cfg)
     cluster = parse_cluster(args.cluster)
-    if args.fp8 is not None:
-        if args.fp8 not in FP8_RECIPES:
-            raise ConfigError("--fp8", args.fp8, f"use one of {list(FP8_RECIPES)}")
-        if not model.fp8_gemms:
-            raise ConfigError("--fp8", args.fp8, "leave it out", f"model.family={model.family} has no fp8 GEMMs")
-        model = dataclasses.replace(model, fp8=args.fp8)
-    if model.fp8 != "none" and not cluster.gpu.fp8_flops:
-        fix = "use --fp8 none here, or an H100/H200/GH200 cluster"
-        raise ConfigError("--fp8", model.fp8, fix, f"{cluster.gpu.name} has no fp8 GEMMs")
-    for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
-        if val is not None and val < 1:  # given on the command line: checked, never replaced by the YAML's
-            raise ConfigError(flag, val, "use a positive whole number")
-    seq = args.seq_len if args.seq_len is not None else train.get("seq_len") or model.max_seq_len
-    batch = args.global_batch if args.global_batch is not None else train.get("global_batch")
-    if not batch:
-        raise ConfigError("--global-batch", batch, "give the number of sequences per step, e.g. --global-batch 1536")
-    for flag, val in (("--global-batch", batch), ("--seq-len", seq), ("--top", args.top)):
-        if not 1 <= int(val) <= MAX_DIM:  # the search's work grows with them: bounded answer time
-            raise ConfigError(flag, val, f"use a whole number in [1, {MAX_DIM}]")
-    batch, seq = int(batch), int(seq)
-    if args.framework not in FRAMEWORKS:
-        raise ConfigError("--framework", args.framework, f"use one of {list(FRAMEWORKS)}")
-    if not 0.0 <= args.dropout < 1.0 or (args.dropout and args.framework == "meshrun"):
-        raise ConfigError(
-            "--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)"
-        )
-    if not 1 <= args.max_context <= MAX_DIM:
-        raise ConfigError("--max-context", args.max_context, "use 1 (no context parallelism) or a larger degree")
-    if args.framework == "megatron" and opt["optimizer"] != "adamw":
-        raise ConfigError("--optimizer", opt["optimizer"], "use --framework meshrun (Megatron-LM's costing is Adam's)")
+    model = _with_fp8(args, model, cluster)
+    batch, seq = _batch_and_seq(args, train, model)
+    _check_flags(args, opt)
     opt["grad_reduce_dtype"] = _grad_reduce(args, train)
     kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
@@ -320,6 +312,49 @@ def run_plan(args) -> int:
     else:
         print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework, model))
     return 0
+
+
+def _with_fp8(args, model, cluster: Cluster):
+    """The model with --fp8's recipe, if given; an fp8 recipe needs a GPU with fp8 GEMMs."""
+    if args.fp8 is not None:
+        if args.fp8 not in FP8_RECIPES:
+            raise ConfigError("--fp8", args.fp8, f"use one of {list(FP8_RECIPES)}")
+        if not model.fp8_gemms:
+            raise ConfigError("--fp8", args.fp8, "leave it out", f"model.family={model.family} has no fp8 GEMMs")
+        model = dataclasses.replace(model, fp8=args.fp8)
+    if model.fp8 != "none" and not cluster.gpu.fp8_flops:
+        fix = "use --fp8 none here, or an H100/H200/GH200 cluster"
+        raise ConfigError("--fp8", model.fp8, fix, f"{cluster.gpu.name} has no fp8 GEMMs")
+    return model
+
+
+def _batch_and_seq(args, train: dict, model) -> tuple[int, int]:
+    """(global batch, sequence length): the flags, else the YAML's train section (checked, bounded)."""
+    for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
+        if val is not None and val < 1:  # given on the command line: checked, never replaced by the YAML's
+            raise ConfigError(flag, val, "use a positive whole number")
+    seq = args.seq_len if args.seq_len is not None else train.get("seq_len") or model.max_seq_len
+    batch = args.global_batch if args.global_batch is not None else train.get("global_batch")
+    if not batch:
+        raise ConfigError("--global-batch", batch, "give the number of sequences per step, e.g. --global-batch 1536")
+    for flag, val in (("--global-batch", batch), ("--seq-len", seq), ("--top", args.top)):
+        if not 1 <= int(val) <= MAX_DIM:  # the search's work grows with them: bounded answer time
+            raise ConfigError(flag, val, f"use a whole number in [1, {MAX_DIM}]")
+    return int(batch), int(seq)
+
+
+def _check_flags(args, opt: dict) -> None:
+    """--framework, --dropout, --max-context and the optimizer Megatron-LM's costing allows."""
+    if args.framework not in FRAMEWORKS:
+        raise ConfigError("--framework", args.framework, f"use one of {list(FRAMEWORKS)}")
+    if not 0.0 <= args.dropout < 1.0 or (args.dropout and args.framework == "meshrun"):
+        raise ConfigError(
+            "--dropout", args.dropout, "use 0 <= p < 1, and only with --framework megatron (meshrun has no dropout)"
+        )
+    if not 1 <= args.max_context <= MAX_DIM:
+        raise ConfigError("--max-context", args.max_context, "use 1 (no context parallelism) or a larger degree")
+    if args.framework == "megatron" and opt["optimizer"] != "adamw":
+        raise ConfigError("--optimizer", opt["optimizer"], "use --framework meshrun (Megatron-LM's costing is Adam's)")
 
 
 def _optimizer(args, cfg) -> dict[str, str]:
@@ -388,7 +423,13 @@ def format_table(
             f"{r.tflops_per_device:>7.1f} {r.mfu:>6.1%} {r.time['bubble_fraction']:>6.1%}"
         )
         lines += [f"   ! {v}" for v in r.violations]
-    best = results[0]
+    lines += _best_time_lines(results[0], framework, model)
+    lines += _best_memory_lines(results[0])
+    return "\n".join(lines)
+
+
+def _best_time_lines(best: Result, framework: str, model) -> list[str]:
+    """The best layout's layers per stage, schedule, time parts and overlap notes."""
     parts = (
         "compute",
         "tensor_comm",
@@ -405,7 +446,7 @@ def format_table(
     split = best.time["split"]
     even = len(set(split)) == 1
     uneven = f"#1 layers per stage: {list(split)} (train it with pipeline.balance=auto, which splits per virtual stage)"
-    lines += ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
+    lines = ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
     if best.layout.pipe > 1:
         lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
     lines += [f"#1 time (s): {tm}", _axis_shares(best.time)]
@@ -423,7 +464,12 @@ def format_table(
             f"beside the chunks' matmuls, net of the {OVERLAP_COST:.0%} charge (tensor_comm "
             f"{best.time['tensor_comm'] + best.time['tp_hidden']:.3g} s without it; modeled, not measured on a GPU)"
         )
-    lines += ["", "#1 memory per device (GB)"]
+    return lines
+
+
+def _best_memory_lines(best: Result) -> list[str]:
+    """The best layout's memory per device, part by part, on its first, middle and last stage."""
+    lines = ["", "#1 memory per device (GB)"]
     stages = best.memory["stages"]
     lines.append(f"  {'stage':<14}" + "".join(f"{k:>12}" for k in MEMORY_PARTS))
     for label, part in stages.items():
@@ -435,7 +481,7 @@ def format_table(
         "  overheads = "
         + ", ".join(f"{k.removeprefix('overhead_')} {over[k] / GB:.2f}" for k in over if k.startswith("overhead_"))
     )
-    return "\n".join(lines)
+    return lines
 
 
 def _axis_shares(t: dict) -> str:

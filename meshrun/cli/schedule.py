@@ -43,24 +43,7 @@ def run_schedule(args) -> int:
     sched = registry.get(args.schedule, "--schedule")
     p, m = args.pipe, args.microbatches
     v = args.virtual if args.virtual is not None else sched.chunks_of(1)
-    for flag, n in (("--pipe", p), ("--microbatches", m), ("--virtual", v)):
-        if n > MAX_CELLS:  # below 1: the schedule's own check names the field
-            raise ConfigError(flag, n, f"use a whole number in [1, {MAX_CELLS}]", "out of range")
-    # building and checking the table grows faster than p*m*v: bound the answer time
-    if p > 0 and m > 0 and v > 0 and p * m * v > MAX_CELLS:
-        raise ConfigError(
-            "--microbatches", m, f"keep pipe x microbatches x virtual <= {MAX_CELLS} (got {p * m * v})", "too large"
-        )
-    per_op = args.per_op or "lockstep" not in sched.executors
-    if args.per_op and "per_op" not in sched.executors:
-        runs = [n for n, s in registry.SCHEDULES.items() if "per_op" in s.executors]
-        fix = f"drop --per-op or use --schedule {' or '.join(runs)}"
-        why = f"the per-op executor runs {', '.join(runs)} only"
-        raise ConfigError("--per-op", True, fix, why)
-    if args.lockstep and per_op:
-        raise ConfigError(
-            "--lockstep", True, "drop --lockstep: the per-op executor runs its per-op timeline as is (one op per tick)"
-        )
+    per_op = _check_args(args, sched, p, m, v)
     executor = "per_op" if per_op else "lockstep"
     table = sched.table(p, m, v, executor)
     bubble = S.bubble_fraction(table, 1.0, 1.0, 1.0) if per_op else S.bubble_fraction(table)  # F = 1, B + W = 2
@@ -88,6 +71,37 @@ def run_schedule(args) -> int:
         }
         print(json.dumps(out))
         return 0
+    _print_text(args, sched, shown, (p, m, v), bubble, per_op, in_flight)
+    return 0
+
+
+def _check_args(args, sched, p: int, m: int, v: int) -> bool:
+    """Bounds on p, m, v and the executor flags; returns whether the per-op timeline is shown."""
+    for flag, n in (("--pipe", p), ("--microbatches", m), ("--virtual", v)):
+        if n > MAX_CELLS:  # below 1: the schedule's own check names the field
+            raise ConfigError(flag, n, f"use a whole number in [1, {MAX_CELLS}]", "out of range")
+    # building and checking the table grows faster than p*m*v: bound the answer time
+    if p > 0 and m > 0 and v > 0 and p * m * v > MAX_CELLS:
+        raise ConfigError(
+            "--microbatches", m, f"keep pipe x microbatches x virtual <= {MAX_CELLS} (got {p * m * v})", "too large"
+        )
+    per_op = args.per_op or "lockstep" not in sched.executors
+    if args.per_op and "per_op" not in sched.executors:
+        runs = [n for n, s in registry.SCHEDULES.items() if "per_op" in s.executors]
+        fix = f"drop --per-op or use --schedule {' or '.join(runs)}"
+        why = f"the per-op executor runs {', '.join(runs)} only"
+        raise ConfigError("--per-op", True, fix, why)
+    if args.lockstep and per_op:
+        raise ConfigError(
+            "--lockstep", True, "drop --lockstep: the per-op executor runs its per-op timeline as is (one op per tick)"
+        )
+    return per_op
+
+
+def _print_text(args, sched, shown, pmv: tuple[int, int, int], bubble: float, per_op: bool, in_flight) -> None:
+    """The text chart, its bubble against the closed form, and the in-flight bound per stage."""
+    p, m, v = pmv
+    executor = "per_op" if per_op else "lockstep"
     view = "lockstep (fwd+bwd per tick)" if args.lockstep else "per-op timeline"
     print(f"schedule {args.schedule}  p={p}  m={m}  v={v}  {view}: {len(shown)} ticks")
     print(S.render(shown, v))
@@ -99,7 +113,6 @@ def run_schedule(args) -> int:
         same = S.bubble_fraction(whole)
         print(f"{sched.title}'s order with whole backwards (F = 1, B = 2) at the same p, m: {same:.4f}")
     print(f"max in-flight microbatch chunks per stage: {in_flight}")
-    return 0
 
 
 def draw_png(table, v: int, path: str, title: str) -> None:

@@ -9,10 +9,10 @@ from meshrun.config.data import DataConfig
 from meshrun.config.mesh import MeshConfig
 from meshrun.config.model import ModelConfig, default_model
 from meshrun.config.offload import OffloadConfig, fp8_tier_refusal
-from meshrun.errors import ConfigError
 from meshrun.config.optimizer import OptimizerConfig
 from meshrun.config.pipeline import PipelineConfig
 from meshrun.config.train import TrainConfig
+from meshrun.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,15 @@
 """Datasets for training: synthetic, byte-level text, flat token files; per-process slices -> global arrays.
 
-Every batch is a pure function of (data.seed, step, row): row r of step t draws from its own RNG
-seeded with (seed, t, r). A resumed run therefore sees exactly the batches it would have seen, and a
-process can build only the rows it owns (`rows=`) without the other processes' help.
-
-Legend: B batch rows, L sequence length (train.seq_len), V vocab.
+Every batch is a pure function of (data.seed, step, row), so a resumed run sees exactly the batches
+it would have seen and a process builds only the rows it owns (`rows=`). Legend: B rows, L seq, V vocab.
 
 kinds
-- synthetic: a learnable Markov chain over the vocab. A fixed random permutation `nxt` (from the seed)
-  gives each token a successor; each next token is `nxt[prev]` with probability 1 - NOISE, else uniform.
-  The best achievable loss is the chain's entropy, `synthetic_entropy(V)` (0.88 nats for V=256,
-  against ln 256 = 5.55 for a model that learned nothing).
-- text: byte-level (vocab 256) over files matched by `data.glob`, read in sorted order and joined by a
-  NUL byte; only the first TEXT_CAP_BYTES (8 MiB) are used, so startup stays fast and memory small.
-  Empty glob: the Python standard library's own .py sources (a real corpus on every machine with
-  Python; it differs between Python versions, so pin `data.glob` when runs must match across machines).
-- tokens: nanoGPT/Megatron-style flat .bin of uint16/uint32 token ids, memory-mapped (np.memmap).
-- prepared: the shards of `meshrun prepare-data` with a validation split held out by document and
-  optional document packing (segment ids); see meshrun/data/prepared.py.
+- synthetic: a learnable Markov chain over the vocab (best loss `synthetic_entropy(V)`, 0.88 nats
+  for V=256 against ln 256 = 5.55).
+- text: byte-level (vocab 256) over the files of `data.glob` joined by NUL, first TEXT_CAP_BYTES
+  only; empty glob: the Python standard library's .py sources (pin `data.glob` to match machines).
+- tokens: nanoGPT/Megatron-style flat .bin of uint16/uint32 token ids, memory-mapped.
+- prepared: the shards of `meshrun prepare-data` (validation split, optional packing; prepared.py).
 text/tokens rows are random windows of L+1 tokens; tokens = window[:-1], labels = window[1:].
 """
 

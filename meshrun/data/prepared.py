@@ -1,18 +1,15 @@
 """`data.kind=prepared`: training on the shards of `meshrun prepare-data` (meshrun/data/tokenize.py).
 
-Split. Document d is held out for validation iff u(d) < data.val_fraction, u a fixed hash of d
-in [0, 1) (splitmix64): the split depends only on the corpus, never on the seed or the layout, and
-no document is in both splits (at least one document each when val_fraction > 0).
+Split: document d is held out for validation iff a fixed hash of d in [0, 1) is < data.val_fraction,
+so the split depends only on the corpus, and no document is in both splits.
 
-Rows. Each split's documents, in corpus order, form one virtual token stream (EOS closes every
-document). Row r of step t is a window of L+1 tokens starting at a uniform position drawn from the
-RNG seeded with (seed, t, r) (validation: (seed, VAL_SALT, k, r) for eval batch k), so batches stay
-a pure function of (seed, step, row) as for the other kinds.
+Rows: each split's documents, in corpus order, form one token stream (EOS closes every document).
+Row r of step t is a window of L+1 tokens at a position drawn from the RNG seeded with (seed, t, r),
+so batches stay a pure function of (seed, step, row) as for the other kinds.
 
-Packing (data.pack_documents=true): a row also carries segment ids (0, 1, ... for the documents
-it touches, in order); attention stays inside a segment, positions restart at each segment, and
-the label of a segment's last token (the EOS, whose next token opens another document) is -1, so
-the loss ignores it. Without packing rows are plain windows (nanoGPT-style: attention crosses EOS).
+Packing (data.pack_documents=true): a row also carries segment ids; attention stays inside a
+segment, positions restart at each segment, and the label of a segment's last token is -1. Without
+packing rows are plain windows (nanoGPT-style: attention crosses EOS).
 """
 
 from __future__ import annotations

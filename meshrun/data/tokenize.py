@@ -3,20 +3,15 @@
     meshrun prepare-data --tokenizer MODEL_DIR_OR_tokenizer.json --glob 'corpus/**/*.txt' --out DATA_DIR
     meshrun prepare-data --train-bpe 8192 --glob 'corpus/**/*.jsonl' --out DATA_DIR   # offline BPE
 
-Documents: a .txt file is one document; a .jsonl file holds one document per line (field
-`--text-field`, default "text"). Each document is tokenized with the Hugging Face `tokenizers`
-library and followed by the EOS id. The sorted file list is cut into shards of about
-`--shard-mb` MiB of input text; shards are tokenized in parallel (one process per shard, `--workers`).
+A .txt file is one document; a .jsonl file one document per line (field `--text-field`). Each
+document is tokenized with Hugging Face `tokenizers` and followed by the EOS id. The sorted file list
+is cut into shards of about `--shard-mb` MiB, tokenized in parallel (`--workers` processes).
 
-DATA_DIR holds
-- `tokenizer.json`: the tokenizer used (copied, or trained by `--train-bpe`);
-- `shard_NNNNN.bin`: flat uint16 token ids (uint32 when the vocabulary exceeds 65536);
-- `shard_NNNNN.idx`: uint64 end offset (in tokens, EOS included) of each document in the shard;
-- `shard_NNNNN.json`: the shard's commit marker (its input files' hash, counts), written last;
-- `manifest.json`: format, tokenizer sha256, vocab, eos id, dtype, totals, the shards in order.
-Resumable: each file is written to a temporary name and renamed, the marker last, so a shard
-whose marker is present and matches the plan is complete and a rerun skips it; an interrupted
-shard is redone. Reads local files only (never the network).
+DATA_DIR holds `tokenizer.json`, per shard `shard_NNNNN.bin` (flat uint16 ids; uint32 for a vocabulary
+over 65536), `.idx` (uint64 end offset of each document) and `.json` (its commit marker, written last),
+and `manifest.json` (tokenizer sha256, vocab, eos id, dtype, totals, the shards in order). Files are
+written to a temporary name and renamed, so a rerun skips the shards whose marker matches and redoes
+an interrupted one. Reads local files only (never the network).
 """
 
 from __future__ import annotations
@@ -268,21 +263,11 @@ def prepare(
     """Tokenize the files matching `pattern` into shards in `out` (see the module docstring);
     returns the summary that is also in manifest.json, plus this run's timing."""
     t0 = time.perf_counter()
-    if not 0 < shard_mb <= 1 << 20:
-        raise ConfigError("--shard-mb", shard_mb, "use a positive size in MiB (at most 1 TiB)")
-    if workers is not None and not 0 <= workers <= 1024:
-        raise ConfigError("--workers", workers, "use 1..1024 processes (or leave it out: the CPU count)")
-    if train_bpe is not None and not 257 <= train_bpe <= 1 << 24:
-        raise ConfigError(
-            "--train-bpe", train_bpe, "use a vocabulary size in 257..16777216 (256 bytes + EOS), e.g. 32000"
-        )
+    _check_sizes(shard_mb, workers, train_bpe)
     files = list_files(pattern) if files is None else files  # `files`: an explicit list instead of the glob
     if tokenizer:  # bad arguments are refused before --out is created
         find_eos(*load_tokenizer(tokenizer), eos)
-    out_p = Path(out)
-    if out_p.exists() and not out_p.is_dir():
-        raise ConfigError("--out", out, "give a directory (new, or one prepare-data wrote)", "not a directory")
-    out_p.mkdir(parents=True, exist_ok=True)
+    out_p = _out_dir(out)
     tok, tok_path = _tokenizer_for(out_p, tokenizer, train_bpe, files, text_field, quiet)
     eos_name, eos_id = find_eos(tok, tok_path, eos)
     tok_json = (out_p / "tokenizer.json").read_text()
@@ -301,6 +286,43 @@ def prepare(
     shard_args = {k: ([str(f) for f in shards[k]], tok_json, eos_id, dtype, metas[k], text_field) for k in todo}
     new_tokens = _tokenize_shards(out_p, shard_args, done, len(shards), workers, quiet, t0)
     order = [done[k] for k in range(len(shards))]
+    manifest = _manifest(order, tok_sha, train_bpe, vocab, eos_name, eos_id, dtype, len(files))
+    _atomic_write(out_p / "manifest.json", json.dumps(manifest, indent=1).encode())
+    dt = time.perf_counter() - t0
+    return {k: manifest[k] for k in ("vocab", "eos_id", "dtype", "n_docs", "n_tokens", "invalid_utf8_bytes")} | {
+        "out": str(out_p),
+        "shards": len(shards),
+        "skipped": len(shards) - len(todo),
+        "seconds": round(dt, 3),
+        "tokens_per_s": round(new_tokens / dt, 1),
+    }
+
+
+def _out_dir(out: str) -> Path:
+    """--out, created if new (a file there is a ConfigError)."""
+    out_p = Path(out)
+    if out_p.exists() and not out_p.is_dir():
+        raise ConfigError("--out", out, "give a directory (new, or one prepare-data wrote)", "not a directory")
+    out_p.mkdir(parents=True, exist_ok=True)
+    return out_p
+
+
+def _check_sizes(shard_mb: float, workers: int | None, train_bpe: int | None) -> None:
+    """--shard-mb, --workers and --train-bpe in their ranges."""
+    if not 0 < shard_mb <= 1 << 20:
+        raise ConfigError("--shard-mb", shard_mb, "use a positive size in MiB (at most 1 TiB)")
+    if workers is not None and not 0 <= workers <= 1024:
+        raise ConfigError("--workers", workers, "use 1..1024 processes (or leave it out: the CPU count)")
+    if train_bpe is not None and not 257 <= train_bpe <= 1 << 24:
+        raise ConfigError(
+            "--train-bpe", train_bpe, "use a vocabulary size in 257..16777216 (256 bytes + EOS), e.g. 32000"
+        )
+
+
+def _manifest(
+    order: list[dict], tok_sha: str, train_bpe, vocab: int, eos_name: str, eos_id: int, dtype: str, n_files: int
+) -> dict:
+    """manifest.json of the shards' markers `order` (warns about invalid UTF-8 on stderr)."""
     manifest = {
         "format": FORMAT,
         "tokenizer": "tokenizer.json",
@@ -312,7 +334,7 @@ def prepare(
         "dtype": dtype,
         "n_docs": sum(m["n_docs"] for m in order),
         "n_tokens": sum(m["n_tokens"] for m in order),
-        "n_files": len(files),
+        "n_files": n_files,
         "shards": [{k: m[k] for k in ("bin", "idx", "n_tokens", "n_docs")} for m in order],
         "invalid_utf8_bytes": sum(m.get("invalid_utf8_bytes", 0) for m in order),
     }
@@ -322,15 +344,7 @@ def prepare(
             "they were replaced by U+FFFD (manifest.json: invalid_utf8_bytes)",
             file=sys.stderr,
         )
-    _atomic_write(out_p / "manifest.json", json.dumps(manifest, indent=1).encode())
-    dt = time.perf_counter() - t0
-    return {k: manifest[k] for k in ("vocab", "eos_id", "dtype", "n_docs", "n_tokens", "invalid_utf8_bytes")} | {
-        "out": str(out_p),
-        "shards": len(shards),
-        "skipped": len(shards) - len(todo),
-        "seconds": round(dt, 3),
-        "tokens_per_s": round(new_tokens / dt, 1),
-    }
+    return manifest
 
 
 def _tokenizer_for(out_p: Path, tokenizer, train_bpe, files, text_field, quiet):

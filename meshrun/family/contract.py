@@ -1,30 +1,17 @@
 """The one interface between meshrun and a model: `ModelFns`, pure functions over plain dicts of arrays.
 
-Both training paths drive a model only through it: the microbatch scan (`train.accumulate_grads`,
-mesh.pipe = 1) and the pipeline executor (mesh.pipe > 1), so a model written against it trains on
-any layout, and the logged metrics are the same whatever the layout.
+Both training paths (the microbatch scan and the pipeline executor) drive a model only through it,
+so a model written against it trains on any layout with the same logged metrics.
 
     x_BxSxD = embed(params, tokens_BxS)
     x_BxSxD, aux = apply_layers(layer_params, x_BxSxD)   # a contiguous slice of params['layers']
     loss_sum, n_tokens = head_loss(params, x_BxSxD, labels_BxS)
 
-Packed documents: a model with `segments=True` also takes `apply_layers(lp, x, segment_ids=seg_BxS)`
-(attention inside each segment, positions restarting per segment); both training paths and the
-evaluation call it through `layers_fn`, and the data marks the label after each segment's last
-token -1, so `head_loss` needs nothing new.
-
-`aux` holds float32 SUMS over the given layers and sequences (e.g. MoE router losses). The loss is
-linear in the sums, so it is exact over any split into microbatches, stages and data shards:
-
-    loss = sum(loss_sum) / sum(n_tokens) + sum_k aux_weights(n_sequences)[k] * sum(aux[k])
-
-with `n_sequences` the global batch rows. `finish` turns the global sums into (loss, metrics); a
-model's `metrics` hook chooses what is logged (default: ce_loss, n_tokens and the aux sums).
-Context parallelism (`context=True`): with mesh.context = c > 1 every function sees L/c tokens
-of each row (in `meshrun.parallel.context`'s layout); embed and head_loss are per token, so only
-apply_layers' attention crosses the 'context' axis.
-`param_names` is the tree of logical-axis-name tuples of the parameters (what `meshrun.parallel.sharding` maps to
-mesh axes); `sequence_parallel` asks for the residual stream sharded over 'tensor' between blocks.
+`aux` holds float32 SUMS over the given layers and sequences, so the loss is exact over any split:
+loss = sum(loss_sum) / sum(n_tokens) + sum_k aux_weights(n_sequences)[k] * sum(aux[k]). `finish`
+turns the global sums into (loss, metrics). Options: `segments=True` (packed documents, via
+`layers_fn`), `context=True` (each function sees L/c tokens; only attention crosses 'context'),
+`param_names` (logical axis names of the parameters), `sequence_parallel`.
 """
 
 from __future__ import annotations

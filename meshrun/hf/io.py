@@ -71,6 +71,58 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
         raise ConfigError(
             "RUN_DIR", str(run_dir), "use a new RUN_DIR or delete its hf_import/", "it already holds an import"
         )
+    st = _checked_tensors(model_dir, cfg)
+    flat = _placed_params(cfg, st, hf, model_dir, mesh if mesh is not None else build_mesh(MeshConfig()))
+    src_dtype = hf.get("torch_dtype") or hf.get("dtype")
+    src_dtype = src_dtype if src_dtype in ("float32", "bfloat16", "float16") else "float32"
+    meta = {
+        "model": to_dict(cfg),
+        "hf": {"config": hf, "vocab": hf["vocab_size"], "family": family_of(hf), "dtype": src_dtype},
+    }
+    save_params(out, nest_tree(flat), meta)
+    yaml_path = Path(os.path.abspath(run_dir)) / "config.yaml"  # absolute paths inside: train from anywhere
+    if jax.process_index() == 0:
+        _copy_extra_files(model_dir, out / "hf_files")
+        write_run_config(yaml_path, cfg, hf)
+    return {
+        "run_dir": str(run_dir),
+        "config": str(yaml_path),
+        "family": cfg.family,  # meshrun's model.family, as in config.yaml
+        "architecture": meta["hf"]["family"],  # the checkpoint's own (mistral, qwen2, mixtral trained as llama)
+        "vocab": cfg.vocab,
+        "params": int(sum(int(np.prod(a.shape)) for a in flat.values())),
+        "next": quick_check(yaml_path),
+    }
+
+
+def _placed_params(cfg, st, hf, model_dir, mesh) -> dict:
+    """{path: jax.Array}: every weight placed straight into its ZeRO-3 sharding on `mesh`, each
+    device's shard read from the memory-mapped files on its own."""
+    family = registry.get(cfg.family)
+    family.check_mesh(cfg, dict(mesh.shape))
+    shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
+    lazies = _checked_lazies(
+        cfg, st, hf, model_dir, {p: a.shape for p, a in flat_tree(family.abstract_params(cfg)).items()}
+    )
+    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    flat = {}
+    for path, sh in shardings.items():
+        lz = lazies[path]
+        flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda idx, lz=lz: lz.read(idx).astype(dtype))
+    return flat
+
+
+def _copy_extra_files(model_dir, files: Path) -> None:
+    """The tokenizer and generation files of MODEL_DIR, copied along into `files`."""
+    files.mkdir(exist_ok=True)
+    for name in EXTRA_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, files / name)
+
+
+def _checked_tensors(model_dir, cfg):
+    """MODEL_DIR's safetensors under the family's canonical names; a missing, unknown or integer
+    tensor is a ConfigError naming MODEL_DIR."""
     try:
         st = SafeTensors(model_dir)
     except (FileNotFoundError, FormatError) as e:
@@ -106,42 +158,7 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
                 "give a checkpoint with floating-point weights (quantized checkpoints are not supported)",
                 f"{name} is stored as {np.dtype(st.get(name).dtype).name}, the model needs floating point",
             )
-    mesh = mesh if mesh is not None else build_mesh(MeshConfig())
-    family = registry.get(cfg.family)
-    family.check_mesh(cfg, dict(mesh.shape))
-    shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
-    lazies = _checked_lazies(
-        cfg, st, hf, model_dir, {p: a.shape for p, a in flat_tree(family.abstract_params(cfg)).items()}
-    )
-    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
-    flat = {}
-    for path, sh in shardings.items():
-        lz = lazies[path]
-        flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda idx, lz=lz: lz.read(idx).astype(dtype))
-    src_dtype = hf.get("torch_dtype") or hf.get("dtype")
-    src_dtype = src_dtype if src_dtype in ("float32", "bfloat16", "float16") else "float32"
-    meta = {
-        "model": to_dict(cfg),
-        "hf": {"config": hf, "vocab": hf["vocab_size"], "family": family_of(hf), "dtype": src_dtype},
-    }
-    save_params(out, nest_tree(flat), meta)
-    yaml_path = Path(os.path.abspath(run_dir)) / "config.yaml"  # absolute paths inside: train from anywhere
-    if jax.process_index() == 0:
-        files = out / "hf_files"
-        files.mkdir(exist_ok=True)
-        for name in EXTRA_FILES:
-            if (Path(model_dir) / name).is_file():
-                shutil.copyfile(Path(model_dir) / name, files / name)
-        write_run_config(yaml_path, cfg, hf)
-    return {
-        "run_dir": str(run_dir),
-        "config": str(yaml_path),
-        "family": cfg.family,  # meshrun's model.family, as in config.yaml
-        "architecture": meta["hf"]["family"],  # the checkpoint's own (mistral, qwen2, mixtral trained as llama)
-        "vocab": cfg.vocab,
-        "params": int(sum(int(np.prod(a.shape)) for a in flat.values())),
-        "next": quick_check(yaml_path),
-    }
+    return st
 
 
 class _Renamed:
@@ -480,13 +497,18 @@ def export_hf(
     tensors = ((k, v.astype(np_dtype)) for k, v in hf_tensors(cfg, leaf, vocab))
     names = write_sharded(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_tokenizer(out, files, tokenizer)
+    return {"out_dir": str(out), "source": str(directory), "files": names, "dtype": dtype, "vocab": vocab}
+
+
+def _copy_tokenizer(out: Path, files: Path | None, tokenizer: Path | None) -> None:
+    """The import's extra files, then the training data's tokenizer.json (and its config), into `out`."""
     if files is not None and files.is_dir():
         for f in files.iterdir():
             shutil.copyfile(f, out / f.name)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / "tokenizer.json")
         _write_tokenizer_config(out, tokenizer.parent)
-    return {"out_dir": str(out), "source": str(directory), "files": names, "dtype": dtype, "vocab": vocab}
 
 
 def _data_tokenizer(meta: dict) -> Path | None:

@@ -1,20 +1,13 @@
-"""The B/W split (weight-gradient split): a stage's backward cut into B (input gradient) and W (weight
-gradients) without redoing work.
+"""The B/W split: a stage's backward cut into B (input gradient) and W (weight gradients) without
+redoing work (for ZB-H1 / ZB-V, which run W later, in a bubble).
 
-A backward pass interleaves two things: the chain of activation cotangents (dx = dy @ W^T, through
-every nonlinearity) and, hanging off it, the weight gradients (dW = x^T @ dy). ZB-H1 wants the chain
-now (B, on the critical path) and the weight gradients later (W, in a bubble). Calling the vjp twice,
-once for each, makes W re-derive the chain. Here the backward's jaxpr is split instead:
-
-* `split_jaxpr` walks the jaxpr backwards from the outputs B needs and the outputs W needs. An equation
-  B needs runs in B; one only W needs runs in W; values B computes that W reads are the stash (per
-  microbatch: the cotangents at each matmul output, about one activation set). A `scan` (the model's
-  layer loop, transposed) that serves both is split into two scans over the same iterations: the B
-  scan carries the chain and emits each iteration's stash as ys, the W scan reads them. `jit` and
-  remat (`checkpoint`) calls are split through their bodies. Any other equation serving both (e.g. a `cond`)
-  runs in B and again in W, so no weight-sized value is ever stashed.
-* `run_b` / `run_w` evaluate the split by binding each equation's primitive (as `jax.core.eval_jaxpr`
-  does), re-creating split scans with `lax.scan`; their outputs match the unsplit backward's.
+* `split_jaxpr` walks the backward's jaxpr from the outputs B needs and those W needs. An equation
+  only B needs runs in B, one only W needs in W; values B computes that W reads are the stash (per
+  microbatch: the cotangents at each matmul output). A `scan` serving both is split into a B scan,
+  which emits each iteration's stash, and a W scan that reads it; `jit` and remat calls are split
+  through their bodies; any other shared equation runs in both, so no weight-sized value is stashed.
+* `run_b` / `run_w` evaluate the split by binding each equation's primitive, re-creating split
+  scans with `lax.scan`; their outputs match the unsplit backward's.
 """
 
 from __future__ import annotations

@@ -2,23 +2,15 @@
 
 Shape legend: M microbatches, B local microbatch rows, S sequence, D model width, Lc layers per chunk.
 
-* Manual over 'pipe' and the dense data-parallel axes ('data', 'expert'), auto over 'tensor': with only
-  'pipe' manual, GSPMD put the data-parallel gradient reduction inside the tick loop; here it is one
-  psum (ZeRO >= 1: psum_scatter) after the loop.
+* Manual over 'pipe', 'data' and 'expert', auto over 'tensor'; the data-parallel gradient reduction
+  is one psum (ZeRO >= 1: psum_scatter) after the loop.
 * The schedule is data: `program.tick_program` turns its table into per-tick index arrays, grouped
   into phases with one `lax.scan` each; activations and gradients move with `ppermute` over 'pipe'.
-* Backward is an explicit per-stage `jax.vjp`; the activation-dependent residuals of in-flight
-  microbatches live in a fixed slot buffer (min(m, 2p-1) slots for lockstep 1F1B), so memory does
-  not grow with m. `pipeline.executor=per_op` plays the schedule's own one-op-per-tick timeline
-  (`per_op.py`), with each backward split into B and W (`bw_split.py`).
-* Stage 0 embeds a microbatch when its first forward runs; head and loss run on the last virtual
-  stage only (`lax.cond`), keeping dL/dx, never the logits. The loss is linear in the per-microbatch
-  sums of `ModelFns` (`contract.finish`), so any split gives the single-device loss.
-* `params['layers']` is stacked in model order; interleaved or uneven splits run in the pipeline
-  placement (`split.LayerSplit.to_pipeline`), which callers may store to avoid a move per step.
-* Idle cells skip their compute in a per-device `lax.cond` and pass their buffers through, and with
-  v = 1 the stage's layers are used in place, so a tick moves only one microbatch's residuals and
-  the stage's gradient sums. docs/pipeline.md describes the schedules and executors for users.
+* Backward is an explicit per-stage `jax.vjp`; in-flight residuals live in a fixed slot buffer, so
+  memory does not grow with m. `pipeline.executor=per_op` runs `per_op.py` (backward split B / W).
+* Head and loss run on the last virtual stage only; the loss is linear in the per-microbatch sums
+  of `ModelFns`, so any split gives the single-device loss. Uneven or interleaved splits run in the
+  pipeline placement (`split.LayerSplit.to_pipeline`). docs/pipeline.md is the user's guide.
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
-"""The per-op executor: a per-op timeline run as is, one op per stage per tick (zb-h1, and 1F1B under
-`pipeline.executor=per_op`).
+"""The per-op executor: a per-op timeline run as is, one op per stage per tick (zb-h1, ZB-V, and 1F1B
+under `pipeline.executor=per_op`).
 
-Qi et al. (2023) split a stage's backward into B (the input gradient, on the critical path) and W
-(the weight gradients, needed only by the optimizer). Both come from one split of the stage
-backward's jaxpr (`bw_split`): B runs the chain of activation cotangents from the residuals F stored
-and stashes, per layer, the cotangents at the weights' uses; W runs the weight-gradient matmuls from
-that stash and the same residuals. B + W is the unsplit backward's FLOPs. zb-h1 defers W's into the
-bubbles; 1F1B runs each W in the tick after its B (`schedules.one_f_one_b_split`), so every op is
-about one forward long and a tick, which waits for its slowest op, wastes nothing.
+A stage's backward is split (`bw_split`, after Qi et al. 2023) into B, the input gradient on the
+critical path, and W, the weight gradients; B + W is the unsplit backward's FLOPs. zb-h1 defers W's
+into the bubbles; 1F1B runs each W in the tick after its B.
 
-A tick runs one two-way `cond` per op kind (F, B, W): every stage of a tensor/expert group takes the
-same branch, so collectives inside stay matched. A stage then sends its op's one output (F's
-activation forward, B's input gradient back): the tick's sends are static (`TickProgram.sends`:
-a phase's scan body runs a period of a few ticks), mostly one collective-permute both ways. Values
-sent at tick t arrive at t+1 and go into an inbox slot (`program._per_op_program`); their consumer
-reads the slot when it runs (values always consumed on arrival, 1F1B's gradients, skip the inbox).
-Residual slots live from F to W; the dy buffer holds the head's output gradient from F to B on the
-last virtual stage. B's stash (what W reads of B's work) goes over the residual leaves that only B
-reads, in the microbatch's residual slot, so deferring W costs no stash buffer where the shapes
-match (ZB-V's 2p - 1 half-stage stashes); a stash leaf that matches none has slots from B to W.
-
-Every collective-permute is a rendezvous of all devices, which costs more than the small ops around
-it: hence one permute both ways per tick wherever no stage receives twice.
+A tick runs one two-way `cond` per op kind (F, B, W), so every stage of a tensor/expert group takes
+the same branch and collectives stay matched. A stage then sends its op's one output (F's activation
+forward, B's input gradient back) with static sends (`TickProgram.sends`), mostly one
+collective-permute both ways. Values arrive a tick later in an inbox slot (`program._per_op_program`).
+Residual slots live from F to W; B's stash (what W reads of B's work) reuses the residual leaves that
+only B reads, so deferring W costs no extra buffer where the shapes match.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +31,20 @@ IN = {"f": "x_in", "g": "g_in"}  # the carry's last received activation / gradie
 # a tick's table entries (`program._per_op_program`), then the inbox slots of what it sends
 TABLE_KEYS = ("kind", "mb", "chunk", "slot", "stash", "head", "f_put", "f_get", "g_put", "g_get", "f_next", "g_next",
               "s_next")  # fmt: skip
+
+
+class _TickOp(NamedTuple):
+    """One tick's op on this stage (`OpRun._tick_op`): thunks for its microbatch, residual, stash and
+    head slots, chunk and (chunk, microbatch) ids; whether it runs the first / last virtual stage."""
+
+    mb: Callable
+    slot: Callable
+    sslot: Callable
+    hslot: Callable
+    ch: Callable
+    ids: Callable
+    first: Any
+    last: Any
 
 
 class OpRun(StageRun):
@@ -155,8 +161,22 @@ class OpRun(StageRun):
             for pre in "fg"
         )
         op = at("kind")
-        # the op's microbatch, residual slot and B's stash slot, read inside the op's branch (as
-        # operands of all three conds they were three more small kernels per tick)
+        t = self._tick_op(at)
+        # One two-way `cond` per op, in turn: the op's branch reads the buffers it needs and writes its
+        # results into them, the other passes them through, so XLA updates every buffer in place (a
+        # four-way switch whose branches write different buffers made XLA copy them each tick).
+        # F's and B's predicates read W's count (never negative): where a scan body runs several
+        # ticks, the previous tick's W, which reads the residual and stash buffers, then runs before
+        # this F or B writes them in place. Without that order XLA copied six residual buffers per tick.
+        y = self._forward_op(c, t, (op == 1) & (c["w_runs"] >= 0), x_in)
+        dx = self._backward_input_op(c, t, (op == 2) & (c["w_runs"] >= 0), g_in)
+        out = jnp.where(op == 1, y, dx)  # what the stage sends
+        self._backward_weights_op(c, t, op == 3)
+        return c, out
+
+    def _tick_op(self, at) -> _TickOp:
+        """The op's microbatch, slots, chunk and ends, read inside the op's branch (as operands of
+        all three conds they were three more small kernels per tick)."""
         mb, slot, sslot, hslot = (lambda k=k: jnp.maximum(at(k), 0) for k in ("mb", "slot", "stash", "head"))
         if self.v == 1:
             ch, ids = (lambda: 0), (lambda: (mb(),))
@@ -166,52 +186,48 @@ class OpRun(StageRun):
             ids = lambda: (ch(), mb())
             k = jnp.where(at("chunk") > 0, 2 * self.p - 1 - self.stage, self.stage)
             first, last = k == 0, k == self.v * self.p - 1
-        b_part, w_part = self.split_backward()
+        return _TickOp(mb, slot, sslot, hslot, ch, ids, first, last)
 
-        # One two-way `cond` per op, in turn: the op's branch reads the buffers it needs and writes its
-        # results into them, the other passes them through. XLA then updates every buffer in place. A
-        # four-way switch whose branches write different buffers made XLA copy them each tick (and
-        # returning fill values for what an op does not produce, put into a trash slot, wrote a
-        # residual set and a stash set per tick): zb-h1 cost 1.31x lockstep 1F1B's CPU time at equal
-        # FLOPs (bench/memory_pipeline.py, d_model 256, p = 4, m = 8), now (see the bench) about 1.0x.
-        xs = self.x_aval
-        at_slot = lambda bufs: jax.tree.map(lambda b: take(b, slot()), bufs)
-        fill = lambda: self.full(xs.shape, xs.dtype)
-        add = lambda g, d: jax.tree.map(jnp.add, g, d)
+    def _fill(self):
+        return self.full(self.x_aval.shape, self.x_aval.dtype)
+
+    def _forward_op(self, c, t: _TickOp, run_f, x_in):
+        """F under its cond (writes c's res, dy, g_other, loss and aux); returns the activation sent."""
 
         def forward():  # on the last stage F also gives the head's dL/dy (zeros elsewhere)
-            y, keep, aux, ls, d_o, dy = self.stage_forward(ch(), mb(), first, last, x_in)
-            res = [put(b, slot(), r) for b, r in zip(c["res"], keep, strict=True)]
-            dyb = lax.cond(last, lambda: put(c["dy"], hslot(), dy), lambda: c["dy"])
-            return y, res, dyb, add(c["g_other"], d_o), add((c["loss"], c["aux"]), (ls, aux))
+            y, keep, aux, ls, d_o, dy = self.stage_forward(t.ch(), t.mb(), t.first, t.last, x_in)
+            res = [put(b, t.slot(), r) for b, r in zip(c["res"], keep, strict=True)]
+            dyb = lax.cond(t.last, lambda: put(c["dy"], t.hslot(), dy), lambda: c["dy"])
+            return y, res, dyb, _add(c["g_other"], d_o), _add((c["loss"], c["aux"]), (ls, aux))
 
         def no_forward():
-            return fill(), c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"])
+            return self._fill(), c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"])
 
-        # F's and B's predicates read W's count (never negative): where a scan body runs several
-        # ticks, the previous tick's W, which reads the residual and stash buffers, then runs before
-        # this F or B writes them in place. Without that order XLA copied six residual buffers per tick.
-        run_f = (op == 1) & (c["w_runs"] >= 0)
         with jax.named_scope(OP_SCOPES["F"]):  # the profile's timeline reads the op from these names
             y, c["res"], c["dy"], c["g_other"], (c["loss"], c["aux"]) = lax.cond(run_f, forward, no_forward)
+        return y
+
+    def _backward_input_op(self, c, t: _TickOp, run_b, g_in):
+        """B under its cond (writes c's stash and g_other, and the stash leaves kept in residual
+        slots); returns the input gradient sent."""
+        b_part, _ = self.split_backward()
 
         def backward_input():
-            dy = jnp.where(last, take(c["dy"], hslot()), g_in)
-            dx, stash = b_part(ids(), at_slot(c["res"]), dy)
-            d_o = self.embed_grad(first, mb(), dx)
+            dy = jnp.where(t.last, take(c["dy"], t.hslot()), g_in)
+            dx, stash = b_part(t.ids(), _at_slot(c["res"], t.slot), dy)
+            d_o = self.embed_grad(t.first, t.mb(), dx)
             vals = [*jax.tree.leaves(stash), dy][: len(self.stash_at)]
             st = list(c["stash"])
             for (where, i), x in zip(self.stash_at, vals, strict=True):
                 if where == "stash":
-                    st[i] = put(st[i], sslot(), x)
+                    st[i] = put(st[i], t.sslot(), x)
             mine = [x for (where, _), x in zip(self.stash_at, vals, strict=True) if where == "res"]
-            return dx, mine, st, add(c["g_other"], d_o)
+            return dx, mine, st, _add(c["g_other"], d_o)
 
         def no_backward_input():
             mine = [jnp.zeros(self.res_avals[i].shape, self.res_avals[i].dtype) for w, i in self.stash_at if w == "res"]
-            return fill(), mine, c["stash"], c["g_other"]
+            return self._fill(), mine, c["stash"], c["g_other"]
 
-        run_b = (op == 2) & (c["w_runs"] >= 0)
         with jax.named_scope(OP_SCOPES["B"]):
             dx, mine, c["stash"], c["g_other"] = lax.cond(run_b, backward_input, no_backward_input)
 
@@ -222,28 +238,31 @@ class OpRun(StageRun):
             res, it = list(c["res"]), iter(mine)
             for where, i in self.stash_at:
                 if where == "res":
-                    res[i] = put(res[i], slot(), next(it))
+                    res[i] = put(res[i], t.slot(), next(it))
             return res
 
         if mine:
             with jax.named_scope(OP_SCOPES["B"]):
                 c["res"] = lax.cond(run_b, stash_over_residuals, lambda: c["res"])
-        out = jnp.where(op == 1, y, dx)  # what the stage sends
+        return dx
+
+    def _backward_weights_op(self, c, t: _TickOp, run_w) -> None:
+        """W under its cond: adds the op's weight gradients into c's g_layers, counts c's w_runs."""
+        _, w_part = self.split_backward()
 
         def backward_weights():
-            got = [take(c["res"][i], slot()) if where == "res" else take(c["stash"][i], sslot())
+            got = [take(c["res"][i], t.slot()) if where == "res" else take(c["stash"][i], t.sslot())
                    for where, i in self.stash_at]  # fmt: skip
             stash = jax.tree.unflatten(self.stash_def, got[: self.n_stash])
             dy = got[-1] if self.w_reads[-1] else self.x_zero
-            sums = c["g_layers"] if self.v == 1 else jax.tree.map(lambda a: self.chunk_of(a, ch()), c["g_layers"])
-            g = w_part(ids(), at_slot(c["res"]), dy, stash, sums)
+            sums = c["g_layers"] if self.v == 1 else jax.tree.map(lambda a: self.chunk_of(a, t.ch()), c["g_layers"])
+            g = w_part(t.ids(), _at_slot(c["res"], t.slot), dy, stash, sums)
             if self.v > 1:
-                g = jax.tree.map(lambda a, n: self.put_chunk(a, ch(), n), c["g_layers"], g)
+                g = jax.tree.map(lambda a, n: self.put_chunk(a, t.ch(), n), c["g_layers"], g)
             return g, c["w_runs"] + 1
 
         with jax.named_scope(OP_SCOPES["W"]):
-            c["g_layers"], c["w_runs"] = lax.cond(op == 3, backward_weights, lambda: (c["g_layers"], c["w_runs"]))
-        return c, out
+            c["g_layers"], c["w_runs"] = lax.cond(run_w, backward_weights, lambda: (c["g_layers"], c["w_runs"]))
 
     def ticks(self) -> dict:
         """Run the program's phases, one `lax.scan` each over its periods: the scan body runs the
@@ -295,6 +314,14 @@ class OpRun(StageRun):
 
         carry, _ = lax.scan(body, carry, xs)
         return carry
+
+
+def _add(g, d):
+    return jax.tree.map(jnp.add, g, d)
+
+
+def _at_slot(bufs, slot):
+    return jax.tree.map(lambda b: take(b, slot()), bufs)
 
 
 def _same(a, b) -> bool:

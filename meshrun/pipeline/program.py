@@ -1,21 +1,16 @@
 """The executor's static program: the schedule's lockstep table as per-tick index arrays, grouped
 into phases of same-kind ticks (pure Python + numpy, no JAX: `meshrun explain` and the tests read it).
 
-The per-op executor (`pipeline.executor=per_op`, or `auto` where the schedule's registry entry puts
-it first) runs a per-op timeline as is: one op (F, B = input gradient, W = weight gradient) per stage
-per tick, values that arrive before their consumer runs waiting in inbox slots. For 1F1B that
-timeline is Megatron's order with each backward split into B and W in consecutive ticks: p - s
-microbatches in flight on stage s, not the lockstep table's 2(p-1-s)+1, over 3m + 2(p-1) ticks of
-one op. Its ticks are
-grouped into phases that each repeat a period of a few ticks with static sends (`_send_phases`):
-every collective is a rendezvous of all devices, so a tick sends both ways in one collective-permute
-where it can (zb-h1: two where a stage receives an activation and a gradient at once).
+Per-op executor: one op (F, B = input gradient, W = weight gradient) per stage per tick; values that
+arrive before their consumer runs wait in inbox slots. For 1F1B that is Megatron's order with each
+backward split into B and W: p - s microbatches in flight on stage s. Its ticks are grouped into
+phases that repeat a period of a few ticks with static sends (`_send_phases`), one
+collective-permute both ways where it can.
 
-A lockstep tick gives each stage at most one forward and one backward (`schedules.lockstep`). Ticks
-are grouped into maximal runs of one kind ('F' forwards only, 'B' backwards only, 'FB' both), one
-`lax.scan` each in the executor, so a warm-up tick costs one forward and a cool-down tick one
-backward. A phase sends activations (gradients) iff some tick of it feeds a forward (backward) on
-the next tick.
+Lockstep executor: each stage runs at most one forward and one backward per tick
+(`schedules.lockstep`); ticks are grouped into maximal runs of one kind ('F', 'B', 'FB'), one
+`lax.scan` each. A phase sends activations (gradients) iff some tick of it feeds a forward
+(backward) on the next tick.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Pipeline schedule tables as data: placing per-stage op orders on ticks, dependency checks, buffer
-sizes and bubble math, for any schedule (pure Python, no JAX). Which schedules exist, and their
-orders and rules, is `registry.py`.
+sizes and bubble math, for any schedule (pure Python, no JAX). Which schedules exist is `registry.py`.
 
 Two views of one schedule, both lists of ticks, each a list of `p` per-stage cells:
-
-* per-op timeline (`place`, `place_split`): a cell is one `Task` or None (idle). Every op takes one
-  tick; an op's inputs were produced at an earlier tick. This is the view for charts and bubble
-  math, and what the per-op executor plays as is (backward split into B and W).
-* lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`: at most one forward and one backward
-  per stage per tick, as the lockstep executor runs them (one `ppermute` per direction per tick). A
-  value sent at tick t is usable from tick t+1. Within a tick a stage runs `fwd` before `bwd`, so the
-  last virtual stage may run B(mb) in the same tick as F(mb) (loss + vjp fused).
+* per-op timeline (`place`, `place_split`): a cell is one `Task` or None (idle); every op takes one
+  tick. The view for charts and bubble math, and what the per-op executor plays as is.
+* lockstep (`lockstep(table)`): a cell is a `Step(fwd, bwd)`, at most one forward and one backward
+  per stage per tick, as the lockstep executor runs them; a value sent at tick t is usable at t+1.
 
 Virtual stages: chunk c of stage s holds virtual stage k (`vstage`: c*p + s for Megatron's
 interleaving, or a V: s and 2p - 1 - s). F(mb, k) needs F(mb, k-1); B(mb, k) needs B(mb, k+1) and
-F(mb, k); W(mb, k) needs B(mb, k) (Qi et al. 2023: B is the input gradient on the critical path, W
-the weight gradients that fill the bubbles).
+F(mb, k); W(mb, k) needs B(mb, k) (Qi et al. 2023: B is the input gradient, W the weight gradients).
 """
 
 from __future__ import annotations

@@ -133,22 +133,27 @@ def predict_memory(
             part = _megatron_stage(model, layout, stage, split[stage], seq_len=s, sp=sp, dropout=dropout, flash=flash)
         part["overheads"] = 0.0
         if overheads:
-            axes = {
-                "tensor": tensor,
-                "pipe": p,
-                "data": layout.data,
-                "expert": layout.expert,
-                "context": layout.context,
-            }
-            over = overhead_bytes(part["activations"] + part["logits"], axes)
-            part |= {f"overhead_{k}": v for k, v in over.items()}
-            part["overheads"] = sum(over.values())
-            part["total"] += part["overheads"]
+            _add_overheads(part, layout)
         part["stage"], part["layers"] = stage, split[stage]
         stages[name] = part
     best = dict(max(stages.values(), key=lambda d: d["total"]))
     best["stages"] = stages
     return best
+
+
+def _add_overheads(part: dict, layout: Layout) -> None:
+    """Adds the GPU runtime's overheads (`overhead_bytes`) to a stage's parts and total, in place."""
+    axes = {
+        "tensor": layout.tensor,
+        "pipe": layout.pipe,
+        "data": layout.data,
+        "expert": layout.expert,
+        "context": layout.context,
+    }
+    over = overhead_bytes(part["activations"] + part["logits"], axes)
+    part |= {f"overhead_{k}": v for k, v in over.items()}
+    part["overheads"] = sum(over.values())
+    part["total"] += part["overheads"]
 
 
 def _megatron_stage(

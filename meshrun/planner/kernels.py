@@ -1,16 +1,12 @@
 """Seconds of the kernels of one transformer layer, the embedding and the head on one GPU.
 
-* GEMMs: a roofline with wave quantisation. cuBLAS/CUTLASS split C = A.B (m x n, inner k) into
-  TILE_M x TILE_N output tiles, one per SM at a time; a GEMM takes ceil(tiles / SMs) waves, each as
-  long as one tile's 2 TILE_M TILE_N k FLOPs at the SM's share of peak x `Calibration.gemm` (NVIDIA,
-  "Matrix Multiplication Background User's Guide": tile and wave quantization), or its bytes at HBM
-  bandwidth when that is longer. So small or ragged per-device shapes (TP splits, small micro-batches)
-  lose efficiency and large ones approach `gemm`.
+* GEMMs: a roofline with wave quantisation: TILE_M x TILE_N output tiles, one per SM at a time, each
+  wave as long as one tile's FLOPs at the SM's share of peak x `Calibration.gemm` (or its bytes at
+  HBM bandwidth when longer). Small or ragged per-device shapes lose efficiency.
 * Memory-bound kernels (norms, bias/activation/dropout/residual, softmax, cross-entropy, embedding):
   bytes read + written at HBM bandwidth x `Calibration.hbm`. Byte counts per token are listed below.
-* Attention core: without flash, QK^T and A.V are batched GEMMs (shapes above) and the softmax reads
-  and writes the s x s scores; flash attention (attention_impl=cudnn) is its own term: its FLOPs (the
-  masked half skipped, the backward recomputing the scores: 2.5x the forward) at FLASH_EFFICIENCY.
+* Attention core: without flash, QK^T and A.V are batched GEMMs and the softmax reads and writes the
+  s x s scores; flash attention (attention_impl=cudnn) runs its FLOPs at FLASH_EFFICIENCY.
 
 `Calibration` (gemm, hbm) is fitted on Megatron-LM's PTD-P Table 1 by `calibrate.fit_calibration`
 (leave-one-out errors in docs/benchmarks.md and tests/test_planner.py).

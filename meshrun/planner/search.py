@@ -148,23 +148,7 @@ def evaluate(
         hard.append(
             f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"
         )
-    soft = []
-    m, p = layout.microbatches, layout.pipe
-    v = layout.virtual
-    if p > 1 and v * m < 4 * p:  # interleaving divides the bubble by v (Narayanan 2021, 2.2.2)
-        what = f"microbatches={m}" + (f" x virtual={v}" if v > 1 else "")
-        soft.append(f"{what} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
-    if tm["dp_sync_full"] > tm["compute"]:
-        soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
-    tc = layout.tensor * layout.context
-    if layout.context > 1 and tc > cluster.gpus_per_node:
-        soft.append(
-            f"tensor*context={tc} > {cluster.gpus_per_node} GPUs per node: the K/V exchange "
-            f"({tm['context_comm']:.3g} s exposed) runs over the inter-node network"
-        )
-    if framework == "meshrun" and model.is_moe and model.fp8 != "none":
-        soft.append(f"model.fp8={model.fp8} covers the dense GEMMs only in meshrun's step: the expert "
-                    "GEMMs run in the compute dtype (costed so; Megatron's run fp8: --framework megatron)")  # fmt: skip
+    soft = _soft_violations(model, layout, cluster, tm, framework)
     n = cluster.n_devices
     hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
     mf = flops.model_flops(model, global_batch, seq_len)
@@ -184,6 +168,29 @@ def evaluate(
         return r
     out = offload.apply(r, model, cluster, seq_len)  # the levers' memory and time; their misfits are hard
     return replace(out, hard=out.hard or any(not v.startswith("memory ") for v in hard))
+
+
+def _soft_violations(model: ModelConfig, layout: Layout, cluster: Cluster, tm: dict, framework: str) -> list[str]:
+    """What makes a layout slow without making it invalid: a deep bubble, a data-parallel sync longer
+    than compute, a context exchange over the inter-node network, bf16 expert GEMMs beside fp8."""
+    soft = []
+    m, p = layout.microbatches, layout.pipe
+    v = layout.virtual
+    if p > 1 and v * m < 4 * p:  # interleaving divides the bubble by v (Narayanan 2021, 2.2.2)
+        what = f"microbatches={m}" + (f" x virtual={v}" if v > 1 else "")
+        soft.append(f"{what} < 4*pipe={4 * p}: pipeline bubble {tm['bubble_fraction']:.1%}")
+    if tm["dp_sync_full"] > tm["compute"]:
+        soft.append(f"data-parallel gradient sync {tm['dp_sync_full']:.3g} s > compute {tm['compute']:.3g} s")
+    tc = layout.tensor * layout.context
+    if layout.context > 1 and tc > cluster.gpus_per_node:
+        soft.append(
+            f"tensor*context={tc} > {cluster.gpus_per_node} GPUs per node: the K/V exchange "
+            f"({tm['context_comm']:.3g} s exposed) runs over the inter-node network"
+        )
+    if framework == "meshrun" and model.is_moe and model.fp8 != "none":
+        soft.append(f"model.fp8={model.fp8} covers the dense GEMMs only in meshrun's step: the expert "
+                    "GEMMs run in the compute dtype (costed so; Megatron's run fp8: --framework megatron)")  # fmt: skip
+    return soft
 
 
 def _divisors(n: int) -> list[int]:
@@ -304,23 +311,40 @@ def search(
             "no layout divides the global batch",
         )
     if not fitting:
-        fw = kw.get("framework", "meshrun")
-        memory_only = _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw)
-        offloaded = offload.propose(memory_only, model, cluster, seq_len, top, fw)
-        if offloaded:
-            return offloaded
-        p = smallest.layout
-        why = offload.blocker(memory_only, model, cluster, seq_len) if memory_only and fw == "meshrun" else ""
-        raise ConfigError(
-            "--model",
-            name,
-            f"it needs at least {smallest.memory['total'] / GB:.1f} GB per device (tensor={p.tensor} pipe={p.pipe} "
-            f"data={p.data}{_context_text(p)} zero={p.zero} remat={p.remat}) but {cluster.gpu.name} offers "
-            f"{cluster.usable_memory / GB:.1f} GB usable; " + (why or "use more GPUs or GPUs with more memory"),
-            f"fits on no layout of {cluster}",
-        )
+        return _offloaded_or_refused(model, cluster, global_batch, seq_len, top, name, max_context, opt, kw, smallest)
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
+
+
+def _offloaded_or_refused(
+    model,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    top: int,
+    name: str,
+    max_context: int,
+    opt: dict,
+    kw,
+    smallest: Result,
+) -> list[Result]:
+    """Where no layout fits on the devices alone: the offloading proposals, else a ConfigError that
+    names the smallest layout's memory and what would make it fit."""
+    fw = kw.get("framework", "meshrun")
+    memory_only = _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw)
+    offloaded = offload.propose(memory_only, model, cluster, seq_len, top, fw)
+    if offloaded:
+        return offloaded
+    p = smallest.layout
+    why = offload.blocker(memory_only, model, cluster, seq_len) if memory_only and fw == "meshrun" else ""
+    raise ConfigError(
+        "--model",
+        name,
+        f"it needs at least {smallest.memory['total'] / GB:.1f} GB per device (tensor={p.tensor} pipe={p.pipe} "
+        f"data={p.data}{_context_text(p)} zero={p.zero} remat={p.remat}) but {cluster.gpu.name} offers "
+        f"{cluster.usable_memory / GB:.1f} GB usable; " + (why or "use more GPUs or GPUs with more memory"),
+        f"fits on no layout of {cluster}",
+    )
 
 
 def _with(lay: Layout, **fields) -> Layout:

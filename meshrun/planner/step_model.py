@@ -156,6 +156,35 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     eshard = zero_divisors(lay.zero, lay.data * lay.context)
     nrm = norms * frac + h  # norm scales: no `embed` dimension, so ZeRO leaves them whole (parallel/sharding.py)
     params = stored = pb * ((dense - nrm) / shard[0] + nrm + experts / eshard[0])
+    grads = _grad_bytes(model, lay, frac, counts, dense, experts, shard, eshard)
+    # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
+    # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
+    # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters
+    prec, temps = precision_of(model, layout=lay), optimizers.get(lay.optimizer).update_temps
+    edges = (counts["embedding"] + counts["head"]) / t
+    rest = nrm + edges / shard[2]
+    matrices = (dense - nrm - edges) / shard[2] + experts / eshard[2]
+    moments = prec.opt * matrices + prec.opt_rest * rest
+    opt = moments + 4 * (temps * matrices + rest)
+    if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
+        params += pb * (dense + experts)
+    # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
+    # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
+    opt_elems = (dense - nrm) / shard[2] + nrm + experts / eshard[2]
+    grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
+    return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
+            "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
+
+
+def _grad_bytes(
+    model: ModelConfig, lay: Layout, frac: float, counts: dict, dense: float, experts: float, shard, eshard
+) -> float:
+    """Gradient bytes on one device: the fresh gradients, the float32 accumulator, and under
+    overlap_grad_reduce the chunks' reduced sums and a drain tick's rows."""
+    pb = precision_of(model).param
+    h = model.d_model
+    norms = 2 * h * model.n_layers
+    t = lay.tensor
     # Fresh gradients are whole on every device at every ZeRO stage: the one data-parallel reduction
     # (reduce-scatter from ZeRO-1 on) runs after the loop, so ZeRO-2 holds what ZeRO-1 holds (no
     # per-micro-batch reduce-scatter as in DeepSpeed); only the reduced output is a 1/dp shard.
@@ -180,23 +209,7 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
             / (lc * lay.chunks)
         )
         grads += max(pb, 4) * (reduced + rows)
-    # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
-    # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
-    # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters
-    prec, temps = precision_of(model, layout=lay), optimizers.get(lay.optimizer).update_temps
-    edges = (counts["embedding"] + counts["head"]) / t
-    rest = nrm + edges / shard[2]
-    matrices = (dense - nrm - edges) / shard[2] + experts / eshard[2]
-    moments = prec.opt * matrices + prec.opt_rest * rest
-    opt = moments + 4 * (temps * matrices + rest)
-    if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
-        params += pb * (dense + experts)
-    # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
-    # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
-    opt_elems = (dense - nrm) / shard[2] + nrm + experts / eshard[2]
-    grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
-    return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
-            "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
+    return grads
 
 
 def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> tuple[float, float]:
@@ -269,30 +282,17 @@ def predict_collective_bytes(
 ) -> dict[str, dict[str, float]]:
     """Per-step collective bytes on one device of meshrun's step, as `meshrun.analysis.hlo` counts them
     (result bytes; an op over several axes counts for each): {'bytes': {axis: B}, 'count': {op: n}}.
-    Per forward of a layer, TP all-reduces b·s·h once after attention and once after the MLP; per
-    backward, once for each of their input gradients. The vocab-parallel embedding adds one per
-    forward and the head's input gradient one more (b·s·h). In MoE layers the FFN's all-reduce runs
-    on the k·cf routed copies (b·s·k·cf·h; see moe_routed). EP: dispatch + combine all_to_all of the routed copies
-    per forward and per backward of an MoE layer. Without a pipeline every micro-batch runs one
-    forward and one backward of all layers. With one, the lockstep executor runs one chunk's forward
-    on every tick that has a forward and one chunk's backward on every tick that has a backward,
-    idle (masked) ticks included, and the embedding and head conditionals on every forward tick
-    (`meshrun.analysis.hlo` counts collectives in conditional branches as taken). Pipe: one ppermute of
-    b·s·h per sending tick and direction (`permutes`: the executor's collective-permutes and the
-    activations they move per step, `TickProgram.permute_counts()`; with two stages a tick that
-    sends both ways is one swap; the default, every lockstep tick both ways, is an upper bound) and
-    the all-reduce of the embedding/head gradients that every stage holds. DP, once per step after the loop: ZeRO-0
-    all-reduces the gradients (dense over data x expert, experts over data); ZeRO-1/2
-    reduce-scatter them and all-gather the updated params; ZeRO-3 all-gathers the params before the
-    loop and reduce-scatters. The reductions carry the float32 gradient sums, or with
-    `layout.grad_reduce_dtype=bfloat16` their bf16 cast, the embedding/head gradients then first summed
-    over 'pipe' in float32; the all-gathers carry params.
-    Context (c > 1; not yet checked against compiled HLO): activations of the local s/c tokens; per
-    forward of a layer the all-gather kind all-gathers K and V (result: the gathered K/V,
-    `activations.context_kv_bytes`) and per backward reduce-scatters dK, dV (result: the local 1/c) and
-    all-gathers K, V again when the layer is recomputed (remat full or selective); the ring moves c - 1
-    K/V blocks per forward (and per recompute) and c - 1 K/V plus c - 1 dK/dV blocks per backward by
-    collective-permute. The DP reductions run over data x expert x context."""
+    TP: per layer b·s·h all-reduced after attention and after the MLP forward, and for each input
+    gradient backward, plus the vocab-parallel embedding and head (MoE FFNs: the k·cf routed copies).
+    EP: dispatch + combine all_to_all of the routed copies per forward and backward of an MoE layer.
+    Pipelined, the lockstep executor runs a chunk's forward (backward) on every tick that has one,
+    masked ticks included. Pipe: one ppermute of b·s·h per sending tick and direction (`permutes`:
+    `TickProgram.permute_counts()`; default every lockstep tick both ways, an upper bound) and the
+    embedding/head gradients' all-reduce. DP, once per step after the loop: ZeRO-0 all-reduces,
+    ZeRO-1/2 reduce-scatter and all-gather the params, ZeRO-3 gathers before the loop; gradients in
+    float32 or `layout.grad_reduce_dtype`. Context (c > 1; not yet checked against compiled HLO):
+    per layer the all-gather kind gathers K/V forward and reduce-scatters dK/dV backward; the ring
+    moves c - 1 K/V blocks forward and c - 1 K/V plus dK/dV blocks backward by collective-permute."""
     prec = precision_of(model)
     s = seq_len or model.max_seq_len
     c = layout.context

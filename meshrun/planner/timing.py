@@ -2,21 +2,16 @@
 communication per framework, the pipeline bubble and the optimizer; the slowest stage sets the pace.
 
 Frameworks (`--framework`): the same model trained two ways.
-* meshrun: gradients accumulated locally in float32 over the micro-batches and reduced ONCE
-  per step after the loop, in `train.grad_reduce_dtype` (`layout.grad_reduce_dtype`: float32 by
-  default, bfloat16 half the bytes) (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the updated
-  params; ZeRO-3 all-gathers the params before the loop and reduce-scatters after), not overlapped
-  with compute (the reduction follows the loop); pipeline sends move b s h per micro-batch, b s h / t
-  with sequence parallelism (the residual stream a stage sends is already split over 'tensor').
-* megatron (PTD-P, Narayanan et al. 2021): fp32 gradient buffers all-reduced in fp32 after the
-  pipeline flush; ZeRO-1 is the distributed optimizer (reduce-scatter + all-gather once per step);
-  ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch; ZeRO-3 gathers weights forward and
-  backward); pipeline sends split over the TP ranks (scatter/gather optimisation, b s h / t).
+* meshrun: gradients accumulated in float32 over the micro-batches and reduced once per step after
+  the loop in `train.grad_reduce_dtype` (ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather;
+  ZeRO-3 gathers before the loop); pipeline sends b s h per micro-batch (/ t with sequence parallelism).
+* megatron (PTD-P, Narayanan et al. 2021): fp32 gradients all-reduced after the flush; ZeRO-1 is the
+  distributed optimizer; ZeRO-2/3 as in DeepSpeed (reduce-scatter every micro-batch); pipeline sends
+  split over the TP ranks (b s h / t).
 
-Context parallelism (layout.context = c, both frameworks): every per-token kernel runs on the local
-s/c tokens; attention adds the K/V exchange of each layer (`context_seconds`) over the context group
-(c ranks t apart: NVLink while t c fits in a node, the node's NICs once it leaves it); gradients
-reduce over data x expert x context.
+Context parallelism (layout.context = c): per-token kernels run on s/c tokens; attention adds each
+layer's K/V exchange over the context group (`context_seconds`); gradients reduce over data x expert
+x context.
 """
 
 from __future__ import annotations
@@ -255,25 +250,16 @@ def predict_time(
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or calibration_for(cluster.gpu.name)
     prec = precision or precision_of(model, framework, layout)
-    m, b, c, s, gpu = layout.microbatches, layout.micro_batch_size, layout.context, seq_len, cluster.gpu
-    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0, framework)
-    t_cp = split[slow] * cp_layer
-    t_mb, t_tp = busy, times[slow] - busy - t_cp
-    act = prec.act * b * (s / c if c > 1 else s) * model.d_model
-    t_pp = _pipe_seconds(layout, cluster, act, framework)
-    t_ep = _expert_seconds(model, layout, cluster, act, split[slow], framework)
-    zero_mb, t_dp, t_gather = _dp_comm(model, layout, cluster, prec, framework)
-    hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
-    t_zero = zero_mb - hidden + OVERLAP_COST * hidden
+    m, s, gpu = layout.microbatches, seq_len, cluster.gpu
+    split, times, slow, (t_mb, t_tp, t_cp, t_pp, t_ep, t_zero), (zero_mb, t_dp, t_gather) = _microbatch_parts(
+        model, layout, cluster, s, cal, prec, dropout, framework
+    )
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
     per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
     loop = (m + bubble_slots) * per_mb
-    # overlap_grad_reduce: `moved` seconds of the reduction go into the last ticks (`sent`: with meshrun's
-    # re-sent layers), `hidden` of them beside the ticks (charged OVERLAP_COST), the rest still exposed
-    moved, sent, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
     t_dp_full = t_dp
-    t_dp = t_dp - moved + (sent - hidden) + OVERLAP_COST * hidden
+    t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework)
     total = loop + t_dp + t_opt
     return {
         "compute": m * t_mb,
@@ -295,6 +281,39 @@ def predict_time(
         "split": split,
         "stage_seconds": times,
     }
+
+
+def _exposed_reduce(model: ModelConfig, layout: Layout, t_dp: float, t_gather: float, loop: float, framework: str):
+    """(exposed data-parallel seconds, seconds hidden beside the last ticks) under overlap_grad_reduce:
+    `moved` seconds of the reduction go into the last ticks (`sent`: with meshrun's re-sent layers),
+    `hidden` of them beside the ticks (charged OVERLAP_COST), the rest still exposed."""
+    moved, sent, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
+    return t_dp - moved + (sent - hidden) + OVERLAP_COST * hidden, hidden
+
+
+def _microbatch_parts(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    s: int,
+    cal: Calibration,
+    prec: Precision,
+    dropout: float,
+    framework: str,
+) -> tuple[list[int], list[float], int, tuple[float, ...], tuple]:
+    """(split, each stage's seconds, the slowest stage, one microbatch's seconds on it by part: compute,
+    tensor, context, pipe, expert and exposed ZeRO comm; `_dp_comm`'s data-parallel seconds)."""
+    b, c = layout.micro_batch_size, layout.context
+    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0, framework)
+    t_cp = split[slow] * cp_layer
+    t_mb, t_tp = busy, times[slow] - busy - t_cp
+    act = prec.act * b * (s / c if c > 1 else s) * model.d_model
+    t_pp = _pipe_seconds(layout, cluster, act, framework)
+    t_ep = _expert_seconds(model, layout, cluster, act, split[slow], framework)
+    dp = _dp_comm(model, layout, cluster, prec, framework)
+    hidden = min(dp[0], t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
+    t_zero = dp[0] - hidden + OVERLAP_COST * hidden
+    return split, times, slow, (t_mb, t_tp, t_cp, t_pp, t_ep, t_zero), dp
 
 
 def _split_stages(
