@@ -35,6 +35,7 @@ OFFLOAD_TIERS = ("none", "host", "nvme")  # train.offload_optimizer
 OFFLOAD_UPDATES = ("auto", "streamed", "whole")  # train.offload_update
 OFFLOAD_UPDATE_ON = ("auto", "device", "host")  # train.offload_update_on
 OFFLOAD_GRADS = ("host", "nvme")  # train.offload_grads
+ZERO3_GATHERS = ("auto", "layer", "step")  # train.zero3_gather
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
 MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...
@@ -357,6 +358,34 @@ def offload_params_refusals(
     return out
 
 
+LAYER_GATHER_AUTO_BYTES = 2**30  # train.zero3_gather=auto: per-layer gathers above this many gathered bytes
+
+
+def zero3_layer_refusals(
+    param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None, overlap_grad_reduce: bool = False
+) -> list[tuple[str, str]]:
+    """Why meshrun refuses `train.zero3_gather=layer` beside these settings: (what, fix) pairs, empty when
+    it runs them. The per-layer gather is train.offload_params' fetch with the weights in device memory,
+    so the same rules about the model and the pipeline apply (`offload_params_refusals`)."""
+    refused = offload_params_refusals(3, "none", param_dtype, fp8, pipe, "host", None, overlap_grad_reduce)
+    return [(what, f"{fix}, or set train.zero3_gather=step") for what, fix in refused]
+
+
+def zero3_per_layer(gather: str, zero: int, offload_params: bool, gathered_bytes: float, refused: bool) -> bool:
+    """Whether ZeRO-3 gathers each layer's weights inside the layer scan (FSDP) rather than every weight
+    once per step: always with train.offload_params (its fetch); `gather` layer or step as asked; auto:
+    per layer where the whole model's gathered weights (`gathered_bytes` per device) would exceed
+    `LAYER_GATHER_AUTO_BYTES` and the layout can run it (`refused`: `zero3_layer_refusals` objects).
+    The one rule the step's plan and the planner ask."""
+    if zero != 3:
+        return False
+    if offload_params:
+        return True
+    if gather != "auto":
+        return gather == "layer"
+    return not refused and gathered_bytes > LAYER_GATHER_AUTO_BYTES
+
+
 def streamed_update_refusal(optimizer: str, elementwise: bool, state_dtype: str, fp8: str | None = None) -> str | None:
     """Why the host tier cannot stream this optimizer's update chunk by chunk (None: it can), so that
     `train.offload_update=auto` keeps the whole-shard update and `streamed` is refused. The one place
@@ -384,6 +413,11 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step, over all devices and microbatches
     seq_len: int = 64  # tokens per sequence
     zero: int = 0  # ZeRO stage 0..3
+    # ZeRO-3's weight gathers: layer (FSDP: each layer's weights all-gathered inside the layer scan just
+    # before use, gathered again in the backward, its gradient reduce-scattered as the backward makes it)
+    # | step (every weight gathered once before the loop, kept through the step) | auto (layer where the
+    # gathered weights would take more than 1 GiB per device, else step). docs/memory.md
+    zero3_gather: str = "auto"
     seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
@@ -438,6 +472,13 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        _choice("train.zero3_gather", self.zero3_gather, ZERO3_GATHERS)
+        if self.zero3_gather != "auto" and self.zero != 3:
+            raise ConfigError("train.zero3_gather", self.zero3_gather, "set train.zero=3 with it, or leave it auto",
+                              f"chooses ZeRO-3's weight gathers (train.zero={self.zero})")  # fmt: skip
+        if self.zero3_gather == "step" and self.offload_params:
+            raise ConfigError("train.zero3_gather", "step", "leave it auto (or layer) with train.offload_params",
+                              "train.offload_params fetches each layer inside the layer scan")  # fmt: skip
         if isinstance(self.offload_optimizer, bool):  # the older boolean spelling
             object.__setattr__(self, "offload_optimizer", "host" if self.offload_optimizer else "none")
         _choice("train.offload_optimizer", self.offload_optimizer, OFFLOAD_TIERS)

@@ -23,6 +23,8 @@ from meshrun.config import (
     ModelConfig,
     RunConfig,
     offload_params_refusals,
+    zero3_layer_refusals,
+    zero3_per_layer,
     streamed_update_refusal,
     streams_host_update,
 )
@@ -61,6 +63,7 @@ class StepPlan:
     zero: ZeroShardings | None  # parameter/gradient/optimizer shardings in run order (pipeline placement)
     model_zero: ZeroShardings | None  # the same in model order (checkpoints; == zero unless relaid)
     balance_on: tuple[str, str] | None = None  # pipeline.balance=auto: (GPU its layer costs model, why)
+    zero3_gather: str | None = None  # ZeRO-3: 'layer' (FSDP, train.zero3_gather resolved) or 'step'; else None
 
     @property
     def pipe(self) -> int:
@@ -200,6 +203,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
             "train.offload_params"  # fmt: skip
         check_host_memory(mesh.devices.flat[0], field)
+    gather = zero3_gather(cfg, shape, family)
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
         abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
@@ -212,6 +216,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
             cfg.train.grad_reduce_dtype,
             offloaded(cfg),
             streamed=cfg.train.offload_params,
+            fsdp=gather == "layer",
         )
         model_zero = build(abstract)
         relaid = split is not None and not split.identity
@@ -220,7 +225,28 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     return StepPlan(
         cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
         sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, balance_on,
+        gather,
     )  # fmt: skip
+
+
+def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> str | None:
+    """ZeRO-3's weight gathers for this run: 'layer' (FSDP: inside the layer scan) or 'step' (once before
+    the loop); None below ZeRO-3. train.zero3_gather=layer that the layout cannot run is a ConfigError;
+    auto gathers per layer where the whole model's gathered weights would exceed 1 GiB per device
+    (`config.zero3_per_layer`)."""
+    t, m = cfg.train, cfg.model
+    if t.zero != 3:
+        return None
+    refused = zero3_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(getattr(m, "fp8", "none")),
+                                   shape["pipe"], cfg.pipeline.overlap_grad_reduce)  # fmt: skip
+    if refused and t.zero3_gather == "layer":
+        raise ConfigError("train.zero3_gather", "layer", refused[0][1], refused[0][0])
+    gathered = 0.0
+    if t.zero3_gather == "auto" and not t.offload_params:
+        abstract = jax.eval_shape(lambda: family.init_params(m, t.seed))
+        split = shape.get("tensor", 1) * shape["pipe"]  # the gathered weights stay split over these
+        gathered = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract)) / split
+    return "layer" if zero3_per_layer(t.zero3_gather, t.zero, t.offload_params, gathered, bool(refused)) else "step"
 
 
 def validate(cfg: RunConfig, mesh) -> None:

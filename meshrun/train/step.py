@@ -94,8 +94,8 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
                 loss_sum, _, aux = contract.forward_sums(fns, p, *mb)
                 return contract.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
 
-            if zl.streamed:  # differentiate w.r.t. float32 arrays beside the layers (`layer_fetch.Shadowed`):
-                layers = params["layers"]  # the layers' sums (or, with m = 1, zeros) in host memory
+            if zl.per_layer:  # differentiate w.r.t. float32 arrays beside the layers (`layer_fetch.Shadowed`):
+                layers = params["layers"]  # the layers' sums (or, with m = 1, zeros), in host memory when streamed
                 rest = {k: v for k, v in params.items() if k != "layers"}
                 share_d = lambda d, *mb: share({**d[0], "layers": shadowed(layers, d[1])}, *mb)
                 diff = lambda acc: ({k: v for k, v in acc.items() if k != "layers"}, acc["layers"])
