@@ -36,6 +36,7 @@ OFFLOAD_UPDATES = ("auto", "streamed", "whole")  # train.offload_update
 OFFLOAD_UPDATE_ON = ("auto", "device", "host")  # train.offload_update_on
 OFFLOAD_GRADS = ("host", "nvme")  # train.offload_grads
 ZERO3_GATHERS = ("auto", "layer", "step")  # train.zero3_gather
+ZERO2_REDUCES = ("auto", "microbatch", "step")  # train.zero2_reduce
 # Upper bounds of sizes and counts (ConfigError past them): far above any real run, low enough that
 # int32 indexing and per-element Python work stay bounded.
 MAX_DIM = 2**24  # one dimension: vocab, d_model, d_ff, sequence length, batch rows, ...
@@ -371,6 +372,33 @@ def zero3_layer_refusals(
     return [(what, f"{fix}, or set train.zero3_gather=step") for what, fix in refused]
 
 
+def zero2_layer_refusals(
+    param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None
+) -> list[tuple[str, str]]:
+    """Why meshrun refuses `train.zero2_reduce=microbatch` beside these settings: (what, fix) pairs. The
+    layers' gradient is reduce-scattered by the per-layer fetch's backward into float32 arrays beside
+    the parameters, which only the microbatch scan differentiates: no pipeline, no fp8."""
+    out = []
+    if pipe is not None and pipe > 1:
+        out.append((f"is built without a pipeline only (mesh.pipe={pipe})",
+                    "use mesh.pipe=1 or train.zero2_reduce=step"))  # fmt: skip
+    if fp8 not in (None, "none"):
+        out.append(("is not built with fp8 training", "turn model.fp8 off or set train.zero2_reduce=step"))
+    return out
+
+
+def zero2_per_microbatch(reduce: str, zero: int, sum_bytes: float, refused: bool) -> bool:
+    """Whether ZeRO-2 reduce-scatters each layer's gradient every microbatch into sharded float32 sums
+    (DeepSpeed's ZeRO-2) rather than keeping whole sums reduced once per step: as asked, or (auto) where
+    the layers' whole float32 sums (`sum_bytes` per device) would exceed `LAYER_GATHER_AUTO_BYTES` and the
+    layout runs it. The one rule the step's plan and the planner ask."""
+    if zero != 2:
+        return False
+    if reduce != "auto":
+        return reduce == "microbatch"
+    return not refused and sum_bytes > LAYER_GATHER_AUTO_BYTES
+
+
 def zero3_per_layer(gather: str, zero: int, offload_params: bool, gathered_bytes: float, refused: bool) -> bool:
     """Whether ZeRO-3 gathers each layer's weights inside the layer scan (FSDP) rather than every weight
     once per step: always with train.offload_params (its fetch); `gather` layer or step as asked; auto:
@@ -418,6 +446,11 @@ class TrainConfig:
     # | step (every weight gathered once before the loop, kept through the step) | auto (layer where the
     # gathered weights would take more than 1 GiB per device, else step). docs/memory.md
     zero3_gather: str = "auto"
+    # ZeRO-2's gradient reduction: microbatch (each layer's gradient reduce-scattered as the backward makes
+    # it, every microbatch, into float32 sums that are themselves sharded: 1/DP of the bytes) | step (full
+    # float32 sums, one reduce-scatter per step: fewer bytes on the wire, more memory) | auto (microbatch
+    # where the layers' float32 sums would take more than 1 GiB per device, else step). docs/memory.md
+    zero2_reduce: str = "auto"
     seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     eval_every: int = 0  # val_loss on the held-out documents every k steps and at the end (0: never)
@@ -476,6 +509,10 @@ class TrainConfig:
         if self.zero3_gather != "auto" and self.zero != 3:
             raise ConfigError("train.zero3_gather", self.zero3_gather, "set train.zero=3 with it, or leave it auto",
                               f"chooses ZeRO-3's weight gathers (train.zero={self.zero})")  # fmt: skip
+        _choice("train.zero2_reduce", self.zero2_reduce, ZERO2_REDUCES)
+        if self.zero2_reduce != "auto" and self.zero != 2:
+            raise ConfigError("train.zero2_reduce", self.zero2_reduce, "set train.zero=2 with it, or leave it auto",
+                              f"chooses ZeRO-2's gradient reduction (train.zero={self.zero})")  # fmt: skip
         if self.zero3_gather == "step" and self.offload_params:
             raise ConfigError("train.zero3_gather", "step", "leave it auto (or layer) with train.offload_params",
                               "train.offload_params fetches each layer inside the layer scan")  # fmt: skip

@@ -28,6 +28,7 @@ GSPMD made XLA all-gather the tensor shards first (measured in the compiled HLO)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -148,8 +149,24 @@ class ZeroShardings:
         """The per-layer fetch the loop traces the model with (`layer_fetch.use_layer_fetch`), or None."""
         if not self.per_layer:
             return None
-        store, compute = (self.store, self.compute) if self.root else (self.store["layers"], self.compute["layers"])
-        return layer_fetch.make_fetch(self.mesh, store, compute, self.reduce_dtype)
+        pick = (lambda t: t) if self.root else (lambda t: t["layers"])
+        grads = pick(self.grads) if self.fsdp else None  # ZeRO-2: reduce-scattered, nothing gathered
+        return layer_fetch.make_fetch(self.mesh, pick(self.store), pick(self.compute), self.reduce_dtype, grads)
+
+    def layer_sums(self, layers: Any) -> Any:
+        """Float32 zeros for the layers' gradient sums inside the loop's shard_map, shaped like their
+        local block of the grad layout (`layers`: the local stored layers, arrays or shapes): ZeRO-3's
+        shards as they rest, ZeRO-2's 1/DP of the whole parameters."""
+        pick = (lambda t: t) if self.root else (lambda t: t["layers"])
+
+        def one(a, base, target):
+            shape = list(a.shape)
+            for d, axes in dims_with(target, GRAD_AXES):
+                extra = [x for x in axes if x not in dict(dims_with(base, GRAD_AXES)).get(d, ())]
+                shape[d] //= math.prod(self.mesh.shape[x] for x in extra)
+            return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+        return accum_zeros(jax.tree.map(one, layers, pick(self.store), pick(self.grads)))
 
     def _rest(self, tree: Any, fn: Callable) -> Any:
         """`fn` (a method of the layout without 'layers') on every entry but the streamed layers."""

@@ -52,6 +52,8 @@ class Layout:
     overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
     offload_grads: str = "host"  # train.offload_grads: host | nvme, with offload_params
     tp_comm_overlap: bool = False  # model.tp_comm_overlap (Megatron-Core: --tp-comm-overlap), with sequence_parallel
+    zero3_gather: str = "auto"  # train.zero3_gather: layer (FSDP) | step | auto (`step_model.layerwise`)
+    zero2_reduce: str = "auto"  # train.zero2_reduce: microbatch (sharded sums) | step | auto
 
     @property
     def sched(self) -> registry.Schedule:
@@ -120,6 +122,8 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
         offload_grads=cfg.train.offload_grads,
         tp_comm_overlap=getattr(cfg.model, "tp_comm_overlap", False),
+        zero3_gather=cfg.train.zero3_gather,
+        zero2_reduce=cfg.train.zero2_reduce,
     )
 
 

@@ -23,6 +23,8 @@ from meshrun.config import (
     ModelConfig,
     RunConfig,
     offload_params_refusals,
+    zero2_layer_refusals,
+    zero2_per_microbatch,
     zero3_layer_refusals,
     zero3_per_layer,
     streamed_update_refusal,
@@ -64,6 +66,7 @@ class StepPlan:
     model_zero: ZeroShardings | None  # the same in model order (checkpoints; == zero unless relaid)
     balance_on: tuple[str, str] | None = None  # pipeline.balance=auto: (GPU its layer costs model, why)
     zero3_gather: str | None = None  # ZeRO-3: 'layer' (FSDP, train.zero3_gather resolved) or 'step'; else None
+    zero2_reduce: str | None = None  # ZeRO-2: 'microbatch' (sharded sums, train.zero2_reduce resolved) or 'step'
 
     @property
     def pipe(self) -> int:
@@ -203,7 +206,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
             "train.offload_params"  # fmt: skip
         check_host_memory(mesh.devices.flat[0], field)
-    gather = zero3_gather(cfg, shape, family)
+    gather, reduce = zero3_gather(cfg, shape, family), zero2_reduce(cfg, shape, family)
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
         abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
@@ -216,7 +219,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
             cfg.train.grad_reduce_dtype,
             offloaded(cfg),
             streamed=cfg.train.offload_params,
-            fsdp=gather == "layer",
+            fsdp=gather == "layer" or reduce == "microbatch",
         )
         model_zero = build(abstract)
         relaid = split is not None and not split.identity
@@ -225,7 +228,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     return StepPlan(
         cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
         sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, balance_on,
-        gather,
+        gather, reduce,
     )  # fmt: skip
 
 
@@ -247,6 +250,24 @@ def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> st
         split = shape.get("tensor", 1) * shape["pipe"]  # the gathered weights stay split over these
         gathered = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract)) / split
     return "layer" if zero3_per_layer(t.zero3_gather, t.zero, t.offload_params, gathered, bool(refused)) else "step"
+
+
+def zero2_reduce(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> str | None:
+    """ZeRO-2's gradient reduction for this run: 'microbatch' (each layer's gradient reduce-scattered into
+    sharded float32 sums as the backward makes it) or 'step' (whole sums, one reduction a step); None
+    below or above ZeRO-2. train.zero2_reduce=microbatch that the layout cannot run is a ConfigError."""
+    t, m = cfg.train, cfg.model
+    if t.zero != 2:
+        return None
+    refused = zero2_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(getattr(m, "fp8", "none")),
+                                   shape["pipe"])  # fmt: skip
+    if refused and t.zero2_reduce == "microbatch":
+        raise ConfigError("train.zero2_reduce", "microbatch", refused[0][1], refused[0][0])
+    sums = 0.0
+    if t.zero2_reduce == "auto":
+        abstract = jax.eval_shape(lambda: family.init_params(m, t.seed))["layers"]
+        sums = sum(a.size * 4 for a in jax.tree.leaves(abstract)) / (shape.get("tensor", 1) * shape["pipe"])
+    return "microbatch" if zero2_per_microbatch(t.zero2_reduce, t.zero, sums, bool(refused)) else "step"
 
 
 def validate(cfg: RunConfig, mesh) -> None:

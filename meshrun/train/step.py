@@ -127,6 +127,8 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             elif zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time (m = 1:
                 # the float32 reduced gradient itself)
                 sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes[0]["layers"]))
+            elif zl.fsdp:  # the layers' float32 sums in device memory, 1/DP of them (ZeRO-2: of whole params)
+                sums["layers"] = zl.layer_sums(params["layers"])
             zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
             # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a
