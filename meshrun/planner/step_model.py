@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from meshrun.analysis.flops import moe_routed, param_counts
+from meshrun import config
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
@@ -160,13 +161,20 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     # (reduce-scatter from ZeRO-1 on) runs after the loop, so ZeRO-2 holds what ZeRO-1 holds (no
     # per-micro-batch reduce-scatter as in DeepSpeed); only the reduced output is a 1/dp shard.
     grads = pb * (dense + experts)
-    if lay.microbatches > 1:
+    one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
+    other = (counts["embedding"] + counts["head"]) / t + h
+    per_layer = layerwise(model, lay)
+    if lay.microbatches > 1 or per_layer:
         # the backward's layer loop adds each layer's weight gradients into the float32 sums in place
-        # (`bw_split.vjp_into` / `run_w`): fresh gradients are one layer's and the embedding/head's
-        one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
-        other = (counts["embedding"] + counts["head"]) / t + h
+        # (`bw_split.vjp_into` / `run_w`; per layer: the fetch's backward hands each layer's reduced
+        # gradient to them): fresh gradients are one layer's and the embedding/head's
         grads = pb * (other + one_layer)
-    if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
+    if per_layer:  # ZeRO-2 per microbatch / ZeRO-3 per layer: the layers' float32 sums are 1/DP shards (norm
+        # scales whole), the embedding's and head's whole with micro-batches
+        layer_w = dense - other
+        sums = (layer_w - norms * frac) / shard[1] + norms * frac + experts / eshard[1]
+        grads += 4 * (sums + (other if lay.microbatches > 1 else 0.0))
+    elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
     if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards; the final
         # chunks' filled in the loop, `StageRun.drain`) beside the array they are joined into
@@ -189,7 +197,10 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     matrices = (dense - nrm - edges) / shard[2] + experts / eshard[2]
     moments = prec.opt * matrices + prec.opt_rest * rest
     opt = moments + 4 * (temps * matrices + rest)
-    if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
+    if lay.zero == 3 and per_layer:  # FSDP: the embedding and head gathered before the loop, the layers inside
+        # it: the layer in use and the next one's gather in flight
+        params += pb * (other + 2 * one_layer)
+    elif lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
     # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
@@ -197,6 +208,24 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
     return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
             "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
+
+
+def layerwise(model: ModelConfig, lay: Layout) -> bool:
+    """Whether the step gathers and reduces the layers inside the layer scan: ZeRO-3 per layer (FSDP,
+    `train.zero3_gather`) or ZeRO-2 per microbatch (`train.zero2_reduce`), with auto resolved by the
+    step's own rules (`config.zero3_per_layer`, `config.zero2_per_microbatch`) on this layout's bytes."""
+    if lay.zero not in (2, 3) or lay.offload_params:
+        return lay.offload_params
+    split = lay.tensor * lay.pipe
+    counts = param_counts(model)
+    if lay.zero == 3:
+        refused = config.zero3_layer_refusals(model.param_dtype, getattr(model, "fp8", "none"), lay.pipe,
+                                              lay.overlap_grad_reduce)  # fmt: skip
+        gathered = precision_of(model).param * counts["total"] / split
+        return config.zero3_per_layer(lay.zero3_gather, 3, False, gathered, bool(refused))
+    refused = config.zero2_layer_refusals(model.param_dtype, getattr(model, "fp8", "none"), lay.pipe)
+    return config.zero2_per_microbatch(lay.zero2_reduce, 2, 4 * (counts["layers"] + counts["experts"]) / split,
+                                       bool(refused))  # fmt: skip
 
 
 def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> tuple[float, float]:

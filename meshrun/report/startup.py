@@ -31,6 +31,21 @@ def flops_lines(family: Any, m: Any, tokens: int, seq_len: int) -> list[str]:
     return []
 
 
+def zero_variant(plan: Any) -> str:
+    """' (...)': how ZeRO-2 / ZeRO-3 run in this step (train.zero2_reduce / train.zero3_gather resolved)."""
+    t = plan.cfg.train
+    if getattr(plan, "zero3_gather", None) == "layer":
+        src = "host memory, train.offload_params" if t.offload_params else f"train.zero3_gather={t.zero3_gather}"
+        return f" (weights gathered per layer inside the layer scan, gradients reduce-scattered per layer; {src})"
+    if getattr(plan, "zero3_gather", None) == "step":
+        return f" (weights gathered once per step; train.zero3_gather={t.zero3_gather})"
+    if getattr(plan, "zero2_reduce", None) == "microbatch":
+        return f" (gradients reduce-scattered per layer and microbatch into sharded sums; train.zero2_reduce={t.zero2_reduce})"
+    if getattr(plan, "zero2_reduce", None) == "step":
+        return f" (gradient sums whole, reduce-scattered once per step; train.zero2_reduce={t.zero2_reduce})"
+    return ""
+
+
 def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     """The start-up block printed before compiling: model, mesh, batch, schedule, layer split, FLOPs and
     the planner's predicted memory per device."""
@@ -47,7 +62,7 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     experts = f", {m.n_experts} experts, top-{m.top_k}" if m.n_experts else ""
     lines = [
         f"model     {plan.family.name}: {n / 1e6:.2f}M params ({m.n_layers} layers, d_model {m.d_model}{experts})",
-        f"mesh      {shape} = {mesh.size} devices on {d['hosts']} host(s){racks}; ZeRO {t.zero}",
+        f"mesh      {shape} = {mesh.size} devices on {d['hosts']} host(s){racks}; ZeRO {t.zero}{zero_variant(plan)}",
         f"batch     {t.global_batch} sequences x {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step",
     ]
     if plan.split is not None:
