@@ -130,11 +130,13 @@ def test_meshrun_vs_megatron_zero_semantics(gpt3):
     assert z3s["params"] == pytest.approx(2 * psi / 8 + 2 * psi, rel=1e-3)  # all weights gathered before the loop
     assert z3["params"] == pytest.approx(2 * psi / 8 + 2 * (edges + 2 * layer), rel=1e-3)
     cluster = parse_cluster("a100-80g:8x8")
-    lay = Layout(tensor=8, pipe=1, data=8, microbatches=4, zero=2)
+    lay = Layout(tensor=8, pipe=1, data=8, microbatches=4, zero=2, zero2_reduce="step")
     mesh = timing.predict_time(gpt3, lay, cluster, 2048)
     mega = timing.predict_time(gpt3, lay, cluster, 2048, **MEGA)
     assert mesh["zero_comm"] == 0 < mesh["dp_sync"]
     assert mega["zero_comm"] > 0 and mega["dp_sync_full"] > mesh["dp_sync_full"]  # per micro-batch, fp32
+    per_mb = timing.predict_time(gpt3, dataclasses.replace(lay, zero2_reduce="microbatch"), cluster, 2048)
+    assert per_mb["dp_sync_full"] == pytest.approx(mega["dp_sync_full"], rel=1e-9)  # DeepSpeed's traffic
 
 
 def test_hierarchical_allreduce_and_network():
