@@ -83,5 +83,7 @@ def test_sums_are_one_dp_shard():
     zl = build_plan(cfg, build_mesh(cfg.mesh)).zero
     layers = build_plan(cfg, build_mesh(cfg.mesh)).abstract_params["layers"]
     sums = zl.layer_sums(layers)
-    big = [(s.shape, a.shape) for s, a in zip(jax.tree.leaves(sums), jax.tree.leaves(layers), strict=True) if a.ndim > 2]
+    big = [
+        (s.shape, a.shape) for s, a in zip(jax.tree.leaves(sums), jax.tree.leaves(layers), strict=True) if a.ndim > 2
+    ]
     assert big and all(np.prod(s) * 8 == np.prod(a) for s, a in big)

@@ -118,8 +118,10 @@ def test_auto_gathers_per_layer_by_the_gathered_bytes():
     [
         (["train.zero=1", "train.zero3_gather=layer"], "set train.zero=3"),
         ([*LAYER, "model.param_dtype=bfloat16"], "use mesh.pipe=1"),  # tiny_cpu: mesh.pipe=2
-        ([*LAYER, "pipeline.overlap_grad_reduce=true", "pipeline.schedule=interleaved", "pipeline.virtual=2"],
-         "set pipeline.overlap_grad_reduce=false"),
+        (
+            [*LAYER, "pipeline.overlap_grad_reduce=true", "pipeline.schedule=interleaved", "pipeline.virtual=2"],
+            "set pipeline.overlap_grad_reduce=false",
+        ),
         (["train.zero=3", "train.zero3_gather=step", "train.offload_params=true"], "leave it auto"),
         (["train.zero=3", "train.zero3_gather=sometimes"], "use one of"),
     ],

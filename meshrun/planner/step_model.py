@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 
-from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun import config
+from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers

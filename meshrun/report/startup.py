@@ -40,7 +40,8 @@ def zero_variant(plan: Any) -> str:
     if getattr(plan, "zero3_gather", None) == "step":
         return f" (weights gathered once per step; train.zero3_gather={t.zero3_gather})"
     if getattr(plan, "zero2_reduce", None) == "microbatch":
-        return f" (gradients reduce-scattered per layer and microbatch into sharded sums; train.zero2_reduce={t.zero2_reduce})"
+        how = "gradients reduce-scattered per layer and microbatch into sharded sums"
+        return f" ({how}; train.zero2_reduce={t.zero2_reduce})"
     if getattr(plan, "zero2_reduce", None) == "step":
         return f" (gradient sums whole, reduce-scattered once per step; train.zero2_reduce={t.zero2_reduce})"
     return ""

@@ -23,12 +23,12 @@ from meshrun.config import (
     ModelConfig,
     RunConfig,
     offload_params_refusals,
+    streamed_update_refusal,
+    streams_host_update,
     zero2_layer_refusals,
     zero2_per_microbatch,
     zero3_layer_refusals,
     zero3_per_layer,
-    streamed_update_refusal,
-    streams_host_update,
 )
 from meshrun.errors import ConfigError
 from meshrun.family import registry
