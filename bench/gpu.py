@@ -13,10 +13,10 @@ of 4 x 2048 tokens without recomputation about 10 GB more, and the logits a few 
 
 Each variant (`model.remat=none`, then `full`, then fp8: remat none with `model.fp8=tensorwise`,
 whose MFU is against the bf16 peak, and `loss_vs_bf16`; then offload_params: remat none with ZeRO-3
-and `train.offload_params=true`, the parameters resting in pinned host memory and crossing the host
+and `offload.params=true`, the parameters resting in pinned host memory and crossing the host
 link layer by layer, with `loss_vs_none` and `step_ratio_vs_none`, not yet measured on a GPU; then
 offload_device and offload_host: the streamed host tier with its chunk update on the device or on the
-host CPU, `train.offload_update_on`, with `step_ratio_vs_none` and offload_host's `step_ratio_vs_device`)
+host CPU, `offload.update_on`, with `step_ratio_vs_none` and offload_host's `step_ratio_vs_device`)
 runs in its own process, so a failure (out of memory)
 or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
 processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL); the JSON
@@ -47,12 +47,12 @@ ROOT = _child.ROOT
 GPU_ENV = ROOT / "launch/gpu_env.sh"
 # model.remat, and "fp8": remat none with model.fp8=tensorwise (docs/fp8.md), reported under `fp8`
 # with `loss_vs_bf16` (its last loss / remat=none's) and `speedup_vs_bf16` (step time ratio)
-# "offload_params": remat none, ZeRO-3, train.offload_params=true (docs/offload.md), reported under
+# "offload_params": remat none, ZeRO-3, offload.params=true (docs/offload.md), reported under
 # `offload_params` with `loss_vs_none` and `step_ratio_vs_none` (its step time / remat=none's)
-# "offload_device" / "offload_host": remat none with the streamed host tier (train.offload_optimizer=host),
+# "offload_device" / "offload_host": remat none with the streamed host tier (offload.optimizer=host),
 # the chunk update on the device (the copy path) or on the host CPU (jax's CPU backend), reported under
 # their names with `loss_vs_none`, `step_ratio_vs_none`, and on offload_host `step_ratio_vs_device`
-OFFLOAD_ON = {"offload_device": "device", "offload_host": "host"}  # train.offload_update_on
+OFFLOAD_ON = {"offload_device": "device", "offload_host": "host"}  # offload.update_on
 VARIANTS = ("none", "full", "fp8", "offload_params", *OFFLOAD_ON)
 NAMED = ("fp8", "offload_params", *OFFLOAD_ON)  # reported under their own name, not remat_<name>
 REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
@@ -67,8 +67,8 @@ KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_bytes_i
 def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int) -> list[str]:
     m = {k: v for k, v in model.items() if k != "seq_len"}
     fp8 = ["model.fp8=tensorwise"] if remat == "fp8" else []
-    params_off = ["train.zero=3", "train.offload_params=true"] if remat == "offload_params" else []
-    state_off = ["train.offload_optimizer=host", f"train.offload_update_on={OFFLOAD_ON[remat]}"] \
+    params_off = ["train.zero=3", "offload.params=true"] if remat == "offload_params" else []
+    state_off = ["offload.optimizer=host", f"offload.update_on={OFFLOAD_ON[remat]}"] \
         if remat in OFFLOAD_ON else []  # fmt: skip
     remat = "none" if remat in NAMED else remat
     return [

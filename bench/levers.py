@@ -24,7 +24,7 @@ LEVERS = (
     ("full", ["model.remat=full"]),
     ("remat_every=2", ["model.remat=full", "model.remat_every=2"]),
     # the whole-shard host update: its state is an argument of the compiled step (docs/offload.md)
-    ("offload optimizer", ["model.remat=selective", "train.offload_optimizer=true", "train.offload_update=whole"]),
+    ("offload optimizer", ["model.remat=selective", "offload.optimizer=true", "offload.update=whole"]),
     ("offload activations", ["model.remat=offload"]),
 )
 

@@ -5,14 +5,14 @@
 
 Prints, in one run: the sequential write and read bandwidth of DIR, the NVMe tier's achieved swap
 bandwidth against it, the streamed update against the update alone and the I/O at the disk's limit,
-the step time with train.offload_optimizer = none, host and nvme (each tier in its own process,
+the step time with offload.optimizer = none, host and nvme (each tier in its own process,
 ratios against none; the processes alternate over --rounds rounds, each round's ratios are printed
 and the verdict takes their median, so a drift of the machine's load between processes moves both
 sides of a ratio), the nvme step's parts (the device part, the stream, the rest) against its
 floor (the device part, then the update or the I/O at the disk's limit, whichever is longer: the
 update starts once the whole gradient's norm exists), the nvme tier's stream and step with its
 chunk update in place (auto on CPU devices), on the device (the copy path) and on the host CPU
-(`train.offload_update_on`; skipped with --no-update-on), and the NVMe tier's peak RSS in each phase
+(`offload.update_on`; skipped with --no-update-on), and the NVMe tier's peak RSS in each phase
 (init, steps, checkpoint save, restore) against its bound (`bench/offload_rss.py`). The model is
 sized so that its optimizer state is >= 4x the budget.
 
@@ -41,7 +41,7 @@ import _child  # noqa: E402  (bench/_child.py)
 import offload_rss  # noqa: E402  (bench/offload_rss.py: the nvme tier's peak RSS)
 
 ROOT = _child.ROOT
-PLACES = ("auto", "device", "host")  # train.offload_update_on
+PLACES = ("auto", "device", "host")  # offload.update_on
 MODEL = ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=64",
          "model.d_ff=1536", "model.vocab=256", "model.max_seq_len=128", "train.seq_len=128", "train.global_batch=8",
          "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=1", "data.kind=synthetic"]  # fmt: skip
@@ -209,15 +209,15 @@ def one_device_step(over: list[str], steps: int):
 
 
 def child(name: str, directory: str, budget: float, steps: int, batch: int) -> dict:
-    """One tier's run in this process (`name`: none, host, nvme or nvme:ON with train.offload_update_on=ON):
+    """One tier's run in this process (`name`: none, host, nvme or nvme:ON with offload.update_on=ON):
     step times, swap counters, RSS figures."""
     import jax
     import numpy as np
 
     tier, _, on = name.partition(":")
-    over = [*MODEL, f"train.offload_optimizer={tier}", f"train.offload_dir={directory}",
-            f"train.offload_budget_mb={budget}", f"train.global_batch={batch}",
-            *([f"train.offload_update_on={on}"] if on else [])]  # fmt: skip
+    over = [*MODEL, f"offload.optimizer={tier}", f"offload.dir={directory}",
+            f"offload.budget_mb={budget}", f"train.global_batch={batch}",
+            *([f"offload.update_on={on}"] if on else [])]  # fmt: skip
     ts, _, batches, compiled = one_device_step(over, steps)
     temp = compiled.memory_analysis().temp_size_in_bytes
     overhead = rss("VmRSS")
@@ -283,7 +283,7 @@ def merge(runs: list[dict]) -> dict:
 def run_child(tier: str, directory: str, budget: float, steps: int, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--child", tier, "--dir", directory, "--budget-mb", str(budget),
            "--steps", str(steps), "--global-batch", str(batch)]  # fmt: skip
-    # the nvme runs get 2 CPU devices, the mesh the first: with train.offload_update_on=host the update's
+    # the nvme runs get 2 CPU devices, the mesh the first: with offload.update_on=host the update's
     # CPU device is then outside the mesh, as on a GPU machine (its gradient and params cross devices)
     two = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()}
     return _child.run_json(cmd, env=_child.env(**(two if tier.startswith("nvme") else {})))
@@ -301,7 +301,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="each tier's process this many times, alternating")
     ap.add_argument("--child", default="")
     ap.add_argument("--no-update-on", dest="update_on", action="store_false",
-                    help="skip the nvme tier's runs with train.offload_update_on=device and host")  # fmt: skip
+                    help="skip the nvme tier's runs with offload.update_on=device and host")  # fmt: skip
     args = ap.parse_args()
     if args.global_batch < 1:  # one line, before any child runs (the config's own check would end in a traceback)
         print(f"bench/offload.py: --global-batch {args.global_batch}: use a whole number >= 1", file=sys.stderr)
@@ -383,9 +383,9 @@ def main() -> int:
 
 
 def update_places(rows: dict, link: dict) -> None:
-    """The nvme tier's stream and step with the chunk update in each place (`train.offload_update_on`)."""
+    """The nvme tier's stream and step with the chunk update in each place (`offload.update_on`)."""
     mib = lambda x: f"{x / 2**20:.1f}"
-    print("\nwhere the nvme tier's update runs (train.offload_update_on; auto: in place on CPU devices), "
+    print("\nwhere the nvme tier's update runs (offload.update_on; auto: in place on CPU devices), "
           f"load average {rows['nvme:host']['load']:.1f} after the last:")  # fmt: skip
     print("| update on | stream s | x auto | update alone s | stream CPU s | step s | x none "
           "| host link MiB/step on a GPU |")  # fmt: skip

@@ -1,5 +1,5 @@
 """The host tier's two updates side by side: streamed (the default) and the whole shard
-(`train.offload_update=whole`), with the in-memory step beside them (a script, not a test).
+(`offload.update=whole`), with the in-memory step beside them (a script, not a test).
 
     python bench/offload_host.py [--budget-mb 16] [--steps 3]
 
@@ -31,8 +31,8 @@ import offload_rss  # noqa: E402  (peak RSS from /proc)
 ROOT = _child.ROOT
 VARIANTS = {
     "none": [],
-    "host whole": ["train.offload_optimizer=host", "train.offload_update=whole"],
-    "host streamed": ["train.offload_optimizer=host"],
+    "host whole": ["offload.optimizer=host", "offload.update=whole"],
+    "host streamed": ["offload.optimizer=host"],
 }
 DTYPES = {"float32": [], "bf16 + fp32 master": ["model.param_dtype=bfloat16", "model.dtype=bfloat16"]}
 
@@ -45,7 +45,7 @@ def child(variant: str, dtype: str, budget: float, steps: int) -> dict:
 
     from meshrun.analysis.memory import memory_spaces
 
-    over = [*offload.MODEL, *DTYPES[dtype], *VARIANTS[variant], f"train.offload_budget_mb={budget}"]
+    over = [*offload.MODEL, *DTYPES[dtype], *VARIANTS[variant], f"offload.budget_mb={budget}"]
     ts, mesh, batches, compiled = offload.one_device_step(over, steps)
     step = memory_spaces(compiled)
     opt_sh = jax.tree.leaves(ts.state_shardings.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))

@@ -53,8 +53,8 @@ def child(model: str, directory: str, run_dir: str, budget: float, steps: int, r
     from meshrun.runtime.mesh import build_mesh
     from meshrun.train.step import make_train_step
 
-    over = [*COMMON, *MODELS[model], "train.offload_optimizer=nvme", f"train.offload_dir={directory}",
-            f"train.offload_budget_mb={budget}", f"train.run_dir={run_dir}"]  # fmt: skip
+    over = [*COMMON, *MODELS[model], "offload.optimizer=nvme", f"offload.dir={directory}",
+            f"offload.budget_mb={budget}", f"train.run_dir={run_dir}"]  # fmt: skip
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), over)
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
     ts = make_train_step(cfg, mesh)

@@ -1,7 +1,7 @@
 """The configuration reference, read from the config dataclasses themselves (no jax).
 
 One source: a field's meaning is the comment on its line in the dataclass, or the comment lines
-right above it (the convention of `meshrun/config.py`). `meshrun config` prints the rows and
+right above it (the convention of `meshrun/config/`). `meshrun config` prints the rows and
 `meshrun config --markdown > docs/configuration.md` writes the docs page that a test compares.
 """
 
@@ -142,7 +142,7 @@ def markdown(cls=RunConfig) -> str:
         f"<!-- Generated from the config dataclasses: `{REGENERATE}`. Do not edit by hand. -->",
         "",
         "Every key of a run's YAML file and of `section.key=value` overrides, with its type, default",
-        "and meaning, generated from the dataclasses in `meshrun/config.py` (a field's meaning is the",
+        "and meaning, generated from the dataclasses in `meshrun/config/` (a field's meaning is the",
         f"comment beside it). `meshrun config` prints the same; regenerate this page with `{REGENERATE}`.",
         "How configs and overrides work: [Getting started](getting_started.md#configuration-and-overrides).",
     ]

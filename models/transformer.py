@@ -149,7 +149,7 @@ def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments
 
 
 def _unit(p: Mapping, x_BxLxD: jax.Array, segments, cfg: ModelConfig):
-    p = fetch_layer(p)  # train.offload_params: host -> device and the ZeRO-3 gather, inside the remat
+    p = fetch_layer(p)  # offload.params: host -> device and the ZeRO-3 gather, inside the remat
     if not cfg.is_moe:
         return _block(p, x_BxLxD, cfg, moe=False, segments=segments)
     for i in range(cfg.moe_every - 1):
@@ -162,7 +162,7 @@ def remat_unit(fn, policy: str, *, named: bool = True):
     element-wise work recomputed), selective `layers.SAVED_NAMES`, full only the unit input.
     `named=False` (an MoE unit, whose routing and all_to_alls carry no names): none keeps everything."""
     if policy == "none":
-        if not named:  # train.offload_params: keep everything but the fetched weights (fetched again)
+        if not named:  # offload.params: keep everything but the fetched weights (fetched again)
             keep = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
             return jax.checkpoint(fn, prevent_cse=False, policy=keep) if fetching() else fn
         return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES))

@@ -80,7 +80,7 @@ def test_configuration_reference_is_current():
     assert not missing, f"config fields without a comment (their meaning in `meshrun config`): {missing}"
     page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     assert page.read_text() == config_ref.markdown(), (
-        f"docs/configuration.md is out of date with meshrun/config.py: run `{config_ref.REGENERATE}`"
+        f"docs/configuration.md is out of date with meshrun/config/: run `{config_ref.REGENERATE}`"
     )
 
 

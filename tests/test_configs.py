@@ -69,9 +69,9 @@ def test_run_config_runs_one_step_on_cpu(path, tmp_path):
 
     base = load_config(path)
     over = [*TINY, *tiny_mesh(base)] if "cpu" not in path.name else ["train.steps=1"]
-    if base.train.offload_optimizer == "nvme":  # the template's NVMe path -> a local scratch directory
+    if base.offload.optimizer == "nvme":  # the template's NVMe path -> a local scratch directory
         (tmp_path / "nvme").mkdir()
-        over.append(f"train.offload_dir={tmp_path / 'nvme'}")
+        over.append(f"offload.dir={tmp_path / 'nvme'}")
     cfg = load_config(path, [*over, f"train.run_dir={tmp_path}"])
     mesh = build_mesh(cfg.mesh)
     train_step = make_train_step(cfg, mesh)
@@ -80,5 +80,5 @@ def test_run_config_runs_one_step_on_cpu(path, tmp_path):
     state, metrics = train_step.step(train_step.init(), tokens, labels)
     assert int(state.step) == 1
     assert 0 < float(metrics["loss"]) < 20
-    if base.train.offload_optimizer == "nvme":  # the optimizer state went through the tier's file
+    if base.offload.optimizer == "nvme":  # the optimizer state went through the tier's file
         assert train_step.tier is not None and any((tmp_path / "nvme").iterdir())

@@ -40,6 +40,11 @@ def test_trains_on_pipe_data_tensor_as_on_one_device():
     assert_same(run_steps(_cfg()), ref)
 
 
+def _line(lines: list[str], label: str) -> str:
+    (line,) = [x for x in lines if x.startswith(f"{label} ")]
+    return line
+
+
 def test_its_config_class_fields_and_count():
     from meshrun.report.startup import startup_lines
     from meshrun.train.plan import build_plan
@@ -56,7 +61,16 @@ def test_its_config_class_fields_and_count():
     m = cfg.model
     assert n == 2 * m.vocab * m.d_model + m.n_layers * (m.d_model + 2 * m.d_model * m.d_ff)
     lines = startup_lines(cfg, mesh, plan)
-    assert f"{n / 1e6:.2f}M params" in lines[0] and "not predicted" in lines[-1]
+    assert f"{n / 1e6:.2f}M params" in lines[0] and "not predicted" in _line(lines, "memory")
+
+
+def test_a_family_without_attention_has_no_head_fields():
+    """The example family fixes the attention heads (ClassVar): model.n_heads is refused as a field it
+    does not have, and the shared checks skip the fields a family lacks (no n_kv_heads error)."""
+    with pytest.raises(ConfigError, match=rf"^model.n_heads: {FAMILY} has no such field"):
+        _cfg(["model.n_heads=3"])
+    with pytest.raises(ConfigError, match=r"^model.d_ff: "):  # its shared fields are still checked
+        _cfg(["model.d_ff=0"])
 
 
 def test_mfu_counts_the_familys_own_flops_or_none():
@@ -75,7 +89,7 @@ def test_mfu_counts_the_familys_own_flops_or_none():
     per_token = 6 * (m.n_layers * 2 * m.d_model * m.d_ff + m.d_model * m.vocab)
     tokens = t.global_batch * t.seq_len
     assert plan.family.model_flops(m, t.global_batch, t.seq_len) == per_token * tokens
-    assert f"({per_token:,} per token, custom_mlp's flops_per_token)" in startup_lines(cfg, mesh, plan)[-2]
+    assert f"({per_token:,} per token, custom_mlp's flops_per_token)" in _line(startup_lines(cfg, mesh, plan), "flops")
     rows = MetricRows(cfg, 8, 0.0, lambda step: 1e-3, plan.family)
     rows.peak = 1e12  # as on a GPU whose peak is known
     row = rows.row({"loss": 1.0}, 0, 0.5)

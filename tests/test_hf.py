@@ -329,3 +329,76 @@ def test_import_onto_a_mesh_larger_than_the_devices_names_devices(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("meshrun import-hf: error: --devices: ") and "mesh.tensor=2" in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_run_exports_its_master_weights(tmp_path, capsys, recipe):
+    """A run trained with model.fp8 exports: the master weights in the dtype asked (the fp8 scaling
+    state is not a weight), the same config.json as without fp8, and one note on stderr that
+    transformers computes without fp8."""
+    import ml_dtypes
+    from meshrun_models import abstract_params
+    from meshrun_models.layers import arrays
+
+    from meshrun.checkpoint.params import save_params
+    from meshrun.config import to_dict
+
+    base = LlamaConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
+    cfg = LlamaConfig(**{**to_dict(base), "fp8": recipe, "fp8_first_last_bf16": True})
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(np.float32), arrays(abstract_params(cfg)))
+    assert "fp8" in params["layers"]  # the run's scaling state rides along with the weights
+    save_params(tmp_path / "run" / "hf_import", params, {"model": to_dict(cfg)})
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("transformers computes it without fp8") == 1 and f"model.fp8={recipe}" in err
+    weights = {k: v for k, v in params.items() if k != "layers"}
+    weights["layers"] = {k: v for k, v in params["layers"].items() if k != "fp8"}
+    save_params(tmp_path / "plain" / "hf_import", weights, {"model": to_dict(base)})
+    export_hf(tmp_path / "plain", tmp_path / "ref", dtype="bfloat16")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
+        (tmp_path / "ref" / "config.json").read_text()
+    )
+    got, ref = SafeTensors(tmp_path / "out"), SafeTensors(tmp_path / "ref")
+    assert got.keys() == ref.keys()
+    for k in ref.keys():
+        assert got.get(k).dtype == ml_dtypes.bfloat16 and got.get(k).tobytes() == ref.get(k).tobytes(), k
+
+
+@pytest.mark.slow
+def test_fp8_fine_tune_of_an_import_creates_its_scaling_state(imported, tmp_path, capsys):
+    """A Hugging Face import fine-tuned with model.fp8=delayed and fp8_first_last_bf16: the scaling
+    state the import lacks (amax history, histogram, on/off masks: no random numbers) is created
+    fresh with one note, and the run equals one started from the import's weights with the init's
+    scaling state put in by hand; export-hf --step of its checkpoint writes the import's config.json."""
+    from meshrun.checkpoint.params import save_params
+    from meshrun.config import to_dict
+    from meshrun.family import registry
+    from meshrun.train.loop import run
+
+    src, _ = imported["llama2"]
+    fp8 = ["model.fp8=delayed", "model.fp8_first_last_bf16=true"]
+    over = ["mesh.data=2", "mesh.tensor=1", "train.steps=2", "train.global_batch=4", "train.seq_len=16",
+            "data.kind=synthetic", *fp8]  # fmt: skip
+    cfg = load_config(src / "config.yaml", [*over, f"train.run_dir={tmp_path / 'run'}"])
+    capsys.readouterr()
+    run(cfg, devices=jax.devices()[:2])
+    err = capsys.readouterr().err
+    assert err.count("note: checkpoint.init_params has no") == 1, err
+    assert "layers.fp8.hist" in err and "layers.fp8.on" in err and "layers.wq" not in err
+
+    _, params = _load(src)  # the reference: the init's scaling state put in by hand
+    params["layers"]["fp8"] = registry.get("llama").init_params(cfg.model, 0)["layers"]["fp8"]
+    save_params(tmp_path / "hand", params, {"model": to_dict(cfg.model)})
+    ref = load_config(src / "config.yaml", [*over, f"train.run_dir={tmp_path / 'ref'}",
+                                             f"checkpoint.init_params={tmp_path / 'hand'}"])  # fmt: skip
+    run(ref, devices=jax.devices()[:2], quiet=True)
+    rows = lambda d: [json.loads(s) for s in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    losses = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in rows(d) if "loss" in r]
+    assert len(losses("run")) == 2 and losses("run") == losses("ref")
+
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--step", "2"]) == 0
+    assert "transformers computes it without fp8" in capsys.readouterr().err
+    export_hf(src, tmp_path / "import_out", quiet=True)
+    read = lambda d: json.loads((tmp_path / d / "config.json").read_text())
+    assert read("out") == read("import_out")

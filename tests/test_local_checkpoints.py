@@ -106,8 +106,8 @@ def test_cut_nvme_run_resumes_from_the_local_step(reference, tmp_path, capsys):
     resumes from local 4 into the tier's file and ends at the in-memory run's losses, exactly."""
     run, local, off = tmp_path / "run", tmp_path / "local", tmp_path / "off"
     off.mkdir()
-    over = [*TIER, "checkpoint.every=3", f"checkpoint.local_dir={local}", "train.offload_optimizer=nvme",
-            f"train.offload_dir={off}", "train.offload_budget_mb=0.5"]  # fmt: skip
+    over = [*TIER, "checkpoint.every=3", f"checkpoint.local_dir={local}", "offload.optimizer=nvme",
+            f"offload.dir={off}", "offload.budget_mb=0.5"]  # fmt: skip
     _cut(run, 5, *over)
     assert _persistent(run) == [3] and _local(local, run) == [4]
     rc, err = _train(capsys, run, *over)

@@ -30,7 +30,7 @@ from meshrun.runtime.mesh import build_mesh
 from meshrun.train.plan import check_host_memory
 from meshrun.train.step import make_train_step
 
-WHOLE_SHARD = ["train.offload_optimizer=true", "train.offload_update=whole"]  # the state in pinned host memory
+WHOLE_SHARD = ["offload.optimizer=true", "offload.update=whole"]  # the state in pinned host memory
 
 
 def _train(cfg, steps=3):
@@ -137,8 +137,8 @@ def test_bad_memory_levers_exit_2(capsys):
     assert main(["train", "configs/tiny_cpu.yaml", "model.remat_every=2"]) == 2
     assert "set model.remat=full" in capsys.readouterr().err
     no_host = SimpleNamespace(platform="metal", addressable_memories=lambda: [SimpleNamespace(kind="device")])
-    with pytest.raises(ConfigError, match=r"train.offload_optimizer: this platform has no pinned_host memory"):
-        check_host_memory(no_host, "train.offload_optimizer")
+    with pytest.raises(ConfigError, match=r"offload.optimizer: this platform has no pinned_host memory"):
+        check_host_memory(no_host, "offload.optimizer")
 
 
 def test_planner_proposes_offload_when_nothing_fits(capsys):

@@ -1,4 +1,4 @@
-"""train.offload_optimizer=nvme: init, checkpoint save and restore stream the optimizer state chunk by
+"""offload.optimizer=nvme: init, checkpoint save and restore stream the optimizer state chunk by
 chunk (never more than the tier's budget resident, counted by the tier), and the checkpoint is an
 ordinary orbax one: the in-memory tier restores it exactly, and the tier restores an in-memory
 tier's checkpoint exactly."""
@@ -55,8 +55,8 @@ def test_nvme_init_save_restore_stream_within_budget_and_cross_tier(tmp_path):
     """data 2 x pipe 2 x tensor 2, ZeRO-0 (the optimizer state replicated over data: each element is
     written once, every replica's row is filled on restore)."""
     (tmp_path / "off").mkdir()
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path / 'off'}",
-            f"train.offload_budget_mb={BUDGET_MB}"]  # fmt: skip
+    nvme = ["offload.optimizer=nvme", f"offload.dir={tmp_path / 'off'}",
+            f"offload.budget_mb={BUDGET_MB}"]  # fmt: skip
     cfg, mesh, ts = build(nvme)
     state = ts.init()
     f = ts.tier.file
@@ -100,8 +100,8 @@ def test_relaid_pipelines_save_and_restore_chunk_by_chunk(name, tmp_path):
     moved to its model-order index, within the budget; orbax's plain restore equals the state read
     back whole, and so does the tier's own restore."""
     (tmp_path / "off").mkdir()
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path / 'off'}",
-            f"train.offload_budget_mb={BUDGET_MB}", *RELAID[name]]  # fmt: skip
+    nvme = ["offload.optimizer=nvme", f"offload.dir={tmp_path / 'off'}",
+            f"offload.budget_mb={BUDGET_MB}", *RELAID[name]]  # fmt: skip
     cfg, mesh, ts = build(nvme)
     assert ts.plan.relaid
     state = ts.init()
@@ -136,8 +136,8 @@ def test_local_tier_streams_the_nvme_state_within_budget(tmp_path):
 
     (tmp_path / "off").mkdir()
     budget = BUDGET_MB * 2**20
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path / 'off'}",
-            f"train.offload_budget_mb={BUDGET_MB}", "checkpoint.local_every=1",
+    nvme = ["offload.optimizer=nvme", f"offload.dir={tmp_path / 'off'}",
+            f"offload.budget_mb={BUDGET_MB}", "checkpoint.local_every=1",
             f"checkpoint.local_dir={tmp_path / 'local'}"]  # fmt: skip
     cfg, mesh, ts = build(nvme)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)

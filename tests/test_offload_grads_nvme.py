@@ -1,4 +1,4 @@
-"""train.offload_grads=nvme (with train.offload_params and the nvme tier): each layer's reduced float32
+"""offload.grads=nvme (with offload.params and the nvme tier): each layer's reduced float32
 gradient goes from the backward to the tier's file, and the streamed update reads it there with the
 layer's optimizer state (meshrun/train/grad_file.py). The run equals the same run with everything
 in memory exactly (losses, params and the whole optimizer state after 3 steps, tolerance 0), no
@@ -16,14 +16,14 @@ from meshrun.config import offload_params_refusals
 from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
 
-GRADS = ["train.offload_grads=nvme"]
+GRADS = ["offload.grads=nvme"]
 DP4_TP2_M1 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=1"]
 BF16 = [*DP8_M1, "model.param_dtype=bfloat16", "model.dtype=bfloat16"]
 
 
 def assert_exact(over, tmp_path, budget_mb, config="tiny_cpu.yaml"):
     """The run with the gradient on NVMe equals the in-memory run (offload_params, state on the device)."""
-    ref = run(config, [*over, *OP, "train.offload_optimizer=none"])
+    ref = run(config, [*over, *OP, "offload.optimizer=none"])
     got = run(config, [*over, *OP, *nvme(tmp_path, budget_mb), *GRADS])
     np.testing.assert_array_equal(got[0], ref[0])
     same(got[1], ref[1])
@@ -90,7 +90,7 @@ def test_offload_grads_nvme_layouts(name, tmp_path):
     "over, what",
     [
         (["pipeline.microbatches=4", "mesh.pipe=1", "mesh.data=4", "mesh.tensor=2"], "one microbatch"),
-        (["train.offload_optimizer=host"], "needs the nvme tier"),
+        (["offload.optimizer=host"], "needs the nvme tier"),
     ],
 )
 def test_offload_grads_nvme_refusals(over, what, tmp_path, capsys):
@@ -100,7 +100,7 @@ def test_offload_grads_nvme_refusals(over, what, tmp_path, capsys):
             f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert what in err and "train.offload_grads" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert what in err and "offload.grads" in err and err.count("\n") == 1 and "Traceback" not in err
     assert offload_params_refusals(3, "nvme", "bfloat16", "none", 1, "nvme", 1) == []
     assert offload_params_refusals(3, "host", "float32", "none", 1, "nvme", 1)
     assert offload_params_refusals(3, "nvme", "float32", "none", 1, "nvme", 2)

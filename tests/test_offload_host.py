@@ -1,6 +1,6 @@
-"""train.offload_optimizer=host: the update streams chunk by chunk through the device, as the nvme
+"""offload.optimizer=host: the update streams chunk by chunk through the device, as the nvme
 tier's does (the chunks come from host memory, `chunk_store.HostStore`), and equals the in-memory step and
-the whole-shard update (train.offload_update=whole) exactly: losses and params after 3 steps,
+the whole-shard update (offload.update=whole) exactly: losses and params after 3 steps,
 tolerance 0. The device holds a few chunks of the state, never the whole shard (compiled bytes), and
 checkpoints are the other tiers' orbax ones (host -> none, host -> nvme, host -> whole)."""
 
@@ -24,8 +24,8 @@ from meshrun.parallel.sharding import DP_AXES
 from meshrun.train import chunk_store
 
 BUDGET_MB = 0.5
-HOST = ["train.offload_optimizer=host", f"train.offload_budget_mb={BUDGET_MB}"]
-WHOLE = ["train.offload_optimizer=host", "train.offload_update=whole"]
+HOST = ["offload.optimizer=host", f"offload.budget_mb={BUDGET_MB}"]
+WHOLE = ["offload.optimizer=host", "offload.update=whole"]
 
 
 def assert_three_equal(config, over):
@@ -118,8 +118,8 @@ def test_host_checkpoint_resumes_on_none_nvme_and_whole(tmp_path):
         assert f.peak_resident <= BUDGET_MB * 2**20
         want = jax.device_get(ts.to_model(state))
         _, _, mem = build([])
-        _, _, nvme = build(["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path / 'off'}",
-                            f"train.offload_budget_mb={BUDGET_MB}"])  # fmt: skip
+        _, _, nvme = build(["offload.optimizer=nvme", f"offload.dir={tmp_path / 'off'}",
+                            f"offload.budget_mb={BUDGET_MB}"])  # fmt: skip
         _, _, whole = build(WHOLE)
         resumed = {
             "none": mem.to_run(ck.restore(2, mem.abstract_state)),
@@ -136,13 +136,13 @@ def test_host_checkpoint_resumes_on_none_nvme_and_whole(tmp_path):
 
 
 def test_offload_update_needs_the_host_tier(capsys):
-    assert main(["train", "configs/tiny_cpu.yaml", "train.offload_update=whole"]) == 2
+    assert main(["train", "configs/tiny_cpu.yaml", "offload.update=whole"]) == 2
     err = capsys.readouterr().err
-    assert "train.offload_update" in err and "train.offload_optimizer=host" in err and "Traceback" not in err
-    over = ["train.offload_optimizer=host", "train.offload_update=streamed", "optimizer.name=muon"]
+    assert "offload.update" in err and "offload.optimizer=host" in err and "Traceback" not in err
+    over = ["offload.optimizer=host", "offload.update=streamed", "optimizer.name=muon"]
     assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
     err = capsys.readouterr().err
-    assert "train.offload_update" in err and "not elementwise" in err and "Traceback" not in err
+    assert "offload.update" in err and "not elementwise" in err and "Traceback" not in err
 
 
 def test_explain_and_run_header_report_each_tier_where_it_rests(tmp_path, capsys):
@@ -153,13 +153,13 @@ def test_explain_and_run_header_report_each_tier_where_it_rests(tmp_path, capsys
     from meshrun.report.startup import startup_lines
 
     over = ["train.zero=1", "train.seq_len=16", "model.max_seq_len=16", "train.global_batch=16"]
-    tiers = {"host": [], "nvme": [f"train.offload_dir={tmp_path}"]}
+    tiers = {"host": [], "nvme": [f"offload.dir={tmp_path}"]}
     for tier, extra in tiers.items():
-        cfg, mesh, ts = build([*over, f"train.offload_optimizer={tier}", *extra])
+        cfg, mesh, ts = build([*over, f"offload.optimizer={tier}", *extra])
         store, lay = ts.tier.ensure_file(), ts.tier.layout
         n = len(lay.local)
         state, buffers = store.state_bytes / n, chunk_store.SLOTS_IN_FLIGHT * store.chunk_bytes / n
-        assert main(["explain", "configs/tiny_cpu.yaml", *over, f"train.offload_optimizer={tier}", *extra,
+        assert main(["explain", "configs/tiny_cpu.yaml", *over, f"offload.optimizer={tier}", *extra,
                      "--json"]) == 0  # fmt: skip
         mem = json.loads(capsys.readouterr().out)["memory"]
         pm, cm = mem["predicted"], mem["compiled"]

@@ -1,4 +1,4 @@
-"""train.offload_optimizer=nvme: the streamed update equals the in-memory step exactly (losses and
+"""offload.optimizer=nvme: the streamed update equals the in-memory step exactly (losses and
 params after several steps, tolerance 0) on every layout kind, and the tier holds no more host
 memory than its budget."""
 
@@ -27,7 +27,7 @@ from meshrun.train.step import make_train_step
 
 SMALL = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16",
          "optimizer.lr=0.01", "optimizer.warmup_steps=1"]  # fmt: skip
-BUDGET = "train.offload_budget_mb=0.5"  # several chunks per step on the tiny models
+BUDGET = "offload.budget_mb=0.5"  # several chunks per step on the tiny models
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,7 +45,7 @@ def run(config, over, steps=3):
 
 def assert_exact(config, over, tmp_path, steps=3):
     ref = run(config, over, steps)
-    got = run(config, [*over, "train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", BUDGET], steps)
+    got = run(config, [*over, "offload.optimizer=nvme", f"offload.dir={tmp_path}", BUDGET], steps)
     np.testing.assert_array_equal(got[0], ref[0])
     leaves = jax.tree.leaves_with_path(ref[1])
     assert jax.tree.structure(got[1]) == jax.tree.structure(ref[1])
@@ -101,10 +101,10 @@ def test_nvme_equals_in_memory_layouts(name, tmp_path):
 
 
 def test_offload_dir_missing_or_shared_exit_2_before_compiling(capsys, tmp_path):
-    """A missing offload_dir, or one another process holds: exit 2, one line naming train.offload_dir."""
+    """A missing offload_dir, or one another process holds: exit 2, one line naming offload.dir."""
     missing = tmp_path / "missing"
-    status, _, err = train(capsys, tmp_path / "a", "train.offload_optimizer=nvme", f"train.offload_dir={missing}")
-    assert status == 2 and "train.offload_dir: no such directory" in one_error_line(err)
+    status, _, err = train(capsys, tmp_path / "a", "offload.optimizer=nvme", f"offload.dir={missing}")
+    assert status == 2 and "offload.dir: no such directory" in one_error_line(err)
     shared = tmp_path / "shared"
     shared.mkdir()
     code = f"import fcntl,os,sys,time; fd=os.open({str(shared / 'meshrun-offload.lock')!r}, os.O_RDWR|os.O_CREAT); "
@@ -112,7 +112,7 @@ def test_offload_dir_missing_or_shared_exit_2_before_compiling(capsys, tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        status, _, err = train(capsys, tmp_path / "b", "train.offload_optimizer=nvme", f"train.offload_dir={shared}")
+        status, _, err = train(capsys, tmp_path / "b", "offload.optimizer=nvme", f"offload.dir={shared}")
     finally:
         holder.kill()
     assert status == 2 and "another process" in one_error_line(err)
@@ -152,12 +152,12 @@ def _unwritable_dir(kind: str, tmp_path: Path):
 @pytest.mark.parametrize("kind", ["procfs", "chmod", "read-only-mount"])
 def test_offload_dir_not_writable_exits_2_before_compiling(capsys, tmp_path, kind):
     """An offload_dir this process cannot create files in, as root too: exit 2, one line naming
-    train.offload_dir, the directory and the fix; no checkpoint written."""
+    offload.dir, the directory and the fix; no checkpoint written."""
     with _unwritable_dir(kind, tmp_path) as d:
-        status, _, err = train(capsys, tmp_path / "run", "train.offload_optimizer=nvme", f"train.offload_dir={d}")
+        status, _, err = train(capsys, tmp_path / "run", "offload.optimizer=nvme", f"offload.dir={d}")
         line = one_error_line(err)
     assert status == 2, err
-    assert "train.offload_dir: not writable: cannot create a file in it" in line and f"(got '{d}')" in line, line
+    assert "offload.dir: not writable: cannot create a file in it" in line and f"(got '{d}')" in line, line
     assert "use a directory this process can write" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -182,7 +182,7 @@ def test_sigkill_mid_swap_out_then_rerun_and_cross_tier_resume(tmp_path):
     """SIGKILL in the middle of step 3's swap-out: the rerun resumes from checkpoint 2 and ends on the
     uninterrupted run's final loss exactly; so does a rerun on the in-memory tier (nvme -> none), and
     the none tier's checkpoint resumes on nvme (none -> nvme)."""
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", BUDGET]
+    nvme = ["offload.optimizer=nvme", f"offload.dir={tmp_path}", BUDGET]
     ref = _cli(tmp_path / "ref", *nvme)
     assert ref.returncode == 0, ref.stderr[-2000:]
     killed = _cli(tmp_path / "k", *nvme, MESHRUN_FAULT_OFFLOAD_KILL="3")
@@ -208,7 +208,7 @@ def test_sigkill_mid_swap_out_then_rerun_and_cross_tier_resume(tmp_path):
 def test_full_disk_mid_swap_exit_4_last_checkpoint_intact(tmp_path):
     """ENOSPC while step 3 swaps out (the injected fault): one line naming the directory, exit 4, and
     checkpoint 2 intact."""
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", BUDGET]
+    nvme = ["offload.optimizer=nvme", f"offload.dir={tmp_path}", BUDGET]
     r = _cli(tmp_path / "run", *nvme, MESHRUN_FAULT_OFFLOAD_ENOSPC="3")
     assert r.returncode == 4, r.stderr[-2000:]
     line = one_error_line(r.stderr)
@@ -226,8 +226,8 @@ def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
     results = []
     for in_place in (True, False):
         (tmp_path / str(in_place)).mkdir()
-        cfg = load_config("configs/tiny_cpu.yaml", [*SMALL, *over, "train.offload_optimizer=nvme", BUDGET,
-                                                    f"train.offload_dir={tmp_path / str(in_place)}"])  # fmt: skip
+        cfg = load_config("configs/tiny_cpu.yaml", [*SMALL, *over, "offload.optimizer=nvme", BUDGET,
+                                                    f"offload.dir={tmp_path / str(in_place)}"])  # fmt: skip
         mesh = build_mesh(cfg.mesh, devices=jax.devices()[:4])
         ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len,
                           global_batch=cfg.train.global_batch)  # fmt: skip

@@ -1,4 +1,4 @@
-"""train.offload_params: ZeRO-3 parameters rest in pinned host memory, are fetched layer by layer
+"""offload.params: ZeRO-3 parameters rest in pinned host memory, are fetched layer by layer
 inside the layer scan, each layer's reduced gradient goes back to host memory as the backward
 makes it, and the update streams the layers through the device one at a time.
 
@@ -27,7 +27,7 @@ from meshrun.train.step import make_train_step
 DP4_TP2 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=4", "train.zero=3"]
 DP8_M1 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1", "train.zero=3"]
 PIPE = ["train.zero=3"]  # tiny_cpu: data 2 x pipe 2 x tensor 2, 1F1B over 4 microbatches
-ON = ["train.offload_params=true"]
+ON = ["offload.params=true"]
 LEAVES = 9  # parameter leaves of one tiny_cpu layer: q, k, v, o, gate, up, down, two norm scales
 
 
@@ -39,8 +39,8 @@ def _same_as_without(over, config="tiny_cpu.yaml"):
 
 def test_offload_params_matches_without_data_tensor():
     """data 4 x tensor 2, 4 microbatches: the layers' float32 sums rest in host memory; with the
-    optimizer state in host memory too (train.offload_optimizer=host)."""
-    _same_as_without([*DP4_TP2, "train.offload_optimizer=host"])
+    optimizer state in host memory too (offload.optimizer=host)."""
+    _same_as_without([*DP4_TP2, "offload.optimizer=host"])
 
 
 def test_offload_params_matches_without_pipeline():
@@ -103,7 +103,7 @@ def test_transfers_are_inside_the_layer_loops_one_per_layer_and_direction():
       reduced gradient to host memory; with 4 microbatches also each float32 sum and gradient to the
       device and the sum back;
     - the update's norm: each gradient to the device; the update: gradient and param (and with
-      train.offload_optimizer=host Adam's m and v) to the device, the new param (m, v) back;
+      offload.optimizer=host Adam's m and v) to the device, the new param (m, v) back;
     - the gradient sums' zeros (the carry of the microbatch loop) made on the device and moved to
       host memory a layer at a time.
     No loop moves anything without the switch."""
@@ -111,7 +111,7 @@ def test_transfers_are_inside_the_layer_loops_one_per_layer_and_direction():
     one = {"device": n, "pinned_host": n}
     cases = [
         ([*DP8_M1, *ON], one, {"device": 2 * n, "pinned_host": n}),
-        ([*DP4_TP2, *ON, "train.offload_optimizer=host"], {"device": 3 * n, "pinned_host": 2 * n},
+        ([*DP4_TP2, *ON, "offload.optimizer=host"], {"device": 3 * n, "pinned_host": 2 * n},
          {"device": 4 * n, "pinned_host": 3 * n}),
     ]  # fmt: skip
     for over, backward, update in cases:
@@ -146,9 +146,9 @@ def test_device_argument_bytes_fall_by_the_parameters():
 
 
 def test_offload_params_needs_zero_3(capsys):
-    assert main(["train", "configs/tiny_cpu.yaml", "train.offload_params=true", "train.zero=1"]) == 2
+    assert main(["train", "configs/tiny_cpu.yaml", "offload.params=true", "train.zero=1"]) == 2
     err = capsys.readouterr().err
-    assert "train.offload_params" in err and "set train.zero=3" in err and "Traceback" not in err
+    assert "offload.params" in err and "set train.zero=3" in err and "Traceback" not in err
     assert err.count("\n") == 1
 
 
@@ -156,10 +156,10 @@ def test_offload_params_refuses_bf16_params_with_a_pipeline(capsys):
     """bf16 params are built without a pipeline only (the pipeline's backward would round each layer's
     reduced gradient to bf16); the config, the step's plan and the planner ask the same pure function,
     which accepts the nvme tier and refuses fp8."""
-    over = ["train.offload_params=true", "train.zero=3", "model.param_dtype=bfloat16", "train.run_dir=runs/t-op-bf16"]
+    over = ["offload.params=true", "train.zero=3", "model.param_dtype=bfloat16", "train.run_dir=runs/t-op-bf16"]
     assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2  # tiny_cpu: mesh.pipe=2
     err = capsys.readouterr().err
-    assert "train.offload_params" in err and "use mesh.pipe=1" in err and "Traceback" not in err
+    assert "offload.params" in err and "use mesh.pipe=1" in err and "Traceback" not in err
     assert err.count("\n") == 1
     assert offload_params_refusals(3, "nvme", "bfloat16", "none", 1) == []
     assert offload_params_refusals(3, "none", "bfloat16", "none", 2) and offload_params_refusals(3, "none", "bfloat16")
@@ -213,11 +213,11 @@ def test_bf16_params_reduce_the_fetched_gradient_in_float32(over):
 def test_offload_params_refuses_overlap_grad_reduce(capsys):
     """offload_params reduces each layer's gradients inside its layer loop, so the pipeline's early-chunk
     reduction has nothing to move: the step's plan and the planner refuse the pair through the same rule."""
-    over = ["train.offload_params=true", "train.zero=3", "pipeline.schedule=zb-v", "pipeline.microbatches=4",
+    over = ["offload.params=true", "train.zero=3", "pipeline.schedule=zb-v", "pipeline.microbatches=4",
             "pipeline.overlap_grad_reduce=true", "train.run_dir=runs/t-op-overlap"]  # fmt: skip
     assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2  # tiny_cpu: mesh.pipe=2
     err = capsys.readouterr().err
-    assert "train.offload_params" in err and "pipeline.overlap_grad_reduce=false" in err and "Traceback" not in err
+    assert "offload.params" in err and "pipeline.overlap_grad_reduce=false" in err and "Traceback" not in err
     assert err.count("\n") == 1
     assert offload_params_refusals(3, "none", "float32", "none", 2, overlap_grad_reduce=True)
     assert not offload_params_refusals(3, "none", "float32", "none", 2)

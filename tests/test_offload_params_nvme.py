@@ -1,4 +1,4 @@
-"""train.offload_params with train.offload_optimizer=nvme: the parameters and their gradient rest in host
+"""offload.params with offload.optimizer=nvme: the parameters and their gradient rest in host
 memory, the stacked layers' optimizer state in the NVMe tier's file, and the update streams whole layers
 through the device (meshrun/train/layer_tier.py). The run equals the same run with the state in memory
 exactly (losses, params and the whole optimizer state after 3 steps, tolerance 0), the tier never holds
@@ -19,13 +19,13 @@ from meshrun.data.datasets import global_batch_arrays, make_dataset
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.train import swap_dir
 
-OP = ["train.zero=3", "train.offload_params=true"]
+OP = ["train.zero=3", "offload.params=true"]
 DP8_M1 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1", "model.n_layers=8"]
 MB = 2**20
 
 
 def nvme(path, budget_mb: float) -> list[str]:
-    return ["train.offload_optimizer=nvme", f"train.offload_dir={path}", f"train.offload_budget_mb={budget_mb}"]
+    return ["offload.optimizer=nvme", f"offload.dir={path}", f"offload.budget_mb={budget_mb}"]
 
 
 def same(got, want) -> None:
@@ -35,7 +35,7 @@ def same(got, want) -> None:
 
 
 def assert_exact(config, over, reference, tmp_path, budget_mb):
-    ref = run(config, [*over, *OP, f"train.offload_optimizer={reference}"])
+    ref = run(config, [*over, *OP, f"offload.optimizer={reference}"])
     got = run(config, [*over, *OP, *nvme(tmp_path, budget_mb)])
     np.testing.assert_array_equal(got[0], ref[0])
     same(got[1], ref[1])
@@ -56,12 +56,12 @@ def test_offload_params_nvme_equals_the_state_in_memory(tmp_path):
 
 
 def test_layer_tier_takes_its_directory_as_the_streamed_tiers_do(capsys, tmp_path):
-    """The layer tier takes train.offload_dir with the streamed tiers' `swap_dir.take_dir`: a missing
-    one exits 2 with one line naming train.offload_dir, before anything is written."""
+    """The layer tier takes offload.dir with the streamed tiers' `swap_dir.take_dir`: a missing
+    one exits 2 with one line naming offload.dir, before anything is written."""
     from test_reliability import train
 
     status, _, err = train(capsys, tmp_path / "run", *DP8_M1, *OP, *nvme(tmp_path / "missing", 1.5))
-    assert status == 2 and "train.offload_dir: no such directory" in one_error_line(err)
+    assert status == 2 and "offload.dir: no such directory" in one_error_line(err)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

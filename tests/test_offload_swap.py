@@ -23,7 +23,7 @@ def test_chunk_elems_from_budget():
     assert swap.chunk_elems(16 * mib, 3, 4, 13_000_000) == 113 * 1024  # master, m, v of 4 distinct rows
     assert swap.chunk_elems(16 * mib, 2, 1, 5000) == 5 * 1024  # the whole row in one chunk
     assert swap.chunk_elems(3 * 2 * 4 * 1024, 2, 1, 10**6) == 1024  # exactly one ALIGN per buffer
-    with pytest.raises(ConfigError, match=r"train.offload_budget_mb: .*use at least 0.02"):
+    with pytest.raises(ConfigError, match=r"offload.budget_mb: .*use at least 0.02"):
         swap.chunk_elems(3 * 2 * 4 * 1024 - 1, 2, 1, 10**6)
 
 

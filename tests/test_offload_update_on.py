@@ -1,4 +1,4 @@
-"""train.offload_update_on: the streamed tier's chunk update on the devices (the copy path, a GPU's)
+"""offload.update_on: the streamed tier's chunk update on the devices (the copy path, a GPU's)
 or on jax's CPU backend (`train/host_update.py`) equals the in-memory run exactly: losses, params and
 the whole optimizer state after 3 steps, tolerance 0, with the clip active; bad values exit 2."""
 
@@ -38,14 +38,14 @@ def run(over, n_devices=8, steps=3):
 
 
 def tier_over(tier, tmp_path):
-    over = [f"train.offload_optimizer={tier}", "train.offload_budget_mb=0.5"]
-    return [*over, f"train.offload_dir={tmp_path}"] if tier == "nvme" else over
+    over = [f"offload.optimizer={tier}", "offload.budget_mb=0.5"]
+    return [*over, f"offload.dir={tmp_path}"] if tier == "nvme" else over
 
 
 def assert_exact(layout, tier, on, tmp_path):
     ref = run(LAYOUTS[layout])
     assert min(ref[3]) > 0.5  # the clip is active in every step
-    got = run([*LAYOUTS[layout], *tier_over(tier, tmp_path), f"train.offload_update_on={on}"])
+    got = run([*LAYOUTS[layout], *tier_over(tier, tmp_path), f"offload.update_on={on}"])
     np.testing.assert_array_equal(got[0], ref[0])
     assert_same(got[1], ref[1])  # params and the whole optimizer state (read back from the store)
     return got[2].tier
@@ -69,7 +69,7 @@ def test_host_update_runs_on_the_cpu_backend_in_place(tmp_path):
     over = ["mesh.data=2", "mesh.pipe=1", "mesh.tensor=2", "train.zero=0", "pipeline.microbatches=2"]
     ref = run(over, n_devices=4)
     cfg = load_config("configs/tiny_cpu.yaml", [*SMALL, *over, *tier_over("nvme", tmp_path),
-                                                "train.offload_update_on=host"])  # fmt: skip
+                                                "offload.update_on=host"])  # fmt: skip
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:4])
     ts = make_train_step(cfg, mesh)
     host = ts.tier.host
@@ -99,16 +99,16 @@ def test_host_update_runs_on_the_cpu_backend_in_place(tmp_path):
 @pytest.mark.parametrize(
     ("over", "what"),
     [
-        (["train.offload_update_on=gpu"], "train.offload_update_on: invalid value"),
-        (["train.offload_update_on=host"], "no optimizer tier"),
-        (["train.offload_optimizer=host", "train.offload_update=whole", "train.offload_update_on=host"], "whole"),
-        (["train.offload_optimizer=host", "optimizer.name=muon", "train.offload_update_on=device"], "not elementwise"),
+        (["offload.update_on=gpu"], "offload.update_on: invalid value"),
+        (["offload.update_on=host"], "no optimizer tier"),
+        (["offload.optimizer=host", "offload.update=whole", "offload.update_on=host"], "whole"),
+        (["offload.optimizer=host", "optimizer.name=muon", "offload.update_on=device"], "not elementwise"),
     ],
 )
 def test_bad_offload_update_on_exits_2(capsys, tmp_path, over, what):
     status = main(["train", "configs/tiny_cpu.yaml", f"train.run_dir={tmp_path}", *over])
     line = one_error_line(capsys.readouterr().err)
-    assert status == 2 and line.startswith("meshrun train: error: train.offload_update_on") and what in line, line
+    assert status == 2 and line.startswith("meshrun train: error: offload.update_on") and what in line, line
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -121,5 +121,5 @@ def test_host_without_the_cpu_backend_is_a_config_error(monkeypatch):
         raise RuntimeError(f"Unknown backend {backend}")
 
     monkeypatch.setattr(jax, "local_devices", no_cpu)
-    with pytest.raises(ConfigError, match=r"offload_update_on: jax.s CPU backend is not available .*JAX_PLATFORMS"):
+    with pytest.raises(ConfigError, match=r"offload.update_on: jax.s CPU backend is not available .*JAX_PLATFORMS"):
         host_update.cpu_device(jax.devices())

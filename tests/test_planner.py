@@ -395,7 +395,7 @@ def test_bad_cluster_strings():
 
 
 def test_model_that_fits_nowhere_says_smallest_memory(gpt3):
-    # a node with 512 GB of host memory: with 2 TB (the DGX default) train.offload_params with the
+    # a node with 512 GB of host memory: with 2 TB (the DGX default) offload.params with the
     # state on NVMe fits it (test_planner_params); here its bf16 params and fp32 gradients (1.05 TB) do not
     with pytest.raises(ConfigError) as e:
         search.search(gpt3, parse_cluster("a100-80g:1x8,host=512GB"), 64, 2048, name="gpt3-175b")

@@ -1,4 +1,4 @@
-"""The planner's `train.offload_params` (ZeRO-3 parameters in host memory, fetched layer by layer):
+"""The planner's `offload.params` (ZeRO-3 parameters in host memory, fetched layer by layer):
 its element counts, the host-link traffic table of docs/offload.md, the tier bytes and time of one
 layout by hand, the rule that it is proposed only when the optimizer state's tiers do not fit, and
 that it proposes only what meshrun's runtime accepts (`config.offload_params_refusals`, pinned
@@ -110,7 +110,7 @@ def test_link_bytes_follow_the_docs_table(m, b):
 
 
 def test_link_bytes_with_the_gradient_on_nvme():
-    """train.offload_grads=nvme (one micro-batch): the forward and backward fetches, the gradient out
+    """offload.grads=nvme (one micro-batch): the forward and backward fetches, the gradient out
     once (no zeros; the norm's squared sums come from the backward, so no read for it), then the
     update's gradient and params in and the new params out."""
     assert param_offload.link_bytes(1000, 2, 1, grads="nvme") == (2_000 + 2_000 + 4_000 + 2_000, 4_000 + 2_000)
@@ -169,7 +169,7 @@ def test_tier_bytes_and_time_by_hand():
 
 def test_proposed_only_when_the_state_tiers_do_not_fit():
     """llama-70b with float32 params on one DGX H100: neither the host nor the NVMe tier of the state
-    fits (the parameters and gradients stay), so the search proposes train.offload_params, with the
+    fits (the parameters and gradients stay), so the search proposes offload.params, with the
     state on the device (the nearest tier that fits), each saying why; GPT-3 175B at 16K on 8 DGX
     A100 fits with the host tier alone, so no proposal offloads parameters."""
     m = model("llama-70b", param_dtype="float32")
@@ -202,15 +202,15 @@ def check_405b(rc: int, out: str, err: str, refused: list[str]) -> None:
     it when `refused`, else a ZeRO-3 layout with the parameters in host memory and its step time."""
     if refused:
         assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-        assert ("with the parameters in host memory (train.offload_params) and the optimizer state on NVMe it "
+        assert ("with the parameters in host memory (offload.params) and the optimizer state on NVMe it "
                 "would fit") in err  # fmt: skip
-        assert ("but meshrun does not run train.offload_params with train.offload_optimizer=nvme and "
+        assert ("but meshrun does not run offload.params with offload.optimizer=nvme and "
                 "model.param_dtype=bfloat16: " + "; ".join(f"it {w}" for w in refused)) in err  # fmt: skip
         assert "with the state in host memory: host memory" in err  # why not the host tier
         return
     assert rc == 0 and err == ""
     why = next(line for line in out.splitlines() if "offload parameters to host memory" in line)
-    assert "train.offload_params=true train.offload_optimizer=nvme" in why and "on NVMe" in why
+    assert "offload.params=true offload.optimizer=nvme" in why and "on NVMe" in why
     row = out.splitlines()[3].split()
     assert row[9] == "3" and float(row[13]) > 0  # ZeRO-3, a step time
 
@@ -229,7 +229,7 @@ def test_405b_follows_the_runtimes_acceptance(capsys, monkeypatch):
 
 
 def _refuse_grads(*args, **kw):
-    """`config.offload_params_refusals` as today, and train.offload_grads=nvme refused as well."""
+    """`config.offload_params_refusals` as today, and offload.grads=nvme refused as well."""
     out = ORIGINAL_REFUSALS(*args, **kw)
     grads = kw.get("offload_grads", args[5] if len(args) > 5 else "host")
     return out + [("is refused with the gradient on NVMe by this test", "accept it")] * (grads == "nvme")
@@ -247,7 +247,7 @@ def test_405b_on_a_dgx_h100_puts_the_gradient_on_nvme(capsys, monkeypatch):
     rc, out, err = run_cli([*ARGV_DGX, "--top", "1"], capsys)
     assert rc == 0 and err == ""
     why = next(line for line in out.splitlines() if "offload parameters to host memory" in line)
-    assert "train.offload_optimizer=nvme train.offload_grads=nvme pipeline.microbatches=1" in why
+    assert "offload.optimizer=nvme offload.grads=nvme pipeline.microbatches=1" in why
     assert "(0.81 of 2.00 TB per node)" in why and "the layers' float32 gradient" in why
     assert "with the state on NVMe (the gradient in host memory): host memory 2419 GB per node > 1800 GB" in why
     row = out.splitlines()[3].split()
@@ -260,7 +260,7 @@ def test_405b_on_a_dgx_h100_puts_the_gradient_on_nvme(capsys, monkeypatch):
 
 
 def test_a_refused_combination_is_never_proposed(monkeypatch):
-    """The float32 llama-70b on one node is proposed train.offload_params today; when the runtime's
+    """The float32 llama-70b on one node is proposed offload.params today; when the runtime's
     rules refuse it, the search proposes nothing and says what refuses it."""
     m = model("llama-70b", param_dtype="float32")
     assert search.search(m, H100, 16, 4096, top=1)[0].layout.offload_params
@@ -271,14 +271,18 @@ def test_a_refused_combination_is_never_proposed(monkeypatch):
 
 
 def test_the_planners_rules_are_the_runtimes():
-    """What the planner is told is refused is what TrainConfig raises."""
+    """What the planner is told is refused is what the run's config raises."""
     for tier in tiers.TIERS:
         refused = config.offload_params_refusals(3, tier)
         if not refused:
-            config.TrainConfig(zero=3, offload_params=True, offload_optimizer=tier, offload_dir="x")
+            config.RunConfig(
+                train=config.TrainConfig(zero=3), offload=config.OffloadConfig(optimizer=tier, dir="x", params=True)
+            )
             continue
         with pytest.raises(ConfigError, match=re.escape(refused[0][0])):
-            config.TrainConfig(zero=3, offload_params=True, offload_optimizer=tier, offload_dir="x")
+            config.RunConfig(
+                train=config.TrainConfig(zero=3), offload=config.OffloadConfig(optimizer=tier, dir="x", params=True)
+            )
     muon = Layout(zero=3, optimizer="muon")
     assert any("layer by layer" in w for w in param_offload.refusals(model("llama-7b"), muon, "none"))
     f32 = model("llama-7b", param_dtype="float32")
@@ -315,7 +319,7 @@ def test_evaluate_shows_the_tier_bytes_and_host_link_time(tmp_path, capsys, monk
     assert c["offload_params"] is True and c["host_memory_gb"] == round(pt.host / GB, 3)
     monkeypatch.setattr(config, "offload_params_refusals", refuse)
     rc, out, _ = run_cli([*argv, "--evaluate", ev], capsys)
-    assert "train.offload_params is refused by this test (meshrun refuses it)" in out and why in out
+    assert "offload.params is refused by this test (meshrun refuses it)" in out and why in out
 
 
 # ----------------------------------------------------------------------------- against the runtime
@@ -330,7 +334,7 @@ def test_evaluate_shows_the_tier_bytes_and_host_link_time(tmp_path, capsys, monk
     ],
 )
 def test_planner_shard_is_the_runtimes_host_params(over):
-    """The tiny model on 8 CPU devices with train.offload_params: the bytes of one device's parameter
+    """The tiny model on 8 CPU devices with offload.params: the bytes of one device's parameter
     shards that rest in pinned host memory (the step's own shardings, nothing compiled) equal the
     planner's N·b for the layers and for the embedding, head and final norm."""
     import jax
@@ -341,7 +345,7 @@ def test_planner_shard_is_the_runtimes_host_params(over):
     from meshrun.runtime.mesh import build_mesh
     from meshrun.train.step import make_train_step
 
-    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.zero=3", "train.offload_params=true"])
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.zero=3", "offload.params=true"])
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
     ts = make_train_step(cfg, mesh)
     host = {"layers": 0, "other": 0}
@@ -363,7 +367,7 @@ def test_planner_shard_is_the_runtimes_host_params(over):
     ],
 )
 def test_planner_gradient_bytes_are_the_runtimes(over, tmp_path):
-    """The tiny model on 8 CPU devices with train.offload_grads=nvme, one step: the gradient bytes the
+    """The tiny model on 8 CPU devices with offload.grads=nvme, one step: the gradient bytes the
     runtime writes to the file per device (the sink's count) are the planner's NVMe gradient (4·N of the
     layers); the planner's host memory is the params' pinned shard (the runtime's shardings) plus the
     chunk budget, the gradient's 4·N less than with the gradient in host memory; the runtime's tier
@@ -380,9 +384,9 @@ def test_planner_gradient_bytes_are_the_runtimes(over, tmp_path):
     from meshrun.train.step import make_train_step
 
     budget = 2.0
-    nvme = ["train.offload_optimizer=nvme", f"train.offload_dir={tmp_path}", f"train.offload_budget_mb={budget}"]
-    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.zero=3", "train.offload_params=true", *nvme,
-                                                       "train.offload_grads=nvme"])  # fmt: skip
+    nvme = ["offload.optimizer=nvme", f"offload.dir={tmp_path}", f"offload.budget_mb={budget}"]
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*over, "train.zero=3", "offload.params=true", *nvme,
+                                                       "offload.grads=nvme"])  # fmt: skip
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
     ts = make_train_step(cfg, mesh)
     t = cfg.train

@@ -166,7 +166,7 @@ def test_tier_bytes_traffic_and_time_by_hand():
 
 
 def test_update_on_the_device_or_the_host_cpu_by_hand():
-    """Where the streamed update runs (`train.offload_update_on`): on the host CPU the link carries the
+    """Where the streamed update runs (`offload.update_on`): on the host CPU the link carries the
     gradient down and the new params up (6 bytes per element with bf16 params and a float32 master, 12
     with float32 params), and the CPU's Adam pass moves 30 (28) bytes per element in host memory at 70%
     of the node's host memory bandwidth (DGX H100: 2 x 8 channels of DDR5-4800), shared by its 8 GPUs;
@@ -202,7 +202,7 @@ def test_plan_says_where_the_update_runs(capsys):
     rc, out, _ = run_cli(argv, capsys)
     assert rc == 0 and "update on the device: +2.03 s against +2.42 s on the host CPU" in out, out
     rc, out, _ = run_cli([*GPT3_LONG[:-1], "1", "--cluster", "a100-80g:8x8"], capsys)
-    assert rc == 0 and "update on the host CPU (train.offload_update_on=host): +2.25 s against +2.52 s" in out, out
+    assert rc == 0 and "update on the host CPU (offload.update_on=host): +2.25 s against +2.52 s" in out, out
 
 
 def test_chunks_match_the_runtime_rule():
@@ -213,14 +213,14 @@ def test_chunks_match_the_runtime_rule():
             want = swap.chunk_elems(budget * 2**20, slots, rows, row_len)
             assert tiers.chunk_elems(budget * 2**20, slots, rows, row_len) == want
     assert tiers.SLOTS_IN_FLIGHT == chunk_store.SLOTS_IN_FLIGHT and tiers.ALIGN == swap.ALIGN
-    from meshrun.config import TrainConfig
+    from meshrun.config import OffloadConfig
 
-    assert TrainConfig().offload_budget_mb == tiers.DEFAULT_BUDGET_MB
+    assert OffloadConfig().budget_mb == tiers.DEFAULT_BUDGET_MB
 
 
 @pytest.mark.parametrize("kind", ["nvme", "host"])
 def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
-    """The tiny model on 8 CPU devices, train.offload_optimizer=nvme or host (streamed): the planner's
+    """The tiny model on 8 CPU devices, offload.optimizer=nvme or host (streamed): the planner's
     elements per rank, state slots, chunk and store bytes (the file, or the host tier's chunks in
     host memory) equal what the runtime's tier lays out, and a step reads and writes exactly the
     store: for nvme from the drives, and over the host link for both (the planner's pcie bytes)."""
@@ -237,8 +237,8 @@ def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
 
     small = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16"]
     # pipe 2 x data 2 x tensor 2, ZeRO-1, bf16 params (3 fp32 slots: master, m, v)
-    tier_over = [f"train.offload_optimizer={kind}", "train.offload_budget_mb=0.5"]
-    tier_over += [f"train.offload_dir={tmp_path}"] if kind == "nvme" else []
+    tier_over = [f"offload.optimizer={kind}", "offload.budget_mb=0.5"]
+    tier_over += [f"offload.dir={tmp_path}"] if kind == "nvme" else []
     for over in (["train.zero=1", "model.param_dtype=bfloat16"],):
         cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [*small, *tier_over, *over])
         mesh = build_mesh(cfg.mesh, devices=jax.devices()[:8])
@@ -265,14 +265,14 @@ def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
 
 HOST_UPDATES = {  # overrides -> whether the runtime streams the host tier's update
     "adamw": ([], True),
-    "whole": (["train.offload_update=whole"], False),
+    "whole": (["offload.update=whole"], False),
     "muon": (["optimizer.name=muon"], False),
     "bf16-moments": (["optimizer.state_dtype=bfloat16"], False),
     "fp8": (["model.fp8=tensorwise"], False),
-    "offload-params": (["train.zero=3", "train.offload_params=true"], False),
-    "streamed": (["train.offload_update=streamed"], True),
-    # train.offload_params streams layer by layer itself, whatever the optimizer (no refusal raised)
-    "offload-params-muon": (["train.zero=3", "train.offload_params=true", "optimizer.name=muon"], False),
+    "offload-params": (["train.zero=3", "offload.params=true"], False),
+    "streamed": (["offload.update=streamed"], True),
+    # offload.params streams layer by layer itself, whatever the optimizer (no refusal raised)
+    "offload-params-muon": (["train.zero=3", "offload.params=true", "optimizer.name=muon"], False),
 }
 
 
@@ -285,7 +285,7 @@ def test_planner_streams_the_host_update_where_the_runtime_does(name):
     from meshrun.train.plan import streams_update
 
     over, want = HOST_UPDATES[name]
-    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["train.offload_optimizer=host", *over])
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["offload.optimizer=host", *over])
     lay = layout_of(cfg, {"data": 2, "pipe": 2, "tensor": 2, "expert": 1})
     assert streams_update(cfg) is want and tiers.host_streams(cfg.model, lay) is want
     mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=64)
@@ -313,7 +313,7 @@ def test_evaluate_offload_update(capsys):
     rc, out, _ = run_cli([*argv, "--evaluate", f"{ev},offload_update=streamed"], capsys)
     assert "update streamed in" in out and "the update's peak" not in out
     rc, out, _ = run_cli([*argv, "--optimizer", "muon", "--evaluate", f"{ev},offload_update=streamed"], capsys)
-    assert "train.offload_update=streamed: meshrun refuses it (muon's update is not elementwise" in out
+    assert "offload.update=streamed: meshrun refuses it (muon's update is not elementwise" in out
     rc, out, err = run_cli([*argv, "--evaluate", "tensor=4,pipe=2,data=2,offload_update=whole"], capsys)
     assert rc == 2 and "--evaluate offload_update: chooses the host tier's update only" in err and out == ""
 
@@ -396,4 +396,4 @@ def test_1t_on_four_nodes_needs_the_parameters_off_the_device(capsys):
         assert rc == 2 and len(err.strip().splitlines()) == 1 and "and the optimizer state on NVMe it would fit" in err
         assert all(f"it {w}" in err for w, _ in refused)
     else:
-        assert rc == 0 and "train.offload_params=true train.offload_optimizer=nvme" in out
+        assert rc == 0 and "offload.params=true offload.optimizer=nvme" in out

@@ -37,11 +37,16 @@ def test_startup_block_config_yaml_and_saves(tmp_path, capsys):
     lines = err.splitlines()
     want = [
         r"^model +llama: 0\.\d+M params \(2 layers, d_model 32\)$",
-        r"^mesh +pipe2 x data2 x tensor2 = 8 devices on 1 host\(s\); ZeRO 0$",
+        r"^mesh +pipe2 x data2 x tensor2 = 8 devices on 1 host\(s\)$",
+        r"^zero +stage 0: params, gradients and optimizer state whole on each of 2 data-parallel rank\(s\)$",
         r"^batch +8 sequences x 16 tokens = 128 tokens/step$",
         r"^pipeline +2 microbatches, 1f1b, bubble \d+\.\d%$",
-        r"^layers +per stage \[1, 1\] \(pipeline.balance=even\)$",
+        r"^layers +per device \[1, 1\] \(pipeline.balance=even\)$",
+        r"^dtypes +compute float32, params float32, gradient reduction float32$",
+        r"^optimizer adamw, lr 3\.00e-03, warmup 4 steps, cosine to 3\.00e-04 at step 5; weight decay 0\.01, "
+        r"grad clip 1; state float32$",
         r"^memory +predicted \d+\.\d+ [MG]iB per device \(params .*optimizer .*activations .*\)$",
+        r"^saves +every 20 steps and at the end, newest 2 kept, blocking$",
         r"^compiling \.\.\.$",
         r"^compiled in \d+\.\d s$",
         r"^step 1/2  loss \d\.\d{4}  [\d,]+ tok/s  \d+ ms/step  lr .*  gnorm \d+\.\d{3}  ETA \d+:\d\d$",
@@ -59,6 +64,43 @@ def test_startup_block_config_yaml_and_saves(tmp_path, capsys):
     # config.yaml: the resolved config, one that loads back to the same run
     assert load_config(run_dir / "config.yaml") == cfg
     assert out["step"] == 2
+
+
+def _block(*over: str) -> dict[str, str]:
+    """The start-up block of tiny_cpu (SMALL) with `over`, by label (built, not compiled)."""
+    from meshrun.train.plan import build_plan
+
+    cfg = _cfg(Path("unused"), *over)
+    shape = {"pipe": cfg.mesh.pipe, "data": cfg.mesh.data, "expert": 1, "context": 1, "tensor": cfg.mesh.tensor}
+    mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), devices=jax.devices()[: cfg.mesh.pipe * cfg.mesh.data
+                                                                                   * cfg.mesh.tensor])  # fmt: skip
+    return {ln[:10].strip(): ln[10:] for ln in startup_lines(cfg, mesh, build_plan(cfg, mesh))}
+
+
+def test_startup_block_says_what_decides_the_run(tmp_path):
+    """ZB-V on pipe=2: layers per device (and each device's two chunks), not the 4 virtual stages; the
+    ZeRO stage; dtypes, the fp8 recipe, the optimizer's schedule and state dtype; each offload tier
+    and where it rests; the checkpoint policy."""
+    zbv = _block("model.n_layers=8", "pipeline.schedule=zb-v", "train.zero=1", "optimizer.decay_steps=50")
+    assert zbv["layers"] == "per device [4, 4] in chunks 2+2 2+2 (pipeline.balance=even)"
+    assert zbv["zero"] == "stage 1: optimizer state sharded over 2 data-parallel rank(s)"
+    assert "cosine to 3.00e-04 at step 50" in zbv["optimizer"] and "offload" not in zbv and "fp8" not in zbv
+    (tmp_path / "off").mkdir()
+    b = _block("mesh.pipe=1", "mesh.data=4", "train.zero=3", "model.param_dtype=bfloat16", "model.dtype=bfloat16",
+               "train.grad_reduce_dtype=bfloat16", "model.fp8=delayed", "model.fp8_first_last_bf16=true",
+               "optimizer.name=adamw", "optimizer.state_dtype=float32", "offload.optimizer=nvme",
+               f"offload.dir={tmp_path / 'off'}", "offload.budget_mb=64", "checkpoint.every=5", "checkpoint.keep=3",
+               "checkpoint.local_every=2", f"checkpoint.local_dir={tmp_path / 'local'}")  # fmt: skip
+    assert b["zero"] == "stage 3: params, gradients and optimizer state sharded over 4 data-parallel rank(s)"
+    assert b["dtypes"] == "compute bfloat16, params bfloat16 (float32 master), gradient reduction bfloat16"
+    assert b["fp8"] == "delayed scaling, amax history 16 steps; first and last layers in bfloat16"
+    assert b["optimizer"].startswith("adamw, lr ") and b["optimizer"].endswith("; state float32")
+    assert b["offload"] == (f"optimizer state + float32 master in NVMe files in {tmp_path / 'off'} (update streamed "
+                            "through 64 MiB of host buffers, in place)")  # fmt: skip
+    assert b["saves"] == "every 5 steps and at the end, newest 3 kept, async; local every 2 steps, newest 2 kept"
+    host = _block("mesh.pipe=1", "mesh.data=4", "train.zero=3", "offload.optimizer=host", "offload.params=true")
+    assert host["offload"] == ("optimizer state in host memory (whole-shard update on the device); params in host "
+                               "memory, fetched layer by layer; their gradients in host memory")  # fmt: skip
 
 
 def test_resume_says_from_where_and_what_differs(tmp_path, capsys):

@@ -558,7 +558,7 @@ def test_split_1f1b_holds_p_minus_s_with_one_op_ticks(p, m):
 
 def test_executor_option_errors_name_the_fix():
     """The schedule's registry entry says which executors play it (checked by the step plan, and by
-    `tick_program`: config.py sits below the pipeline package)."""
+    `tick_program`: meshrun.config sits below the pipeline package)."""
     from meshrun.config import PipelineConfig
     from meshrun.pipeline.program import tick_program
 

@@ -122,7 +122,7 @@ def test_auto_gathers_per_layer_by_the_gathered_bytes():
             [*LAYER, "pipeline.overlap_grad_reduce=true", "pipeline.schedule=interleaved", "pipeline.virtual=2"],
             "set pipeline.overlap_grad_reduce=false",
         ),
-        (["train.zero=3", "train.zero3_gather=step", "train.offload_params=true"], "leave it auto"),
+        (["train.zero=3", "train.zero3_gather=step", "offload.params=true"], "leave it auto"),
         (["train.zero=3", "train.zero3_gather=sometimes"], "use one of"),
     ],
     ids=["zero1", "bf16-pipeline", "overlap-grad-reduce", "step-with-offload-params", "unknown"],

@@ -12,6 +12,7 @@ Shape letters: B batch, L length, D d_model, F d_ff, V vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,16 @@ from meshrun import ConfigError, ModelConfig
 @dataclass(frozen=True)
 class MLPConfig(ModelConfig):
     """The shared model keys (vocab, d_model, n_layers, d_ff, dtypes, init_std, norm_eps) plus one of
-    its own. The planner's transformer formulas do not describe this layer: `predictable = False`."""
+    its own. The planner's transformer formulas do not describe this layer: `predictable = False`.
+    It has no attention, so it fixes the head fields as class constants: model.n_heads is then a key
+    it does not have (refused), not one that is checked and ignored."""
 
     family: str = "custom_model.model:FAMILY"
     shift: float = 0.5  # weight of the previous token's stream mixed into each block's input
+
+    n_heads: ClassVar[int] = 0
+    n_kv_heads: ClassVar[int] = 0
+    head_dim: ClassVar[int] = 0
 
     predictable = False  # ClassVar of ModelConfig: the start-up block skips the memory prediction
     summary = ("vocab", "d_model", "n_layers", "d_ff", "dtype")  # `meshrun checkpoints` shows these, then `shift`

@@ -36,8 +36,8 @@ from meshrun.errors import (
 #   `setup_devices`/`start_command`; meshrun/runtime/devices.py and distributed.py, which set the
 #   devices up, import jax inside the functions that run afterwards; `import meshrun` defers its
 #   mesh/sharding helpers (meshrun/__init__.py).
-# - optional dependencies, imported where used: matplotlib (`meshrun schedule --plot`), tensorboardX
-#   (train.tensorboard, meshrun/train/metrics.py).
+# - optional dependencies, imported where used: matplotlib (`meshrun schedule --plot`), tensorboardX,
+#   wandb and mlflow (train.loggers, meshrun/train/loggers.py).
 # Check: `python -c "import sys, meshrun.cli.main as m; m.build_parser(); print('jax' in sys.modules)"`
 # prints False (tests/test_imports.py).
 COMMAND_MODULES = (

@@ -439,9 +439,9 @@ def format_table(
 
 
 def _axis_shares(t: dict) -> str:
-    """The seed's claim that at peak efficiency TP : PP : DP time is about 3 : 2 : 1, checked on this
+    """The rule of thumb that at peak efficiency TP : PP : DP time is about 3 : 2 : 1, checked on this
     layout: tensor = TP all-reduces, pipe = point-to-point sends + bubble, data = gradient sync (+ ZeRO)."""
     tp, pp, dp = t["tensor_comm"], t["pipe_comm"] + t["bubble"], t["dp_sync"] + t["zero_comm"]
     shares = ", ".join(f"{k} {v / t['total']:.1%}" for k, v in (("TP", tp), ("PP", pp), ("DP", dp)))
     ratio = " : ".join(f"{v / dp:.2g}" for v in (tp, pp, dp)) if dp > 0 else "n/a (no data-parallel sync)"
-    return f"#1 parallelism time shares of the step: {shares}; TP : PP : DP = {ratio} (the seed expects ~3 : 2 : 1)"
+    return f"#1 parallelism time shares of the step: {shares}; TP : PP : DP = {ratio} (rule of thumb: ~3 : 2 : 1)"

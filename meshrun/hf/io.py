@@ -396,6 +396,9 @@ _RUNTIME_FIELDS = {
     "moe_dispatch",
     "aux_loss_coef",
     "z_loss_coef",
+    "fp8",  # fp8 is how the GEMMs ran: the master weights are ordinary weights (export_hf notes it)
+    "fp8_amax_history",
+    "fp8_first_last_bf16",
 }
 
 
@@ -470,6 +473,9 @@ def export_hf(
     tokenizer = _data_tokenizer(meta)
     cfg, params, meta, directory = load_params_from(run_dir, quiet=quiet, step=step)
     config = export_config(cfg, hf, vocab, dtype)  # the checkpoint used may be an older one
+    if getattr(cfg, "fp8", "none") != "none" and not quiet:
+        print(f"meshrun: note: model.fp8={cfg.fp8}: exporting the master weights as {dtype}; transformers "
+              "computes it without fp8 (the fp8 scaling state is not written)", file=sys.stderr)  # fmt: skip
     leaf = lambda path: _get(params, path)
     tensors = ((k, v.astype(np_dtype)) for k, v in hf_tensors(cfg, leaf, vocab))
     names = write_sharded(out, tensors, max_shard_bytes)

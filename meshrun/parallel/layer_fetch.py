@@ -1,4 +1,4 @@
-"""train.offload_params: ZeRO-3 parameters rest in pinned host memory and each layer is fetched
+"""offload.params: ZeRO-3 parameters rest in pinned host memory and each layer is fetched
 inside the model's layer scan (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021).
 
 The model calls `fetch_layer` on one unit's parameters at the top of its scan body. Outside a step
@@ -14,7 +14,7 @@ device, the sum goes back). The fetch sits inside the unit's
 remat, so the backward fetches the layer again instead of keeping the gathered weights (a unit
 with no remat of its own is checkpointed around them: `FETCHED`).
 
-With a gradient sink (`use_grad_sink`: train.offload_grads=nvme, one microbatch) the reduced
+With a gradient sink (`use_grad_sink`: offload.grads=nvme, one microbatch) the reduced
 gradient does not go to host memory at all: the fetch's backward hands each device's block of it
 to the sink (a host callback that writes it to the nvme tier's file) and returns, as the cotangent
 of a per-layer float32 scalar (`sink_index`: which layer and leaf, so the sink knows where it goes), the

@@ -71,7 +71,7 @@ class ZeroShardings:
     opt: Any
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
     offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
-    streamed: bool = False  # train.offload_params: params['layers'] fetched layer by layer from host memory
+    streamed: bool = False  # offload.params: params['layers'] fetched layer by layer from host memory
     root: bool = False  # with `per_layer`: this is the layout of params['layers'] itself (`sub('layers')`)
     fsdp: bool = False  # train.zero3_gather=layer: params['layers'] gathered layer by layer from device memory
 
@@ -79,7 +79,7 @@ class ZeroShardings:
     def per_layer(self) -> bool:
         """params['layers'] are gathered layer by layer inside the layer scan (layer_fetch.py), each
         layer's gradient reduce-scattered as the backward makes it: FSDP (`fsdp`, the weights in device
-        memory) or train.offload_params (`streamed`, in host memory). One fetch, two sources."""
+        memory) or offload.params (`streamed`, in host memory). One fetch, two sources."""
         return self.streamed or self.fsdp
 
     @classmethod
@@ -97,7 +97,7 @@ class ZeroShardings:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
         reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host
         memory; streamed: the stacked layers are gathered and reduced layer by layer inside the layer scan, from
-        host memory (train.offload_params); fsdp: the same from device memory (ZeRO-3 per layer)."""
+        host memory (offload.params); fsdp: the same from device memory (ZeRO-3 per layer)."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)
         rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
         rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
@@ -143,7 +143,7 @@ class ZeroShardings:
             return tree
         return jax.tree.map(lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, tree, shardings)
 
-    # ------------------------------------------------------------ layer by layer (FSDP, train.offload_params)
+    # ------------------------------------------------------------ layer by layer (FSDP, offload.params)
 
     def layer_fetch(self) -> Callable | None:
         """The per-layer fetch the loop traces the model with (`layer_fetch.use_layer_fetch`), or None."""

@@ -305,7 +305,7 @@ def _scan_w(eqn, sp: EqnSplit, ins, stash, acc=None, keep=None):
             car[j] = c
         outs = run_w(body.jaxpr, sp.body, body.consts, consts + car + list(xv), st)
         ys = outs[ncar:]
-        # sums in host memory (train.offload_params): each slice comes to the device and goes back
+        # sums in host memory (offload.params): each slice comes to the device and goes back
         sums = [add_slice(a, i + acc[k][1], _kept(ys[k].astype(a.dtype), keep))
                 for k, a in zip(keys, sums, strict=True)]  # fmt: skip
         made = [o if k not in acc else None for k, (o, n) in enumerate(zip(ys, sp.w_out[ncar:], strict=True)) if n]

@@ -139,7 +139,7 @@ class Pipeline:
         gspec = zl.grads
         if self.placement == "model":
             gl, gspec = lsplit.from_pipeline(gl), self.model_zero.grads
-        # fp32 sums -> param dtype (train.offload_params: the layers' sums in host memory are cast layer
+        # fp32 sums -> param dtype (offload.params: the layers' sums in host memory are cast layer
         # by layer in the update, `train/layer_update.py`)
         grads = jax.tree.map(lambda g, a: g if on_host(g) else g.astype(a.dtype), {**go, "layers": gl}, params)
         return loss, _wsc(mesh, grads, gspec), metrics
@@ -160,7 +160,7 @@ class Pipeline:
         return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
 
     def _body(self, layers, other, tok, lab, *seg, zl_l: ZeroShardings, zl_o: ZeroShardings):
-        fetch = use_layer_fetch(zl_l.layer_fetch())  # train.offload_params: layers fetched inside the scan
+        fetch = use_layer_fetch(zl_l.layer_fetch())  # offload.params: layers fetched inside the scan
         with use_rules(self.mesh, compute_rules(self.fns.sequence_parallel), manual=MANUAL), fetch:
             run_cls = OpRun if self.program.per_op else StageRun  # zb-h1: one op per stage per tick
             run = run_cls(self.spec, layers, other, tok, lab, seg[0] if seg else None)

@@ -8,7 +8,7 @@ chunks, microbatches and stages (`check`: ConfigErrors naming the field), the ex
 microbatches of its timeline (closed forms the planner uses, checked against the tables in the
 tests; the executor and the start-up block read the table itself), where its chunks sit
 (`schedules.vstage`) and whether the planner's search tries it. `check_config` is the config's check
-of `pipeline.schedule` / `pipeline.executor` (config.py sits below this package: the step plan calls it).
+of `pipeline.schedule` / `pipeline.executor` (meshrun.config sits below this package: the step plan calls it).
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ class StageRun:
             # model.remat=offload: residuals the policy put in host memory keep their slots there too
             "res": [placed(self.full((self.nslot, *a.shape), a.dtype), a) for a in self.res_avals],
             # float32 sums, also for 16-bit params; in host memory where the layers rest there
-            # (train.offload_params: each layer's gradient is added in as the backward makes it)
+            # (offload.params: each layer's gradient is added in as the backward makes it)
             "g_layers": self.layer_sums(),
             "g_other": accum_zeros(self.other),
             "loss": jnp.zeros((), jnp.float32),

@@ -1,7 +1,7 @@
 """Offload in the planner: what each memory lever takes off the device and what it costs.
 
-Levers (the train step's `train.offload_optimizer` and `model.remat=offload`):
-* optimizer: the optimizer state rests in pinned host memory (`train.offload_optimizer=host`);
+Levers (the train step's `offload.optimizer` and `model.remat=offload`):
+* optimizer: the optimizer state rests in pinned host memory (`offload.optimizer=host`);
   nvme: it rests on the node's NVMe drives and the update streams it (`=nvme`). What each tier
   holds where, moves and costs: `tiers.optimizer_tier`.
 * activations: the layer inputs stay on the device (full remat's footprint); the selective names
@@ -9,7 +9,7 @@ Levers (the train step's `train.offload_optimizer` and `model.remat=offload`):
   their bytes per layer and micro-batch over the host link, overlapped with compute (DMA engines),
   so only the excess over the compute time is charged. Compute is selective's (no matmul recompute).
 
-* params: `train.offload_params` (ZeRO-3 layouts), with the state on the device, in host memory or
+* params: `offload.params` (ZeRO-3 layouts), with the state on the device, in host memory or
   on NVMe (`param_offload.py`); only combinations meshrun's runtime accepts
   (`param_offload.refusals`, which asks `config.offload_params_refusals`).
 
@@ -99,7 +99,7 @@ def _why(o: dict, levers: tuple[str, ...], r, cluster: Cluster, host_misfit: lis
                 f"GB/step over the host link (+{o['transfer_s']:.3g} s); update {how}, peak {t.update / GB:.1f} GB"
                 f"{'; ' + tiers.update_place(t) if t.streamed else ''}; {without}")  # fmt: skip
     host = f"{acts.removeprefix(' + ')} to host memory, " if acts else ""
-    return (f"offload optimizer to NVMe (train.offload_optimizer=nvme){', ' + host if host else ': '}"
+    return (f"offload optimizer to NVMe (offload.optimizer=nvme){', ' + host if host else ': '}"
             f"{t.nvme / GB:.1f} GB/device on NVMe ({t.nvme * gpn / TB:.2f} of "
             f"{st.nvme_drives * st.nvme_drive_bytes / TB:.1f} TB per node), read and written once a step "
             f"in {t.n_chunks} chunks through {t.host * gpn / 2**20:.0f} MiB of host memory: drives and host "
@@ -146,14 +146,14 @@ def _offloaded(r, layout, memory: dict, time: dict, why: str, hard: list[str] = 
                    tflops_per_device=r.tflops_per_device * slower, mfu=r.mfu * slower)  # fmt: skip
 
 
-# Where `train.offload_params` keeps the optimizer state and the layers' gradient, nearest the device
+# Where `offload.params` keeps the optimizer state and the layers' gradient, nearest the device
 # first: the search proposes the first that fits (the gradient goes to NVMe only when host memory
 # cannot hold it beside the parameters).
 PARAM_TIERS = (("none", "host"), ("host", "host"), ("nvme", "host"), ("nvme", "nvme"))
 
 
 def params_of(r, model: ModelConfig, cluster: Cluster, tier: str, grads: str = "host") -> param_offload.ParamTier:
-    """`train.offload_params` with the state in `tier` (the layers' gradient in `grads`) on Result `r`
+    """`offload.params` with the state in `tier` (the layers' gradient in `grads`) on Result `r`
     (a ZeRO-3 layout, meshrun's step)."""
     mem = dict(r.memory, layers=max(r.time["split"]))  # SPMD: every stage has the largest stage's shape
     return param_offload.param_tier(mem, model, r.layout, cluster, tier, r.time["dp_sync"],
@@ -162,7 +162,7 @@ def params_of(r, model: ModelConfig, cluster: Cluster, tier: str, grads: str = "
 
 def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.ParamTier, why: str,
                    hard: list[str] = ()):  # fmt: skip
-    """Result `r` with `train.offload_params` (and its state tier) on."""
+    """Result `r` with `offload.params` (and its state tier) on."""
     memory = dict(pt.parts, host=pt.host, update_peak=pt.update)
     memory["stages"] = {k: dict(memory, stage=v["stage"], layers=v["layers"]) for k, v in r.memory["stages"].items()}
     time = dict(r.time, dp_sync=pt.dp_s, host_transfer=pt.exposed_s, total=_params_step(r, pt))
@@ -171,12 +171,12 @@ def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.Pa
 
 
 def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[str]) -> str:
-    """A `train.offload_params` proposal's reason: what rests where, what it moves and costs, what did not fit."""
+    """A `offload.params` proposal's reason: what rests where, what it moves and costs, what did not fit."""
     gpn, st, usable = cluster.gpus_per_node, cluster.storage, cluster.usable_memory
     flags = (
-        "train.zero=3 train.offload_params=true"
-        + f" train.offload_optimizer={pt.optimizer}" * (pt.optimizer != "none")
-        + f" train.offload_grads=nvme pipeline.microbatches={r.layout.microbatches}" * (pt.grads == "nvme")
+        "train.zero=3 offload.params=true"
+        + f" offload.optimizer={pt.optimizer}" * (pt.optimizer != "none")
+        + f" offload.grads=nvme pipeline.microbatches={r.layout.microbatches}" * (pt.grads == "nvme")
     )
     disk = st.nvme_drives * st.nvme_drive_bytes
     grads = (f" and the layers' float32 gradient ({pt.grad_nvme / GB:.1f} GB/device, written by the backward and "
@@ -193,7 +193,7 @@ def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[st
 
 
 def _lower(r, model: ModelConfig, cluster: Cluster, seq_len: int | None, tier: str, grads: str = "host") -> list[str]:
-    """Why the cheaper levers do not fit layout `r`: the state's tiers alone, then `train.offload_params`
+    """Why the cheaper levers do not fit layout `r`: the state's tiers alone, then `offload.params`
     with the state nearer the device than `tier`."""
     out = []
     if seq_len is not None:
@@ -209,7 +209,7 @@ def _lower(r, model: ModelConfig, cluster: Cluster, seq_len: int | None, tier: s
 
 
 def _propose_params(results, model: ModelConfig, cluster: Cluster, seq_len: int | None = None) -> list:
-    """The ZeRO-3 layouts that fit with `train.offload_params`, the state's tier the nearest that fits
+    """The ZeRO-3 layouts that fit with `offload.params`, the state's tier the nearest that fits
     (device, host, NVMe; then the gradient on NVMe too), in combinations meshrun runs (`param_offload.refusals`)."""
     for tier, grads in PARAM_TIERS:
         out = []
@@ -238,7 +238,7 @@ def apply(r, model: ModelConfig, cluster: Cluster, seq_len: int):
     base = replace(r, layout=replace(lay, offload_optimizer="none", offload_params=False, offload_grads="host"))
     if lay.offload_params:
         pt = params_of(base, model, cluster, tier, lay.offload_grads)
-        refused = [f"train.offload_params {w} (meshrun refuses it)"
+        refused = [f"offload.params {w} (meshrun refuses it)"
                    for w in param_offload.refusals(model, lay, tier, lay.offload_grads)]  # fmt: skip
         if lay.zero != 3:
             return replace(r, violations=[*refused, *r.violations], hard=True)
@@ -251,13 +251,13 @@ def apply(r, model: ModelConfig, cluster: Cluster, seq_len: int):
     hard = misfits(o, lay, cluster)
     refused = tiers.host_refusal(model, lay) if tier == "host" and lay.offload_update == "streamed" else None
     if refused is not None:
-        hard.append(f"train.offload_update=streamed: meshrun refuses it ({refused}; use auto or whole)")
+        hard.append(f"offload.update=streamed: meshrun refuses it ({refused}; use auto or whole)")
     return _offloaded(base, lay, dict(o["memory"], host=o["host"]), time, why, hard)
 
 
 def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
     """What keeps every layout of `results` (memory-only misfits) off the device even with every lever
-    the planner costs, and the fix, in words: a `train.offload_params` combination that would fit
+    the planner costs, and the fix, in words: a `offload.params` combination that would fit
     but meshrun refuses (`param_offload.refusals`), else the smallest need."""
     z3, gpn = [r for r in results if r.layout.zero == 3], cluster.gpus_per_node
     for tier, grads in PARAM_TIERS:
@@ -269,20 +269,20 @@ def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
         on = {"none": "", "host": " and the optimizer state in host memory", "nvme": " and the optimizer state on NVMe"}
         on_g = " (the gradient too)" * (grads == "nvme")
         nvme = f", {pt.nvme * gpn / TB:.2f} TB on NVMe per node" if pt.nvme else ""
-        combo = [f"train.offload_optimizer={tier}"] * (tier != "none") + ["train.offload_grads=nvme"] * (
+        combo = [f"offload.optimizer={tier}"] * (tier != "none") + ["offload.grads=nvme"] * (
             grads == "nvme") + [f"model.param_dtype={model.param_dtype}"]  # fmt: skip
         refused = "; ".join(f"it {w}" for w in param_offload.refusals(model, r.layout, tier, grads))
         nearer = "; ".join(_lower(r, model, cluster, None, tier, grads))
-        return (f"with the parameters in host memory (train.offload_params){on[tier]}{on_g} it would fit "
+        return (f"with the parameters in host memory (offload.params){on[tier]}{on_g} it would fit "
                 f"({_degrees(r.layout)}: {pt.device / GB:.1f} GB per device, {pt.host * gpn / TB:.2f} TB of host "
                 f"memory per node{nvme}, {_params_step(r, pt):.3g} s/step), but meshrun does not run "
-                f"train.offload_params with {' and '.join(combo)}: {refused}"
+                f"offload.params with {' and '.join(combo)}: {refused}"
                 f"{f' (nearer the device: {nearer})' if nearer else ''}; "
                 f"use more GPUs or GPUs with more memory")  # fmt: skip
     if z3:
         r, pt = min(((r, params_of(r, model, cluster, "nvme", "nvme")) for r in z3), key=lambda rp: rp[1].device)
         m, why = pt.parts, "; ".join(param_offload.misfits(pt, cluster, r.layout))
-        return (f"even with the parameters in host memory (train.offload_params) and the optimizer state and the "
+        return (f"even with the parameters in host memory (offload.params) and the optimizer state and the "
                 f"gradient on NVMe "
                 f"it needs {pt.device / GB:.1f} GB per device and {pt.host * gpn / TB:.2f} TB of host memory per "
                 f"node ({_degrees(r.layout)}: params {m['params'] / GB:.1f} GB, gradients {m['grads'] / GB:.1f} GB, "
@@ -294,11 +294,11 @@ def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
     return (f"even with the optimizer state on NVMe it needs {m['total'] / GB:.1f} GB per device "
             f"({_degrees(r.layout)}: params {m['params'] / GB:.1f} GB, gradients {m['grads'] / GB:.1f} GB, "
             f"activations {m['activations'] / GB:.1f} GB, update peak {o['tier'].update / GB:.1f} GB), and no "
-            f"ZeRO-3 layout for train.offload_params: use more GPUs or GPUs with more memory")  # fmt: skip
+            f"ZeRO-3 layout for offload.params: use more GPUs or GPUs with more memory")  # fmt: skip
 
 
 def _params_step(r, pt: param_offload.ParamTier) -> float:
-    """Seconds per step of Result `r` with `train.offload_params`: its ZeRO-3 sync and host-link time."""
+    """Seconds per step of Result `r` with `offload.params`: its ZeRO-3 sync and host-link time."""
     return r.time["total"] - r.time["dp_sync"] + pt.dp_s + pt.exposed_s
 
 

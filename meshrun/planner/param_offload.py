@@ -1,4 +1,4 @@
-"""`train.offload_params` in the planner: ZeRO-3 parameters rest in pinned host memory and come to
+"""`offload.params` in the planner: ZeRO-3 parameters rest in pinned host memory and come to
 the device one scan unit (layer) at a time, in the forward and again in the backward; each unit's
 reduced gradient leaves as the backward makes it (`parallel/layer_fetch.py`, `train/layer_update.py`,
 docs/offload.md "Parameters off the device"). Per device of the fullest stage:
@@ -11,10 +11,10 @@ docs/offload.md "Parameters off the device"). Per device of the fullest stage:
   the host tier; with the nvme tier its chunks of
   state beside their params' and gradients' slices), the optimizer temporaries.
 * host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
-  the step's reduced gradient) unless `train.offload_grads=nvme`, and the optimizer state with the
+  the step's reduced gradient) unless `offload.grads=nvme`, and the optimizer state with the
   host tier (the nvme tier: its chunk budget).
 * NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks), and with
-  `train.offload_grads=nvme` the layers' float32 gradient beside it: written once by the backward,
+  `offload.grads=nvme` the layers' float32 gradient beside it: written once by the backward,
   read once by the update (one micro-batch: `config.offload_params_refusals`).
 * host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
 
@@ -88,10 +88,10 @@ def link_bytes(n: float, b: float, m: int, state: float = 0.0, grads: str = "hos
 
 @dataclass(frozen=True)
 class ParamTier:
-    """`train.offload_params` with the optimizer state in `optimizer` (none | host | nvme), per device."""
+    """`offload.params` with the optimizer state in `optimizer` (none | host | nvme), per device."""
 
     optimizer: str
-    grads: str  # where the layers' gradient rests: host | nvme (train.offload_grads)
+    grads: str  # where the layers' gradient rests: host | nvme (offload.grads)
     parts: dict  # device bytes by MEMORY_PARTS (total: the larger of backward and update)
     backward: float
     update: float
@@ -126,7 +126,7 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "h
 def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, optimizer: str, t_dp: float,
                budget_mb: float = tiers.DEFAULT_BUDGET_MB, t_gather: float | None = None,
                grads: str = "host") -> ParamTier:  # fmt: skip
-    """The figures of `train.offload_params` for one stage's memory parts `mem` (`predict_memory`,
+    """The figures of `offload.params` for one stage's memory parts `mem` (`predict_memory`,
     meshrun's step, ZeRO-3); `t_dp`: the in-memory step's once-per-step ZeRO-3 sync seconds, `t_gather`
     its all-gathers' part (None: half); `grads`: where the layers' gradient rests (host | nvme)."""
     if optimizer not in tiers.TIERS:

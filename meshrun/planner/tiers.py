@@ -1,32 +1,32 @@
-"""Where the optimizer state rests (`train.offload_optimizer = none | host | nvme`): the three-tier
+"""Where the optimizer state rests (`offload.optimizer = none | host | nvme`): the three-tier
 memory model of the planner, per layout and per device. For each tier: the bytes on the device
 (its peak), in host memory and on NVMe; the bytes each step moves over the host link and to and
 from the drives; and the time of that I/O.
 
 * none: the state lives on the device (`predict_memory`).
-* host, streamed (`train.offload_update=auto`, the default, where the runtime streams: `host_streams`):
+* host, streamed (`offload.update=auto`, the default, where the runtime streams: `host_streams`):
   the state rests in host memory in the nvme tier's chunk layout (`train/chunk_store.HostStore`) and the
   update streams it through the device chunk by chunk as nvme's does, through the same buffers
-  (`train.offload_budget_mb` per process). The device's update peak is nvme's (flat rows + a few
+  (`offload.budget_mb` per process). The device's update peak is nvme's (flat rows + a few
   chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
   once over the host link (2 x its bytes), overlapped with the update as nvme's I/O is, so only
   the time beyond the update is exposed.
-* host, whole (`train.offload_update=whole`, and what auto falls back to: optimizers whose update is
-  not elementwise (muon), bf16 moments, fp8, `train.offload_params`): the state rests in pinned host
+* host, whole (`offload.update=whole`, and what auto falls back to: optimizers whose update is
+  not elementwise (muon), bf16 moments, fp8, `offload.params`): the state rests in pinned host
   memory. It is the optimizer's moments and fp32 master, plus the stored params when they are
   float32 under a 16-bit compute dtype (`train.plan.offloaded`). The step brings the whole shard to
   the device for the update and puts it back. That is 2 x its bytes over the host link, exposed,
   because the update waits for it. The device's peak is the larger of the backward (no state) and
   the update (stored params, the update's gradients, the whole state and the update's temporaries).
 * nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
-  in chunks through `train.offload_budget_mb` of host memory per process (`train/streamed.py`,
+  in chunks through `offload.budget_mb` of host memory per process (`train/streamed.py`,
   one process per node). The device holds the flat float32 gradient row and the param row of its
   shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
   over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
   only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
   flash, so the drives' time is the read time plus the write time (conservative).
 
-Where a streamed update runs (`train.offload_update_on`): on the device, the state crosses the host
+Where a streamed update runs (`offload.update_on`): on the device, the state crosses the host
 link both ways (above); on the host CPU (jax's CPU backend), only the gradient goes down and the new
 params up (6 bytes per element with bf16 params and a float32 master, 12 with float32 params), and
 the CPU's Adam pass reads and writes the state in host memory, at HOST_MEM_EFFICIENCY of the node's
@@ -54,7 +54,7 @@ HOST_USABLE = 0.9
 # Fraction of the drives' sequential bandwidth the tier reaches. It is the tier's target (70% of the
 # disk's limit). bench/offload.py measured 34% on a loaded CPU host with small chunks (docs/offload.md).
 NVME_EFFICIENCY = 0.7
-DEFAULT_BUDGET_MB = 256.0  # train.offload_budget_mb's default
+DEFAULT_BUDGET_MB = 256.0  # offload.budget_mb's default
 SLOTS_IN_FLIGHT = 3  # train/chunk_store.py: read i + 1, update i, write i - 1
 ALIGN = 1024  # train/swap.py: chunk length granularity in elements
 # Fraction of the host memory's peak bandwidth a CPU's streaming pass reaches: STREAM Triad on
@@ -200,7 +200,7 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
 def update_place(t: Tier) -> str:
     """Where a streamed tier's update runs and why, in words (the planner's note)."""
     if t.update_on == "host":
-        return (f"update on the host CPU (train.offload_update_on=host): +{t.host_s:.3g} s against "
+        return (f"update on the host CPU (offload.update_on=host): +{t.host_s:.3g} s against "
                 f"+{t.device_s:.3g} s on the device, its Adam pass {t.cpu_s:.3g} s")  # fmt: skip
     return (f"update on the device: +{t.device_s:.3g} s against +{t.host_s:.3g} s on the host CPU (its Adam pass "
             f"{t.cpu_s:.3g} s)")  # fmt: skip

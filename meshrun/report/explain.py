@@ -60,7 +60,7 @@ def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     check_cluster(cfg, cluster_text)
     lay = planner_layout(cfg, mesh_shape)
     lay = replace(lay, remat={"offload": "selective"}.get(lay.remat, lay.remat))
-    tier = {"host": ("optimizer",), "nvme": ("nvme",)}.get(cfg.train.offload_optimizer, ())
+    tier = {"host": ("optimizer",), "nvme": ("nvme",)}.get(cfg.offload.optimizer, ())
     levers = tier + ("activations",) * (cfg.model.remat == "offload")
     cluster = parse_cluster(cluster_text)
     return search.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
@@ -75,7 +75,7 @@ def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
     lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
     from meshrun.train.plan import streams_update
 
-    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.train.offload_optimizer,
+    mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.offload.optimizer,
                                         streamed=streams_update(cfg))  # fmt: skip
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send

@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.analysis.profiler import trace_options
 from meshrun.analysis.trace import device_intervals, draw_timeline, load_trace, report_of_trace
-from meshrun.checkpoint.params import restore_params
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import MATPLOTLIB_FIX
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.train.prepare import prepare
+from meshrun.train.restore import initial_params
 
 
 def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
@@ -24,7 +24,7 @@ def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
     rep["timeline_png"] is its path, or None with rep["timeline_note"] saying why not."""
     mesh, train_step, ds = prepare(cfg)
     init = cfg.checkpoint.init_params
-    state = train_step.init_from(restore_params(init, train_step.abstract_state.params)) if init else train_step.init()
+    state = train_step.init_from(initial_params(cfg, train_step, True)) if init else train_step.init()
     batch = lambda s: global_batch_arrays(ds, s, mesh, P(DP_AXES))
     compiled = train_step.step.lower(state, *batch(0)).compile()
     state, metrics = compiled(state, *batch(0))

@@ -1,5 +1,6 @@
-"""The start-up block a run prints before compiling: model, mesh, batch, schedule, layer split, FLOPs
-and the planner's predicted memory per device.
+"""The start-up block a run prints before compiling: model, mesh, ZeRO, batch, schedule, layer split,
+dtypes and fp8, optimizer and its schedule, FLOPs, the planner's predicted memory per device, each
+offload tier and where it rests, and the checkpoint policy: everything that decides the run.
 
 `meshrun train` hands `startup_lines` to `meshrun.train.loop.run`, which prints it once the run's
 checks passed.
@@ -13,6 +14,7 @@ from typing import Any
 import jax
 
 from meshrun.analysis.flops import param_counts
+from meshrun.parallel.sharding import GRAD_AXES
 
 
 def _gib(n: float) -> str:
@@ -35,7 +37,7 @@ def zero_variant(plan: Any) -> str:
     """' (...)': how ZeRO-2 / ZeRO-3 run in this step (train.zero2_reduce / train.zero3_gather resolved)."""
     t = plan.cfg.train
     if getattr(plan, "zero3_gather", None) == "layer":
-        src = "host memory, train.offload_params" if t.offload_params else f"train.zero3_gather={t.zero3_gather}"
+        src = "from host memory, offload.params" if plan.cfg.offload.params else f"train.zero3_gather={t.zero3_gather}"
         return f" (weights gathered per layer inside the layer scan, gradients reduce-scattered per layer; {src})"
     if getattr(plan, "zero3_gather", None) == "step":
         return f" (weights gathered once per step; train.zero3_gather={t.zero3_gather})"
@@ -48,8 +50,7 @@ def zero_variant(plan: Any) -> str:
 
 
 def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
-    """The start-up block printed before compiling: model, mesh, batch, schedule, layer split, FLOPs and
-    the planner's predicted memory per device."""
+    """The start-up block printed before compiling (see the module docstring); one line per topic."""
     from meshrun.runtime.mesh import describe_dict
 
     m, t, pc = cfg.model, cfg.train, cfg.pipeline
@@ -63,21 +64,107 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     experts = f", {m.n_experts} experts, top-{m.top_k}" if m.n_experts else ""
     lines = [
         f"model     {plan.family.name}: {n / 1e6:.2f}M params ({m.n_layers} layers, d_model {m.d_model}{experts})",
-        f"mesh      {shape} = {mesh.size} devices on {d['hosts']} host(s){racks}; ZeRO {t.zero}{zero_variant(plan)}",
+        f"mesh      {shape} = {mesh.size} devices on {d['hosts']} host(s){racks}",
+        _zero_line(cfg, plan),
         f"batch     {t.global_batch} sequences x {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step",
     ]
     if plan.split is not None:
         sched = pc.schedule + (f" (virtual {pc.virtual})" if pc.virtual > 1 else "")
         lines.append(f"pipeline  {pc.microbatches} microbatches, {sched}, bubble {100 * plan.bubble:.1f}%")
         costed = f", costed on {plan.balance_on[0]} ({plan.balance_on[1]})" if plan.balance_on else ""
-        lines.append(f"layers    per stage {list(plan.split.counts)} (pipeline.balance={pc.balance}{costed})")
+        lines.append(f"layers    {_layers_per_device(plan.split)} (pipeline.balance={pc.balance}{costed})")
     elif pc.microbatches > 1:
         lines.append(f"accum     {pc.microbatches} microbatches per step (no pipeline)")
     if plan.context > 1:
         how = "zigzag chunks, K/V around a ring" if m.context_parallel == "ring" else "K/V all-gathered"
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
+    lines += [_dtypes_line(cfg), *_fp8_lines(cfg), _optimizer_line(cfg)]
     lines += flops_lines(plan.family, m, t.global_batch * t.seq_len, t.seq_len)
-    return [*lines, _memory_line(cfg, plan)]
+    lines += [_memory_line(cfg, plan), *_offload_lines(cfg, mesh), _saves_line(cfg)]
+    return lines
+
+
+def _zero_line(cfg: Any, plan: Any) -> str:
+    """ZeRO: the stage, what it shards and over how many data-parallel ranks (the gradient group)."""
+    stage = cfg.train.zero
+    ranks = math.prod(plan.mesh_shape.get(a, 1) for a in GRAD_AXES)
+    if stage == 0:
+        whole = "params, gradients and optimizer state whole"
+        return f"zero      stage 0: {whole} on each of {ranks} data-parallel rank(s)"
+    what = ("optimizer state", "optimizer state and gradients", "params, gradients and optimizer state")[stage - 1]
+    return f"zero      stage {stage}: {what} sharded over {ranks} data-parallel rank(s){zero_variant(plan)}"
+
+
+def _layers_per_device(split: Any) -> str:
+    """Layers per pipeline device; with 2+ chunks per device (interleaved, zb-v) each device's chunks too."""
+    chunks = [[split.counts[split.k(c, s)] for c in range(split.v)] for s in range(split.p)]
+    per = f"per device {[sum(c) for c in chunks]}"
+    return per if split.v == 1 else per + f" in chunks {' '.join('+'.join(map(str, c)) for c in chunks)}"
+
+
+def _dtypes_line(cfg: Any) -> str:
+    """Compute, parameter and gradient-reduction dtypes."""
+    m = cfg.model
+    master = " (float32 master)" if m.param_dtype != "float32" else ""
+    reduce = cfg.train.grad_reduce_dtype
+    return f"dtypes    compute {m.dtype}, params {m.param_dtype}{master}, gradient reduction {reduce}"
+
+
+def _fp8_lines(cfg: Any) -> list[str]:
+    """The fp8 recipe, when the family has fp8 GEMMs and it is on."""
+    m = cfg.model
+    fp8 = getattr(m, "fp8", "none")
+    if fp8 == "none":
+        return []
+    how = f", amax history {m.fp8_amax_history} steps" if fp8 == "delayed" else ""
+    ends = f"; first and last layers in {m.dtype}" if getattr(m, "fp8_first_last_bf16", False) else ""
+    return [f"fp8       {fp8} scaling{how}{ends}"]
+
+
+def _optimizer_line(cfg: Any) -> str:
+    """The optimizer, its learning-rate schedule and the dtype of its state."""
+    from meshrun.optim.optimizer import decay_horizon
+
+    o = cfg.optimizer
+    end = max(decay_horizon(cfg), o.warmup_steps + 1)  # as lr_schedule: the cosine ends after the warmup
+    clip = f", grad clip {o.grad_clip:g}" if o.grad_clip else ""
+    return (f"optimizer {o.name}, lr {o.lr:.2e}, warmup {o.warmup_steps} steps, cosine to {o.lr * o.min_lr_ratio:.2e} "
+            f"at step {end}; weight decay {o.weight_decay:g}{clip}; state {o.state_dtype}")  # fmt: skip
+
+
+def _offload_lines(cfg: Any, mesh: Any) -> list[str]:
+    """Each offload tier in use and where it rests (none: everything on the devices)."""
+    from meshrun.train.plan import streams_update
+
+    o, m = cfg.offload, cfg.model
+    parts = []
+    if o.optimizer != "none":
+        what = "optimizer state" + (" + float32 master" if m.param_dtype != "float32" else "")
+        where = f"NVMe files in {o.dir}" if o.optimizer == "nvme" else "host memory"
+        if streams_update(cfg):
+            devices = getattr(mesh, "devices", None)
+            cpu = devices is not None and all(dev.platform == "cpu" for dev in devices.flat)
+            on = ("in place" if cpu else "on the device") if o.update_on == "auto" else f"on the {o.update_on}"
+            how = f"update streamed through {o.budget_mb:g} MiB of host buffers, {on}"
+        else:
+            how = "whole-shard update on the device"
+        parts.append(f"{what} in {where} ({how})")
+    if o.params:
+        grads = f"NVMe files in {o.dir}" if o.grads == "nvme" else "host memory"
+        parts.append(f"params in host memory, fetched layer by layer; their gradients in {grads}")
+    if m.remat == "offload":
+        parts.append("saved activations in host memory (model.remat=offload)")
+    return [f"offload   {'; '.join(parts)}"] if parts else []
+
+
+def _saves_line(cfg: Any) -> str:
+    """The checkpoint policy: how often, how many kept, in the background or not, the local tier."""
+    c = cfg.checkpoint
+    when = f"every {c.every} steps and at the end" if c.every else "at the end"
+    line = f"saves     {when}, newest {c.keep} kept, {'async' if c.async_save else 'blocking'}"
+    if c.local_every:
+        line += f"; local every {c.local_every} steps, newest {c.local_keep} kept"
+    return line + ("" if c.resume else "; checkpoint.resume=false")
 
 
 def _memory_line(cfg: Any, plan: Any) -> str:
@@ -90,7 +177,7 @@ def _memory_line(cfg: Any, plan: Any) -> str:
     if not m.predictable:
         return f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})"
     try:
-        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=t.offload_optimizer,
+        mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=cfg.offload.optimizer,
                                  streamed=streams_update(plan.cfg))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
         return f"memory    no prediction ({type(e).__name__})"

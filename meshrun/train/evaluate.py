@@ -40,7 +40,7 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Call
     psum = lambda x: jax.lax.psum(x, live) if live else x
 
     def body(params, *batch):
-        fetch = use_layer_fetch(zl.layer_fetch())  # train.offload_params: layers fetched inside the scan
+        fetch = use_layer_fetch(zl.layer_fetch())  # offload.params: layers fetched inside the scan
         with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), fetch:
             b = batch[0].shape[0] // m
 

@@ -1,4 +1,4 @@
-"""train.offload_grads=nvme: each layer's reduced float32 gradient goes from the backward straight to
+"""offload.grads=nvme: each layer's reduced float32 gradient goes from the backward straight to
 the layer tier's swap file, where the streamed update reads it with the layer's optimizer state.
 
 The file's chunks (`swap.SwapFile`, `[slots][rows][C]`) get one more slot after the state's: the

@@ -1,4 +1,4 @@
-"""train.offload_update_on=host: the streamed tier's chunk update on jax's CPU backend instead of the
+"""offload.update_on=host: the streamed tier's chunk update on jax's CPU backend instead of the
 devices (DeepSpeed's CPU Adam, as one jitted function; docs/offload.md#where-the-update-runs).
 
 Per chunk, only the gradient's columns (and the params' without a float32 master) come down from the
@@ -36,7 +36,7 @@ def cpu_device(mesh_devices) -> jax.Device:
     try:
         cpus = jax.local_devices(backend="cpu")
     except RuntimeError as e:  # JAX_PLATFORMS left the CPU backend out
-        raise ConfigError("train.offload_update_on", "host", "add cpu to JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu) "
+        raise ConfigError("offload.update_on", "host", "add cpu to JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu) "
                           "or use device", f"jax's CPU backend is not available ({e})") from e  # fmt: skip
     used = set(mesh_devices)
     return next((d for d in cpus if d not in used), cpus[0])

@@ -1,4 +1,4 @@
-"""The file layout of train.offload_params's nvme tier (`layer_tier.py`): the stacked layer leaves'
+"""The file layout of offload.params's nvme tier (`layer_tier.py`): the stacked layer leaves'
 rows, layer-major, so that a chunk of the file is whole layers or one piece of a layer, and the rule
 that picks the chunk for the budget.
 """
@@ -105,8 +105,8 @@ def layer_layout(mesh: Mesh, layers: Any, opt_specs: Any, slots: int, budget_byt
                 per = 1
                 break
     if not per:
-        raise ConfigError("train.offload_budget_mb", budget_bytes / 2**20, f"use at least {bytes_of(row) / 2**20:.2f}",
-                          f"too small for three chunks of the layers' optimizer state (train.offload_params "
+        raise ConfigError("offload.budget_mb", budget_bytes / 2**20, f"use at least {bytes_of(row) / 2**20:.2f}",
+                          f"too small for three chunks of the layers' optimizer state (offload.params "
                           f"streams layers, cut into at most {common} pieces)")  # fmt: skip
     offsets = tuple(int(o) for o in np.cumsum([0, *(r // split for r in sizes[:-1])]))
     length = n * split * row

@@ -1,4 +1,4 @@
-"""train.offload_params with train.offload_optimizer=nvme: the parameters and their gradient sums rest
+"""offload.params with offload.optimizer=nvme: the parameters and their gradient sums rest
 in pinned host memory, the stacked layers' optimizer state in the NVMe tier's file, and the update
 streams the layers through the device a chunk of layers at a time (ZeRO-Infinity's full offload,
 Rajbhandari et al. 2021; docs/offload.md).
@@ -44,13 +44,13 @@ from meshrun.train.layer_update import LAYER, SCALAR
 
 
 class LayerTier:
-    """The NVMe tier of a TrainStep with train.offload_params (`make_layer_streamed`)."""
+    """The NVMe tier of a TrainStep with offload.params (`make_layer_streamed`)."""
 
     def __init__(self, ts, cfg: RunConfig):
-        t, plan, zl = cfg.train, ts.plan, ts.plan.zero
+        t, plan, zl = cfg.offload, ts.plan, ts.plan.zero
         self.ts, self.file, self.sink = ts, None, None
-        self.grads_nvme = t.offload_grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
-        self.directory = swap_dir.take_dir(t.offload_dir, jax.process_index())
+        self.grads_nvme = t.grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
+        self.directory = swap_dir.take_dir(t.dir, jax.process_index())
         abstract, sh = ts.abstract_run, ts.state_shardings
         tx = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
         cast = not isinstance(abstract.opt_state, MasterState)  # as the step without the tier
@@ -58,11 +58,11 @@ class LayerTier:
         slots_abs, _ = up.split(abstract.opt_state)
         if any(x.dtype != jnp.float32 for x in slots_abs):
             raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
-                              "train.offload_optimizer=nvme", "the NVMe tier stores float32 state only")  # fmt: skip
+                              "offload.optimizer=nvme", "the NVMe tier stores float32 state only")  # fmt: skip
         k = len(jax.tree.leaves(abstract.params["layers"]))
         self.n_slots, self.cast = len(slots_abs) // k, cast
         self.layout = lay = layer_layout(zl.mesh, abstract.params["layers"], zl.opt["layers"],
-                                         self.n_slots + self.grads_nvme, t.offload_budget_mb * 2**20)  # fmt: skip
+                                         self.n_slots + self.grads_nvme, t.budget_mb * 2**20)  # fmt: skip
         opt_sh = jax.tree.leaves(sh.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
         self.slot_sh, self.kept_sh = up.split(opt_sh)
         self.kept_def = [kd for kd in up.kinds if kd != LAYER]
@@ -71,7 +71,7 @@ class LayerTier:
         specs = lambda tree: tuple(jax.tree.leaves(tree, is_leaf=is_spec))
         store, grads_sp, opt_sp = specs(zl.store["layers"]), specs(zl.grads["layers"]), specs(zl.opt["layers"])
         if self.grads_nvme and not store == grads_sp == opt_sp:  # the gradient's rows are the state's
-            raise ValueError("train.offload_grads=nvme: the layers' gradient and state layouts differ")
+            raise ValueError("offload.grads=nvme: the layers' gradient and state layouts differ")
         layers_def = jax.tree.structure(abstract.params["layers"])
         self.layers_def = layers_def
         per, axes = lay.per, P(*lay.mesh.axis_names)
@@ -178,7 +178,7 @@ class LayerTier:
 
     def bytes_per_device(self) -> dict[str, float]:
         """Where the tier's bytes rest, per device (this process's share): the layers' state (and with
-        train.offload_grads=nvme their gradient) in the file (rows replicated over devices stored
+        offload.grads=nvme their gradient) in the file (rows replicated over devices stored
         once) and the chunk buffers in host memory."""
         store, buffers = resting_bytes(self.layout, self.n_slots + self.grads_nvme)
         return {"host": buffers, "nvme": store}
@@ -282,7 +282,7 @@ class LayerTier:
 
 
 def make_layer_streamed(ts, cfg: RunConfig):
-    """The TrainStep `ts` (built in memory, train.offload_params) with the layers' optimizer state in
+    """The TrainStep `ts` (built in memory, offload.params) with the layers' optimizer state in
     the NVMe tier."""
     tier = LayerTier(ts, cfg)
     return dataclasses.replace(

@@ -1,4 +1,4 @@
-"""train.offload_params: the optimizer update streamed layer by layer, so that the parameters,
+"""offload.params: the optimizer update streamed layer by layer, so that the parameters,
 their gradient sums and the optimizer state never come to the device whole.
 
 The in-memory step updates the whole tree at once. Here the stacked layers (params['layers'], their
@@ -38,7 +38,7 @@ def no_clip_optimizer(cfg: RunConfig, param_names: Any) -> optax.GradientTransfo
     for an optimizer whose update is not elementwise."""
     if not registry.get(cfg.optimizer.name).elementwise:
         raise ConfigError(
-            "train.offload_params", True, "use an elementwise optimizer with it, e.g. optimizer.name=adamw",
+            "offload.params", True, "use an elementwise optimizer with it, e.g. optimizer.name=adamw",
             f"streams the update layer by layer; {cfg.optimizer.name}'s update needs whole weight matrices",
         )  # fmt: skip
     return optimizer.make_optimizer(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, grad_clip=0)),

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.checkpoint.local import LocalTier, check_local_dir
 from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir_writable
-from meshrun.config import RunConfig
+from meshrun.config import RunConfig, to_dict
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import ConfigError, DistributedError, TrainingError
 from meshrun.parallel.sharding import DP_AXES
@@ -237,7 +237,8 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
     t, mesh, ts = cfg.train, built.mesh, built.train_step
     batch_of = lambda step: global_batch_arrays(built.ds, step, mesh, P(DP_AXES))  # noqa: E731
     tally, batch = Tally(), None
-    with MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet) as logger:
+    config = to_dict(cfg)  # logged once by each of train.loggers
+    with MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet, loggers=t.loggers, config=config) as logger:
         jobs = SideJobs(cfg, built, stepper, saves, tally, logger, quiet)
         hooks = jobs.hooks()
         if b.start < t.steps:

@@ -1,4 +1,5 @@
-"""Training metrics: tokens/s, TFLOP/s per device, MFU; JSONL + TensorBoard + progress bar.
+"""Training metrics: tokens/s, TFLOP/s per device, MFU; metrics.jsonl, the `train.loggers` (TensorBoard,
+Weights & Biases, MLflow: `meshrun.train.loggers`) and the progress bar.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per step / (step time x peak x devices).
 Model FLOPs (`Family.model_flops`: the family's `flops_per_token`, else `meshrun.analysis.flops.model_flops`
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 
 from meshrun.planner.hardware import peak_flops_of_kind
+from meshrun.train.loggers import open_loggers
 
 
 def peak_flops(device: Any = None) -> float | None:
@@ -124,14 +126,25 @@ def _row_parts(row: dict, mean: float | None) -> list[str]:
 
 
 class MetricsLogger:
-    """One JSON line per `log` in run_dir/metrics.jsonl, a progress line on stderr, TensorBoard events
-    (run_dir/tb) when tensorboardX is installed. Only process 0 writes anything."""
+    """One JSON line per `log` in run_dir/metrics.jsonl, a progress line on stderr, and the same row to
+    each of `loggers` (`meshrun.train.loggers`: tensorboard, wandb, mlflow), which get `config` once.
+    Only process 0 writes anything."""
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, quiet: bool = False, stream=None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        total_steps: int,
+        quiet: bool = False,
+        stream=None,
+        loggers: tuple[str, ...] = (),
+        config: dict[str, Any] | None = None,
+    ):
         self.total_steps, self.quiet = total_steps, quiet
         self.stream = stream if stream is not None else sys.stderr
         self.active = jax.process_index() == 0
-        self._file = self._tb = self.path = None
+        self._file = self.path = None
+        self._sinks: list[Any] = []
         self._t0 = self._step0 = None
         self._bar_open = False
         self._recent: collections.deque = collections.deque(maxlen=10)
@@ -141,12 +154,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
-        try:
-            from tensorboardX import SummaryWriter  # optional dependency
-
-            self._tb = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:
-            pass
+        self._sinks = open_loggers(tuple(loggers), run_dir, config)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.active:
@@ -157,10 +165,8 @@ class MetricsLogger:
         row = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}, "time": time.time()}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in row.items():
-                if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, int(step))
+        for sink in self._sinks:
+            sink.log(int(step), row)
         if not self.quiet:
             self._progress(step, row, now)
 
@@ -202,9 +208,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -126,29 +126,29 @@ def balance_gpu(mesh) -> tuple[str, str]:
 
 def streams_update(cfg: RunConfig) -> bool:
     """Whether the optimizer state rests outside the device and its update streams chunk by chunk
-    (`meshrun/train/streamed.py`): the nvme tier always; the host tier unless `train.offload_update`
-    is whole, train.offload_params streams it layer by layer itself, or the optimizer cannot be
+    (`meshrun/train/streamed.py`): the nvme tier always; the host tier unless `offload.update`
+    is whole, offload.params streams it layer by layer itself, or the optimizer cannot be
     streamed (auto then keeps the whole-shard update; streamed asked for it: a ConfigError)."""
-    t = cfg.train
-    if t.offload_optimizer != "host":
-        return t.offload_optimizer == "nvme"
+    t = cfg.offload
+    if t.optimizer != "host":
+        return t.optimizer == "nvme"
     o = cfg.optimizer
     why = streamed_update_refusal(o.name, optimizers.get(o.name).elementwise, o.state_dtype,
                                   getattr(cfg.model, "fp8", "none"))  # fmt: skip
-    if why is not None and t.offload_update != "whole" and not t.offload_params:  # a streamed update asked for
-        if t.offload_update == "streamed":
-            raise ConfigError("train.offload_update", "streamed", "use auto or whole", why)
-        if t.offload_update_on != "auto":
-            raise ConfigError("train.offload_update_on", t.offload_update_on, "leave it auto", why)
-    return streams_host_update(t.offload_update, t.offload_params, why)
+    if why is not None and t.update != "whole" and not t.params:  # a streamed update asked for
+        if t.update == "streamed":
+            raise ConfigError("offload.update", "streamed", "use auto or whole", why)
+        if t.update_on != "auto":
+            raise ConfigError("offload.update_on", t.update_on, "leave it auto", why)
+    return streams_host_update(t.update, t.params, why)
 
 
 def offloaded(cfg: RunConfig) -> tuple[str, ...]:
-    """ZeroShardings parts resting in host memory: the optimizer moments with train.offload_optimizer, and
+    """ZeroShardings parts resting in host memory: the optimizer moments with offload.optimizer, and
     the parameters too when they are fp32 master weights of a lower-precision compute dtype, or with
-    train.offload_params."""
-    params = ("store",) if cfg.train.offload_params else ()  # ZeRO-3 params streamed layer by layer
-    if cfg.train.offload_optimizer != "host" or streams_update(cfg):  # its own store (train/streamed.py)
+    offload.params."""
+    params = ("store",) if cfg.offload.params else ()  # ZeRO-3 params streamed layer by layer
+    if cfg.offload.optimizer != "host" or streams_update(cfg):  # its own store (train/streamed.py)
         return params
     return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype or params else ("opt",)
 
@@ -195,16 +195,16 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     check_remat_every(cfg, split)
     if (rings := layer_rings(cfg, shape)) is not None:
         check_ring_pipeline(cfg, split, rings)
-    if cfg.train.offload_params and (refused := offload_params_refusals(
-        cfg.train.zero, cfg.train.offload_optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
-        str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.train.offload_grads, cfg.pipeline.microbatches,
+    if cfg.offload.params and (refused := offload_params_refusals(
+        cfg.train.zero, cfg.offload.optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
+        str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
         cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
-        raise ConfigError("train.offload_params", True, refused[0][1], refused[0][0])
-    host = cfg.train.offload_optimizer == "host" and not streams_update(cfg)  # pinned host memory
-    if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.train.offload_params):
-        field = "train.offload_optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
-            "train.offload_params"  # fmt: skip
+        raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
+    host = cfg.offload.optimizer == "host" and not streams_update(cfg)  # pinned host memory
+    if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.offload.params):
+        field = "offload.optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
+            "offload.params"  # fmt: skip
         check_host_memory(mesh.devices.flat[0], field)
     gather, reduce = zero3_gather(cfg, shape, family), zero2_reduce(cfg, shape, family)
     abstract = zero = model_zero = None
@@ -218,7 +218,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
             cfg.train.zero,
             cfg.train.grad_reduce_dtype,
             offloaded(cfg),
-            streamed=cfg.train.offload_params,
+            streamed=cfg.offload.params,
             fsdp=gather == "layer" or reduce == "microbatch",
         )
         model_zero = build(abstract)
@@ -245,11 +245,11 @@ def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> st
     if refused and t.zero3_gather == "layer":
         raise ConfigError("train.zero3_gather", "layer", refused[0][1], refused[0][0])
     gathered = 0.0
-    if t.zero3_gather == "auto" and not t.offload_params:
+    if t.zero3_gather == "auto" and not cfg.offload.params:
         abstract = jax.eval_shape(lambda: family.init_params(m, t.seed))
         split = shape.get("tensor", 1) * shape["pipe"]  # the gathered weights stay split over these
         gathered = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract)) / split
-    return "layer" if zero3_per_layer(t.zero3_gather, t.zero, t.offload_params, gathered, bool(refused)) else "step"
+    return "layer" if zero3_per_layer(t.zero3_gather, t.zero, cfg.offload.params, gathered, bool(refused)) else "step"
 
 
 def zero2_reduce(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> str | None:

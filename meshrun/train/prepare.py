@@ -14,6 +14,8 @@ from meshrun.data.datasets import make_dataset
 from meshrun.errors import ConfigError
 from meshrun.runtime.mesh import build_mesh
 from meshrun.runtime.processes import warn
+from meshrun.train.loggers import check_installed
+from meshrun.train.restore import fresh_params
 from meshrun.train.step import TrainStep, make_train_step
 
 
@@ -70,6 +72,7 @@ def prepare(cfg: RunConfig, devices: list | None = None) -> Prepared:
     mesh = build_mesh(cfg.mesh, devices=devices)
     for msg in config_warnings(cfg, mesh):
         warn(msg)
+    check_installed(cfg.train.loggers)  # a logger's missing library: exit 2 before a file is written
     train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                       vocab_used=cfg.model.vocab_used)  # fmt: skip
@@ -81,5 +84,7 @@ def prepare(cfg: RunConfig, devices: list | None = None) -> Prepared:
             "there is no validation split",
         )
     if cfg.checkpoint.init_params:
-        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params, family=cfg.model.family)
+        fresh = fresh_params(cfg, train_step)  # state the model's init makes without random numbers
+        check_params(cfg.checkpoint.init_params, train_step.abstract_state.params, family=cfg.model.family,
+                     fresh=fresh)  # fmt: skip
     return Prepared(mesh, train_step, ds)

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.checkpoint.local import LocalTier, LocalUnusable, agreed_steps
-from meshrun.checkpoint.params import restore_params
+from meshrun.checkpoint.params import missing_params, restore_params
 from meshrun.checkpoint.state import CheckpointDamaged, Checkpointer
 from meshrun.checkpoint.store import newest_complete, scan
 from meshrun.config import RunConfig, to_dict
 from meshrun.errors import CheckpointError, ConfigError
+from meshrun.family.fresh import seed_free
 from meshrun.runtime.processes import agree, say, warn
 from meshrun.train.step import TrainStep
 
@@ -165,13 +166,31 @@ def initial_state(
     if tier is not None:
         tier.drop(lambda s: s <= (start or 0))
     if state is None and cfg.checkpoint.init_params:  # param-only start: fresh optimizer, step 0
-        state = train_step.init_from(restore_params(cfg.checkpoint.init_params, train_step.abstract_state.params))
+        state = train_step.init_from(initial_params(cfg, train_step, quiet))
         say(f"starting from parameters in {cfg.checkpoint.init_params}", quiet)
     state = state if state is not None else train_step.init()
     start = start or 0
     if start >= cfg.train.steps:
         warn(f"{cfg.train.run_dir} already holds the final checkpoint (step {start} = train.steps); nothing to train")
     return state, start
+
+
+def fresh_params(cfg: RunConfig, train_step: TrainStep) -> dict[str, Any]:
+    """{key: array} of the parameters checkpoint.init_params lacks that the family's init makes
+    without random numbers (fp8 scaling state: a Hugging Face import fine-tuned with model.fp8)."""
+    target = train_step.abstract_state.params
+    missing = missing_params(cfg.checkpoint.init_params, target)
+    return seed_free(train_step.plan.family, cfg.model, missing, target) if missing else {}
+
+
+def initial_params(cfg: RunConfig, train_step: TrainStep, quiet: bool = False) -> Any:
+    """checkpoint.init_params's parameters in the run's layout, with `fresh_params` put in (one note)."""
+    fresh = fresh_params(cfg, train_step)
+    if fresh:
+        names = ", ".join(sorted(fresh))
+        say(f"note: checkpoint.init_params has no {names}: created fresh as the model's init makes them "
+            "(they draw no random numbers)", quiet)  # fmt: skip
+    return restore_params(cfg.checkpoint.init_params, train_step.abstract_state.params, fresh=fresh)
 
 
 def resume_hint(run_dir: str) -> str:

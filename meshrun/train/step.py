@@ -75,7 +75,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
     psum = lambda x: jax.lax.psum(x, live) if live else x
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
     batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
-    sink = zl.streamed and grad_sink() is not None  # train.offload_grads=nvme: the layers' gradient to the file
+    sink = zl.streamed and grad_sink() is not None  # offload.grads=nvme: the layers' gradient to the file
     if sink and m != 1:
         raise ValueError("a gradient sink takes one microbatch (config.offload_params_refusals)")
     out_grads = zl.partial_specs()
@@ -84,7 +84,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
 
     def body(params, *batch):
         tokens, labels = batch[:2]
-        fetch = use_layer_fetch(zl.layer_fetch())  # train.offload_params: layers fetched inside the scan
+        fetch = use_layer_fetch(zl.layer_fetch())  # offload.params: layers fetched inside the scan
         with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), fetch:
             n_tok = psum(contract.token_count(fns, params, tokens, labels))  # global counts: shares add up
             n_seq = tokens.shape[0] * dp_degree(mesh)

@@ -1,4 +1,4 @@
-"""train.offload_optimizer=nvme (and host, unless train.offload_update=whole): the optimizer state
+"""offload.optimizer=nvme (and host, unless offload.update=whole): the optimizer state
 rests in files (or host memory) and the update streams through the device in chunks (ZeRO-Infinity,
 Rajbhandari et al. 2021; docs/offload.md). Both tiers run the same code; only the store differs
 (`swap.SwapFile`, `chunk_store.HostStore`), so the device never holds more than a few chunks of the state.
@@ -61,12 +61,12 @@ class Tier:
     """The streamed optimizer tier (nvme: files, host: host memory) of one TrainStep (`make_streamed`)."""
 
     def __init__(self, ts, cfg: RunConfig, chunk_tx, apply: Callable, master: bool):
-        t, plan, tx, max_norm = cfg.train, ts.plan, ts.tx, cfg.optimizer.grad_clip
+        t, plan, tx, max_norm = cfg.offload, ts.plan, ts.tx, cfg.optimizer.grad_clip
         self.ts, self.master, self.file = ts, master, None  # file: the store (a SwapFile or a HostStore)
-        self.kind = t.offload_optimizer  # nvme | host
+        self.kind = t.optimizer  # nvme | host
         self.directory = None
         if self.kind == "nvme":
-            self.directory = swap_dir.take_dir(t.offload_dir, jax.process_index())
+            self.directory = swap_dir.take_dir(t.dir, jax.process_index())
         abstract = ts.abstract_run
         self.params_def = jax.tree.structure(abstract.params)
         self.full_def = jax.tree.structure(abstract.opt_state)
@@ -74,9 +74,9 @@ class Tier:
         slot_leaves, _ = self.pattern.split(jax.tree.leaves(abstract.opt_state))
         if any(x.dtype != jnp.float32 for s in slot_leaves for x in s):
             raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
-                              f"train.offload_optimizer={self.kind}", "the tier stores float32 state only")  # fmt: skip
+                              f"offload.optimizer={self.kind}", "the tier stores float32 state only")  # fmt: skip
         self.layout = lay = flat_layout(plan.zero.mesh, abstract.params, plan.zero.opt, self.pattern.n_slots,
-                                        t.offload_budget_mb * 2**20)  # fmt: skip
+                                        t.budget_mb * 2**20)  # fmt: skip
         self.pieces = pieces = piece_sizes(lay.chunk)
         chunk_abs = tuple(jax.ShapeDtypeStruct((n,), cfg.model.param_dtype) for n in pieces)  # see `chunk_part`
         self.chunk_pattern = StatePattern.of(chunk_tx, jax.eval_shape(chunk_tx.init, chunk_abs), chunk_abs)
@@ -170,7 +170,7 @@ class Tier:
             out_shardings=(halves_sh, lay.sharding, scalar_sh),
         )  # fmt: skip
         self.new_param_row = jax.jit(lambda: jnp.zeros(lay.shape(lay.length), pdt), out_shardings=lay.sharding)
-        self.on = update_on(t.offload_update_on, lay.local)  # in_place | device | host
+        self.on = update_on(t.update_on, lay.local)  # in_place | device | host
         self.in_place = self.on == "in_place"
         self.host = host_update.HostUpdate(self, self.scalar_sh) if self.on == "host" else None
         unflatten = lambda parts: lay.unflatten_pieces(list(parts), self.param_dtypes)
@@ -355,7 +355,7 @@ class _Compiled(_Stepper):
 
 
 def update_on(asked: str, devices) -> str:
-    """Where the chunk update runs (`train.offload_update_on`): in_place (auto on CPU devices: the
+    """Where the chunk update runs (`offload.update_on`): in_place (auto on CPU devices: the
     device's memory is host memory, so the ring buffers are the device's arrays), device (the copy
     path: auto on other devices) or host (jax's CPU backend, `host_update.py`)."""
     if asked == "auto":

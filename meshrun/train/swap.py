@@ -26,8 +26,8 @@ ALIGN = 1024  # chunk length granularity in elements (4 KiB of float32: page-ali
 
 
 def _io_error(path: Path, e: OSError, what: str) -> DataError:
-    hint = "free space on it or use another train.offload_dir" if e.errno in (errno.ENOSPC, errno.EFBIG) else \
-        "check the disk and train.offload_dir"  # fmt: skip
+    hint = "free space on it or use another offload.dir" if e.errno in (errno.ENOSPC, errno.EFBIG) else \
+        "check the disk and offload.dir"  # fmt: skip
     return DataError(f"optimizer offload: cannot {what} {path} ({e.strerror or e}); {hint}")
 
 
@@ -151,7 +151,7 @@ def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int
     fit = int(budget_bytes // (SLOTS_IN_FLIGHT * slots * rows * 4)) // ALIGN * ALIGN
     if fit < ALIGN:
         need = SLOTS_IN_FLIGHT * slots * rows * 4 * ALIGN / 2**20
-        raise ConfigError("train.offload_budget_mb", budget_bytes / 2**20, f"use at least {need:.2f}",
+        raise ConfigError("offload.budget_mb", budget_bytes / 2**20, f"use at least {need:.2f}",
                           "too small for one chunk per buffer")  # fmt: skip
     whole = -(-row_len // ALIGN) * ALIGN
     return min(fit, whole)

@@ -27,7 +27,7 @@ _LIBC: list = []  # [glibc's CDLL, or None where there is none], loaded on first
 
 
 def offload_dir(template: str, process: int) -> Path:
-    """train.offload_dir with "{process}" replaced by the process index."""
+    """offload.dir with "{process}" replaced by the process index."""
     return Path(template.replace("{process}", str(process)))
 
 
@@ -44,7 +44,7 @@ def check_dir(path: Path) -> None:
     """The directory exists and this process can create files in it (ConfigError otherwise). It creates
     and removes a probe file: os.access passes any directory for root, whose writes can still fail (a
     read-only mount, NFS root squash, an immutable directory, /proc or /sys)."""
-    field = "train.offload_dir"
+    field = "offload.dir"
     if not path.is_dir():
         raise ConfigError(field, str(path), "create it (a local disk, one directory per process)",
                           "no such directory")  # fmt: skip
@@ -69,14 +69,14 @@ def lock_dir(path: Path) -> None:
         try:
             fd = os.open(os.path.join(key, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise ConfigError("train.offload_dir", str(path), "use a directory this process can write",
+            raise ConfigError("offload.dir", str(path), "use a directory this process can write",
                               f"cannot create a file in it ({e.strerror})") from None  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             raise ConfigError(
-                "train.offload_dir", str(path), 'give each process its own directory (e.g. ".../{process}")',
+                "offload.dir", str(path), 'give each process its own directory (e.g. ".../{process}")',
                 "another process of this or another run uses it",
             ) from None  # fmt: skip
         for stale in glob.glob(os.path.join(key, DATA_GLOB)):  # left by a killed run: nobody else holds the lock
@@ -130,7 +130,7 @@ def stepping():
     step's process: the device part's temporaries are reused from step to step instead of mapped,
     faulted in and unmapped each time above the tiers' 1 MiB mmap threshold (measured on
     bench/offload.py's model in one process, steps alternating with and without: the nvme step 3-8%
-    faster, with train.offload_params too 8%; docs/offload.md), and each chunk's temporaries reuse the
+    faster, with offload.params too 8%; docs/offload.md), and each chunk's temporaries reuse the
     last chunk's pages. After, what stayed is given back (`trim_freed`): between steps no freed
     buffers stay resident."""
     with keeping_freed_buffers():

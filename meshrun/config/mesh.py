@@ -1,0 +1,58 @@
+"""`mesh:`: the parallel degrees and the order of the axes over the devices (docs/mesh.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshrun.config.base import MAX_DEVICES, _bounded
+from meshrun.errors import ConfigError
+
+AXES = ("data", "pipe", "expert", "context", "tensor")
+DEFAULT_ORDER = ("pipe", "data", "expert", "context", "tensor")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Parallel degrees. One of them may be -1: it takes the devices left over."""
+
+    data: int = -1  # data-parallel degree: the batch (and ZeRO state) split over this many devices
+    pipe: int = 1  # pipeline stages: the stack of layers split over this many devices
+    expert: int = 1  # expert parallelism: MoE experts split over this many devices (borrowed from data)
+    tensor: int = 1  # tensor parallelism: each layer's weights split over this many devices (Megatron)
+    context: int = 1  # context parallelism: each sequence split over this many devices
+    order: tuple[str, ...] = DEFAULT_ORDER  # outer -> inner; `tensor` innermost keeps TP on NVLink
+    hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
+    racks: int = 0  # hosts per rack (consecutive hosts share a rack); 0: all hosts in one rack
+    allow_cross_host_tensor: bool = False  # true: a tensor group across hosts is a warning, not an error
+
+    def __post_init__(self):
+        for ax in AXES:
+            v = getattr(self, ax)
+            if v == 0 or v < -1:
+                raise ConfigError(
+                    f"mesh.{ax}",
+                    v,
+                    "use a positive degree, or -1 to take the devices left over",
+                    "degree must be >= 1 or -1",
+                )
+            _bounded(f"mesh.{ax}", v, -1, MAX_DEVICES)
+        fill = [ax for ax in AXES if getattr(self, ax) == -1]
+        if len(fill) > 1:
+            raise ConfigError("mesh", {a: -1 for a in fill}, "set at most one axis to -1", "two axes are -1")
+        if "context" not in self.order and sorted((*self.order, "context")) == sorted(AXES):
+            # an order written before the context axis existed: context sits just outside tensor
+            at = self.order.index("tensor") if "tensor" in self.order else len(self.order)
+            object.__setattr__(self, "order", (*self.order[:at], "context", *self.order[at:]))
+        if sorted(self.order) != sorted(AXES):
+            raise ConfigError(
+                "mesh.order",
+                list(self.order),
+                f"list each of {list(AXES)} exactly once",
+                "order must be a permutation of the mesh axes",
+            )
+        if self.hosts < 0:
+            raise ConfigError("mesh.hosts", self.hosts, "use 0 (one host per process) or a positive count")
+        if self.racks < 0:
+            raise ConfigError("mesh.racks", self.racks, "use 0 (one rack) or the number of hosts per rack")
+        _bounded("mesh.hosts", self.hosts, 0, MAX_DEVICES)
+        _bounded("mesh.racks", self.racks, 0, MAX_DEVICES)
