@@ -20,7 +20,7 @@ The disk and the tier are measured the same way, without the page cache: the dis
 rewrite of a file written once before (as the tier rewrites its preallocated file each step), timed
 up to `fdatasync`, and a read after `posix_fadvise(DONTNEED)` dropped the file's pages; the tier
 drops its pages as it writes and ends each streamed update with `fdatasync` + DONTNEED
-(`swap.SwapFile.settle`), so its reads come from the disk too. Both figures are then the disk's,
+(`swap_file.SwapFile.settle`), so its reads come from the disk too. Both figures are then the disk's,
 whatever the file size and the free memory; on a tmpfs (printed) they are memory bandwidth. The
 tier's state is meant to exceed host memory, where the page cache could not hold it anyway.
 """
@@ -93,10 +93,10 @@ def io_file(directory, n_chunks: int, chunk: tuple[int, int, int]):
     """A swap file of `n_chunks` chunks shaped `chunk` in `directory`, written once, and a pass over it
     without an update: the tier's I/O pipeline alone (read one chunk ahead, write one behind, settle).
     Yields (the file, the pass); the file is closed (and removed) on exit."""
-    from meshrun.train import swap
-    from meshrun.train.chunk_store import aligned
+    from meshrun.offload import swap_file
+    from meshrun.offload.chunk_store import aligned
 
-    f = swap.SwapFile(Path(directory), n_chunks, chunk)
+    f = swap_file.SwapFile(Path(directory), n_chunks, chunk)
     try:
         out = aligned(f.chunk)
         out[:] = 1.0
@@ -124,14 +124,15 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from meshrun.train import device_chunk, host_update, swap_dir
+    from meshrun.offload import device_chunk, host_update, malloc
+    from meshrun.offload.optimizer_tier import HostCPUUpdate, InPlaceUpdate
 
     tier = ts.tier
     lay, scalars = tier.layout, tuple(state.opt_state)
     g, p, g_norm, _ = tier.device_part(state.params, tier.new_rows(), *batch)
     jax.block_until_ready(g)
-    if tier.host is not None:  # on the CPU backend's device: the gradient down, the update, the params up
-        h = tier.host
+    if isinstance(tier.update, HostCPUUpdate):  # on the CPU backend's device: the gradient down, the update, up
+        h = tier.update.host
         item = host_update.HostChunk(h.cpu, len(lay.first), tier.pieces, tier.pattern.n_slots)
         sc, gn = tuple(jax.device_put(x.addressable_data(0), h.cpu) for x in scalars), jax.device_put(
             g_norm.addressable_data(0), h.cpu)  # fmt: skip
@@ -142,11 +143,11 @@ def update_alone(ts, state, batch) -> tuple[float, float]:
             jax.block_until_ready(h.up(rows))
             item.written()
         return time.perf_counter() - t0, time.process_time() - c0
-    if tier.in_place:
+    if isinstance(tier.update, InPlaceUpdate):
         item = device_chunk.DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
         p = tier.new_param_row() if p is None else p
         t0, c0 = time.perf_counter(), time.process_time()
-        with swap_dir.keeping_freed_buffers():  # as the tier's step
+        with malloc.keeping_freed_buffers():  # as the tier's step
             for i in range(lay.n_chunks):
                 item.slots, p, _ = tier.chunk_part_in_place(g, p, item.slots, scalars, g_norm, jnp.int32(i * lay.chunk))
                 item.written()
@@ -244,7 +245,7 @@ def child(name: str, directory: str, budget: float, steps: int, batch: int) -> d
            "params": params, "flat": 2 * params if ts.tier is not None else 0,
            "grads": sum(x.size * 4 for x in leaves), "temp": temp,
            "opt": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))}  # fmt: skip
-    if tier == "nvme":  # (the host tier streams through a Tier too, without a file to time)
+    if tier == "nvme":  # (the host tier streams through an OptimizerTier too, without a file to time)
         f, lay = ts.tier.file, ts.tier.layout
         out |= {"state": f.state_bytes, "stream_bytes": f.stream_bytes - warm[1], "stream_s": f.stream_s - warm[0],
                 "streams": f.streams - warm[2], "early_reads": f.early_reads - warm[4],

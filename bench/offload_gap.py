@@ -42,7 +42,7 @@ def gaps_arg(text: str) -> list[float]:
 
 def main() -> int:
     sys.path.insert(0, str(ROOT))
-    from meshrun.train import swap
+    from meshrun.offload import swap_file
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="")
@@ -58,7 +58,7 @@ def main() -> int:
     Path(directory).mkdir(parents=True, exist_ok=True)
     w, r = disk_bandwidth(directory, args.disk_mb)
     limit = 2 / (1 / r + 1 / w)
-    chunk = (2, 1, swap.chunk_elems(16 * 2**20, 2, 1, 1 << 30))  # the chunk that budget gives
+    chunk = (2, 1, swap_file.chunk_elems(16 * 2**20, 2, 1, 1 << 30))  # the chunk that budget gives
     with io_file(directory, CHUNKS, chunk) as (f, one_pass):
         moved = f.n_chunks * (f.chunk_bytes + f.write_bytes)  # one pass: every chunk read and written
         one_pass()  # once untimed: the threads and buffers exist

@@ -6,9 +6,10 @@ and sharding helpers load on first use.
 
 import importlib
 
-from meshrun.config import MeshConfig, ModelConfig, PipelineConfig, RunConfig, load_config
+from meshrun.config import MeshConfig, ModelConfig, OptimizerConfig, PipelineConfig, RunConfig, load_config
 from meshrun.errors import ConfigError
 from meshrun.family import registry as _registry  # noqa: F401  (gives meshrun.config the family classes)
+from meshrun.optim.registry import OptimizerSpec  # (also gives meshrun.config the optimizer lookup)
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,10 @@ _LAZY = {
     "constrain": "meshrun.parallel.sharding",
 }
 
-__all__ = ["ConfigError", "MeshConfig", "ModelConfig", "PipelineConfig", "RunConfig", "load_config", *_LAZY]
+__all__ = [
+    "ConfigError", "MeshConfig", "ModelConfig", "OptimizerConfig", "OptimizerSpec", "PipelineConfig", "RunConfig",
+    "load_config", *_LAZY,
+]  # fmt: skip
 
 
 def __getattr__(name: str):

@@ -17,8 +17,9 @@ import types
 import typing
 from dataclasses import dataclass, replace
 
-from meshrun.config import ModelConfig, RunConfig
+from meshrun.config import ModelConfig, OptimizerConfig, RunConfig
 from meshrun.family import registry
+from meshrun.optim import registry as optimizers
 
 REGENERATE = "meshrun config --markdown > docs/configuration.md"
 
@@ -97,6 +98,8 @@ def keys(cls=RunConfig, prefix: str = "", own_only: bool = False) -> list[Key]:
             out.extend(keys(tp, f"{prefix}{f.name}."))
             if tp is ModelConfig:
                 out.extend(k for rows in family_keys(f"{prefix}{f.name}.").values() for k in rows)
+            if tp is OptimizerConfig:
+                out.extend(k for rows in optimizer_keys(f"{prefix}{f.name}.").values() for k in rows)
         else:
             out.append(Key(f"{prefix}{f.name}", _type_name(tp), _value(_default(f)), meanings.get(f.name, "")))
     return out
@@ -108,6 +111,16 @@ def family_keys(prefix: str = "model.") -> dict[str, list[Key]]:
     for name in registry.FAMILIES:
         rows = keys(registry.config_class(name), prefix, own_only=True)
         out[name] = [replace(k, meaning=f"({name}) {k.meaning}") for k in rows if k.key != f"{prefix}family"]
+    return out
+
+
+def optimizer_keys(prefix: str = "optimizer.") -> dict[str, list[Key]]:
+    """Each registered optimizer with options of its own -> the keys its config class adds."""
+    out = {}
+    for name, spec in optimizers.OPTIMIZERS.items():
+        if spec.config is not OptimizerConfig:
+            rows = keys(spec.config, prefix, own_only=True)
+            out[name] = [replace(k, meaning=f"({name}) {k.meaning}") for k in rows if k.key != f"{prefix}name"]
     return out
 
 
@@ -156,5 +169,9 @@ def markdown(cls=RunConfig) -> str:
         if sec is ModelConfig:
             for fam, rows in family_keys(f"{name}.").items():
                 title = f"{name}.family={fam}: its own keys (anything else is refused naming {fam})"
+                body += ["", f"### {title}", "", *_table(rows)]
+        if sec is OptimizerConfig:
+            for opt, rows in optimizer_keys(f"{name}.").items():
+                title = f"{name}.name={opt}: its own keys (another optimizer refuses them)"
                 body += ["", f"### {title}", "", *_table(rows)]
     return "\n".join(head + body) + "\n"

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from meshrun_models.moe import keep_balance, update_balance
 from meshrun_models.transformer import abstract_params, apply_layers, embed, head_loss
 
 from meshrun.config import ModelConfig
@@ -19,11 +20,15 @@ from meshrun.parallel.sharding import state_names
 def model_fns(cfg: ModelConfig) -> ModelFns:
     """ModelFns of the transformer: router losses averaged over MoE layers and sequences."""
     n_moe = cfg.n_moe_layers
+    bias = cfg.is_moe and cfg.balance == "bias"
 
     def aux_weights(n_seq: int) -> dict[str, float]:
         if not cfg.is_moe:
             return {}
-        return {"moe_aux_loss": cfg.aux_loss_coef / (n_seq * n_moe), "moe_z_loss": cfg.z_loss_coef / (n_seq * n_moe)}
+        out = {"moe_aux_loss": cfg.aux_loss_coef / (n_seq * n_moe), "moe_z_loss": cfg.z_loss_coef / (n_seq * n_moe)}
+        if bias:  # value 0; the gradient of each layer's 'load' is its expert loads (router.router_stats)
+            out["moe_balance"] = 1.0
+        return out
 
     def metrics(loss_sum, n_tok, sums, n_seq):
         out = {"ce_loss": loss_sum / n_tok, "n_tokens": n_tok}
@@ -43,8 +48,11 @@ def model_fns(cfg: ModelConfig) -> ModelFns:
         metrics=metrics,
         param_names=state_names(abstract_params(cfg)),
         sequence_parallel=cfg.sequence_parallel,
-        segments=True,
+        # model.first_dense_layers run in `embed`, which takes no segment ids
+        segments=not cfg.first_dense_layers,
         context=cfg.context_attention,
+        update_state=(lambda prm, g: update_balance(prm, g, cfg.bias_rate)) if bias else None,
+        keep_state=keep_balance if bias else None,
     )
 
 

@@ -24,7 +24,6 @@ from meshrun_models.layers import (
     FP8_SLOTS,
     Lead,
     dtype_of,
-    fp8_recipe,
     normal_param,
     rope,
     rope_freqs,
@@ -145,7 +144,7 @@ def attention(
     (model.tp_comm_overlap, `collective_matmul.ring_degree`): h comes split over the sequence and the
     q/k/v and output GEMMs run as rings over the t tensor shards; the output comes back split too."""
     dt = dtype_of(cfg.dtype)
-    recipe = fp8_recipe(cfg)
+    recipe = cfg.fp8
     gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
     n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     # Megatron's fused GQA layout [D, K, G+2, Dh] built on the fly: query head n = kv*G + g uses kv

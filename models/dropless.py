@@ -60,9 +60,10 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     g, s, d = h_GxSxD.shape
     e, k, t = cfg.n_experts, cfg.top_k, g * s
     logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
-    probs, top_i_GxSxk, gates_GxSxk = top_k_gates(logits, cfg)
+    bal = p.get("balance")  # model.balance=bias: {'bias', 'load'}
+    probs, top_i_GxSxk, gates_GxSxk = top_k_gates(logits, cfg, None if bal is None else bal["bias"])
     split = sequence_split(cfg.context_parallel == "ring")  # statistics of the whole sequence
-    stats = router_stats(logits, probs, top_i_GxSxk, jnp.zeros((), jnp.float32), split)
+    stats = router_stats(logits, probs, top_i_GxSxk, jnp.zeros((), jnp.float32), split, bal)
 
     expert_A = top_i_GxSxk.reshape(t * k)  # token-major: assignment a is token a // k
     order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> assignment

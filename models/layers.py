@@ -115,9 +115,10 @@ class Fp8State(nnx.Module):
     """A block's fp8 scaling state (`meshrun.parallel.fp8`), float32, created without drawing random
     numbers (the weights are the same with fp8 on or off). delayed: 'hist' [S, T, H] scale exponents
     and 'obs' [S, T, N] (zeros; its gradient is the step's histogram); fp8_first_last_bf16: 'on' (0
-    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every."""
+    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every;
+    `first`: a block of the model.first_dense_layers stack."""
 
-    def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False):
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False, first: bool = False):
         shape = tuple(s for s, _ in lead)
         names = tuple(n for _, n in lead)
         param = lambda v: nnx.Param(v, out_sharding=names + (None,) * (v.ndim - len(names)))
@@ -129,25 +130,21 @@ class Fp8State(nnx.Module):
             k = cfg.moe_every if cfg.is_moe else 1
             unit = jnp.arange(shape[0])[(...,) + (None,) * (len(shape) - 1)]
             inner = jnp.arange(shape[1])[None] if len(shape) > 1 else (k - 1 if last_in_group else 0)
-            layer = unit * k + inner
+            # `first`: the model.first_dense_layers stack, before the units
+            layer = unit if first else getattr(cfg, "first_dense_layers", 0) + unit * k + inner
             self.on = param(((layer != 0) & (layer != cfg.n_layers - 1)).astype(jnp.float32))
-
-
-def fp8_recipe(cfg: ModelConfig) -> str:
-    """model.fp8 of a family that has it (llama), else none."""
-    return getattr(cfg, "fp8", "none")
 
 
 def fp8_state(p: Mapping, cfg: ModelConfig) -> Mapping | None:
     """A block's fp8 state leaves (None when it has none)."""
-    return p.get(fp8.STATE_KEY) if fp8_recipe(cfg) != "none" else None
+    return p.get(fp8.STATE_KEY) if cfg.fp8 != "none" else None
 
 
 class MLP(nnx.Module):
     """SwiGLU (gate, up, down; Llama) or GELU (up, down; GPT). Column-parallel in, row-parallel out."""
 
-    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        d, f = cfg.d_model, cfg.d_ff if d_ff is None else d_ff
         if cfg.mlp == "swiglu":
             self.gate = normal_param(rngs.params(), (d, f), ("embed", "mlp"), lead, cfg)
         self.up = normal_param(rngs.params(), (d, f), ("embed", "mlp"), lead, cfg)
@@ -221,7 +218,7 @@ def mlp(
     (model.tp_comm_overlap): h comes split over the sequence, the in and out GEMMs run as rings over
     the t tensor shards (`meshrun.parallel.collective_matmul`) and the output comes back split."""
     dt = dtype_of(cfg.dtype)
-    recipe = fp8_recipe(cfg)
+    recipe = cfg.fp8
 
     def gemm(spec, x, w, slot):
         if ring:  # fp8 is refused with tp_comm_overlap (the config)

@@ -40,18 +40,61 @@ from meshrun.config import ModelConfig
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain, current_rules, use_rules
 
-STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens")
+STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens", "moe_balance")
+BALANCE = "balance"  # an MoE layer's balance=bias state: {'bias' [E], 'load' [E]} (float32, not trained)
 MOE_AXES = ("data", "expert")  # manual in the MoE shard_map: tokens are routed where they live
 
 
+class Balance(nnx.Module):
+    """balance=bias state, float32 whatever the param dtype and drawn from no random numbers: 'bias'
+    (added to the scores for the choice) and 'load' (zeros; its gradient is the step's expert loads).
+    Neither is trained: `update_balance` sets both after each step and zeroes their gradients."""
+
+    def __init__(self, cfg: ModelConfig, lead: Lead):
+        shape, names = tuple(s for s, _ in lead), tuple(n for _, n in lead)
+        self.bias = nnx.Param(jnp.zeros((*shape, cfg.n_experts), jnp.float32), out_sharding=(*names, None))
+        self.load = nnx.Param(jnp.zeros((*shape, cfg.n_experts), jnp.float32), out_sharding=(*names, None))
+
+
 class MoE(nnx.Module):
+    """Router and the E routed experts (width expert_d_ff); the shared experts are a dense MLP beside
+    it (transformer.Block)."""
+
     def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
-        d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+        d, f, e = cfg.d_model, cfg.expert_d_ff, cfg.n_experts
         self.router = normal_param(rngs.params(), (d, e), ("embed", None), lead, cfg)
         if cfg.mlp == "swiglu":
             self.gate = normal_param(rngs.params(), (e, d, f), ("expert", "embed", "mlp"), lead, cfg)
         self.up = normal_param(rngs.params(), (e, d, f), ("expert", "embed", "mlp"), lead, cfg)
         self.down = normal_param(rngs.params(), (e, f, d), ("expert", "mlp", "embed"), lead, cfg)
+        if cfg.balance == "bias":
+            self.balance = Balance(cfg, lead)
+
+
+def update_balance(params, grads, rate: float):
+    """After the step's gradient reduction: every MoE layer's bias moves by `rate` towards balance,
+    bias += rate * sign(mean load - load) (DeepSeek-V3's update; the loads are the 'load' gradients:
+    the step's assignment counts over all tokens), 'load' is reset to 0 and both gradients are zeroed,
+    so clipping, the logged norm and the optimizer never see them. Returns (params, grads)."""
+    if not isinstance(params, Mapping):
+        return params, grads
+    new_p, new_g = dict(params), dict(grads)
+    for key, sub in params.items():
+        if key == BALANCE and isinstance(sub, Mapping) and "bias" in sub:
+            load = grads[key]["load"].astype(jnp.float32)
+            step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+            new_p[key] = {"bias": sub["bias"] + step.astype(sub["bias"].dtype), "load": jnp.zeros_like(sub["load"])}
+            new_g[key] = jax.tree.map(jnp.zeros_like, grads[key])
+        else:
+            new_p[key], new_g[key] = update_balance(sub, grads[key], rate)
+    return new_p, new_g
+
+
+def keep_balance(params, src):
+    """`params` with every balance subtree taken from `src` (the optimizer's update of it discarded)."""
+    if not isinstance(params, Mapping):
+        return params
+    return {k: src[k] if k == BALANCE else keep_balance(v, src[k]) for k, v in params.items()}
 
 
 def capacity(cfg: ModelConfig, tokens_per_group: int) -> int:
@@ -86,14 +129,14 @@ def queue_positions(choice_GxSxkxE: jax.Array, split=None) -> jax.Array:
     return jnp.sum(pos * choice_GxSxkxE, axis=-1)
 
 
-def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int, split=None):
+def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int, split=None, bal=None):
     """Top-k routing with capacity. Returns dispatch and combine [G,S,E,C] (float32) and stats.
     A sequence split over the context axis (`split`) routes as the whole sequence would: places
     in the queue are global; a kept token's slot in this shard's buffer is its rank among this
     shard's kept tokens (at most C of them), so the experts see the same rows."""
     g, s, e = logits_GxSxE.shape
     k = cfg.top_k
-    probs_GxSxE, top_i_GxSxk, gates_GxSxk = top_k_gates(logits_GxSxE, cfg)
+    probs_GxSxE, top_i_GxSxk, gates_GxSxk = top_k_gates(logits_GxSxE, cfg, None if bal is None else bal["bias"])
     choice_GxSxkxE = jax.nn.one_hot(top_i_GxSxk, e, dtype=jnp.float32)
     pos_GxSxk = queue_positions(choice_GxSxkxE, split)
     keep_GxSxk = (pos_GxSxk < cap).astype(jnp.float32)
@@ -104,7 +147,7 @@ def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int, split=None):
     slot_GxSxkxC = jax.nn.one_hot(pos_GxSxk.astype(jnp.int32), cap, dtype=jnp.float32) * keep_GxSxk[..., None]
     dispatch = jnp.einsum("gske,gskc->gsec", choice_GxSxkxE, slot_GxSxkxC)
     combine = jnp.einsum("gske,gskc,gsk->gsec", choice_GxSxkxE, slot_GxSxkxC, gates_GxSxk)
-    stats = router_stats(logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk), split)
+    stats = router_stats(logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk), split, bal)
     return jax.lax.stop_gradient(dispatch), combine, stats
 
 
@@ -134,7 +177,7 @@ def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     split = sequence_split(cfg.context_parallel == "ring")  # a sequence split over 'context': route it whole
     cap = capacity(cfg, s * (1 if split is None else split.c))
     logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
-    dispatch_GxSxExC, combine_GxSxExC, stats = route(logits, cfg, cap, split)
+    dispatch_GxSxExC, combine_GxSxExC, stats = route(logits, cfg, cap, split, p.get(BALANCE))
     dt = h_GxSxD.dtype
     x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), h_GxSxD)
     if axis is not None:  # [E, G, C, D] -> [E/ep, G*ep, C, D]: buffers go to their expert's device
@@ -171,7 +214,7 @@ def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig):
         )
     batch_axes = tuple(a for a in rules.get("batch", ()) if a in new)
     expert_spec = P("expert") if "expert" in new else P()
-    w_specs = {k: (P() if k == "router" else expert_spec) for k in p}
+    w_specs = {k: (jax.tree.map(lambda _: P(), p[k]) if k in ("router", BALANCE) else expert_spec) for k in p}
 
     def body(p_local, h_local):
         with use_rules(mesh, rules, manual=tuple(manual) + new):

@@ -26,7 +26,6 @@ from meshrun_models.layers import (
     RMSNorm,
     arrays,
     embed_lookup,
-    fp8_recipe,
     fp8_state,
     mlp,
     normal_param,
@@ -57,14 +56,16 @@ def n_moe_layers(cfg: ModelConfig) -> int:
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); ffn is an MLP or an MoE."""
 
-    def __init__(self, cfg: ModelConfig, lead: Lead, *, moe: bool, rngs: nnx.Rngs):
-        if fp8_recipe(cfg) != "none" and (cfg.fp8 == "delayed" or cfg.fp8_first_last_bf16):
-            self.fp8 = Fp8State(cfg, lead, last_in_group=moe)
+    def __init__(self, cfg: ModelConfig, lead: Lead, *, moe: bool, rngs: nnx.Rngs, first: bool = False):
+        if cfg.fp8 != "none" and (cfg.fp8 == "delayed" or cfg.fp8_first_last_bf16):
+            self.fp8 = Fp8State(cfg, lead, last_in_group=moe, first=first)
         self.attn_norm = RMSNorm(cfg, lead)
         self.attn = Attention(cfg, lead, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, lead)
         if moe:
             self.moe = MoE(cfg, lead, rngs=rngs)
+            if cfg.n_shared_experts:  # shared experts: one dense MLP every token passes through
+                self.shared = MLP(cfg, lead, rngs=rngs, d_ff=cfg.n_shared_experts * cfg.expert_d_ff)
         else:
             self.mlp = MLP(cfg, lead, rngs=rngs)
 
@@ -93,6 +94,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         units = n_units(cfg)
         self.embed = Embed(cfg, rngs=rngs)
+        if cfg.first_dense_layers:  # off the 'layers' axis: run by `embed` (see first_layers)
+            self.first = Block(cfg, ((cfg.first_dense_layers, None),), moe=False, rngs=rngs, first=True)
         if cfg.is_moe:
             self.layers = MoEGroup(cfg, units, rngs=rngs)
         else:
@@ -124,8 +127,23 @@ def abstract_params(cfg: ModelConfig) -> nnx.State:
 
 
 def embed(params: Any, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Token ids -> residual stream x_BxLxD (vocab-parallel lookup), in cfg.dtype."""
-    return embed_lookup(arrays(params["embed"]["embedding"]), tokens_BxL, cfg)
+    """Token ids -> residual stream x_BxLxD (vocab-parallel lookup), in cfg.dtype, then the
+    model.first_dense_layers blocks (`first_layers`)."""
+    x = embed_lookup(arrays(params["embed"]["embedding"]), tokens_BxL, cfg)
+    return first_layers(params, x, cfg) if cfg.first_dense_layers else x
+
+
+def first_layers(params: Any, x_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """model.first_dense_layers: DeepSeek-V3's leading dense layers (params['first'], leading axis
+    unnamed, so never split over 'pipe'). They are not units of the 'layers' stack, which stays
+    homogeneous (every unit the same MoE group, as the pipeline split and the layer scan need):
+    the embedding step runs them, i.e. the first pipeline stage, with their own layer scan under the
+    same remat policy. Rows are plain (model_fns refuses packed documents for such a model)."""
+    p = arrays(params["first"])
+    unit = remat_unit(lambda q, x, seg: _block(q, x, cfg, False, seg), cfg.remat)
+    segments = segment_info(None, cfg, x_BxLxD.shape[1])
+    x, _ = jax.lax.scan(lambda x, q: (unit(q, x, segments)[0], None), constrain(x_BxLxD, RESID), p)
+    return x
 
 
 def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments=None):
@@ -143,6 +161,8 @@ def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments
     )
     if moe:  # the experts' GEMMs stay in the compute dtype (docs/fp8.md)
         y, stats = moe_ffn(p["moe"], h, cfg)
+        if "shared" in p:  # shared experts, beside the routed ones (DeepSeek-V3: routed + shared)
+            y = y + mlp(p["shared"], h, cfg)
     else:
         y, stats = mlp(p["mlp"], h, cfg, f8, ring_mlp), {k: jnp.zeros((), jnp.float32) for k in STATS}
     return constrain(x + constrain(y, RESID), RESID), stats
@@ -270,7 +290,10 @@ def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> 
     """ConfigError when the model cannot be split over the mesh (pipeline divisibility is the pipeline's job)."""
     t = int(mesh_shape.get("tensor", 1))
     ep = int(mesh_shape.get("expert", 1))
-    for field, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff)):
+    widths = (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff))
+    if cfg.is_moe and cfg.moe_d_ff:
+        widths += (("moe_d_ff", cfg.moe_d_ff),)
+    for field, n in widths:
         if n % t:
             raise ConfigError(
                 f"model.{field}",

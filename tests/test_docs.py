@@ -244,7 +244,7 @@ def internal_names(text: str, names: tuple[set[str], set[str], set[str]]) -> lis
         if not private and (suffixes & public or parts[0] in public and parts[0] in classes):
             continue
         dotted = len(parts) > 1 and (parts[0] in modules or parts[0] in classes)
-        called = name in functions and (m.group(2) or "_" in name)  # `make_streamed(cfg)`, `make_streamed`
+        called = name in functions and (m.group(2) or "_" in name)  # `make_streamed(cfg)`, `optimizer_tier.build`
         if private or dotted or name in classes or called:
             out.append(span)
     return out

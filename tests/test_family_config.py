@@ -67,6 +67,28 @@ def test_plan_refuses_context_for_gpt2_as_train_does(capsys):
         load_config(GPT2).model.check_context(2)
 
 
+@pytest.mark.parametrize(
+    "key, value", [("fp8", "tensorwise"), ("fp8_amax_history", "4"), ("fp8_first_last_bf16", "true")]
+)
+def test_gpt2_refuses_fp8_naming_the_family(key, value, capsys):
+    """The fp8 keys are the base config's; a family without fp8 GEMMs refuses them, in one line."""
+    from meshrun.cli.main import main
+
+    assert main(["train", str(GPT2), f"model.{key}={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"model.{key}: model.family=gpt2 has no fp8 GEMMs" in err and len(err.splitlines()) == 1, err
+    assert LlamaConfig.fp8_gemms and not Gpt2Config.fp8_gemms and Gpt2Config().fp8 == "none"
+    rc, _, err = run_plan(["--model", str(GPT2), "--cluster", "h100-80g:1x8", "--fp8", "tensorwise"], capsys)
+    assert rc == 2 and "--fp8: model.family=gpt2 has no fp8 GEMMs" in err
+
+
+def test_fp8_is_read_without_fallbacks():
+    """model.fp8 is a base field: no code reads it through getattr with a default."""
+    pattern = re.compile(r"(getattr|hasattr)\([^)]*fp8")
+    for path in [*ROOT.glob("meshrun/**/*.py"), *ROOT.glob("models/**/*.py"), *ROOT.glob("bench/**/*.py")]:
+        assert not pattern.search(path.read_text()), path
+
+
 @pytest.mark.parametrize("seq", [None, 65536])
 def test_plan_proposes_no_context_parallelism_for_gpt2(seq, capsys):
     argv = ["--model", str(GPT2), "--cluster", "h100-80g:1x8", "--json", "--top", "3"]

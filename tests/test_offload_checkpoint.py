@@ -33,11 +33,11 @@ def assert_same(got, want):
 
 
 def test_a_chunk_meets_the_runs_a_walk_over_every_run_finds():
-    """`tier_io.Runs.within` (bisection on the runs' offsets) gives each chunk of a layer-major row (3
+    """`checkpoint_io.Runs.within` (bisection on the runs' offsets) gives each chunk of a layer-major row (3
     leaves, 6 layers cut in 2 pieces padded to 24 elements, chunks not aligned to the pieces) the runs,
     in row order, that walking every run of the row and keeping those the chunk overlaps gives."""
-    from meshrun.train.layer_layout import LayerLayout
-    from meshrun.train.tier_io import Runs
+    from meshrun.offload.checkpoint_io import Runs
+    from meshrun.offload.layer_layout import LayerLayout
 
     shapes, split, row = ((6, 4, 3), (6, 4), (6, 8, 2)), 2, 24  # a piece: 6 + 2 + 8 elements, 8 of padding
     lay = LayerLayout(None, (), shapes, (0, 6, 8), 288, 288, 10, (), (), (), layers=6, split=split, row=row)

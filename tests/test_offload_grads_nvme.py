@@ -1,6 +1,6 @@
 """offload.grads=nvme (with offload.params and the nvme tier): each layer's reduced float32
 gradient goes from the backward to the tier's file, and the streamed update reads it there with the
-layer's optimizer state (meshrun/train/grad_file.py). The run equals the same run with everything
+layer's optimizer state (meshrun/offload/grad_file.py). The run equals the same run with everything
 in memory exactly (losses, params and the whole optimizer state after 3 steps, tolerance 0), no
 host-resident gradient exists, and the sink holds no more than a few layers' blocks at a time."""
 

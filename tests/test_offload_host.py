@@ -20,8 +20,8 @@ from meshrun.analysis.memory import memory_spaces
 from meshrun.checkpoint.state import Checkpointer
 from meshrun.cli.main import main
 from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.offload import chunk_store
 from meshrun.parallel.sharding import DP_AXES
-from meshrun.train import chunk_store
 
 BUDGET_MB = 0.5
 HOST = ["offload.optimizer=host", f"offload.budget_mb={BUDGET_MB}"]

@@ -21,6 +21,7 @@ from test_reliability import SMALL as CLI_SMALL
 from meshrun.checkpoint.store import scan
 from meshrun.config import load_config
 from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.offload.optimizer_tier import CopyUpdate, InPlaceUpdate
 from meshrun.parallel.sharding import DP_AXES
 from meshrun.runtime.mesh import build_mesh
 from meshrun.train.step import make_train_step
@@ -233,8 +234,9 @@ def test_in_place_pass_aliases_its_buffers_and_equals_the_copy_path(tmp_path):
                           global_batch=cfg.train.global_batch)  # fmt: skip
         ts = make_train_step(cfg, mesh)
         tier = ts.tier
-        assert tier.in_place and len(tier.layout.first) < len(tier.layout.local)  # replicated rows
-        tier.in_place = in_place
+        assert isinstance(tier.update, InPlaceUpdate) and len(tier.layout.first) < len(tier.layout.local)  # replicated
+        if not in_place:
+            tier.update = CopyUpdate(tier)
         aliased, update = [], tier.chunk_part_in_place
 
         def spy(g, p, slots, *rest, update=update, aliased=aliased):

@@ -1,6 +1,6 @@
 """offload.params with offload.optimizer=nvme: the parameters and their gradient rest in host
 memory, the stacked layers' optimizer state in the NVMe tier's file, and the update streams whole layers
-through the device (meshrun/train/layer_tier.py). The run equals the same run with the state in memory
+through the device (meshrun/offload/param_tier.py). The run equals the same run with the state in memory
 exactly (losses, params and the whole optimizer state after 3 steps, tolerance 0), the tier never holds
 more host memory than its budget, and checkpoints move between the tiers exactly."""
 
@@ -16,8 +16,8 @@ from test_reliability import one_error_line
 from meshrun.checkpoint.state import Checkpointer
 from meshrun.checkpoint.store import scan
 from meshrun.data.datasets import global_batch_arrays, make_dataset
+from meshrun.offload import directory
 from meshrun.parallel.sharding import DP_AXES
-from meshrun.train import swap_dir
 
 OP = ["train.zero=3", "offload.params=true"]
 DP8_M1 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1", "model.n_layers=8"]
@@ -56,7 +56,7 @@ def test_offload_params_nvme_equals_the_state_in_memory(tmp_path):
 
 
 def test_layer_tier_takes_its_directory_as_the_streamed_tiers_do(capsys, tmp_path):
-    """The layer tier takes offload.dir with the streamed tiers' `swap_dir.take_dir`: a missing
+    """The layer tier takes offload.dir with the streamed tiers' `directory.take_dir`: a missing
     one exits 2 with one line naming offload.dir, before anything is written."""
     from test_reliability import train
 
@@ -66,7 +66,7 @@ def test_layer_tier_takes_its_directory_as_the_streamed_tiers_do(capsys, tmp_pat
 
 
 def test_layer_tier_tells_the_whole_state_from_its_own_by_structure(tmp_path):
-    """`LayerTier.kept` tells the whole optimizer state from the tier's run state (its non-LAYER leaves
+    """`ParamTier.kept` tells the whole optimizer state from the tier's run state (its non-LAYER leaves
     as a tuple) by tree structure: a tuple as long as the kept leaves but of another structure is
     refused, not taken for them."""
     from meshrun.config import load_config
@@ -171,11 +171,11 @@ def test_offload_params_nvme_sigkill_mid_swap_out_then_rerun(tmp_path):
     killed = _cli(tmp_path / "k", *over, MESHRUN_FAULT_OFFLOAD_KILL="3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [e.step for e in scan(tmp_path / "k") if e.status == "complete"] == [2]
-    assert len(list(tmp_path.glob(swap_dir.DATA_GLOB))) == 1  # the killed run's half-written file
+    assert len(list(tmp_path.glob(directory.DATA_GLOB))) == 1  # the killed run's half-written file
     rerun = _cli(tmp_path / "k", *over)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert _final_loss(tmp_path / "k") == _final_loss(tmp_path / "ref")
-    assert not list(tmp_path.glob(swap_dir.DATA_GLOB))
+    assert not list(tmp_path.glob(directory.DATA_GLOB))
 
 
 @pytest.mark.serial

@@ -10,21 +10,21 @@ import numpy as np
 import pytest
 
 from meshrun.errors import ConfigError
-from meshrun.train import chunk_store, swap
+from meshrun.offload import chunk_store, swap_file
 
 
 def test_chunk_elems_from_budget():
     """Three chunks of (slots x rows) float32 rows fit the budget, in multiples of ALIGN, at most the
     row rounded up to ALIGN; a budget below one ALIGN per buffer is a ConfigError naming the minimum."""
     mib = 2**20
-    assert chunk_store.SLOTS_IN_FLIGHT == 3 and swap.ALIGN == 1024
+    assert chunk_store.SLOTS_IN_FLIGHT == 3 and swap_file.ALIGN == 1024
     # 16 MiB / (3 buffers x 2 slots x 1 row x 4 B) = 699050.67 elements -> 682 x 1024
-    assert swap.chunk_elems(16 * mib, 2, 1, 13_000_000) == 682 * 1024
-    assert swap.chunk_elems(16 * mib, 3, 4, 13_000_000) == 113 * 1024  # master, m, v of 4 distinct rows
-    assert swap.chunk_elems(16 * mib, 2, 1, 5000) == 5 * 1024  # the whole row in one chunk
-    assert swap.chunk_elems(3 * 2 * 4 * 1024, 2, 1, 10**6) == 1024  # exactly one ALIGN per buffer
+    assert swap_file.chunk_elems(16 * mib, 2, 1, 13_000_000) == 682 * 1024
+    assert swap_file.chunk_elems(16 * mib, 3, 4, 13_000_000) == 113 * 1024  # master, m, v of 4 distinct rows
+    assert swap_file.chunk_elems(16 * mib, 2, 1, 5000) == 5 * 1024  # the whole row in one chunk
+    assert swap_file.chunk_elems(3 * 2 * 4 * 1024, 2, 1, 10**6) == 1024  # exactly one ALIGN per buffer
     with pytest.raises(ConfigError, match=r"offload.budget_mb: .*use at least 0.02"):
-        swap.chunk_elems(3 * 2 * 4 * 1024 - 1, 2, 1, 10**6)
+        swap_file.chunk_elems(3 * 2 * 4 * 1024 - 1, 2, 1, 10**6)
 
 
 @pytest.mark.parametrize("with_done", [False, True], ids=["freed-by-fetch", "freed-by-done"])
@@ -34,7 +34,7 @@ def test_stream_one_read_one_write_per_chunk_three_chunks_held(tmp_path, with_do
     updates dispatched and not yet written, three chunks held; both ring buffers are filled during
     `ready()` and those reads are not counted in the timed bytes."""
     n, chunk = 6, (2, 3, 1024)
-    f = swap.SwapFile(tmp_path, n, chunk)
+    f = swap_file.SwapFile(tmp_path, n, chunk)
     try:
         start = np.arange(n * np.prod(chunk), dtype=np.float32).reshape(n, *chunk)
         f.write_all(lambda i: list(start[i].reshape(-1, chunk[-1])))

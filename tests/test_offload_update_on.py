@@ -1,5 +1,5 @@
 """offload.update_on: the streamed tier's chunk update on the devices (the copy path, a GPU's)
-or on jax's CPU backend (`train/host_update.py`) equals the in-memory run exactly: losses, params and
+or on jax's CPU backend (`offload/host_update.py`) equals the in-memory run exactly: losses, params and
 the whole optimizer state after 3 steps, tolerance 0, with the clip active; bad values exit 2."""
 
 import jax
@@ -72,7 +72,7 @@ def test_host_update_runs_on_the_cpu_backend_in_place(tmp_path):
                                                 "offload.update_on=host"])  # fmt: skip
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:4])
     ts = make_train_step(cfg, mesh)
-    host = ts.tier.host
+    host = ts.tier.update.host
     assert host.cpu not in set(mesh.devices.flat) and host.cpu.platform == "cpu"
     calls, update = [], host.update
 
@@ -115,7 +115,7 @@ def test_bad_offload_update_on_exits_2(capsys, tmp_path, over, what):
 def test_host_without_the_cpu_backend_is_a_config_error(monkeypatch):
     """JAX_PLATFORMS without cpu (e.g. cuda alone): host names the field and the fix instead of jax's error."""
     from meshrun.errors import ConfigError
-    from meshrun.train import host_update
+    from meshrun.offload import host_update
 
     def no_cpu(backend=None):
         raise RuntimeError(f"Unknown backend {backend}")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 from test_train import _cfg, assert_same, reference, run_steps
 
 from meshrun.cli.main import main
@@ -107,6 +108,32 @@ def test_old_train_keys_name_their_new_place(tmp_path, capsys):
     )
     assert main(["train", "configs/tiny_cpu.yaml", "train.adam_eps=1e-4"]) == 2
     assert "train.adam_eps: moved to optimizer.eps" in capsys.readouterr().err
+
+
+def test_muons_options_are_its_own(tmp_path, capsys):
+    """optimizer.momentum and ns_steps are MuonConfig's: adamw refuses them in one line naming muon,
+    unless they state the defaults that every run's config.yaml recorded when all optimizers shared
+    them; such an old config.yaml resumes without a warning about them."""
+    cfg = load_config(None, [*MUON, "optimizer.momentum=0.9", "optimizer.ns_steps=3"])
+    assert type(cfg.optimizer) is registry.MuonConfig and (cfg.optimizer.momentum, cfg.optimizer.ns_steps) == (0.9, 3)
+    assert main(["train", "configs/tiny_cpu.yaml", "optimizer.momentum=0.9"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "meshrun train: error: optimizer.momentum: muon's option, not adamw's (got 0.9); remove it, or set "
+        "optimizer.name=muon"
+    )
+    over = ["mesh.pipe=1", "mesh.data=-1", "mesh.tensor=1", "model.n_layers=2", "train.seq_len=16",
+            "model.max_seq_len=16", "train.global_batch=8", "pipeline.microbatches=1", "data.kind=synthetic",
+            "checkpoint.async_save=false", f"train.run_dir={tmp_path}", "--quiet"]  # fmt: skip
+    assert main(["train", "configs/tiny_cpu.yaml", *over, "train.steps=2"]) == 0
+    saved = tmp_path / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    assert "momentum" not in old["optimizer"]
+    old["optimizer"] |= {"momentum": 0.95, "ns_steps": 5}  # as every run wrote it before
+    saved.write_text(yaml.safe_dump(old, sort_keys=False))
+    capsys.readouterr()
+    assert main(["train", str(saved), "train.steps=3", "--quiet"]) == 0
+    (differs,) = [ln for ln in capsys.readouterr().err.splitlines() if "differs" in ln]
+    assert differs.endswith("config.yaml: train.steps 2 -> 3"), differs  # the steps only, no optimizer keys
 
 
 # ---------------------------------------------------------------- state bytes: registry, planner, compiled

@@ -200,19 +200,19 @@ def test_plan_says_where_the_update_runs(capsys):
     argv = ["--model", "llama-70b", "--cluster", "h100-80g:2x8", "--global-batch", "16", "--seq-len", "4096", "--top",
             "1"]  # fmt: skip
     rc, out, _ = run_cli(argv, capsys)
-    assert rc == 0 and "update on the device: +2.03 s against +2.42 s on the host CPU" in out, out
+    assert rc == 0 and "update on the device: +2 s against +2.39 s on the host CPU" in out, out
     rc, out, _ = run_cli([*GPT3_LONG[:-1], "1", "--cluster", "a100-80g:8x8"], capsys)
     assert rc == 0 and "update on the host CPU (offload.update_on=host): +2.25 s against +2.52 s" in out, out
 
 
 def test_chunks_match_the_runtime_rule():
-    from meshrun.train import chunk_store, swap
+    from meshrun.offload import chunk_store, swap_file
 
     for budget in (0.5, 16, 256, 4096):
         for slots, rows, row_len in ((2, 1, 10**6), (3, 8, 123_457), (3, 8, 10**10), (2, 4, 100)):
-            want = swap.chunk_elems(budget * 2**20, slots, rows, row_len)
+            want = swap_file.chunk_elems(budget * 2**20, slots, rows, row_len)
             assert tiers.chunk_elems(budget * 2**20, slots, rows, row_len) == want
-    assert tiers.SLOTS_IN_FLIGHT == chunk_store.SLOTS_IN_FLIGHT and tiers.ALIGN == swap.ALIGN
+    assert tiers.SLOTS_IN_FLIGHT == chunk_store.SLOTS_IN_FLIGHT and tiers.ALIGN == swap_file.ALIGN
     from meshrun.config import OffloadConfig
 
     assert OffloadConfig().budget_mb == tiers.DEFAULT_BUDGET_MB
@@ -229,10 +229,10 @@ def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
 
     from meshrun.config import load_config
     from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.offload import chunk_store, swap_file
     from meshrun.parallel.sharding import DP_AXES
     from meshrun.planner.layout import layout_of
     from meshrun.runtime.mesh import build_mesh
-    from meshrun.train import chunk_store, swap
     from meshrun.train.step import make_train_step
 
     small = ["train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic", "train.global_batch=16"]
@@ -249,7 +249,7 @@ def test_planner_state_bytes_equal_the_runtime_tiers(kind, tmp_path):
         mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=16)
         mem |= {"total": mem["device"], "overhead_context": 0.0}
         plan = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), kind, 0.0, 0.5)
-        assert plan.streamed and isinstance(f, swap.SwapFile if kind == "nvme" else chunk_store.HostStore)
+        assert plan.streamed and isinstance(f, swap_file.SwapFile if kind == "nvme" else chunk_store.HostStore)
         assert mem["opt_elems"] == tier.layout.used
         assert mem["opt_state"] == tier.layout.used * tier.pattern.n_slots * 4
         assert len(tier.layout.first) == 8 and plan.chunk == tier.layout.chunk and plan.n_chunks == tier.layout.n_chunks
@@ -279,15 +279,15 @@ HOST_UPDATES = {  # overrides -> whether the runtime streams the host tier's upd
 @pytest.mark.parametrize("name", list(HOST_UPDATES))
 def test_planner_streams_the_host_update_where_the_runtime_does(name):
     """The planner models the streamed host update exactly where the step's plan streams it
-    (`train.plan.streams_update`), and the whole-shard update where auto falls back to it."""
+    (`offload.registry.placement`), and the whole-shard update where auto falls back to it."""
     from meshrun.config import load_config
+    from meshrun.offload.registry import placement
     from meshrun.planner.layout import layout_of
-    from meshrun.train.plan import streams_update
 
     over, want = HOST_UPDATES[name]
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["offload.optimizer=host", *over])
     lay = layout_of(cfg, {"data": 2, "pipe": 2, "tensor": 2, "expert": 1})
-    assert streams_update(cfg) is want and tiers.host_streams(cfg.model, lay) is want
+    assert placement(cfg).streams is want and tiers.host_streams(cfg.model, lay) is want
     mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=64)
     mem |= {"total": mem["device"]}
     t = tiers.optimizer_tier(mem, cfg.model, lay, Cluster(GPUS["h100-80g"], 1, 8), "host", 0.0)

@@ -25,9 +25,20 @@ def mlp_params(m: ModelConfig) -> int:
     return (3 if m.mlp == "swiglu" else 2) * m.d_model * m.d_ff  # swiglu: gate, up, down; gelu: up, down
 
 
+def expert_params(m: ModelConfig) -> int:
+    """One routed expert: an MLP of width expert_d_ff (model.moe_d_ff, or d_ff)."""
+    return (3 if m.mlp == "swiglu" else 2) * m.d_model * m.expert_d_ff
+
+
+def shared_params(m: ModelConfig) -> int:
+    """An MoE layer's shared experts (one MLP of width n_shared_experts * expert_d_ff)."""
+    return m.n_shared_experts * expert_params(m)
+
+
 def layer_params(m: ModelConfig, moe: bool = False) -> int:
-    """One transformer layer: attention + MLP (or E experts + router) + 2 norms. GPT-3: 12h^2 + 2h."""
-    ffn = m.n_experts * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m)
+    """One transformer layer: attention + MLP (or E experts + router + shared experts) + 2 norms.
+    GPT-3: 12h^2 + 2h."""
+    ffn = m.n_experts * expert_params(m) + m.d_model * m.n_experts + shared_params(m) if moe else mlp_params(m)
     return attn_params(m) + ffn + 2 * m.d_model
 
 
@@ -40,9 +51,9 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
 def _param_counts(m: ModelConfig) -> dict[str, int]:
     n_moe = m.n_moe_layers
     dense_layers = (m.n_layers - n_moe) * layer_params(m) + n_moe * (
-        layer_params(m, True) - m.n_experts * mlp_params(m)
+        layer_params(m, True) - m.n_experts * expert_params(m)
     )
-    experts = n_moe * m.n_experts * mlp_params(m)
+    experts = n_moe * m.n_experts * expert_params(m)
     emb = m.vocab * m.d_model
     head = 0 if m.tie_embeddings else m.vocab * m.d_model
     total = dense_layers + experts + emb + head + m.d_model
@@ -53,8 +64,10 @@ def _param_counts(m: ModelConfig) -> dict[str, int]:
 
 
 def _matmul_active(m: ModelConfig, moe: bool) -> int:
-    """Matmul params a token passes through in one layer (MoE: top_k experts + router)."""
-    return attn_params(m) + (m.top_k * mlp_params(m) + m.d_model * m.n_experts if moe else mlp_params(m))
+    """Matmul params a token passes through in one layer (MoE: top_k experts + router + shared experts)."""
+    if not moe:
+        return attn_params(m) + mlp_params(m)
+    return attn_params(m) + m.top_k * expert_params(m) + m.d_model * m.n_experts + shared_params(m)
 
 
 def moe_routed(m: ModelConfig, expert: int = 1) -> float:
@@ -71,7 +84,7 @@ def layer_fwd_flops(m: ModelConfig, tokens: float, s: int, moe: bool = False, ca
     counted in full as Megatron does, not halved for causal masking)."""
     mat = _matmul_active(m, moe)
     if moe:
-        mat += (capacity - 1.0) * m.top_k * mlp_params(m)  # capacity padding is executed too
+        mat += (capacity - 1.0) * m.top_k * expert_params(m)  # capacity padding is executed too
     return 2.0 * tokens * mat + 4.0 * tokens * s * m.n_heads * m.head_dim
 
 

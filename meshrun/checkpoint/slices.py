@@ -1,5 +1,5 @@
 """Checkpoint arrays written and read in slices, for state that never rests whole in memory (the NVMe
-tier's optimizer state, `meshrun/train/tier_io.py`).
+tier's optimizer state, `meshrun/offload/checkpoint_io.py`).
 
 Saving: a `StreamedArray` leaf stands for an array whose data a `Source` hands over one file chunk at a
 time, as boxes of the global array. `SliceArrayHandler`, an orbax `ArrayHandler` installed in

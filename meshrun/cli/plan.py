@@ -266,10 +266,10 @@ def run_plan(args) -> int:
     if args.fp8 is not None:
         if args.fp8 not in FP8_RECIPES:
             raise ConfigError("--fp8", args.fp8, f"use one of {list(FP8_RECIPES)}")
-        if not hasattr(model, "fp8"):
+        if not model.fp8_gemms:
             raise ConfigError("--fp8", args.fp8, "leave it out", f"model.family={model.family} has no fp8 GEMMs")
         model = dataclasses.replace(model, fp8=args.fp8)
-    if getattr(model, "fp8", "none") != "none" and not cluster.gpu.fp8_flops:
+    if model.fp8 != "none" and not cluster.gpu.fp8_flops:
         fix = "use --fp8 none here, or an H100/H200/GH200 cluster"
         raise ConfigError("--fp8", model.fp8, fix, f"{cluster.gpu.name} has no fp8 GEMMs")
     for flag, val in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):

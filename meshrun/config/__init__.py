@@ -25,6 +25,7 @@ from meshrun.config.load import (
     load_yaml,
     merge,
     model_from_dict,
+    optimizer_from_dict,
     parse_overrides,
     saved_model,
     to_dict,
@@ -33,7 +34,9 @@ from meshrun.config.mesh import AXES, DEFAULT_ORDER, MeshConfig
 from meshrun.config.model import (
     CONTEXT_KINDS,
     EXECUTION_FIELDS,
+    FP8_FIELDS,
     FP8_RECIPES,
+    MAX_AMAX_HISTORY,
     REMATS,
     ModelConfig,
     default_model,
@@ -50,7 +53,12 @@ from meshrun.config.offload import (
     streamed_update_refusal,
     streams_host_update,
 )
-from meshrun.config.optimizer import OPTIMIZER_STATE_DTYPES, OptimizerConfig
+from meshrun.config.optimizer import (
+    OPTIMIZER_STATE_DTYPES,
+    OptimizerConfig,
+    optimizer_class,
+    use_optimizer_classes,
+)
 from meshrun.config.pipeline import PipelineConfig
 from meshrun.config.run import MOVED_KEYS, RunConfig
 from meshrun.config.train import GRAD_REDUCE_DTYPES, ZERO2_REDUCES, ZERO3_GATHERS, TrainConfig
@@ -64,14 +72,16 @@ from meshrun.config.zero import (
 from meshrun.errors import ConfigError
 
 __all__ = [
-    "AXES", "CONTEXT_KINDS", "DEFAULT_ORDER", "EXECUTION_FIELDS", "FP8_RECIPES", "GRAD_REDUCE_DTYPES",
-    "MAX_DEVICES", "MAX_DIM", "MAX_MICROBATCHES", "MAX_SIMULATED_DEVICES", "MAX_STEPS", "MOVED_KEYS",
+    "AXES", "CONTEXT_KINDS", "DEFAULT_ORDER", "EXECUTION_FIELDS", "FP8_FIELDS", "FP8_RECIPES",
+    "GRAD_REDUCE_DTYPES", "MAX_AMAX_HISTORY", "MAX_DEVICES", "MAX_DIM", "MAX_MICROBATCHES",
+    "MAX_SIMULATED_DEVICES", "MAX_STEPS", "MOVED_KEYS",
     "OFFLOAD_GRADS", "OFFLOAD_TIERS", "OFFLOAD_UPDATES", "OFFLOAD_UPDATE_ON", "OPTIMIZER_STATE_DTYPES",
     "REMATS", "CheckpointConfig", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OffloadConfig",
     "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig", "bounded", "check_device_count",
     "choice", "default_model", "from_dict", "load_config", "load_mesh", "load_section", "load_yaml", "merge",
-    "model_class", "model_from_dict", "offload_params_refusals", "parse_overrides", "saved_model",
-    "streamed_update_refusal", "streams_host_update", "to_dict", "use_model_classes",
+    "model_class", "model_from_dict", "offload_params_refusals", "optimizer_class", "optimizer_from_dict",
+    "parse_overrides", "saved_model", "streamed_update_refusal", "streams_host_update", "to_dict",
+    "use_model_classes", "use_optimizer_classes",
     "LAYER_GATHER_AUTO_BYTES", "ZERO2_REDUCES", "ZERO3_GATHERS", "zero2_layer_refusals", "zero2_per_microbatch",
     "zero3_layer_refusals", "zero3_per_layer",
 ]  # fmt: skip

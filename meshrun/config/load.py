@@ -15,6 +15,7 @@ import yaml
 
 from meshrun.config.mesh import MeshConfig
 from meshrun.config.model import ModelConfig, model_class
+from meshrun.config.optimizer import OWN_KEYS, OptimizerConfig, optimizer_class
 from meshrun.config.run import MOVED_KEYS, RunConfig
 from meshrun.errors import ConfigError
 
@@ -84,9 +85,15 @@ def _coerce(name: str, tp, value):
 
 def from_dict(cls, data: dict[str, Any] | None, prefix: str = ""):
     """Build dataclass `cls` from a (nested) dict, checking keys and types (ModelConfig: the family's
-    class, `model_from_dict`)."""
+    class, `model_from_dict`; OptimizerConfig: the optimizer's, `optimizer_from_dict`)."""
     if cls is ModelConfig:
         return model_from_dict(data or {}, prefix)
+    if cls is OptimizerConfig:
+        return optimizer_from_dict(data or {}, prefix)
+    return _build(cls, data, prefix)
+
+
+def _build(cls, data: dict[str, Any] | None, prefix: str):
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -131,6 +138,25 @@ def model_from_dict(data: dict[str, Any], prefix: str = "model."):
             raise ConfigError(full, value, _suggest(key, names), "unknown key")
         raise ConfigError(full, value, "remove it", f"{fam} has no such field")
     return from_dict(cls, data, prefix)
+
+
+def optimizer_from_dict(data: dict[str, Any], prefix: str = "optimizer."):
+    """The `optimizer:` section -> its optimizer's config class. Another optimizer's own option is
+    refused naming its owner, unless it states the default every run used to write (OWN_KEYS)."""
+    data = dict(data)
+    name = _coerce(f"{prefix}name", str, data.get("name", OptimizerConfig.name))
+    cls = optimizer_class(name)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in list(data.items()):
+        full = f"{prefix}{key}"
+        if key in names or full not in OWN_KEYS:
+            continue
+        owner, old = OWN_KEYS[full]
+        if value == old:  # a config.yaml written when every optimizer had the key
+            del data[key]
+            continue
+        raise ConfigError(full, value, f"remove it, or set optimizer.name={owner}", f"{owner}'s option, not {name}'s")
+    return _build(cls, data, prefix)
 
 
 def saved_model(saved: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,9 @@ EXECUTION_FIELDS = (
     "remat", "remat_every", "sequence_parallel", "tp_comm_overlap", "attention_impl", "context_parallel",
 )  # fmt: skip
 REMATS = ("none", "full", "selective", "offload")
-FP8_RECIPES = ("none", "tensorwise", "delayed")  # a family's model.fp8 (meshrun.parallel.fp8)
+FP8_RECIPES = ("none", "tensorwise", "delayed")  # model.fp8 (meshrun.parallel.fp8)
+FP8_FIELDS = ("fp8", "fp8_amax_history", "fp8_first_last_bf16")
+MAX_AMAX_HISTORY = 1024  # the longest delayed-scaling history NVIDIA Transformer Engine and MaxText use
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the parameters; bfloat16 keeps a float32 master copy in the optimizer
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the normal weight initialisation
+    # fp8 GEMMs in every layer's q/k/v, attention output, MLP in and out (docs/fp8.md): none |
+    # tensorwise (scales from the current amax) | delayed (from the max of an amax history); a family
+    # without fp8 GEMMs refuses anything but none
+    fp8: str = "none"
+    fp8_amax_history: int = 16  # fp8=delayed: steps of amax history
+    fp8_first_last_bf16: bool = False  # with fp8: the first and last layers stay in the compute dtype
     # ---- execution settings (EXECUTION_FIELDS)
 
     attention_impl: str = "xla"  # "xla" | "cudnn" (flash attention on GPUs)
@@ -63,6 +71,7 @@ class ModelConfig:
     # start-up block. A family's class either makes a layer fact its own field or fixes it.
     context_attention: ClassVar[bool] = False  # its attention can cross the 'context' mesh axis
     tp_rings: ClassVar[bool] = False  # its blocks run model.tp_comm_overlap's rings
+    fp8_gemms: ClassVar[bool] = False  # its layers run model.fp8's GEMMs (else the fp8 keys are refused)
     predictable: ClassVar[bool] = True  # the planner's transformer formulas describe its layer
     mlp: ClassVar[str] = "gelu"  # swiglu: 3 matrices (gate, up, down); gelu: 2
     tie_embeddings: ClassVar[bool] = False  # the head reuses the embedding matrix
@@ -71,6 +80,10 @@ class ModelConfig:
     capacity_factor: ClassVar[float] = 1.0
     moe_dispatch: ClassVar[str] = "capacity"
     moe_every: ClassVar[int] = 1
+    moe_d_ff: ClassVar[int] = 0  # one routed expert's width (0: d_ff)
+    n_shared_experts: ClassVar[int] = 0  # experts every token passes through (width n_shared_experts * expert_d_ff)
+    first_dense_layers: ClassVar[int] = 0  # leading dense layers before the MoE units
+    balance: ClassVar[str] = "aux_loss"  # how the routed experts' load is balanced: aux_loss | bias
     # the fields `meshrun checkpoints` shows for a saved model (the family's own fields follow)
     summary: ClassVar[tuple[str, ...]] = (
         "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "n_experts", "dtype",
@@ -126,16 +139,41 @@ class ModelConfig:
                 "set model.remat=full (a group of k layers is rematerialised from its input), or remat_every=1",
                 f"grouping layers needs full remat (model.remat={self.remat})",
             )
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        if not self.fp8_gemms:
+            for f in FP8_FIELDS:
+                if getattr(self, f) != type(self).__dataclass_fields__[f].default:
+                    raise ConfigError(f"model.{f}", getattr(self, f), "remove it (or use a family with fp8 GEMMs)",
+                                      f"model.family={self.family} has no fp8 GEMMs")  # fmt: skip
+        _choice("model.fp8", self.fp8, FP8_RECIPES)
+        if self.tp_comm_overlap and self.fp8 != "none":
+            raise ConfigError(
+                "model.tp_comm_overlap", True, "turn model.fp8 off with it, or model.tp_comm_overlap off",
+                f"runs its rings in the compute dtype, not fp8 (model.fp8={self.fp8})",
+            )  # fmt: skip
+        if self.fp8_amax_history < 1:
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
+        if self.fp8_amax_history > MAX_AMAX_HISTORY:  # a parameter per fp8 GEMM, with Adam moments of its own
+            fix = f"use at most {MAX_AMAX_HISTORY} steps, e.g. 16"
+            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, fix, "longer than any recipe uses")
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
     @property
+    def expert_d_ff(self) -> int:
+        """One routed expert's hidden size: moe_d_ff, or d_ff when it is 0."""
+        return self.moe_d_ff or self.d_ff
+
+    @property
     def n_units(self) -> int:
-        """Entries on the stacked 'layers' axis: n_layers (dense), or n_layers / moe_every (MoE: groups
-        of moe_every - 1 dense blocks and one MoE block)."""
-        return self.n_layers // self.moe_every if self.is_moe else self.n_layers
+        """Entries on the stacked 'layers' axis: n_layers (dense), or (n_layers - first_dense_layers) /
+        moe_every (MoE: groups of moe_every - 1 dense blocks and one MoE block; the first dense layers
+        are not on the axis)."""
+        return (self.n_layers - self.first_dense_layers) // self.moe_every if self.is_moe else self.n_layers
 
     @property
     def n_moe_layers(self) -> int:
@@ -155,7 +193,8 @@ class ModelConfig:
         """The layer facts this family's class fixes rather than lets users set: {name: value}."""
         own = cls.__mro__[: cls.__mro__.index(ModelConfig)]  # the family's classes, not this base
         consts = (n for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is ClassVar)
-        consts = (n for n in consts if n not in ("context_attention", "tp_rings", "predictable", "summary"))
+        declared = ("context_attention", "tp_rings", "fp8_gemms", "predictable", "summary")
+        consts = (n for n in consts if n not in declared)
         return {n: getattr(cls, n) for n in consts if any(n in vars(k) for k in own)}
 
 

@@ -135,7 +135,7 @@ def offload_params_refusals(
 def streamed_update_refusal(optimizer: str, elementwise: bool, state_dtype: str, fp8: str | None = None) -> str | None:
     """Why the host tier cannot stream this optimizer's update chunk by chunk (None: it can), so that
     `offload.update=auto` keeps the whole-shard update and `streamed` is refused. The one place
-    the rule lives: the step's plan (`train.plan.streams_update`) and the planner (`planner.tiers`)."""
+    the rule lives: the step's plan (`offload.registry.placement`) and the planner (`planner.tiers`)."""
     if not elementwise:
         return f"{optimizer}'s update is not elementwise"
     if state_dtype != "float32":
@@ -149,5 +149,5 @@ def streams_host_update(offload_update: str, offload_params: bool, refusal: str 
     """Whether the host tier's update streams chunk by chunk: not with offload.update=whole, nor
     offload.params (which streams layer by layer itself), nor where `streamed_update_refusal`
     objects (auto keeps the whole-shard update there). The one rule the step's plan
-    (`train.plan.streams_update`) and the planner (`planner.tiers.host_streams`) ask."""
+    (`offload.registry.placement`) and the planner (`planner.tiers.host_streams`) ask."""
     return offload_update != "whole" and not offload_params and refusal is None

@@ -60,6 +60,12 @@ class ModelFns:
     # sequence (`meshrun.parallel.context` layout); a model with context=True attends across the
     # 'context' axis itself and takes its positions from the chunk's global token indices
     context: bool = False
+    # State the model keeps in its params but does not train (MoE balance biases): after the step's
+    # gradient reduction, `update_state(params, grads) -> (params, grads)` sets it from the reduced
+    # gradients and zeroes its gradients; after the optimizer, `keep_state(new_params, params)` puts
+    # that state back over the optimizer's update of it
+    update_state: Callable | None = None
+    keep_state: Callable | None = None
 
 
 def layers_fn(fns: ModelFns, segment_ids_BxS=None) -> Callable:

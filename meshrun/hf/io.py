@@ -473,7 +473,7 @@ def export_hf(
     tokenizer = _data_tokenizer(meta)
     cfg, params, meta, directory = load_params_from(run_dir, quiet=quiet, step=step)
     config = export_config(cfg, hf, vocab, dtype)  # the checkpoint used may be an older one
-    if getattr(cfg, "fp8", "none") != "none" and not quiet:
+    if cfg.fp8 != "none" and not quiet:
         print(f"meshrun: note: model.fp8={cfg.fp8}: exporting the master weights as {dtype}; transformers "
               "computes it without fp8 (the fp8 scaling state is not written)", file=sys.stderr)  # fmt: skip
     leaf = lambda path: _get(params, path)

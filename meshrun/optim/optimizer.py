@@ -68,8 +68,11 @@ def schedule_moved(old: dict, cfg: RunConfig, step: int) -> str | None:
 
 def _entry(cfg: RunConfig, param_names: Any) -> optax.GradientTransformation:
     """The registry entry's transformation for this config, its moments in optimizer.state_dtype."""
-    module, fn = registry.get(cfg.optimizer.name).build.split(":")
-    tx = getattr(importlib.import_module(module), fn)(cfg.optimizer, lr_schedule(cfg), param_names)
+    build = registry.get(cfg.optimizer.name).build
+    if isinstance(build, str):
+        module, fn = build.split(":")
+        build = getattr(importlib.import_module(module), fn)
+    tx = build(cfg.optimizer, lr_schedule(cfg), param_names)
     return with_state_dtype(tx, cfg.optimizer.state_dtype)
 
 

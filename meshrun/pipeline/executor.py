@@ -140,7 +140,7 @@ class Pipeline:
         if self.placement == "model":
             gl, gspec = lsplit.from_pipeline(gl), self.model_zero.grads
         # fp32 sums -> param dtype (offload.params: the layers' sums in host memory are cast layer
-        # by layer in the update, `train/layer_update.py`)
+        # by layer in the update, `offload/layer_update.py`)
         grads = jax.tree.map(lambda g, a: g if on_host(g) else g.astype(a.dtype), {**go, "layers": gl}, params)
         return loss, _wsc(mesh, grads, gspec), metrics
 

@@ -6,6 +6,7 @@ measures it on compiled programs; tests/test_memory.py asserts the two agree).""
 from __future__ import annotations
 
 from meshrun.config import ModelConfig
+from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE
 
 # Context parallelism (`context` = c > 1): every per-token tensor holds the local s/c tokens of each
 # sequence; only attention sees the whole sequence. allgather: the local queries score against all s
@@ -47,9 +48,12 @@ def _kv_len(s: int, c: int, kind: str, flash: bool) -> float | None:
 
 def layer_activation_bytes(
     m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, dropout: bool, flash: bool, moe=False,
-    context: int = 1, kind: str = "allgather",
+    context: int = 1, kind: str = "allgather", fp8_inputs: bool = False,
 ) -> float:  # fmt: skip
     """Bytes one layer keeps for its backward, per micro-batch (Korthikanti 2022, section 4).
+    `fp8_inputs` (Megatron with Transformer Engine's fp8): each fp8 GEMM keeps its input in fp8 for the
+    weight gradient (one byte: the QKV and MLP inputs, the out-projection input, the MLP's second GEMM
+    input), the other tensors in the compute dtype.
     GPT-3 (a=2 bytes, dropout): sbh(34 + 5as/h); TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: sbh/t (34 + 5as/h);
     selective drops 5as/h. Generalised to GQA, swiglu, MoE and no-dropout models by counting tensors.
     Context parallelism (c = `context`): s -> s/c in every term; the score term is (s/c) x s per head
@@ -69,7 +73,8 @@ def layer_activation_bytes(
     mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
     mlp = act * mlp_elems
     if moe:  # routed copies of the tokens (top_k x capacity), router logits, dispatch + combine buffers
-        routed = m.top_k * m.capacity_factor
+        # Megatron's dropless MoE keeps the routed rows it received (top_k per token, the busiest rank's share)
+        routed = m.top_k * (MOE_DROPLESS_IMBALANCE if m.moe_dispatch == "dropless" else m.capacity_factor)
         mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
     split = act * s * b * (q + 2 * kv) + act * s * b * q + mlp
     if kv_len is None:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores
@@ -79,6 +84,9 @@ def layer_activation_bytes(
     if remat == "selective":
         core = 0.0 if kv_len is not None else core
     split += gathered
+    if fp8_inputs and act > 1:  # QKV and MLP-in inputs (replicated), out-proj and MLP-out inputs (split)
+        repl -= (act - 1) * 2 * sbh
+        split -= (act - 1) * s * b * (q + (0 if moe else m.d_ff))
     return (repl + split + core) / t if sp else repl + (split + core) / t
 
 

@@ -9,6 +9,7 @@ activation recomputation, dropout 0.1, no flash attention (2021), Megatron's sem
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from meshrun.analysis import flops
@@ -124,3 +125,50 @@ def loo_table(rows=MEGATRON_TABLE1) -> str:
     for row, (size, meas, pred, err) in zip(rows, leave_one_out(rows)):
         lines.append(f"| {size:g}B | {row[4]} | {row[5]} | {meas:.0f} | {pred:.1f} | {err:+.1%} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the published H100 runs
+
+PUBLISHED_FIELDS = ("gemm", "fp8", "flash")  # the H100 calibration's fitted fields (hbm stays the A100 fit's)
+
+
+def published_residuals(cases, cal: Calibration) -> list[float]:
+    """log(predicted / published step time) of each case under `cal` (Megatron's semantics)."""
+    from meshrun.planner import published
+
+    return [math.log(published.evaluate(c, calibration=cal).step_time / c.row["step_s"]) for c in cases]
+
+
+def fit_published(path, fields=PUBLISHED_FIELDS, start: Calibration | None = None) -> Calibration:
+    """Least squares of log(predicted / published step time) over the rows of the calibration file at
+    `path` that are not held out, in the logs of `fields` of the GPU's Calibration (Gauss-Newton,
+    Levenberg-damped, numerical derivatives; fractions of peak stay <= 1). Rounded to 3 digits."""
+    from meshrun.planner import published
+    from meshrun.planner.constants import H100_CALIBRATION
+
+    cases = [c for c in published.cases(path) if not c.row.get("held_out")]
+    base = start or H100_CALIBRATION
+    base = dataclasses.replace(base, fp8=base.fp8_gemm)  # fit the fp8 fraction in its own right
+    x = [math.log(getattr(base, f)) for f in fields]
+    n = len(x)
+
+    def cal_of(x):
+        return dataclasses.replace(base, **{f: math.exp(v) for f, v in zip(fields, x)})
+
+    for _ in range(30):
+        r0 = published_residuals(cases, cal_of(x))
+        cols = []
+        for j in range(n):
+            xj = list(x)
+            xj[j] += 1e-4
+            cols.append([(a - b) / 1e-4 for a, b in zip(published_residuals(cases, cal_of(xj)), r0)])
+        a = [[sum(p * q for p, q in zip(cols[i], cols[j])) * (1.01 if i == j else 1.0) + (1e-9 if i == j else 0.0)
+              for j in range(n)] for i in range(n)]  # fmt: skip
+        g = [-sum(c * r for c, r in zip(cols[i], r0)) for i in range(n)]
+        dx = [max(-0.5, min(0.5, d)) for d in _solve(a, g)]
+        new = [min(xi + di, 0.0) for xi, di in zip(x, dx)]
+        step = max(abs(a - b) for a, b in zip(new, x))
+        x = new
+        if step < 1e-5:
+            break
+    return dataclasses.replace(cal_of(x), **{f: round(math.exp(v), 3) for f, v in zip(fields, x)})

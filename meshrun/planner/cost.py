@@ -17,6 +17,9 @@ from meshrun.pipeline import registry
 from meshrun.planner.activations import context_kv_bytes as context_kv_bytes
 from meshrun.planner.activations import context_working_bytes
 from meshrun.planner.activations import layer_activation_bytes as layer_activation_bytes
+from meshrun.planner.constants import COMM_BUFFER_BYTES as COMM_BUFFER_BYTES
+from meshrun.planner.constants import CUDA_CONTEXT_BYTES as CUDA_CONTEXT_BYTES
+from meshrun.planner.constants import FRAGMENTATION as FRAGMENTATION
 from meshrun.planner.layout import DTYPE_BYTES as DTYPE_BYTES
 from meshrun.planner.layout import Layout as Layout
 from meshrun.planner.layout import Precision as Precision
@@ -27,18 +30,8 @@ from meshrun.planner.step_model import predict_memory_jax
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "overheads", "total")
 
-# Runtime memory besides the model's tensors, charged on GPU plans (`overhead_bytes`):
-# CUDA context + cuBLAS/cuDNN handles and workspaces: ~0.5-1 GB per process on A100/H100 with CUDA 12
-# (PyTorch's CUDA semantics notes; what nvidia-smi shows for a process that has allocated nothing).
-CUDA_CONTEXT_BYTES = 0.8e9
-# NCCL communicator buffers: NCCL_BUFFSIZE (4 MiB, NCCL's environment-variable docs) per channel and
-# ring peer (send + recv), up to 16 channels on NVLink: 128 MiB per communicator (one per mesh axis
-# of size > 1).
-COMM_BUFFER_BYTES = 16 * 2 * 4 * 2**20
-# Allocator fragmentation: transient tensors (activations, logits) cost this much more than their size
-# (PyTorch caching allocator / XLA BFC; ZeRO-R, Rajbhandari et al. 2020 sec. 3.2, reports OOMs with
-# >30% free in bad cases; 10% is the usual headroom in Megatron-LM and MaxText memory estimates).
-FRAGMENTATION = 0.10
+# Runtime memory besides the model's tensors, charged on GPU plans (`overhead_bytes`): CUDA_CONTEXT_BYTES,
+# COMM_BUFFER_BYTES (NCCL communicator buffers), FRAGMENTATION of the transient bytes (constants.py).
 
 
 # ----------------------------------------------------------------------------- memory
@@ -55,12 +48,12 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> 
 
 def _layer_activations(
     model: ModelConfig, b: int, s: int, t: int, *, remat: str, sp: bool, act: float, dropout: bool, flash: bool,
-    context: int = 1, kind: str = "allgather",
+    context: int = 1, kind: str = "allgather", fp8_inputs: bool = False,
 ) -> tuple[float, float]:  # fmt: skip
     """(bytes each layer keeps per micro-batch, bytes of the one layer being recomputed). Full remat
     keeps each layer's input and rebuilds one layer at a time in the backward. Context parallelism:
     the local s/c tokens, plus the K/V exchange's working set (`context_working_bytes`)."""
-    kw = dict(sp=sp, act=act, dropout=dropout, flash=flash, context=context, kind=kind)
+    kw = dict(sp=sp, act=act, dropout=dropout, flash=flash, context=context, kind=kind, fp8_inputs=fp8_inputs)
     n_moe = model.n_moe_layers
     moe_frac = n_moe / model.n_layers
     dense_act = layer_activation_bytes(model, b, s, t, remat=remat, **kw)
@@ -166,16 +159,18 @@ def _megatron_stage(
     `sp`: sequence parallelism in effect). Context parallelism (Megatron-Core's cp): each device holds
     s/c tokens of every sequence; dense weights' gradients and ZeRO (distributed optimizer) shards
     span data x expert x context (dp x cp)."""
-    prec = precision_of(model, "megatron")
+    prec = precision_of(model, "megatron", layout)
     pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
+    fp8 = model.fp8 != "none"  # Transformer Engine keeps the fp8 GEMMs' inputs in fp8
     flash = model.attention_impl == "cudnn" if flash is None else flash
     s, t, p, b, h = seq_len, layout.tensor, layout.pipe, layout.micro_batch_size, model.d_model
     data, expert, context, zero = layout.data, layout.expert, layout.context, layout.zero
     remat, kind = layout.remat, layout.context_kind
     counts = param_counts(model)
     kept, working = _layer_activations(
-        model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context, kind=kind
-    )
+        model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context, kind=kind,
+        fp8_inputs=fp8,
+    )  # fmt: skip
     dense_div, expert_div = zero_divisors(zero, data * expert * context), zero_divisors(zero, data * context)
     s = s / context if context > 1 else s  # per-token tensors below: the local tokens
     dense, experts = _stage_params(counts, h, p, t, expert, stage, layers / model.n_layers)

@@ -5,8 +5,10 @@
 More `,key=value` fields of the cluster string are one parser each in CLUSTER_FIELDS.
 
 All figures are datasheet numbers in SI units (bytes, bytes/s, FLOP/s). Memory sizes are taken as
-decimal GB (80 GB -> 80e9 bytes), which is slightly conservative for the A100/H100 (their HBM is
-80 GiB). Bandwidths are per direction where noted: NVIDIA quotes NVLink as the bidirectional total.
+decimal GB (80 GB -> 80e9 bytes), conservative where the HBM is binary, except the H100 80GB: the
+memory a process can allocate on it (`H100_MEMORY_BYTES`) is what its published runs fill, and the
+decimal figure would reject layouts that ran. Bandwidths are per direction where noted: NVIDIA
+quotes NVLink as the bidirectional total.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from dataclasses import dataclass
 
 from meshrun.errors import ConfigError
 
+# NCCL's achievable fraction of link bandwidth and per-message latency: `constants.py`
+from meshrun.planner.constants import COMM_EFFICIENCY as COMM_EFFICIENCY
+from meshrun.planner.constants import COMM_LATENCY_S as COMM_LATENCY_S
+
 GB = 1e9
 TB = 1e12
-
-# Fraction of a link's bandwidth that NCCL collectives reach in practice (nccl-tests bus bandwidth on
-# DGX A100/H100 is ~75-85% of the link rate for large messages).
-COMM_EFFICIENCY = 0.8
-# Fixed cost per collective / p2p message (launch + latency), seconds.
-COMM_LATENCY_S = 10e-6
+MIB = 2**20
+# H100 SXM5 80GB (HBM3): total memory nvidia-smi and cudaMemGetInfo report, 81559 MiB (80 GiB of HBM3
+# less the driver's reservation) = 85.5e9 bytes. NVIDIA's published Nemotron-4 340B run (TP8 PP8 VP12,
+# DP2, tests/data/published_runs.yaml) needs more than 80e9 bytes by Megatron's documented accounting.
+H100_MEMORY_BYTES = 81559 * MIB
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ GPUS: dict[str, GPU] = {
     # NVLink 4 900 GB/s. DGX H100: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU.
     # 132 SMs, PCIe Gen5.
     # fp8: 1,979 TFLOP/s dense (3,958 with sparsity), the same on H200 and GH200.
-    "h100-80g": GPU("h100-80g", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
+    "h100-80g": GPU("h100-80g", 989e12, H100_MEMORY_BYTES, 3350 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
     # NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense); 141 GB HBM3e 4.8 TB/s;
     # NVLink 900 GB/s. DGX/HGX H200: 8x NDR 400 Gb/s = 50 GB/s per GPU.
     "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),

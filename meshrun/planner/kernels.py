@@ -19,23 +19,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from meshrun.config import ModelConfig
+from meshrun.planner.constants import FLASH_EFFICIENCY as FLASH_EFFICIENCY
+from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, Calibration
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU
 from meshrun.planner.layout import Layout
 
 # The bf16 tile cuBLAS picks for large GEMMs on A100/H100 (CUTLASS's default 256 x 128 threadblock).
 TILE_M, TILE_N = 256, 128
-# FlashAttention-2 (Dao 2023, Fig. 5-7): forward + backward, head dim 128, seq 2k on A100 reach ~50-55%
-# of peak counting the backward as 2.5 forwards.
-FLASH_EFFICIENCY = 0.5
-
-
-@dataclass(frozen=True)
-class Calibration:
-    gemm: float  # fraction of an SM's peak a full tile wave reaches
-    hbm: float  # fraction of HBM bandwidth memory-bound kernels reach
+__all__ = ["Calibration", "FLASH_EFFICIENCY"]  # constants.py: their sources
 
 
 def gemm_seconds(
@@ -47,8 +40,8 @@ def gemm_seconds(
         return 0.0
     tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch
     waves = math.ceil(tiles / gpu.sms)
-    peak, operand = (gpu.fp8_flops, 1.0) if fp8 else (gpu.peak_flops, 2.0)
-    compute = waves * 2.0 * TILE_M * TILE_N * k / (peak / gpu.sms * cal.gemm)
+    peak, operand, eff = (gpu.fp8_flops, 1.0, cal.fp8_gemm) if fp8 else (gpu.peak_flops, 2.0, cal.gemm)
+    compute = waves * 2.0 * TILE_M * TILE_N * k / (peak / gpu.sms * eff)
     memory = batch * (operand * (m * k + k * n) + 2.0 * m * n) / (gpu.hbm_bw * cal.hbm)
     return max(compute, memory)
 
@@ -86,7 +79,7 @@ def attention_core_seconds(
     q_len = s / context if context > 1 else s
     if flash:  # causal: fully masked blocks are skipped, half the 4 b s^2 a d FLOPs
         share = 1.0 if context <= 1 or kind == "ring" else (2 * context - 1) / context  # the slowest shard's
-        fwd = 2.0 * b * heads * q_len * s * d * share / (gpu.peak_flops * FLASH_EFFICIENCY)
+        fwd = 2.0 * b * heads * q_len * s * d * share / (gpu.peak_flops * cal.flash)
         return fwd, 2.5 * fwd
     bh = b * heads
     qk_f, qk_b = linear_seconds(q_len, d, s, gpu, cal, bh)  # scores = Q K^T
@@ -121,29 +114,37 @@ def layer_seconds(
     dropout: bool = False,
     act: float = 2.0,
     moe: bool = False,
+    fp8_experts: bool = False,
 ) -> dict[str, float]:
     """Seconds of one layer for one micro-batch of the layout's micro-batch size on one device of
     `layout` (its tensor, sequence, expert and context parallelism), by part: {'gemm_fwd', 'gemm_bwd',
     'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}. Context parallelism: every per-token kernel runs on
-    the local b s/c tokens (`attention_core_seconds` for the attention)."""
+    the local b s/c tokens (`attention_core_seconds` for the attention). `fp8_experts`: under model.fp8
+    the expert GEMMs run in fp8 too (Megatron-Core's experts are Transformer Engine linears; meshrun's
+    model.fp8 covers the dense GEMMs only)."""
     b, t, expert, context, kind = (layout.micro_batch_size, layout.tensor, layout.expert, layout.context,
                                    layout.context_kind)  # fmt: skip
     sp = layout.sequence_parallel and t > 1
     tok, h = b * (s / context if context > 1 else s), model.d_model
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
-    f8 = getattr(model, "fp8", "none") != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
+    f8 = model.fp8 != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
     dense = [(h, (q + 2 * kv) / t), (q / t, h)] + ([] if moe else [(h, up), (model.d_ff / t, h)])
     parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
     cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
     if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
         local = model.n_experts / expert
-        padding = 1.0 if model.moe_dispatch == "dropless" else model.capacity_factor  # grouped GEMM: real rows
+        # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
+        padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
         routed = tok * model.top_k * padding / local
+        e8 = f8 and fp8_experts
         parts += [
-            linear_seconds(routed, h, up, gpu, cal, local),
-            linear_seconds(routed, model.d_ff / t, h, gpu, cal, local),
+            linear_seconds(routed, h, up, gpu, cal, local, fp8=e8),
+            linear_seconds(routed, model.d_ff / t, h, gpu, cal, local, fp8=e8),
         ]
+        if e8:
+            cast += [tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act))
+                     for k_, n_ in ((h, up), (model.d_ff / t, h))]  # fmt: skip
         parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
     attn_f, attn_b = attention_core_seconds(
         model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context, kind=kind
@@ -151,7 +152,7 @@ def layer_seconds(
     mem = hbm_seconds(elementwise_bytes(model, tok, t, sp=sp, dropout=dropout, act=act), gpu, cal)
     # tensorwise fp8: one amax all-reduce (a scalar: latency) per covered GEMM forward (x) and backward
     # (dY); delayed scaling's amaxes ride the gradient reduction (a few KB per layer)
-    amax = COMM_LATENCY_S * len(cast) if getattr(model, "fp8", "none") == "tensorwise" else 0.0
+    amax = COMM_LATENCY_S * len(cast) if model.fp8 == "tensorwise" else 0.0
     return {
         "gemm_fwd": sum(f for f, _ in parts),
         "gemm_bwd": sum(bw for _, bw in parts),

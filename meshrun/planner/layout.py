@@ -52,6 +52,10 @@ class Layout:
     overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
     offload_grads: str = "host"  # offload.grads: host | nvme, with offload_params
     tp_comm_overlap: bool = False  # model.tp_comm_overlap (Megatron-Core: --tp-comm-overlap), with sequence_parallel
+    # Megatron semantics only: NeMo's distributed Adam (Apex DistributedFusedAdam) on a bf16 model keeps
+    # the 16-bit remainders of the fp32 master weights beside the bf16 params (store_param_remainders),
+    # 2 bytes per param in place of a 4-byte master copy (`precision_of`)
+    param_remainders: bool = False
     zero3_gather: str = "auto"  # train.zero3_gather: layer (FSDP) | step | auto (`step_model.layerwise`)
     zero2_reduce: str = "auto"  # train.zero2_reduce: microbatch (sharded sums) | step | auto
 
@@ -147,7 +151,12 @@ def precision_of(model: ModelConfig, framework: str = "meshrun", layout: Layout 
     """Bytes per param of params, grads, optimizer state, and per activation element.
     megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
     and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12); Megatron-LM's
-    optimizer is Adam, whatever the layout says.
+    optimizer is Adam, whatever the layout says. Megatron-Core's distributed optimizer documents 6 +
+    12/d bytes (bf16 params, fp32 grads) and the ZeRO sharding is `layout.zero`. The gradient buffer
+    and its reduction take `layout.grad_reduce_dtype` (Megatron-LM forces float32 for bf16 models; NeMo's
+    `optim.grad_sync_dtype: bf16` and Megatron-Core's grad_reduce_in_fp32=False make them bf16: 2 + 2
+    + 12/d); `layout.param_remainders` (NeMo's distributed Adam on bf16 models) stores 2-byte remainders
+    for the master weights: 2 + 8 optimizer bytes.
     meshrun: gradients in the param dtype; the optimizer state the registry entry of
     `layout.optimizer` declares (`meshrun.optim.registry`: its moments in `layout.state_dtype`, plus
     a float32 master copy when the params are stored below float32): adamw, bf16 params 2 + 2 + 12
@@ -156,19 +165,22 @@ def precision_of(model: ModelConfig, framework: str = "meshrun", layout: Layout 
     `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
     temporary on top. The DP reduction (`reduce`) carries the float32 sums, or with
     `layout.grad_reduce_dtype=bfloat16` their bf16 cast (half the bytes); Megatron's is fp32."""
-    if framework == "megatron":
-        return _precision(model.param_dtype, model.dtype, "megatron")
     lay = layout or Layout()
+    if framework == "megatron":
+        return _precision(model.param_dtype, model.dtype, "megatron", grad_reduce_dtype=lay.grad_reduce_dtype,
+                          remainders=lay.param_remainders)  # fmt: skip
     return _precision(model.param_dtype, model.dtype, framework, lay.optimizer, lay.state_dtype, lay.grad_reduce_dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _precision(param_dtype: str, dtype: str, framework: str, optimizer: str = "adamw", state_dtype: str = "float32",
-               grad_reduce_dtype: str = "float32") -> Precision:  # fmt: skip
+               grad_reduce_dtype: str = "float32", remainders: bool = False) -> Precision:  # fmt: skip
     """`precision_of` from the fields it reads (cached: the search asks it several times per layout)."""
     pb, act = DTYPE_BYTES[param_dtype], DTYPE_BYTES[dtype]
     if framework == "megatron":
-        return Precision(param=pb, grad=4, opt=8 + (4 if pb < 4 else 0), act=act, reduce=4)
+        gb = DTYPE_BYTES[grad_reduce_dtype]
+        master = 0 if pb == 4 else (2 if remainders and pb == 2 else 4)
+        return Precision(param=pb, grad=gb, opt=8 + master, act=act, reduce=gb)
     spec, master = optimizers.get(optimizer), pb < 4
     opt, other = (spec.state_bytes(state_dtype, master, matrix) for matrix in (True, False))
     rb = DTYPE_BYTES[grad_reduce_dtype]

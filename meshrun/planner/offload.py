@@ -8,17 +8,11 @@ Levers (the train step's `offload.optimizer` and `model.remat=offload`):
   (`activations.saved_name_bytes`) go to host in the forward and come back for the backward: 2 x
   their bytes per layer and micro-batch over the host link, overlapped with compute (DMA engines),
   so only the excess over the compute time is charged. Compute is selective's (no matmul recompute).
-
 * params: `offload.params` (ZeRO-3 layouts), with the state on the device, in host memory or
   on NVMe (`param_offload.py`); only combinations meshrun's runtime accepts
   (`param_offload.refusals`, which asks `config.offload_params_refusals`).
 
-When no layout fits in device memory, `propose` tries the levers in LEVERS' order and stops at the
-first that makes some layout fit: NVMe only when device + host memory do not fit; the parameters off
-the device only when the optimizer state's tiers alone do not fit.
-
-Host link per GPU, one direction: the catalogue's `GPU.pcie_bw` x `COMM_EFFICIENCY` (A100 PCIe 4.0
-x16 32 GB/s, H100/H200 PCIe 5.0 x16 64 GB/s, GH200 NVLink-C2C 450 GB/s).
+`propose` tries the levers when no layout fits in device memory.
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ def tier_of(levers: tuple[str, ...]) -> str:
     return "nvme" if "nvme" in levers else "host" if "optimizer" in levers else "none"
 
 
-def _device_part(part: dict, levers: tuple[str, ...], share: float, tier: tiers.Tier) -> dict:
+def _device_part(part: dict, levers: tuple[str, ...], share: float, tier: tiers.TierCost) -> dict:
     """One stage's memory parts left on the device: the optimizer off it between the update's; the
     total the larger of the backward (less the offloaded activations) and the update's peak."""
     out = dict(part)
@@ -110,7 +104,13 @@ def _why(o: dict, levers: tuple[str, ...], r, cluster: Cluster, host_misfit: lis
 
 def propose(results, model: ModelConfig, cluster: Cluster, seq_len: int, top: int, framework: str = "meshrun") -> list:
     """When no layout fits: the fastest layouts that fit with offloading, each saying why. `results`:
-    planner Results that failed on memory only. The NVMe tier is meshrun's own (framework meshrun)."""
+    planner Results that failed on memory only. The NVMe tier is meshrun's own (framework meshrun).
+
+    The levers are tried in LEVERS' order, stopping at the first that makes some layout fit: NVMe only
+    when device + host memory do not fit; the parameters off the device only when the optimizer
+    state's tiers alone do not fit. Host link per GPU, one direction: the catalogue's `GPU.pcie_bw` x
+    `COMM_EFFICIENCY` (A100 PCIe 4.0 x16 32 GB/s, H100/H200 PCIe 5.0 x16 64 GB/s, GH200 NVLink-C2C
+    450 GB/s)."""
     out = []
     for levers in LEVERS:
         if tier_of(levers) == "nvme" and framework != "meshrun":
@@ -152,7 +152,7 @@ def _offloaded(r, layout, memory: dict, time: dict, why: str, hard: list[str] = 
 PARAM_TIERS = (("none", "host"), ("host", "host"), ("nvme", "host"), ("nvme", "nvme"))
 
 
-def params_of(r, model: ModelConfig, cluster: Cluster, tier: str, grads: str = "host") -> param_offload.ParamTier:
+def params_of(r, model: ModelConfig, cluster: Cluster, tier: str, grads: str = "host") -> param_offload.ParamTierCost:
     """`offload.params` with the state in `tier` (the layers' gradient in `grads`) on Result `r`
     (a ZeRO-3 layout, meshrun's step)."""
     mem = dict(r.memory, layers=max(r.time["split"]))  # SPMD: every stage has the largest stage's shape
@@ -160,7 +160,7 @@ def params_of(r, model: ModelConfig, cluster: Cluster, tier: str, grads: str = "
                                     t_gather=r.time.get("dp_gather"), grads=grads)  # fmt: skip
 
 
-def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.ParamTier, why: str,
+def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.ParamTierCost, why: str,
                    hard: list[str] = ()):  # fmt: skip
     """Result `r` with `offload.params` (and its state tier) on."""
     memory = dict(pt.parts, host=pt.host, update_peak=pt.update)
@@ -170,7 +170,7 @@ def _params_result(r, model: ModelConfig, cluster: Cluster, pt: param_offload.Pa
     return _offloaded(r, layout, memory, time, why, hard)
 
 
-def _params_why(pt: param_offload.ParamTier, r, cluster: Cluster, lower: list[str]) -> str:
+def _params_why(pt: param_offload.ParamTierCost, r, cluster: Cluster, lower: list[str]) -> str:
     """A `offload.params` proposal's reason: what rests where, what it moves and costs, what did not fit."""
     gpn, st, usable = cluster.gpus_per_node, cluster.storage, cluster.usable_memory
     flags = (
@@ -297,7 +297,7 @@ def blocker(results, model: ModelConfig, cluster: Cluster, seq_len: int) -> str:
             f"ZeRO-3 layout for offload.params: use more GPUs or GPUs with more memory")  # fmt: skip
 
 
-def _params_step(r, pt: param_offload.ParamTier) -> float:
+def _params_step(r, pt: param_offload.ParamTierCost) -> float:
     """Seconds per step of Result `r` with `offload.params`: its ZeRO-3 sync and host-link time."""
     return r.time["total"] - r.time["dp_sync"] + pt.dp_s + pt.exposed_s
 

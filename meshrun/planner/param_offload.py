@@ -1,29 +1,8 @@
 """`offload.params` in the planner: ZeRO-3 parameters rest in pinned host memory and come to
 the device one scan unit (layer) at a time, in the forward and again in the backward; each unit's
-reduced gradient leaves as the backward makes it (`parallel/layer_fetch.py`, `train/layer_update.py`,
-docs/offload.md "Parameters off the device"). Per device of the fullest stage:
-
-* device: two units' gathered weights (the one computed, the next fetched), the non-layer params
-  (embedding, head, final norm) gathered whole, one unit's fresh gradient and its reduced shard (+ the
-  float32 slice of the sums with micro-batches), the non-layer gradients (+ their float32 sums), the
-  activations and logits of meshrun's step, and the optimizer state unless it rests elsewhere. The
-  update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
-  the host tier; with the nvme tier its chunks of
-  state beside their params' and gradients' slices), the optimizer temporaries.
-* host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
-  the step's reduced gradient) unless `offload.grads=nvme`, and the optimizer state with the
-  host tier (the nvme tier: its chunk budget).
-* NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks), and with
-  `offload.grads=nvme` the layers' float32 gradient beside it: written once by the backward,
-  read once by the update (one micro-batch: `config.offload_params_refusals`).
-* host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
-
-Time, conservatively: the host link's bytes (both directions) at `tiers.host_bw` are ADDED to the
-step, none hidden behind compute. Each unit's fetch could overlap the previous unit's compute, but
-no GPU run has shown XLA doing so (XLA:CPU emits no transfers). The drives' time beyond the state's
-own host-link time is added too (nothing overlaps the update). The ZeRO-3 all-gather runs per
-micro-batch in the forward and again in the backward, the reduce-scatter per micro-batch: m x the
-in-memory step's once-per-step gather + reduce-scatter, plus m x its gather (`dp_seconds`).
+reduced gradient leaves as the backward makes it (docs/offload.md "Parameters off the device").
+`param_tier` gives the bytes per place, the host-link traffic and the time per device of the fullest
+stage; `refusals` the combinations the runtime refuses; `misfits` why a layout does not fit.
 """
 
 from __future__ import annotations
@@ -87,7 +66,7 @@ def link_bytes(n: float, b: float, m: int, state: float = 0.0, grads: str = "hos
 
 
 @dataclass(frozen=True)
-class ParamTier:
+class ParamTierCost:
     """`offload.params` with the optimizer state in `optimizer` (none | host | nvme), per device."""
 
     optimizer: str
@@ -104,7 +83,7 @@ class ParamTier:
     disk_s: float  # the drives' read + write time of the state (nvme)
     exposed_s: float  # link_s + the drives' time beyond the state's own link time
     dp_s: float  # the ZeRO-3 gathers and reduce-scatters per step (replaces the step's dp_sync)
-    state: tiers.Tier | None = None  # the nvme tier's chunks and file
+    state: tiers.TierCost | None = None  # the nvme tier's chunks and file
 
     @property
     def device(self) -> float:
@@ -114,7 +93,7 @@ class ParamTier:
 def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "host") -> list[str]:
     """Why meshrun's runtime refuses this combination (empty: it runs it): `config.offload_params_refusals`
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
-    fp8 = getattr(model, "fp8", None)
+    fp8 = model.fp8
     refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe, grads,
                                              layout.microbatches, layout.overlap_grad_reduce)  # fmt: skip
     out = [what for what, _ in refused]
@@ -123,9 +102,31 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "h
     return out
 
 
+# What `param_tier` models, per device of the fullest stage:
+# * device: two units' gathered weights (the one computed, the next fetched), the non-layer params
+#   (embedding, head, final norm) gathered whole, one unit's fresh gradient and its reduced shard (+ the
+#   float32 slice of the sums with micro-batches), the non-layer gradients (+ their float32 sums), the
+#   activations and logits of meshrun's step, and the optimizer state unless it rests elsewhere. The
+#   update's peak: the non-layer params and gradients, a unit's slices in and out (+ their state with
+#   the host tier; with the nvme tier its chunks of
+#   state beside their params' and gradients' slices), the optimizer temporaries.
+# * host memory: the param shard, the layers' gradient (float32: the sums with micro-batches, else
+#   the step's reduced gradient) unless `offload.grads=nvme`, and the optimizer state with the
+#   host tier (the nvme tier: its chunk budget).
+# * NVMe: the optimizer state's file with the nvme tier (`tiers.optimizer_tier`'s chunks), and with
+#   `offload.grads=nvme` the layers' float32 gradient beside it: written once by the backward,
+#   read once by the update (one micro-batch: `config.offload_params_refusals`).
+# * host link: the traffic table of docs/offload.md, per step and device (`link_bytes`).
+#
+# Time, conservatively: the host link's bytes (both directions) at `tiers.host_bw` are ADDED to the
+# step, none hidden behind compute. Each unit's fetch could overlap the previous unit's compute, but
+# no GPU run has shown XLA doing so (XLA:CPU emits no transfers). The drives' time beyond the state's
+# own host-link time is added too (nothing overlaps the update). The ZeRO-3 all-gather runs per
+# micro-batch in the forward and again in the backward, the reduce-scatter per micro-batch: m x the
+# in-memory step's once-per-step gather + reduce-scatter, plus m x its gather (`dp_seconds`).
 def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, optimizer: str, t_dp: float,
                budget_mb: float = tiers.DEFAULT_BUDGET_MB, t_gather: float | None = None,
-               grads: str = "host") -> ParamTier:  # fmt: skip
+               grads: str = "host") -> ParamTierCost:  # fmt: skip
     """The figures of `offload.params` for one stage's memory parts `mem` (`predict_memory`,
     meshrun's step, ZeRO-3); `t_dp`: the in-memory step's once-per-step ZeRO-3 sync seconds, `t_gather`
     its all-gathers' part (None: half); `grads`: where the layers' gradient rests (host | nvme)."""
@@ -167,7 +168,7 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     link = (h2d + d2h) / bw
     state_link = (nv.nvme_read + nv.nvme_write + 2 * g_nvme) / bw if nv is not None else 0.0
     exposed = link + max(0.0, disk - state_link)
-    return ParamTier(optimizer, grads, parts, backward, update, host, nvme, g_nvme, h2d, d2h, link, disk, exposed,
+    return ParamTierCost(optimizer, grads, parts, backward, update, host, nvme, g_nvme, h2d, d2h, link, disk, exposed,
                      dp_seconds(t_dp, m, t_gather), nv)  # fmt: skip
 
 
@@ -180,9 +181,9 @@ def dp_seconds(t_dp: float, m: int, t_gather: float | None = None) -> float:
     return m * (t_dp + (t_dp / 2 if t_gather is None else t_gather))
 
 
-def misfits(pt: ParamTier, cluster: Cluster, layout: Layout) -> list[str]:
+def misfits(pt: ParamTierCost, cluster: Cluster, layout: Layout) -> list[str]:
     """Why the combination does not fit on `cluster` (empty: it fits): device, host memory per node,
     and the nvme tier's own rules (`tiers.misfits`)."""
-    t = tiers.Tier(pt.optimizer, pt.backward, pt.update, pt.host, pt.nvme, pt.h2d + pt.d2h, 0, 0, 0, 0,
+    t = tiers.TierCost(pt.optimizer, pt.backward, pt.update, pt.host, pt.nvme, pt.h2d + pt.d2h, 0, 0, 0, 0,
                    pt.state.chunk if pt.state else 0, pt.state.n_chunks if pt.state else 0)  # fmt: skip
     return tiers.misfits(t, cluster, layout if pt.optimizer == "nvme" else None)

@@ -162,6 +162,9 @@ def evaluate(
             f"tensor*context={tc} > {cluster.gpus_per_node} GPUs per node: the K/V exchange "
             f"({tm['context_comm']:.3g} s exposed) runs over the inter-node network"
         )
+    if framework == "meshrun" and model.is_moe and model.fp8 != "none":
+        soft.append(f"model.fp8={model.fp8} covers the dense GEMMs only in meshrun's step: the expert "
+                    "GEMMs run in the compute dtype (costed so; Megatron's run fp8: --framework megatron)")  # fmt: skip
     n = cluster.n_devices
     hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
     mf = flops.model_flops(model, global_batch, seq_len)

@@ -1,41 +1,8 @@
-"""Where the optimizer state rests (`offload.optimizer = none | host | nvme`): the three-tier
-memory model of the planner, per layout and per device. For each tier: the bytes on the device
-(its peak), in host memory and on NVMe; the bytes each step moves over the host link and to and
-from the drives; and the time of that I/O.
-
-* none: the state lives on the device (`predict_memory`).
-* host, streamed (`offload.update=auto`, the default, where the runtime streams: `host_streams`):
-  the state rests in host memory in the nvme tier's chunk layout (`train/chunk_store.HostStore`) and the
-  update streams it through the device chunk by chunk as nvme's does, through the same buffers
-  (`offload.budget_mb` per process). The device's update peak is nvme's (flat rows + a few
-  chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
-  once over the host link (2 x its bytes), overlapped with the update as nvme's I/O is, so only
-  the time beyond the update is exposed.
-* host, whole (`offload.update=whole`, and what auto falls back to: optimizers whose update is
-  not elementwise (muon), bf16 moments, fp8, `offload.params`): the state rests in pinned host
-  memory. It is the optimizer's moments and fp32 master, plus the stored params when they are
-  float32 under a 16-bit compute dtype (`train.plan.offloaded`). The step brings the whole shard to
-  the device for the update and puts it back. That is 2 x its bytes over the host link, exposed,
-  because the update waits for it. The device's peak is the larger of the backward (no state) and
-  the update (stored params, the update's gradients, the whole state and the update's temporaries).
-* nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
-  in chunks through `offload.budget_mb` of host memory per process (`train/streamed.py`,
-  one process per node). The device holds the flat float32 gradient row and the param row of its
-  shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
-  over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
-  only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
-  flash, so the drives' time is the read time plus the write time (conservative).
-
-Where a streamed update runs (`offload.update_on`): on the device, the state crosses the host
-link both ways (above); on the host CPU (jax's CPU backend), only the gradient goes down and the new
-params up (6 bytes per element with bf16 params and a float32 master, 12 with float32 params), and
-the CPU's Adam pass reads and writes the state in host memory, at HOST_MEM_EFFICIENCY of the node's
-host memory bandwidth shared by its GPUs (`cpu_update_seconds`). Each layout gets the faster place;
-a tie keeps the device. Not modelled: the host-memory traffic of the link's DMA and of the store's
-copies, which both places pay.
-
-The chunk size follows the runtime's rule (`train/swap.chunk_elems`, pinned by tests): three chunks
-of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements.
+"""Where the optimizer state rests (`offload.optimizer = none | host | nvme`): the planner's
+three-tier memory model, per layout and per device. For each tier (`optimizer_tier`): the bytes on
+the device (its peak), in host memory and on NVMe, the bytes each step moves over the host link and
+to and from the drives, and the time of that I/O; `misfits` says why a tier does not fit a cluster
+and `update_place` where a streamed update runs. Plain Python: `meshrun plan` uses it without jax.
 """
 
 from __future__ import annotations
@@ -55,8 +22,8 @@ HOST_USABLE = 0.9
 # disk's limit). bench/offload.py measured 34% on a loaded CPU host with small chunks (docs/offload.md).
 NVME_EFFICIENCY = 0.7
 DEFAULT_BUDGET_MB = 256.0  # offload.budget_mb's default
-SLOTS_IN_FLIGHT = 3  # train/chunk_store.py: read i + 1, update i, write i - 1
-ALIGN = 1024  # train/swap.py: chunk length granularity in elements
+SLOTS_IN_FLIGHT = 3  # offload/chunk_store.py: read i + 1, update i, write i - 1
+ALIGN = 1024  # offload/swap_file.py: chunk length granularity in elements
 # Fraction of the host memory's peak bandwidth a CPU's streaming pass reaches: STREAM Triad on
 # two-socket DDR4/DDR5 servers measures about 70-80% of the DDR peak (an assumption, not measured here).
 HOST_MEM_EFFICIENCY = 0.7
@@ -68,13 +35,13 @@ def host_bw(cluster: Cluster) -> float:
 
 
 def chunk_elems(budget_bytes: float, slots: int, rows: int, row_len: int) -> int:
-    """Elements per row of one chunk, as `train.swap.chunk_elems` (0: the budget holds no chunk)."""
+    """Elements per row of one chunk, as `offload.swap_file.chunk_elems` (0: the budget holds no chunk)."""
     fit = int(budget_bytes // (SLOTS_IN_FLIGHT * slots * rows * 4)) // ALIGN * ALIGN
     return min(fit, -(-row_len // ALIGN) * ALIGN) if fit >= ALIGN else 0
 
 
 @dataclass(frozen=True)
-class Tier:
+class TierCost:
     """The optimizer tier of one layout, per device: bytes in each tier, traffic and time per step."""
 
     tier: str
@@ -111,7 +78,7 @@ def drive_seconds(cluster: Cluster, file: float) -> float:
 
 
 def streamable(layout: Layout) -> bool:
-    """The NVMe tier streams elementwise optimizers with float32 state only (`train/streamed.py`)."""
+    """The NVMe tier streams elementwise optimizers with float32 state only (`offload/optimizer_tier.py`)."""
     return optimizers.get(layout.optimizer).elementwise and layout.state_dtype == "float32"
 
 
@@ -124,7 +91,7 @@ def host_refusal(model: ModelConfig, layout: Layout) -> str | None:
     """Why the host tier cannot stream this layout's optimizer (None: it can)."""
     opt = layout.optimizer
     return streamed_update_refusal(opt, optimizers.get(opt).elementwise, layout.state_dtype,
-                                   getattr(model, "fp8", "none"))  # fmt: skip
+                                   model.fp8)  # fmt: skip
 
 
 def host_adam_bytes(slots: int, param_bytes: int) -> int:
@@ -141,8 +108,8 @@ def cpu_update_seconds(cluster: Cluster, elems: float, slots: int, param_bytes: 
     return elems * host_adam_bytes(slots, param_bytes) / bw if bw else math.inf
 
 
-def _placed(t: Tier, cluster: Cluster, elems: float, slots: int, param_bytes: int, drives_s: float,
-            t_update: float) -> Tier:  # fmt: skip
+def _placed(t: TierCost, cluster: Cluster, elems: float, slots: int, param_bytes: int, drives_s: float,
+            t_update: float) -> TierCost:  # fmt: skip
     """Streamed tier `t` (the update on the device) with the update where it is faster: on the host CPU
     the link carries the gradient down and the new params up (and the old params down without a master),
     and the CPU's pass, not the device's update, overlaps the I/O."""
@@ -156,8 +123,42 @@ def _placed(t: Tier, cluster: Cluster, elems: float, slots: int, param_bytes: in
     return replace(t, device_s=t.exposed_s, host_s=host_s, cpu_s=cpu)
 
 
+# What `optimizer_tier` models, per tier:
+# * none: the state lives on the device (`predict_memory`).
+# * host, streamed (`offload.update=auto`, the default, where the runtime streams: `host_streams`):
+#   the state rests in host memory in the nvme tier's chunk layout (`offload/chunk_store.HostStore`) and the
+#   update streams it through the device chunk by chunk as nvme's does, through the same buffers
+#   (`offload.budget_mb` per process). The device's update peak is nvme's (flat rows + a few
+#   chunks); host memory holds the chunked state and the buffers. Each step moves the state in and out
+#   once over the host link (2 x its bytes), overlapped with the update as nvme's I/O is, so only
+#   the time beyond the update is exposed.
+# * host, whole (`offload.update=whole`, and what auto falls back to: optimizers whose update is
+#   not elementwise (muon), bf16 moments, fp8, `offload.params`): the state rests in pinned host
+#   memory. It is the optimizer's moments and fp32 master, plus the stored params when they are
+#   float32 under a 16-bit compute dtype (`offload.registry.placement`). The step brings the whole shard to
+#   the device for the update and puts it back. That is 2 x its bytes over the host link, exposed,
+#   because the update waits for it. The device's peak is the larger of the backward (no state) and
+#   the update (stored params, the update's gradients, the whole state and the update's temporaries).
+# * nvme: the state rests in one file per process on the node's NVMe drives. The update streams it
+#   in chunks through `offload.budget_mb` of host memory per process (`offload/optimizer_tier.py`,
+#   one process per node). The device holds the flat float32 gradient row and the param row of its
+#   shard plus a few chunks. Each step reads and writes the whole state once, from the drives and
+#   over the host link. The reads, copies and writes of neighbouring chunks overlap the update, so
+#   only the I/O time beyond the update's own time is exposed. A drive's reads and writes share its
+#   flash, so the drives' time is the read time plus the write time (conservative).
+#
+# Where a streamed update runs (`offload.update_on`): on the device, the state crosses the host
+# link both ways (above); on the host CPU (jax's CPU backend), only the gradient goes down and the new
+# params up (6 bytes per element with bf16 params and a float32 master, 12 with float32 params), and
+# the CPU's Adam pass reads and writes the state in host memory, at HOST_MEM_EFFICIENCY of the node's
+# host memory bandwidth shared by its GPUs (`cpu_update_seconds`). Each layout gets the faster place;
+# a tie keeps the device. Not modelled: the host-memory traffic of the link's DMA and of the store's
+# copies, which both places pay.
+#
+# The chunk size follows the runtime's rule (`offload/swap_file.chunk_elems`, pinned by tests): three chunks
+# of (state slots x the node's rows) float32 fit the budget, in multiples of 1024 elements.
 def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, tier: str, t_update: float,
-                   budget_mb: float = DEFAULT_BUDGET_MB) -> Tier:  # fmt: skip
+                   budget_mb: float = DEFAULT_BUDGET_MB) -> TierCost:  # fmt: skip
     """The tier's figures for one stage's memory parts `mem` (`predict_memory`, meshrun's step);
     `t_update`: the update's seconds (the time model's `optimizer`)."""
     opt, fixed = mem["optimizer"], mem.get("overhead_context", 0.0) + mem.get("overhead_comm_buffers", 0.0)
@@ -165,12 +166,12 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     stored, grads = mem.get("stored", mem["params"]), mem.get("grads_update", mem["grads"])
     state = mem.get("opt_state", opt)
     if tier == "none":
-        return Tier(tier, mem["total"], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return TierCost(tier, mem["total"], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     if tier == "host" and not host_streams(model, layout):
         rest = state + (stored if model.param_dtype != model.dtype else 0.0)
         pcie = 2 * rest
         t = pcie / host_bw(cluster)
-        return Tier(tier, backward, stored + grads + opt + fixed, rest, 0.0, pcie, 0.0, 0.0, t, t)
+        return TierCost(tier, backward, stored + grads + opt + fixed, rest, 0.0, pcie, 0.0, 0.0, t, t)
     if tier not in ("host", "nvme"):
         raise ValueError(f"unknown optimizer tier {tier!r}; one of {TIERS}")
     elems = mem.get("opt_elems", state / 12)
@@ -187,17 +188,17 @@ def optimizer_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Clust
     pb, padded = DTYPE_BYTES[model.param_dtype], n_chunks * c
     if tier == "host":  # the chunks rest in host memory (`HostStore`), beside the buffers
         io = pcie / host_bw(cluster)
-        t = Tier(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
+        t = TierCost(tier, backward, update, file + budget / gpn, 0.0, pcie, 0.0, 0.0, io, max(0.0, io - t_update),
                  c, n_chunks, True)  # fmt: skip
         return _placed(t, cluster, padded, slots, pb, 0.0, t_update)
     drives = drive_seconds(cluster, file)
     io = max(drives, pcie / host_bw(cluster))
-    t = Tier(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
+    t = TierCost(tier, backward, update, budget / gpn, file, pcie, file, file, io, max(0.0, io - t_update), c, n_chunks,
              True)  # fmt: skip
     return _placed(t, cluster, padded, slots, pb, drives, t_update)
 
 
-def update_place(t: Tier) -> str:
+def update_place(t: TierCost) -> str:
     """Where a streamed tier's update runs and why, in words (the planner's note)."""
     if t.update_on == "host":
         return (f"update on the host CPU (offload.update_on=host): +{t.host_s:.3g} s against "
@@ -206,7 +207,7 @@ def update_place(t: Tier) -> str:
             f"{t.cpu_s:.3g} s)")  # fmt: skip
 
 
-def misfits(t: Tier, cluster: Cluster, layout: Layout | None = None) -> list[str]:
+def misfits(t: TierCost, cluster: Cluster, layout: Layout | None = None) -> list[str]:
     """Why the tier does not fit on `cluster` (empty: it fits): device, host memory or NVMe capacity
     (host and NVMe per node: the node's GPUs together)."""
     out, usable, gpn, st = [], cluster.usable_memory, cluster.gpus_per_node, cluster.storage

@@ -30,19 +30,17 @@ from meshrun.pipeline import schedules
 from meshrun.pipeline.layer_balance import split_layers
 from meshrun.planner import kernels, step_model
 from meshrun.planner.activations import context_kv_bytes
+from meshrun.planner.constants import CALIBRATION as CALIBRATION
+from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, calibration_for
+from meshrun.planner.constants import OVERLAP_COST as OVERLAP_COST
 from meshrun.planner.cost import Layout, Precision, precision_of
 from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
 from meshrun.planner.kernels import Calibration
 from meshrun.planner.step_model import pipe_payload
 
 FRAMEWORKS = ("meshrun", "megatron")
-# Fitted by `calibrate.fit_calibration()` on all ten rows of Megatron-LM's PTD-P Table 1 (least squares
-# of log(predicted / measured) TFLOP/s); tests/test_planner.py checks these equal the fit. The fit puts
-# the memory-bound kernels at the bound (full HBM bandwidth): their byte counts are if anything high.
-CALIBRATION = Calibration(gemm=0.741, hbm=1.0)
-# Overlapped communication is not free: NCCL kernels take SMs and HBM bandwidth from the GEMMs they
-# run beside. This fraction of the hidden communication time is still charged to the step.
-OVERLAP_COST = 0.25
+# The kernel calibration (CALIBRATION: the A100's, fitted on Megatron-LM's PTD-P Table 1; a GPU's own
+# where fitted: `constants.calibration_for`) and OVERLAP_COST: constants.py, with their sources.
 
 
 def layer_compute_seconds(model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration, **kw) -> float:
@@ -69,6 +67,7 @@ def stage_seconds(
     *,
     cluster: Cluster | None = None,
     dropout: bool = False,
+    fp8_experts: bool = False,
 ) -> tuple[float, float, float]:
     """(one layer, embedding, head + cross-entropy): seconds per micro-batch of the layout's
     micro-batch size on one device of `layout`, forward + backward (its remat, tensor, sequence and
@@ -80,20 +79,20 @@ def stage_seconds(
     key = Layout(tensor=t, micro_batch_size=layout.micro_batch_size, remat=layout.remat, expert=layout.expert,
                  sequence_parallel=sp, context=c, context_kind=layout.context_kind if c > 1 else "allgather",
                  tp_comm_overlap=sp and layout.tp_comm_overlap)  # fmt: skip
-    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout)
+    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout, fp8_experts)
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_seconds(
     model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration | None, cluster: Cluster | None,
-    dropout: bool,
+    dropout: bool, fp8_experts: bool = False,
 ) -> tuple[float, float, float]:  # fmt: skip
     """`stage_seconds` of a layout holding only what the costs read (cached)."""
-    cal = cal or CALIBRATION
+    cal = cal or calibration_for(gpu.name)
     act = precision_of(model).act
     b, t, context, remat = layout.micro_batch_size, layout.tensor, layout.context, layout.remat
     layer = layer_compute_seconds(model, layout, s, gpu, cal, dropout=dropout, act=act,
-                                  flash=model.attention_impl == "cudnn")  # fmt: skip
+                                  flash=model.attention_impl == "cudnn", fp8_experts=fp8_experts)  # fmt: skip
     tok = b * (s / context if context > 1 else s)
     first = kernels.embed_seconds(model, tok, t, gpu, cal, act)
     last = kernels.head_seconds(model, tok, t, gpu, cal, act)
@@ -257,15 +256,15 @@ def predict_time(
 ) -> dict[str, float]:
     """Seconds per step by part: compute (slowest stage), tensor/context/pipe/expert comm, exposed ZeRO
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
-    cal = calibration or CALIBRATION
+    cal = calibration or calibration_for(cluster.gpu.name)
     prec = precision or precision_of(model, framework, layout)
     m, b, c, s, gpu = layout.microbatches, layout.micro_batch_size, layout.context, seq_len, cluster.gpu
-    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0)
+    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0, framework)
     t_cp = split[slow] * cp_layer
     t_mb, t_tp = busy, times[slow] - busy - t_cp
     act = prec.act * b * (s / c if c > 1 else s) * model.d_model
     t_pp = _pipe_seconds(layout, cluster, act, framework)
-    t_ep = _expert_seconds(model, layout, cluster, act, split[slow])
+    t_ep = _expert_seconds(model, layout, cluster, act, split[slow], framework)
     zero_mb, t_dp, t_gather = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(zero_mb, t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
     t_zero = zero_mb - hidden + OVERLAP_COST * hidden
@@ -302,13 +301,15 @@ def predict_time(
 
 
 def _split_stages(
-    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, prec: Precision, dropout: bool
-) -> tuple[list[int], list[float], int, float, float]:
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, prec: Precision, dropout: bool,
+    framework: str = "meshrun",
+) -> tuple[list[int], list[float], int, float, float]:  # fmt: skip
     """The layer split balanced on each layer's compute + tensor + context seconds: (split, each stage's
-    seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone)."""
-    p = layout.pipe
-    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout)
-    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout)
+    seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone).
+    Megatron's fp8 covers the expert GEMMs, meshrun's does not (`kernels.layer_seconds`)."""
+    p, e8 = layout.pipe, framework == "megatron"
+    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout, fp8_experts=e8)
+    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout, fp8_experts=e8)
     cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout)
     with_cp = (full[0] + cp_layer, *full[1:])
     v, placement = layout.chunks if p > 1 else layout.virtual, layout.sched.placement
@@ -382,14 +383,21 @@ def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) 
     return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
 
 
-def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float) -> float:
+def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float,
+                    framework: str = "meshrun") -> float:  # fmt: skip
     """Per micro-batch: dispatch + combine all-to-all of the stage's MoE layers, forward and backward
-    (+ recompute)."""
+    (+ recompute), not overlapped (Megatron-Core's all-to-all dispatcher of these releases runs it
+    between the attention and the experts). Rows per token: `flops.moe_routed` (capacity routing: the
+    padded buffers; meshrun's dropless exchange: its fixed worst-case buffer); Megatron's dropless
+    dispatch sends the routed rows, top_k per token x MOE_DROPLESS_IMBALANCE on the busiest rank."""
     t, e = layout.tensor, layout.expert
     n_moe = model.n_moe_layers * stage_layers / model.n_layers
     if not (n_moe and e > 1):
         return 0.0
-    a2a = act * moe_routed(model, e) / (t if layout.sequence_parallel and t > 1 else 1)
+    rows = moe_routed(model, e)
+    if framework == "megatron" and model.moe_dispatch == "dropless":
+        rows = model.top_k * MOE_DROPLESS_IMBALANCE
+    a2a = act * rows / (t if layout.sequence_parallel and t > 1 else 1)
     one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
     return n_moe * (4 + 2 * (layout.remat == "full")) * one
 

@@ -66,17 +66,20 @@ def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     return search.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
 
 
-def predict(cfg, mesh_shape: dict[str, int], program=None) -> dict:
+def predict(cfg, mesh_shape: dict[str, int], program=None, offload=None) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives.
-    `program`: the step's tick program (its permutes per step) when there is a pipeline. Empty for a
-    family whose config class is not `predictable` (the formulas are for transformer layers)."""
+    `program`: the step's tick program (its permutes per step) when there is a pipeline; `offload`: the
+    plan's `Placement` (None: made from `cfg`). Empty for a family whose config class is not
+    `predictable` (the formulas are for transformer layers)."""
     if not cfg.model.predictable:
         return {"memory": {}, "collectives": {}, "counts": {}}
     lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
-    from meshrun.train.plan import streams_update
+    if offload is None:  # the plan's placement, made by the one rule that makes it
+        from meshrun.offload.registry import placement
 
+        offload = placement(cfg)
     mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.offload.optimizer,
-                                        streamed=streams_update(cfg))  # fmt: skip
+                                        streamed=offload.streams)  # fmt: skip
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
     comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes)  # lay: its reduce dtype
@@ -206,7 +209,7 @@ def _predicted_only(cfg, shape: dict[str, int], n: int) -> dict:
     from meshrun.train.plan import build_plan
 
     plan = build_plan(cfg, SimpleNamespace(shape=shape))  # what compiling would check: batch split, layer split
-    pred = predict(cfg, shape, plan.program)
+    pred = predict(cfg, shape, plan.program, plan.offload)
     note = (
         f"compiling needs the real device count ({n}); this host simulates at most {MAX_SIMULATED} CPU "
         "devices, so only the prediction is shown: shrink the mesh with overrides (e.g. mesh.data=1 "
@@ -255,7 +258,7 @@ def explain(cfg) -> dict:
         compiled, mesh, plan = compile_step(cfg, dump_to=d, tier=tier)
         live = _read_live(d)
     shape = dict(mesh.shape)
-    pred = predict(cfg, shape, plan.program)
+    pred = predict(cfg, shape, plan.program, plan.offload)
     mem = _compiled_memory(compiled, live, tier)
     comm = compiled_collectives(compiled.as_text(), shape)
     out |= {

@@ -80,7 +80,7 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
         lines.append(f"context   {plan.context} devices per sequence, {t.seq_len // plan.context} tokens each ({how})")
     lines += [_dtypes_line(cfg), *_fp8_lines(cfg), _optimizer_line(cfg)]
     lines += flops_lines(plan.family, m, t.global_batch * t.seq_len, t.seq_len)
-    lines += [_memory_line(cfg, plan), *_offload_lines(cfg, mesh), _saves_line(cfg)]
+    lines += [_memory_line(cfg, plan), *_offload_lines(cfg, plan), _saves_line(cfg)]
     return lines
 
 
@@ -113,11 +113,11 @@ def _dtypes_line(cfg: Any) -> str:
 def _fp8_lines(cfg: Any) -> list[str]:
     """The fp8 recipe, when the family has fp8 GEMMs and it is on."""
     m = cfg.model
-    fp8 = getattr(m, "fp8", "none")
+    fp8 = m.fp8
     if fp8 == "none":
         return []
     how = f", amax history {m.fp8_amax_history} steps" if fp8 == "delayed" else ""
-    ends = f"; first and last layers in {m.dtype}" if getattr(m, "fp8_first_last_bf16", False) else ""
+    ends = f"; first and last layers in {m.dtype}" if m.fp8_first_last_bf16 else ""
     return [f"fp8       {fp8} scaling{how}{ends}"]
 
 
@@ -132,19 +132,16 @@ def _optimizer_line(cfg: Any) -> str:
             f"at step {end}; weight decay {o.weight_decay:g}{clip}; state {o.state_dtype}")  # fmt: skip
 
 
-def _offload_lines(cfg: Any, mesh: Any) -> list[str]:
-    """Each offload tier in use and where it rests (none: everything on the devices)."""
-    from meshrun.train.plan import streams_update
-
+def _offload_lines(cfg: Any, plan: Any) -> list[str]:
+    """Each offload tier in use and where it rests (none: everything on the devices), as the step's plan
+    places it (`plan.offload`)."""
     o, m = cfg.offload, cfg.model
     parts = []
     if o.optimizer != "none":
         what = "optimizer state" + (" + float32 master" if m.param_dtype != "float32" else "")
         where = f"NVMe files in {o.dir}" if o.optimizer == "nvme" else "host memory"
-        if streams_update(cfg):
-            devices = getattr(mesh, "devices", None)
-            cpu = devices is not None and all(dev.platform == "cpu" for dev in devices.flat)
-            on = ("in place" if cpu else "on the device") if o.update_on == "auto" else f"on the {o.update_on}"
+        if plan.offload.streams:
+            on = {"in_place": "in place", "host": "on the host"}.get(plan.offload.update_on, "on the device")
             how = f"update streamed through {o.budget_mb:g} MiB of host buffers, {on}"
         else:
             how = "whole-shard update on the device"
@@ -171,14 +168,13 @@ def _memory_line(cfg: Any, plan: Any) -> str:
     """The planner's predicted memory per device (`planner.step_model.predict_memory_jax` on
     `plan.layout`), and where it rests when part of it is off the device."""
     from meshrun.planner import predict_memory_jax
-    from meshrun.train.plan import streams_update
 
     m, t = cfg.model, cfg.train
     if not m.predictable:
         return f"memory    not predicted: the planner's formulas are for transformer layers ({plan.family.name})"
     try:
         mem = predict_memory_jax(m, plan.layout, seq_len=t.seq_len, offload_optimizer=cfg.offload.optimizer,
-                                 streamed=streams_update(plan.cfg))  # fmt: skip
+                                 streamed=plan.offload.streams)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the block is informative; a planner gap must not stop a run
         return f"memory    no prediction ({type(e).__name__})"
     where = ""

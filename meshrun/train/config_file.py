@@ -15,6 +15,7 @@ import jax
 import yaml
 
 from meshrun.config import RunConfig, to_dict
+from meshrun.config.optimizer import OWN_KEYS
 from meshrun.optim.optimizer import schedule_moved
 from meshrun.runtime.processes import warn
 
@@ -38,6 +39,8 @@ def config_diff(old: dict, new: dict) -> list[str]:
     """`section.key old -> new` for every resolved field that differs between two config dicts
     (RESUME_FREE left out)."""
     a, b = _flat(old), _flat(new)
+    old_default = lambda k, v: k in OWN_KEYS and OWN_KEYS[k][1] == v  # every run wrote it once
+    a = {k: v for k, v in a.items() if k in b or not old_default(k, v)}
     keys = sorted((a.keys() | b.keys()) - RESUME_FREE)
     return [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 

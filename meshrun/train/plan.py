@@ -4,8 +4,9 @@ Everything the step, the evaluation, the loop, `explain` and `profile` need to k
 exists: the checks across config and mesh (`validate`), the model family and its `ModelFns`, the
 pipeline's layer split (balance=auto: per-layer costs from the planner's time model) and tick
 program, the schedule's bubble, the ZeRO shardings of the parameters in run order and in model
-order, and the planner's `Layout` of this run (`planner.layout.layout_of`: the one config -> Layout
-conversion).
+order, the planner's `Layout` of this run (`planner.layout.layout_of`: the one config -> Layout
+conversion), and where the state rests (`offload.registry.placement`: which tier, whether and where
+the update streams).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from meshrun.config import (
     ModelConfig,
     RunConfig,
     offload_params_refusals,
-    streamed_update_refusal,
-    streams_host_update,
     zero2_layer_refusals,
     zero2_per_microbatch,
     zero3_layer_refusals,
@@ -33,7 +32,7 @@ from meshrun.config import (
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
-from meshrun.optim import registry as optimizers
+from meshrun.offload.registry import Placement, placement
 from meshrun.parallel import context
 from meshrun.parallel.sharding import is_names, param_rules
 from meshrun.parallel.zero import ZeroShardings
@@ -64,6 +63,7 @@ class StepPlan:
     abstract_params: Any  # ShapeDtypeStructs of the parameters, model order (None: a mesh shape only)
     zero: ZeroShardings | None  # parameter/gradient/optimizer shardings in run order (pipeline placement)
     model_zero: ZeroShardings | None  # the same in model order (checkpoints; == zero unless relaid)
+    offload: Placement  # where the state rests: which tier, whether and where the update streams
     balance_on: tuple[str, str] | None = None  # pipeline.balance=auto: (GPU its layer costs model, why)
     zero3_gather: str | None = None  # ZeRO-3: 'layer' (FSDP, train.zero3_gather resolved) or 'step'; else None
     zero2_reduce: str | None = None  # ZeRO-2: 'microbatch' (sharded sums, train.zero2_reduce resolved) or 'step'
@@ -124,35 +124,6 @@ def balance_gpu(mesh) -> tuple[str, str]:
     return DEFAULT_GPU, f"the planner's default: {kind or 'the device'} is not a GPU it models"
 
 
-def streams_update(cfg: RunConfig) -> bool:
-    """Whether the optimizer state rests outside the device and its update streams chunk by chunk
-    (`meshrun/train/streamed.py`): the nvme tier always; the host tier unless `offload.update`
-    is whole, offload.params streams it layer by layer itself, or the optimizer cannot be
-    streamed (auto then keeps the whole-shard update; streamed asked for it: a ConfigError)."""
-    t = cfg.offload
-    if t.optimizer != "host":
-        return t.optimizer == "nvme"
-    o = cfg.optimizer
-    why = streamed_update_refusal(o.name, optimizers.get(o.name).elementwise, o.state_dtype,
-                                  getattr(cfg.model, "fp8", "none"))  # fmt: skip
-    if why is not None and t.update != "whole" and not t.params:  # a streamed update asked for
-        if t.update == "streamed":
-            raise ConfigError("offload.update", "streamed", "use auto or whole", why)
-        if t.update_on != "auto":
-            raise ConfigError("offload.update_on", t.update_on, "leave it auto", why)
-    return streams_host_update(t.update, t.params, why)
-
-
-def offloaded(cfg: RunConfig) -> tuple[str, ...]:
-    """ZeroShardings parts resting in host memory: the optimizer moments with offload.optimizer, and
-    the parameters too when they are fp32 master weights of a lower-precision compute dtype, or with
-    offload.params."""
-    params = ("store",) if cfg.offload.params else ()  # ZeRO-3 params streamed layer by layer
-    if cfg.offload.optimizer != "host" or streams_update(cfg):  # its own store (train/streamed.py)
-        return params
-    return ("opt", "store") if cfg.model.param_dtype != cfg.model.dtype or params else ("opt",)
-
-
 def check_param_names(value: str, family: Family, names: Any, abstract: Any) -> None:
     """A family's `ModelFns.param_names`: one logical-name tuple (or None) per parameter, in the tree
     of its `init_params`, so that every parameter can be laid out on the mesh."""
@@ -197,11 +168,17 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         check_ring_pipeline(cfg, split, rings)
     if cfg.offload.params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.offload.optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
-        str(getattr(cfg.model, "fp8", "none")), shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
+        cfg.model.fp8, shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
         cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
         raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
-    host = cfg.offload.optimizer == "host" and not streams_update(cfg)  # pinned host memory
+    offload = placement(cfg, mesh.devices.flat if hasattr(mesh, "devices") else None)
+    if cfg.model.balance == "bias" and (cfg.offload.params or offload.streams):
+        raise ConfigError(
+            "model.balance", "bias", "use model.balance=aux_loss with it, or offload.update=whole without "
+            "offload.params", "the streamed updates do not carry the MoE balance biases",
+        )  # fmt: skip
+    host = cfg.offload.optimizer == "host" and not offload.streams  # pinned host memory
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.offload.params):
         field = "offload.optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
             "offload.params"  # fmt: skip
@@ -217,7 +194,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
             mesh,
             cfg.train.zero,
             cfg.train.grad_reduce_dtype,
-            offloaded(cfg),
+            offload.pinned,
             streamed=cfg.offload.params,
             fsdp=gather == "layer" or reduce == "microbatch",
         )
@@ -227,7 +204,8 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         zero = build(run) if relaid else model_zero
     return StepPlan(
         cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
-        sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, balance_on,
+        sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, offload,
+        balance_on,
         gather, reduce,
     )  # fmt: skip
 

@@ -51,11 +51,10 @@ def _without_effect(cfg: RunConfig, platform: str | None) -> list[tuple[str, Any
     if m.attention_impl == "cudnn" and platform != "gpu":
         out.append(("model.attention_impl", "cudnn", f"no GPU (platform {platform}): XLA's attention runs",
                     "it takes effect on a GPU"))  # fmt: skip
-    fp8 = getattr(m, "fp8", "none")
-    if getattr(m, "fp8_first_last_bf16", False) and fp8 == "none":
+    fp8, history = m.fp8, m.fp8_amax_history
+    if m.fp8_first_last_bf16 and fp8 == "none":
         out.append(("model.fp8_first_last_bf16", True, "model.fp8 is none", "set model.fp8, or drop it"))
-    history = getattr(m, "fp8_amax_history", None)
-    if history is not None and history != getattr(type(m), "fp8_amax_history", history) and fp8 != "delayed":
+    if history != type(m).fp8_amax_history and fp8 != "delayed":
         out.append(("model.fp8_amax_history", history, f"model.fp8 is {fp8} (only delayed keeps a history)",
                     "set model.fp8=delayed, or drop it"))  # fmt: skip
     if c.local_every == 0:

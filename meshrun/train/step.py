@@ -28,6 +28,9 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
+from meshrun.offload import layer_update
+from meshrun.offload.registry import build_tier
+from meshrun.offload.tier import StateTier, with_tier
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
 from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, shadowed, sink_index, use_layer_fetch
@@ -35,8 +38,7 @@ from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
-from meshrun.train import layer_tier, layer_update, streamed
-from meshrun.train.plan import StepPlan, build_plan, dp_degree, streams_update
+from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
 class TrainState(NamedTuple):
@@ -62,7 +64,7 @@ class TrainStep:
     abstract_run: TrainState  # as abstract_state, in the placement `step` takes
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
     tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
-    tier: Any = None  # the nvme tier or the streamed host tier: the streamed update's `streamed.Tier`
+    tier: StateTier | None = None  # the tier holding part of the state (`meshrun.offload`), if any
     to_save: Any = None  # run state -> what a checkpoint saves (None: to_model; the nvme tier streams its file)
     restore: Any = None  # (Checkpointer, step) -> run state (None: to_run of the restored model-order state)
 
@@ -175,7 +177,7 @@ def make_loss_and_grads(plan: StepPlan, mesh: Mesh):
 def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) -> TrainStep:
     """Jitted train step with explicit in/out shardings and donated state (`plan`: `build_plan(cfg, mesh)`)."""
     plan = plan or build_plan(cfg, mesh)
-    fp8.check_platform(getattr(cfg.model, "fp8", "none"), mesh.devices.flat[0])
+    fp8.check_platform(cfg.model.fp8, mesh.devices.flat[0])
     tx = make_optimizer(cfg, plan.model_fns.param_names)
     fns = plan.model_fns
     if cfg.data.pack_documents and not fns.segments:
@@ -227,10 +229,14 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
         loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
         scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
+        if fns.update_state is not None:  # untrained model state (MoE balance biases) from the reduced grads
+            scaled, grads = fns.update_state(scaled, grads)
         if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
         params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
         params = fp8.with_state(params, scaled)
+        if fns.keep_state is not None:
+            params = fns.keep_state(params, scaled)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return host(TrainState(params, opt_state, state.step + 1)), metrics
 
@@ -253,9 +259,8 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
         plan=plan,
         tx=tx,
     )
-    if not streams_update(cfg):
-        return ts
-    return (layer_tier.make_layer_streamed if zl.streamed else streamed.make_streamed)(ts, cfg)
+    tier = build_tier(ts, cfg)
+    return ts if tier is None else with_tier(ts, tier)
 
 
 def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:

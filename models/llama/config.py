@@ -9,10 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from meshrun.config import FP8_RECIPES, MAX_DIM, ModelConfig, bounded, choice
+from meshrun.config import MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
-
-MAX_AMAX_HISTORY = 1024  # the longest delayed-scaling history NVIDIA Transformer Engine and MaxText use
 
 
 @dataclass(frozen=True)
@@ -36,16 +34,27 @@ class LlamaConfig(ModelConfig):
     capacity_factor: float = 1.25  # moe_dispatch=capacity only
     moe_dispatch: str = "capacity"  # capacity (GShard buffers, drops past capacity) | dropless (grouped matmul)
     moe_every: int = 1  # with n_experts > 0: every k-th layer is MoE (k=2: every other layer)
-    aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
+    moe_d_ff: int = 0  # one routed expert's hidden size (0: d_ff; Qwen3-MoE and DeepSeek-V3 use narrower ones)
+    n_shared_experts: int = 0  # experts every token passes through (one MLP of width n_shared_experts * moe_d_ff)
+    first_dense_layers: int = 0  # the first k layers are dense (width d_ff), the MoE units follow
+    router_score: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3) expert scores
+    router_norm_topk: bool = True  # top_k > 1: the k chosen scores are renormalised to sum 1
+    routed_scaling: float = 1.0  # the routed experts' output is multiplied by this (DeepSeek-V3: 2.5)
+    # aux_loss: balanced by the loss below only | bias: a per-expert bias added to the scores for the
+    # choice only (not the gates), moved by bias_rate after each step towards the mean load
+    # (DeepSeek-V3's auxiliary-loss-free balancing); aux_loss_coef still weighs the per-sequence loss
+    balance: str = "aux_loss"
+    bias_rate: float = 0.001  # balance=bias: step of the bias update (bias += rate * sign(mean load - load))
+    # > 1: the experts form this many groups (e.g. the expert-parallel ranks or a multiple) and a token's
+    # top_k experts lie in its route_group_limit best groups (device-limited routing)
+    route_groups: int = 0
+    route_group_limit: int = 0  # with route_groups: the groups a token may use (1..route_groups)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (per sequence: Switch's = DeepSeek's sequence-wise)
     z_loss_coef: float = 0.001  # weight of the router z-loss
-    # fp8 GEMMs in every layer's q/k/v, attention output, MLP in and out (docs/fp8.md): none |
-    # tensorwise (scales from the current amax) | delayed (from the max of an amax history)
-    fp8: str = "none"
-    fp8_amax_history: int = 16  # delayed: steps of amax history
-    fp8_first_last_bf16: bool = False  # the first and last layers stay in the compute dtype
 
     context_attention: ClassVar[bool] = True  # all-gather and ring attention over 'context'
     tp_rings: ClassVar[bool] = True  # model.tp_comm_overlap (its attention and dense MLP)
+    fp8_gemms: ClassVar[bool] = True  # model.fp8 (its q/k/v, attention output and dense MLP)
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,25 +62,21 @@ class LlamaConfig(ModelConfig):
             raise ConfigError("model.head_dim", self.head_dim, "use an even head_dim (RoPE rotates pairs)")
         if not self.rope_theta > 0:
             raise ConfigError("model.rope_theta", self.rope_theta, "use a positive number")
-        for f in ("aux_loss_coef", "z_loss_coef"):
+        for f in ("aux_loss_coef", "z_loss_coef", "bias_rate"):
             if not getattr(self, f) >= 0:
                 raise ConfigError(f"model.{f}", getattr(self, f), "use a number >= 0")
         for f in ("n_experts", "sliding_window", "rope_original_max_seq_len"):
             bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
         choice("model.mlp", self.mlp, ("swiglu", "gelu"))
         choice("model.moe_dispatch", self.moe_dispatch, ("capacity", "dropless"))
+        choice("model.router_score", self.router_score, ("softmax", "sigmoid"))
+        choice("model.balance", self.balance, ("aux_loss", "bias"))
+        if not isinstance(self.router_norm_topk, bool):
+            raise ConfigError("model.router_norm_topk", self.router_norm_topk, "use true or false")
+        if not self.routed_scaling > 0:
+            raise ConfigError("model.routed_scaling", self.routed_scaling, "use a positive factor, e.g. 1.0")
+        self._check_moe_shapes()
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
-        choice("model.fp8", self.fp8, FP8_RECIPES)
-        if self.tp_comm_overlap and self.fp8 != "none":
-            raise ConfigError(
-                "model.tp_comm_overlap", True, "turn model.fp8 off with it, or model.tp_comm_overlap off",
-                f"runs its rings in the compute dtype, not fp8 (model.fp8={self.fp8})",
-            )  # fmt: skip
-        if self.fp8_amax_history < 1:
-            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
-        if self.fp8_amax_history > MAX_AMAX_HISTORY:  # a parameter per fp8 GEMM, with Adam moments of its own
-            fix = f"use at most {MAX_AMAX_HISTORY} steps, e.g. 16"
-            raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, fix, "longer than any recipe uses")
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
@@ -83,10 +88,48 @@ class LlamaConfig(ModelConfig):
         if self.n_experts:
             if not 1 <= self.top_k <= self.n_experts:
                 raise ConfigError("model.top_k", self.top_k, f"use 1 <= top_k <= n_experts={self.n_experts}")
-            if self.moe_every < 1 or self.n_layers % self.moe_every:
-                raise ConfigError("model.moe_every", self.moe_every, f"use a divisor of model.n_layers={self.n_layers}")
+            n_moe = self.n_layers - self.first_dense_layers  # layers in MoE units
+            if self.moe_every < 1 or n_moe % self.moe_every:
+                what = f"model.n_layers - model.first_dense_layers={n_moe}" if self.first_dense_layers else \
+                    f"model.n_layers={self.n_layers}"  # fmt: skip
+                raise ConfigError("model.moe_every", self.moe_every, f"use a divisor of {what}")
             if self.capacity_factor <= 0:
                 raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
+
+    def _check_moe_shapes(self) -> None:
+        """The fine-grained / shared / routing fields (Qwen3-MoE, DeepSeek-V3)."""
+        for f in ("moe_d_ff", "n_shared_experts", "first_dense_layers", "route_groups", "route_group_limit"):
+            bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
+        if not self.n_experts:
+            for f, default in (("n_shared_experts", 0), ("moe_d_ff", 0), ("first_dense_layers", 0),
+                               ("route_groups", 0), ("balance", "aux_loss"), ("router_score", "softmax")):  # fmt: skip
+                if getattr(self, f) != default:
+                    raise ConfigError(
+                        f"model.{f}", getattr(self, f), f"set model.n_experts > 0 (routed experts), or {f}={default}",
+                        "a dense model has no routed experts",
+                    )  # fmt: skip
+            return
+        if self.first_dense_layers >= self.n_layers:
+            raise ConfigError(
+                "model.first_dense_layers", self.first_dense_layers,
+                f"use fewer than model.n_layers={self.n_layers} (at least one MoE layer), or n_experts=0",
+            )  # fmt: skip
+        g, m = self.route_groups, self.route_group_limit
+        if g > 1:
+            if self.n_experts % g:
+                raise ConfigError(
+                    "model.route_groups", g, f"use a divisor of model.n_experts={self.n_experts}, or 0 (no groups)"
+                )
+            if not 1 <= m <= g:
+                raise ConfigError("model.route_group_limit", m, f"use 1..model.route_groups={g}")
+            if m * (self.n_experts // g) < self.top_k:
+                raise ConfigError(
+                    "model.route_group_limit", m,
+                    f"allow at least {-(-self.top_k // (self.n_experts // g))} groups of {self.n_experts // g} "
+                    f"experts for top_k={self.top_k}",
+                )  # fmt: skip
+        elif m:
+            raise ConfigError("model.route_group_limit", m, "set model.route_groups > 1 with it, or use 0")
 
 
 CONFIG = LlamaConfig

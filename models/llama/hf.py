@@ -184,8 +184,27 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     return out
 
 
+MIXTRAL_ROUTING = {  # the MoE fields a Mixtral checkpoint has at these values only
+    "moe_d_ff": 0, "n_shared_experts": 0, "first_dense_layers": 0, "router_score": "softmax",
+    "router_norm_topk": True, "routed_scaling": 1.0, "balance": "aux_loss", "route_groups": 0,
+}  # fmt: skip
+
+
+def check_mixtral_shapes(cfg: ModelConfig) -> None:
+    """ConfigError for an MoE that a Mixtral checkpoint cannot hold (Qwen3-MoE / DeepSeek-V3 shapes)."""
+    if not cfg.is_moe:
+        return
+    for f, v in MIXTRAL_ROUTING.items():
+        if getattr(cfg, f) != v:
+            raise ConfigError(
+                f"model.{f}", getattr(cfg, f), f"use {f}={v} for a model exchanged with Hugging Face",
+                "meshrun exchanges Mixtral-shaped MoE models only (not Qwen3-MoE or DeepSeek-V3 yet)",
+            )  # fmt: skip
+
+
 def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str, int]]:
     """meshrun leaf path -> (hf name template with {l} and {e}, transform, heads) for stacked leaves."""
+    check_mixtral_shapes(cfg)
     pre = ("layers", "moe") if cfg.is_moe else ("layers",)
     at = "model.layers.{l}.self_attn."
     m = {

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 
 from meshrun.checkpoint import slices
 from meshrun.checkpoint.state import path_key
-from meshrun.train import swap_dir
+from meshrun.offload import malloc
 
 
 def _rows(sharding: NamedSharding, shape: tuple, lay) -> list[tuple[int, tuple, bool]]:
@@ -209,5 +209,5 @@ class StreamedInit:
         params, scalars, step, p_flat = self.parts() if params_from is None else self.parts_from(params_from)
         self.fill(p_flat)
         del p_flat
-        swap_dir.trim_freed()  # what compiling the init and its chunks freed
+        malloc.trim_freed()  # what compiling the init and its chunks freed
         return type(self.tier.ts.abstract_run)(params, scalars, step)

@@ -1,6 +1,6 @@
 """The pipelined pass over a process's optimizer state in fixed-size chunks (`ChunkStore.stream`)
 and the host tier's store (`HostStore`: the chunks in one host array); the nvme tier's file is
-`swap.SwapFile`. Apart from swap.py because the pipeline is the same for every store.
+`swap_file.SwapFile`. Apart from swap_file.py because the pipeline is the same for every store.
 
 `stream` pipelines the chunks the way DeepSpeed's `PipelinedOptimizerSwapper` does: while chunk i
 is updated, chunk i + 1 is read and chunk i - 1 written, each thread handing the chunk on to the
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from meshrun.train.swap_dir import return_freed_buffers
+from meshrun.offload.malloc import return_freed_buffers
 
 SLOTS_IN_FLIGHT = 3  # chunk buffers the pipeline holds at once: read i + 1, update i, write i - 1
 OUTPUTS_IN_FLIGHT = 2  # updates dispatched and not yet written: the one being written and the next

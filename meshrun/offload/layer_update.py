@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
+from meshrun.offload.optimizer_tier import clip
 from meshrun.optim import optimizer, registry
 from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, spec_axes, sq_sum, to_device
 from meshrun.parallel.sharding import is_spec
-from meshrun.train.streamed import clip
 
 LAYER, OTHER, SCALAR = "layer", "other", "scalar"
 

@@ -1,88 +1,20 @@
-"""The offload directory and the process's host memory around the streamed tiers: the directory's
-checks and its lock (one process per directory), and glibc's handling of freed chunk buffers. Apart
-from the stores (`chunk_store.py`, `swap.py`) because the layer tier and the init use them too."""
+"""glibc's handling of the streamed tiers' freed chunk buffers.
+
+`return_freed_buffers()` (once per process, by every chunk store) makes chunk-sized buffers mapped
+and unmapped rather than kept in glibc's arenas; `stepping()` wraps a tier's step so that its
+temporaries are reused inside it and given back (`trim_freed`) after it. Not glibc: each is a no-op.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
-import glob
-import os
-import tempfile
-import threading
-from pathlib import Path
 
-from meshrun.errors import ConfigError
-
-LOCK_NAME = "meshrun-offload.lock"
-DATA_GLOB = "optimizer-state-*.bin"
-_LOCKS: dict[str, tuple[int, int]] = {}  # directory -> (lock fd, users in this process)
-_LOCKS_GUARD = threading.Lock()
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter (malloc.h) and the value
 M_TRIM_THRESHOLD, TRIM_THRESHOLD = -1, 2 << 20  # (2x the mmap threshold, as glibc sets it itself)
 KEPT_MMAP_THRESHOLD, KEPT_TRIM_THRESHOLD = 32 << 20, 1 << 30  # inside `keeping_freed_buffers` (32 MiB: the most)
 _MALLOPT_DONE: list = []
 _LIBC: list = []  # [glibc's CDLL, or None where there is none], loaded on first use (`_libc`)
-
-
-def offload_dir(template: str, process: int) -> Path:
-    """offload.dir with "{process}" replaced by the process index."""
-    return Path(template.replace("{process}", str(process)))
-
-
-def take_dir(template: str, process: int) -> Path:
-    """The offload directory of process `process` (`offload_dir`), checked (`check_dir`) and taken for
-    this process (`lock_dir`): the setup of every tier that keeps files there."""
-    path = offload_dir(template, process)
-    check_dir(path)
-    lock_dir(path)
-    return path
-
-
-def check_dir(path: Path) -> None:
-    """The directory exists and this process can create files in it (ConfigError otherwise). It creates
-    and removes a probe file: os.access passes any directory for root, whose writes can still fail (a
-    read-only mount, NFS root squash, an immutable directory, /proc or /sys)."""
-    field = "offload.dir"
-    if not path.is_dir():
-        raise ConfigError(field, str(path), "create it (a local disk, one directory per process)",
-                          "no such directory")  # fmt: skip
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".meshrun-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(field, str(path), "use a directory this process can write (a local disk, one per process)",
-                          f"not writable: cannot create a file in it ({e.strerror})") from None  # fmt: skip
-
-
-def lock_dir(path: Path) -> None:
-    """Take the directory for this process (shared by the steps this process builds); another process
-    holding it -> ConfigError. Released when the process exits."""
-    key = os.path.realpath(path)
-    with _LOCKS_GUARD:
-        if key in _LOCKS:
-            fd, n = _LOCKS[key]
-            _LOCKS[key] = (fd, n + 1)
-            return
-        try:
-            fd = os.open(os.path.join(key, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ConfigError("offload.dir", str(path), "use a directory this process can write",
-                              f"cannot create a file in it ({e.strerror})") from None  # fmt: skip
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise ConfigError(
-                "offload.dir", str(path), 'give each process its own directory (e.g. ".../{process}")',
-                "another process of this or another run uses it",
-            ) from None  # fmt: skip
-        for stale in glob.glob(os.path.join(key, DATA_GLOB)):  # left by a killed run: nobody else holds the lock
-            with contextlib.suppress(OSError):
-                os.unlink(stale)
-        _LOCKS[key] = (fd, 1)
 
 
 def return_freed_buffers() -> None:
@@ -125,7 +57,7 @@ def keeping_freed_buffers():
 
 @contextlib.contextmanager
 def stepping():
-    """A streamed tier's step (`streamed.Tier.step`, `layer_tier.LayerTier.step`): inside, freed buffers
+    """A streamed tier's step (`optimizer_tier.OptimizerTier.step`, `param_tier.ParamTier.step`): inside, freed buffers
     stay in glibc's heap (`keeping_freed_buffers`), as glibc's own rule keeps them in the in-memory
     step's process: the device part's temporaries are reused from step to step instead of mapped,
     faulted in and unmapped each time above the tiers' 1 MiB mmap threshold (measured on

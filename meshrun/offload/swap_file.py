@@ -5,7 +5,7 @@ the GIL, on the pipeline's one reader and one writer thread (`chunk_store.ChunkS
 File layout: chunk-major, `[n_chunks][slots][rows][C]` float32, so one chunk (every slot: master,
 m, v, ... of every distinct local row, `C` elements each) is one contiguous read and one contiguous
 write. The file's pages leave the page cache as they are written (`settle`). The directory is
-locked (`swap_dir.lock_dir`) for this process: a second process on it is refused.
+locked (`directory.lock_dir`) for this process: a second process on it is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from meshrun.errors import ConfigError, DataError
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, maybe_fault
+from meshrun.offload.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, maybe_fault
 
 ALIGN = 1024  # chunk length granularity in elements (4 KiB of float32: page-aligned file offsets)
 

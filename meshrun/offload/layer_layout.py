@@ -1,4 +1,4 @@
-"""The file layout of offload.params's nvme tier (`layer_tier.py`): the stacked layer leaves'
+"""The file layout of offload.params's nvme tier (`param_tier.py`): the stacked layer leaves'
 rows, layer-major, so that a chunk of the file is whole layers or one piece of a layer, and the rule
 that picks the chunk for the budget.
 """
@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshrun.errors import ConfigError
-from meshrun.train import flat_layout, swap
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT
+from meshrun.offload import flat_layout, swap_file
+from meshrun.offload.chunk_store import SLOTS_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def layer_layout(mesh: Mesh, layers: Any, opt_specs: Any, slots: int, budget_byt
     base = flat_layout.flat_layout(mesh, layers, opt_specs, slots, 2**62)  # rows, shapes; its chunk is unused
     n = base.shapes[0][0]
     bytes_of = lambda row: SLOTS_IN_FLIGHT * slots * len(base.first) * 4 * row  # in flight, one row a chunk
-    aligned = lambda x: -(-x // swap.ALIGN) * swap.ALIGN
+    aligned = lambda x: -(-x // swap_file.ALIGN) * swap_file.ALIGN
     firsts = [s[1] for s in base.shapes if len(s) > 1]
     common = math.gcd(*firsts) if len(firsts) == len(base.shapes) else 1
     sizes = [math.prod(s[1:]) for s in base.shapes]

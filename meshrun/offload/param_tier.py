@@ -1,27 +1,18 @@
-"""offload.params with offload.optimizer=nvme: the parameters and their gradient sums rest
-in pinned host memory, the stacked layers' optimizer state in the NVMe tier's file, and the update
-streams the layers through the device a chunk of layers at a time (ZeRO-Infinity's full offload,
-Rajbhandari et al. 2021; docs/offload.md).
+"""offload.params with offload.optimizer=nvme: the parameters and their gradient sums rest in
+pinned host memory, the stacked layers' optimizer state in an NVMe file, and the update streams the
+layers through the device a chunk of layers at a time (ZeRO-Infinity's full offload; docs/offload.md).
 
-The step runs in two parts. On the device, one jitted function: forward and backward with the
-layers fetched one at a time (`layer_fetch.py`), the global gradient norm (`layer_update.global_norm`)
-and the update of the other entries (embedding, head, final norm), whose optimizer state stays where
-`offload_optimizer=none` keeps it. Then, chunk by chunk (`per` consecutive layers of every device's
-shard, or one piece of a layer when one layer's state does not fit the budget), the chunk's
-optimizer state is read from the file while the previous chunk's is written (`chunk_store.ChunkStore.stream`);
-the chunk's gradient and params come from host memory and the optimizer runs on them exactly as the
-in-memory layer scan runs it on one layer (`layer_update.Update.layers`); the new params go back
-into the host-resident params in place (donated).
-
-The file row is layer-major (`LayerLayout`): layer l (or its piece) of every layer leaf's local
-shard, then the next, each padded to a multiple of `swap.ALIGN`, so a chunk is whole layers or one
-piece. Checkpoints stream the file as the nvme tier's do (`tier_io.StatePieces` over the row's
-segments), in the same orbax format, so a run resumes across tiers.
+On the device, one jitted function: forward and backward with the layers fetched one at a time
+(`parallel/layer_fetch.py`), the global gradient norm and the update of the other entries (embedding,
+head, final norm). Then chunk by chunk (`per` layers of every device's shard, or a piece of one
+layer) the chunk's state is read from the file while the previous one is written; the optimizer runs
+on it as the in-memory layer scan does (`layer_update.Update.layers`) and the new params go back
+into the host-resident params in place. The file row is layer-major (`layer_layout.LayerLayout`);
+checkpoints stream it as the optimizer tier's do (`checkpoint_io.StatePieces`), in the same format.
+`build(ts, cfg)` makes the tier; `tier.with_tier` uses it.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -33,52 +24,60 @@ from meshrun.checkpoint import slices
 from meshrun.checkpoint.state import path_key
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
+from meshrun.offload import checkpoint_io, directory, layer_update, malloc, swap_file
+from meshrun.offload.chunk_store import resting_bytes
+from meshrun.offload.grad_file import GradSink
+from meshrun.offload.layer_layout import layer_layout
+from meshrun.offload.layer_update import LAYER, SCALAR
 from meshrun.optim.optimizer import MasterState
 from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
-from meshrun.train import layer_update, streamed, swap, swap_dir, tier_io
-from meshrun.train.chunk_store import resting_bytes
-from meshrun.train.grad_file import GradSink
-from meshrun.train.layer_layout import layer_layout
-from meshrun.train.layer_update import LAYER, SCALAR
 
 
-class LayerTier:
-    """The NVMe tier of a TrainStep with offload.params (`make_layer_streamed`)."""
+class ParamTier:
+    """The NVMe tier of a TrainStep with offload.params (`build`)."""
 
     def __init__(self, ts, cfg: RunConfig):
-        t, plan, zl = cfg.offload, ts.plan, ts.plan.zero
         self.ts, self.file, self.sink = ts, None, None
-        self.grads_nvme = t.grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
-        self.directory = swap_dir.take_dir(t.dir, jax.process_index())
+        self.grads_nvme = cfg.offload.grads == "nvme"  # the layers' gradient rests in the file (grad_file.py)
+        self.directory = directory.take_dir(cfg.offload.dir, jax.process_index())
+        self._lay_out_state(cfg)
+        self._build_device_part(cfg)
+        self._build_layer_chunk()
+        self._build_moves()
+
+    def _lay_out_state(self, cfg: RunConfig) -> None:
+        """The optimizer's layer slots and kept leaves, and the file row's layout of the layers."""
+        ts, zl = self.ts, self.ts.plan.zero
         abstract, sh = ts.abstract_run, ts.state_shardings
-        tx = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
+        tx = layer_update.no_clip_optimizer(cfg, ts.plan.model_fns.param_names)
         cast = not isinstance(abstract.opt_state, MasterState)  # as the step without the tier
         self.up = up = layer_update.Update.of(tx, abstract.opt_state, abstract.params, cfg.optimizer.grad_clip, cast)
         slots_abs, _ = up.split(abstract.opt_state)
         if any(x.dtype != jnp.float32 for x in slots_abs):
             raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
                               "offload.optimizer=nvme", "the NVMe tier stores float32 state only")  # fmt: skip
-        k = len(jax.tree.leaves(abstract.params["layers"]))
+        self.k = k = len(jax.tree.leaves(abstract.params["layers"]))
         self.n_slots, self.cast = len(slots_abs) // k, cast
-        self.layout = lay = layer_layout(zl.mesh, abstract.params["layers"], zl.opt["layers"],
-                                         self.n_slots + self.grads_nvme, t.budget_mb * 2**20)  # fmt: skip
+        self.layout = layer_layout(zl.mesh, abstract.params["layers"], zl.opt["layers"],
+                                   self.n_slots + self.grads_nvme, cfg.offload.budget_mb * 2**20)  # fmt: skip
         opt_sh = jax.tree.leaves(sh.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
         self.slot_sh, self.kept_sh = up.split(opt_sh)
         self.kept_def = [kd for kd in up.kinds if kd != LAYER]
-        n_batch = 3 if cfg.data.pack_documents else 2
-        rep = NamedSharding(lay.mesh, P())
         specs = lambda tree: tuple(jax.tree.leaves(tree, is_leaf=is_spec))
-        store, grads_sp, opt_sp = specs(zl.store["layers"]), specs(zl.grads["layers"]), specs(zl.opt["layers"])
-        if self.grads_nvme and not store == grads_sp == opt_sp:  # the gradient's rows are the state's
+        self.store_sp, self.grads_sp = specs(zl.store["layers"]), specs(zl.grads["layers"])
+        self.opt_sp = specs(zl.opt["layers"])
+        if self.grads_nvme and not self.store_sp == self.grads_sp == self.opt_sp:  # the gradient's rows: the state's
             raise ValueError("offload.grads=nvme: the layers' gradient and state layouts differ")
-        layers_def = jax.tree.structure(abstract.params["layers"])
-        self.layers_def = layers_def
-        per, axes = lay.per, P(*lay.mesh.axis_names)
-        other_sh = {k: v for k, v in sh.params.items() if k != "layers"}
+        self.layers_def = jax.tree.structure(abstract.params["layers"])
+
+    def _build_device_part(self, cfg: RunConfig) -> None:
+        """The step's jitted device part: loss, gradient, its norm and the other entries' update."""
+        ts, up, cast, zl = self.ts, self.up, self.cast, self.ts.plan.zero
+        sh, lay = ts.state_shardings, self.layout
 
         def device_part(params, kept, *batch):
-            loss, grads, aux = ts.loss_and_grads(params, *plan.lay_out(batch))
+            loss, grads, aux = ts.loss_and_grads(params, *ts.plan.lay_out(batch))
             if self.grads_nvme:  # the gradient went to the file; its squared sums came back
                 g_norm, g_layers = layer_update.sink_norm(grads, params, cast), ()
             else:
@@ -86,24 +85,43 @@ class LayerTier:
             new_other, new_kept = up.others(grads, params, kept, g_norm)
             return g_layers, new_other, tuple(new_kept), g_norm, {"loss": loss, "grad_norm": g_norm, **aux}
 
+        n_batch = 3 if cfg.data.pack_documents else 2
+        other_sh = {k: v for k, v in sh.params.items() if k != "layers"}
         self.device_part = jax.jit(
             device_part, in_shardings=(sh.params, tuple(self.kept_sh), *(ts.batch_sharding,) * n_batch),
-            out_shardings=(() if self.grads_nvme else sh.params["layers"], other_sh, tuple(self.kept_sh), rep, None),
+            out_shardings=(() if self.grads_nvme else sh.params["layers"], other_sh, tuple(self.kept_sh),
+                           NamedSharding(lay.mesh, P()), None),
         )  # fmt: skip
 
+    def _cut(self, x, l0, k):
+        """A local shard's `per` layers from l0, or piece k of layer l0."""
+        lay = self.layout
+        x = jax.lax.dynamic_slice_in_dim(x, l0, lay.per, 0)
         q = lay.split
+        return x if q == 1 else jax.lax.dynamic_slice_in_dim(x, k * (x.shape[1] // q), x.shape[1] // q, 1)
 
-        def cut(x, l0, k):  # a local shard's `per` layers from l0, or piece k of layer l0
-            x = jax.lax.dynamic_slice_in_dim(x, l0, per, 0)
-            return x if q == 1 else jax.lax.dynamic_slice_in_dim(x, k * (x.shape[1] // q), x.shape[1] // q, 1)
+    def _put(self, o, x, l0, k):
+        """The inverse of `_cut`: x written into the local shard o."""
+        q, zero = self.layout.split, jnp.zeros((), jnp.int32)
+        start = (l0, zero if q == 1 else k * (o.shape[1] // q), *(zero,) * (o.ndim - 2))
+        return jax.lax.dynamic_update_slice(o, x, start)
 
-        def put(o, x, l0, k):  # the inverse: x written into the local shard o
-            zero = jnp.zeros((), jnp.int32)
-            start = (l0, zero if q == 1 else k * (o.shape[1] // q), *(zero,) * (o.ndim - 2))
-            return jax.lax.dynamic_update_slice(o, x, start)
+    def _to_rows(self, leaves: list) -> tuple:
+        """The local slices of every slot's layer leaves (slot-major) as the file's rows, one per slot."""
+        lay, k, ndim = self.layout, self.k, len(self.layout.mesh.axis_names)
+        return tuple(lay.to_rows(list(leaves[i * k : (i + 1) * k]), lay.per).reshape((1,) * ndim + (-1,))
+                     for i in range(self.n_slots))  # fmt: skip
+
+    def _build_layer_chunk(self) -> None:
+        """The jitted update of one chunk of layers (`layer_chunk`): its params and gradient from host
+        memory (or the file), its state from the file's rows, the new params back in place."""
+        lay, up, k, abstract = self.layout, self.up, self.k, self.ts.abstract_run
+        store, grads_sp, opt_sp, layers_def = self.store_sp, self.grads_sp, self.opt_sp, self.layers_def
+        per, axes, sh = lay.per, P(*lay.mesh.axis_names), self.ts.state_shardings
+        rep = NamedSharding(lay.mesh, P())
 
         def take(tree_leaves, spec, l0, k):  # one chunk's slices, on the device
-            body = lambda *xs: tuple(to_device(cut(x, l0, k)) for x in xs)
+            body = lambda *xs: tuple(to_device(self._cut(x, l0, k)) for x in xs)
             return jax.shard_map(body, mesh=lay.mesh, in_specs=spec, out_specs=spec, check_vma=False)(*tree_leaves)
 
         def layer_chunk(p_layers, g_layers, slots, scalars, g_norm, l0, k_):
@@ -125,11 +143,9 @@ class LayerTier:
             def back(*xs):  # the new params into the resting ones, in place; the new state as rows
                 old, new, st = xs[:k], xs[k : 2 * k], xs[2 * k :]
                 back = lambda x, o: jax.device_put(x, HOST_SPACE) if on_host(o) else x
-                out = tuple(put(o, back(x.astype(o.dtype), o), l0, k_)
+                out = tuple(self._put(o, back(x.astype(o.dtype), o), l0, k_)
                             for o, x in zip(old, new, strict=True))  # fmt: skip
-                ndim = len(lay.mesh.axis_names)
-                return out, tuple(lay.to_rows(list(st[i * k : (i + 1) * k]), per).reshape((1,) * ndim + (-1,))
-                                  for i in range(self.n_slots))  # fmt: skip
+                return out, self._to_rows(st)
 
             out, new_rows = jax.shard_map(back, mesh=lay.mesh, in_specs=(*store, *store, *opt_sp * self.n_slots),
                                           out_specs=(store, (axes,) * self.n_slots), check_vma=False)(
@@ -144,25 +160,29 @@ class LayerTier:
             out_shardings=(sh.params["layers"], (lay.sharding,) * self.n_slots), donate_argnums=(0,),
         )  # fmt: skip
 
-        def chunk_rows(slot_leaves, l0, k_):  # one chunk's state as the file's rows (init, absorb)
-            def body(*xs):
-                ndim = len(lay.mesh.axis_names)
-                got = [to_device(cut(x, l0, k_)) for x in xs]
-                return tuple(lay.to_rows(got[i * k : (i + 1) * k], per).reshape((1,) * ndim + (-1,))
-                             for i in range(self.n_slots))  # fmt: skip
+    def _build_moves(self) -> None:
+        """The jitted whole-state moves (a chunk's state as the file's rows; a slot's rows as leaves) and
+        the checkpoint's view of the file (`checkpoint_io.StatePieces`)."""
+        lay, k, axes = self.layout, self.k, P(*self.layout.mesh.axis_names)
 
-            return jax.shard_map(body, mesh=lay.mesh, in_specs=opt_sp * self.n_slots,
+        def chunk_rows(slot_leaves, l0, k_):  # one chunk's state as the file's rows (init, absorb)
+            body = lambda *xs: self._to_rows([to_device(self._cut(x, l0, k_)) for x in xs])
+            return jax.shard_map(body, mesh=lay.mesh, in_specs=self.opt_sp * self.n_slots,
                                  out_specs=(axes,) * self.n_slots, check_vma=False)(*slot_leaves)  # fmt: skip
 
         self.chunk_rows = jax.jit(chunk_rows, out_shardings=(lay.sharding,) * self.n_slots)
         f32 = [jnp.float32] * k
         self.unflatten_slot = jax.jit(lambda f: tuple(lay.unflatten(f, f32)), in_shardings=lay.sharding)
-        saved = ts.abstract_state
+        saved = self.ts.abstract_state
         paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]]  # params, opt, step
         n_p = len(jax.tree.leaves(saved.params))
-        keys, _ = up.split(paths[n_p : n_p + len(jax.tree.leaves(saved.opt_state))])  # checkpoint keys
+        keys, _ = self.up.split(paths[n_p : n_p + len(jax.tree.leaves(saved.opt_state))])  # checkpoint keys
         key_of = [keys[i * k : (i + 1) * k] for i in range(self.n_slots)]
-        self.state_pieces = tier_io.StatePieces(self, key_of, only="layers")
+        self.state_pieces = checkpoint_io.StatePieces(self, key_of, only="layers")
+
+    def init(self, params=None):
+        """The run state at step 0 (the in-memory init), the layers' optimizer state written to the file."""
+        return self.absorb(self.ts.init() if params is None else self.ts.init_from(params))
 
     # ------------------------------------------------------------ the step
 
@@ -188,7 +208,7 @@ class LayerTier:
         with use_grad_sink(self.sink):
             return self.device_part.lower(state.params, self.kept(state.opt_state), *batch)
 
-    @swap_dir.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
+    @malloc.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
     def step(self, state, *batch, device_part=None):
         lay = self.layout
         kept = self.kept(state.opt_state)
@@ -216,11 +236,12 @@ class LayerTier:
 
     # ------------------------------------------------------------ whole-state moves (init, checkpoints)
 
-    def ensure_file(self) -> swap.SwapFile:
+    def ensure_file(self) -> swap_file.SwapFile:
         if self.file is None:
             lay = self.layout
             slots = self.n_slots + self.grads_nvme  # the gradient's slot last: read, never written by the stream
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, (slots, len(lay.first), lay.chunk), self.n_slots)
+            shape = (slots, len(lay.first), lay.chunk)
+            self.file = swap_file.SwapFile(self.directory, lay.n_chunks, shape, self.n_slots)
             self.sink = GradSink(self.file, lay, self.n_slots, self.cast) if self.grads_nvme else None
         return self.file
 
@@ -255,7 +276,7 @@ class LayerTier:
 
     def save_view(self, state):
         """The run state as a checkpoint takes it: the layers' optimizer leaves as `StreamedArray`s read
-        from the file while the save writes them (tier_io.py)."""
+        from the file while the save writes them (checkpoint_io.py)."""
         ts = self.ts
         if ts.plan.relaid:
             return ts.to_model(self.whole(state))
@@ -281,18 +302,6 @@ class LayerTier:
         return state._replace(params=params, opt_state=tuple(kept))
 
 
-def make_layer_streamed(ts, cfg: RunConfig):
-    """The TrainStep `ts` (built in memory, offload.params) with the layers' optimizer state in
-    the NVMe tier."""
-    tier = LayerTier(ts, cfg)
-    return dataclasses.replace(
-        ts,
-        step=streamed._Stepper(tier),
-        init=lambda: tier.absorb(ts.init()),
-        init_from=lambda prm: tier.absorb(ts.init_from(prm)),
-        to_run=lambda st: tier.absorb(ts.to_run(st)),
-        to_model=lambda st: ts.to_model(tier.whole(st)),
-        to_save=tier.save_view,
-        restore=tier.restore,
-        tier=tier,
-    )
+def build(ts, cfg: RunConfig) -> ParamTier:
+    """The layer tier of the TrainStep `ts` (built in memory, offload.params)."""
+    return ParamTier(ts, cfg)

@@ -1,7 +1,7 @@
 """offload.grads=nvme: each layer's reduced float32 gradient goes from the backward straight to
 the layer tier's swap file, where the streamed update reads it with the layer's optimizer state.
 
-The file's chunks (`swap.SwapFile`, `[slots][rows][C]`) get one more slot after the state's: the
+The file's chunks (`swap_file.SwapFile`, `[slots][rows][C]`) get one more slot after the state's: the
 gradient, in the state's row layout (`layer_layout.LayerLayout`: layer-major, a layer or a piece of
 one per row). The fetch's backward (`layer_fetch.use_grad_sink`) calls `GradSink.write` on the host
 with each device's block of one leaf of one layer; the block goes to its place in every chunk that
@@ -18,15 +18,15 @@ import threading
 import numpy as np
 
 from meshrun.errors import DataError
-from meshrun.train import swap
-from meshrun.train.layer_layout import LayerLayout
+from meshrun.offload import swap_file
+from meshrun.offload.layer_layout import LayerLayout
 
 
 class GradSink:
     """The host side of the gradient's way to the file: `write(index, block, *coords)` per device, leaf
     and layer (`layer_fetch.sink_index`'s index, the device's mesh coordinates)."""
 
-    def __init__(self, file: swap.SwapFile, lay: LayerLayout, slot: int, cast: bool):
+    def __init__(self, file: swap_file.SwapFile, lay: LayerLayout, slot: int, cast: bool):
         self.file, self.lay, self.slot, self.cast = file, lay, slot, cast
         self.k = len(lay.shapes)
         rows = {lay.local[r]: u for u, r in enumerate(lay.first)}  # the device that writes each distinct row

@@ -1,6 +1,6 @@
 """The streamed tiers' flat view of the params and optimizer state: every device's ZeRO shard of
 every leaf as one row (`FlatLayout`, chunked for the store) and where a state's parameter-shaped
-leaves are (`StatePattern`). Apart from streamed.py because the layer tier builds on them too."""
+leaves are (`StatePattern`). Apart from optimizer_tier.py because the layer tier builds on them too."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshrun.offload import swap_file
 from meshrun.parallel.sharding import is_spec
-from meshrun.train import swap
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def flat_layout(mesh: Mesh, params: Any, opt_specs: Any, slots: int, budget_byte
     owner = tuple(distinct.setdefault(key(d), len(distinct)) for d in local)
     first = tuple(owner.index(u) for u in range(len(distinct)))
     used = sum(sizes)
-    chunk = swap.chunk_elems(budget_bytes, slots, len(first), used)
+    chunk = swap_file.chunk_elems(budget_bytes, slots, len(first), used)
     length = -(-used // chunk) * chunk
     return FlatLayout(mesh, specs, shapes, offsets, used, length, chunk, local, owner, first)
 

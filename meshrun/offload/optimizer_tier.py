@@ -1,32 +1,19 @@
-"""offload.optimizer=nvme (and host, unless offload.update=whole): the optimizer state
-rests in files (or host memory) and the update streams through the device in chunks (ZeRO-Infinity,
-Rajbhandari et al. 2021; docs/offload.md). Both tiers run the same code; only the store differs
-(`swap.SwapFile`, `chunk_store.HostStore`), so the device never holds more than a few chunks of the state.
+"""offload.optimizer=nvme (and host, unless offload.update=whole): the optimizer state rests in
+files (`swap_file.SwapFile`) or host memory (`chunk_store.HostStore`) and its update streams through
+the device in chunks (ZeRO-Infinity, Rajbhandari et al. 2021; docs/offload.md).
 
-The step runs in two parts. On the device, one jitted function: forward, backward, the one gradient
-reduction, the global gradient norm (once over the whole gradient, as the in-memory step computes
-it), and a flat view of the gradient and params: every device's ZeRO shard of every leaf
-concatenated into one row, `[*mesh, L]` (`flat_layout.FlatLayout`). Then, chunk by chunk (C elements of every
-row: a sub-group of each rank's shard of every optimizer leaf), the chunk's state (fp32 master,
-Adam m, v) is read from the store (the file or host memory), copied to the device (on the CPU
-backend read straight into the device's own buffers, `DeviceChunk`) and updated there by the
-optimizer's elementwise part, clipped with the global norm by optax's formula; the new params stay
-on the device (in place: written into the flat param row; laid into the old params' buffers after the
-last chunk) and the new state goes back to the file, while the next chunk is read and the previous
-one written. The flat rows, the params and the in-place ring reuse their buffers from step to step
-(donated, as the in-memory step's outputs reuse its state's), so a step maps no fresh pages for them.
-The update runs on the device: the same XLA backend evaluates the same elementwise formulas as the
-in-memory step (a host CPU's pow or division may differ from a GPU's in the last bit), at the
-device's memory bandwidth.
-Init, checkpoint saves and restores move the state between the file and its home (the optimizer's
-init, an orbax checkpoint in the in-memory tiers' format) one chunk at a time (`tier_io.py`), so a
-run resumes across tiers; `to_model` / `to_run` still give or take the whole state (tests, the
-local checkpoint tier).
+The step runs in two parts. On the device, one jitted function: forward, backward, the gradient
+reduction, the global gradient norm, and flat rows `[*mesh, L]` of the gradient and params (every
+device's ZeRO shard of every leaf, `flat_layout.FlatLayout`). Then chunk by chunk the store's state is
+read, updated by the optimizer's elementwise part, and written back while the next chunk is read and
+the previous one written (`ChunkStore.stream`). Where a chunk is updated is a strategy picked by
+offload.update_on (`UPDATES`: in place in the CPU device's own buffers, copied to the device, or on
+jax's CPU backend). Init, saves and restores move the state one chunk at a time (`checkpoint_io.py`),
+in the in-memory tiers' checkpoint format. `build(ts, cfg)` makes the tier; `tier.with_tier` uses it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -39,11 +26,11 @@ from jax.sharding import PartitionSpec as P
 from meshrun.checkpoint import slices
 from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
+from meshrun.offload import checkpoint_io, directory, host_update, malloc, swap_file
+from meshrun.offload.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore, resting_bytes
+from meshrun.offload.device_chunk import DeviceChunk
+from meshrun.offload.flat_layout import StatePattern, flat_layout
 from meshrun.optim import optimizer
-from meshrun.train import host_update, swap, swap_dir, tier_io
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT, ChunkStore, HostStore, resting_bytes
-from meshrun.train.device_chunk import DeviceChunk
-from meshrun.train.flat_layout import StatePattern, flat_layout
 
 
 def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
@@ -53,43 +40,53 @@ def clip(t: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
 
 
 def piece_sizes(chunk: int) -> tuple[int, int]:
-    """The chunk as two leaves of different lengths (`Tier.chunk_part`)."""
-    return chunk // 2 + swap.ALIGN // 4, chunk - chunk // 2 - swap.ALIGN // 4
+    """The chunk as two leaves of different lengths (`OptimizerTier.chunk_part`)."""
+    return chunk // 2 + swap_file.ALIGN // 4, chunk - chunk // 2 - swap_file.ALIGN // 4
 
 
-class Tier:
-    """The streamed optimizer tier (nvme: files, host: host memory) of one TrainStep (`make_streamed`)."""
+class OptimizerTier:
+    """The streamed optimizer tier (nvme: files, host: host memory) of one TrainStep (`build`)."""
 
     def __init__(self, ts, cfg: RunConfig, chunk_tx, apply: Callable, master: bool):
-        t, plan, tx, max_norm = cfg.offload, ts.plan, ts.tx, cfg.optimizer.grad_clip
         self.ts, self.master, self.file = ts, master, None  # file: the store (a SwapFile or a HostStore)
-        self.kind = t.optimizer  # nvme | host
-        self.directory = None
-        if self.kind == "nvme":
-            self.directory = swap_dir.take_dir(t.dir, jax.process_index())
-        abstract = ts.abstract_run
+        self.kind = cfg.offload.optimizer  # nvme | host
+        self.directory = directory.take_dir(cfg.offload.dir, jax.process_index()) if self.kind == "nvme" else None
+        self._lay_out_state(cfg, chunk_tx)
+        self._build_device_part(cfg)
+        self._build_chunk_update(cfg, chunk_tx, apply)
+        self._build_moves()
+        self.update = UPDATES[ts.plan.offload.update_on](self)  # where the chunk update runs
+        self.streamed_init = checkpoint_io.StreamedInit(self, chunk_tx)
+        self.state_pieces = checkpoint_io.StatePieces(self)
+
+    def _lay_out_state(self, cfg: RunConfig, chunk_tx) -> None:
+        """The optimizer state's slots and scalars, the flat rows' layout and the chunk's two pieces."""
+        ts, abstract = self.ts, self.ts.abstract_run
         self.params_def = jax.tree.structure(abstract.params)
         self.full_def = jax.tree.structure(abstract.opt_state)
-        self.pattern = StatePattern.of(tx, abstract.opt_state, abstract.params)
+        self.pattern = StatePattern.of(ts.tx, abstract.opt_state, abstract.params)
         slot_leaves, _ = self.pattern.split(jax.tree.leaves(abstract.opt_state))
         if any(x.dtype != jnp.float32 for s in slot_leaves for x in s):
             raise ConfigError("optimizer.state_dtype", cfg.optimizer.state_dtype, "use float32 with "
                               f"offload.optimizer={self.kind}", "the tier stores float32 state only")  # fmt: skip
-        self.layout = lay = flat_layout(plan.zero.mesh, abstract.params, plan.zero.opt, self.pattern.n_slots,
-                                        t.budget_mb * 2**20)  # fmt: skip
-        self.pieces = pieces = piece_sizes(lay.chunk)
-        chunk_abs = tuple(jax.ShapeDtypeStruct((n,), cfg.model.param_dtype) for n in pieces)  # see `chunk_part`
+        zero = ts.plan.zero
+        self.layout = lay = flat_layout(zero.mesh, abstract.params, zero.opt, self.pattern.n_slots,
+                                        cfg.offload.budget_mb * 2**20)  # fmt: skip
+        self.pieces = piece_sizes(lay.chunk)
+        chunk_abs = tuple(jax.ShapeDtypeStruct((n,), cfg.model.param_dtype) for n in self.pieces)  # `chunk_part`
         self.chunk_pattern = StatePattern.of(chunk_tx, jax.eval_shape(chunk_tx.init, chunk_abs), chunk_abs)
         self.chunk_def = jax.tree.structure(jax.eval_shape(chunk_tx.init, chunk_abs))
         if [k for k, _ in self.chunk_pattern.tokens] != [k for k, _ in self.pattern.tokens]:
             raise ValueError("the optimizer's elementwise part keeps another state than the whole optimizer")
-        sh = ts.state_shardings
-        opt_sh = jax.tree.leaves(sh.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
+        opt_sh = jax.tree.leaves(ts.state_shardings.opt_state, is_leaf=lambda x: isinstance(x, NamedSharding))
         self.slot_sh, self.scalar_sh = self.pattern.split(opt_sh)
         self.param_dtypes = [x.dtype for x in jax.tree.leaves(abstract.params)]
-        pdt = self.param_dtypes[0]
+
+    def _build_device_part(self, cfg: RunConfig) -> None:
+        """The step's jitted device part: loss, gradient, its norm and the flat rows the chunks read."""
+        ts, lay, master = self.ts, self.layout, self.master
+        pdt, sh, plan = self.param_dtypes[0], ts.state_shardings, ts.plan
         n_batch = 3 if cfg.data.pack_documents else 2
-        rep = NamedSharding(lay.mesh, P())
 
         def device_part(params, rows, *batch):  # rows: spare flat rows, donated: the new ones land in their buffers
             del rows
@@ -114,9 +111,19 @@ class Tier:
         self.rows = None  # the spare rows: the last step's, or None (`new_rows`)
         self.device_part = jax.jit(
             device_part, in_shardings=(sh.params, rows_sh, *(ts.batch_sharding,) * n_batch),
-            out_shardings=(lay.sharding, None if master else lay.sharding, rep, None), donate_argnums=1,
+            out_shardings=(lay.sharding, None if master else lay.sharding, self.rep, None), donate_argnums=1,
             keep_unused=True,
         )  # fmt: skip
+
+    @property
+    def rep(self) -> NamedSharding:
+        return NamedSharding(self.layout.mesh, P())
+
+    def _build_chunk_update(self, cfg: RunConfig, chunk_tx, apply: Callable) -> None:
+        """The optimizer's elementwise update of one chunk (`update_chunk`, traced) and its jitted forms:
+        the copy path's (`chunk_part`) and the in-place pass's (`_build_in_place`)."""
+        lay, master, pieces, rep = self.layout, self.master, self.pieces, self.rep
+        pdt, max_norm = self.param_dtypes[0], cfg.optimizer.grad_clip
 
         def chunk_update(g_flat, p_flat, slots, scalars, g_norm, off):  # slots: each slot's two halves
             g = self.take_chunk(g_flat, off)
@@ -129,8 +136,8 @@ class Tier:
             g = clip(g, g_norm, max_norm) if max_norm > 0 else g  # make_optimizer: no clipping at 0
             # The chunk as a tree of two halves: the optimizer's shared scalars (bias corrections, the
             # learning rate) then feed several elementwise fusions, as in the in-memory step, and XLA
-            # makes the same algebraic rewrites there (measured: with one leaf it turned mu / bc into
-            # mu * (1 / bc) where the in-memory step keeps the division: a last-bit difference).
+            # makes the same algebraic rewrites there (with one leaf it rewrote a division the
+            # in-memory step keeps: a last-bit difference).
             state = self.chunk_pattern.join([tuple(s) for s in slots], list(scalars))
             state = jax.tree.unflatten(self.chunk_def, state)
             new_p, state = apply(chunk_tx, halves(g), state, halves(p))
@@ -150,14 +157,19 @@ class Tier:
                           rep),
             out_shardings=((lay.sharding,) * len(pieces), halves_sh, scalar_sh),
         )  # fmt: skip
+        self._update_at = chunk_update  # the chunk at `off` of the flat rows (`_build_in_place`)
+        self._build_in_place(halves_sh, scalar_sh)
+
+    def _build_in_place(self, halves_sh: tuple, scalar_sh: tuple) -> None:
+        """The in-place pass's jitted chunk update (`chunk_part_in_place`) and its param row."""
+        lay, master, rep, chunk_update = self.layout, self.master, self.rep, self._update_at
 
         # The same update on the slots' halves as the device's own arrays, donated: the new state
         # lands in the old one's buffers (`DeviceChunk`, the CPU backend's in-place pass). The new
         # slots come first: jax gives each donated buffer to the first output of its shape. The new
         # params go into the chunk's place in `p_row`, donated too: without a master the param row the
-        # chunk's params were read from, with one a row of the param dtype. (The copy path's chunk
-        # update returns them as its own outputs instead: written into the row as two pieces, one per
-        # half, XLA:CPU copied the whole row twice per chunk; joined first, it writes in place.)
+        # chunk's params were read from, with one a row of the param dtype (joined first: written as
+        # two pieces, XLA:CPU copied the whole row twice per chunk).
         def chunk_in_place(g_flat, p_row, slots, scalars, g_norm, off):
             new_p, new_slots, new_scalars = chunk_update(g_flat, None if master else p_row, slots, scalars, g_norm,
                                                          off)  # fmt: skip
@@ -169,10 +181,13 @@ class Tier:
             in_shardings=(lay.sharding, lay.sharding, halves_sh, scalar_sh, rep, rep),
             out_shardings=(halves_sh, lay.sharding, scalar_sh),
         )  # fmt: skip
+        pdt = self.param_dtypes[0]
         self.new_param_row = jax.jit(lambda: jnp.zeros(lay.shape(lay.length), pdt), out_shardings=lay.sharding)
-        self.on = update_on(t.update_on, lay.local)  # in_place | device | host
-        self.in_place = self.on == "in_place"
-        self.host = host_update.HostUpdate(self, self.scalar_sh) if self.on == "host" else None
+
+    def _build_moves(self) -> None:
+        """The jitted moves between the flat rows and the state's trees (the step's new params, whole-
+        state reads and writes, and the layers' order between checkpoint and run)."""
+        ts, lay, sh, plan = self.ts, self.layout, self.ts.state_shardings, self.ts.plan
         unflatten = lambda parts: lay.unflatten_pieces(list(parts), self.param_dtypes)
         self.assemble = jax.jit(  # the new params' pieces -> the params in their ZeRO layout, in the old ones' buffers
             lambda old, parts: jax.tree.unflatten(self.params_def, unflatten(parts)),
@@ -191,8 +206,10 @@ class Tier:
                 for f, out in ((split.to_pipeline, sh.params), (split.from_pipeline, jax.tree.map(lambda x: x.sharding,
                                                                                                  model_p)))
             )  # fmt: skip
-        self.init = tier_io.StreamedInit(self, chunk_tx)
-        self.state_pieces = tier_io.StatePieces(self)
+
+    def init(self, params=None):
+        """The run state at step 0, its optimizer state written to the store chunk by chunk."""
+        return self.streamed_init(params)
 
     # ------------------------------------------------------------ the step
 
@@ -204,54 +221,18 @@ class Tier:
     def lower_device_part(self, state, *batch):
         return self.device_part.lower(state.params, self.rows_abstract, *batch)
 
-    @swap_dir.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
+    @malloc.stepping()  # the device part's and the chunks' temporaries kept, then trimmed
     def step(self, state, *batch, device_part=None):
-        lay = self.layout
         rows, self.rows = self.rows or self.new_rows(), None
         g_flat, p_flat, g_norm, metrics = (device_part or self.device_part)(state.params, rows, *batch)
         del rows
-        scalars, box, new_p = tuple(state.opt_state), {"scalars": None}, []
         ready = lambda: jax.block_until_ready(g_flat)  # the first chunks are read while the device part runs
-
-        if self.host is not None:  # on jax's CPU backend (host_update.py)
-            new_p, box["scalars"] = self.host.run(g_flat, p_flat, g_norm, scalars, ready)
-        elif self.in_place:  # the ring stays from step to step (the store drops it when it needs buffers)
-            ring = self.file.keep_ring(lambda: [DeviceChunk(lay, self.pieces, self.pattern.n_slots)
-                                                for _ in range(SLOTS_IN_FLIGHT)])  # fmt: skip
-            # the new params' row (`chunk_in_place`): without a master the param row itself
-            box["row"] = self.new_param_row() if self.master else p_flat
-
-            def update(i: int, item: DeviceChunk):
-                item.spread()
-                off = jnp.int32(i * lay.chunk)
-                item.slots, box["row"], box["scalars"] = self.chunk_part_in_place(g_flat, box["row"], item.slots,
-                                                                                  scalars, g_norm, off)  # fmt: skip
-                return item
-
-            try:
-                self.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
-            except BaseException:  # its buffers may be donated and gone
-                self.file.drop_ring()
-                raise
-            del ring
-            new_p.append(box.pop("row"))  # the whole row: one piece
-            p_flat = None if self.master else new_p[0]  # (the device part's row, updated in place)
-        else:
-
-            def update(i: int, buf: np.ndarray):
-                slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
-                off = jnp.int32(i * lay.chunk)
-                p, new_slots, box["scalars"] = self.chunk_part(g_flat, p_flat, slots, scalars, g_norm, off)
-                new_p.extend(p)
-                return new_slots
-
-            fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
-            self.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
+        new_p, p_flat, scalars = self.update.run(g_flat, p_flat, g_norm, tuple(state.opt_state), ready)
         # the old params are donated, as the in-memory step donates the state: the new ones take their buffers
         params = jax.block_until_ready(self.assemble(state.params, tuple(new_p)))
         new_p.clear()
         self.rows = (g_flat,) if self.master else (g_flat, p_flat)
-        return state._replace(params=params, opt_state=box["scalars"], step=state.step + 1), metrics
+        return state._replace(params=params, opt_state=scalars, step=state.step + 1), metrics
 
     def bytes_per_device(self) -> dict[str, float]:
         """Where the tier's bytes rest, per device (this process's share): the store (host memory or
@@ -266,13 +247,13 @@ class Tier:
         if self.file is None:
             lay = self.layout
             shape = (self.pattern.n_slots, len(lay.first), lay.chunk)
-            self.file = swap.SwapFile(self.directory, lay.n_chunks, shape) if self.directory is not None else \
+            self.file = swap_file.SwapFile(self.directory, lay.n_chunks, shape) if self.directory is not None else \
                 HostStore(lay.n_chunks, shape)  # fmt: skip
         return self.file
 
     def save_view(self, state):
         """The run state as a checkpoint takes it: the optimizer's parameter-shaped leaves as
-        `StreamedArray`s read from the file while the save writes them (tier_io.py)."""
+        `StreamedArray`s read from the file while the save writes them (checkpoint_io.py)."""
         slices.install()
         p, f32 = self.state_pieces, jnp.dtype(jnp.float32)
         model_sh = jax.tree.leaves(self.ts.abstract_state.opt_state, is_leaf=lambda x: hasattr(x, "sharding"))
@@ -289,7 +270,7 @@ class Tier:
         state = ckpt.restore(step, ts.abstract_state, streamed=self.state_pieces)
         _, scalars = self.pattern.split(jax.tree.leaves(state.opt_state))
         params = self.relay_params[0](state.params) if ts.plan.relaid else state.params
-        swap_dir.trim_freed()  # what the restore freed
+        malloc.trim_freed()  # what the restore freed
         return state._replace(params=params, opt_state=tuple(scalars))
 
     def absorb(self, state):
@@ -316,67 +297,79 @@ class Tier:
         return state._replace(opt_state=jax.tree.unflatten(self.full_def, leaves))
 
 
-class _Stepper:
-    """The step a loop calls: `(state, *batch) -> (state, metrics)`; `lower(...).compile()` compiles
-    the device part ahead of time (the loop's step-1 timing), as for a jitted step."""
+class InPlaceUpdate:
+    """offload.update_on=in_place (auto on CPU devices): the chunk buffers are the device's own arrays
+    (`DeviceChunk`), read and written by the store in place; the new params land in one flat row."""
 
-    def __init__(self, tier: Tier, device_part=None):
-        self.tier, self.device_part = tier, device_part
+    def __init__(self, tier: OptimizerTier):
+        self.tier = tier
 
-    def __call__(self, state, *batch):
-        return self.tier.step(state, *batch, device_part=self.device_part)
+    def run(self, g_flat, p_flat, g_norm, scalars: tuple, ready) -> tuple[list, object, tuple]:
+        """One step's pass: (the new params' pieces, the param row after the pass, the new scalars)."""
+        tier, lay = self.tier, self.tier.layout
+        # the ring stays from step to step (the store drops it when it needs buffers)
+        ring = tier.file.keep_ring(lambda: [DeviceChunk(lay, tier.pieces, tier.pattern.n_slots)
+                                            for _ in range(SLOTS_IN_FLIGHT)])  # fmt: skip
+        # the new params' row (`chunk_in_place`): without a master the param row itself
+        box = {"row": tier.new_param_row() if tier.master else p_flat, "scalars": None}
 
-    def lower(self, state, *batch):
-        return _Lowered(self.tier, self.tier.lower_device_part(state, *batch))
+        def update(i: int, item: DeviceChunk):
+            item.spread()
+            off = jnp.int32(i * lay.chunk)
+            item.slots, box["row"], box["scalars"] = tier.chunk_part_in_place(g_flat, box["row"], item.slots,
+                                                                              scalars, g_norm, off)  # fmt: skip
+            return item
 
-
-class _Lowered:
-    """The device part's lowering; `compile` gives a step that runs its executable (other attributes:
-    the lowering's, e.g. `as_text`)."""
-
-    def __init__(self, tier: Tier, lowered):
-        self.tier, self.lowered = tier, lowered
-
-    def compile(self, **kwargs):
-        return _Compiled(self.tier, self.lowered.compile(**kwargs))
-
-    def __getattr__(self, name: str):
-        return getattr(self.lowered, name)
-
-
-class _Compiled(_Stepper):
-    """A step over the compiled device part; `memory_analysis`, `as_text`, ...: the device part's."""
-
-    def __init__(self, tier: Tier, compiled):
-        super().__init__(tier, compiled)
-
-    def __getattr__(self, name: str):
-        return getattr(self.device_part, name)
+        try:
+            tier.file.stream(update, DeviceChunk.written, ready=ready, ring=ring)
+        except BaseException:  # its buffers may be donated and gone
+            tier.file.drop_ring()
+            raise
+        del ring
+        new_p = [box.pop("row")]  # the whole row: one piece
+        return new_p, None if tier.master else new_p[0], box["scalars"]  # (the device part's row, updated in place)
 
 
-def update_on(asked: str, devices) -> str:
-    """Where the chunk update runs (`offload.update_on`): in_place (auto on CPU devices: the
-    device's memory is host memory, so the ring buffers are the device's arrays), device (the copy
-    path: auto on other devices) or host (jax's CPU backend, `host_update.py`)."""
-    if asked == "auto":
-        return "in_place" if all(d.platform == "cpu" for d in devices) else "device"
-    return asked
+class CopyUpdate:
+    """offload.update_on=device (auto on other devices): each chunk read into the store's buffers is
+    copied to the device, updated there, and its new state copied back."""
+
+    def __init__(self, tier: OptimizerTier):
+        self.tier = tier
+
+    def run(self, g_flat, p_flat, g_norm, scalars: tuple, ready) -> tuple[list, object, tuple]:
+        tier, lay = self.tier, self.tier.layout
+        box, new_p = {"scalars": None}, []
+
+        def update(i: int, buf: np.ndarray):
+            slots = tuple(lay.put(buf[s], lay.chunk) for s in range(buf.shape[0]))
+            off = jnp.int32(i * lay.chunk)
+            p, new_slots, box["scalars"] = tier.chunk_part(g_flat, p_flat, slots, scalars, g_norm, off)
+            new_p.extend(p)
+            return new_slots
+
+        fetch = lambda new_slots: [h for s in new_slots for r in zip(*map(lay.rows, s)) for h in r]
+        tier.file.stream(update, fetch, ready=ready, done=jax.block_until_ready)
+        return new_p, p_flat, box["scalars"]
 
 
-def make_streamed(ts, cfg: RunConfig):
-    """The TrainStep `ts` (built in memory) with its optimizer state in the streamed tier (nvme or host)."""
+class HostCPUUpdate:
+    """offload.update_on=host: the chunk update on jax's CPU backend (`host_update.HostUpdate`)."""
+
+    def __init__(self, tier: OptimizerTier):
+        self.host = host_update.HostUpdate(tier, tier.scalar_sh)
+
+    def run(self, g_flat, p_flat, g_norm, scalars: tuple, ready) -> tuple[list, object, tuple]:
+        new_p, new_scalars = self.host.run(g_flat, p_flat, g_norm, scalars, ready)
+        return new_p, p_flat, new_scalars
+
+
+UPDATES = {"in_place": InPlaceUpdate, "device": CopyUpdate, "host": HostCPUUpdate}  # offload.update_on
+
+
+def build(ts, cfg: RunConfig) -> OptimizerTier:
+    """The streamed optimizer tier (nvme or host) of the TrainStep `ts` (built in memory)."""
     master = jnp.dtype(cfg.model.param_dtype).itemsize < 4  # as make_optimizer decides
     elem = optimizer.elementwise_transform(cfg)  # a ConfigError for an optimizer that is not elementwise
     chunk_tx = optimizer.with_master_weights(elem) if master else elem
-    tier = Tier(ts, cfg, chunk_tx, optimizer.apply_optimizer, master)
-    return dataclasses.replace(
-        ts,
-        step=_Stepper(tier),
-        init=lambda: tier.init(),
-        init_from=lambda prm: tier.init(prm),
-        to_run=lambda st: tier.absorb(ts.to_run(st)),
-        to_model=lambda st: ts.to_model(tier.whole(st)),
-        to_save=tier.save_view,
-        restore=tier.restore,
-        tier=tier,
-    )
+    return OptimizerTier(ts, cfg, chunk_tx, optimizer.apply_optimizer, master)

@@ -8,7 +8,7 @@ and 12 out. The state never leaves host memory: the ring buffers are arrays of t
 device (`HostChunk`), the store reads chunk i straight into them, the update donates them so XLA
 writes the new state into the same buffers, and the store writes those back, as the CPU backend's
 in-place pass does with the mesh's own arrays (`device_chunk.DeviceChunk`). The update is the tier's
-own (`streamed.Tier.update_chunk`) on every distinct row of the process at once ([rows, C]).
+own (`optimizer_tier.OptimizerTier.update_chunk`) on every distinct row of the process at once ([rows, C]).
 
 On a GPU machine the CPU backend's device is outside the mesh. On the simulated CPU devices the
 tests use, it is a device the mesh leaves out where there is one, else one of the mesh's: the code
@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshrun.errors import ConfigError
-from meshrun.train.chunk_store import SLOTS_IN_FLIGHT
-from meshrun.train.device_chunk import host_view
+from meshrun.offload.chunk_store import SLOTS_IN_FLIGHT
+from meshrun.offload.device_chunk import host_view
 
 
 def cpu_device(mesh_devices) -> jax.Device:
@@ -67,7 +67,7 @@ class HostChunk:
 
 
 class HostUpdate:
-    """The chunk update of a `streamed.Tier` on the CPU backend (`run`: one step's pass)."""
+    """The chunk update of a `optimizer_tier.OptimizerTier` on the CPU backend (`run`: one step's pass)."""
 
     def __init__(self, tier: Any, scalar_sh: list):
         lay, master = tier.layout, tier.master

@@ -1,6 +1,6 @@
 """The in-place pass's ring buffer (`DeviceChunk`): on the CPU backend the device's memory is host
 memory, so the streamed update's chunk buffers can be the device's own arrays, read and written by
-the store in place (`chunk_store.ChunkStore.stream(ring=...)`, `streamed.Tier.step`)."""
+the store in place (`chunk_store.ChunkStore.stream(ring=...)`, `optimizer_tier.OptimizerTier.step`)."""
 
 from __future__ import annotations
 
