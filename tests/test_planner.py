@@ -109,21 +109,34 @@ def test_zero_stage_formulas(gpt3, zero, expect):
 
 
 def test_meshrun_vs_megatron_zero_semantics(gpt3):
-    """meshrun accumulates locally and reduces once per step at every ZeRO stage (the accumulator is
-    full size during the loop); Megatron/DeepSpeed ZeRO-2 reduce-scatters every micro-batch."""
-    psi = cost.param_counts(gpt3)["total"]
+    """meshrun's ZeRO-1 and ZeRO-2 once per step accumulate locally and reduce once per step (the
+    accumulator is full size during the loop); ZeRO-2 per microbatch (auto for this model) keeps the
+    layers' float32 sums as 1/DP shards, as Megatron/DeepSpeed ZeRO-2 does. ZeRO-3 gathered once per
+    step holds every weight; per layer (auto here) the embedding/head and two layers."""
+    c = cost.param_counts(gpt3)
+    psi = c["total"]
     kw = dict(seq_len=2048, data=8, microbatches=4)
     z0, z1, z3 = (predict_memory(gpt3, zero=z, **kw) for z in (0, 1, 3))
-    assert z1["grads"] == pytest.approx(z0["grads"], rel=1e-9)
+    z2s = predict_memory(gpt3, zero=2, zero2_reduce="step", **kw)
+    z2 = predict_memory(gpt3, zero=2, **kw)
+    assert z1["grads"] == pytest.approx(z0["grads"], rel=1e-9) == pytest.approx(z2s["grads"], rel=1e-9)
+    edges = c["embedding"] + c["head"] + gpt3.d_model
+    layer = c["layers"] / gpt3.n_layers
+    # fresh: one layer's and the embedding/head's gradient in bf16; sums: float32, the layers' 1/8
+    assert z2["grads"] == pytest.approx(2 * (edges + layer) + 4 * (edges + c["layers"] / 8), rel=1e-3)
     # fp32 master, m, v and the fp32 update temporary, all sharded over data
     assert z1["optimizer"] == pytest.approx(16 * psi / 8, rel=1e-3)
-    assert z3["params"] == pytest.approx(2 * psi / 8 + 2 * psi, rel=1e-3)  # all weights gathered before the loop
+    z3s = predict_memory(gpt3, zero=3, zero3_gather="step", **kw)
+    assert z3s["params"] == pytest.approx(2 * psi / 8 + 2 * psi, rel=1e-3)  # all weights gathered before the loop
+    assert z3["params"] == pytest.approx(2 * psi / 8 + 2 * (edges + 2 * layer), rel=1e-3)
     cluster = parse_cluster("a100-80g:8x8")
-    lay = Layout(tensor=8, pipe=1, data=8, microbatches=4, zero=2)
+    lay = Layout(tensor=8, pipe=1, data=8, microbatches=4, zero=2, zero2_reduce="step")
     mesh = timing.predict_time(gpt3, lay, cluster, 2048)
     mega = timing.predict_time(gpt3, lay, cluster, 2048, **MEGA)
     assert mesh["zero_comm"] == 0 < mesh["dp_sync"]
     assert mega["zero_comm"] > 0 and mega["dp_sync_full"] > mesh["dp_sync_full"]  # per micro-batch, fp32
+    per_mb = timing.predict_time(gpt3, dataclasses.replace(lay, zero2_reduce="microbatch"), cluster, 2048)
+    assert per_mb["dp_sync_full"] == pytest.approx(mega["dp_sync_full"], rel=1e-9)  # DeepSpeed's traffic
 
 
 def test_hierarchical_allreduce_and_network():

@@ -62,7 +62,14 @@ from meshrun.config.optimizer import (
 )
 from meshrun.config.pipeline import PipelineConfig
 from meshrun.config.run import MOVED_KEYS, RunConfig
-from meshrun.config.train import GRAD_REDUCE_DTYPES, TrainConfig
+from meshrun.config.train import GRAD_REDUCE_DTYPES, ZERO2_REDUCES, ZERO3_GATHERS, TrainConfig
+from meshrun.config.zero import (
+    LAYER_GATHER_AUTO_BYTES,
+    zero2_layer_refusals,
+    zero2_per_microbatch,
+    zero3_layer_refusals,
+    zero3_per_layer,
+)
 from meshrun.errors import ConfigError
 
 __all__ = [
@@ -77,4 +84,6 @@ __all__ = [
     "model_class", "model_from_dict", "offload_params_refusals", "optimizer_class", "optimizer_from_dict",
     "parse_overrides", "saved_model", "streamed_update_refusal", "streams_host_update", "to_dict",
     "use_model_classes", "use_optimizer_classes",
+    "LAYER_GATHER_AUTO_BYTES", "ZERO2_REDUCES", "ZERO3_GATHERS", "zero2_layer_refusals", "zero2_per_microbatch",
+    "zero3_layer_refusals", "zero3_per_layer",
 ]  # fmt: skip

@@ -31,6 +31,9 @@ class RunConfig:
         if why := fp8_tier_refusal(self.model.fp8, self.offload.optimizer):
             fix = "use offload.optimizer=host (its update carries it) or model.fp8=tensorwise"
             raise ConfigError("offload.optimizer", self.offload.optimizer, fix, why)
+        if self.train.zero3_gather == "step" and self.offload.params:
+            raise ConfigError("train.zero3_gather", "step", "leave it auto (or layer) with offload.params",
+                              "offload.params fetches each layer inside the layer scan")  # fmt: skip
 
 
 # Keys that moved to another section: an old YAML fails with one line naming the new key.

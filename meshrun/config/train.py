@@ -9,6 +9,8 @@ from meshrun.config.base import MAX_DIM, MAX_STEPS, _bounded, _choice
 from meshrun.errors import ConfigError
 
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+ZERO3_GATHERS = ("auto", "layer", "step")  # train.zero3_gather
+ZERO2_REDUCES = ("auto", "microbatch", "step")  # train.zero2_reduce
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # train.loggers (meshrun.train.loggers)
 
 
@@ -18,6 +20,16 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step, over all devices and microbatches
     seq_len: int = 64  # tokens per sequence
     zero: int = 0  # ZeRO stage 0..3
+    # ZeRO-3's weight gathers: layer (FSDP: each layer's weights all-gathered inside the layer scan just
+    # before use, gathered again in the backward, its gradient reduce-scattered as the backward makes it)
+    # | step (every weight gathered once before the loop, kept through the step) | auto (layer where the
+    # gathered weights would take more than 1 GiB per device, else step). docs/memory.md
+    zero3_gather: str = "auto"
+    # ZeRO-2's gradient reduction: microbatch (each layer's gradient reduce-scattered as the backward makes
+    # it, every microbatch, into float32 sums that are themselves sharded: 1/DP of the bytes) | step (full
+    # float32 sums, one reduce-scatter per step: fewer bytes on the wire, more memory) | auto (microbatch
+    # where the layers' float32 sums would take more than 1 GiB per device, else step). docs/memory.md
+    zero2_reduce: str = "auto"
     seed: int = 0  # parameter initialisation seed
     log_every: int = 1  # progress line + metrics.jsonl row every k steps (first and last step always)
     # where each metrics row goes besides RUN_DIR/metrics.jsonl (always written): tensorboard (RUN_DIR/tb),
@@ -54,6 +66,14 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("train.zero", self.zero, "use a ZeRO stage 0, 1, 2 or 3")
         _choice("train.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        _choice("train.zero3_gather", self.zero3_gather, ZERO3_GATHERS)
+        if self.zero3_gather != "auto" and self.zero != 3:
+            raise ConfigError("train.zero3_gather", self.zero3_gather, "set train.zero=3 with it, or leave it auto",
+                              f"chooses ZeRO-3's weight gathers (train.zero={self.zero})")  # fmt: skip
+        _choice("train.zero2_reduce", self.zero2_reduce, ZERO2_REDUCES)
+        if self.zero2_reduce != "auto" and self.zero != 2:
+            raise ConfigError("train.zero2_reduce", self.zero2_reduce, "set train.zero=2 with it, or leave it auto",
+                              f"chooses ZeRO-2's gradient reduction (train.zero={self.zero})")  # fmt: skip
         if isinstance(self.loggers, str):  # train.loggers=wandb: a list of one
             object.__setattr__(self, "loggers", (self.loggers,))
         for name in self.loggers:

@@ -167,20 +167,31 @@ def host_zeros(like: Any) -> Any:
     return jax.lax.scan(body, None, length=jax.tree.leaves(like)[0].shape[0])[1]
 
 
-def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -> Callable:
+def _split_dims(spec: P, base: P) -> list[tuple[int, tuple[str, ...]]]:
+    """(dim, DP axes) that `spec` splits one unit's leaf over beyond its compute layout `base`."""
+    kept = dict(dims_with(base, GRAD_AXES))  # e.g. experts split over 'expert' stay split
+    out = []
+    for d, axes in dims_with(spec, GRAD_AXES):
+        if axes := tuple(a for a in axes if a not in kept.get(d, ())):
+            out.append((d, axes))
+    return out
+
+
+def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None, grads: Any = None) -> Callable:
     """p_unit -> p_unit in device memory, gathered to the compute layout. `store` / `compute`: the
-    PartitionSpec trees of the stacked layers (leading layer axis, ZeRO-3 and ZeRO-0 layouts)."""
+    PartitionSpec trees of the stacked layers (leading layer axis, ZeRO-3 and ZeRO-0 layouts). `grads`:
+    the layout the backward reduce-scatters each layer's gradient to (None: `store`'s; ZeRO-2 per
+    microbatch: parameters that rest whole, a gradient that is scattered)."""
     live = tuple(a for a in GRAD_AXES if mesh.shape.get(a, 1) > 1)
 
-    def leaf(x, spec, base):
+    def leaf(x, spec, base, target=None):
         spec, base = P(*spec[1:]), P(*base[1:])  # one unit: the layer axis is sliced away
-        kept = dict(dims_with(base, GRAD_AXES))  # e.g. experts split over 'expert' stay split
-        gathers = []
-        for d, axes in dims_with(spec, GRAD_AXES):
-            if axes := tuple(a for a in axes if a not in kept.get(d, ())):
-                gathers.append((d, axes))
+        gathers = _split_dims(spec, base)
+        # `grads` applies where the gradient goes to float32 arrays of its own shape (`Shadowed`); a
+        # parameter's own cotangent must have its shape
+        scatters = _split_dims(P(*target[1:]), base) if target is not None and isinstance(x, Shadowed) else gathers
         used = {a for _, axes in dims_with(base, GRAD_AXES) for a in axes}
-        scattered = {a for _, axes in gathers for a in axes}
+        scattered = {a for _, axes in scatters for a in axes}
         rest = tuple(a for a in live if a not in used and a not in scattered)
 
         def gather(x):
@@ -191,8 +202,8 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -
 
         def reduce(g, dt, host):
             g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
-            g = g if reduce_dtype is None or not (gathers or rest) else g.astype(reduce_dtype)
-            for d, axes in gathers:
+            g = g if reduce_dtype is None or not (scatters or rest) else g.astype(reduce_dtype)
+            for d, axes in scatters:
                 g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
             g = (jax.lax.psum(g, rest) if rest else g).astype(dt)
             return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
@@ -246,4 +257,7 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None) -
         fetch3.defvjp(lambda x, z: (gather(x), z), bwd)
         return fetch3(x.x, x.z)
 
-    return lambda p: jax.tree.map(leaf, p, store, compute, is_leaf=lambda x: isinstance(x, Shadowed))
+    shadow = lambda x: isinstance(x, Shadowed)  # noqa: E731
+    if grads is None:
+        return lambda p: jax.tree.map(leaf, p, store, compute, is_leaf=shadow)
+    return lambda p: jax.tree.map(leaf, p, store, compute, grads, is_leaf=shadow)

@@ -28,6 +28,7 @@ GSPMD made XLA all-gather the tensor shards first (measured in the compiled HLO)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +71,16 @@ class ZeroShardings:
     opt: Any
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
     offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
-    streamed: bool = False  # offload.params: params['layers'] fetched layer by layer (layer_fetch.py)
-    root: bool = False  # with `streamed`: this is the layout of params['layers'] itself (`sub('layers')`)
+    streamed: bool = False  # offload.params: params['layers'] fetched layer by layer from host memory
+    root: bool = False  # with `per_layer`: this is the layout of params['layers'] itself (`sub('layers')`)
+    fsdp: bool = False  # train.zero3_gather=layer: params['layers'] gathered layer by layer from device memory
+
+    @property
+    def per_layer(self) -> bool:
+        """params['layers'] are gathered layer by layer inside the layer scan (layer_fetch.py), each
+        layer's gradient reduce-scattered as the backward makes it: FSDP (`fsdp`, the weights in device
+        memory) or offload.params (`streamed`, in host memory). One fetch, two sources."""
+        return self.streamed or self.fsdp
 
     @classmethod
     def build(
@@ -83,23 +92,26 @@ class ZeroShardings:
         reduce_dtype: Any = None,
         offload: tuple[str, ...] = (),
         streamed: bool = False,
+        fsdp: bool = False,
     ) -> ZeroShardings:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
         reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host
-        memory; streamed: the stacked layers are gathered and reduced layer by layer inside the layer scan."""
+        memory; streamed: the stacked layers are gathered and reduced layer by layer inside the layer scan, from
+        host memory (offload.params); fsdp: the same from device memory (ZeRO-3 per layer)."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)
         rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
         rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
         trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
-        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload), streamed=streamed)
+        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload), streamed=streamed,
+                   fsdp=fsdp and not streamed)  # fmt: skip
 
     def sub(self, key: str) -> ZeroShardings:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
         trees = (t[key] for t in (self.store, self.compute, self.grads, self.opt))
-        streamed = self.streamed and key == "layers"
+        layers = key == "layers"
         return ZeroShardings(
-            self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload, streamed=streamed,
-            root=streamed,
+            self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload,
+            streamed=self.streamed and layers, root=self.per_layer and layers, fsdp=self.fsdp and layers,
         )  # fmt: skip
 
     def without(self, key: str) -> ZeroShardings:
@@ -131,18 +143,34 @@ class ZeroShardings:
             return tree
         return jax.tree.map(lambda x, s: jax.device_put(x, s) if s.memory_kind == HOST else x, tree, shardings)
 
-    # ------------------------------------------------------------ layer by layer (offload.params)
+    # ------------------------------------------------------------ layer by layer (FSDP, offload.params)
 
     def layer_fetch(self) -> Callable | None:
         """The per-layer fetch the loop traces the model with (`layer_fetch.use_layer_fetch`), or None."""
-        if not self.streamed:
+        if not self.per_layer:
             return None
-        store, compute = (self.store, self.compute) if self.root else (self.store["layers"], self.compute["layers"])
-        return layer_fetch.make_fetch(self.mesh, store, compute, self.reduce_dtype)
+        pick = (lambda t: t) if self.root else (lambda t: t["layers"])
+        grads = pick(self.grads) if self.fsdp else None  # ZeRO-2: reduce-scattered, nothing gathered
+        return layer_fetch.make_fetch(self.mesh, pick(self.store), pick(self.compute), self.reduce_dtype, grads)
+
+    def layer_sums(self, layers: Any) -> Any:
+        """Float32 zeros for the layers' gradient sums inside the loop's shard_map, shaped like their
+        local block of the grad layout (`layers`: the local stored layers, arrays or shapes): ZeRO-3's
+        shards as they rest, ZeRO-2's 1/DP of the whole parameters."""
+        pick = (lambda t: t) if self.root else (lambda t: t["layers"])
+
+        def one(a, base, target):
+            shape = list(a.shape)
+            for d, axes in dims_with(target, GRAD_AXES):
+                extra = [x for x in axes if x not in dict(dims_with(base, GRAD_AXES)).get(d, ())]
+                shape[d] //= math.prod(self.mesh.shape[x] for x in extra)
+            return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+        return accum_zeros(jax.tree.map(one, layers, pick(self.store), pick(self.grads)))
 
     def _rest(self, tree: Any, fn: Callable) -> Any:
         """`fn` (a method of the layout without 'layers') on every entry but the streamed layers."""
-        if not self.streamed:
+        if not self.per_layer:
             return fn(self, tree)
         if self.root:
             return tree
@@ -157,7 +185,7 @@ class ZeroShardings:
         if self.root:
             return _map(restrict_spec, self.store)
         specs = _map(restrict_spec, self.compute)
-        return {**specs, "layers": _map(restrict_spec, self.store["layers"])} if self.streamed else specs
+        return {**specs, "layers": _map(restrict_spec, self.store["layers"])} if self.per_layer else specs
 
     def partial_specs(self) -> Any:
         """out_specs of `reduce_local`'s output: scattered leaves leave as per-rank partial sums with
@@ -171,15 +199,15 @@ class ZeroShardings:
         if self.root:
             return _map(restrict_spec, self.grads)
         specs = _map(one, self.compute, self.grads)
-        return {**specs, "layers": _map(restrict_spec, self.grads["layers"])} if self.streamed else specs
+        return {**specs, "layers": _map(restrict_spec, self.grads["layers"])} if self.per_layer else specs
 
     # ------------------------------------------------------------ collectives
 
     def gather(self, params: Any) -> Any:
         """ZeRO-3: all-gather every parameter's data-parallel shards (store -> compute layout) once per
-        step, before the loop. A no-op below stage 3. Streamed layers stay as they rest (host memory);
-        the other entries come to the device first."""
-        if self.streamed:
+        step, before the loop. A no-op below stage 3. Layers gathered per layer (`per_layer`) stay as they
+        rest (device or host memory); the other entries come to the device first."""
+        if self.per_layer:
             return self._rest(params, lambda zl, t: ZeroShardings.gather(zl, jax.tree.map(layer_fetch.to_device, t)))
         if self.stage < 3:
             return params
@@ -201,8 +229,8 @@ class ZeroShardings:
     def reduce_local(self, grads: Any, extra: tuple[str, ...] = ()) -> Any:
         """Inside the loop's shard_map, after the accumulation: psum what stays replicated; leaves that
         ZeRO scatters leave as per-rank partial sums [1, ...] for `finish`. `extra`: axes summed in any
-        case (the pipeline sums embedding/head grads over 'pipe'). Streamed layers left the scan reduced."""
-        if self.streamed:
+        case (the pipeline sums embedding/head grads over 'pipe'). Per-layer layers left the scan reduced."""
+        if self.per_layer:
             return self._rest(grads, lambda zl, t: ZeroShardings.reduce_local(zl, t, extra))
 
         def one(g, base, target):
@@ -217,8 +245,8 @@ class ZeroShardings:
         """Sum the per-rank partials onto the ZeRO grad layout, one reduce-scatter per leaf, in a
         shard_map manual over every axis: local tensor shards are reduce-scattered as they are (a
         psum_scatter inside the tensor-auto loop made XLA all-gather the tensor shards first, and a
-        GSPMD sum gave a full all-reduce). Streamed layers left the scan reduced."""
-        if self.streamed:
+        GSPMD sum gave a full all-reduce). Per-layer layers left the scan reduced."""
+        if self.per_layer:
             return self._rest(grads, ZeroShardings.finish)
         flat_g, tree = jax.tree.flatten(grads)
         flat_b, flat_t = jax.tree.leaves(self.compute, is_leaf=is_spec), jax.tree.leaves(self.grads, is_leaf=is_spec)

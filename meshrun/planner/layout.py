@@ -56,6 +56,8 @@ class Layout:
     # the 16-bit remainders of the fp32 master weights beside the bf16 params (store_param_remainders),
     # 2 bytes per param in place of a 4-byte master copy (`precision_of`)
     param_remainders: bool = False
+    zero3_gather: str = "auto"  # train.zero3_gather: layer (FSDP) | step | auto (`step_model.layerwise`)
+    zero2_reduce: str = "auto"  # train.zero2_reduce: microbatch (sharded sums) | step | auto
 
     @property
     def sched(self) -> registry.Schedule:
@@ -124,6 +126,8 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
         overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
         offload_grads=cfg.offload.grads,
         tp_comm_overlap=getattr(cfg.model, "tp_comm_overlap", False),
+        zero3_gather=cfg.train.zero3_gather,
+        zero2_reduce=cfg.train.zero2_reduce,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+from meshrun import config
 from meshrun.analysis.flops import moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
@@ -166,7 +167,14 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     matrices = (dense - nrm - edges) / shard[2] + experts / eshard[2]
     moments = prec.opt * matrices + prec.opt_rest * rest
     opt = moments + 4 * (temps * matrices + rest)
-    if lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
+    if lay.zero == 3 and layerwise(model, lay):  # FSDP: the embedding and head gathered before the loop, the
+        # layers inside it: the layer in use and the next one's gather in flight
+        norms_all = 2 * h * model.n_layers
+        one_layer = (
+            (counts["layers"] - norms_all) / t + norms_all + counts["experts"] / (t * lay.expert)
+        ) / model.n_layers
+        params += pb * ((counts["embedding"] + counts["head"]) / t + h + 2 * one_layer)
+    elif lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
     # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
@@ -185,17 +193,24 @@ def _grad_bytes(
     h = model.d_model
     norms = 2 * h * model.n_layers
     t = lay.tensor
-    # Fresh gradients are whole on every device at every ZeRO stage: the one data-parallel reduction
-    # (reduce-scatter from ZeRO-1 on) runs after the loop, so ZeRO-2 holds what ZeRO-1 holds (no
-    # per-micro-batch reduce-scatter as in DeepSpeed); only the reduced output is a 1/dp shard.
+    # Fresh gradients are whole on every device: with the gradient reduced once per step (reduce-scatter
+    # from ZeRO-1 on) after the loop, ZeRO-2 holds what ZeRO-1 holds; per layer (`layerwise`) each
+    # layer's gradient is reduce-scattered into 1/dp float32 sums as the backward makes it.
     grads = pb * (dense + experts)
-    if lay.microbatches > 1:
+    one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
+    other = (counts["embedding"] + counts["head"]) / t + h
+    per_layer = layerwise(model, lay)
+    if lay.microbatches > 1 or per_layer:
         # the backward's layer loop adds each layer's weight gradients into the float32 sums in place
-        # (`bw_split.vjp_into` / `run_w`): fresh gradients are one layer's and the embedding/head's
-        one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
-        other = (counts["embedding"] + counts["head"]) / t + h
+        # (`bw_split.vjp_into` / `run_w`; per layer: the fetch's backward hands each layer's reduced
+        # gradient to them): fresh gradients are one layer's and the embedding/head's
         grads = pb * (other + one_layer)
-    if lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
+    if per_layer:  # ZeRO-2 per microbatch / ZeRO-3 per layer: the layers' float32 sums are 1/DP shards (norm
+        # scales whole), the embedding's and head's whole with micro-batches
+        layer_w = dense - other
+        sums = (layer_w - norms * frac) / shard[1] + norms * frac + experts / eshard[1]
+        grads += 4 * (sums + (other if lay.microbatches > 1 else 0.0))
+    elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
     if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards; the final
         # chunks' filled in the loop, `StageRun.drain`) beside the array they are joined into
@@ -210,6 +225,24 @@ def _grad_bytes(
         )
         grads += max(pb, 4) * (reduced + rows)
     return grads
+
+
+def layerwise(model: ModelConfig, lay: Layout) -> bool:
+    """Whether the step gathers and reduces the layers inside the layer scan: ZeRO-3 per layer (FSDP,
+    `train.zero3_gather`) or ZeRO-2 per microbatch (`train.zero2_reduce`), with auto resolved by the
+    step's own rules (`config.zero3_per_layer`, `config.zero2_per_microbatch`) on this layout's bytes."""
+    if lay.zero not in (2, 3) or lay.offload_params:
+        return lay.offload_params
+    split = lay.tensor * lay.pipe
+    counts = param_counts(model)
+    if lay.zero == 3:
+        refused = config.zero3_layer_refusals(model.param_dtype, model.fp8, lay.pipe,
+                                              lay.overlap_grad_reduce)  # fmt: skip
+        gathered = precision_of(model).param * counts["total"] / split
+        return config.zero3_per_layer(lay.zero3_gather, 3, False, gathered, bool(refused))
+    refused = config.zero2_layer_refusals(model.param_dtype, model.fp8, lay.pipe)
+    return config.zero2_per_microbatch(lay.zero2_reduce, 2, 4 * (counts["layers"] + counts["experts"]) / split,
+                                       bool(refused))  # fmt: skip
 
 
 def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> tuple[float, float]:

@@ -202,6 +202,9 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
     dense = (counts["layers"] / p + counts["embedding"]) / t
     experts = counts["experts"] / p / (t * e)
     per_mb = per_step = gathers = 0.0
+    # meshrun's ZeRO-2 per microbatch / ZeRO-3 per layer: DeepSpeed's traffic (the layer scan's gathers
+    # and reduce-scatters, each microbatch; ZeRO-3 gathers a layer again in the backward)
+    layered = framework == "meshrun" and zero >= 2 and step_model.layerwise(model, layout)
     for n, dp, stride in ((dense, d * e * c, t), (experts, d * c, t if c > 1 else t * e)):
         if dp <= 1 or n <= 0:
             continue
@@ -211,9 +214,9 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
         ag = cluster.allreduce_seconds(params, dp, stride, half=True)
         if zero == 0:
             per_step += ar
-        elif framework == "meshrun" or zero == 1:
+        elif (framework == "meshrun" and not layered) or zero == 1:
             per_step, gathers = per_step + rs + ag, gathers + ag
-        else:  # DeepSpeed ZeRO-2/3: reduce-scatter each micro-batch's gradients
+        else:  # DeepSpeed ZeRO-2/3 (meshrun's per-layer variants): reduce-scatter each micro-batch's gradients
             per_mb += rs + (2 * ag if zero == 3 else 0.0)
             per_step += ag if zero == 2 else 0.0
     return per_mb, per_step, gathers

@@ -33,6 +33,22 @@ def flops_lines(family: Any, m: Any, tokens: int, seq_len: int) -> list[str]:
     return []
 
 
+def zero_variant(plan: Any) -> str:
+    """' (...)': how ZeRO-2 / ZeRO-3 run in this step (train.zero2_reduce / train.zero3_gather resolved)."""
+    t = plan.cfg.train
+    if getattr(plan, "zero3_gather", None) == "layer":
+        src = "from host memory, offload.params" if plan.cfg.offload.params else f"train.zero3_gather={t.zero3_gather}"
+        return f" (weights gathered per layer inside the layer scan, gradients reduce-scattered per layer; {src})"
+    if getattr(plan, "zero3_gather", None) == "step":
+        return f" (weights gathered once per step; train.zero3_gather={t.zero3_gather})"
+    if getattr(plan, "zero2_reduce", None) == "microbatch":
+        how = "gradients reduce-scattered per layer and microbatch into sharded sums"
+        return f" ({how}; train.zero2_reduce={t.zero2_reduce})"
+    if getattr(plan, "zero2_reduce", None) == "step":
+        return f" (gradient sums whole, reduce-scattered once per step; train.zero2_reduce={t.zero2_reduce})"
+    return ""
+
+
 def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
     """The start-up block printed before compiling (see the module docstring); one line per topic."""
     from meshrun.runtime.mesh import describe_dict
@@ -76,8 +92,7 @@ def _zero_line(cfg: Any, plan: Any) -> str:
         whole = "params, gradients and optimizer state whole"
         return f"zero      stage 0: {whole} on each of {ranks} data-parallel rank(s)"
     what = ("optimizer state", "optimizer state and gradients", "params, gradients and optimizer state")[stage - 1]
-    # the ZeRO variant (how the sharded state is gathered and reduced) belongs on this line
-    return f"zero      stage {stage}: {what} sharded over {ranks} data-parallel rank(s)"
+    return f"zero      stage {stage}: {what} sharded over {ranks} data-parallel rank(s){zero_variant(plan)}"
 
 
 def _layers_per_device(split: Any) -> str:

@@ -19,7 +19,16 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, ModelConfig, RunConfig, offload_params_refusals
+from meshrun.config import (
+    AXES,
+    ModelConfig,
+    RunConfig,
+    offload_params_refusals,
+    zero2_layer_refusals,
+    zero2_per_microbatch,
+    zero3_layer_refusals,
+    zero3_per_layer,
+)
 from meshrun.errors import ConfigError
 from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
@@ -56,6 +65,8 @@ class StepPlan:
     model_zero: ZeroShardings | None  # the same in model order (checkpoints; == zero unless relaid)
     offload: Placement  # where the state rests: which tier, whether and where the update streams
     balance_on: tuple[str, str] | None = None  # pipeline.balance=auto: (GPU its layer costs model, why)
+    zero3_gather: str | None = None  # ZeRO-3: 'layer' (FSDP, train.zero3_gather resolved) or 'step'; else None
+    zero2_reduce: str | None = None  # ZeRO-2: 'microbatch' (sharded sums, train.zero2_reduce resolved) or 'step'
 
     @property
     def pipe(self) -> int:
@@ -172,6 +183,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         field = "offload.optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
             "offload.params"  # fmt: skip
         check_host_memory(mesh.devices.flat[0], field)
+    gather, reduce = zero3_gather(cfg, shape, family), zero2_reduce(cfg, shape, family)
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
         abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
@@ -184,6 +196,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
             cfg.train.grad_reduce_dtype,
             offload.pinned,
             streamed=cfg.offload.params,
+            fsdp=gather == "layer" or reduce == "microbatch",
         )
         model_zero = build(abstract)
         relaid = split is not None and not split.identity
@@ -193,7 +206,46 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
         sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, offload,
         balance_on,
+        gather, reduce,
     )  # fmt: skip
+
+
+def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> str | None:
+    """ZeRO-3's weight gathers for this run: 'layer' (FSDP: inside the layer scan) or 'step' (once before
+    the loop); None below ZeRO-3. train.zero3_gather=layer that the layout cannot run is a ConfigError;
+    auto gathers per layer where the whole model's gathered weights would exceed 1 GiB per device
+    (`config.zero3_per_layer`)."""
+    t, m = cfg.train, cfg.model
+    if t.zero != 3:
+        return None
+    refused = zero3_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(m.fp8),
+                                   shape["pipe"], cfg.pipeline.overlap_grad_reduce)  # fmt: skip
+    if refused and t.zero3_gather == "layer":
+        raise ConfigError("train.zero3_gather", "layer", refused[0][1], refused[0][0])
+    gathered = 0.0
+    if t.zero3_gather == "auto" and not cfg.offload.params:
+        abstract = jax.eval_shape(lambda: family.init_params(m, t.seed))
+        split = shape.get("tensor", 1) * shape["pipe"]  # the gathered weights stay split over these
+        gathered = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract)) / split
+    return "layer" if zero3_per_layer(t.zero3_gather, t.zero, cfg.offload.params, gathered, bool(refused)) else "step"
+
+
+def zero2_reduce(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> str | None:
+    """ZeRO-2's gradient reduction for this run: 'microbatch' (each layer's gradient reduce-scattered into
+    sharded float32 sums as the backward makes it) or 'step' (whole sums, one reduction a step); None
+    below or above ZeRO-2. train.zero2_reduce=microbatch that the layout cannot run is a ConfigError."""
+    t, m = cfg.train, cfg.model
+    if t.zero != 2:
+        return None
+    refused = zero2_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(m.fp8),
+                                   shape["pipe"])  # fmt: skip
+    if refused and t.zero2_reduce == "microbatch":
+        raise ConfigError("train.zero2_reduce", "microbatch", refused[0][1], refused[0][0])
+    sums = 0.0
+    if t.zero2_reduce == "auto":
+        abstract = jax.eval_shape(lambda: family.init_params(m, t.seed))["layers"]
+        sums = sum(a.size * 4 for a in jax.tree.leaves(abstract)) / (shape.get("tensor", 1) * shape["pipe"])
+    return "microbatch" if zero2_per_microbatch(t.zero2_reduce, t.zero, sums, bool(refused)) else "step"
 
 
 def validate(cfg: RunConfig, mesh) -> None:

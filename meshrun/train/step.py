@@ -96,8 +96,8 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
                 loss_sum, _, aux = contract.forward_sums(fns, p, *mb)
                 return contract.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
 
-            if zl.streamed:  # differentiate w.r.t. float32 arrays beside the layers (`layer_fetch.Shadowed`):
-                layers = params["layers"]  # the layers' sums (or, with m = 1, zeros) in host memory
+            if zl.per_layer:  # differentiate w.r.t. float32 arrays beside the layers (`layer_fetch.Shadowed`):
+                layers = params["layers"]  # the layers' sums (or, with m = 1, zeros), in host memory when streamed
                 rest = {k: v for k, v in params.items() if k != "layers"}
                 share_d = lambda d, *mb: share({**d[0], "layers": shadowed(layers, d[1])}, *mb)
                 diff = lambda acc: ({k: v for k, v in acc.items() if k != "layers"}, acc["layers"])
@@ -129,6 +129,8 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             elif zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time (m = 1:
                 # the float32 reduced gradient itself)
                 sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes[0]["layers"]))
+            elif zl.fsdp:  # the layers' float32 sums in device memory, 1/DP of them (ZeRO-2: of whole params)
+                sums["layers"] = zl.layer_sums(params["layers"])
             zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
             # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
             # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a

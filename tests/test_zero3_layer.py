@@ -1,0 +1,134 @@
+"""ZeRO-3 per layer (FSDP, train.zero3_gather=layer): the layers' weights rest as their ZeRO-3 shards
+in device memory, each layer is all-gathered inside the layer scan just before use and gathered again
+in the backward (the fetched weights are never saved for it), and each layer's gradient is
+reduce-scattered as the backward makes it into float32 sums that are themselves sharded.
+
+Checked here: the same numbers as one device (losses and params after 3 steps, fp32 rtol 1e-5) on
+data, tensor and pipeline layouts; bf16 params with the float32 master against the gather-once
+step; the compiled HLO (the layers' all-gathers and reduce-scatters inside the loops, once per layer
+and microbatch, none there with gather-once) and its memory_analysis (below gather-once); bad input.
+"""
+
+import jax
+import numpy as np
+import pytest
+from test_offload_params import _grads_and_one_step
+from test_train import _cfg, assert_same, reference, run_steps
+
+from meshrun.analysis import hlo
+from meshrun.cli.main import main
+from meshrun.config import zero3_per_layer
+from meshrun.runtime.mesh import build_mesh
+from meshrun.train.plan import build_plan
+from meshrun.train.step import make_train_step
+
+LAYER = ["train.zero=3", "train.zero3_gather=layer"]
+DP4_TP2 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=4"]
+DP8 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=2"]
+WEIGHTS = 7  # gathered weights of one tiny_cpu layer: q, k, v, o, gate, up, down (norm scales stay whole)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [DP4_TP2, ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=1"], []],
+    ids=["data4-tensor2-m4", "data8-m1", "data2-pipe2-tensor2-1f1b"],
+)
+def test_zero3_per_layer_matches_one_device(over):
+    got = run_steps(_cfg("tiny_cpu.yaml", [*over, *LAYER]))
+    assert_same(got, reference("tiny_cpu.yaml"))
+
+
+@pytest.mark.slow
+def test_zero3_per_layer_interleaved_matches_one_device():
+    """Interleaved 1F1B (pipe 2, virtual 2): layers stored in pipeline placement, compared in model order."""
+    over = ["pipeline.schedule=interleaved", "pipeline.virtual=2", *LAYER]
+    got = run_steps(_cfg("tiny_cpu.yaml", over))
+    assert_same(got, reference("tiny_cpu.yaml"))
+
+
+@pytest.mark.slow
+def test_zero3_per_layer_matches_one_device_moe_expert():
+    """data 2 x expert 2 x tensor 2, MoE every other layer (the experts stay split over 'expert')."""
+    got = run_steps(_cfg("tiny_moe_cpu.yaml", LAYER))
+    assert_same(got, reference("tiny_moe_cpu.yaml"))
+
+
+def test_bf16_params_with_float32_master_match_gather_once():
+    """bf16 params, float32 master: each layer's gradient is reduced in float32 (sent to float32 arrays
+    beside the bf16 shards), so it equals the gather-once step's float32 sums (rtol 1e-5: added per
+    microbatch after the reduction instead of before it), and after one step the master and Adam's
+    moments follow at rtol 1e-5 and the params are the rounded master. (Further steps part by bf16
+    roundings of last-bit differences, in any two layouts.)"""
+    bf16 = ["model.param_dtype=bfloat16", "model.dtype=bfloat16", *DP4_TP2, "train.zero=3"]
+    on = _grads_and_one_step([*bf16, "train.zero3_gather=layer"])
+    off = _grads_and_one_step([*bf16, "train.zero3_gather=step"])
+    np.testing.assert_allclose(on[0], off[0], rtol=1e-6)
+    for (path, g), r in zip(jax.tree.leaves_with_path(on[1]), jax.tree.leaves(off[1]), strict=True):
+        assert g.dtype == r.dtype == np.float32, path
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * float(np.abs(r).max()), err_msg=str(path))
+    state, ref = on[2], off[2]
+    for (path, a), b in zip(jax.tree.leaves_with_path(state.opt_state), jax.tree.leaves(ref.opt_state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    rounded = jax.tree.map(lambda m, p: np.asarray(m).astype(p.dtype), state.opt_state.master, state.params)
+    jax.tree.map(np.testing.assert_array_equal, state.params, rounded)
+
+
+def _compiled(over):
+    cfg = _cfg("tiny_cpu.yaml", over)
+    mesh = build_mesh(cfg.mesh)
+    ts = make_train_step(cfg, mesh)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=ts.batch_sharding)
+    compiled = ts.step.lower(ts.abstract_run, batch, batch).compile()
+    return cfg, hlo.collectives(compiled.as_text(), dict(mesh.shape)), compiled.memory_analysis()
+
+
+def test_gathers_inside_the_layer_loop_once_per_layer_and_below_gather_once_in_memory():
+    """data 8, 2 microbatches, 4 layers. Per layer: each layer weight is all-gathered inside a loop once
+    per layer and microbatch in the forward and again in the backward (2 x 7 gathers, each run 4 x 2
+    times a step), and its gradient reduce-scattered there once per layer and microbatch. Gather-once:
+    no all-gather in any loop. The per-layer step's temporaries are below gather-once's."""
+    cfg, layer, mem_layer = _compiled([*DP8, *LAYER])
+    _, step, mem_step = _compiled([*DP8, "train.zero=3", "train.zero3_gather=step"])
+    runs = cfg.model.n_layers * cfg.pipeline.microbatches
+    looped = lambda cs, op: [c for c in cs if c.op == op and c.in_loop]  # noqa: E731
+    assert [c.per_step for c in looped(layer, "all-gather")] == [runs] * 2 * WEIGHTS
+    assert all(c.axes == ("data",) for c in looped(layer, "all-gather"))
+    assert [c.per_step for c in looped(layer, "reduce-scatter")] == [runs] * WEIGHTS
+    assert not looped(step, "all-gather") and not looped(step, "reduce-scatter")
+    assert mem_layer.temp_size_in_bytes < mem_step.temp_size_in_bytes
+    assert mem_layer.argument_size_in_bytes == mem_step.argument_size_in_bytes  # both rest sharded
+
+
+def test_auto_gathers_per_layer_by_the_gathered_bytes():
+    """auto: per layer where the gathered weights would exceed 1 GiB per device and the layout runs it."""
+    assert not zero3_per_layer("auto", 3, False, 2**29, refused=False)
+    assert zero3_per_layer("auto", 3, False, 2**31, refused=False)
+    assert not zero3_per_layer("auto", 3, False, 2**31, refused=True)
+    assert zero3_per_layer("step", 3, True, 0, refused=False)  # offload_params: its fetch is per layer
+    assert not zero3_per_layer("layer", 1, False, 2**31, refused=False)
+    cfg = _cfg("tiny_cpu.yaml", ["train.zero=3"])
+    assert build_plan(cfg, build_mesh(cfg.mesh)).zero3_gather == "step"  # a tiny model gathers once
+    cfg = _cfg("tiny_cpu.yaml", LAYER)
+    plan = build_plan(cfg, build_mesh(cfg.mesh))
+    assert plan.zero3_gather == "layer" and plan.zero.fsdp and not plan.zero.streamed
+
+
+@pytest.mark.parametrize(
+    "over,fix",
+    [
+        (["train.zero=1", "train.zero3_gather=layer"], "set train.zero=3"),
+        ([*LAYER, "model.param_dtype=bfloat16"], "use mesh.pipe=1"),  # tiny_cpu: mesh.pipe=2
+        (
+            [*LAYER, "pipeline.overlap_grad_reduce=true", "pipeline.schedule=interleaved", "pipeline.virtual=2"],
+            "set pipeline.overlap_grad_reduce=false",
+        ),
+        (["train.zero=3", "train.zero3_gather=step", "offload.params=true"], "leave it auto"),
+        (["train.zero=3", "train.zero3_gather=sometimes"], "use one of"),
+    ],
+    ids=["zero1", "bf16-pipeline", "overlap-grad-reduce", "step-with-offload-params", "unknown"],
+)
+def test_a_variant_the_layout_cannot_run_exits_2_naming_the_field(over, fix, capsys, tmp_path):
+    assert main(["train", "configs/tiny_cpu.yaml", *over, f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.zero3_gather" in err and fix in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
