@@ -15,6 +15,7 @@ does the same around its tick loop.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,26 +48,35 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar
 
 
+Params = Mapping[str, Any]  # a parameter tree: nested dicts of arrays
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainStep:
     """What `make_train_step` returns: the jitted step plus the shardings and relayouts a loop needs
     (built by keyword only)."""
 
-    step: Any  # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
-    init: Any  # () -> TrainState, jitted with out_shardings
-    init_from: Any  # params (model order, stored placement) -> TrainState: fresh optimizer state, step 0
+    # (state, tokens, labels[, segment_ids]) -> (state, metrics); segment ids iff data.pack_documents
+    step: Callable[..., tuple[TrainState, dict]]
+    init: Callable[[], TrainState]  # jitted with out_shardings
+    # params (model order, stored placement) -> a TrainState with fresh optimizer state, step 0
+    init_from: Callable[[Params], TrainState]
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, model order (checkpoint restore target)
-    to_run: Any  # model-order state (checkpoints) -> the placement the step runs on
-    to_model: Any  # inverse (identity unless interleaved or uneven: layers stored in pipeline placement)
-    loss_and_grads: Any  # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
+    to_run: Callable[[TrainState], TrainState]  # model-order state (checkpoints) -> the placement the step runs on
+    # the inverse (identity unless interleaved or uneven: layers stored in pipeline placement)
+    to_model: Callable[[TrainState], TrainState]
+    # (params, tokens, labels[, segment_ids]) -> (loss, grads, metrics), traced inside `step`
+    loss_and_grads: Callable[..., tuple[jax.Array, Params, dict]]
     abstract_run: TrainState  # as abstract_state, in the placement `step` takes
     plan: StepPlan  # the static plan it was built from (the evaluation reuses its split and shardings)
-    tx: Any  # the optax optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
+    tx: optax.GradientTransformation  # the optimizer the step runs (`meshrun.optim.optimizer.make_optimizer`)
     tier: StateTier | None = None  # the tier holding part of the state (`meshrun.offload`), if any
-    to_save: Any = None  # run state -> what a checkpoint saves (None: to_model; the nvme tier streams its file)
-    restore: Any = None  # (Checkpointer, step) -> run state (None: to_run of the restored model-order state)
+    # run state -> what a checkpoint saves (None: to_model; the nvme tier streams its file)
+    to_save: Callable[[TrainState], TrainState] | None = None
+    # (Checkpointer, step) -> run state (None: to_run of the restored model-order state)
+    restore: Callable[[object, int], TrainState] | None = None
 
 
 def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):
