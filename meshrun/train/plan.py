@@ -166,23 +166,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     check_remat_every(cfg, split)
     if (rings := layer_rings(cfg, shape)) is not None:
         check_ring_pipeline(cfg, split, rings)
-    if cfg.offload.params and (refused := offload_params_refusals(
-        cfg.train.zero, cfg.offload.optimizer, str(getattr(cfg.model, "param_dtype", "float32")),
-        cfg.model.fp8, shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
-        cfg.pipeline.overlap_grad_reduce,
-    )):  # fmt: skip
-        raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
-    offload = placement(cfg, mesh.devices.flat if hasattr(mesh, "devices") else None)
-    if cfg.model.balance == "bias" and (cfg.offload.params or offload.streams):
-        raise ConfigError(
-            "model.balance", "bias", "use model.balance=aux_loss with it, or offload.update=whole without "
-            "offload.params", "the streamed updates do not carry the MoE balance biases",
-        )  # fmt: skip
-    host = cfg.offload.optimizer == "host" and not offload.streams  # pinned host memory
-    if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.offload.params):
-        field = "offload.optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
-            "offload.params"  # fmt: skip
-        check_host_memory(mesh.devices.flat[0], field)
+    offload = _offload_placement(cfg, shape, mesh)
     gather, reduce = zero3_gather(cfg, shape, family), zero2_reduce(cfg, shape, family)
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
@@ -208,6 +192,30 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
         balance_on,
         gather, reduce,
     )  # fmt: skip
+
+
+def _offload_placement(cfg: RunConfig, shape: Mapping[str, int], mesh) -> Placement:
+    """The run's offload placement (`offload.registry.placement`), after the rules that need the mesh:
+    offload.params beside the pipeline and microbatches, the MoE bias with a streamed update, and
+    pinned host memory on this platform."""
+    if cfg.offload.params and (refused := offload_params_refusals(
+        cfg.train.zero, cfg.offload.optimizer, cfg.model.param_dtype,
+        cfg.model.fp8, shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
+        cfg.pipeline.overlap_grad_reduce,
+    )):  # fmt: skip
+        raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
+    offload = placement(cfg, mesh.devices.flat if hasattr(mesh, "devices") else None)
+    if cfg.model.balance == "bias" and (cfg.offload.params or offload.streams):
+        raise ConfigError(
+            "model.balance", "bias", "use model.balance=aux_loss with it, or offload.update=whole without "
+            "offload.params", "the streamed updates do not carry the MoE balance biases",
+        )  # fmt: skip
+    host = cfg.offload.optimizer == "host" and not offload.streams  # pinned host memory
+    if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.offload.params):
+        field = "offload.optimizer" if host else "model.remat" if cfg.model.remat == "offload" else \
+            "offload.params"  # fmt: skip
+        check_host_memory(mesh.devices.flat[0], field)
+    return offload
 
 
 def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> str | None:
