@@ -8,10 +8,10 @@ import contextlib
 import fcntl
 import glob
 import os
-import tempfile
 import threading
 from pathlib import Path
 
+from meshrun.checkpoint.store import write_error
 from meshrun.errors import ConfigError
 
 LOCK_NAME = "meshrun-offload.lock"
@@ -35,20 +35,15 @@ def take_dir(template: str, process: int) -> Path:
 
 
 def check_dir(path: Path) -> None:
-    """The directory exists and this process can create files in it (ConfigError otherwise). It creates
-    and removes a probe file: os.access passes any directory for root, whose writes can still fail (a
-    read-only mount, NFS root squash, an immutable directory, /proc or /sys)."""
+    """The directory exists and this process can create files in it (ConfigError otherwise; the probe
+    file of `checkpoint.store.write_error`, which run_dir and checkpoint.local_dir use too)."""
     field = "offload.dir"
     if not path.is_dir():
         raise ConfigError(field, str(path), "create it (a local disk, one directory per process)",
                           "no such directory")  # fmt: skip
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".meshrun-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
+    if (why := write_error(path)) is not None:
         raise ConfigError(field, str(path), "use a directory this process can write (a local disk, one per process)",
-                          f"not writable: cannot create a file in it ({e.strerror})") from None  # fmt: skip
+                          f"not writable: cannot create a file in it ({why})")  # fmt: skip
 
 
 def lock_dir(path: Path) -> None:
