@@ -87,13 +87,16 @@ def test_startup_block_says_what_decides_the_run(tmp_path):
     assert "cosine to 3.00e-04 at step 50" in zbv["optimizer"] and "offload" not in zbv and "fp8" not in zbv
     (tmp_path / "off").mkdir()
     b = _block("mesh.pipe=1", "mesh.data=4", "train.zero=3", "model.param_dtype=bfloat16", "model.dtype=bfloat16",
-               "train.grad_reduce_dtype=bfloat16", "model.fp8=delayed", "model.fp8_first_last_bf16=true",
+               "train.grad_reduce_dtype=bfloat16", "model.fp8=tensorwise", "model.fp8_first_last_bf16=true",
                "optimizer.name=adamw", "optimizer.state_dtype=float32", "offload.optimizer=nvme",
                f"offload.dir={tmp_path / 'off'}", "offload.budget_mb=64", "checkpoint.every=5", "checkpoint.keep=3",
                "checkpoint.local_every=2", f"checkpoint.local_dir={tmp_path / 'local'}")  # fmt: skip
-    assert b["zero"] == "stage 3: params, gradients and optimizer state sharded over 4 data-parallel rank(s)"
+    assert b["zero"] == ("stage 3: params, gradients and optimizer state sharded over 4 data-parallel rank(s) "
+                         "(weights gathered once per step; train.zero3_gather=auto)")  # fmt: skip
     assert b["dtypes"] == "compute bfloat16, params bfloat16 (float32 master), gradient reduction bfloat16"
-    assert b["fp8"] == "delayed scaling, amax history 16 steps; first and last layers in bfloat16"
+    assert b["fp8"] == "tensorwise scaling; first and last layers in bfloat16"
+    delayed = _block("mesh.pipe=1", "mesh.data=4", "model.fp8=delayed")
+    assert delayed["fp8"] == "delayed scaling, amax history 16 steps"
     assert b["optimizer"].startswith("adamw, lr ") and b["optimizer"].endswith("; state float32")
     assert b["offload"] == (f"optimizer state + float32 master in NVMe files in {tmp_path / 'off'} (update streamed "
                             "through 64 MiB of host buffers, in place)")  # fmt: skip
