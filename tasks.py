@@ -58,8 +58,9 @@ def main() -> None:
             # longer fault and multi-process runs); MESHRUN_TEST_ALL=1 runs them too.
             workers = str(max(1, min(os.cpu_count() or 1, 8)))
             slow = "" if os.environ.get("MESHRUN_TEST_ALL") == "1" else " and not slow"
-            sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial" + slow)
-            sh(PY, "-m", "pytest", "-m", "serial" + slow)
+            # --durations: the slowest tests are named at the end, to keep the default suite short
+            sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial" + slow, "--durations=30")
+            sh(PY, "-m", "pytest", "-m", "serial" + slow, "--durations=10")
     elif what in ("help", "-h", "--help"):
         print(__doc__)
     else:

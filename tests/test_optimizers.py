@@ -110,6 +110,7 @@ def test_old_train_keys_name_their_new_place(tmp_path, capsys):
     assert "train.adam_eps: moved to optimizer.eps" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_muons_options_are_its_own(tmp_path, capsys):
     """optimizer.momentum and ns_steps are MuonConfig's: adamw refuses them in one line naming muon,
     unless they state the defaults that every run's config.yaml recorded when all optimizers shared

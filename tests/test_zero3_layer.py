@@ -53,6 +53,7 @@ def test_zero3_per_layer_matches_one_device_moe_expert():
     assert_same(got, reference("tiny_moe_cpu.yaml"))
 
 
+@pytest.mark.slow
 def test_bf16_params_with_float32_master_match_gather_once():
     """bf16 params, float32 master: each layer's gradient is reduced in float32 (sent to float32 arrays
     beside the bf16 shards), so it equals the gather-once step's float32 sums (rtol 1e-5: added per
