@@ -22,6 +22,7 @@ def _load(name: str):
     return mod
 
 
+@pytest.mark.slow
 def test_gpu_dry_run_prints_one_json_line():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(

@@ -99,6 +99,7 @@ def test_streamed_update_holds_chunks_not_the_shard_on_the_device():
     assert 3 * chunk <= BUDGET_MB * 2**20 and lay.n_chunks * chunk >= state  # one chunk of many
 
 
+@pytest.mark.slow
 def test_host_checkpoint_resumes_on_none_nvme_and_whole(tmp_path):
     """data 2 x pipe 2 x tensor 2, ZeRO-0: init and the save stream chunk by chunk within the budget;
     the checkpoint restores exactly on the in-memory tier (orbax's own path), on nvme and on the

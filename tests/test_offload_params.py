@@ -182,7 +182,9 @@ def _grads_and_one_step(over):
     return loss, grads, jax.device_get(ts.to_model(state))
 
 
-@pytest.mark.parametrize("over", [DP4_TP2, DP8_M1], ids=["data4-tensor2-m4", "data8-m1"])
+@pytest.mark.parametrize(
+    "over", [pytest.param(DP4_TP2, marks=pytest.mark.slow), DP8_M1], ids=["data4-tensor2-m4", "data8-m1"]
+)
 def test_bf16_params_reduce_the_fetched_gradient_in_float32(over):
     """bf16 params with a float32 master: each fetched layer's gradient is reduced in float32 (the
     backward sends it to float32 arrays beside the bf16 shards, `layer_fetch.Shadowed`), so the

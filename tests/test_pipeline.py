@@ -771,6 +771,7 @@ def test_balance_auto_gives_the_ends_fewer_layers():
     assert split_layers(7, 4, layer_cost=1.0, last_cost=1.5) == (2, 2, 2, 1)
 
 
+@pytest.mark.slow
 def test_zb_v_slots_bubble_and_temp_against_per_op_1f1b():
     """ZB-V (two chunks per stage in a V, the backward split into B and W): at most p microbatches'
     worth in flight on any stage (2p chunks of half a stage's layers), its bubble from the table it
