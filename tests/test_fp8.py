@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import ONE_DEVICE, _cfg, run_steps
+from test_train import ONE_DEVICE, _cfg, assert_resume_gives_the_same_losses, run_steps
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError
@@ -202,23 +202,10 @@ def test_cli_bad_fp8_input_exits_2(tmp_path):
 def test_delayed_state_is_checkpointed_and_resume_gives_the_same_losses(tmp_path):
     """The amax histories are parameters: a run stopped after step 3 (checkpoint at step 2) and resumed
     logs the losses of an uninterrupted run (step 3 again, then 4)."""
-    import json
-
-    from meshrun.train.loop import run
-
     over = ["mesh.pipe=1", "mesh.data=4", "model.fp8=delayed", "model.fp8_amax_history=2", "train.seq_len=16",
             "model.max_seq_len=16", "pipeline.microbatches=2", "checkpoint.every=2", "checkpoint.async_save=false",
             "train.steps=4"]  # fmt: skip
-    run(load_config("configs/tiny_cpu.yaml", [*over, f"train.run_dir={tmp_path / 'a'}"]), quiet=True)
-    part = load_config("configs/tiny_cpu.yaml", [*over, f"train.run_dir={tmp_path / 'b'}"])
-    run(part, quiet=True, stop_after=3)
-    run(part, quiet=True)
-    rows = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r["loss"] for r in rows("a")}
-    resumed = rows("b")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]
-    for r in resumed:
-        assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
+    assert_resume_gives_the_same_losses(tmp_path, "configs/tiny_cpu.yaml", over)
 
 
 def test_first_and_last_layers_stay_in_the_compute_dtype():

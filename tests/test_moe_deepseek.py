@@ -20,7 +20,7 @@ from meshrun_models.llama.config import LlamaConfig
 from meshrun_models.moe import update_balance
 from meshrun_models.router import top_k_gates
 from test_models import ATOL, RTOL, batch
-from test_train import ONE_DEVICE, _cfg, assert_same, run_steps
+from test_train import ONE_DEVICE, _cfg, assert_resume_gives_the_same_losses, assert_same, run_state, run_steps
 
 from meshrun.errors import ConfigError
 
@@ -206,22 +206,8 @@ def test_layouts_match_one_device(model, layout):
 
 def run_master(cfg, n_devices=8, steps=3):
     """run_steps' losses and the optimizer's float32 master weights (bf16 params)."""
-    from jax.sharding import PartitionSpec as P
-
-    from meshrun.data.datasets import global_batch_arrays, make_dataset
-    from meshrun.parallel.sharding import DP_AXES
-    from meshrun.runtime.mesh import build_mesh
-    from meshrun.train.step import make_train_step
-
-    mesh = build_mesh(cfg.mesh, devices=jax.devices()[:n_devices])
-    ts = make_train_step(cfg, mesh)
-    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
-    state, losses = ts.init(), []
-    for i in range(steps):
-        state, metrics = ts.step(state, *global_batch_arrays(ds, i, mesh, P(DP_AXES)))
-        losses.append(float(metrics["loss"]))
-    state = jax.device_get(ts.to_model(state))
-    return np.array(losses), state.params, state.opt_state.master
+    losses, state = run_state(cfg, n_devices, steps)
+    return losses, state.params, state.opt_state.master
 
 
 # bf16 params across layouts. The step's float32 reduction order differs by a few ulp between layouts;
@@ -318,24 +304,9 @@ def test_param_counts_cover_fine_grained_shared_and_first_dense():
 def test_balance_biases_are_checkpointed_and_resume_gives_the_same_losses(tmp_path):
     """The biases are in the train state: a run stopped after step 3 (checkpoint at step 2) and resumed
     logs the losses of an uninterrupted run (step 3 again, then 4)."""
-    import json
-
-    from meshrun.config import load_config
-    from meshrun.train.loop import run
-
     over = ["mesh.tensor=1", "mesh.data=4", "train.seq_len=16", "model.max_seq_len=16", "data.kind=synthetic",
             "checkpoint.every=2", "checkpoint.async_save=false", "train.steps=4", "model.bias_rate=0.05"]  # fmt: skip
-    config = f"configs/{CONFIG}"
-    run(load_config(config, [*over, f"train.run_dir={tmp_path / 'a'}"]), quiet=True)
-    part = load_config(config, [*over, f"train.run_dir={tmp_path / 'b'}"])
-    run(part, quiet=True, stop_after=3)
-    run(part, quiet=True)
-    rows = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r["loss"] for r in rows("a")}
-    resumed = rows("b")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]
-    for r in resumed:
-        assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
+    assert_resume_gives_the_same_losses(tmp_path, f"configs/{CONFIG}", over)
 
 
 def test_family_without_the_fields_exits_2(capsys):

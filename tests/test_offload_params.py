@@ -197,7 +197,12 @@ def test_bf16_params_reduce_the_fetched_gradient_in_float32(over):
     off = _grads_and_one_step([*BF16, *over])
     on = _grads_and_one_step([*BF16, *over, *ON])
     assert on[0] == off[0]
-    exact = "pipeline.microbatches=1" in over
+    assert_bf16_step_follows(on, off, exact="pipeline.microbatches=1" in over)
+
+
+def assert_bf16_step_follows(on, off, exact: bool = False) -> None:
+    """`_grads_and_one_step` of two bf16-param runs: float32 gradients at rtol 1e-5 (bit for bit when
+    `exact`), the master and Adam's moments at rtol 1e-5, and the params the rounded master."""
     for (path, g), r in zip(jax.tree.leaves_with_path(on[1]), jax.tree.leaves(off[1]), strict=True):
         assert g.dtype == r.dtype == np.float32, path
         if exact:

@@ -37,7 +37,8 @@ def _cfg(config, over):
     return load_config(f"configs/{config}", [*SMALL, *over])
 
 
-def run_steps(cfg, n_devices=8, steps=3):
+def run_state(cfg, n_devices=8, steps=3):
+    """`steps` steps of `cfg` on the first `n_devices` devices: (losses, the train state in model order)."""
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:n_devices])
     train_step = make_train_step(cfg, mesh)
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
@@ -46,7 +47,29 @@ def run_steps(cfg, n_devices=8, steps=3):
         tok, lab = global_batch_arrays(ds, i, mesh, P(DP_AXES))
         state, metrics = train_step.step(state, tok, lab)
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(train_step.to_model(state).params)  # model order, as checkpoints
+    return np.array(losses), jax.device_get(train_step.to_model(state))  # model order, as checkpoints
+
+
+def run_steps(cfg, n_devices=8, steps=3):
+    losses, state = run_state(cfg, n_devices, steps)
+    return losses, state.params
+
+
+def assert_resume_gives_the_same_losses(tmp_path, config: str, over: list[str]) -> None:
+    """A run of `config` + `over` (checkpoint.every=2, train.steps=4) stopped after step 3 and resumed
+    logs the losses of an uninterrupted run (step 3 again, then 4)."""
+    from meshrun.train.loop import run
+
+    run(load_config(config, [*over, f"train.run_dir={tmp_path / 'a'}"]), quiet=True)
+    part = load_config(config, [*over, f"train.run_dir={tmp_path / 'b'}"])
+    run(part, quiet=True, stop_after=3)
+    run(part, quiet=True)
+    rows = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in rows("a")}
+    resumed = rows("b")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6)
 
 
 _REF = {}
