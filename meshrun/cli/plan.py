@@ -33,6 +33,7 @@ from meshrun.config import (
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
+from meshrun.planner import cluster_profile
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.layout import CONTEXT_KINDS
@@ -66,8 +67,14 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="rank parallel layouts (TP/PP/DP/EP, ZeRO, remat) for a model")
-    p.add_argument("--model", required=True, help="model YAML (a `model:` section), or a name in configs/models")
-    p.add_argument("--cluster", required=True, help=f"{CLUSTER_HELP}; GPUs: {list(GPUS)}")
+    p.add_argument("--model", help="model YAML (a `model:` section), or a name in configs/models")
+    p.add_argument("--cluster", help=f"{CLUSTER_HELP}; GPUs: {list(GPUS)} (default: --cluster-profile's cluster)")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR", default=None,
+                   help="fit the cluster's constants to the step times of these `meshrun train` run dirs and "
+                   "write a cluster profile (--out)")  # fmt: skip
+    p.add_argument("--out", default="cluster-profile.json", help="the profile --calibrate writes")
+    p.add_argument("--cluster-profile", default=None, metavar="FILE",
+                   help="cost layouts with the constants a --calibrate fit wrote")  # fmt: skip
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: train.global_batch)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
     p.add_argument("--top", type=int, default=5, help="how many layouts to show")
@@ -278,10 +285,38 @@ def _parse_value(key: str, raw: str):
     return low in ("true", "1", "yes")
 
 
+def run_calibrate(args) -> int:
+    """`--calibrate RUN_DIR ...`: fit, print each run's residual, write the profile (nothing on bad input)."""
+    runs = cluster_profile.read_runs(args.calibrate)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ConfigError("--out", args.out, "give a file in an existing directory", "no such directory")
+    prof = cluster_profile.profile_of(runs, *cluster_profile.fit(runs))
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    print(json.dumps(prof) if args.json else cluster_profile.format_fit(prof))
+    if not args.json:
+        print(f"\nwrote {out}; use it: meshrun plan --cluster-profile {out} --model MODEL --global-batch N")
+    return 0
+
+
+def _cluster(args) -> Cluster:
+    """--cluster, with --cluster-profile's constants when given (its cluster when --cluster is not)."""
+    if args.cluster_profile is not None:
+        prof = cluster_profile.load_profile(args.cluster_profile)
+        return cluster_profile.profile_cluster(prof, args.cluster, args.cluster_profile)
+    if args.cluster is None:
+        raise ConfigError("--cluster", None, f"give one, e.g. h100-80g:2x8 ({CLUSTER_HELP}), or --cluster-profile")
+    return parse_cluster(args.cluster)
+
+
 def run_plan(args) -> int:
+    if args.calibrate is not None:
+        return run_calibrate(args)
+    if args.model is None:
+        raise ConfigError("--model", None, "give a model YAML or a name in configs/models, e.g. --model llama-70b")
     model, train, name, opt_cfg = load_model(args.model)
     opt = _optimizer(args, opt_cfg)
-    cluster = parse_cluster(args.cluster)
+    cluster = _cluster(args)
     model = _with_fp8(args, model, cluster)
     batch, seq = _batch_and_seq(args, train, model)
     _check_flags(args, opt)

@@ -22,6 +22,7 @@ from meshrun.errors import ConfigError
 # NCCL's achievable fraction of link bandwidth and per-message latency: `constants.py`
 from meshrun.planner.constants import COMM_EFFICIENCY as COMM_EFFICIENCY
 from meshrun.planner.constants import COMM_LATENCY_S as COMM_LATENCY_S
+from meshrun.planner.constants import OVERLAP_COST, Calibration
 
 GB = 1e9
 TB = 1e12
@@ -43,6 +44,8 @@ class GPU:
     sms: int = 108  # streaming multiprocessors (GEMM wave quantisation)
     pcie_bw: float = 32 * GB  # host link, one direction: PCIe Gen4 x16 32 GB/s, Gen5 64 GB/s
     fp8_flops: float = 0.0  # dense fp8 tensor-core FLOP/s (0: no fp8 GEMMs)
+    tiles: bool = True  # GEMMs run in waves of tiles over the SMs (False: a CPU, no wave quantisation)
+    calibration: Calibration | None = None  # a cluster profile's fitted fractions (None: `calibration_for`)
 
     @property
     def nvlink_uni_bw(self) -> float:
@@ -56,6 +59,11 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
+    # NVIDIA Tesla V100 datasheet (SXM2 32GB): no bf16 and no fp8: peak_flops is the fp16 tensor-core peak,
+    # 125 TFLOP/s (what a bf16 model costs as if run in fp16); 32 GB HBM2 900 GB/s; NVLink 2 300 GB/s
+    # (DGX-1V's hybrid cube mesh: modelled as NVLink between every GPU of a node); 80 SMs, PCIe Gen3
+    # x16 16 GB/s each way. DGX-1V datasheet: 4x EDR InfiniBand 100 Gb/s for 8 GPUs = 6.25 GB/s per GPU.
+    "v100-32g": GPU("v100-32g", 125e12, 32 * GB, 900 * GB, 300 * GB, 100e9 / 8 / 2, 80, 16 * GB),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4): 312 TFLOP/s bf16 dense; 40 GB HBM2 1,555 GB/s;
     # 80 GB HBM2e 2,039 GB/s; NVLink 3 600 GB/s. DGX A100: 8x ConnectX-6 HDR 200 Gb/s = 25 GB/s per GPU.
     # 108 SMs, PCIe Gen4. The PCIe card (300 W, 1,935 GB/s) has NVLink bridges between pairs only:
@@ -74,6 +82,17 @@ GPUS: dict[str, GPU] = {
     # NVIDIA GH200 Grace Hopper datasheet: H100 compute, 96 GB HBM3 4 TB/s, NVLink 900 GB/s; the host
     # link is NVLink-C2C, 900 GB/s total = 450 GB/s each way (what host offload runs over).
     "gh200": GPU("gh200", 989e12, 96 * GB, 4000 * GB, 900 * GB, 400e9 / 8, 132, 450 * GB, 1979e12),
+    # The same datasheet's HBM3e version: 144 GB at 4.9 TB/s, the rest as the 96 GB one.
+    "gh200-144g": GPU("gh200-144g", 989e12, 144 * GB, 4900 * GB, 900 * GB, 400e9 / 8, 132, 450 * GB, 1979e12),
+    # NVIDIA DGX B200 / HGX B200 datasheets: 8 GPUs 36 PFLOP/s bf16 and 72 PFLOP/s fp8 with sparsity ->
+    # 2.25 PFLOP/s bf16 and 4.5 PFLOP/s fp8 dense per GPU; 1,440 GB HBM3e = 180 GB per GPU, 8 TB/s;
+    # NVLink 5 1.8 TB/s; 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU; PCIe Gen5 host link. 148 SMs.
+    "b200": GPU("b200", 2250e12, 180 * GB, 8000 * GB, 1800 * GB, 400e9 / 8, 148, 64 * GB, 4500e12),
+    # One simulated XLA:CPU device of a host (`--devices N`: N devices share the host's cores): nominal
+    # figures, no datasheet. The devices share one process, so "NVLink" is a memory copy between them.
+    # Fit them to the host with `meshrun plan --calibrate RUN_DIR ...` (a cluster profile); uncalibrated
+    # step times are orders of magnitude only.
+    "cpu": GPU("cpu", 20e9, 16 * GB, 10 * GB, 20 * GB, 10 * GB, 1, 10 * GB, tiles=False),
 }
 
 
@@ -111,6 +130,15 @@ NODES: dict[str, NodeStorage] = {
     # GH200 datasheet: 480 GB LPDDR5X per superchip. Drives vary by vendor: assumed one 3.84 TB drive
     # of the same class per superchip.
     "gh200": NodeStorage(1, 480 * GB, 1, 3.84 * TB, U2_READ, U2_WRITE, 512 * GB),
+    "gh200-144g": NodeStorage(1, 480 * GB, 1, 3.84 * TB, U2_READ, U2_WRITE, 512 * GB),
+    # DGX-1 datasheet: 512 GB DDR4 (2 Xeon E5-2698 v4, 4 channels of DDR4-2400 each: 153.6 GB/s), 4 x
+    # 1.92 TB SSD (SATA: ~0.5 GB/s read and write each).
+    "v100-32g": NodeStorage(8, 512 * GB, 4, 1.92 * TB, 0.5 * GB, 0.5 * GB, 2 * 4 * 2.4 * 8 * GB),
+    # DGX B200 datasheet: 2 TB memory (2 Xeon Platinum 8570, 8 channels of DDR5-5600 each: 716.8 GB/s),
+    # 8 x 3.84 TB NVMe U.2.
+    "b200": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, 2 * 8 * 5.6 * 8 * GB),
+    # A simulated-CPU cluster: nominal (the host's memory and disk are not modelled from a datasheet).
+    "cpu": NodeStorage(8, 64 * GB, 1, 1 * TB, 2 * GB, 1 * GB, 20 * GB),
 }
 
 
@@ -118,11 +146,13 @@ NODES: dict[str, NodeStorage] = {
 # The H100 PCIe is not in GPUS: its NVLink bridges join pairs of GPUs only, which the node model of
 # `Cluster` (NVLink between every GPU of a node) would misrepresent to the planner.
 DEVICE_KIND_PEAKS: tuple[tuple[str, float], ...] = (
+    ("B200", GPUS["b200"].peak_flops),
     ("H200", GPUS["h200"].peak_flops),
     # NVIDIA H100 Tensor Core GPU datasheet: PCIe 1,513 TFLOP/s bf16 with sparsity -> 756 dense.
     ("H100 PCIe", 756e12),
     ("H100", GPUS["h100-80g"].peak_flops),
     ("A100", GPUS["a100-80g"].peak_flops),  # 40 GB and 80 GB, SXM and PCIe: 312 TFLOP/s
+    ("V100", GPUS["v100-32g"].peak_flops),  # the fp16 tensor-core peak (V100 has no bf16)
 )
 
 
@@ -137,13 +167,16 @@ def peak_flops_of_kind(device_kind: str) -> float | None:
 # jax `device_kind` substring -> the GPUS entry that models it; the first match wins (specific names
 # first: 'GH200' contains 'H200'). Kinds with no entry (H100 PCIe, CPUs) model as unknown.
 DEVICE_KIND_GPUS: tuple[tuple[str, str | None], ...] = (
+    ("GH200 144G", "gh200-144g"),
     ("GH200", "gh200"),
+    ("B200", "b200"),
     ("H200", "h200"),
     ("H100 PCIe", None),
     ("H100", "h100-80g"),
     ("A100-SXM4-40GB", "a100-40g"),
     ("A100 80GB PCIe", "a100-80g-pcie"),
     ("A100", "a100-80g"),
+    ("V100-SXM2-32GB", "v100-32g"),
 )
 
 
@@ -169,6 +202,8 @@ class Cluster:
     nvme_drive_bytes: float = 0.0  # capacity of each (0: the default)
     nvme_read_gbs: float = 0.0  # sequential GB/s of each drive (0: the default)
     nvme_write_gbs: float = 0.0
+    latency_s: float = COMM_LATENCY_S  # fixed cost of each collective / p2p message (a cluster profile's fit)
+    overlap_cost: float = OVERLAP_COST  # share of overlapped communication still charged (`constants.py`)
 
     @property
     def n_devices(self) -> int:
@@ -259,7 +294,7 @@ class Cluster:
         for n, bw in self.levels(size, stride):
             t += (n - 1) / n * share / bw  # one ring phase over this level, on what the inner levels left
             share /= n
-        return COMM_LATENCY_S + (1 if half else 2) * t
+        return self.latency_s + (1 if half else 2) * t
 
     def __str__(self) -> str:
         net = f",ib={self.nics}x{self.nic_gbps:g}" if self.nics else ""

@@ -34,10 +34,12 @@ def gemm_seconds(
     fp8: at the fp8 peak, A and B one byte each."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
-    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch
-    waves = math.ceil(tiles / gpu.sms)
     peak, operand, eff = (gpu.fp8_flops, 1.0, cal.fp8_gemm) if fp8 else (gpu.peak_flops, 2.0, cal.gemm)
-    compute = waves * 2.0 * TILE_M * TILE_N * k / (peak / gpu.sms * eff)
+    if gpu.tiles:
+        waves = math.ceil(math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch / gpu.sms)
+        compute = waves * 2.0 * TILE_M * TILE_N * k / (peak / gpu.sms * eff)
+    else:  # a CPU: no waves of tiles
+        compute = 2.0 * m * n * k * batch / (peak * eff)
     memory = batch * (operand * (m * k + k * n) + 2.0 * m * n) / (gpu.hbm_bw * cal.hbm)
     return max(compute, memory)
 

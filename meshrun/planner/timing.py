@@ -29,13 +29,18 @@ from meshrun.planner.constants import CALIBRATION as CALIBRATION
 from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, calibration_for
 from meshrun.planner.constants import OVERLAP_COST as OVERLAP_COST
 from meshrun.planner.cost import Layout, Precision, precision_of
-from meshrun.planner.hardware import COMM_LATENCY_S, GPU, Cluster
+from meshrun.planner.hardware import GPU, Cluster
 from meshrun.planner.kernels import Calibration
 from meshrun.planner.step_model import pipe_payload
 
 FRAMEWORKS = ("meshrun", "megatron")
 # The kernel calibration (CALIBRATION: the A100's, fitted on Megatron-LM's PTD-P Table 1; a GPU's own
 # where fitted: `constants.calibration_for`) and OVERLAP_COST: constants.py, with their sources.
+
+
+def gpu_calibration(gpu: GPU) -> Calibration:
+    """The kernel calibration of `gpu`: a cluster profile's (`cluster_profile.py`), else the catalogue's."""
+    return gpu.calibration or calibration_for(gpu.name)
 
 
 def layer_compute_seconds(model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration, **kw) -> float:
@@ -83,7 +88,7 @@ def _stage_seconds(
     dropout: bool, fp8_experts: bool = False,
 ) -> tuple[float, float, float]:  # fmt: skip
     """`stage_seconds` of a layout holding only what the costs read (cached)."""
-    cal = cal or calibration_for(gpu.name)
+    cal = cal or gpu_calibration(gpu)
     act = precision_of(model).act
     b, t, context, remat = layout.micro_batch_size, layout.tensor, layout.context, layout.remat
     layer = layer_compute_seconds(model, layout, s, gpu, cal, dropout=dropout, act=act,
@@ -120,7 +125,7 @@ def tp_overlap_hidden(
     step = half / (t - 1)
     k = kernels.layer_seconds(model, layout, s, cluster.gpu, cal, moe=False, dropout=dropout, act=act,
                               flash=model.attention_impl == "cudnn")  # fmt: skip
-    hidden = lambda gemm: 4 * (t - 2) * min(step, gemm / 4 / t) * (1 - OVERLAP_COST)
+    hidden = lambda gemm: 4 * (t - 2) * min(step, gemm / 4 / t) * (1 - cluster.overlap_cost)
     total = hidden(k["gemm_fwd"]) * (2 if layout.remat == "full" else 1) + hidden(k["gemm_bwd"])
     return total * (1 - model.n_moe_layers / model.n_layers / 2)
 
@@ -156,11 +161,11 @@ def context_seconds(
     bw = cluster.group_bw(t * c)
 
     def steps(nbytes: float, block_compute: float) -> float:
-        xfer = COMM_LATENCY_S + nbytes / bw
-        return (c - 1) * (max(xfer, block_compute) - block_compute + OVERLAP_COST * min(xfer, block_compute))
+        xfer = cluster.latency_s + nbytes / bw
+        return (c - 1) * (max(xfer, block_compute) - block_compute + cluster.overlap_cost * min(xfer, block_compute))
 
     dkv = gathered / c * 4 / act  # dK/dV blocks travel in float32
-    home = COMM_LATENCY_S + dkv / bw  # the last dK/dV step, after the ring: nothing to hide it behind
+    home = cluster.latency_s + dkv / bw  # the last dK/dV step, after the ring: nothing to hide it behind
     # a recomputed forward ring (remat) scores its blocks beside the backward ring's, sharing its sends
     return steps(gathered / c, f / c) + steps(gathered / c + dkv, (bwd + redo * f) / c) + home
 
@@ -251,7 +256,7 @@ def predict_time(
 ) -> dict[str, float]:
     """Seconds per step by part: compute (slowest stage), tensor/context/pipe/expert comm, exposed ZeRO
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
-    cal = calibration or calibration_for(cluster.gpu.name)
+    cal = calibration or gpu_calibration(cluster.gpu)
     prec = precision or precision_of(model, framework, layout)
     m, s, gpu = layout.microbatches, seq_len, cluster.gpu
     split, times, slow, (t_mb, t_tp, t_cp, t_pp, t_ep, t_zero), (zero_mb, t_dp, t_gather) = _microbatch_parts(
@@ -262,7 +267,7 @@ def predict_time(
     bubble_slots, bubble_fraction = _bubble(layout)
     loop = (m + bubble_slots) * per_mb
     t_dp_full = t_dp
-    t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework)
+    t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework, cluster.overlap_cost)
     total = loop + t_dp + t_opt
     return {
         "compute": m * t_mb,
@@ -286,12 +291,13 @@ def predict_time(
     }
 
 
-def _exposed_reduce(model: ModelConfig, layout: Layout, t_dp: float, t_gather: float, loop: float, framework: str):
+def _exposed_reduce(model: ModelConfig, layout: Layout, t_dp: float, t_gather: float, loop: float, framework: str,
+                    overlap_cost: float = OVERLAP_COST):  # fmt: skip
     """(exposed data-parallel seconds, seconds hidden beside the last ticks) under overlap_grad_reduce:
     `moved` seconds of the reduction go into the last ticks (`sent`: with meshrun's re-sent layers),
     `hidden` of them beside the ticks (charged OVERLAP_COST), the rest still exposed."""
     moved, sent, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
-    return t_dp - moved + (sent - hidden) + OVERLAP_COST * hidden, hidden
+    return t_dp - moved + (sent - hidden) + overlap_cost * hidden, hidden
 
 
 def _microbatch_parts(
@@ -315,7 +321,7 @@ def _microbatch_parts(
     t_ep = _expert_seconds(model, layout, cluster, act, split[slow], framework)
     dp = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(dp[0], t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
-    t_zero = dp[0] - hidden + OVERLAP_COST * hidden
+    t_zero = dp[0] - hidden + cluster.overlap_cost * hidden
     return split, times, slow, (t_mb, t_tp, t_cp, t_pp, t_ep, t_zero), dp
 
 
@@ -399,7 +405,7 @@ def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) 
     if p == 1:
         return 0.0
     sent = act / t if framework == "megatron" else pipe_payload(act, layout)
-    return 2 * v * (COMM_LATENCY_S + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
+    return 2 * v * (cluster.latency_s + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
 
 
 def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float,
@@ -417,7 +423,7 @@ def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: f
     if framework == "megatron" and model.moe_dispatch == "dropless":
         rows = model.top_k * MOE_DROPLESS_IMBALANCE
     a2a = act * rows / (t if layout.sequence_parallel and t > 1 else 1)
-    one = COMM_LATENCY_S + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
+    one = cluster.latency_s + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
     return n_moe * (4 + 2 * (layout.remat == "full")) * one
 
 

@@ -7,6 +7,7 @@ changes fields (`config_diff`); `read_config` reads it back.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from meshrun.optim.optimizer import schedule_moved
 from meshrun.runtime.processes import warn
 
 CONFIG_FILE = "config.yaml"
+DEVICES_FILE = "devices.json"  # the devices a run ran on: what `meshrun plan --calibrate` fits a cluster to
 # Fields a resume routinely changes without changing the run (a run dir moved or copied): not worth a
 # warning. A changed train.steps is listed: it moves the learning-rate schedule's end.
 RESUME_FREE = frozenset({"train.run_dir"})
@@ -54,14 +56,25 @@ def read_config(run_dir: str) -> dict | None:
 
 
 def write_config(cfg: RunConfig) -> None:
-    """RUN_DIR/config.yaml: the resolved config, the one a rerun should use (atomic: a temp file
-    renamed over it). Process 0 only."""
+    """RUN_DIR/config.yaml: the resolved config, the one a rerun should use, and RUN_DIR/devices.json:
+    the devices it runs on (`devices_record`), each atomic (a temp file renamed over it). Process 0 only."""
     if jax.process_index() != 0:
         return
-    path = Path(cfg.train.run_dir) / CONFIG_FILE
-    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    _write(Path(cfg.train.run_dir) / CONFIG_FILE, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    _write(Path(cfg.train.run_dir) / DEVICES_FILE, json.dumps(devices_record()) + "\n")
+
+
+def devices_record() -> dict:
+    """The platform, device kind and counts of this run's devices (a resume rewrites it)."""
+    dev = jax.devices()[0]
+    return {"platform": dev.platform, "device_kind": dev.device_kind, "devices": jax.device_count(),
+            "processes": jax.process_count(), "local_devices": jax.local_device_count()}  # fmt: skip
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as e:  # a full disk: no half-written temp file left, the message names the file
         tmp.unlink(missing_ok=True)

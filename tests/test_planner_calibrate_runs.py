@@ -1,0 +1,156 @@
+"""`meshrun plan --calibrate RUN_DIR ...`: a cluster profile fitted on measured runs, and
+`--cluster-profile` using it. The fit on synthetic metrics (step times the planner itself gives for
+known constants) must find those constants; bad input exits 2 with one line and writes nothing; the
+slow case trains layouts on the 8 simulated CPU devices and predicts a held-out one."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshrun.config import load_config, to_dict
+from meshrun.planner import cluster_profile as cp
+from meshrun.planner.hardware import parse_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+BASE = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.global_batch=32", "checkpoint.every=0"]
+LAYOUTS = {
+    "d8": ["mesh.data=8"],
+    "t2": ["mesh.data=4", "mesh.tensor=2"],
+    "p2": ["mesh.data=4", "mesh.pipe=2"],
+    "t2p2": ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2"],
+}
+CPU8 = {"platform": "cpu", "device_kind": "cpu", "devices": 8, "processes": 1, "local_devices": 8}
+TRUE = {"gemm": 0.03, "latency_s": 2e-3}  # the synthetic cluster: these two off their defaults
+
+
+def run_cli(argv, capsys):
+    from meshrun.cli.main import main
+
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def write_run(d: Path, layout: str, seconds=None, devices=CPU8) -> Path:
+    """A run dir as `meshrun train` leaves it: config.yaml, devices.json and metrics.jsonl whose step
+    times (after step 1) have a median of `seconds` (None: the planner's time under TRUE)."""
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(TINY, BASE + LAYOUTS[layout] + [f"train.run_dir={d}"])
+    (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (d / "devices.json").write_text(json.dumps(devices))
+    if seconds is None:
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 2, "step_time_s": 1.0}) + "\n")
+        run = cp.read_run(d)
+        seconds = cp.predict(run, cp.apply(parse_cluster(run.cluster), cp.defaults(parse_cluster("cpu:1x8")) | TRUE))
+    noise = (0.0, 0.02, -0.02, 0.01, -0.01)  # around the median; step 1 (compile) is left out
+    rows = [{"step": 1, "step_time_s": 30.0}] + [{"step": s + 2, "step_time_s": seconds * (1 + e)}
+                                                   for s, e in enumerate(noise)]  # fmt: skip
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {name: write_run(root / name, name) for name in LAYOUTS}
+
+
+def test_fit_finds_the_constants_behind_synthetic_step_times(synthetic):
+    """Three layouts' step times made with gemm 0.03 and a 2 ms latency: the fit picks those two of the
+    CPU's determined parameters, recovers them within 1%, and predicts the held-out layout within 0.5%."""
+    runs = cp.read_runs([synthetic[n] for n in ("d8", "t2", "p2")])
+    assert [r.measured_s for r in runs] == pytest.approx([r.measured_s for r in runs])  # medians read
+    assert set(cp.determined(runs, cp.defaults(parse_cluster("cpu:1x8")))) >= {"gemm", "hbm", "latency_s"}
+    params, fitted = cp.fit(runs)
+    assert fitted == ("gemm", "latency_s")
+    for name, value in TRUE.items():
+        assert params[name] == pytest.approx(value, rel=0.01), name
+    held = cp.read_run(synthetic["t2p2"])
+    pred = cp.predict(held, cp.apply(parse_cluster(held.cluster), params))
+    assert pred == pytest.approx(held.measured_s, rel=0.005)
+    # one parameter alone cannot fit them: the residual says so
+    one, _ = cp.fit(runs, max_params=1)
+    assert max(abs(e) for e in cp.residuals(runs, one)) > 0.03
+
+
+def test_calibrate_writes_a_profile_that_plan_uses(synthetic, tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    rc, text, err = run_cli(["--calibrate", *(str(synthetic[n]) for n in ("d8", "t2", "p2")), "--out", str(out)],
+                            capsys)  # fmt: skip
+    assert rc == 0, err
+    assert "fitted: gemm 0.03" in text and "latency_s 0.002" in text
+    prof = json.loads(out.read_text())
+    assert prof["gpu"] == "cpu" and prof["fitted"] == ["gemm", "latency_s"] and len(prof["runs"]) == 3
+    assert all(abs(r["error"]) < 0.005 for r in prof["runs"])
+    # the held-out layout, costed by `meshrun plan --cluster-profile` with its --evaluate
+    layout = "tensor=2,pipe=2,data=2,microbatches=4,micro_batch_size=4"
+    argv = ["--cluster-profile", str(out), "--model", str(TINY), "--global-batch", "32", "--evaluate", layout]
+    rc, text, err = run_cli([*argv, "--json"], capsys)
+    assert rc == 0, err
+    step = json.loads(text)["configs"][0]["step_time_s"]
+    held = cp.read_run(synthetic["t2p2"])
+    assert step == pytest.approx(held.measured_s, rel=0.005)
+    assert json.loads(text)["cluster"] == "cpu:1x8"
+
+
+def _refused(argv, capsys, *words):
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (rc, out, err)
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def test_bad_runs_exit_2_naming_what_is_missing_and_write_nothing(synthetic, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    bare = write_run(tmp_path / "bare", "d8", 1.0)
+    (bare / "metrics.jsonl").unlink()
+    _refused(["--calibrate", str(synthetic["d8"]), str(bare), "--out", str(out)], capsys, "metrics.jsonl", "bare")
+    one = write_run(tmp_path / "one", "d8", 1.0)
+    (one / "metrics.jsonl").write_text(json.dumps({"step": 1, "step_time_s": 3.0}) + "\n")
+    _refused(["--calibrate", str(one), "--out", str(out)], capsys, "step_time_s", "train.steps")
+    old = write_run(tmp_path / "old", "d8", 1.0)
+    (old / "devices.json").unlink()
+    _refused(["--calibrate", str(old), "--out", str(out)], capsys, "devices.json")
+    gpu = write_run(tmp_path / "gpu", "t2", 1.0, {**CPU8, "platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})
+    _refused(["--calibrate", str(synthetic["d8"]), str(gpu), "--out", str(out)], capsys, "h100-80g:1x8", "one cluster")
+    _refused(["--calibrate", str(tmp_path / "nowhere"), "--out", str(out)], capsys, "no such run dir")
+    assert not out.exists()
+
+
+def test_a_profile_missing_parameters_is_refused(synthetic, tmp_path, capsys):
+    prof = tmp_path / "p.json"
+    rc, _, err = run_cli(["--calibrate", str(synthetic["d8"]), str(synthetic["t2"]), "--out", str(prof)], capsys)
+    assert rc == 0, err
+    good = json.loads(prof.read_text())
+    del good["params"]["latency_s"], good["params"]["intra_bw"]
+    prof.write_text(json.dumps(good))
+    plan = ["--cluster-profile", str(prof), "--model", str(TINY), "--global-batch", "32"]
+    _refused(plan, capsys, "--cluster-profile", "missing parameters", "intra_bw", "latency_s")
+    _refused(["--cluster-profile", str(tmp_path / "none.json"), "--model", str(TINY)], capsys, "none.json")
+    good["params"]["latency_s"] = good["params"]["intra_bw"] = 1e-3
+    prof.write_text(json.dumps(good))
+    _refused([*plan, "--cluster", "h100-80g:1x8"], capsys, "--cluster", "profile", "cpu")
+
+
+def test_profile_parameters_reach_the_prediction():
+    """Each profile parameter moves the step time it should: compute with gemm, the TP all-reduces with
+    the latency and the link rate (a layout with tensor=2), nothing when all stay at their defaults."""
+    from meshrun.planner import search
+    from meshrun.planner.layout import model_layout
+
+    cfg = load_config(TINY, BASE)
+    cluster = parse_cluster("cpu:1x8")
+    base = cp.defaults(cluster)
+    lay = model_layout(cfg.model, tensor=2, data=4, microbatches=4)
+    t = lambda **kw: search.evaluate(cfg.model, lay, cp.apply(cluster, base | kw), 32, 64).time  # noqa: E731
+    ref = search.evaluate(cfg.model, lay, cluster, 32, 64).time
+    assert t()["total"] == ref["total"]
+    assert t(gemm=base["gemm"] / 2)["compute"] > 1.5 * ref["compute"]
+    assert t(latency_s=1e-3)["tensor_comm"] > 10 * ref["tensor_comm"]
+    assert t(intra_bw=base["intra_bw"] / 100)["tensor_comm"] > 2 * ref["tensor_comm"]
+    assert math.isclose(t(overlap_cost=0.5)["total"], ref["total"])  # nothing overlaps here
