@@ -358,7 +358,7 @@ def _with_fp8(args, model, cluster: Cluster):
             raise ConfigError("--fp8", args.fp8, "leave it out", f"model.family={model.family} has no fp8 GEMMs")
         model = dataclasses.replace(model, fp8=args.fp8)
     if model.fp8 != "none" and not cluster.gpu.fp8_flops:
-        fix = "use --fp8 none here, or an H100/H200/GH200 cluster"
+        fix = "use --fp8 none here, or an H100/H200/GH200/B200 cluster"
         raise ConfigError("--fp8", model.fp8, fix, f"{cluster.gpu.name} has no fp8 GEMMs")
     return model
 
