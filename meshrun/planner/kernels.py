@@ -102,26 +102,16 @@ def elementwise_bytes(model: ModelConfig, tokens: float, t: int, *, sp: bool, dr
 
 
 def layer_seconds(
-    model: ModelConfig,
-    layout: Layout,
-    s: int,
-    gpu: GPU,
-    cal: Calibration,
-    *,
-    flash: bool = False,
-    dropout: bool = False,
-    act: float = 2.0,
-    moe: bool = False,
-    fp8_experts: bool = False,
-) -> dict[str, float]:
+    model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration, *, flash: bool = False,
+    dropout: bool = False, act: float = 2.0, moe: bool = False, fp8_experts: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """Seconds of one layer for one micro-batch of the layout's micro-batch size on one device of
     `layout` (its tensor, sequence, expert and context parallelism), by part: {'gemm_fwd', 'gemm_bwd',
     'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}. Context parallelism: every per-token kernel runs on
     the local b s/c tokens (`attention_core_seconds` for the attention). `fp8_experts`: under model.fp8
     the expert GEMMs run in fp8 too (Megatron-Core's experts are Transformer Engine linears; meshrun's
     model.fp8 covers the dense GEMMs only)."""
-    b, t, expert, context, kind = (layout.micro_batch_size, layout.tensor, layout.expert, layout.context,
-                                   layout.context_kind)  # fmt: skip
+    b, t, context = layout.micro_batch_size, layout.tensor, layout.context
     sp = layout.sequence_parallel and t > 1
     tok, h = b * (s / context if context > 1 else s), model.d_model
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
@@ -130,23 +120,11 @@ def layer_seconds(
     dense = [(h, (q + 2 * kv) / t), (q / t, h)] + ([] if moe else [(h, up), (model.d_ff / t, h)])
     parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
     cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
-    if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
-        local = model.n_experts / expert
-        # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
-        padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
-        routed = tok * model.top_k * padding / local
-        e8 = f8 and fp8_experts
-        parts += [
-            linear_seconds(routed, h, up, gpu, cal, local, fp8=e8),
-            linear_seconds(routed, model.d_ff / t, h, gpu, cal, local, fp8=e8),
-        ]
-        if e8:
-            cast += [tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act))
-                     for k_, n_ in ((h, up), (model.d_ff / t, h))]  # fmt: skip
-        parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
-    attn_f, attn_b = attention_core_seconds(
-        model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context, kind=kind
-    )
+    if moe:
+        more, more_cast = expert_gemms(model, tok, t, layout.expert, gpu, cal, fp8=f8 and fp8_experts, act=act)
+        parts, cast = parts + more, cast + more_cast
+    attn = attention_core_seconds(model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context,
+                                  kind=layout.context_kind)  # fmt: skip
     mem = hbm_seconds(elementwise_bytes(model, tok, t, sp=sp, dropout=dropout, act=act), gpu, cal)
     # tensorwise fp8: one amax all-reduce (a scalar: latency) per covered GEMM forward (x) and backward
     # (dY); delayed scaling's amaxes ride the gradient reduction (a few KB per layer)
@@ -154,11 +132,29 @@ def layer_seconds(
     return {
         "gemm_fwd": sum(f for f, _ in parts),
         "gemm_bwd": sum(bw for _, bw in parts),
-        "attn_fwd": attn_f,
-        "attn_bwd": attn_b,
+        "attn_fwd": attn[0],
+        "attn_bwd": attn[1],
         "mem_fwd": mem + hbm_seconds(sum(f for f, _ in cast), gpu, cal) + amax,
         "mem_bwd": 2 * mem + hbm_seconds(sum(bw for _, bw in cast), gpu, cal) + amax,
     }
+
+
+def expert_gemms(
+    model: ModelConfig, tok: float, t: int, expert: int, gpu: GPU, cal: Calibration, *, fp8: bool, act: float
+) -> tuple[list[tuple], list[tuple]]:  # fmt: skip
+    """An MoE layer's expert GEMMs and router on one device: ((forward, backward) seconds of each, the
+    (forward, backward) fp8 cast bytes of the expert GEMMs when `fp8`). Each device runs n_experts/expert
+    local experts over the k*cf routed copies of its `tok` tokens."""
+    h, up = model.d_model, (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
+    local = model.n_experts / expert
+    # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
+    padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
+    routed = tok * model.top_k * padding / local
+    shapes = ((h, up), (model.d_ff / t, h))
+    parts = [linear_seconds(routed, k_, n_, gpu, cal, local, fp8=fp8) for k_, n_ in shapes]
+    cast = [tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act)) for k_, n_ in shapes] if fp8 else []
+    parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
+    return parts, cast
 
 
 def head_seconds(model: ModelConfig, tokens: float, t: int, gpu: GPU, cal: Calibration, act: float = 2.0) -> float:

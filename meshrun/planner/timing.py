@@ -244,16 +244,9 @@ def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Preci
 
 
 def predict_time(
-    model: ModelConfig,
-    layout: Layout,
-    cluster: Cluster,
-    seq_len: int,
-    *,
-    calibration: Calibration | None = None,
-    precision: Precision | None = None,
-    framework: str = "meshrun",
-    dropout: float = 0.0,
-) -> dict[str, float]:
+    model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, *, calibration: Calibration | None = None,
+    precision: Precision | None = None, framework: str = "meshrun", dropout: float = 0.0,
+) -> dict[str, float]:  # fmt: skip
     """Seconds per step by part: compute (slowest stage), tensor/context/pipe/expert comm, exposed ZeRO
     and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
     cal = calibration or gpu_calibration(cluster.gpu)
@@ -265,8 +258,7 @@ def predict_time(
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
     per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
-    loop = (m + bubble_slots) * per_mb
-    t_dp_full = t_dp
+    loop, t_dp_full = (m + bubble_slots) * per_mb, t_dp
     t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework, cluster.overlap_cost)
     total = loop + t_dp + t_opt
     return {
