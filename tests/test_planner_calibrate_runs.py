@@ -154,3 +154,37 @@ def test_profile_parameters_reach_the_prediction():
     assert t(latency_s=1e-3)["tensor_comm"] > 10 * ref["tensor_comm"]
     assert t(intra_bw=base["intra_bw"] / 100)["tensor_comm"] > 2 * ref["tensor_comm"]
     assert math.isclose(t(overlap_cost=0.5)["total"], ref["total"])  # nothing overlaps here
+
+
+def test_profile_numbers_round_trip_through_the_file(synthetic, tmp_path, capsys):
+    """Small parameters (1e-05) are numbers again when read back (YAML would read them as text)."""
+    prof = tmp_path / "p.json"
+    rc, _, err = run_cli(["--calibrate", str(synthetic["d8"]), str(synthetic["t2"]), "--out", str(prof)], capsys)
+    assert rc == 0, err
+    assert cp.load_profile(str(prof))["params"]["latency_s"] == pytest.approx(1e-05)
+
+
+HELD_OUT = "t2p2"
+
+
+@pytest.mark.slow
+def test_cpu_layouts_calibrate_and_predict_a_held_out_layout(tmp_path, capsys):
+    """Train three layouts of a small model on the 8 simulated CPU devices (8 steps each), calibrate on
+    them, and predict a fourth layout (tensor 2 x pipe 2 x data 2) within 15% of its measured step."""
+    from meshrun.train.loop import run
+
+    small = ["model.d_model=128", "model.d_ff=384", "model.head_dim=32", "train.steps=8", "train.log_every=1"]
+    dirs = {}
+    for name in ("d8", "t2", "p2", HELD_OUT):
+        dirs[name] = tmp_path / name
+        run(load_config(TINY, BASE + small + LAYOUTS[name] + [f"train.run_dir={dirs[name]}"]), quiet=True)
+    prof = tmp_path / "cpu.json"
+    rc, text, err = run_cli(["--calibrate", *(str(dirs[n]) for n in ("d8", "t2", "p2")), "--out", str(prof)], capsys)
+    assert rc == 0, err
+    print(text)
+    held = cp.read_run(dirs[HELD_OUT])
+    cluster = cp.profile_cluster(cp.load_profile(str(prof)), None, str(prof))
+    pred = cp.predict(held, cluster)
+    err = pred / held.measured_s - 1
+    print(f"held out {HELD_OUT}: measured {held.measured_s:.4g} s, predicted {pred:.4g} s ({err:+.1%})")
+    assert pred == pytest.approx(held.measured_s, rel=0.15)

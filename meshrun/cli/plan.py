@@ -7,6 +7,8 @@ meshrun plan --model llama-70b --cluster h100-80g:16x8 --seq-len 131072 --global
 meshrun plan --model gpt3-175b --cluster a100-80g:128x8 --grad-reduce-dtype bfloat16   # bf16 DP reduction
 meshrun plan --model llama-70b --cluster h100-80g:1x8 --global-batch 16 \
     --evaluate tensor=4,data=2,zero=3,offload_params=true,offload_optimizer=host   # the offload levers
+meshrun plan --calibrate runs/a runs/b runs/c --out cluster.json   # fit this cluster's constants to its runs
+meshrun plan --cluster-profile cluster.json --model llama-7b --global-batch 64   # ... and plan with them
 """
 
 from __future__ import annotations

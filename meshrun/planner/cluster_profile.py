@@ -239,7 +239,10 @@ def load_profile(path: str) -> dict:
     """A cluster profile file (JSON or YAML); a ConfigError naming what is missing or wrong."""
     field = "--cluster-profile"
     try:
-        prof = yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
+        prof = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)  # YAML reads 1e-05 as text
+    except ValueError:
+        raise ConfigError(field, path, "give a file that `meshrun plan --calibrate` wrote", "not JSON") from None
     except OSError as e:
         raise ConfigError(field, path, "give a file that `meshrun plan --calibrate` wrote", e.strerror) from None
     except yaml.YAMLError:
