@@ -6,7 +6,9 @@ each run's step time with the planner (`search.predict_step_time`, as `meshrun e
 fits the constants of PARAMS to the measured times: least squares of log(predicted / measured),
 Gauss-Newton (Levenberg-damped) in the logs of the parameters, numerical derivatives. Which parameters
 a set of runs determines: of those that move some run's prediction (`determined`), the best-fitting
-subset of one parameter, then of two, ... while a size lowers the RMS residual by at least MIN_GAIN,
+subset of one parameter, then of two, ... while a size lowers the RMS residual by at least MIN_GAIN
+and by more than the runs' own noise (`noise_of`: a parameter is not fitted to differences the
+measurements cannot tell apart),
 at most max(1, runs - 1) of them (a fit with as many parameters as runs would leave no residual to
 judge it by); the rest stay at their defaults (the catalogue's figures, `constants.py`).
 `meshrun plan --cluster-profile FILE` costs layouts with them.
@@ -54,6 +56,7 @@ class Run:
     mesh_shape: dict
     measured_s: float
     steps: int  # step times the median is over
+    spread: float  # their median absolute deviation / the median: the measurement's own noise
     kind: str  # device kind (jax's, e.g. 'NVIDIA H100 80GB HBM3', or 'cpu')
     cluster: str  # the cluster string of its devices, e.g. cpu:1x8
 
@@ -87,8 +90,9 @@ def read_run(path: str | Path) -> Run:
     gpu = "cpu" if dev.get("platform") == "cpu" else gpu_of_kind(kind)
     if gpu is None:
         _refuse(path, f"device kind {kind!r} is not in the GPU catalogue", f"use a run on one of {list(GPUS)}")
-    shape = _mesh_shape(cfg, n)
-    return Run(str(path), cfg, shape, statistics.median(times), len(times), kind, f"{gpu}:{procs}x{n // procs}")
+    med = statistics.median(times)
+    spread = statistics.median(abs(t - med) for t in times) / med
+    return Run(str(path), cfg, _mesh_shape(cfg, n), med, len(times), spread, kind, f"{gpu}:{procs}x{n // procs}")
 
 
 def _step_times(path: Path) -> list[float]:
@@ -200,12 +204,17 @@ def determined(runs: list[Run], base: dict[str, float]) -> list[str]:
     return out
 
 
+def noise_of(runs: list[Run]) -> float:
+    """The runs' measurement noise: the median of their step times' relative spread."""
+    return statistics.median(r.spread for r in runs)
+
+
 def fit(runs: list[Run], max_params: int | None = None) -> tuple[dict[str, float], tuple[str, ...]]:
     """(every parameter's value, the fitted ones) for `runs`: the best subset of each size (module doc)."""
     cluster = max((parse_cluster(r.cluster) for r in runs), key=lambda c: c.n_devices)
     base, cap = defaults(cluster), cluster.gpu.tiles
     limit = max(1, len(runs) - 1) if max_params is None else max_params
-    cands = determined(runs, base)
+    cands, noise = determined(runs, base), noise_of(runs)
     best: tuple[float, tuple[str, ...], dict[str, float]] = (_rms(residuals(runs, base)), (), base)
     for k in range(1, min(limit, len(cands)) + 1):
         top = None
@@ -214,7 +223,7 @@ def fit(runs: list[Run], max_params: int | None = None) -> tuple[dict[str, float
             r = _rms(residuals(runs, trial))
             if top is None or r < top[0] - 1e-12:
                 top = (r, names, trial)
-        if best[1] and best[0] - top[0] < MIN_GAIN:
+        if best[1] and best[0] - top[0] < max(MIN_GAIN, noise):
             break
         best = top
     return best[2], best[1]
@@ -230,9 +239,9 @@ def profile_of(runs: list[Run], params: dict[str, float], fitted: tuple[str, ...
     for r, e in zip(runs, residuals(runs, params)):
         pred = r.measured_s * math.exp(e)
         rows.append({"run_dir": r.path, "cluster": r.cluster, "measured_s": r.measured_s, "predicted_s": pred,
-                     "error": math.exp(e) - 1, "steps": r.steps})  # fmt: skip
+                     "error": math.exp(e) - 1, "steps": r.steps, "spread": r.spread})  # fmt: skip
     return {"format": FORMAT, "gpu": cluster.gpu.name, "device_kind": runs[0].kind, "cluster": str(cluster),
-            "params": dict(params), "fitted": list(fitted), "runs": rows}  # fmt: skip
+            "params": dict(params), "fitted": list(fitted), "noise": noise_of(runs), "runs": rows}  # fmt: skip
 
 
 def load_profile(path: str) -> dict:
@@ -276,7 +285,8 @@ def format_fit(prof: dict) -> str:
     show = lambda n: f"{n} {p[n] / GB:.4g} GB/s" if n.endswith("_bw") else f"{n} {p[n]:.4g}"  # noqa: E731
     fixed = [n for n in PARAMS if n not in fitted]
     lines = [
-        f"calibrated {prof['gpu']} ({prof['device_kind']}) on {len(prof['runs'])} runs",
+        f"calibrated {prof['gpu']} ({prof['device_kind']}) on {len(prof['runs'])} runs (step-time noise "
+        f"{prof.get('noise', 0):.1%}: a parameter is fitted where it explains more)",
         "fitted: " + ", ".join(show(n) for n in fitted),
         "fixed at their defaults: " + ", ".join(show(n) for n in fixed),
         "",
