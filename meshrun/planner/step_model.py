@@ -77,8 +77,15 @@ def predict_memory_jax(
     st = _state_bytes(model, layout, frac)
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
-    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
-    state = st["stored"] + st["moments"]  # the step's arguments
+    host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed)
+    return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme)
+
+
+def _offloaded_state(
+    model: ModelConfig, st: dict, offload_optimizer: bool | str, streamed: bool | None
+) -> tuple[float, float]:
+    """(host, nvme) bytes of `_state_bytes`' state that rest off the device between steps
+    (`predict_memory_jax`'s offload_optimizer and streamed)."""
     tier = ("host" if offload_optimizer else "none") if isinstance(offload_optimizer, bool) else offload_optimizer
     streamed = tier == "nvme" if streamed is None else streamed
     host_state = nvme = 0.0
@@ -86,6 +93,14 @@ def predict_memory_jax(
         host_state = st["moments"] + (st["stored"] if model.param_dtype != model.dtype and not streamed else 0.0)
     elif tier == "nvme":
         nvme = st["moments"]
+    return host_state, nvme
+
+
+def _jax_memory_parts(st: dict, acts: float, host_acts: float, logits: float, host_state: float, nvme: float) -> dict:
+    """`predict_memory_jax`'s dict from its parts: the total, the step's arguments and temporaries, and
+    where the total rests between steps."""
+    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
+    state = st["stored"] + st["moments"]  # the step's arguments
     host = host_state + host_acts
     return {
         "device": total - host - nvme,
