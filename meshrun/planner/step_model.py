@@ -227,19 +227,28 @@ def _grad_bytes(
         grads += 4 * (sums + (other if lay.microbatches > 1 else 0.0))
     elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
-    if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards; the final
-        # chunks' filled in the loop, `StageRun.drain`) beside the array they are joined into
-        # (`executor._join_chunks`; norm scales are never scattered), and the rows a drain tick reduces
-        reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
-        ticks, cut, _ = overlap_cut(lay)
-        lc = -(-model.n_layers // (lay.pipe * lay.chunks))
-        rows = (
-            schedules.drain(lc, ticks - cut)[0]
-            * (dense + experts - (counts["embedding"] + counts["head"]) / t - h)
-            / (lc * lay.chunks)
-        )
-        grads += max(pb, 4) * (reduced + rows)
+    if overlap_cut(lay)[2]:
+        grads += max(pb, 4) * _overlap_sum_elems(model, lay, frac, counts, dense, experts, shard, eshard)
     return grads
+
+
+def _overlap_sum_elems(
+    model: ModelConfig, lay: Layout, frac: float, counts: dict, dense: float, experts: float, shard, eshard
+) -> float:
+    """Gradient elements on one device that overlap_grad_reduce adds: the chunks' reduced sums (ZeRO >= 1:
+    their shards; the final chunks' filled in the loop, `StageRun.drain`) beside the array they are joined
+    into (`executor._join_chunks`; norm scales are never scattered), and the rows a drain tick reduces."""
+    t, h = lay.tensor, model.d_model
+    norms = 2 * h * model.n_layers
+    reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
+    ticks, cut, _ = overlap_cut(lay)
+    lc = -(-model.n_layers // (lay.pipe * lay.chunks))
+    rows = (
+        schedules.drain(lc, ticks - cut)[0]
+        * (dense + experts - (counts["embedding"] + counts["head"]) / t - h)
+        / (lc * lay.chunks)
+    )
+    return reduced + rows
 
 
 def layerwise(model: ModelConfig, lay: Layout) -> bool:
