@@ -121,11 +121,7 @@ def predict_memory(
     sp = layout.sequence_parallel and tensor > 1
     s = seq_len or model.max_seq_len
     stages = {}
-    spmd = None
-    if framework == "meshrun":
-        # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
-        lay = layout if sp == layout.sequence_parallel else replace(layout, sequence_parallel=sp)
-        spmd = predict_memory_jax(model, lay, seq_len=s, layers=max(split))
+    spmd = _spmd_stage(model, layout, s, sp, split) if framework == "meshrun" else None
     for name, stage in stage_names(p).items():
         if spmd is not None:
             part = dict(spmd)
@@ -154,6 +150,13 @@ def _add_overheads(part: dict, layout: Layout) -> None:
     part |= {f"overhead_{k}": v for k, v in over.items()}
     part["overheads"] = sum(over.values())
     part["total"] += part["overheads"]
+
+
+def _spmd_stage(model: ModelConfig, layout: Layout, s: int, sp: bool, split: tuple) -> dict:
+    """meshrun's parts of every stage (`predict_memory_jax`): SPMD, every stage holds buffers of the
+    largest stage's shape (and the embedding and head). sp: sequence parallelism in effect."""
+    lay = layout if sp == layout.sequence_parallel else replace(layout, sequence_parallel=sp)
+    return predict_memory_jax(model, lay, seq_len=s, layers=max(split))
 
 
 def _megatron_stage(
