@@ -143,31 +143,36 @@ def evaluate(
     mem = cost.predict_memory(
         model, layout, seq_len=seq_len, framework=framework, dropout=dropout > 0, split=tm["split"], overheads=True
     )
-    if mem["total"] > cluster.usable_memory:
-        where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
-        hard.append(
-            f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"
-        )
+    hard += _memory_violations(mem, layout, cluster)
     soft = _soft_violations(model, layout, cluster, tm, framework)
-    n = cluster.n_devices
-    hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
-    mf = flops.model_flops(model, global_batch, seq_len)
     levers = layout.offload_params or layout.offload_optimizer != "none"
     if levers and framework != "meshrun":
         hard.append("offload_params / offload_optimizer: costed for meshrun's step only (--framework meshrun)")
-    r = Result(
-        layout=layout,
-        memory=mem,
-        time=tm,
-        tflops_per_device=hw / (tm["total"] * n) / 1e12,
-        mfu=mf / (tm["total"] * cluster.gpu.peak_flops * n),
-        violations=hard + soft,
-        hard=bool(hard),
-    )
+    speed = _throughput(model, layout, cluster, global_batch, seq_len, tm["total"])
+    r = Result(layout=layout, memory=mem, time=tm, **speed, violations=hard + soft, hard=bool(hard))
     if not levers or framework != "meshrun":
         return r
     out = offload.apply(r, model, cluster, seq_len)  # the levers' memory and time; their misfits are hard
     return replace(out, hard=out.hard or any(not v.startswith("memory ") for v in hard))
+
+
+def _memory_violations(mem: dict, layout: Layout, cluster: Cluster) -> list[str]:
+    """`evaluate`'s memory violation: the fullest stage's total over the device's usable memory."""
+    if not mem["total"] > cluster.usable_memory:
+        return []
+    where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
+    return [f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"]
+
+
+def _throughput(
+    model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, step: float
+) -> dict[str, float]:
+    """`Result`'s tflops_per_device (hardware FLOPs, recompute included) and mfu (model FLOPs over the
+    cluster's peak) of a step of `step` seconds."""
+    n = cluster.n_devices
+    hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
+    mf = flops.model_flops(model, global_batch, seq_len)
+    return {"tflops_per_device": hw / (step * n) / 1e12, "mfu": mf / (step * cluster.gpu.peak_flops * n)}
 
 
 def _soft_violations(model: ModelConfig, layout: Layout, cluster: Cluster, tm: dict, framework: str) -> list[str]:
