@@ -296,17 +296,8 @@ def search(
     calibration). Context parallelism up to `max_context` (1: none) where the sequence is long enough
     (`context_degrees`). Every layout runs `optimizer` with its moments in `state_dtype` and reduces
     its gradients over data parallelism in `grad_reduce_dtype`. Raises ConfigError when none fits."""
-    fitting, smallest, n_seen = [], None, 0
     opt = dict(optimizer=optimizer, state_dtype=state_dtype, grad_reduce_dtype=grad_reduce_dtype)
-    for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
-        layout = _with(layout, **opt)
-        n_seen += 1
-        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
-        if r.hard:
-            if smallest is None or r.memory["total"] < smallest.memory["total"]:
-                smallest = r
-            continue
-        fitting.append(r)
+    fitting, smallest, n_seen = _cost_candidates(model, cluster, global_batch, seq_len, max_context, opt, kw)
     if not n_seen:
         raise ConfigError(
             "--global-batch",
@@ -319,6 +310,24 @@ def search(
         return _offloaded_or_refused(model, cluster, global_batch, seq_len, top, name, max_context, opt, kw, smallest)
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
+
+
+def _cost_candidates(
+    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, max_context: int, opt: dict, kw: dict
+) -> tuple[list[Result], Result | None, int]:
+    """Every candidate layout, run with `opt`'s optimizer settings, costed on its best executor:
+    (the results that fit, the smallest of those that do not (None if none), how many layouts)."""
+    fitting, smallest, n_seen = [], None, 0
+    for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
+        layout = _with(layout, **opt)
+        n_seen += 1
+        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
+        if r.hard:
+            if smallest is None or r.memory["total"] < smallest.memory["total"]:
+                smallest = r
+            continue
+        fitting.append(r)
+    return fitting, smallest, n_seen
 
 
 def _offloaded_or_refused(
