@@ -90,6 +90,19 @@ def live_temp_peak(buffer_assignment: str, live_range: str) -> dict[str, int]:
     [offset, offset + size) ranges), from XLA's `*-buffer-assignment.txt` and `*-live-range.txt` dumps
     of one module. extent - peak are the holes the heap packing left: they depend on the order and
     sizes of everything else in the program, not on what the program must hold."""
+    extent, values = _temp_values(buffer_assignment)
+    ranges = _live_ranges(live_range)
+    if not values or not ranges:
+        raise ValueError("no preallocated temp values or live ranges in the dumps (XLA's dump format changed?)")
+    missing = [n for n in values if n not in ranges]
+    if missing:
+        raise ValueError(f"{len(missing)} temp values without a live range in the dump, e.g. {missing[:3]}")
+    return {"extent": extent, "peak": _union_peak(values, ranges)}
+
+
+def _temp_values(buffer_assignment: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(size of the preallocated temp allocation, {value: (offset, size)} of the values in it) from a
+    `*-buffer-assignment.txt` dump."""
     values: dict[str, tuple[int, int]] = {}
     extent, inside = 0, False
     for line in buffer_assignment.splitlines():
@@ -102,6 +115,11 @@ def live_temp_peak(buffer_assignment: str, live_range: str) -> dict[str, int]:
         if v:
             name = v.group(1) if "{" in v.group(1) else v.group(1) + "{}"
             values[name] = (int(v.group(3)), int(v.group(2)))
+    return extent, values
+
+
+def _live_ranges(live_range: str) -> dict[str, tuple[int, int]]:
+    """{value: (first, last) point of the schedule where it is live} from a `*-live-range.txt` dump."""
     ranges: dict[str, tuple[int, int]] = {}
     section = live_range.partition("BufferLiveRange:")[2]
     for line in section.splitlines():
@@ -110,11 +128,11 @@ def live_temp_peak(buffer_assignment: str, live_range: str) -> dict[str, int]:
             ranges[r.group(1)] = (int(r.group(2)), int(r.group(3)))
         elif line.strip() and not line.startswith(" "):
             break
-    if not values or not ranges:
-        raise ValueError("no preallocated temp values or live ranges in the dumps (XLA's dump format changed?)")
-    missing = [n for n in values if n not in ranges]
-    if missing:
-        raise ValueError(f"{len(missing)} temp values without a live range in the dump, e.g. {missing[:3]}")
+    return ranges
+
+
+def _union_peak(values: dict[str, tuple[int, int]], ranges: dict[str, tuple[int, int]]) -> int:
+    """The most bytes live at one point: the largest union of the live values' [offset, offset + size)."""
     events = sorted({t for s, e in ranges.values() for t in (s, e)})
     peak = 0
     for t in events:  # the union only changes where a range starts or ends
@@ -125,4 +143,4 @@ def live_temp_peak(buffer_assignment: str, live_range: str) -> dict[str, int]:
                 used += hi - max(lo, end)
                 end = hi
         peak = max(peak, used)
-    return {"extent": extent, "peak": peak}
+    return peak

@@ -214,16 +214,7 @@ def _accumulable(jaxpr, acc, roles) -> tuple[dict, set]:
     value in it used once; otherwise it is added after."""
     if not acc:
         return {}, set()
-    uses: dict = {}
-    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
-        if _is_var(v):
-            uses[v] = uses.get(v, 0) + 1
-    made_by = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars if _is_var(v)}
-    ys = set()
-    for eqn, r in zip(jaxpr.eqns, roles, strict=True):
-        if eqn.primitive.name == "scan" and isinstance(r, EqnSplit) and r.kind == "scan":
-            ncar = eqn.params["num_carry"]
-            ys.update(v for v, w in zip(eqn.outvars[ncar:], r.w_out[ncar:], strict=True) if w)
+    uses, made_by, ys = _sum_graph(jaxpr, roles)
 
     def walk(v, off):  # ([(ys var, offset)], equations to skip), or None
         if not _is_var(v) or uses.get(v) != 1:
@@ -240,12 +231,8 @@ def _accumulable(jaxpr, acc, roles) -> tuple[dict, set]:
                 return None
             return [pr for g, _ in got for pr in g], {i}.union(*(s for _, s in got))
         if eqn.primitive.name == "pad":
-            x, fill = eqn.invars
-            (lo, hi, interior), *rest = eqn.params["padding_config"]
-            zero = isinstance(fill, jc.Literal) and not np.any(np.asarray(fill.val))
-            if not zero or lo < 0 or hi < 0 or interior or any(c != (0, 0, 0) for c in map(tuple, rest)):
-                return None
-            got = walk(x, off + int(lo))
+            lo = _stacked_zero_pad(eqn)
+            got = None if lo is None else walk(eqn.invars[0], off + lo)
             return None if got is None else (got[0], got[1] | {i})
         return None
 
@@ -256,6 +243,33 @@ def _accumulable(jaxpr, acc, roles) -> tuple[dict, set]:
             parts.update((y, (k, off)) for y, off in got[0])
             skip |= got[1]
     return parts, skip
+
+
+def _sum_graph(jaxpr, roles) -> tuple[dict, dict, set]:
+    """What `_accumulable` walks: each var's number of uses (outputs count), the index of the
+    equation that makes each var, and the ys that the split scans' W parts make."""
+    uses: dict = {}
+    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
+        if _is_var(v):
+            uses[v] = uses.get(v, 0) + 1
+    made_by = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars if _is_var(v)}
+    ys = set()
+    for eqn, r in zip(jaxpr.eqns, roles, strict=True):
+        if eqn.primitive.name == "scan" and isinstance(r, EqnSplit) and r.kind == "scan":
+            ncar = eqn.params["num_carry"]
+            ys.update(v for v, w in zip(eqn.outvars[ncar:], r.w_out[ncar:], strict=True) if w)
+    return uses, made_by, ys
+
+
+def _stacked_zero_pad(eqn) -> int | None:
+    """The low padding of a `pad` equation that adds zeros at the ends of the stacked (first) axis only
+    (no interior padding, nothing cut off); None for any other pad."""
+    fill = eqn.invars[1]
+    (lo, hi, interior), *rest = eqn.params["padding_config"]
+    zero = isinstance(fill, jc.Literal) and not np.any(np.asarray(fill.val))
+    if not zero or lo < 0 or hi < 0 or interior or any(c != (0, 0, 0) for c in map(tuple, rest)):
+        return None
+    return int(lo)
 
 
 def _scan_parts(eqn, ins):

@@ -43,56 +43,70 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
 
 
 def _body(spec: PipelineSpec, layers, other, tok, lab, seg=None, fetch=None):
+    """One device's forward (inside shard_map): one round per chunk of its layers, each a scan of
+    m + p - 1 ticks; (loss_sum, n_tokens) summed over the mesh."""
     fns, p, v, m = spec.fns, spec.p, spec.program.v, spec.program.m
     stage = lax.axis_index("pipe")
     with use_rules(spec.mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), use_layer_fetch(fetch):
         lc = spec.split.lmax  # chunk c of this stage: entries [c*lmax, (c+1)*lmax) (padded when uneven)
         x_aval = jax.eval_shape(fns.embed, other, tok[0])
         x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
-        vee = spec.split.placement == "v"
-        perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
         buf = jnp.zeros((m, *x_aval.shape), x_aval.dtype) if v > 1 else None
         loss = jnp.zeros((), jnp.float32)
         for c in range(v):
             chunk = jax.tree.map(lambda a, c=c: a[c * lc : (c + 1) * lc], layers)
-            down = vee and c % 2 == 1  # this round runs from stage p - 1 down to stage 0
-            pos = p - 1 - stage if down else stage  # the stage's place in this round
-            head_stage = 0 if down else p - 1
-            entry = p - 1 if down else 0  # the stage that starts a round after the first
-
-            def tick(carry, t, c=c, chunk=chunk, pos=pos, head_stage=head_stage, entry=entry, down=down):
-                x_in, buf, loss = carry
-                j = jnp.clip(t - pos, 0, m - 1)
-
-                def run():
-                    if c == 0:
-                        x0 = lax.cond(
-                            stage == 0, lambda: fns.embed(other, take(tok, j)).astype(x_aval.dtype), lambda: x_in
-                        )
-                    else:
-                        x0 = jnp.where(stage == entry, take(buf, j), x_in)
-                    apply = contract.layers_fn(fns, None if seg is None else take(seg, j))
-                    y, _ = stage_fn(spec.split, apply, c, stage)(chunk, x0)
-                    if c < v - 1:
-                        return y, jnp.zeros((), jnp.float32)
-                    head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)
-                    return y, lax.cond(stage == head_stage, head, lambda: jnp.zeros((), jnp.float32))
-
-                valid = (t - pos >= 0) & (t - pos < m)
-                y, ls = lax.cond(valid, run, lambda: (x_zero, jnp.zeros((), jnp.float32)))
-                if vee:
-                    x_next = lax.ppermute(y, "pipe", [(i + 1, i) if down else (i, i + 1) for i in range(p - 1)])
-                else:
-                    x_next = lax.ppermute(y, "pipe", perm)
-                if buf is not None and c < v - 1:  # the next round's first stage keeps what this one finished
-                    jw = t - (p - 1)
-                    keep = (stage == (p - 1 if vee else 0)) & (jw >= 0)
-                    i = jnp.clip(jw, 0, m - 1)
-                    got = y if vee else x_next  # a V's tip keeps its own output
-                    buf = lax.dynamic_update_index_in_dim(buf, jnp.where(keep, got, take(buf, i)), i, 0)
-                return (x_next, buf, loss + ls), None
-
+            tick = _round_tick(spec, c, chunk, stage, other, (tok, lab, seg), x_zero)
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
         return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in spec.mesh.shape))
+
+
+def _round_tick(spec: PipelineSpec, c: int, chunk, stage, other, batch, x_zero):
+    """The scan body of round c (chunk c of each stage): at tick t the stage runs microbatch t - pos
+    when there is one, adds the head's loss on the round's last stage and sends its output on; rounds
+    before the last keep their finished activations in `buf` for the next round's first stage."""
+    fns, p, v, m = spec.fns, spec.p, spec.program.v, spec.program.m
+    tok, lab, seg = batch
+    vee = spec.split.placement == "v"
+    down = vee and c % 2 == 1  # this round runs from stage p - 1 down to stage 0
+    pos = p - 1 - stage if down else stage  # the stage's place in this round
+    head_stage = 0 if down else p - 1
+    entry = p - 1 if down else 0  # the stage that starts a round after the first
+    if vee:
+        perm = [(i + 1, i) if down else (i, i + 1) for i in range(p - 1)]
+    else:
+        perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+
+    def run(x_in, buf, j):
+        if c == 0:
+            x0 = lax.cond(stage == 0, lambda: fns.embed(other, take(tok, j)).astype(x_zero.dtype), lambda: x_in)
+        else:
+            x0 = jnp.where(stage == entry, take(buf, j), x_in)
+        apply = contract.layers_fn(fns, None if seg is None else take(seg, j))
+        y, _ = stage_fn(spec.split, apply, c, stage)(chunk, x0)
+        if c < v - 1:
+            return y, jnp.zeros((), jnp.float32)
+        head = lambda: fns.head_loss(other, y, take(lab, j))[0].astype(jnp.float32)
+        return y, lax.cond(stage == head_stage, head, lambda: jnp.zeros((), jnp.float32))
+
+    def tick(carry, t):
+        x_in, buf, loss = carry
+        j = jnp.clip(t - pos, 0, m - 1)
+        valid = (t - pos >= 0) & (t - pos < m)
+        y, ls = lax.cond(valid, lambda: run(x_in, buf, j), lambda: (x_zero, jnp.zeros((), jnp.float32)))
+        x_next = lax.ppermute(y, "pipe", perm)
+        if buf is not None and c < v - 1:  # the next round's first stage keeps what this one finished
+            buf = _keep_for_next_round(buf, y if vee else x_next, t, stage, p, m, vee)  # a V's tip: its own output
+        return (x_next, buf, loss + ls), None
+
+    return tick
+
+
+def _keep_for_next_round(buf, got, t, stage, p: int, m: int, vee: bool):
+    """buf with microbatch t - (p - 1)'s finished activation `got` written into its row on the stage
+    that starts the next round (stage p - 1 of a V, else stage 0); unchanged elsewhere and before."""
+    jw = t - (p - 1)
+    keep = (stage == (p - 1 if vee else 0)) & (jw >= 0)
+    i = jnp.clip(jw, 0, m - 1)
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(keep, got, take(buf, i)), i, 0)

@@ -174,39 +174,51 @@ def _per_op_program(pcfg: PipelineConfig, p: int, table, bubbles: tuple[float, .
     arrs = {k: np.full((ticks, p), -1, np.int32) for k in keys}
     slots, stash_slots, head_slots, inbox = 0, 0, 0, [0, 0]
     for s in range(p):
-        res = schedules.residual_slots(table, s)
-        slots = max(slots, 1 + max(res.values()))
-        st = schedules.assign_slots(schedules.stash_intervals(table, s))  # B's stash lives from B to W
-        stash_slots = max(stash_slots, 1 + max(st.values()))
-        hd = schedules.assign_slots(_head_intervals(table, s, p, v, placement))  # the head's dy: F to B
-        head_slots = max(head_slots, 1 + max(hd.values(), default=-1))
-        for t, row in enumerate(table):
-            op = row[s]
-            if op is not None:
-                key = (op.mb, op.chunk)
-                arrs["kind"][t, s], arrs["mb"][t, s], arrs["chunk"][t, s] = KINDS[op.kind], op.mb, op.chunk
-                arrs["slot"][t, s] = res[key]
-                if op.kind != "F":
-                    arrs["stash"][t, s] = st[key]
-                if key in hd and op.kind != "W":
-                    arrs["head"][t, s] = hd[key]
+        n_res, n_stash, n_head = _fill_stage_ops(table, s, p, v, placement, arrs)
+        slots, stash_slots, head_slots = max(slots, n_res), max(stash_slots, n_stash), max(head_slots, n_head)
         if placement == "v":
             inbox[0] = max(inbox[0], _one_inbox(table, s, p, arrs))
             continue
-        # inboxes: activations from stage s-1's F, gradients from stage s+1's B
-        for i, (pre, iv) in enumerate(zip("fg", schedules.inbox_intervals(table, s), strict=True)):
-            if not iv:
-                continue
-            box = schedules.assign_slots(iv)
-            inbox[i] = max(inbox[i], 1 + max(box.values()))
-            for key, (a, b) in iv.items():
-                arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
+        inbox = [max(n, k) for n, k in zip(inbox, _fill_stage_inboxes(table, s, arrs), strict=True)]
     cuts = schedules.grad_cuts(schedules.grad_final_ticks(table, v), ticks) if pcfg.overlap_grad_reduce else ()
     _check_overlap(pcfg, cuts, v, p)
     period = MAX_PERIOD if placement == "loop" else 2 * MAX_PERIOD
     phases, sends = _send_phases(table, p, period, frozenset(t for t, _ in cuts))
     return TickProgram(pcfg.schedule, p, m, v, ticks, slots, False, phases, arrs, True, tuple(inbox), "per_op",
                        stash_slots, sends, bubbles, placement, head_slots, cuts)  # fmt: skip
+
+
+def _fill_stage_ops(table, s: int, p: int, v: int, placement: str, arrs: dict) -> tuple[int, int, int]:
+    """Stage s's column of the op arrays: each op's kind, microbatch and chunk and the residual, stash
+    and head slots it uses. Returns the residual, stash and head slots the stage needs."""
+    res = schedules.residual_slots(table, s)
+    st = schedules.assign_slots(schedules.stash_intervals(table, s))  # B's stash lives from B to W
+    hd = schedules.assign_slots(_head_intervals(table, s, p, v, placement))  # the head's dy: F to B
+    for t, row in enumerate(table):
+        op = row[s]
+        if op is not None:
+            key = (op.mb, op.chunk)
+            arrs["kind"][t, s], arrs["mb"][t, s], arrs["chunk"][t, s] = KINDS[op.kind], op.mb, op.chunk
+            arrs["slot"][t, s] = res[key]
+            if op.kind != "F":
+                arrs["stash"][t, s] = st[key]
+            if key in hd and op.kind != "W":
+                arrs["head"][t, s] = hd[key]
+    return 1 + max(res.values()), 1 + max(st.values()), 1 + max(hd.values(), default=-1)
+
+
+def _fill_stage_inboxes(table, s: int, arrs: dict) -> tuple[int, int]:
+    """Stage s's inbox slots (a loop placement's): activations from stage s-1's F (f_put, f_get) and
+    gradients from stage s+1's B (g_put, g_get). Returns the activation and gradient slots it needs."""
+    need = [0, 0]
+    for i, (pre, iv) in enumerate(zip("fg", schedules.inbox_intervals(table, s), strict=True)):
+        if not iv:
+            continue
+        box = schedules.assign_slots(iv)
+        need[i] = 1 + max(box.values())
+        for key, (a, b) in iv.items():
+            arrs[f"{pre}_put"][a, s] = arrs[f"{pre}_get"][b, s] = box[key]
+    return need[0], need[1]
 
 
 def _head_intervals(table, s: int, p: int, v: int, placement: str) -> dict:
@@ -296,7 +308,25 @@ def _send_phases(table, p: int, max_period: int = MAX_PERIOD, cuts: frozenset[in
     mask = [(sum(bits[x] for x in f), sum(bits[x] for x in b)) for f, b in need]
     pairs_of = lambda m: frozenset(pr for pr, bit in bits.items() if m & bit)
     cost = functools.cache(lambda f, b: len(_permutes(pairs_of(f), pairs_of(b))))  # f, b as bit masks
-    ticks = len(table)
+    spans = _cheapest_spans(mask, cost, max_period, cuts)
+    phases, sends = [], []
+    for t0, t1, u in spans:
+        pat = [(frozenset(), frozenset())] * u
+        for t in range(t0, t1):
+            j = (t - t0) % u
+            pat[j] = (pat[j][0] | need[t][0], pat[j][1] | need[t][1])
+        per = tuple(_permutes(f, b) for f, b in pat)
+        pairs = [pr for tick in per for perm in tick for pr in perm]
+        phases.append(("FBW", t0, t1, any(b > a for a, b in pairs), any(b < a for a, b in pairs)))
+        sends.append(per)
+    return tuple(phases), tuple(sends)
+
+
+def _cheapest_spans(mask, cost, max_period: int, cuts: frozenset[int]) -> list[tuple[int, int, int]]:
+    """`_send_phases`' dynamic programme: the (t0, t1, u) spans, in tick order, that split the ticks
+    [0, len(mask)) at the least permutes per step plus TICK_COPY_COST per compiled tick. mask[t] is tick
+    t's sends as (activation, gradient) bit masks; cost(f, b) the permutes one tick of those masks takes."""
+    ticks = len(mask)
     best: list = [(0, None)] + [(float("inf"), None)] * ticks  # (cost, (t0, u)) of the best split of [0, t)
     bounds = {0, ticks} | set(cuts)
     for t0 in range(ticks):
@@ -319,14 +349,4 @@ def _send_phases(table, p: int, max_period: int = MAX_PERIOD, cuts: frozenset[in
         t0, u = best[t][1]
         spans.append((t0, t, u))
         t = t0
-    phases, sends = [], []
-    for t0, t1, u in reversed(spans):
-        pat = [(frozenset(), frozenset())] * u
-        for t in range(t0, t1):
-            j = (t - t0) % u
-            pat[j] = (pat[j][0] | need[t][0], pat[j][1] | need[t][1])
-        per = tuple(_permutes(f, b) for f, b in pat)
-        pairs = [pr for tick in per for perm in tick for pr in perm]
-        phases.append(("FBW", t0, t1, any(b > a for a, b in pairs), any(b < a for a, b in pairs)))
-        sends.append(per)
-    return tuple(phases), tuple(sends)
+    return spans[::-1]

@@ -170,44 +170,46 @@ def _zbv_orders(p: int, m: int, v: int) -> list[list[Task]]:
     # r) and chunk 1 (2p-1-r). Warm-up: 2(p-r)-1 chunk-0 forwards, r pairs (F1, F0), then p-r rounds of
     # F1 B1 W1; steady state F0 B0 W0 F1 B1 W1; cool-down: r pairs (B0, B1), p-r rounds of B0 W0, the
     # deferred W's last. At most 2p chunks (p microbatches' worth of the stage's layers) in flight.
-    orders = []
-    for r in range(p):
-        o, n = [], {"F0": 0, "F1": 0, "B0": 0, "B1": 0, "W0": 0, "W1": 0}
+    return [_zbv_stage_order(p, m, r) for r in range(p)]
 
-        def op(kind: str, c: int, o=o, n=n) -> None:
-            o.append(Task(kind, n[f"{kind}{c}"], c))
-            n[f"{kind}{c}"] += 1
 
-        for _ in range(min(2 * (p - r) - 1, m)):
-            op("F", 0)
-        for _ in range(r):
-            for c in (1, 0):
-                if n[f"F{c}"] < m:
-                    op("F", c)
-        for _ in range(p - r):
-            if n["F1"] < m:
-                op("F", 1)
-            op("B", 1)
-            op("W", 1)
-        while n["F1"] < n["F0"] or n["F0"] < m:
-            if n["F0"] < m:
-                op("F", 0)
-            op("B", 0)
-            op("W", 0)
-            op("F", 1)
-            op("B", 1)
-            op("W", 1)
-        for _ in range(r):
-            op("B", 0)
-            op("B", 1)
-        for _ in range(p - r):
-            op("B", 0)
-            op("W", 0)
+def _zbv_stage_order(p: int, m: int, r: int) -> list[Task]:
+    """Stage r's ops in ZB-V's order (`_zbv_orders`)."""
+    o, n = [], {"F0": 0, "F1": 0, "B0": 0, "B1": 0, "W0": 0, "W1": 0}
+
+    def op(kind: str, c: int) -> None:
+        o.append(Task(kind, n[f"{kind}{c}"], c))
+        n[f"{kind}{c}"] += 1
+
+    for _ in range(min(2 * (p - r) - 1, m)):
+        op("F", 0)
+    for _ in range(r):
         for c in (1, 0):
-            while n[f"W{c}"] < n[f"B{c}"]:
-                op("W", c)
-        orders.append(o)
-    return orders
+            if n[f"F{c}"] < m:
+                op("F", c)
+    for _ in range(p - r):
+        if n["F1"] < m:
+            op("F", 1)
+        op("B", 1)
+        op("W", 1)
+    while n["F1"] < n["F0"] or n["F0"] < m:
+        if n["F0"] < m:
+            op("F", 0)
+        op("B", 0)
+        op("W", 0)
+        op("F", 1)
+        op("B", 1)
+        op("W", 1)
+    for _ in range(r):
+        op("B", 0)
+        op("B", 1)
+    for _ in range(p - r):
+        op("B", 0)
+        op("W", 0)
+    for c in (1, 0):
+        while n[f"W{c}"] < n[f"B{c}"]:
+            op("W", c)
+    return o
 
 
 # ---------------------------------------------------------------- the registry

@@ -188,18 +188,8 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
     done: dict[tuple[str, int, int], int] = {}
     fi, bi, out = [0] * p, [0] * p, Table(placement=pl)
     while any(fi[s] < len(fq[s]) or bi[s] < len(bq[s]) for s in range(p)):
-        t, row = len(out), []
-        for s in range(p):
-            f = fq[s][fi[s]] if fi[s] < len(fq[s]) else None
-            if f is not None and not all(done.get(d, t) < t for d in _deps(f, s, p, v, pl)):
-                f = None
-            nf = fi[s] + (f is not None)
-            b, need = bq[s][bi[s]] if bi[s] < len(bq[s]) else (None, 0)
-            if b is not None:
-                same = f is not None and f.mb == b.mb and f.chunk == b.chunk
-                ok = need <= nf and all(done.get(d, t) < t or (same and d[0] == "F") for d in _deps(b, s, p, v, pl))
-                b = b if ok else None
-            row.append(Step(f, b))
+        t = len(out)
+        row = [_lockstep_step(fq[s], bq[s], fi[s], bi[s], done, t, s, p, v, pl) for s in range(p)]
         if not any(c.fwd or c.bwd for c in row):
             raise ScheduleError(f"lockstep deadlock at tick {t}")
         for s, c in enumerate(row):
@@ -210,6 +200,24 @@ def lockstep(table: list[list[Task | None]]) -> list[list[Step]]:
             bi[s] += c.bwd is not None
         out.append(row)
     return out
+
+
+def _lockstep_step(fq: list[Task], bq: list[tuple[Task, int]], fi: int, bi: int, done: dict, t: int, s: int, p: int,
+                   v: int, pl: str) -> Step:  # fmt: skip
+    """Stage s's `Step` at tick t of `lockstep`: its next forward fq[fi] if that forward's inputs are
+    done (`done`: op -> its tick) before t, and its next backward bq[bi] if the forwards that precede
+    it have run (this tick's included) and its inputs are done before t (or are this tick's forward
+    of the same microbatch and chunk)."""
+    f = fq[fi] if fi < len(fq) else None
+    if f is not None and not all(done.get(d, t) < t for d in _deps(f, s, p, v, pl)):
+        f = None
+    nf = fi + (f is not None)
+    b, need = bq[bi] if bi < len(bq) else (None, 0)
+    if b is not None:
+        same = f is not None and f.mb == b.mb and f.chunk == b.chunk
+        ok = need <= nf and all(done.get(d, t) < t or (same and d[0] == "F") for d in _deps(b, s, p, v, pl))
+        b = b if ok else None
+    return Step(f, b)
 
 
 # ---------------------------------------------------------------- checks and buffer sizes

@@ -145,22 +145,7 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
     n_v = p * v
     what = f"{n_v} virtual stages (pipe={p} x virtual={v})" if v > 1 else f"pipe={p} stages"
     if pcfg.layers_per_stage:
-        counts = tuple(pcfg.layers_per_stage)
-        if len(counts) != n_v:
-            raise ConfigError(
-                "pipeline.layers_per_stage",
-                list(counts),
-                f"give one count per stage: {n_v} numbers for {what}, in model order (chunk-major)",
-                "wrong length",
-            )
-        if sum(counts) != n_units:
-            raise ConfigError(
-                "pipeline.layers_per_stage",
-                list(counts),
-                f"make the counts sum to the {n_units} stacked layers, e.g. {list(_even(n_units, n_v))}",
-                f"sum {sum(counts)} != {n_units} stacked layers",
-            )
-        return LayerSplit(counts, p, v, placement)
+        return LayerSplit(_given_counts(pcfg.layers_per_stage, n_units, n_v, what), p, v, placement)
     if n_units < n_v:
         raise ConfigError(
             "model.n_layers",
@@ -183,6 +168,27 @@ def layer_split(pcfg: PipelineConfig, n_units: int, p: int, costs: tuple[float, 
             f"{n_units} stacked layers do not split evenly into {what}",
         )
     return LayerSplit((n_units // n_v,) * n_v, p, v, placement)
+
+
+def _given_counts(layers_per_stage, n_units: int, n_v: int, what: str) -> tuple[int, ...]:
+    """`pipeline.layers_per_stage` as a tuple, or ConfigError unless it gives one count per virtual
+    stage (n_v of them, `what` in the message) that sum to the n_units stacked layers."""
+    counts = tuple(layers_per_stage)
+    if len(counts) != n_v:
+        raise ConfigError(
+            "pipeline.layers_per_stage",
+            list(counts),
+            f"give one count per stage: {n_v} numbers for {what}, in model order (chunk-major)",
+            "wrong length",
+        )
+    if sum(counts) != n_units:
+        raise ConfigError(
+            "pipeline.layers_per_stage",
+            list(counts),
+            f"make the counts sum to the {n_units} stacked layers, e.g. {list(_even(n_units, n_v))}",
+            f"sum {sum(counts)} != {n_units} stacked layers",
+        )
+    return counts
 
 
 def _even(n: int, k: int) -> tuple[int, ...]:

@@ -46,6 +46,19 @@ def _kv_len(s: int, c: int, kind: str, flash: bool) -> float | None:
     return None if flash or (c > 1 and kind == "ring") else float(s)
 
 
+def _mlp_kept(m: ModelConfig, b: int, s: float, act: float, moe: bool) -> float:
+    """The MLP intermediates one layer keeps for its backward, per micro-batch of s local tokens, before
+    the TP split (gelu: fc1 out + gelu out; swiglu: gate, up, prod); MoE: those of the routed copies of
+    the tokens (top_k x capacity), the router logits, the dispatch and combine buffers."""
+    mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
+    if not moe:
+        return act * mlp_elems
+    # Megatron's dropless MoE keeps the routed rows it received (top_k per token, the busiest rank's share)
+    routed = m.top_k * (MOE_DROPLESS_IMBALANCE if m.moe_dispatch == "dropless" else m.capacity_factor)
+    sbh = s * b * m.d_model
+    return act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
+
+
 def layer_activation_bytes(
     m: ModelConfig, b: int, s: int, t: int, *, sp: bool, remat: str, act: float, dropout: bool, flash: bool, moe=False,
     context: int = 1, kind: str = "allgather", fp8_inputs: bool = False,
@@ -69,20 +82,14 @@ def layer_activation_bytes(
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     # Replicated across TP without SP: LN1 input, QKV input, LN2 input, MLP input (+ 2 dropout masks).
     repl = 4 * act * sbh + 2 * mask * sbh
-    # Split by TP: Q, K, V; out-proj input; MLP intermediates (gelu: fc1 out + gelu out; swiglu: gate, up, prod).
-    mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
-    mlp = act * mlp_elems
-    if moe:  # routed copies of the tokens (top_k x capacity), router logits, dispatch + combine buffers
-        # Megatron's dropless MoE keeps the routed rows it received (top_k per token, the busiest rank's share)
-        routed = m.top_k * (MOE_DROPLESS_IMBALANCE if m.moe_dispatch == "dropless" else m.capacity_factor)
-        mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
-    split = act * s * b * (q + 2 * kv) + act * s * b * q + mlp
+    # Split by TP: Q, K, V; out-proj input; MLP intermediates (`_mlp_kept`).
+    split = act * s * b * (q + 2 * kv) + act * s * b * q + _mlp_kept(m, b, s, act, moe)
     if kv_len is None:  # flash attention keeps only the log-sum-exp (fp32), never the s x s scores
         core = 4.0 * b * m.n_heads * s
+    elif remat == "selective":  # recomputed in the backward (selective drops the 5as/h term)
+        core = 0.0
     else:  # softmax output (+ dropout mask and dropout output)
         core = b * m.n_heads * s * kv_len * (act + (mask + act if dropout else 0.0))
-    if remat == "selective":
-        core = 0.0 if kv_len is not None else core
     split += gathered
     if fp8_inputs and act > 1:  # QKV and MLP-in inputs (replicated), out-proj and MLP-out inputs (split)
         repl -= (act - 1) * 2 * sbh

@@ -121,11 +121,7 @@ def predict_memory(
     sp = layout.sequence_parallel and tensor > 1
     s = seq_len or model.max_seq_len
     stages = {}
-    spmd = None
-    if framework == "meshrun":
-        # SPMD: every stage holds buffers of the largest stage's shape (and the embedding and head).
-        lay = layout if sp == layout.sequence_parallel else replace(layout, sequence_parallel=sp)
-        spmd = predict_memory_jax(model, lay, seq_len=s, layers=max(split))
+    spmd = _spmd_stage(model, layout, s, sp, split) if framework == "meshrun" else None
     for name, stage in stage_names(p).items():
         if spmd is not None:
             part = dict(spmd)
@@ -156,6 +152,13 @@ def _add_overheads(part: dict, layout: Layout) -> None:
     part["total"] += part["overheads"]
 
 
+def _spmd_stage(model: ModelConfig, layout: Layout, s: int, sp: bool, split: tuple) -> dict:
+    """meshrun's parts of every stage (`predict_memory_jax`): SPMD, every stage holds buffers of the
+    largest stage's shape (and the embedding and head). sp: sequence parallelism in effect."""
+    lay = layout if sp == layout.sequence_parallel else replace(layout, sequence_parallel=sp)
+    return predict_memory_jax(model, lay, seq_len=s, layers=max(split))
+
+
 def _megatron_stage(
     model: ModelConfig, layout: Layout, stage: int, layers: float, *, seq_len: int, sp: bool, dropout: bool,
     flash: bool | None,
@@ -165,25 +168,17 @@ def _megatron_stage(
     s/c tokens of every sequence; dense weights' gradients and ZeRO (distributed optimizer) shards
     span data x expert x context (dp x cp)."""
     prec = precision_of(model, "megatron", layout)
-    pb, gb, ob, ab = prec.param, prec.grad, prec.opt, prec.act
+    ab = prec.act
     fp8 = model.fp8 != "none"  # Transformer Engine keeps the fp8 GEMMs' inputs in fp8
     flash = model.attention_impl == "cudnn" if flash is None else flash
     s, t, p, b, h = seq_len, layout.tensor, layout.pipe, layout.micro_batch_size, model.d_model
-    data, expert, context, zero = layout.data, layout.expert, layout.context, layout.zero
-    remat, kind = layout.remat, layout.context_kind
-    counts = param_counts(model)
+    context = layout.context
     kept, working = _layer_activations(
-        model, b, s, t, remat=remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context, kind=kind,
-        fp8_inputs=fp8,
+        model, b, s, t, remat=layout.remat, sp=sp, act=ab, dropout=dropout, flash=flash, context=context,
+        kind=layout.context_kind, fp8_inputs=fp8,
     )  # fmt: skip
-    dense_div, expert_div = zero_divisors(zero, data * expert * context), zero_divisors(zero, data * context)
     s = s / context if context > 1 else s  # per-token tensors below: the local tokens
-    dense, experts = _stage_params(counts, h, p, t, expert, stage, layers / model.n_layers)
-    params, grads, opt = (
-        nbytes * (dense / dd + experts / ed) for nbytes, dd, ed in zip((pb, gb, ob), dense_div, expert_div)
-    )
-    if zero == 3:  # gathered weights of the layer in use and the prefetched next one
-        params += 2 * pb * (layer_params(model, model.is_moe) / t)
+    params, grads, opt, per_device = _megatron_stage_state(model, layout, stage, layers, prec)
     n_in = inflight_microbatches(layout.schedule, p, layout.microbatches, layout.virtual, stage)
     acts = layers * kept * n_in + working
     if stage == 0:  # embedding output (+ dropout mask) of each in-flight micro-batch
@@ -198,5 +193,24 @@ def _megatron_stage(
         "activations": acts,
         "logits": logits,
         "total": params + grads + opt + acts + logits,
-        "params_per_device": dense + experts,
+        "params_per_device": per_device,
     }
+
+
+def _megatron_stage_state(model: ModelConfig, layout: Layout, stage: int, layers: float, prec) -> tuple[float, ...]:
+    """(params, grads, optimizer) bytes on one device of `stage` (holding `layers` layers) under
+    Megatron-LM's accounting (`prec`: its precisions), and the parameters the device holds. ZeRO
+    (distributed optimizer) shards span data x expert x context for dense weights, data x context for
+    experts; ZeRO-3 adds the gathered weights of the layer in use and the prefetched next one."""
+    t, zero, expert, context = layout.tensor, layout.zero, layout.expert, layout.context
+    dense_div = zero_divisors(zero, layout.data * expert * context)
+    expert_div = zero_divisors(zero, layout.data * context)
+    counts = param_counts(model)
+    dense, experts = _stage_params(counts, model.d_model, layout.pipe, t, expert, stage, layers / model.n_layers)
+    params, grads, opt = (
+        nbytes * (dense / dd + experts / ed)
+        for nbytes, dd, ed in zip((prec.param, prec.grad, prec.opt), dense_div, expert_div)
+    )
+    if zero == 3:  # gathered weights of the layer in use and the prefetched next one
+        params += 2 * prec.param * (layer_params(model, model.is_moe) / t)
+    return params, grads, opt, dense + experts

@@ -143,31 +143,36 @@ def evaluate(
     mem = cost.predict_memory(
         model, layout, seq_len=seq_len, framework=framework, dropout=dropout > 0, split=tm["split"], overheads=True
     )
-    if mem["total"] > cluster.usable_memory:
-        where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
-        hard.append(
-            f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"
-        )
+    hard += _memory_violations(mem, layout, cluster)
     soft = _soft_violations(model, layout, cluster, tm, framework)
-    n = cluster.n_devices
-    hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
-    mf = flops.model_flops(model, global_batch, seq_len)
     levers = layout.offload_params or layout.offload_optimizer != "none"
     if levers and framework != "meshrun":
         hard.append("offload_params / offload_optimizer: costed for meshrun's step only (--framework meshrun)")
-    r = Result(
-        layout=layout,
-        memory=mem,
-        time=tm,
-        tflops_per_device=hw / (tm["total"] * n) / 1e12,
-        mfu=mf / (tm["total"] * cluster.gpu.peak_flops * n),
-        violations=hard + soft,
-        hard=bool(hard),
-    )
+    speed = _throughput(model, layout, cluster, global_batch, seq_len, tm["total"])
+    r = Result(layout=layout, memory=mem, time=tm, **speed, violations=hard + soft, hard=bool(hard))
     if not levers or framework != "meshrun":
         return r
     out = offload.apply(r, model, cluster, seq_len)  # the levers' memory and time; their misfits are hard
     return replace(out, hard=out.hard or any(not v.startswith("memory ") for v in hard))
+
+
+def _memory_violations(mem: dict, layout: Layout, cluster: Cluster) -> list[str]:
+    """`evaluate`'s memory violation: the fullest stage's total over the device's usable memory."""
+    if not mem["total"] > cluster.usable_memory:
+        return []
+    where = f" on stage {mem['stage']}" if layout.pipe > 1 else ""
+    return [f"memory {mem['total'] / GB:.1f} GB{where} > {cluster.usable_memory / GB:.1f} GB of {cluster.gpu.name}"]
+
+
+def _throughput(
+    model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, step: float
+) -> dict[str, float]:
+    """`Result`'s tflops_per_device (hardware FLOPs, recompute included) and mfu (model FLOPs over the
+    cluster's peak) of a step of `step` seconds."""
+    n = cluster.n_devices
+    hw = flops.hardware_flops(model, global_batch, seq_len, layout.remat)
+    mf = flops.model_flops(model, global_batch, seq_len)
+    return {"tflops_per_device": hw / (step * n) / 1e12, "mfu": mf / (step * cluster.gpu.peak_flops * n)}
 
 
 def _soft_violations(model: ModelConfig, layout: Layout, cluster: Cluster, tm: dict, framework: str) -> list[str]:
@@ -291,17 +296,8 @@ def search(
     calibration). Context parallelism up to `max_context` (1: none) where the sequence is long enough
     (`context_degrees`). Every layout runs `optimizer` with its moments in `state_dtype` and reduces
     its gradients over data parallelism in `grad_reduce_dtype`. Raises ConfigError when none fits."""
-    fitting, smallest, n_seen = [], None, 0
     opt = dict(optimizer=optimizer, state_dtype=state_dtype, grad_reduce_dtype=grad_reduce_dtype)
-    for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
-        layout = _with(layout, **opt)
-        n_seen += 1
-        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
-        if r.hard:
-            if smallest is None or r.memory["total"] < smallest.memory["total"]:
-                smallest = r
-            continue
-        fitting.append(r)
+    fitting, smallest, n_seen = _cost_candidates(model, cluster, global_batch, seq_len, max_context, opt, kw)
     if not n_seen:
         raise ConfigError(
             "--global-batch",
@@ -314,6 +310,24 @@ def search(
         return _offloaded_or_refused(model, cluster, global_batch, seq_len, top, name, max_context, opt, kw, smallest)
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
+
+
+def _cost_candidates(
+    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, max_context: int, opt: dict, kw: dict
+) -> tuple[list[Result], Result | None, int]:
+    """Every candidate layout, run with `opt`'s optimizer settings, costed on its best executor:
+    (the results that fit, the smallest of those that do not (None if none), how many layouts)."""
+    fitting, smallest, n_seen = [], None, 0
+    for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
+        layout = _with(layout, **opt)
+        n_seen += 1
+        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
+        if r.hard:
+            if smallest is None or r.memory["total"] < smallest.memory["total"]:
+                smallest = r
+            continue
+        fitting.append(r)
+    return fitting, smallest, n_seen
 
 
 def _offloaded_or_refused(

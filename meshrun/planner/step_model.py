@@ -77,8 +77,15 @@ def predict_memory_jax(
     st = _state_bytes(model, layout, frac)
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
-    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
-    state = st["stored"] + st["moments"]  # the step's arguments
+    host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed)
+    return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme)
+
+
+def _offloaded_state(
+    model: ModelConfig, st: dict, offload_optimizer: bool | str, streamed: bool | None
+) -> tuple[float, float]:
+    """(host, nvme) bytes of `_state_bytes`' state that rest off the device between steps
+    (`predict_memory_jax`'s offload_optimizer and streamed)."""
     tier = ("host" if offload_optimizer else "none") if isinstance(offload_optimizer, bool) else offload_optimizer
     streamed = tier == "nvme" if streamed is None else streamed
     host_state = nvme = 0.0
@@ -86,6 +93,14 @@ def predict_memory_jax(
         host_state = st["moments"] + (st["stored"] if model.param_dtype != model.dtype and not streamed else 0.0)
     elif tier == "nvme":
         nvme = st["moments"]
+    return host_state, nvme
+
+
+def _jax_memory_parts(st: dict, acts: float, host_acts: float, logits: float, host_state: float, nvme: float) -> dict:
+    """`predict_memory_jax`'s dict from its parts: the total, the step's arguments and temporaries, and
+    where the total rests between steps."""
+    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
+    state = st["stored"] + st["moments"]  # the step's arguments
     host = host_state + host_acts
     return {
         "device": total - host - nvme,
@@ -212,19 +227,28 @@ def _grad_bytes(
         grads += 4 * (sums + (other if lay.microbatches > 1 else 0.0))
     elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
-    if overlap_cut(lay)[2]:  # overlap_grad_reduce: the chunks' reduced sums (ZeRO >= 1: their shards; the final
-        # chunks' filled in the loop, `StageRun.drain`) beside the array they are joined into
-        # (`executor._join_chunks`; norm scales are never scattered), and the rows a drain tick reduces
-        reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
-        ticks, cut, _ = overlap_cut(lay)
-        lc = -(-model.n_layers // (lay.pipe * lay.chunks))
-        rows = (
-            schedules.drain(lc, ticks - cut)[0]
-            * (dense + experts - (counts["embedding"] + counts["head"]) / t - h)
-            / (lc * lay.chunks)
-        )
-        grads += max(pb, 4) * (reduced + rows)
+    if overlap_cut(lay)[2]:
+        grads += max(pb, 4) * _overlap_sum_elems(model, lay, frac, counts, dense, experts, shard, eshard)
     return grads
+
+
+def _overlap_sum_elems(
+    model: ModelConfig, lay: Layout, frac: float, counts: dict, dense: float, experts: float, shard, eshard
+) -> float:
+    """Gradient elements on one device that overlap_grad_reduce adds: the chunks' reduced sums (ZeRO >= 1:
+    their shards; the final chunks' filled in the loop, `StageRun.drain`) beside the array they are joined
+    into (`executor._join_chunks`; norm scales are never scattered), and the rows a drain tick reduces."""
+    t, h = lay.tensor, model.d_model
+    norms = 2 * h * model.n_layers
+    reduced = (counts["layers"] - norms) * frac / t / shard[2] + norms * frac + experts / eshard[2]
+    ticks, cut, _ = overlap_cut(lay)
+    lc = -(-model.n_layers // (lay.pipe * lay.chunks))
+    rows = (
+        schedules.drain(lc, ticks - cut)[0]
+        * (dense + experts - (counts["embedding"] + counts["head"]) / t - h)
+        / (lc * lay.chunks)
+    )
+    return reduced + rows
 
 
 def layerwise(model: ModelConfig, lay: Layout) -> bool:
@@ -248,10 +272,33 @@ def layerwise(model: ModelConfig, lay: Layout) -> bool:
 def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> tuple[float, float]:
     """(device, host) bytes of the activations kept for the backward on one device: per layer by remat
     mode, times the layers of a stage (pipelined: the executor's residual slots of a chunk)."""
+    per_layer, working, host_acts, layer_in = _layer_activation_parts(model, lay, s)
+    stage_layers = model.n_layers * frac
+    if lay.pipe > 1:
+        acts, held = _pipelined_activations(model, lay, s, stage_layers / lay.chunks, (per_layer, working, layer_in))
+        host_acts *= held
+    else:
+        acts = stage_layers * per_layer + working
+        host_acts *= stage_layers
+    return acts + _moe_mask_bytes(model, lay, s), host_acts
+
+
+def _moe_mask_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
+    """The causal mask, a residual of the unnamed MoE unit without flash attention and remat: (s/c) x s
+    under context parallelism, none under ring attention."""
+    c, kind = lay.context, lay.context_kind
+    if model.attention_impl == "cudnn" or lay.remat != "none" or not model.is_moe or (c > 1 and kind == "ring"):
+        return 0.0
+    ab, b, sl = precision_of(model).act, lay.micro_batch_size, s / c if c > 1 else s
+    return model.moe_every * b * model.n_heads * sl * s / lay.tensor * (ab + 1)
+
+
+def _layer_activation_parts(model: ModelConfig, lay: Layout, s: int) -> tuple[float, float, float, float]:
+    """Per layer by remat mode: (device bytes kept for the backward, the backward's working bytes (once
+    per device), host bytes kept (remat=offload), the bytes of the layer's input)."""
     ab = precision_of(model).act
-    t, p, b, h = lay.tensor, lay.pipe, lay.micro_batch_size, model.d_model
+    t, b, h = lay.tensor, lay.micro_batch_size, model.d_model
     remat, sp = lay.remat, lay.sequence_parallel
-    v = lay.chunks
     flash = model.attention_impl == "cudnn"
     moe_frac = model.n_moe_layers / model.n_layers
     c, kind = lay.context, lay.context_kind
@@ -272,27 +319,27 @@ def _activation_bytes(model: ModelConfig, lay: Layout, s: int, frac: float) -> t
         per_layer, working = layer_in / k, k * rebuilt + working
     elif remat == "offload":  # the unit input stays; the selective names go to host memory
         per_layer, host_acts = layer_in, saved_name_bytes(model, b, sl, t, act=ab)
-    stage_layers = model.n_layers * frac
-    if p > 1:
-        chunk = stage_layers / v
-        executor = lay.run_executor
-        slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v, executor)
-        # + the chunk in flight: a lockstep tick that runs a forward and a backward (1F1B, interleaved)
-        # holds one being produced and one being consumed; GPipe's phases and the per-op ticks one
-        both = lay.sched.lockstep_fb and executor == "lockstep"
-        acts = (slots + 1 + both) * chunk * per_layer + working
-        if executor == "per_op":  # each slot's output gradient waits for its W; B's stash until W
-            stash = stash_bytes(model, b, sl, t, act=ab, sp=sp, remat=remat)
-            n_stash = stash_slots_formula(lay.schedule, p, lay.microbatches)
-            acts += slots * layer_in + n_stash * chunk * stash
-        host_acts *= (slots + 1) * chunk
-    else:
-        acts = stage_layers * per_layer + working
-        host_acts *= stage_layers
-    if not flash and remat == "none" and model.is_moe and not (c > 1 and kind == "ring"):
-        # the causal mask, a residual of the unnamed MoE unit: (s/c) x s under context parallelism
-        acts += model.moe_every * b * model.n_heads * sl * s / t * (ab + 1)
-    return acts, host_acts
+    return per_layer, working, host_acts, layer_in
+
+
+def _pipelined_activations(model: ModelConfig, lay: Layout, s: int, chunk: float, parts) -> tuple[float, float]:
+    """(device bytes, layers' worth of host activations) of a pipeline stage's activations: the
+    executor's residual slots of a chunk of `chunk` layers. parts: `_layer_activation_parts`' per-layer
+    bytes, working bytes and layer input bytes."""
+    per_layer, working, layer_in = parts
+    ab, t, b, p, v = precision_of(model).act, lay.tensor, lay.micro_batch_size, lay.pipe, lay.chunks
+    sl = s / lay.context if lay.context > 1 else s  # the local tokens of each sequence
+    executor = lay.run_executor
+    slots = _pipeline_slots(lay.schedule, p, lay.microbatches, v, executor)
+    # + the chunk in flight: a lockstep tick that runs a forward and a backward (1F1B, interleaved)
+    # holds one being produced and one being consumed; GPipe's phases and the per-op ticks one
+    both = lay.sched.lockstep_fb and executor == "lockstep"
+    acts = (slots + 1 + both) * chunk * per_layer + working
+    if executor == "per_op":  # each slot's output gradient waits for its W; B's stash until W
+        stash = stash_bytes(model, b, sl, t, act=ab, sp=lay.sequence_parallel, remat=lay.remat)
+        n_stash = stash_slots_formula(lay.schedule, p, lay.microbatches)
+        acts += slots * layer_in + n_stash * chunk * stash
+    return acts, (slots + 1) * chunk
 
 
 def _logits_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
