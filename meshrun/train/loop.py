@@ -75,8 +75,7 @@ def run(
         closers.insert(0, ckpt.close)
         tier = _local_tier(cfg, closers)
         _start_up(cfg, built, ckpt, steps, startup, quiet)
-        dog = _watchdog(cfg, built)
-        closers.insert(0, dog.close)
+        dog = _watchdog(cfg, built, closers)
         dog.phase("restore", 0)
         state, start = initial_state(cfg, ckpt, built.train_step, steps, quiet, tier)
         write_config(cfg)  # once the run dir's state was accepted: a refused rerun leaves the old one
@@ -143,11 +142,14 @@ def check_local_tier(cfg: RunConfig) -> None:
                           "another process cannot write it")  # fmt: skip
 
 
-def _watchdog(cfg: RunConfig, built: Prepared) -> Watchdog:
-    """The step watchdog of this process; its hang record names the mesh axes the step spans."""
+def _watchdog(cfg: RunConfig, built: Prepared, closers: list) -> Watchdog:
+    """The step watchdog of this process, closed first; its hang record names the mesh axes the step
+    spans."""
     t, mesh = cfg.train, {a: n for a, n in built.mesh.shape.items() if n > 1}
-    return Watchdog(t.run_dir, timeout_s=t.step_timeout, compile_allowance_s=t.compile_allowance,
-                    process=jax.process_index(), processes=jax.process_count(), known={"mesh": mesh})  # fmt: skip
+    dog = Watchdog(t.run_dir, timeout_s=t.step_timeout, compile_allowance_s=t.compile_allowance,
+                   process=jax.process_index(), processes=jax.process_count(), known={"mesh": mesh})  # fmt: skip
+    closers.insert(0, dog.close)
+    return dog
 
 
 def _close_all(closers: list, quiet: bool) -> None:
