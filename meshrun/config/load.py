@@ -31,7 +31,8 @@ def _suggest(key: str, options) -> str:
 
 
 def _coerce(name: str, tp, value):
-    """Check/convert one value against a field's type hint."""
+    """Check/convert one value against a field's type hint: an optional or union (the value as it is
+    when already one of the members, else as the first), a scalar (`_SCALARS`) or a tuple."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -40,39 +41,8 @@ def _coerce(name: str, tp, value):
         if any(type(value) is a for a in args):  # already one of the members (e.g. `str | bool`)
             return value
         return _coerce(name, args[0], value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(name, value, "use true or false", "not a boolean")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if not (isinstance(value, float) and value.is_integer()):
-                raise ConfigError(name, value, "use a whole number, e.g. 2", "not an integer")
-            value = int(value)
-        if abs(value) > 2**62:
-            raise ConfigError(name, value, "use a whole number of a sensible size", "out of range")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, value, "use a number, e.g. 0.5", "not a number")
-        try:
-            value = float(value)
-        except OverflowError:  # an int past float range
-            value = math.inf
-        if not math.isfinite(value):
-            raise ConfigError(name, value, "use a finite number, e.g. 0.5", "not a finite number")
-        return value
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(name, value, "use a string", "not a string")
-        return str(value)
+    if (scalar := _SCALARS.get(tp)) is not None:
+        return scalar(name, value)
     if origin is tuple:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -81,6 +51,54 @@ def _coerce(name: str, tp, value):
         (inner, *_rest) = typing.get_args(tp)
         return tuple(_coerce(name, inner, v) for v in value)
     raise TypeError(f"unsupported config type {tp} for {name}")
+
+
+def _to_bool(name: str, value) -> bool:
+    """A bool field: a YAML boolean, or true/false, 1/0, yes/no in any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(name, value, "use true or false", "not a boolean")
+
+
+def _to_int(name: str, value) -> int:
+    """An int field: a whole number (a float with no fraction too, not a bool), at most 2**62 in size."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if not (isinstance(value, float) and value.is_integer()):
+            raise ConfigError(name, value, "use a whole number, e.g. 2", "not an integer")
+        value = int(value)
+    if abs(value) > 2**62:
+        raise ConfigError(name, value, "use a whole number of a sensible size", "out of range")
+    return value
+
+
+def _to_float(name: str, value) -> float:
+    """A float field: a finite number (an int, or a string that reads as one; not a bool)."""
+    if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, value, "use a number, e.g. 0.5", "not a number")
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float range
+        value = math.inf
+    if not math.isfinite(value):
+        raise ConfigError(name, value, "use a finite number, e.g. 0.5", "not a finite number")
+    return value
+
+
+def _to_str(name: str, value) -> str:
+    """A str field: a string, or a number written as one (not a bool, list or mapping)."""
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(name, value, "use a string", "not a string")
+    return str(value)
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}  # a scalar type hint -> its check
 
 
 def from_dict(cls, data: dict[str, Any] | None, prefix: str = ""):

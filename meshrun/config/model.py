@@ -90,11 +90,21 @@ class ModelConfig:
     )  # fmt: skip
 
     def __post_init__(self):
+        self._check_family()
+        self._check_sizes()
+        self._check_execution()
+        self._check_fp8()
+
+    def _check_family(self) -> None:
+        """Built as a family's own class, for that family's name (or a user's `package.module:FAMILY`)."""
         if type(self) is ModelConfig:
             raise TypeError("ModelConfig is the shared base: build the family's class (model_class(name))")
         own = type(self).__dataclass_fields__["family"].default
         if self.family != own and ":" not in self.family:  # package.module:FAMILY names a user's family
             raise ConfigError("model.family", self.family, f"use {type(self).__name__} only for model.family={own}")
+
+    def _check_sizes(self) -> None:
+        """The transformer's sizes, constants and dtypes (what the model computes)."""
         has = {f.name for f in fields(self)}  # a family may fix a shared field as a ClassVar: not checked here
         for f in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
             if f in has:
@@ -115,6 +125,9 @@ class ModelConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{f}", getattr(self, f), "use float32, bfloat16 or float16")
+
+    def _check_execution(self) -> None:
+        """The execution settings (EXECUTION_FIELDS): how the step runs the model."""
         _choice("model.attention_impl", self.attention_impl, ("xla", "cudnn"))
         _choice("model.remat", self.remat, REMATS)
         _choice("model.context_parallel", self.context_parallel, CONTEXT_KINDS)
@@ -139,7 +152,6 @@ class ModelConfig:
                 "set model.remat=full (a group of k layers is rematerialised from its input), or remat_every=1",
                 f"grouping layers needs full remat (model.remat={self.remat})",
             )
-        self._check_fp8()
 
     def _check_fp8(self) -> None:
         if not self.fp8_gemms:

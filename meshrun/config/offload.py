@@ -92,29 +92,7 @@ def offload_params_refusals(
     fields, the mesh's pipeline degree) and the planner (which proposes only what this accepts) ask
     it. A field given as None is not checked (TrainConfig does not see the model's), except that
     params below float32 need `pipe` known: they are built without a pipeline only."""
-    out = []
-    if offload_grads == "nvme":
-        # The gradient goes to the nvme tier's file as the backward makes it and the streamed update
-        # reads it there once: the tier's file and its update must exist, and with several micro-
-        # batches every layer's sum would be read, added to and written back on NVMe m times a step.
-        if offload_optimizer != "nvme":
-            out.append(
-                (
-                    f"with offload.grads=nvme needs the nvme tier (offload.optimizer={offload_optimizer})",
-                    "set offload.optimizer=nvme with it",
-                )
-            )
-        if microbatches is not None and microbatches > 1:
-            out.append(
-                (
-                    f"with offload.grads=nvme writes each layer's gradient once a step, so it takes one "
-                    f"microbatch (pipeline.microbatches={microbatches})",
-                    "set pipeline.microbatches=1 (a larger micro-batch instead) or offload.grads=host",
-                )
-            )
-        if pipe is not None and pipe > 1:
-            out.append((f"with offload.grads=nvme is built without a pipeline only (mesh.pipe={pipe})",
-                        "use mesh.pipe=1 or offload.grads=host with it"))  # fmt: skip
+    out = _nvme_grads_refusals(offload_optimizer, pipe, microbatches) if offload_grads == "nvme" else []
     if overlap_grad_reduce:
         out.append(("reduces each layer's gradients inside the layer loop already (pipeline.overlap_grad_reduce=true)",
                     "set pipeline.overlap_grad_reduce=false with it"))  # fmt: skip
@@ -129,6 +107,25 @@ def offload_params_refusals(
         got = "mesh.pipe unknown" if pipe is None else f"mesh.pipe={pipe}"
         out.append((f"is built for {param_dtype} params without a pipeline only ({got})",
                     "use mesh.pipe=1 or model.param_dtype=float32 with it"))  # fmt: skip
+    return out
+
+
+def _nvme_grads_refusals(offload_optimizer: str, pipe: int | None, microbatches: int | None) -> list[tuple[str, str]]:
+    """`offload_params_refusals`' (what, fix) pairs for `offload.grads=nvme`. The gradient goes to the
+    nvme tier's file as the backward makes it and the streamed update reads it there once: the tier's
+    file and its update must exist, and with several microbatches every layer's sum would be read,
+    added to and written back on NVMe m times a step. None (`pipe`, `microbatches`): not checked."""
+    out = []
+    if offload_optimizer != "nvme":
+        out.append((f"with offload.grads=nvme needs the nvme tier (offload.optimizer={offload_optimizer})",
+                    "set offload.optimizer=nvme with it"))  # fmt: skip
+    if microbatches is not None and microbatches > 1:
+        out.append((f"with offload.grads=nvme writes each layer's gradient once a step, so it takes one "
+                    f"microbatch (pipeline.microbatches={microbatches})",
+                    "set pipeline.microbatches=1 (a larger micro-batch instead) or offload.grads=host"))  # fmt: skip
+    if pipe is not None and pipe > 1:
+        out.append((f"with offload.grads=nvme is built without a pipeline only (mesh.pipe={pipe})",
+                    "use mesh.pipe=1 or offload.grads=host with it"))  # fmt: skip
     return out
 
 

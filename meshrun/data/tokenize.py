@@ -270,29 +270,48 @@ def prepare(
     out_p = _out_dir(out)
     tok, tok_path = _tokenizer_for(out_p, tokenizer, train_bpe, files, text_field, quiet)
     eos_name, eos_id = find_eos(tok, tok_path, eos)
-    tok_json = (out_p / "tokenizer.json").read_text()
-    tok_sha = hashlib.sha256(tok_json.encode()).hexdigest()
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    tok_json, tok_sha, vocab, dtype = _tokenizer_facts(out_p, tok)
     shards = plan_shards(files, int(shard_mb * (1 << 20)))
-    metas = [{"files_sha256": files_hash(s), "tokenizer_sha256": tok_sha} for s in shards]
-    done = {k: m for k in range(len(shards)) if (m := shard_done(out_p, k, metas[k])) is not None}
-    todo = [k for k in range(len(shards)) if k not in done]
+    done, shard_args = _pending_shards(out_p, shards, tok_json, tok_sha, eos_id, dtype, text_field)
     _say(
         quiet,
         f"{len(files)} files in {len(shards)} shards, {len(done)} already done; vocab {vocab}, "
         f"eos {eos_name!r}={eos_id}, {dtype}",
     )
-    shard_args = {k: ([str(f) for f in shards[k]], tok_json, eos_id, dtype, metas[k], text_field) for k in todo}
     new_tokens = _tokenize_shards(out_p, shard_args, done, len(shards), workers, quiet, t0)
     order = [done[k] for k in range(len(shards))]
     manifest = _manifest(order, tok_sha, train_bpe, vocab, eos_name, eos_id, dtype, len(files))
     _atomic_write(out_p / "manifest.json", json.dumps(manifest, indent=1).encode())
-    dt = time.perf_counter() - t0
+    return _summary(manifest, out_p, len(shards), len(shard_args), new_tokens, time.perf_counter() - t0)
+
+
+def _tokenizer_facts(out_p: Path, tok) -> tuple[str, str, int, str]:
+    """(out's tokenizer.json text, its sha256, the vocabulary size with added tokens, the shards' token
+    dtype: uint16 where the vocabulary fits, else uint32)."""
+    tok_json = (out_p / "tokenizer.json").read_text()
+    tok_sha = hashlib.sha256(tok_json.encode()).hexdigest()
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    return tok_json, tok_sha, vocab, "uint16" if vocab <= 1 << 16 else "uint32"
+
+
+def _pending_shards(
+    out_p: Path, shards: list[list[Path]], tok_json: str, tok_sha: str, eos_id: int, dtype: str, text_field: str
+) -> tuple[dict[int, dict], dict[int, tuple]]:
+    """({shard index: its marker} of the shards an earlier run finished with these files and this
+    tokenizer, {shard index: `_tokenize_shards`' arguments} of the rest)."""
+    metas = [{"files_sha256": files_hash(s), "tokenizer_sha256": tok_sha} for s in shards]
+    done = {k: m for k in range(len(shards)) if (m := shard_done(out_p, k, metas[k])) is not None}
+    todo = [k for k in range(len(shards)) if k not in done]
+    return done, {k: ([str(f) for f in shards[k]], tok_json, eos_id, dtype, metas[k], text_field) for k in todo}
+
+
+def _summary(manifest: dict, out_p: Path, n_shards: int, n_todo: int, new_tokens: int, dt: float) -> dict:
+    """`prepare`'s answer: the manifest's totals, plus this run's shards skipped and timing (`dt`
+    seconds for `new_tokens` tokenized in the `n_todo` shards it wrote)."""
     return {k: manifest[k] for k in ("vocab", "eos_id", "dtype", "n_docs", "n_tokens", "invalid_utf8_bytes")} | {
         "out": str(out_p),
-        "shards": len(shards),
-        "skipped": len(shards) - len(todo),
+        "shards": n_shards,
+        "skipped": n_shards - n_todo,
         "seconds": round(dt, 3),
         "tokens_per_s": round(new_tokens / dt, 1),
     }

@@ -171,58 +171,79 @@ class ChunkStore:
         """For every chunk i: `update(i, buf)` (buf: chunk i as read; returns a handle, e.g. arrays still
         being computed), then `fetch(handle)` on the writer thread gives the new chunk's pieces, which
         are written back. The update may keep reading buf (a device aliasing it) until `done(handle)`
-        returned, or without `done` until `fetch` returned; only then is buf refilled. The three threads
-        hand chunks to each other through queues (`_Handoff`): the reader fills a ring buffer as soon
-        as one is free, this thread only dispatches updates, the writer writes each chunk once its
-        update is done; at most OUTPUTS_IN_FLIGHT updates are dispatched and not yet written (their
-        outputs: device memory). `ready()` blocks until the update's inputs exist (the gradient): the
-        first chunks are read meanwhile. `stream_s` counts from its return to the last chunk settled
-        (`settle`), `stream_bytes` what moved in that time (`early_reads`: chunks read before).
+        returned, or without `done` until `fetch` returned; only then is buf refilled. The reader,
+        this thread (`_dispatch`) and the writer hand chunks on through queues (`_Handoff`). `ready()`
+        blocks until the update's inputs exist (the gradient): the first chunks are read meanwhile.
+        `stream_s` counts from its return to the last chunk settled (`settle`), `stream_bytes` what
+        moved in that time (`early_reads`: chunks read before).
 
-        `ring` (in place): the caller's SLOTS_IN_FLIGHT buffers instead of the store's (counted while
-        the pass runs, or kept: `keep_ring`), objects whose `views()` are chunk i's writable pieces in the
-        chunk's order. The update may overwrite a buffer with the new chunk (a device updating its
-        donated input in place) and `fetch` return views of it: a buffer goes back to the reader only
-        once written, and the store holds no other copy. Two of them are filled before `ready()`
-        returns, as the store's own two."""
+        `ring` (in place): the caller's SLOTS_IN_FLIGHT buffers instead of the store's (`_caller_ring`),
+        objects whose `views()` are chunk i's writable pieces in the chunk's order. The update may
+        overwrite a buffer with the new chunk (a device updating its donated input in place) and
+        `fetch` return views of it: a buffer goes back to the reader only once written, and the store
+        holds no other copy. Two of them are filled before `ready()` returns, as the store's own two."""
         _streams[0] += 1
-        in_place, counted = ring is not None, ring is not None and ring is not self.kept_ring
-        if in_place:
+        in_place = ring is not None
+        with self._caller_ring(ring):
+            h = _Handoff(ring[:2] if in_place else self._ring)
+            reads = self._reader.submit(self._read_loop, h, done)
+            writes = self._writer.submit(self._write_loop, h, fetch, "after write" if in_place else done is None)
+            try:
+                ready()
+                t0, early = time.perf_counter(), h.read
+                self._dispatch(h, update, None if in_place else done, ring[2:] if in_place else ())
+                reads.result()
+                writes.result()
+                self.settle()
+                self._count_stream(time.perf_counter() - t0, early)
+            finally:  # on an error: stop the threads and let them finish before the buffers go away
+                h.abort()
+                for f in (reads, writes):
+                    with contextlib.suppress(BaseException):
+                        f.result()
+
+    @contextlib.contextmanager
+    def _caller_ring(self, ring: list | None):
+        """While a pass runs on the caller's ring (`stream(ring=...)`): the store's own read buffers
+        released, and the ring counted in `resident` unless it is the kept one (`keep_ring`: counted
+        already). Nothing to do for a pass on the store's own buffers (`ring` None)."""
+        counted = ring is not None and ring is not self.kept_ring
+        if ring is not None:
             self.release_buffers()
-            for _ in ring if counted else ():
-                self._hold()
-        h = _Handoff(ring[:2] if in_place else self._ring)
-        reads = self._reader.submit(self._read_loop, h, done)
-        writes = self._writer.submit(self._write_loop, h, fetch, "after write" if in_place else done is None)
+        for _ in ring if counted else ():
+            self._hold()
         try:
-            ready()
-            t0, early = time.perf_counter(), h.read
-            for buf in ring[2:] if in_place else ():
-                h.free.put(buf)
-            for i in range(self.n_chunks):
-                buf = h.filled.get()
-                if buf is None or h.failed:  # the reader or the writer failed: its error is raised below
-                    break
-                h.outstanding.acquire()
-                handle = update(i, buf)
-                if done is not None and not in_place:
-                    h.free.put((buf, handle))  # the reader refills buf once done(handle) returned
-                h.todo.put((i, handle, buf))
-            h.todo.put(None)
-            reads.result()
-            writes.result()
-            self.settle()
-            self.stream_s += time.perf_counter() - t0
-            self.streams += 1
-            self.early_reads += early
-            self.stream_bytes += (self.chunk_bytes + self.write_bytes) * self.n_chunks - early * self.chunk_bytes
-        finally:  # on an error: stop the threads and let them finish before the buffers go away
-            h.abort()
-            for f in (reads, writes):
-                with contextlib.suppress(BaseException):
-                    f.result()
+            yield
+        finally:
             for _ in ring if counted else ():
                 self._release()
+
+    def _dispatch(self, h: _Handoff, update, done, spare: Iterable) -> None:
+        """This thread's part of `stream`, once `ready()` returned: `update(i, buf)` for each chunk as
+        the reader hands it over, the handle on to the writer, at most OUTPUTS_IN_FLIGHT updates
+        dispatched and not yet written (their outputs: device memory). `spare`: the in-place ring's
+        buffers beyond the first two, for the reader now; `done` (not in place): buf goes back to the
+        reader with its handle, to be refilled once `done(handle)` returned."""
+        for buf in spare:
+            h.free.put(buf)
+        for i in range(self.n_chunks):
+            buf = h.filled.get()
+            if buf is None or h.failed:  # the reader or the writer failed: `stream` raises its error
+                break
+            h.outstanding.acquire()
+            handle = update(i, buf)
+            if done is not None:
+                h.free.put((buf, handle))  # the reader refills buf once done(handle) returned
+            h.todo.put((i, handle, buf))
+        h.todo.put(None)
+
+    def _count_stream(self, seconds: float, early: int) -> None:
+        """A finished pass in the counters: its `seconds` from `ready()` to the last chunk settled, and
+        the bytes moved in that time (all reads and writes but the `early` chunks read before)."""
+        self.stream_s += seconds
+        self.streams += 1
+        self.early_reads += early
+        self.stream_bytes += (self.chunk_bytes + self.write_bytes) * self.n_chunks - early * self.chunk_bytes
 
     def _read_loop(self, h: _Handoff, done) -> None:
         """The reader's part of `stream`: chunk i into the next free ring buffer, in order."""

@@ -115,42 +115,17 @@ class ParamTier:
     def _build_layer_chunk(self) -> None:
         """The jitted update of one chunk of layers (`layer_chunk`): its params and gradient from host
         memory (or the file), its state from the file's rows, the new params back in place."""
-        lay, up, k, abstract = self.layout, self.up, self.k, self.ts.abstract_run
-        store, grads_sp, opt_sp, layers_def = self.store_sp, self.grads_sp, self.opt_sp, self.layers_def
-        per, axes, sh = lay.per, P(*lay.mesh.axis_names), self.ts.state_shardings
+        lay, up, abstract, sh = self.layout, self.up, self.ts.abstract_run, self.ts.state_shardings
         rep = NamedSharding(lay.mesh, P())
 
-        def take(tree_leaves, spec, l0, k):  # one chunk's slices, on the device
-            body = lambda *xs: tuple(to_device(self._cut(x, l0, k)) for x in xs)
-            return jax.shard_map(body, mesh=lay.mesh, in_specs=spec, out_specs=spec, check_vma=False)(*tree_leaves)
-
         def layer_chunk(p_layers, g_layers, slots, scalars, g_norm, l0, k_):
-            p = take(jax.tree.leaves(p_layers), store, l0, k_)
-            rows = lambda *s: tuple(x for f in s for x in lay.from_rows(f.reshape(-1), per))
-            if self.grads_nvme:  # the chunk's last slot: its gradient, read with its state
-                g = jax.shard_map(rows, mesh=lay.mesh, in_specs=(axes,), out_specs=grads_sp,
-                                  check_vma=False)(slots[-1])  # fmt: skip
-                slots = slots[:-1]
-            else:
-                g = take(jax.tree.leaves(g_layers), grads_sp, l0, k_)
-            state = jax.shard_map(rows, mesh=lay.mesh, in_specs=(axes,) * len(slots),
-                                  out_specs=opt_sp * self.n_slots, check_vma=False)(*slots)  # fmt: skip
+            p = self._take(jax.tree.leaves(p_layers), self.store_sp, l0, k_)
+            g, state = self._chunk_grad_and_state(g_layers, slots, l0, k_)
             like = {kk: v for kk, v in abstract.params.items() if kk != "layers"}
             like_g = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), like)
-            new_p, new_slots = up.layers(jax.tree.unflatten(layers_def, g), jax.tree.unflatten(layers_def, p),
-                                         list(state), scalars, like, like_g, g_norm)  # fmt: skip
-
-            def back(*xs):  # the new params into the resting ones, in place; the new state as rows
-                old, new, st = xs[:k], xs[k : 2 * k], xs[2 * k :]
-                back = lambda x, o: jax.device_put(x, HOST_SPACE) if on_host(o) else x
-                out = tuple(self._put(o, back(x.astype(o.dtype), o), l0, k_)
-                            for o, x in zip(old, new, strict=True))  # fmt: skip
-                return out, self._to_rows(st)
-
-            out, new_rows = jax.shard_map(back, mesh=lay.mesh, in_specs=(*store, *store, *opt_sp * self.n_slots),
-                                          out_specs=(store, (axes,) * self.n_slots), check_vma=False)(
-                *jax.tree.leaves(p_layers), *jax.tree.leaves(new_p), *new_slots)  # fmt: skip
-            return jax.tree.unflatten(layers_def, list(out)), new_rows
+            layers = lambda leaves: jax.tree.unflatten(self.layers_def, leaves)
+            new_p, new_slots = up.layers(layers(g), layers(p), list(state), scalars, like, like_g, g_norm)
+            return self._chunk_back(p_layers, new_p, new_slots, l0, k_)
 
         scalar_sh = tuple(s for s, kd in zip(self.kept_sh, self.kept_def, strict=True) if kd == SCALAR)
         g_sh = () if self.grads_nvme else sh.params["layers"]
@@ -159,6 +134,44 @@ class ParamTier:
                                        scalar_sh, rep, rep, rep),
             out_shardings=(sh.params["layers"], (lay.sharding,) * self.n_slots), donate_argnums=(0,),
         )  # fmt: skip
+
+    def _take(self, leaves, spec, l0, k):
+        """One chunk's slices (`_cut`) of the local shards of `leaves` (laid out by `spec`), on the device."""
+        body = lambda *xs: tuple(to_device(self._cut(x, l0, k)) for x in xs)
+        return jax.shard_map(body, mesh=self.layout.mesh, in_specs=spec, out_specs=spec, check_vma=False)(*leaves)
+
+    def _chunk_grad_and_state(self, g_layers, slots, l0, k_) -> tuple[tuple, tuple]:
+        """(the chunk's gradient leaves, its state's layer leaves slot-major) inside `layer_chunk`: the
+        state from the file's rows `slots`, the gradient from host memory (`g_layers`) or, with
+        offload.grads=nvme, from the rows' last slot, read with the state."""
+        lay, axes = self.layout, P(*self.layout.mesh.axis_names)
+        rows = lambda *s: tuple(x for f in s for x in lay.from_rows(f.reshape(-1), lay.per))
+        if self.grads_nvme:  # the chunk's last slot: its gradient, read with its state
+            g = jax.shard_map(rows, mesh=lay.mesh, in_specs=(axes,), out_specs=self.grads_sp,
+                              check_vma=False)(slots[-1])  # fmt: skip
+            slots = slots[:-1]
+        else:
+            g = self._take(jax.tree.leaves(g_layers), self.grads_sp, l0, k_)
+        state = jax.shard_map(rows, mesh=lay.mesh, in_specs=(axes,) * len(slots),
+                              out_specs=self.opt_sp * self.n_slots, check_vma=False)(*slots)  # fmt: skip
+        return g, state
+
+    def _chunk_back(self, p_layers, new_p, new_slots, l0, k_) -> tuple:
+        """The end of `layer_chunk`: (the resting params `p_layers` with the chunk's new params `new_p`
+        written in place, back to host memory where they rest there; the new state as the file's rows)."""
+        lay, k, store, axes = self.layout, self.k, self.store_sp, P(*self.layout.mesh.axis_names)
+
+        def back(*xs):  # the new params into the resting ones, in place; the new state as rows
+            old, new, st = xs[:k], xs[k : 2 * k], xs[2 * k :]
+            back = lambda x, o: jax.device_put(x, HOST_SPACE) if on_host(o) else x
+            out = tuple(self._put(o, back(x.astype(o.dtype), o), l0, k_)
+                        for o, x in zip(old, new, strict=True))  # fmt: skip
+            return out, self._to_rows(st)
+
+        out, new_rows = jax.shard_map(back, mesh=lay.mesh, in_specs=(*store, *store, *self.opt_sp * self.n_slots),
+                                      out_specs=(store, (axes,) * self.n_slots), check_vma=False)(
+            *jax.tree.leaves(p_layers), *jax.tree.leaves(new_p), *new_slots)  # fmt: skip
+        return jax.tree.unflatten(self.layers_def, list(out)), new_rows
 
     def _build_moves(self) -> None:
         """The jitted whole-state moves (a chunk's state as the file's rows; a slot's rows as leaves) and

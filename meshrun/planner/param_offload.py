@@ -17,6 +17,8 @@ from meshrun.planner import tiers
 from meshrun.planner.hardware import Cluster
 from meshrun.planner.layout import DTYPE_BYTES, Layout
 
+GRAD_BYTES = 4  # the layers' gradient rests in float32 (layer_fetch.Shadowed)
+
 
 @dataclass(frozen=True)
 class Elements:
@@ -135,9 +137,23 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     if grads not in config.OFFLOAD_GRADS:
         raise ValueError(f"unknown gradient tier {grads!r}; one of {config.OFFLOAD_GRADS}")
     el = elements(model, layout, mem.get("layers", model.n_layers / layout.pipe))
-    pb, m = DTYPE_BYTES[model.param_dtype], layout.microbatches
-    g, sums = (4, 4) if m > 1 else (4, 0)  # the layers' gradient rests in float32 (layer_fetch.Shadowed)
+    pb = DTYPE_BYTES[model.param_dtype]
     per_elem = mem["opt_state"] / mem["opt_elems"]  # state bytes per element of the shard
+    nv = tiers.optimizer_tier(mem, model, layout, cluster, "nvme", 0.0, budget_mb) if optimizer == "nvme" else None
+    parts, backward, update = _device_bytes(mem, layout, optimizer, el, pb, per_elem, nv)
+    off_device = _off_device(cluster, layout.microbatches, optimizer, grads, el, pb, per_elem, nv)
+    return ParamTierCost(optimizer, grads, parts, backward, update, **off_device,
+                         dp_s=dp_seconds(t_dp, layout.microbatches, t_gather), state=nv)  # fmt: skip
+
+
+def _device_bytes(
+    mem: dict, layout: Layout, optimizer: str, el: Elements, pb: int, per_elem: float, nv: tiers.TierCost | None
+) -> tuple[dict, float, float]:
+    """`param_tier`'s device memory (the comment above it): (the parts by MEMORY_PARTS, the backward's
+    peak, the update's) for `el` elements of `pb` bytes and `per_elem` state bytes per element of the
+    shard; `nv`: the nvme tier's chunks (None: no nvme tier)."""
+    m, g = layout.microbatches, GRAD_BYTES
+    sums = GRAD_BYTES if m > 1 else 0  # with micro-batches: the float32 slice of the sums
     state = per_elem * el.shard
     u = el.layers / el.units  # one unit's shard
     fixed = mem.get("overhead_context", 0.0) + mem.get("overhead_comm_buffers", 0.0)
@@ -147,15 +163,25 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     parts = dict(mem, params=params, grads=grad_b, optimizer=on_device)
     backward = params + grad_b + on_device + mem["activations"] + mem["logits"] + mem["overheads"]
     temps = 4 * optimizers.get(layout.optimizer).update_temps * u
-    nv = tiers.optimizer_tier(mem, model, layout, cluster, "nvme", 0.0, budget_mb) if optimizer == "nvme" else None
     if nv is not None:  # chunks of state beside their params' and gradients' slices, in and out
         window = 2 * tiers.SLOTS_IN_FLIGHT * nv.chunk * (per_elem + pb + g)
     else:
         window = 2 * u * (pb + g + (per_elem if optimizer == "host" else 0.0))
     update = fixed + (pb + g) * el.edge + on_device + window + temps
     parts["total"] = max(backward, update)
+    return parts, backward, update
+
+
+def _off_device(
+    cluster: Cluster, m: int, optimizer: str, grads: str, el: Elements, pb: int, per_elem: float,
+    nv: tiers.TierCost | None,
+) -> dict[str, float]:  # fmt: skip
+    """`param_tier`'s figures off the device (the comment above it), as ParamTierCost's fields: host
+    memory, NVMe bytes (of them the gradient's), the host-link bytes per step each way with `m`
+    micro-batches, and their seconds: the link's, the drives', and the two exposed."""
+    g = GRAD_BYTES
     g_nvme = g * el.layers if grads == "nvme" else 0.0  # the layers' float32 gradient in the file
-    host = pb * el.shard + (g * el.layers - g_nvme) + (state if optimizer == "host" else 0.0)
+    host = pb * el.shard + (g * el.layers - g_nvme) + (per_elem * el.shard if optimizer == "host" else 0.0)
     h2d, d2h = link_bytes(el.layers, pb, m, per_elem if optimizer == "host" else 0.0, grads)
     edge = (pb + (per_elem if optimizer == "host" else 0.0)) * el.edges  # non-layer: in once, updated, out
     h2d, d2h = h2d + edge, d2h + edge
@@ -168,8 +194,7 @@ def param_tier(mem: dict, model: ModelConfig, layout: Layout, cluster: Cluster, 
     link = (h2d + d2h) / bw
     state_link = (nv.nvme_read + nv.nvme_write + 2 * g_nvme) / bw if nv is not None else 0.0
     exposed = link + max(0.0, disk - state_link)
-    return ParamTierCost(optimizer, grads, parts, backward, update, host, nvme, g_nvme, h2d, d2h, link, disk, exposed,
-                     dp_seconds(t_dp, m, t_gather), nv)  # fmt: skip
+    return dict(host=host, nvme=nvme, grad_nvme=g_nvme, h2d=h2d, d2h=d2h, link_s=link, disk_s=disk, exposed_s=exposed)
 
 
 def dp_seconds(t_dp: float, m: int, t_gather: float | None = None) -> float:

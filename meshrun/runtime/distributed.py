@@ -410,12 +410,24 @@ def initialize(
         return info
     timeout_s = _env_seconds(ENV_INIT_TIMEOUT, timeout_s, DEFAULT_TIMEOUT_S)
     heartbeat_s = _env_seconds(ENV_HEARTBEAT, heartbeat_s, DEFAULT_HEARTBEAT_S)
+    p = _start(p, timeout_s, heartbeat_s)
+    return _report_joined(info, p, timeout_s, heartbeat_s)
+
+
+def _start(p: JoinSettings, timeout_s: float, heartbeat_s: float) -> JoinSettings:
+    """The pre-flight checks (explicit settings), the join and its checks, all processes within
+    `timeout_s`; returns the settings as joined (`_join`)."""
     deadline = time.monotonic() + timeout_s
     if p.mode == "explicit":
         _preflight(p, timeout_s, deadline)
     p = _join(p, deadline, timeout_s, heartbeat_s)
     _check_joined(p)
+    return p
 
+
+def _report_joined(info: dict, p: JoinSettings, timeout_s: float, heartbeat_s: float) -> dict:
+    """`initialize`'s `info` completed with the job as joined (`p`), and the line each process prints
+    about itself to stderr."""
     import jax
 
     info.update(

@@ -73,46 +73,63 @@ class RunLock:
             time.sleep(0.02)
 
     def acquire(self) -> RunLock:
+        """Take the lock (ConfigError naming the run that holds it), keep a stale holder's record in
+        `took_over`, and record this process in the file."""
         me = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+        fd = self._open_locked()
+        pid, _, text = _holder(self.path)
+        if text and pid != os.getpid():
+            self.took_over = text
+        self._record(fd, me)
+        self._fd = fd
+        return self
+
+    def _open_locked(self) -> int:
+        """The lock file open with its flock held (`_flock`), opened again where the holder's release
+        removed it meanwhile."""
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise self._busy(*self._recorded_holder()) from None
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    os.close(fd)
-                    raise
-                pid, host, text = _holder(self.path)  # no flock here: the recorded pid decides
-                if pid is not None and pid != os.getpid() and (host != socket.gethostname() or _pid_alive(pid)):
-                    os.close(fd)
-                    raise self._busy(pid, host, text) from None
+            self._flock(fd)
             try:  # the file may have been removed (and recreated) by the holder's release meanwhile
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
-                break
+                return fd
             os.close(fd)
-        pid, _, text = _holder(self.path)
-        if text and pid != os.getpid():
-            self.took_over = text
+
+    def _flock(self, fd: int) -> None:
+        """flock `fd` without waiting, or close it and raise `_busy` naming the holder. Where the file
+        system has no flock, the recorded pid decides (the module doc)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._busy(*self._recorded_holder()) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
+                raise
+            pid, host, text = _holder(self.path)  # no flock here: the recorded pid decides
+            if pid is not None and pid != os.getpid() and (host != socket.gethostname() or _pid_alive(pid)):
+                os.close(fd)
+                raise self._busy(pid, host, text) from None
+
+    def _record(self, fd: int, me: str) -> None:
+        """This process's record `me` as the locked file's whole text, on disk; on a full disk the lock
+        is released (no empty or half-written lock file is left behind) and a DataError raised."""
         try:
             os.ftruncate(fd, 0)
             if os.pwrite(fd, me.encode(), 0) != len(me.encode()):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             os.fsync(fd)
-        except OSError as e:  # a full disk: no empty or half-written lock file is left behind
+        except OSError as e:
             self._fd = fd
             self.release()
             raise DataError(
                 f"cannot write the run lock {self.path} ({e.strerror or e}); free space on that file system "
                 "or use another train.run_dir"
             ) from None
-        self._fd = fd
-        return self
 
     def release(self) -> None:
         if self._fd is None:

@@ -69,21 +69,13 @@ def run(
     try:
         faults = Faults.from_env(jax.process_index())
         built = prepare(cfg, devices)
-        check_local_tier(cfg)
-        check_run_dir_writable(t.run_dir)
-        lock = take_lock(t.run_dir)
-        if lock is not None:
-            closers.append(lock.release)  # released last, after the final save is on disk
+        _check_and_lock(cfg, closers)
         steps = check_checkpoints(cfg)
         ckpt = Checkpointer(t.run_dir, cfg.checkpoint, meta=checkpoint_meta(cfg))
         closers.insert(0, ckpt.close)
         tier = _local_tier(cfg, closers)
-        check_same_model(ckpt, built.train_step, steps)  # refused before the start-up block, alone
-        for line in startup(cfg, built.mesh, built.train_step.plan) if startup is not None else []:
-            say(line, quiet)
-        warn_config_differs(cfg, steps)
-        dog = _watchdog(cfg, built)
-        closers.insert(0, dog.close)
+        _start_up(cfg, built, ckpt, steps, startup, quiet)
+        dog = _watchdog(cfg, built, closers)
         dog.phase("restore", 0)
         state, start = initial_state(cfg, ckpt, built.train_step, steps, quiet, tier)
         write_config(cfg)  # once the run dir's state was accepted: a refused rerun leaves the old one
@@ -94,6 +86,27 @@ def run(
         raise
     _close_all(closers, quiet=False)
     return result
+
+
+def _check_and_lock(cfg: RunConfig, closers: list) -> None:
+    """The last checks before anything is written (every process's local checkpoint dir, the run dir
+    writable), then the run-dir lock (`runtime.processes.take_lock`)."""
+    check_local_tier(cfg)
+    check_run_dir_writable(cfg.train.run_dir)
+    lock = take_lock(cfg.train.run_dir)
+    if lock is not None:
+        closers.append(lock.release)  # released last, after the final save is on disk
+
+
+def _start_up(
+    cfg: RunConfig, built: Prepared, ckpt: Checkpointer, steps: list[int], startup: Startup | None, quiet: bool
+) -> None:
+    """The run dir's checkpoints hold this model (refused before the start-up block, alone), the
+    start-up block, and a warning where the config differs from the run dir's."""
+    check_same_model(ckpt, built.train_step, steps)
+    for line in startup(cfg, built.mesh, built.train_step.plan) if startup is not None else []:
+        say(line, quiet)
+    warn_config_differs(cfg, steps)
 
 
 def _local_tier(cfg: RunConfig, closers: list) -> LocalTier | None:
@@ -129,11 +142,14 @@ def check_local_tier(cfg: RunConfig) -> None:
                           "another process cannot write it")  # fmt: skip
 
 
-def _watchdog(cfg: RunConfig, built: Prepared) -> Watchdog:
-    """The step watchdog of this process; its hang record names the mesh axes the step spans."""
+def _watchdog(cfg: RunConfig, built: Prepared, closers: list) -> Watchdog:
+    """The step watchdog of this process, closed first; its hang record names the mesh axes the step
+    spans."""
     t, mesh = cfg.train, {a: n for a, n in built.mesh.shape.items() if n > 1}
-    return Watchdog(t.run_dir, timeout_s=t.step_timeout, compile_allowance_s=t.compile_allowance,
-                    process=jax.process_index(), processes=jax.process_count(), known={"mesh": mesh})  # fmt: skip
+    dog = Watchdog(t.run_dir, timeout_s=t.step_timeout, compile_allowance_s=t.compile_allowance,
+                   process=jax.process_index(), processes=jax.process_count(), known={"mesh": mesh})  # fmt: skip
+    closers.insert(0, dog.close)
+    return dog
 
 
 def _close_all(closers: list, quiet: bool) -> None:

@@ -148,18 +148,7 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     validate(cfg, mesh)
     family = registry.get(cfg.model.family)
     fns = family.model_fns(cfg.model)
-    split = program = balance_on = None
-    stage_bubbles: tuple[float, ...] = (0.0,)
-    if shape["pipe"] > 1:
-        pc = cfg.pipeline
-        program = tick_program(pc, shape["pipe"])  # checks the schedule first, then the layer split
-        if pc.balance == "auto":
-            balance_on = balance_gpu(mesh)
-            costs = unit_costs(cfg.model, cfg.train.seq_len, balance_on[0])
-        else:
-            costs = None
-        split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
-        stage_bubbles = program.stage_bubbles  # of the table the program plays (per-op: F = B = W)
+    split, program, stage_bubbles, balance_on = _pipeline_plan(cfg, shape, mesh)
     if cfg.pipeline.overlap_grad_reduce and shape["pipe"] == 1:
         why = "the data-parallel reduction overlaps the pipeline's last ticks"
         raise ConfigError("pipeline.overlap_grad_reduce", True, "set mesh.pipe > 1, or set it false", why)
@@ -170,28 +159,58 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     gather, reduce = zero3_gather(cfg, shape, family), zero2_reduce(cfg, shape, family)
     abstract = zero = model_zero = None
     if isinstance(mesh, Mesh):
-        abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
-        check_param_names(cfg.model.family, family, fns.param_names, abstract)
-        build = lambda shapes: ZeroShardings.build(
-            fns.param_names,
-            shapes,
-            mesh,
-            cfg.train.zero,
-            cfg.train.grad_reduce_dtype,
-            offload.pinned,
-            streamed=cfg.offload.params,
-            fsdp=gather == "layer" or reduce == "microbatch",
-        )
-        model_zero = build(abstract)
-        relaid = split is not None and not split.identity
-        run = {**abstract, "layers": jax.eval_shape(split.to_pipeline, abstract["layers"])} if relaid else None
-        zero = build(run) if relaid else model_zero
+        fsdp = gather == "layer" or reduce == "microbatch"
+        abstract, zero, model_zero = _param_shardings(cfg, mesh, family, fns, split, offload, fsdp)
     return StepPlan(
         cfg, MappingProxyType(shape), family, fns, split, program, stage_bubbles,
         sum(stage_bubbles) / len(stage_bubbles), layout_of(cfg, shape), abstract, zero, model_zero, offload,
         balance_on,
         gather, reduce,
     )  # fmt: skip
+
+
+def _pipeline_plan(
+    cfg: RunConfig, shape: Mapping[str, int], mesh
+) -> tuple[LayerSplit | None, TickProgram | None, tuple[float, ...], tuple[str, str] | None]:
+    """(layer split, tick program, the schedule's bubble per stage, pipeline.balance=auto's (GPU, why))
+    of a pipelined run; (None, None, (0.0,), None) without a pipeline (mesh.pipe=1). The bubbles are
+    those of the table the program plays (per-op: F = B = W)."""
+    if shape["pipe"] == 1:
+        return None, None, (0.0,), None
+    pc = cfg.pipeline
+    program = tick_program(pc, shape["pipe"])  # checks the schedule first, then the layer split
+    balance_on = costs = None
+    if pc.balance == "auto":
+        balance_on = balance_gpu(mesh)
+        costs = unit_costs(cfg.model, cfg.train.seq_len, balance_on[0])
+    split = layer_split(pc, cfg.model.n_units, shape["pipe"], costs)
+    return split, program, program.stage_bubbles, balance_on
+
+
+def _param_shardings(
+    cfg: RunConfig, mesh: Mesh, family: Family, fns: ModelFns, split: LayerSplit | None, offload: Placement, fsdp: bool
+) -> tuple[Any, ZeroShardings, ZeroShardings]:
+    """(the parameters' ShapeDtypeStructs in model order, their ZeRO shardings in run order, the same
+    in model order) on a real mesh, once the family's param_names are checked against its params.
+    Run order is pipeline placement where the split relays the layers (`StepPlan.relaid`); else the
+    two are one. `fsdp`: ZeRO-3 per layer or ZeRO-2 per microbatch (`ZeroShardings.build`)."""
+    abstract = jax.eval_shape(lambda: family.init_params(cfg.model, cfg.train.seed))
+    check_param_names(cfg.model.family, family, fns.param_names, abstract)
+    build = lambda shapes: ZeroShardings.build(
+        fns.param_names,
+        shapes,
+        mesh,
+        cfg.train.zero,
+        cfg.train.grad_reduce_dtype,
+        offload.pinned,
+        streamed=cfg.offload.params,
+        fsdp=fsdp,
+    )
+    model_zero = build(abstract)
+    if split is None or split.identity:
+        return abstract, model_zero, model_zero
+    run = {**abstract, "layers": jax.eval_shape(split.to_pipeline, abstract["layers"])}
+    return abstract, build(run), model_zero
 
 
 def _offload_placement(cfg: RunConfig, shape: Mapping[str, int], mesh) -> Placement:
