@@ -1,21 +1,15 @@
 """Cluster profiles: the planner's cluster constants fitted on the cluster's own measured runs.
 
-`meshrun plan --calibrate RUN_DIR [RUN_DIR ...]` reads each run dir `meshrun train` wrote (config.yaml:
-the resolved config; metrics.jsonl: the step times; devices.json: the device kind and counts), predicts
-each run's step time with the planner (`search.predict_step_time`, as `meshrun explain --cluster`) and
-fits the constants of PARAMS to the measured times: least squares of log(predicted / measured),
-Gauss-Newton (Levenberg-damped) in the logs of the parameters, numerical derivatives. Which parameters
-a set of runs determines: of those that move some run's prediction (`determined`), the best-fitting
-subset of one parameter, then of two, ... while a size lowers the RMS residual by at least MIN_GAIN
-and by more than the runs' own noise (`noise_of`: a parameter is not fitted to differences the
-measurements cannot tell apart),
-at most max(1, runs - 1) of them (a fit with as many parameters as runs would leave no residual to
-judge it by); the rest stay at their defaults (the catalogue's figures, `constants.py`).
-`meshrun plan --cluster-profile FILE` costs layouts with them.
+`meshrun plan --calibrate RUN_DIR [RUN_DIR ...]` reads each run dir that `meshrun train` wrote
+(config.yaml, metrics.jsonl, devices.json), predicts each run's step time with the planner and fits
+the constants of PARAMS to the measured times (least squares in log(predicted / measured),
+Levenberg-damped Gauss-Newton in the logs of the parameters). It fits only what the runs determine:
+of the parameters that move some run's prediction, the best-fitting set of one, then two, ..., a
+larger set taken while it lowers the RMS residual by more than MIN_GAIN and more than the runs' own
+noise, at most max(1, runs - 1) parameters. The rest keep the catalogue's figures. `meshrun plan --cluster-profile FILE` costs layouts with the result.
 
-The measured step time of a run: the median of its metrics.jsonl step times after the first step
-(which compiles). Runs of one profile ran on one device kind and node shape (GPUs per node); their
-node counts may differ (how a profile sees the network between nodes).
+A run's measured step time is the median of its step times after the first (which compiles). The
+runs of one profile share a device kind and node shape; their node counts may differ.
 """
 
 from __future__ import annotations
