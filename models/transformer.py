@@ -291,6 +291,8 @@ def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> 
     t = int(mesh_shape.get("tensor", 1))
     ep = int(mesh_shape.get("expert", 1))
     widths = (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff))
+    if getattr(cfg, "attention", "gqa") == "mla":  # every head has its own k and v: no kv heads
+        widths = (("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff))
     if cfg.is_moe and cfg.moe_d_ff:
         widths += (("moe_d_ff", cfg.moe_d_ff),)
     for field, n in widths:
