@@ -320,3 +320,12 @@ def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> 
                 f"use a multiple of mesh.expert={ep}, or an expert degree that divides {cfg.n_experts}",
                 "experts not divisible by the expert-parallel degree",
             )
+        g = getattr(cfg, "route_groups", 0)
+        if g > 1 and ep > 1 and g % ep and ep % g:
+            # The choice is exact on any layout; nesting makes route_group_limit bound the expert ranks
+            # a token reaches (limit x max(1, ep / groups)), the point of device-limited routing.
+            raise ConfigError(
+                "model.route_groups", g,
+                f"use a multiple or a divisor of mesh.expert={ep}, so that groups and expert ranks nest",
+                "expert groups straddle expert-parallel ranks",
+            )  # fmt: skip

@@ -169,10 +169,83 @@ LAYOUTS = [
     ),  # fmt: skip
     pytest.param([], ["mesh.pipe=2", *NO_TP], id="pipe2-data2-expert2", marks=pytest.mark.slow),
     pytest.param([], ["mesh.context=2", *NO_TP], id="context2-data2-expert2", marks=pytest.mark.slow),
+    pytest.param([], ["mesh.context=2", "mesh.data=1"], id="context2-expert2-tensor2", marks=pytest.mark.slow),
+    pytest.param(
+        ["model.context_parallel=ring"], ["mesh.context=2", "mesh.data=1"], id="ring2-expert2-tensor2",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
+    pytest.param(["model.q_lora_rank=0"], ["mesh.tensor=4", "mesh.data=1"], id="mla-no-q-latent-tensor4"),
     pytest.param([], ["train.zero=1"], id="zero1", marks=pytest.mark.slow),
     pytest.param([], ["mesh.data=4", *NO_TP, "train.zero=2"], id="zero2-data4", marks=pytest.mark.slow),
     pytest.param([], ["train.zero=3"], id="zero3", marks=pytest.mark.slow),
 ]
+
+
+# ---------------------------------------------------------------- multi-head latent attention
+
+MLA = dataclasses.replace(
+    DS, attention="mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+)
+
+
+def numpy_mla(p, h, cfg):
+    """Multi-head latent attention in float64, head by head, from the DeepSeek-V2 paper's equations."""
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    h = np.asarray(h, np.float64)
+    norm = lambda x, g: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * g
+    n, dr, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    length = h.shape[1]
+    ang = np.arange(length)[:, None] * cfg.rope_theta ** (-np.arange(dr // 2) / (dr // 2))
+
+    def rot(x):  # [.., L, dr], rotate-half
+        c, s_ = np.cos(ang), np.sin(ang)
+        a, b = x[..., : dr // 2], x[..., dr // 2 :]
+        return np.concatenate([a * c - b * s_, b * c + a * s_], -1)
+
+    if cfg.q_lora_rank:
+        q = np.einsum("blr,rhk->blhk", norm(h @ p["q_down"], p["q_norm"]), p["q_up"])
+    else:
+        q = np.einsum("bld,dhk->blhk", h, p["q"])
+    ckv = h @ p["kv_down"]
+    kv = np.einsum("blr,rhk->blhk", norm(ckv[..., :r], p["kv_norm"]), p["kv_up"])
+    k_pe = rot(ckv[..., r:])  # one RoPE key per token, every head's
+    out = np.zeros((*h.shape[:2], cfg.n_heads, cfg.v_head_dim))
+    for head in range(cfg.n_heads):
+        qh = np.concatenate([q[:, :, head, :n], rot(q[:, :, head, n:])], -1)
+        kh = np.concatenate([kv[:, :, head, :n], k_pe], -1)
+        s = np.einsum("bld,bsd->bls", qh, kh) / np.sqrt(n + dr)
+        s = np.where(np.tril(np.ones((length, length), bool)), s, -np.inf)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        out[:, :, head] = np.einsum("bls,bsd->bld", a / a.sum(-1, keepdims=True), kv[:, :, head, n:])
+    return np.einsum("blhk,hkd->bld", out, p["o"])
+
+
+@pytest.mark.parametrize("changes", [{}, {"q_lora_rank": 0}, {"remat": "full"}])
+def test_mla_matches_numpy(changes):
+    """The layer (its own XLA core under remat=none, jax's kernel otherwise) against the float64 loop;
+    weights of the documented shapes."""
+    from meshrun_models.attention import attention
+
+    cfg = dataclasses.replace(MLA, init_std=0.2, **changes)
+    _, params = init_params(cfg, 3)
+    p = jax.tree.map(lambda w: w[0], arrays(params["layers"]["moe"]["attn"]))
+    shapes = {"kv_down": (32, 12), "kv_norm": (8,), "kv_up": (8, 4, 14), "o": (4, 6, 32)}
+    shapes |= {"q_down": (32, 12), "q_norm": (12,), "q_up": (12, 4, 12)} if cfg.q_lora_rank else {"q": (32, 4, 12)}
+    assert {k: v.shape for k, v in p.items()} == shapes
+    h = jax.random.normal(jax.random.key(5), (2, 16, cfg.d_model))
+    out = jax.jit(lambda p, h: attention(p, h, cfg))(p, h)
+    np.testing.assert_allclose(out, numpy_mla(p, h, cfg), rtol=RTOL, atol=ATOL)
+
+
+def test_mla_param_and_flop_counts():
+    """analysis.flops counts MLA's params as the model has them (latent norms included) and its
+    attention core as a (nope + rope + v) multiply-adds per query-key pair."""
+    from meshrun.analysis.flops import attn_core_fwd_flops, param_counts
+
+    _, params = init_params(MLA, 0)
+    have = sum(x.size for path, x in jax.tree.leaves_with_path(arrays(params)) if "balance" not in str(path))
+    assert param_counts(MLA)["total"] == have
+    assert attn_core_fwd_flops(MLA, 10, 16) == 2 * 10 * 16 * 4 * (8 + 4 + 6)
 
 
 def test_step_gradients_and_loads_match_full_batch():
@@ -253,6 +326,18 @@ def test_bf16_params_with_float32_master_match_one_device():
         ({"first_dense_layers": 3}, "model.first_dense_layers: invalid value (got 3); use fewer than model.n_layers=3"),
         ({"route_group_limit": 1, "top_k": 3}, "model.route_group_limit: invalid value (got 1); allow at least 2"),
         ({"routed_scaling": 0.0}, "model.routed_scaling: invalid value (got 0.0); use a positive factor"),
+        ({"attention": "mha"}, "model.attention: invalid value (got 'mha'); use one of"),
+        ({"kv_lora_rank": 8}, "model.kv_lora_rank: invalid value (got 8); set model.attention=mla with it, or use 0"),
+        ({"attention": "mla", "kv_lora_rank": 0, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
+         "model.kv_lora_rank: invalid value (got 0); use a positive size with model.attention=mla"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 5, "v_head_dim": 8},
+         "model.qk_rope_head_dim: invalid value (got 5); use an even size (RoPE rotates pairs)"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 16},
+         "model.v_head_dim: invalid value (got 16); use at most qk_nope_head_dim + qk_rope_head_dim = 12"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+          "q_lora_rank": -1}, "model.q_lora_rank: out of range (got -1)"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+          "fp8": "tensorwise"}, "model.fp8: multi-head latent attention has no such variant here (got 'tensorwise')"),
     ],
 )  # fmt: skip
 def test_config_errors_name_field_value_and_fix(changes, line):
@@ -277,6 +362,11 @@ def test_tensor_split_of_expert_width_is_checked():
           "model.route_group_limit=0", "model.balance=aux_loss", "model.router_score=softmax"],
          "model.n_shared_experts: a dense model has no routed experts (got 1)"),
         (["data.pack_documents=true", "data.kind=synthetic"], "data.pack_documents"),
+        (["model.kv_lora_rank=0"], "model.kv_lora_rank: invalid value (got 0); use a positive size"),
+        (["model.qk_rope_head_dim=7"], "model.qk_rope_head_dim: invalid value (got 7); use an even size"),
+        (["mesh.tensor=8", "mesh.data=1", "mesh.expert=1"], "model.n_heads: n_heads not divisible by the tensor"),
+        (["model.n_experts=12", "model.route_groups=3"],
+         "model.route_groups: expert groups straddle expert-parallel ranks (got 3); use a multiple or a divisor of"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(capsys, over, text):
@@ -325,3 +415,6 @@ def test_hugging_face_exchange_refuses_the_new_shapes():
     hf.layer_map(dataclasses.replace(DS, **mixtral))
     with pytest.raises(ConfigError, match=r"^model.moe_d_ff: .*got 16.*use moe_d_ff=0"):
         hf.layer_map(DS)
+    dense_mla = dataclasses.replace(MLA, n_experts=0, **{**hf.MIXTRAL_ROUTING, "route_group_limit": 0})
+    with pytest.raises(ConfigError, match=r"^model.attention: .*latent attention.*got 'mla'.*use attention=gqa"):
+        hf.layer_map(dense_mla)
