@@ -34,6 +34,16 @@ def attn_params(m: ModelConfig) -> int:
     return m.d_model * q + 2 * m.d_model * kv + q * m.d_model  # Wq, Wk, Wv, Wo (GQA: fewer kv heads)
 
 
+def qkv_widths(m: ModelConfig) -> tuple[int, int]:
+    """(q, kv): elements per token of the queries and of the keys (= of the values) the attention
+    kernels see: GQA a d_head and kv_heads d_head; MLA a (nope + rope) both (every head has its own
+    k, and meshrun zero-pads v to the q/k head size, `attention.mla_attention`)."""
+    if is_mla(m):
+        w = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        return w, w
+    return m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+
+
 def norm_params(m: ModelConfig) -> int:
     """One layer's norm scales: the two d_model ones, and MLA's latent norms."""
     return 2 * m.d_model + (m.kv_lora_rank + m.q_lora_rank if is_mla(m) else 0)
@@ -84,6 +94,13 @@ def _param_counts(m: ModelConfig) -> dict[str, int]:
     head = 0 if m.tie_embeddings else m.vocab * m.d_model
     total = dense_layers + experts + emb + head + m.d_model
     return {"layers": dense_layers, "experts": experts, "embedding": emb, "head": head, "total": total}
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token passes through: everything but the routed experts it is not sent to
+    (top_k of n_experts per MoE layer; DeepSeek-V3: 37B of 671B)."""
+    c = _param_counts(m)
+    return c["total"] - c["experts"] + m.n_moe_layers * m.top_k * expert_params(m)
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from meshrun.analysis.flops import is_mla, qkv_widths
 from meshrun.config import ModelConfig
 from meshrun.planner.constants import FLASH_EFFICIENCY as FLASH_EFFICIENCY
 from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, Calibration
@@ -71,7 +72,7 @@ def attention_core_seconds(
     split evenly); the all-gather kind keeps contiguous shards, and the slowest device (the last
     shard) sees s (2c - 1) / (2c) keys per query. XLA's attention computes the full (s/c) x s scores
     either way (the ring in c blocks of (s/c) x (s/c))."""
-    heads, d = model.n_heads / t, model.head_dim
+    heads, d = model.n_heads / t, qkv_widths(model)[0] / model.n_heads
     q_len = s / context if context > 1 else s
     if flash:  # causal: fully masked blocks are skipped, half the 4 b s^2 a d FLOPs
         share = 1.0 if context <= 1 or kind == "ring" else (2 * context - 1) / context  # the slowest shard's
@@ -86,6 +87,17 @@ def attention_core_seconds(
     f_bytes = elems * (2 * act + (1 + act if dropout else 0))
     b_bytes = elems * (3 * act + (1 + act if dropout else 0))
     return qk_f + av_f + hbm_seconds(f_bytes, gpu, cal), qk_b + av_b + hbm_seconds(b_bytes, gpu, cal)
+
+
+def mla_gemms(model: ModelConfig, t: int) -> list[tuple[float, float]]:
+    """(K, N) of multi-head latent attention's GEMMs per token on one of t tensor ranks: the query's
+    down and up projections (or its full one), the K/V down projection (replicated over t) and up
+    projection (heads / t), and the output projection."""
+    h, heads = model.d_model, model.n_heads / t
+    dq, r, dr = model.qk_nope_head_dim + model.qk_rope_head_dim, model.kv_lora_rank, model.qk_rope_head_dim
+    qr = model.q_lora_rank
+    q = [(h, qr), (qr, heads * dq)] if qr else [(h, heads * dq)]
+    return [*q, (h, r + dr), (r, heads * (model.qk_nope_head_dim + model.v_head_dim)), (heads * model.v_head_dim, h)]
 
 
 def elementwise_bytes(model: ModelConfig, tokens: float, t: int, *, sp: bool, dropout: bool, act: float) -> float:
@@ -122,25 +134,32 @@ def layer_seconds(
                                    layout.context_kind)  # fmt: skip
     sp = layout.sequence_parallel and t > 1
     tok, h = b * (s / context if context > 1 else s), model.d_model
-    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    q, kv = qkv_widths(model)
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
     f8 = model.fp8 != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
-    dense = [(h, (q + 2 * kv) / t), (q / t, h)] + ([] if moe else [(h, up), (model.d_ff / t, h)])
+    dense = (mla_gemms(model, t) if is_mla(model) else [(h, (q + 2 * kv) / t), (q / t, h)]) + (
+        [] if moe else [(h, up), (model.d_ff / t, h)]
+    )
     parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
     cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
     if moe:  # each device runs n_experts/expert local experts over the k*cf routed copies of its tokens
-        local = model.n_experts / expert
+        local, ff = model.n_experts / expert, model.expert_d_ff
+        up = (2 if model.mlp == "swiglu" else 1) * ff / t  # routed experts of width moe_d_ff
+        shared = model.n_shared_experts * ff / t  # the shared experts: one MLP on every token
+        if shared:
+            shared_in = (2 if model.mlp == "swiglu" else 1) * shared
+            parts += [linear_seconds(tok, k_, n_, gpu, cal) for k_, n_ in ((h, shared_in), (shared, h))]
         # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
         padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
         routed = tok * model.top_k * padding / local
         e8 = f8 and fp8_experts
         parts += [
             linear_seconds(routed, h, up, gpu, cal, local, fp8=e8),
-            linear_seconds(routed, model.d_ff / t, h, gpu, cal, local, fp8=e8),
+            linear_seconds(routed, ff / t, h, gpu, cal, local, fp8=e8),
         ]
         if e8:
             cast += [tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act))
-                     for k_, n_ in ((h, up), (model.d_ff / t, h))]  # fmt: skip
+                     for k_, n_ in ((h, up), (ff / t, h))]  # fmt: skip
         parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
     attn_f, attn_b = attention_core_seconds(
         model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context, kind=kind
