@@ -418,3 +418,61 @@ def test_hugging_face_exchange_refuses_the_new_shapes():
     dense_mla = dataclasses.replace(MLA, n_experts=0, **{**hf.MIXTRAL_ROUTING, "route_group_limit": 0})
     with pytest.raises(ConfigError, match=r"^model.attention: .*latent attention.*got 'mla'.*use attention=gqa"):
         hf.layer_map(dense_mla)
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def test_planner_counts_deepseek_v3():
+    """configs/models/deepseek-v3.yaml: 671B parameters, 37B active per token (DeepSeek-V3's report,
+    the multi-token prediction module aside); MLA's GEMMs in the kernel model are its weights."""
+    from meshrun.analysis.flops import active_params, attn_params, param_counts
+    from meshrun.cli.plan import load_model
+    from meshrun.planner.kernels import mla_gemms
+
+    m = load_model("deepseek-v3")[0]
+    assert param_counts(m)["total"] == pytest.approx(671e9, rel=2e-3)
+    assert active_params(m) == pytest.approx(37e9, rel=2e-2)
+    assert sum(k * n for k, n in mla_gemms(m, 1)) == attn_params(m)
+    down = 7168 * (1536 + 512 + 64)  # the down projections, replicated over tensor; the rest split by heads
+    assert sum(k * n for k, n in mla_gemms(m, 8)) == down + (attn_params(m) - down) / 8
+
+
+def test_planner_costs_expert_width_and_shared_experts():
+    """A layer's expert GEMMs and kept activations follow moe_d_ff and the shared experts."""
+    from meshrun.planner.activations import layer_activation_bytes
+    from meshrun.planner.constants import calibration_for
+    from meshrun.planner.hardware import GPUS
+    from meshrun.planner.kernels import layer_seconds
+    from meshrun.planner.layout import Layout
+
+    lay, kw = Layout(), dict(sp=False, remat="none", act=2.0, dropout=False, flash=True, moe=True)
+    sec = lambda m: sum(layer_seconds(m, lay, 4096, GPUS["h800"], calibration_for("h800"), moe=True).values())
+    wide, no_shared = dataclasses.replace(MLA, moe_d_ff=64), dataclasses.replace(MLA, n_shared_experts=0)
+    assert sec(no_shared) < sec(MLA) < sec(wide)
+    act = lambda m: layer_activation_bytes(m, 1, 4096, 1, **kw)
+    assert act(no_shared) < act(MLA) < act(wide)
+
+
+def test_plan_evaluates_deepseek_v3_published_layout(capsys):
+    """DeepSeek-V3's layout (PP16, EP64, ZeRO-1, TP1 on 2048 H800) fits under Megatron's semantics and
+    meshrun's; meshrun's dropless exchange moves its fixed worst-case buffers, ep x min(top_k, E/ep) =
+    256 rows per token against Megatron's top_k = 8, so its expert all-to-all takes 32x as long."""
+    import json
+
+    from meshrun.cli.main import main
+    from meshrun.planner.hardware import GPUS
+
+    assert GPUS["h800"].peak_flops == GPUS["h100-80g"].peak_flops and GPUS["h800"].nvlink_bw == 400e9
+    argv = ["plan", "--model", "deepseek-v3", "--cluster", "h800:256x8,ib=8x400", "--json", "--evaluate",
+            "tensor=1,pipe=16,data=2,expert=64,zero=1,remat=full"]  # fmt: skip
+    expert_comm = {}
+    for framework in ("megatron", "meshrun"):
+        assert main([*argv, "--framework", framework]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        (cfg,) = doc["configs"]
+        assert doc["active_params"] == pytest.approx(37.6e9, rel=1e-2) and doc["devices"] == 2048
+        assert (cfg["pipe"], cfg["expert"], cfg["zero"]) == (16, 64, 1)
+        assert cfg["memory_gb"] < 80 and not cfg["violations"], cfg
+        expert_comm[framework] = cfg["time_parts_s"]["expert_comm"]
+    assert expert_comm["meshrun"] == pytest.approx(32 * expert_comm["megatron"], rel=0.02)
