@@ -13,6 +13,9 @@ from meshrun.config import MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
 
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
     """Llama, Mistral, Qwen2 and Mixtral shapes. MoE when n_experts > 0."""
@@ -107,10 +110,6 @@ class LlamaConfig(ModelConfig):
             if self.capacity_factor <= 0:
                 raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
 
-    MLA_FIELDS: ClassVar[tuple[str, ...]] = (
-        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    )  # fmt: skip
-
     @property
     def qk_head_dim(self) -> int:
         """One query/key head's size: qk_nope_head_dim + qk_rope_head_dim (mla), or head_dim."""
@@ -119,10 +118,10 @@ class LlamaConfig(ModelConfig):
     def _check_mla(self) -> None:
         """model.attention=mla's ranks and head dims (DeepSeek-V2/V3)."""
         choice("model.attention", self.attention, ("gqa", "mla"))
-        for f in self.MLA_FIELDS:
+        for f in MLA_FIELDS:
             bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
         if self.attention != "mla":
-            for f in self.MLA_FIELDS:
+            for f in MLA_FIELDS:
                 if getattr(self, f):
                     raise ConfigError(f"model.{f}", getattr(self, f), "set model.attention=mla with it, or use 0")
             return
