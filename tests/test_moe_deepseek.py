@@ -171,7 +171,9 @@ LAYOUTS = [
     pytest.param([], ["mesh.context=2", *NO_TP], id="context2-data2-expert2", marks=pytest.mark.slow),
     pytest.param([], ["mesh.context=2", "mesh.data=1"], id="context2-expert2-tensor2", marks=pytest.mark.slow),
     pytest.param(
-        ["model.context_parallel=ring"], ["mesh.context=2", "mesh.data=1"], id="ring2-expert2-tensor2",
+        ["model.context_parallel=ring"],
+        ["mesh.context=2", "mesh.data=1"],
+        id="ring2-expert2-tensor2",
         marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param(["model.q_lora_rank=0"], ["mesh.tensor=4", "mesh.data=1"], id="mla-no-q-latent-tensor4"),

@@ -12,7 +12,6 @@ from typing import ClassVar
 from meshrun.config import MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
 
-
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
