@@ -176,7 +176,9 @@ LAYOUTS = [
         id="ring2-expert2-tensor2",
         marks=pytest.mark.slow,
     ),  # fmt: skip
-    pytest.param(["model.q_lora_rank=0"], ["mesh.tensor=4", "mesh.data=1"], id="mla-no-q-latent-tensor4"),
+    pytest.param(
+        ["model.q_lora_rank=0"], ["mesh.tensor=4", "mesh.data=1"], id="mla-no-q-latent-tensor4", marks=pytest.mark.slow
+    ),
     pytest.param([], ["train.zero=1"], id="zero1", marks=pytest.mark.slow),
     pytest.param([], ["mesh.data=4", *NO_TP, "train.zero=2"], id="zero2-data4", marks=pytest.mark.slow),
     pytest.param([], ["train.zero=3"], id="zero3", marks=pytest.mark.slow),
