@@ -290,7 +290,7 @@ def run_master(cfg, n_devices=8, steps=3):
 # bf16 params across layouts. The step's float32 reduction order differs by a few ulp between layouts;
 # a master weight that lies that close to a bf16 rounding boundary rounds one bf16 step (2^-8 relative)
 # apart, the next step's gradients move with it and Adam (eps 1e-4 here) amplifies small-gradient
-# differences. Measured after 3 steps, data 2 x expert 2 x tensor 2 ZeRO-1 vs one device: losses within 6.5e-6,
+# differences. Measured after 3 steps, data 2 x expert 2 x tensor 2 ZeRO-1 vs one device: losses within 6.2e-6,
 # about a fifth of the bf16 params one step apart, the master within 1.5e-3 of its norm per tensor;
 # the dense configs/tiny_cpu.yaml on data 4 x tensor 2 ZeRO-1 shows the same (1.7e-6, 1.6e-3): the
 # rounding, not the MoE. After 1 step (warmup: lr 0) everything is bit-identical. So: the losses at
