@@ -25,6 +25,8 @@ from meshrun_models.layers import (
     Lead,
     dtype_of,
     normal_param,
+    ones_param,
+    rms_norm,
     rope,
     rope_freqs,
     segment_positions,
@@ -41,6 +43,9 @@ from meshrun.parallel.sharding import CONTEXT, constrain
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, lead: Lead, *, rngs: nnx.Rngs):
+        if getattr(cfg, "attention", "gqa") == "mla":
+            self._mla(cfg, lead, rngs)
+            return
         d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q = normal_param(rngs.params(), (d, h, dh), ("embed", "heads", "head_dim"), lead, cfg)
         self.k = normal_param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), lead, cfg)
@@ -50,6 +55,23 @@ class Attention(nnx.Module):
             self.q_bias = zeros_param((h, dh), ("heads", "head_dim"), lead, cfg)
             self.k_bias = zeros_param((k, dh), ("kv_heads", "head_dim"), lead, cfg)
             self.v_bias = zeros_param((k, dh), ("kv_heads", "head_dim"), lead, cfg)
+
+    def _mla(self, cfg: ModelConfig, lead: Lead, rngs: nnx.Rngs) -> None:
+        """Multi-head latent attention's weights. A latent dimension is named 'embed' (its rows are
+        split like a d_model row under ZeRO-3 and replicated over 'tensor'); heads split over 'tensor'."""
+        d, h, dq, r = cfg.d_model, cfg.n_heads, cfg.qk_head_dim, cfg.kv_lora_rank
+        heads = ("embed", "heads", "head_dim")
+        if cfg.q_lora_rank:
+            self.q_down = normal_param(rngs.params(), (d, cfg.q_lora_rank), ("embed", None), lead, cfg)
+            self.q_norm = ones_param((cfg.q_lora_rank,), ("norm",), lead, cfg)
+            self.q_up = normal_param(rngs.params(), (cfg.q_lora_rank, h, dq), heads, lead, cfg)
+        else:
+            self.q = normal_param(rngs.params(), (d, h, dq), heads, lead, cfg)
+        self.kv_down = normal_param(rngs.params(), (d, r + cfg.qk_rope_head_dim), ("embed", None), lead, cfg)
+        self.kv_norm = ones_param((r,), ("norm",), lead, cfg)
+        kv_up = (r, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_up = normal_param(rngs.params(), kv_up, heads, lead, cfg)
+        self.o = normal_param(rngs.params(), (h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), lead, cfg)
 
 
 def _impl(name: str) -> str | None:
@@ -116,7 +138,8 @@ def context_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, chunk: ContextChunk, c
     """Attention of this chunk's queries over the whole sequence: K/V all-gathered over 'context'
     (allgather) or passed around its ring (ring). Returns B x L x H x Dh."""
     b, length, h, dh = q_BxLxHxDh.shape
-    q = q_BxLxHxDh.reshape(b, length, cfg.n_kv_heads, h // cfg.n_kv_heads, dh)
+    n_kv = k_BxLxKxDh.shape[2]
+    q = q_BxLxHxDh.reshape(b, length, n_kv, h // n_kv, dh)
     left = None if window is None else window[0]
     if cfg.context_parallel == "ring":
         o = ring_attention(q, k_BxLxKxDh, v_BxLxKxDh, chunk.segment_ids_BxL, axis=CONTEXT, window=left, zigzag=True)
@@ -143,6 +166,8 @@ def attention(
     fp8 state (`layers.fp8_state`): the q/k/v and output GEMMs run in fp8 under cfg.fp8. `ring` = t > 0
     (model.tp_comm_overlap, `collective_matmul.ring_degree`): h comes split over the sequence and the
     q/k/v and output GEMMs run as rings over the t tensor shards; the output comes back split too."""
+    if getattr(cfg, "attention", "gqa") == "mla":  # fp8 and tensor rings are refused with it (the config)
+        return mla_attention(p, h_BxLxD, cfg, segments)
     dt = dtype_of(cfg.dtype)
     recipe = cfg.fp8
     gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
@@ -175,18 +200,33 @@ def _qkv(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, gemm,
 
 def _attend(qkv: jax.Array, cfg: ModelConfig, segments, rotary: bool) -> jax.Array:
     """Causal attention of the fused q/k/v (RoPE applied if `rotary`): B x L x H x Dh."""
-    n_kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    g, dh = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-    chunk = segments if isinstance(segments, ContextChunk) else None
-    pos_BxL, mask = (chunk.positions_BxL, None) if chunk else segments if segments is not None else (None, None)
+    pos_BxL = _positions(segments)
     if rotary:
         freq = rope_freqs(cfg)
         q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)
+    return _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg, segments, "kv_heads")
+
+
+def _positions(segments):
+    """RoPE positions: the context chunk's, the packed rows', or None (0..L-1)."""
+    if isinstance(segments, ContextChunk):
+        return segments.positions_BxL
+    return segments[0] if segments is not None else None
+
+
+def _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg: ModelConfig, segments, kv_name: str) -> jax.Array:
+    """Causal attention of roped q/k and v (K heads, H = K G queries): B x L x H x Dh."""
+    b, length, h, dh = q_BxLxHxDh.shape
+    n_kv = k_BxLxKxDh.shape[2]
+    chunk = segments if isinstance(segments, ContextChunk) else None
+    mask = None if chunk or segments is None else segments[1]
     q_BxLxHxDh = checkpoint_name(constrain(q_BxLxHxDh, ("batch", None, "heads", "head_dim")), "q_rot")
-    k_BxLxKxDh = checkpoint_name(constrain(k_BxLxKxDh, ("batch", None, "kv_heads", "head_dim")), "k_rot")
-    v_BxLxKxDh = checkpoint_name(constrain(v_BxLxKxDh, ("batch", None, "kv_heads", "head_dim")), "v")
+    k_BxLxKxDh = checkpoint_name(constrain(k_BxLxKxDh, ("batch", None, kv_name, "head_dim")), "k_rot")
+    v_BxLxKxDh = checkpoint_name(constrain(v_BxLxKxDh, ("batch", None, kv_name, "head_dim")), "v")
     window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
     impl = _impl(cfg.attention_impl)
     # remat=none keeps the softmax output (2 bytes per score, as Megatron): `attention_core` names it.
@@ -199,6 +239,44 @@ def _attend(qkv: jax.Array, cfg: ModelConfig, segments, rotary: bool) -> jax.Arr
             q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask, is_causal=True, local_window_size=window, implementation=impl
         )
     else:
-        q = q_BxLxHxDh.reshape(b, length, n_kv, g, dh)
-        o_BxLxHxDh = attention_core(q, k_BxLxKxDh, v_BxLxKxDh, mask, window).reshape(b, length, cfg.n_heads, dh)
+        q = q_BxLxHxDh.reshape(b, length, n_kv, h // n_kv, dh)
+        o_BxLxHxDh = attention_core(q, k_BxLxKxDh, v_BxLxKxDh, mask, window).reshape(b, length, h, dh)
     return checkpoint_name(constrain(o_BxLxHxDh, ("batch", None, "heads", "head_dim")), "attn_out")
+
+
+# ---------------------------------------------------------------- multi-head latent attention
+
+
+def mla_attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, segments=None) -> jax.Array:
+    """DeepSeek-V2/V3's multi-head latent attention on normed input (full length); the row-parallel
+    output before the residual-stream constraint, as `attention`. The down-projections and the latent
+    norms are replicated over 'tensor' (their input gradient is all-reduced there, as a column-parallel
+    layer's), the up-projections and the output are split by heads. Per head: q = [q_nope, rope(q_pe)],
+    k = [k_nope, rope(k_pe)] with one k_pe shared by every head, softmax scale 1/sqrt(nope + rope).
+    v is zero-padded to the q/k head size so that every attention kernel (jax's, the context-parallel
+    all-gather and ring) runs unchanged: the padded output columns are exact zeros, dropped after."""
+    dt = dtype_of(cfg.dtype)
+    w = lambda name: p[name].astype(dt)
+    n, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    latent = ("batch", None, None)
+    if cfg.q_lora_rank:
+        cq_BxLxR = constrain(jnp.einsum("bld,dr->blr", h_BxLxD, w("q_down")), latent)
+        cq_BxLxR = rms_norm(cq_BxLxR, p["q_norm"], cfg.norm_eps)
+        q_BxLxHxDq = jnp.einsum("blr,rhk->blhk", cq_BxLxR, w("q_up"))
+    else:
+        q_BxLxHxDq = jnp.einsum("bld,dhk->blhk", h_BxLxD, w("q"))
+    q_BxLxHxDq = checkpoint_name(constrain(q_BxLxHxDq, ("batch", None, "heads", "head_dim")), "qkv")
+    ckv_BxLxR = constrain(jnp.einsum("bld,dr->blr", h_BxLxD, w("kv_down")), latent)
+    c_BxLxR = rms_norm(ckv_BxLxR[..., :r], p["kv_norm"], cfg.norm_eps)
+    kv_BxLxHxE = jnp.einsum("blr,rhk->blhk", c_BxLxR, w("kv_up"))
+    kv_BxLxHxE = checkpoint_name(constrain(kv_BxLxHxE, ("batch", None, "heads", "head_dim")), "qkv")
+    pos_BxL, freq = _positions(segments), rope_freqs(cfg, dr)
+    q_pe = rope(q_BxLxHxDq[..., n:], freq, pos_BxL)
+    k_pe_BxLx1xDr = rope(ckv_BxLxR[:, :, None, r:], freq, pos_BxL)
+    b, length, heads = q_BxLxHxDq.shape[:3]
+    q_BxLxHxDq = jnp.concatenate([q_BxLxHxDq[..., :n], q_pe], axis=-1)
+    k_pe = jnp.broadcast_to(k_pe_BxLx1xDr, (b, length, heads, dr))
+    k_BxLxHxDq = jnp.concatenate([kv_BxLxHxE[..., :n], k_pe], axis=-1)
+    v_BxLxHxDq = jnp.pad(kv_BxLxHxE[..., n:], ((0, 0), (0, 0), (0, 0), (0, n + dr - dv)))
+    o_BxLxHxDq = _core(q_BxLxHxDq, k_BxLxHxDq, v_BxLxHxDq, cfg, segments, "heads")
+    return jnp.einsum("blhk,hkd->bld", o_BxLxHxDq[..., :dv], w("o"))

@@ -161,11 +161,11 @@ def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return (y * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def rope_freqs(cfg: ModelConfig) -> jax.Array:
-    """Rotary frequencies [Dh/2]: theta^(-2i/Dh); with rope_scaling=llama3 (Llama 3.1) wavelengths above
-    original_max/low_freq_factor are divided by the factor, those below original_max/high_freq_factor
-    kept, and the band between interpolated (transformers' `_compute_llama3_parameters`)."""
-    half = cfg.head_dim // 2
+def rope_freqs(cfg: ModelConfig, dim: int | None = None) -> jax.Array:
+    """Rotary frequencies [Dh/2]: theta^(-2i/Dh) (Dh: `dim`, default cfg.head_dim); with rope_scaling=llama3
+    (Llama 3.1) wavelengths above original_max/low_freq_factor are divided by the factor, those below
+    original_max/high_freq_factor kept, the band between interpolated (transformers' `_compute_llama3_parameters`)."""
+    half = (cfg.head_dim if dim is None else dim) // 2
     freq = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     if cfg.rope_scaling == "llama3":
         f, lo, hi, n0 = (

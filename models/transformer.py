@@ -291,6 +291,8 @@ def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> 
     t = int(mesh_shape.get("tensor", 1))
     ep = int(mesh_shape.get("expert", 1))
     widths = (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff))
+    if getattr(cfg, "attention", "gqa") == "mla":  # every head has its own k and v: no kv heads
+        widths = (("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff))
     if cfg.is_moe and cfg.moe_d_ff:
         widths += (("moe_d_ff", cfg.moe_d_ff),)
     for field, n in widths:
@@ -318,3 +320,12 @@ def validate_model_for_mesh(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> 
                 f"use a multiple of mesh.expert={ep}, or an expert degree that divides {cfg.n_experts}",
                 "experts not divisible by the expert-parallel degree",
             )
+        g = getattr(cfg, "route_groups", 0)
+        if g > 1 and ep > 1 and g % ep and ep % g:
+            # The choice is exact on any layout; nesting makes route_group_limit bound the expert ranks
+            # a token reaches (limit x max(1, ep / groups)), the point of device-limited routing.
+            raise ConfigError(
+                "model.route_groups", g,
+                f"use a multiple or a divisor of mesh.expert={ep}, so that groups and expert ranks nest",
+                "expert groups straddle expert-parallel ranks",
+            )  # fmt: skip

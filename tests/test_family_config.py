@@ -107,7 +107,7 @@ def test_plan_proposes_no_context_parallelism_for_gpt2(seq, capsys):
 @pytest.mark.parametrize("kind, name", [
     ("NVIDIA H100 80GB HBM3", "h100-80g"), ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "gh200"),
     ("NVIDIA A100-SXM4-40GB", "a100-40g"), ("NVIDIA A100-SXM4-80GB", "a100-80g"),
-    ("NVIDIA A100 80GB PCIe", "a100-80g-pcie"), ("NVIDIA H100 PCIe", None), ("cpu", None),
+    ("NVIDIA A100 80GB PCIe", "a100-80g-pcie"), ("NVIDIA H100 PCIe", None), ("cpu", None), ("NVIDIA H800", "h800"),
 ])  # fmt: skip
 def test_gpu_of_device_kind(kind, name):
     assert gpu_of_kind(kind) == name and (name is None or name in GPUS)

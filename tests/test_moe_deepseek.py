@@ -169,10 +169,87 @@ LAYOUTS = [
     ),  # fmt: skip
     pytest.param([], ["mesh.pipe=2", *NO_TP], id="pipe2-data2-expert2", marks=pytest.mark.slow),
     pytest.param([], ["mesh.context=2", *NO_TP], id="context2-data2-expert2", marks=pytest.mark.slow),
+    pytest.param([], ["mesh.context=2", "mesh.data=1"], id="context2-expert2-tensor2", marks=pytest.mark.slow),
+    pytest.param(
+        ["model.context_parallel=ring"],
+        ["mesh.context=2", "mesh.data=1"],
+        id="ring2-expert2-tensor2",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
+    pytest.param(
+        ["model.q_lora_rank=0"], ["mesh.tensor=4", "mesh.data=1"], id="mla-no-q-latent-tensor4", marks=pytest.mark.slow
+    ),
     pytest.param([], ["train.zero=1"], id="zero1", marks=pytest.mark.slow),
     pytest.param([], ["mesh.data=4", *NO_TP, "train.zero=2"], id="zero2-data4", marks=pytest.mark.slow),
     pytest.param([], ["train.zero=3"], id="zero3", marks=pytest.mark.slow),
 ]
+
+
+# ---------------------------------------------------------------- multi-head latent attention
+
+MLA = dataclasses.replace(
+    DS, attention="mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+)
+
+
+def numpy_mla(p, h, cfg):
+    """Multi-head latent attention in float64, head by head, from the DeepSeek-V2 paper's equations."""
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    h = np.asarray(h, np.float64)
+    norm = lambda x, g: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * g
+    n, dr, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    length = h.shape[1]
+    ang = np.arange(length)[:, None] * cfg.rope_theta ** (-np.arange(dr // 2) / (dr // 2))
+
+    def rot(x):  # [.., L, dr], rotate-half
+        c, s_ = np.cos(ang), np.sin(ang)
+        a, b = x[..., : dr // 2], x[..., dr // 2 :]
+        return np.concatenate([a * c - b * s_, b * c + a * s_], -1)
+
+    if cfg.q_lora_rank:
+        q = np.einsum("blr,rhk->blhk", norm(h @ p["q_down"], p["q_norm"]), p["q_up"])
+    else:
+        q = np.einsum("bld,dhk->blhk", h, p["q"])
+    ckv = h @ p["kv_down"]
+    kv = np.einsum("blr,rhk->blhk", norm(ckv[..., :r], p["kv_norm"]), p["kv_up"])
+    k_pe = rot(ckv[..., r:])  # one RoPE key per token, every head's
+    out = np.zeros((*h.shape[:2], cfg.n_heads, cfg.v_head_dim))
+    for head in range(cfg.n_heads):
+        qh = np.concatenate([q[:, :, head, :n], rot(q[:, :, head, n:])], -1)
+        kh = np.concatenate([kv[:, :, head, :n], k_pe], -1)
+        s = np.einsum("bld,bsd->bls", qh, kh) / np.sqrt(n + dr)
+        s = np.where(np.tril(np.ones((length, length), bool)), s, -np.inf)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        out[:, :, head] = np.einsum("bls,bsd->bld", a / a.sum(-1, keepdims=True), kv[:, :, head, n:])
+    return np.einsum("blhk,hkd->bld", out, p["o"])
+
+
+@pytest.mark.parametrize("changes", [{}, {"q_lora_rank": 0}, {"remat": "full"}])
+def test_mla_matches_numpy(changes):
+    """The layer (its own XLA core under remat=none, jax's kernel otherwise) against the float64 loop;
+    weights of the documented shapes."""
+    from meshrun_models.attention import attention
+
+    cfg = dataclasses.replace(MLA, init_std=0.2, **changes)
+    _, params = init_params(cfg, 3)
+    p = jax.tree.map(lambda w: w[0], arrays(params["layers"]["moe"]["attn"]))
+    shapes = {"kv_down": (32, 12), "kv_norm": (8,), "kv_up": (8, 4, 14), "o": (4, 6, 32)}
+    shapes |= {"q_down": (32, 12), "q_norm": (12,), "q_up": (12, 4, 12)} if cfg.q_lora_rank else {"q": (32, 4, 12)}
+    assert {k: v.shape for k, v in p.items()} == shapes
+    h = jax.random.normal(jax.random.key(5), (2, 16, cfg.d_model))
+    out = jax.jit(lambda p, h: attention(p, h, cfg))(p, h)
+    np.testing.assert_allclose(out, numpy_mla(p, h, cfg), rtol=RTOL, atol=ATOL)
+
+
+def test_mla_param_and_flop_counts():
+    """analysis.flops counts MLA's params as the model has them (latent norms included) and its
+    attention core as a (nope + rope + v) multiply-adds per query-key pair."""
+    from meshrun.analysis.flops import attn_core_fwd_flops, param_counts
+
+    _, params = init_params(MLA, 0)
+    have = sum(x.size for path, x in jax.tree.leaves_with_path(arrays(params)) if "balance" not in str(path))
+    assert param_counts(MLA)["total"] == have
+    assert attn_core_fwd_flops(MLA, 10, 16) == 2 * 10 * 16 * 4 * (8 + 4 + 6)
 
 
 def test_step_gradients_and_loads_match_full_batch():
@@ -213,7 +290,7 @@ def run_master(cfg, n_devices=8, steps=3):
 # bf16 params across layouts. The step's float32 reduction order differs by a few ulp between layouts;
 # a master weight that lies that close to a bf16 rounding boundary rounds one bf16 step (2^-8 relative)
 # apart, the next step's gradients move with it and Adam (eps 1e-4 here) amplifies small-gradient
-# differences. Measured after 3 steps, data 2 x expert 2 x tensor 2 ZeRO-1 vs one device: losses within 6.5e-6,
+# differences. Measured after 3 steps, data 2 x expert 2 x tensor 2 ZeRO-1 vs one device: losses within 6.2e-6,
 # about a fifth of the bf16 params one step apart, the master within 1.5e-3 of its norm per tensor;
 # the dense configs/tiny_cpu.yaml on data 4 x tensor 2 ZeRO-1 shows the same (1.7e-6, 1.6e-3): the
 # rounding, not the MoE. After 1 step (warmup: lr 0) everything is bit-identical. So: the losses at
@@ -253,6 +330,18 @@ def test_bf16_params_with_float32_master_match_one_device():
         ({"first_dense_layers": 3}, "model.first_dense_layers: invalid value (got 3); use fewer than model.n_layers=3"),
         ({"route_group_limit": 1, "top_k": 3}, "model.route_group_limit: invalid value (got 1); allow at least 2"),
         ({"routed_scaling": 0.0}, "model.routed_scaling: invalid value (got 0.0); use a positive factor"),
+        ({"attention": "mha"}, "model.attention: invalid value (got 'mha'); use one of"),
+        ({"kv_lora_rank": 8}, "model.kv_lora_rank: invalid value (got 8); set model.attention=mla with it, or use 0"),
+        ({"attention": "mla", "kv_lora_rank": 0, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
+         "model.kv_lora_rank: invalid value (got 0); use a positive size with model.attention=mla"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 5, "v_head_dim": 8},
+         "model.qk_rope_head_dim: invalid value (got 5); use an even size (RoPE rotates pairs)"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 16},
+         "model.v_head_dim: invalid value (got 16); use at most qk_nope_head_dim + qk_rope_head_dim = 12"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+          "q_lora_rank": -1}, "model.q_lora_rank: out of range (got -1)"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+          "fp8": "tensorwise"}, "model.fp8: multi-head latent attention has no such variant here (got 'tensorwise')"),
     ],
 )  # fmt: skip
 def test_config_errors_name_field_value_and_fix(changes, line):
@@ -277,6 +366,11 @@ def test_tensor_split_of_expert_width_is_checked():
           "model.route_group_limit=0", "model.balance=aux_loss", "model.router_score=softmax"],
          "model.n_shared_experts: a dense model has no routed experts (got 1)"),
         (["data.pack_documents=true", "data.kind=synthetic"], "data.pack_documents"),
+        (["model.kv_lora_rank=0"], "model.kv_lora_rank: invalid value (got 0); use a positive size"),
+        (["model.qk_rope_head_dim=7"], "model.qk_rope_head_dim: invalid value (got 7); use an even size"),
+        (["mesh.tensor=8", "mesh.data=1", "mesh.expert=1"], "model.n_heads: n_heads not divisible by the tensor"),
+        (["model.n_experts=12", "model.route_groups=3"],
+         "model.route_groups: expert groups straddle expert-parallel ranks (got 3); use a multiple or a divisor of"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(capsys, over, text):
@@ -325,3 +419,64 @@ def test_hugging_face_exchange_refuses_the_new_shapes():
     hf.layer_map(dataclasses.replace(DS, **mixtral))
     with pytest.raises(ConfigError, match=r"^model.moe_d_ff: .*got 16.*use moe_d_ff=0"):
         hf.layer_map(DS)
+    dense_mla = dataclasses.replace(MLA, n_experts=0, **{**hf.MIXTRAL_ROUTING, "route_group_limit": 0})
+    with pytest.raises(ConfigError, match=r"^model.attention: .*latent attention.*got 'mla'.*use attention=gqa"):
+        hf.layer_map(dense_mla)
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def test_planner_counts_deepseek_v3():
+    """configs/models/deepseek-v3.yaml: 671B parameters, 37B active per token (DeepSeek-V3's report,
+    the multi-token prediction module aside); MLA's GEMMs in the kernel model are its weights."""
+    from meshrun.analysis.flops import active_params, attn_params, param_counts
+    from meshrun.cli.plan import load_model
+    from meshrun.planner.kernels import mla_gemms
+
+    m = load_model("deepseek-v3")[0]
+    assert param_counts(m)["total"] == pytest.approx(671e9, rel=2e-3)
+    assert active_params(m) == pytest.approx(37e9, rel=2e-2)
+    assert sum(k * n for k, n in mla_gemms(m, 1)) == attn_params(m)
+    down = 7168 * (1536 + 512 + 64)  # the down projections, replicated over tensor; the rest split by heads
+    assert sum(k * n for k, n in mla_gemms(m, 8)) == down + (attn_params(m) - down) / 8
+
+
+def test_planner_costs_expert_width_and_shared_experts():
+    """A layer's expert GEMMs and kept activations follow moe_d_ff and the shared experts."""
+    from meshrun.planner.activations import layer_activation_bytes
+    from meshrun.planner.constants import calibration_for
+    from meshrun.planner.hardware import GPUS
+    from meshrun.planner.kernels import layer_seconds
+    from meshrun.planner.layout import Layout
+
+    lay, kw = Layout(), dict(sp=False, remat="none", act=2.0, dropout=False, flash=True, moe=True)
+    sec = lambda m: sum(layer_seconds(m, lay, 4096, GPUS["h800"], calibration_for("h800"), moe=True).values())
+    wide, no_shared = dataclasses.replace(MLA, moe_d_ff=64), dataclasses.replace(MLA, n_shared_experts=0)
+    assert sec(no_shared) < sec(MLA) < sec(wide)
+    act = lambda m: layer_activation_bytes(m, 1, 4096, 1, **kw)
+    assert act(no_shared) < act(MLA) < act(wide)
+
+
+def test_plan_evaluates_deepseek_v3_published_layout(capsys):
+    """DeepSeek-V3's layout (PP16, EP64, ZeRO-1, TP1 on 2048 H800) fits under Megatron's semantics and
+    meshrun's; meshrun's dropless exchange moves its fixed worst-case buffers, ep x min(top_k, E/ep) =
+    256 rows per token against Megatron's top_k = 8, so its expert all-to-all takes 32x as long."""
+    import json
+
+    from meshrun.cli.main import main
+    from meshrun.planner.hardware import GPUS
+
+    assert GPUS["h800"].peak_flops == GPUS["h100-80g"].peak_flops and GPUS["h800"].nvlink_bw == 400e9
+    argv = ["plan", "--model", "deepseek-v3", "--cluster", "h800:256x8,ib=8x400", "--json", "--evaluate",
+            "tensor=1,pipe=16,data=2,expert=64,zero=1,remat=full"]  # fmt: skip
+    expert_comm = {}
+    for framework in ("megatron", "meshrun"):
+        assert main([*argv, "--framework", framework]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        (cfg,) = doc["configs"]
+        assert doc["active_params"] == pytest.approx(37.6e9, rel=1e-2) and doc["devices"] == 2048
+        assert (cfg["pipe"], cfg["expert"], cfg["zero"]) == (16, 64, 1)
+        assert cfg["memory_gb"] < 80 and not cfg["violations"], cfg
+        expert_comm[framework] = cfg["time_parts_s"]["expert_comm"]
+    assert expert_comm["meshrun"] == pytest.approx(32 * expert_comm["megatron"], rel=0.02)

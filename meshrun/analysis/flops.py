@@ -16,9 +16,45 @@ from meshrun.config import ModelConfig
 # ----------------------------------------------------------------------------- parameters
 
 
+def is_mla(m: ModelConfig) -> bool:
+    """model.attention=mla (DeepSeek-V2/V3's multi-head latent attention; the llama family's option)."""
+    return getattr(m, "attention", "gqa") == "mla"
+
+
 def attn_params(m: ModelConfig) -> int:
+    """The attention's matmul weights: Wq, Wk, Wv, Wo (GQA: fewer kv heads); MLA: the query (or its
+    down and up projections), the K/V down projection (latent + shared RoPE key), its up projection
+    (per-head k_nope and v) and Wo."""
+    if is_mla(m):
+        h, dq, r = m.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+        q = m.q_lora_rank * (m.d_model + h * dq) if m.q_lora_rank else m.d_model * h * dq
+        kv = m.d_model * (r + m.qk_rope_head_dim) + r * h * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + h * m.v_head_dim * m.d_model
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     return m.d_model * q + 2 * m.d_model * kv + q * m.d_model  # Wq, Wk, Wv, Wo (GQA: fewer kv heads)
+
+
+def qkv_widths(m: ModelConfig) -> tuple[int, int]:
+    """(q, kv): elements per token of the queries and of the keys (= of the values) the attention
+    kernels see: GQA a d_head and kv_heads d_head; MLA a (nope + rope) both (every head has its own
+    k, and meshrun zero-pads v to the q/k head size, `attention.mla_attention`)."""
+    if is_mla(m):
+        w = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        return w, w
+    return m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+
+
+def norm_params(m: ModelConfig) -> int:
+    """One layer's norm scales: the two d_model ones, and MLA's latent norms."""
+    return 2 * m.d_model + (m.kv_lora_rank + m.q_lora_rank if is_mla(m) else 0)
+
+
+def attn_core_width(m: ModelConfig) -> int:
+    """Multiply-adds per (query, key) pair in the attention core, QK^T and A.V together: 2 a d_head;
+    MLA: a (qk_nope + qk_rope + v) (the kernels here also run A.V over v's zero padding, not counted)."""
+    if is_mla(m):
+        return m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return 2 * m.n_heads * m.head_dim
 
 
 def mlp_params(m: ModelConfig) -> int:
@@ -39,7 +75,7 @@ def layer_params(m: ModelConfig, moe: bool = False) -> int:
     """One transformer layer: attention + MLP (or E experts + router + shared experts) + 2 norms.
     GPT-3: 12h^2 + 2h."""
     ffn = m.n_experts * expert_params(m) + m.d_model * m.n_experts + shared_params(m) if moe else mlp_params(m)
-    return attn_params(m) + ffn + 2 * m.d_model
+    return attn_params(m) + ffn + norm_params(m)
 
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
@@ -58,6 +94,13 @@ def _param_counts(m: ModelConfig) -> dict[str, int]:
     head = 0 if m.tie_embeddings else m.vocab * m.d_model
     total = dense_layers + experts + emb + head + m.d_model
     return {"layers": dense_layers, "experts": experts, "embedding": emb, "head": head, "total": total}
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token passes through: everything but the routed experts it is not sent to
+    (top_k of n_experts per MoE layer; DeepSeek-V3: 37B of 671B)."""
+    c = _param_counts(m)
+    return c["total"] - c["experts"] + m.n_moe_layers * m.top_k * expert_params(m)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -85,10 +128,12 @@ def layer_fwd_flops(m: ModelConfig, tokens: float, s: int, moe: bool = False, ca
     mat = _matmul_active(m, moe)
     if moe:
         mat += (capacity - 1.0) * m.top_k * expert_params(m)  # capacity padding is executed too
-    return 2.0 * tokens * mat + 4.0 * tokens * s * m.n_heads * m.head_dim
+    return 2.0 * tokens * mat + attn_core_fwd_flops(m, tokens, s)
 
 
 def attn_core_fwd_flops(m: ModelConfig, tokens: float, s: int) -> float:
+    if is_mla(m):
+        return 2.0 * tokens * s * attn_core_width(m)
     return 4.0 * tokens * s * m.n_heads * m.head_dim
 
 

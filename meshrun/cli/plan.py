@@ -18,7 +18,7 @@ import difflib
 import json
 from pathlib import Path
 
-from meshrun.analysis.flops import param_counts
+from meshrun.analysis.flops import active_params, param_counts
 from meshrun.config import (
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
@@ -336,6 +336,7 @@ def run_plan(args) -> int:
         out = {
             "model": name,
             "params": counts["total"],
+            "active_params": active_params(model),
             "cluster": str(cluster),
             "framework": args.framework,
             "grad_reduce_dtype": opt["grad_reduce_dtype"],
@@ -443,8 +444,9 @@ def format_table(
     framework: str = "meshrun",
     model=None,
 ) -> str:
+    active = f", {active_params(model) / 1e9:.3g}B active" if model is not None and model.is_moe else ""
     lines = [
-        f"{name} ({n_params / 1e9:.3g}B params) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
+        f"{name} ({n_params / 1e9:.3g}B params{active}) on {cluster} = {cluster.n_devices} x {cluster.gpu.name} "
         f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics, "
         f"dp reduce {results[0].layout.grad_reduce_dtype}",
         "",

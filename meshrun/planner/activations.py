@@ -5,6 +5,7 @@ measures it on compiled programs; tests/test_memory.py asserts the two agree).""
 
 from __future__ import annotations
 
+from meshrun.analysis.flops import qkv_widths
 from meshrun.config import ModelConfig
 from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE
 
@@ -19,7 +20,7 @@ def context_kv_bytes(m: ModelConfig, b: int, s: int, t: int, c: int, *, act: flo
     """Bytes of one layer's gathered K and V under the all-gather kind: 2·s·b·kv_heads·head_dim/t
     elements (the whole sequence's keys and values of the device's kv heads). A ring block (the K/V of
     s/c tokens) is this divided by c."""
-    return 0.0 if c <= 1 else 2.0 * act * s * b * m.n_kv_heads * m.head_dim / t
+    return 0.0 if c <= 1 else 2.0 * act * s * b * qkv_widths(m)[1] / t
 
 
 def context_working_bytes(
@@ -49,14 +50,17 @@ def _kv_len(s: int, c: int, kind: str, flash: bool) -> float | None:
 def _mlp_kept(m: ModelConfig, b: int, s: float, act: float, moe: bool) -> float:
     """The MLP intermediates one layer keeps for its backward, per micro-batch of s local tokens, before
     the TP split (gelu: fc1 out + gelu out; swiglu: gate, up, prod); MoE: those of the routed copies of
-    the tokens (top_k x capacity), the router logits, the dispatch and combine buffers."""
+    the tokens (top_k x capacity, experts of width moe_d_ff), the router logits, the dispatch and combine
+    buffers, and the shared experts' MLP on every token."""
     mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.d_ff
     if not moe:
         return act * mlp_elems
     # Megatron's dropless MoE keeps the routed rows it received (top_k per token, the busiest rank's share)
     routed = m.top_k * (MOE_DROPLESS_IMBALANCE if m.moe_dispatch == "dropless" else m.capacity_factor)
     sbh = s * b * m.d_model
-    return act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
+    mlp_elems = (3 if m.mlp == "swiglu" else 2) * s * b * m.expert_d_ff  # routed experts of width moe_d_ff
+    mlp = act * mlp_elems * routed + 4 * s * b * m.n_experts + 2 * act * sbh * routed
+    return mlp + act * mlp_elems * m.n_shared_experts  # the shared experts' MLP, on every token
 
 
 def layer_activation_bytes(
@@ -79,7 +83,7 @@ def layer_activation_bytes(
     s = s / context if context > 1 else s
     sbh = s * b * m.d_model
     mask = 1.0 if dropout else 0.0
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    q, kv = qkv_widths(m)
     # Replicated across TP without SP: LN1 input, QKV input, LN2 input, MLP input (+ 2 dropout masks).
     repl = 4 * act * sbh + 2 * mask * sbh
     # Split by TP: Q, K, V; out-proj input; MLP intermediates (`_mlp_kept`).
@@ -128,7 +132,7 @@ def saved_name_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: 
     """Bytes per layer of the activations `selective` keeps and `offload` moves to host
     (layers.SAVED_NAMES): fused qkv, attention output, mid-block residual, MLP hidden (gate+up)."""
     sp = m.sequence_parallel if sp is None else sp
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    q, kv = qkv_widths(m)
     ff = (2 if m.mlp == "swiglu" else 1) * m.d_ff
     resid = m.d_model / (t if sp else 1)
     return act * s * b * ((q + 2 * kv + q + ff) / t + resid)
@@ -141,7 +145,7 @@ def stash_bytes(m: ModelConfig, b: int, s: int, t: int, *, act: float, sp: bool,
     the two norms (/ t under sequence parallelism), plus each norm's statistic. Under full remat B
     recomputes the layer, so the weights' inputs go into the stash too (the normed inputs, the
     attention output and the MLP activation). MoE expert weights are counted as a dense MLP."""
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    q, kv = qkv_widths(m)
     ff_in = (2 if m.mlp == "swiglu" else 1) * m.d_ff
     h = m.d_model
     per_token = (q + 2 * kv + ff_in) / t + 2 * h + 2 * h / (t if sp else 1) + 2
@@ -167,12 +171,12 @@ def autodiff_bytes(
     gathered = context_kv_bytes(m, b, s, 1, context, act=act) if kind != "ring" else 0.0  # split by t below
     s = s / context if context > 1 else s
     sb, h = s * b, m.d_model
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    q, kv = qkv_widths(m)
     core = 4.0 * b * m.n_heads * s * 2 if kv_len is None else 2.0 * act * b * m.n_heads * s * kv_len
     attn = act * sb * (q + 4 * kv) + core + gathered
     if moe:
         routed = m.top_k * m.capacity_factor
-        ffn = act * sb * routed * 6 * m.d_ff + 2 * 4.0 * sb * routed * s
+        ffn = act * sb * (routed + m.n_shared_experts) * 6 * m.expert_d_ff + 2 * 4.0 * sb * routed * s
         attn += 7 * act * sb * routed * h * t  # not split over TP (divided by t below)
     else:
         ffn = act * sb * 6 * m.d_ff

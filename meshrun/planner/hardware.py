@@ -76,6 +76,9 @@ GPUS: dict[str, GPU] = {
     # 132 SMs, PCIe Gen5.
     # fp8: 1,979 TFLOP/s dense (3,958 with sparsity), the same on H200 and GH200.
     "h100-80g": GPU("h100-80g", 989e12, H100_MEMORY_BYTES, 3350 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
+    # H800 SXM5 (the H100 for the Chinese market, NVIDIA's H800 product brief): H100 compute and memory,
+    # NVLink cut to 400 GB/s; 8x 400 Gb/s InfiniBand per node as DeepSeek-V3's cluster (its report, 3.1).
+    "h800": GPU("h800", 989e12, H100_MEMORY_BYTES, 3350 * GB, 400 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
     # NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense); 141 GB HBM3e 4.8 TB/s;
     # NVLink 900 GB/s. DGX/HGX H200: 8x NDR 400 Gb/s = 50 GB/s per GPU.
     "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 900 * GB, 400e9 / 8, 132, 64 * GB, 1979e12),
@@ -127,6 +130,7 @@ NODES: dict[str, NodeStorage] = {
     # DGX H100 and DGX H200 datasheets: 2 TB memory, 8 x 3.84 TB NVMe U.2 (30 TB).
     "h100-80g": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, XEON_8480_X2),
     "h200": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, XEON_8480_X2),
+    "h800": NodeStorage(8, 2 * TB, 8, 3.84 * TB, U2_READ, U2_WRITE, XEON_8480_X2),  # assumed as the DGX H100
     # GH200 datasheet: 480 GB LPDDR5X per superchip. Drives vary by vendor: assumed one 3.84 TB drive
     # of the same class per superchip.
     "gh200": NodeStorage(1, 480 * GB, 1, 3.84 * TB, U2_READ, U2_WRITE, 512 * GB),
@@ -150,6 +154,7 @@ DEVICE_KIND_PEAKS: tuple[tuple[str, float], ...] = (
     ("H200", GPUS["h200"].peak_flops),
     # NVIDIA H100 Tensor Core GPU datasheet: PCIe 1,513 TFLOP/s bf16 with sparsity -> 756 dense.
     ("H100 PCIe", 756e12),
+    ("H800", GPUS["h800"].peak_flops),
     ("H100", GPUS["h100-80g"].peak_flops),
     ("A100", GPUS["a100-80g"].peak_flops),  # 40 GB and 80 GB, SXM and PCIe: 312 TFLOP/s
     ("V100", GPUS["v100-32g"].peak_flops),  # the fp16 tensor-core peak (V100 has no bf16)
@@ -172,6 +177,7 @@ DEVICE_KIND_GPUS: tuple[tuple[str, str | None], ...] = (
     ("B200", "b200"),
     ("H200", "h200"),
     ("H100 PCIe", None),
+    ("H800", "h800"),
     ("H100", "h100-80g"),
     ("A100-SXM4-40GB", "a100-40g"),
     ("A100 80GB PCIe", "a100-80g-pcie"),

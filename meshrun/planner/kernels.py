@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from meshrun.analysis.flops import is_mla, qkv_widths
 from meshrun.config import ModelConfig
 from meshrun.planner.constants import FLASH_EFFICIENCY as FLASH_EFFICIENCY
 from meshrun.planner.constants import MOE_DROPLESS_IMBALANCE, Calibration
@@ -73,7 +74,7 @@ def attention_core_seconds(
     split evenly); the all-gather kind keeps contiguous shards, and the slowest device (the last
     shard) sees s (2c - 1) / (2c) keys per query. XLA's attention computes the full (s/c) x s scores
     either way (the ring in c blocks of (s/c) x (s/c))."""
-    heads, d = model.n_heads / t, model.head_dim
+    heads, d = model.n_heads / t, qkv_widths(model)[0] / model.n_heads
     q_len = s / context if context > 1 else s
     if flash:  # causal: fully masked blocks are skipped, half the 4 b s^2 a d FLOPs
         share = 1.0 if context <= 1 or kind == "ring" else (2 * context - 1) / context  # the slowest shard's
@@ -88,6 +89,17 @@ def attention_core_seconds(
     f_bytes = elems * (2 * act + (1 + act if dropout else 0))
     b_bytes = elems * (3 * act + (1 + act if dropout else 0))
     return qk_f + av_f + hbm_seconds(f_bytes, gpu, cal), qk_b + av_b + hbm_seconds(b_bytes, gpu, cal)
+
+
+def mla_gemms(model: ModelConfig, t: int) -> list[tuple[float, float]]:
+    """(K, N) of multi-head latent attention's GEMMs per token on one of t tensor ranks: the query's
+    down and up projections (or its full one), the K/V down projection (replicated over t) and up
+    projection (heads / t), and the output projection."""
+    h, heads = model.d_model, model.n_heads / t
+    dq, r, dr = model.qk_nope_head_dim + model.qk_rope_head_dim, model.kv_lora_rank, model.qk_rope_head_dim
+    qr = model.q_lora_rank
+    q = [(h, qr), (qr, heads * dq)] if qr else [(h, heads * dq)]
+    return [*q, (h, r + dr), (r, heads * (model.qk_nope_head_dim + model.v_head_dim)), (heads * model.v_head_dim, h)]
 
 
 def elementwise_bytes(model: ModelConfig, tokens: float, t: int, *, sp: bool, dropout: bool, act: float) -> float:
@@ -114,10 +126,12 @@ def layer_seconds(
     b, t, context = layout.micro_batch_size, layout.tensor, layout.context
     sp = layout.sequence_parallel and t > 1
     tok, h = b * (s / context if context > 1 else s), model.d_model
-    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    q, kv = qkv_widths(model)
     up = (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
     f8 = model.fp8 != "none"  # the dense GEMMs below: q/k/v, out, MLP in/out
-    dense = [(h, (q + 2 * kv) / t), (q / t, h)] + ([] if moe else [(h, up), (model.d_ff / t, h)])
+    dense = (mla_gemms(model, t) if is_mla(model) else [(h, (q + 2 * kv) / t), (q / t, h)]) + (
+        [] if moe else [(h, up), (model.d_ff / t, h)]
+    )
     parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
     cast = [fp8_overhead_bytes(tok, k_, n_, act) for k_, n_ in dense] if f8 else []
     if moe:
@@ -144,14 +158,19 @@ def expert_gemms(
 ) -> tuple[list[tuple], list[tuple]]:  # fmt: skip
     """An MoE layer's expert GEMMs and router on one device: ((forward, backward) seconds of each, the
     (forward, backward) fp8 cast bytes of the expert GEMMs when `fp8`). Each device runs n_experts/expert
-    local experts over the k*cf routed copies of its `tok` tokens."""
-    h, up = model.d_model, (2 if model.mlp == "swiglu" else 1) * model.d_ff / t
+    local experts (width moe_d_ff) over the k*cf routed copies of its `tok` tokens, and the shared experts
+    over all of them."""
+    h, ff, glu = model.d_model, model.expert_d_ff, (2 if model.mlp == "swiglu" else 1)
     local = model.n_experts / expert
+    parts = []
+    shared = model.n_shared_experts * ff / t  # the shared experts: one MLP on every token
+    if shared:
+        parts += [linear_seconds(tok, k_, n_, gpu, cal) for k_, n_ in ((h, glu * shared), (shared, h))]
     # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
     padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
     routed = tok * model.top_k * padding / local
-    shapes = ((h, up), (model.d_ff / t, h))
-    parts = [linear_seconds(routed, k_, n_, gpu, cal, local, fp8=fp8) for k_, n_ in shapes]
+    shapes = ((h, glu * ff / t), (ff / t, h))  # routed experts of width moe_d_ff
+    parts += [linear_seconds(routed, k_, n_, gpu, cal, local, fp8=fp8) for k_, n_ in shapes]
     cast = [tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act)) for k_, n_ in shapes] if fp8 else []
     parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
     return parts, cast

@@ -91,7 +91,8 @@ def structural_violations(
     out = context_violations(layout, seq_len)
     if layout.context > 1 and not model.context_attention:
         out.append(f"context={layout.context}: model.family={model.family} has no context-parallel attention")
-    for name, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("d_ff", model.d_ff)):
+    kv = model.n_heads if flops.is_mla(model) else model.n_kv_heads  # MLA: every head has its k and v
+    for name, n in (("n_heads", model.n_heads), ("n_kv_heads", kv), ("d_ff", model.d_ff)):
         if n % t:
             out.append(f"model.{name}={n} is not divisible by tensor={t}")
     if model.n_layers < p * v:
@@ -231,7 +232,8 @@ def candidates(
     schedules are the registry's searched ones (`framework='megatron'`: those Megatron-LM runs)."""
     n, gpn, L = cluster.n_devices, cluster.gpus_per_node, model.n_layers
     # Any pipe degree that divides the devices works: layers that do not divide split unevenly.
-    tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0]
+    kv = model.n_heads if flops.is_mla(model) else model.n_kv_heads
+    tensors = [t for t in _divisors(gpn) if model.n_heads % t == 0 and kv % t == 0]
     tensors = [t for t in tensors if model.d_ff % t == 0]
     experts = _divisors(model.n_experts) if model.is_moe else [1]
     max_context = max_context if model.context_attention else 1  # what `train` accepts for the family

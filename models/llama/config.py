@@ -12,6 +12,8 @@ from typing import ClassVar
 from meshrun.config import MAX_DIM, ModelConfig, bounded, choice
 from meshrun.errors import ConfigError
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
 
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
@@ -49,6 +51,16 @@ class LlamaConfig(ModelConfig):
     # top_k experts lie in its route_group_limit best groups (device-limited routing)
     route_groups: int = 0
     route_group_limit: int = 0  # with route_groups: the groups a token may use (1..route_groups)
+    # gqa: grouped-query attention (n_kv_heads, head_dim) | mla: DeepSeek-V2/V3's multi-head latent attention
+    # (the fields below; n_kv_heads and head_dim are unused): K/V from a normed latent of kv_lora_rank,
+    # q from one of q_lora_rank (0: a full projection), q/k heads of qk_nope + qk_rope dims (the RoPE
+    # part of k shared by every head), v heads of v_head_dim
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # mla: rank of the normed query latent (0: no query compression)
+    kv_lora_rank: int = 0  # mla: rank of the normed key/value latent (DeepSeek-V3: 512)
+    qk_nope_head_dim: int = 0  # mla: per-head q/k dims without RoPE (DeepSeek-V3: 128)
+    qk_rope_head_dim: int = 0  # mla: q/k dims with RoPE, even; k's are one head shared by all (DeepSeek-V3: 64)
+    v_head_dim: int = 0  # mla: per-head value dims, at most qk_nope_head_dim + qk_rope_head_dim (DeepSeek-V3: 128)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (per sequence: Switch's = DeepSeek's sequence-wise)
     z_loss_coef: float = 0.001  # weight of the router z-loss
 
@@ -76,6 +88,7 @@ class LlamaConfig(ModelConfig):
         if not self.routed_scaling > 0:
             raise ConfigError("model.routed_scaling", self.routed_scaling, "use a positive factor, e.g. 1.0")
         self._check_moe_shapes()
+        self._check_mla()
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
@@ -95,6 +108,38 @@ class LlamaConfig(ModelConfig):
                 raise ConfigError("model.moe_every", self.moe_every, f"use a divisor of {what}")
             if self.capacity_factor <= 0:
                 raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """One query/key head's size: qk_nope_head_dim + qk_rope_head_dim (mla), or head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    def _check_mla(self) -> None:
+        """model.attention=mla's ranks and head dims (DeepSeek-V2/V3)."""
+        choice("model.attention", self.attention, ("gqa", "mla"))
+        for f in MLA_FIELDS:
+            bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
+        if self.attention != "mla":
+            for f in MLA_FIELDS:
+                if getattr(self, f):
+                    raise ConfigError(f"model.{f}", getattr(self, f), "set model.attention=mla with it, or use 0")
+            return
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"model.{f}", getattr(self, f), "use a positive size with model.attention=mla")
+        if self.qk_rope_head_dim % 2:  # RoPE rotates pairs of dimensions
+            raise ConfigError("model.qk_rope_head_dim", self.qk_rope_head_dim, "use an even size (RoPE rotates pairs)")
+        if self.v_head_dim > self.qk_head_dim:  # v is zero-padded to the q/k head size for the attention kernels
+            raise ConfigError(
+                "model.v_head_dim", self.v_head_dim,
+                f"use at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} with model.attention=mla",
+            )  # fmt: skip
+        for f, off in (("qkv_bias", False), ("tp_comm_overlap", False), ("fp8", "none")):
+            if getattr(self, f) != off:
+                raise ConfigError(
+                    f"model.{f}", getattr(self, f), f"use {f}={str(off).lower()} with model.attention=mla",
+                    "multi-head latent attention has no such variant here",
+                )  # fmt: skip
 
     def _check_moe_shapes(self) -> None:
         """The fine-grained / shared / routing fields (Qwen3-MoE, DeepSeek-V3)."""

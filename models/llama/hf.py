@@ -191,7 +191,13 @@ MIXTRAL_ROUTING = {  # the MoE fields a Mixtral checkpoint has at these values o
 
 
 def check_mixtral_shapes(cfg: ModelConfig) -> None:
-    """ConfigError for an MoE that a Mixtral checkpoint cannot hold (Qwen3-MoE / DeepSeek-V3 shapes)."""
+    """ConfigError for an MoE that a Mixtral checkpoint cannot hold (Qwen3-MoE / DeepSeek-V3 shapes), and
+    for multi-head latent attention (a Llama-shaped checkpoint has q/k/v/o projections only)."""
+    if getattr(cfg, "attention", "gqa") != "gqa":
+        raise ConfigError(
+            "model.attention", cfg.attention, "use attention=gqa for a model exchanged with Hugging Face",
+            "meshrun exchanges Llama-shaped attention only (not DeepSeek's multi-head latent attention yet)",
+        )  # fmt: skip
     if not cfg.is_moe:
         return
     for f, v in MIXTRAL_ROUTING.items():
