@@ -6,7 +6,8 @@ the constants of PARAMS to the measured times (least squares in log(predicted / 
 Levenberg-damped Gauss-Newton in the logs of the parameters). It fits only what the runs determine:
 of the parameters that move some run's prediction, the best-fitting set of one, then two, ..., a
 larger set taken while it lowers the RMS residual by more than MIN_GAIN and more than the runs' own
-noise, at most max(1, runs - 1) parameters. The rest keep the catalogue's figures. `meshrun plan --cluster-profile FILE` costs layouts with the result.
+noise, at most max(1, runs - 1) parameters. The rest keep the catalogue's figures.
+`meshrun plan --cluster-profile FILE` costs layouts with the result.
 
 A run's measured step time is the median of its step times after the first (which compiles). The
 runs of one profile share a device kind and node shape; their node counts may differ.
