@@ -103,7 +103,7 @@ class StepPlan:
 
 
 def dp_degree(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["expert"]
+    return mesh.shape.get("replica", 1) * mesh.shape["data"] * mesh.shape["expert"]
 
 
 def unit_costs(model: ModelConfig, seq_len: int | None = None, gpu: str = DEFAULT_GPU) -> tuple[float, float, float]:
