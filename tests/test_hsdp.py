@@ -86,9 +86,10 @@ def test_the_group_is_neighbouring_devices_of_one_host():
     assert d["axes"] == ["pipe", "replica", "data", "expert", "context", "tensor"]
     assert d["groups"]["data"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert d["groups"]["replica"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert describe_dict(build_mesh(pipe=1, data=8, tensor=1, zero_group=8))["axes"] == describe_dict(
-        build_mesh(pipe=1, data=8, tensor=1)
-    )["axes"]  # one group: plain ZeRO, the mesh unchanged
+    assert (
+        describe_dict(build_mesh(pipe=1, data=8, tensor=1, zero_group=8))["axes"]
+        == describe_dict(build_mesh(pipe=1, data=8, tensor=1))["axes"]
+    )  # one group: plain ZeRO, the mesh unchanged
 
 
 def _losses(run_dir):
@@ -113,3 +114,20 @@ def test_a_checkpoint_saved_with_hsdp_resumes_with_plain_zero3(tmp_path):
     plain = _losses(tmp_path / "plain")
     for r in rows:
         assert r["loss"] == pytest.approx(plain[r["step"]], rel=1e-5)
+
+
+def test_the_startup_block_says_hybrid_and_meshrun_mesh_shows_the_replica_axis(capsys):
+    from meshrun.cli.main import main
+    from meshrun.report.startup import startup_lines
+    from meshrun.train.plan import build_plan
+
+    cfg = _cfg("tiny_cpu.yaml", [*DP8, "mesh.zero_group=4", *ZERO["zero3-step"]])
+    mesh = build_mesh(cfg.mesh)
+    zero = next(ln for ln in startup_lines(cfg, mesh, build_plan(cfg, mesh)) if ln.startswith("zero "))
+    assert "hybrid: sharded over 4, replicated over 2" in zero, zero
+    assert main(["mesh", "--devices", "8", "mesh.pipe=1", "mesh.data=8", "mesh.zero_group=4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["shape"]["replica"] == 2 and d["shape"]["data"] == 4
+    assert main(["mesh", "--devices", "8", "mesh.pipe=1", "mesh.data=8", "mesh.zero_group=4"]) == 0
+    out = capsys.readouterr().out
+    assert "replica groups: [0,4] [1,5] [2,6] [3,7]" in out and "sharded over groups of 4" in out, out

@@ -65,13 +65,13 @@ class MeshConfig:
         _bounded("mesh.racks", self.racks, 0, MAX_DEVICES)
 
 
-def check_zero_group(group: int, data: int) -> None:
+def check_zero_group(group: int, data: int, field: str = "mesh.zero_group") -> None:
     """mesh.zero_group must split the data degree into whole groups (`data`: mesh.data, resolved)."""
     if group > data:
-        raise ConfigError("mesh.zero_group", group, f"use at most mesh.data={data} (a divisor of it), or 0",
+        raise ConfigError(field, group, f"use at most mesh.data={data} (a divisor of it), or 0",
                           "the ZeRO group is larger than the data-parallel degree")  # fmt: skip
     if data % group:
         fits = [g for g in range(2, data) if data % g == 0]
         eg = f" ({', '.join(map(str, fits))})" if fits else ""
-        raise ConfigError("mesh.zero_group", group, f"use a divisor of mesh.data={data}{eg}, or 0",
+        raise ConfigError(field, group, f"use a divisor of mesh.data={data}{eg}, or 0",
                           "the data-parallel degree does not split into groups of this size")  # fmt: skip

@@ -166,9 +166,9 @@ class Pipeline:
             else:
                 gl = zl_l.reduce_local(run.layer_grads(carry["g_layers"]))
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
+            live = manual_axes(self.mesh)
             loss, metrics = contract.finish(
-                self.fns, lax.psum(carry["loss"], manual_axes(self.mesh)), run.n_tok,
-                lax.psum(carry["aux"], manual_axes(self.mesh)), run.n_seq
+                self.fns, lax.psum(carry["loss"], live), run.n_tok, lax.psum(carry["aux"], live), run.n_seq
             )
             return loss, gl, go, metrics
 

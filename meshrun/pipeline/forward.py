@@ -95,4 +95,5 @@ def _body(spec: PipelineSpec, layers, other, tok, lab, seg=None, fetch=None):
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
-        return lax.psum(loss, manual_axes(spec.mesh)), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in spec.mesh.shape))
+        live = manual_axes(spec.mesh)
+        return lax.psum(loss, live), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in live))

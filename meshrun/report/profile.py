@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from meshrun.analysis.profiler import trace_options
 from meshrun.analysis.trace import device_intervals, draw_timeline, load_trace, report_of_trace

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from meshrun.config import AXES, MeshConfig, check_zero_group, from_dict, to_dict
 from meshrun.errors import ConfigError
-from meshrun.parallel.sharding import REPLICA
+from meshrun.parallel.sharding import REPLICA, ZERO_AXES
 
 # Pretend-host count per mesh built on one process (CPU simulation); real runs use process_index.
 _PRETEND_HOSTS: dict[Mesh, int] = {}
@@ -224,8 +224,8 @@ def _rack_warnings(mesh: Mesh) -> list[str]:
     if spans("pipe") > 1:
         return []
     out = []
-    for axis in ("data", "expert"):
-        if (k := spans(axis)) > 1:
+    for axis in (REPLICA, "data", "expert"):  # 'replica': HSDP's all-reduce across the ZeRO groups
+        if axis in mesh.shape and (k := spans(axis)) > 1:
             what = "gradient all-reduce" if axis == "data" else "all-to-all"
             out.append(
                 f"mesh.{axis}={mesh.shape[axis]}: {'an' if axis == 'expert' else 'a'} {axis} group spans {k} racks "
@@ -260,6 +260,11 @@ def describe(mesh: Mesh) -> str:
     multi = d["racks"] > 1  # the rack column only where there is more than one rack
     in_racks = f" in {d['racks']} racks" if multi else ""
     lines = [f"mesh {shape}  ({d['hosts']} host(s){in_racks}, {len(hosts)} devices)"]
+    if REPLICA in d["shape"]:  # HSDP
+        group = math.prod(d["shape"][a] for a in ZERO_AXES)
+        lines.append(f"hybrid (mesh.zero_group={d['shape']['data']}): ZeRO state sharded over groups of {group} "
+                     f"data-parallel ranks (the data groups below), replicated {d['shape'][REPLICA]} times "
+                     "(the replica groups)")  # fmt: skip
     lines.append("  " + "  ".join(f"{a:>7}" for a in d["axes"]) + ("    rack" if multi else "") + "    host  device")
     ids = np.array(d["device_ids"])
     for coord in np.ndindex(ids.shape):

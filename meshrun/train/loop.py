@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from meshrun.checkpoint.local import LocalTier, check_local_dir
 from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir_writable
