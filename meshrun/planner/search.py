@@ -238,9 +238,9 @@ def candidates(
 
 def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: int, c: int, kind: str,
              framework: str = "meshrun", gpn: int = 0):  # fmt: skip
-    """The layouts of `candidates` with tensor t, expert e and context c (kind); under meshrun, each ZeRO
+    """The layouts of `candidates` with tensor t, expert e and context c (kind); under meshrun, each ZeRO-3
     layout also as HSDP with one node's data ranks as its ZeRO group (`gpn` GPUs per node), where the
-    data-parallel degree spans more than a node."""
+    data-parallel degree spans more than a node (FSDP's weight gathers then stay on NVLink)."""
     node = gpn // (t * e * c) if framework == "meshrun" and gpn % (t * e * c) == 0 else 0
     if n % (t * e * c):
         return
@@ -253,7 +253,7 @@ def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: i
             m = per_rank // b
             for name, v in _schedules(p, m, L, framework):
                 for zero in range(4) if d * e * c > 1 else (0,):
-                    hsdp = zero and 1 < node < d and d % node == 0
+                    hsdp = zero == 3 and 1 < node < d and d % node == 0
                     for group in (0, node) if hsdp else (0,):
                         for remat in SEARCHED_REMATS:
                             for sp in (False, True) if t > 1 else (False,):
