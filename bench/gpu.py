@@ -16,8 +16,12 @@ whose MFU is against the bf16 peak, and `loss_vs_bf16`; then offload_params: rem
 and `offload.params=true`, the parameters resting in pinned host memory and crossing the host
 link layer by layer, with `loss_vs_none` and `step_ratio_vs_none`, not yet measured on a GPU; then
 offload_device and offload_host: the streamed host tier with its chunk update on the device or on the
-host CPU, `offload.update_on`, with `step_ratio_vs_none` and offload_host's `step_ratio_vs_device`)
-runs in its own process, so a failure (out of memory)
+host CPU, `offload.update_on`, with `step_ratio_vs_none` and offload_host's `step_ratio_vs_device`;
+then zero3_layer: remat none with ZeRO-3 gathered per layer, `train.zero3_gather=layer`, whose gathers
+are no-ops on one device, so `step_ratio_vs_none` is the per-layer fetch's own cost; then hsdp: the
+same over every device of the machine, `mesh.data` = the devices in groups of half of them
+(`mesh.zero_group`, one micro-batch a step), skipped with fewer than 2 devices; the dry run gives it 4
+simulated CPU devices) runs in its own process, so a failure (out of memory)
 or a time-out in one still leaves the other's numbers, and peak memory is per variant. On a GPU the
 processes get the environment of `source launch/gpu_env.sh` (XLA flags, allocator, NCCL); the JSON
 line records them (`xla_flags`) and, parsed, the overlap and bucket-fusion ones (`comm_flags`). The output
@@ -52,9 +56,14 @@ GPU_ENV = ROOT / "launch/gpu_env.sh"
 # "offload_device" / "offload_host": remat none with the streamed host tier (offload.optimizer=host),
 # the chunk update on the device (the copy path) or on the host CPU (jax's CPU backend), reported under
 # their names with `loss_vs_none`, `step_ratio_vs_none`, and on offload_host `step_ratio_vs_device`
+# "zero3_layer": remat none, ZeRO-3 gathered per layer (train.zero3_gather=layer, docs/memory.md), with
+# `loss_vs_none` and `step_ratio_vs_none`; "hsdp": the same on every device of the machine in ZeRO groups of
+# half of them (mesh.zero_group), `n_devices` and `loss_vs_none`; skipped (not an error) on one device
 OFFLOAD_ON = {"offload_device": "device", "offload_host": "host"}  # offload.update_on
-VARIANTS = ("none", "full", "fp8", "offload_params", *OFFLOAD_ON)
-NAMED = ("fp8", "offload_params", *OFFLOAD_ON)  # reported under their own name, not remat_<name>
+ZERO3_LAYER = ["train.zero=3", "train.zero3_gather=layer"]
+VARIANTS = ("none", "full", "fp8", "offload_params", *OFFLOAD_ON, "zero3_layer", "hsdp")
+NAMED = ("fp8", "offload_params", *OFFLOAD_ON, "zero3_layer", "hsdp")  # reported under their own name
+HSDP_DRY_DEVICES = 4  # simulated CPU devices of the dry run's hsdp child
 REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
         "vocab": 32000, "seq_len": 2048}  # fmt: skip
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_ff": 128,
@@ -70,11 +79,14 @@ def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int)
     params_off = ["train.zero=3", "offload.params=true"] if remat == "offload_params" else []
     state_off = ["offload.optimizer=host", f"offload.update_on={OFFLOAD_ON[remat]}"] \
         if remat in OFFLOAD_ON else []  # fmt: skip
+    zero3 = ZERO3_LAYER if remat in ("zero3_layer", "hsdp") else []
+    hsdp = remat == "hsdp"  # the child sets mesh.data and mesh.zero_group from its devices
     remat = "none" if remat in NAMED else remat
     return [
         *fp8,
         *params_off,
         *state_off,
+        *zero3,
         *[f"model.{k}={v}" for k, v in m.items()],
         f"model.max_seq_len={model['seq_len']}",
         f"train.seq_len={model['seq_len']}",
@@ -82,11 +94,11 @@ def overrides(model: dict, remat: str, micro_batch: int, accum: int, steps: int)
         "model.param_dtype=float32",
         "model.attention_impl=cudnn",
         f"model.remat={remat}",
-        "mesh.data=1",
+        *([] if hsdp else ["mesh.data=1"]),
         "mesh.pipe=1",
         "mesh.tensor=1",
         "mesh.expert=1",
-        f"pipeline.microbatches={accum}",
+        f"pipeline.microbatches={1 if hsdp else accum}",
         f"train.global_batch={micro_batch * accum}",
         f"train.steps={steps}",
         "optimizer.warmup_steps=2",
@@ -112,11 +124,18 @@ def child(a) -> int:
     from meshrun.train.metrics import peak_flops
     from meshrun.train.step import make_train_step
 
-    cfg = load_config(None, a.child_overrides)
+    over, dev = list(a.child_overrides), jax.devices()[0]
+    devices = jax.devices() if a.hsdp else [dev]
+    emit(event="start", platform=dev.platform, device_kind=dev.device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
+         n_devices=len(devices))  # fmt: skip
+    if a.hsdp:  # every device, in ZeRO groups of half of them (2 replicas)
+        if len(devices) < 2 or len(devices) % 2:
+            emit(event="result", skipped=f"HSDP needs an even number of 2+ devices (found {len(devices)})")
+            return 0
+        over += [f"mesh.data={len(devices)}", f"mesh.zero_group={len(devices) // 2}"]
+    cfg = load_config(None, over)
     t = cfg.train
-    dev = jax.devices()[0]
-    emit(event="start", platform=dev.platform, device_kind=dev.device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""))
-    mesh = build_mesh(cfg.mesh, devices=[dev])
+    mesh = build_mesh(cfg.mesh, devices=devices)
     train_step = make_train_step(cfg, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(train_step.abstract_state.params))
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
@@ -124,6 +143,7 @@ def child(a) -> int:
     jax.block_until_ready(state)
     emit(event="init", n_params=int(n_params))
     flops = model_flops(cfg.model, t.global_batch, t.seq_len)
+    per_device = flops / len(devices)  # hsdp: the step's FLOPs over its devices
     peak = peak_flops(dev)
     times, losses = [], []
     for step in range(t.steps):
@@ -142,8 +162,8 @@ def child(a) -> int:
         n_params=int(n_params),
         step_time_s=steady,
         tokens_per_s=t.global_batch * t.seq_len / steady,
-        tflops_per_device=flops / steady / 1e12,
-        mfu=flops / (steady * peak) if peak else None,
+        tflops_per_device=per_device / steady / 1e12,
+        mfu=per_device / (steady * peak) if peak else None,
         peak_bytes_in_use=stats.get("peak_bytes_in_use"),
         bytes_limit=stats.get("bytes_limit"),
         first_step_s=times[0],
@@ -228,6 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=450, help="wall-clock limit for everything (default 450)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="model.remat values")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hsdp", action="store_true", help=argparse.SUPPRESS)  # child: all devices, mesh.zero_group
     ap.add_argument("child_overrides", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -280,7 +301,11 @@ def main(argv=None) -> int:
                 continue
             timeout = left / (len(a.variants) - i)  # an equal share of what is left; unused time rolls over
             res = out[key] = {}
-            run_variant(overrides(model, remat, micro, accum, steps), env, timeout, res)
+            child_env, flags = env, ["--hsdp"] if remat == "hsdp" else []
+            if flags and dry:  # the dry run's hsdp child: simulated CPU devices
+                xla = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={HSDP_DRY_DEVICES}"
+                child_env = {**env, "XLA_FLAGS": xla.strip()}
+            run_variant([*flags, *overrides(model, remat, micro, accum, steps)], child_env, timeout, res)
             if res.get("error"):
                 errors.append(f"{key}: {res['error']}")
     except (Exception, Interrupted, KeyboardInterrupt) as e:  # report what there is, whatever happened
@@ -289,7 +314,7 @@ def main(argv=None) -> int:
     if bf16.get("loss_last") and fp8.get("loss_last") and fp8.get("step_time_s"):
         fp8["loss_vs_bf16"] = fp8["loss_last"] / bf16["loss_last"]
         fp8["speedup_vs_bf16"] = bf16["step_time_s"] / fp8["step_time_s"]
-    for name in ("offload_params", *OFFLOAD_ON):
+    for name in ("offload_params", *OFFLOAD_ON, "zero3_layer", "hsdp"):
         off = out.get(name, {})
         if bf16.get("loss_last") and off.get("loss_last") and off.get("step_time_s"):
             off["loss_vs_none"] = off["loss_last"] / bf16["loss_last"]

@@ -49,6 +49,25 @@ def test_out_of_range_arguments_exit_2_quickly(capsys, argv, flag):
     _refused(capsys, argv, flag)
 
 
+@pytest.mark.parametrize(
+    "over, fix",
+    [
+        (["mesh.data=8", "mesh.zero_group=3", "train.zero=3"], "use a divisor of mesh.data=8 (2, 4), or 0"),
+        (["mesh.data=-1", "mesh.zero_group=3", "train.zero=3"], "use a divisor of mesh.data=8 (2, 4), or 0"),
+        (["mesh.data=8", "mesh.zero_group=16", "train.zero=3"], "use at most mesh.data=8"),
+        (["mesh.data=8", "mesh.zero_group=4", "train.zero=0"], "set train.zero to 1, 2 or 3 with it"),
+    ],
+    ids=["not-a-divisor", "not-a-divisor-of-the-filled-axis", "larger-than-data", "zero0"],
+)
+def test_a_zero_group_the_mesh_cannot_split_exits_2_naming_it(capsys, tmp_path, over, fix):
+    """HSDP's group (mesh.zero_group): one line naming the field, its value and the fix, nothing written."""
+    mesh = ["mesh.pipe=1", "mesh.tensor=1", "pipeline.microbatches=2"]
+    argv = ["train", str(ROOT / "configs/tiny_cpu.yaml"), *mesh, *over, f"train.run_dir={tmp_path / 'run'}"]
+    line = _refused(capsys, argv, "mesh.zero_group", seconds=30)
+    assert fix in line and over[1].split("=")[1] in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_supervise_launcher_is_checked_before_anything_starts(capsys, tmp_path):
     cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
     over = f"train.run_dir={tmp_path / 'run'}"

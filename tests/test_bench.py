@@ -48,6 +48,10 @@ def test_gpu_dry_run_prints_one_json_line():
     for name in ("offload_device", "offload_host"):
         assert out[name]["error"] is None and out[name]["loss_vs_none"] == 1, out[name]
     assert out["offload_host"]["step_ratio_vs_device"] > 0
+    # ZeRO-3 per layer (no-op gathers on one device) and HSDP on 4 simulated devices in groups of 2
+    layer, hsdp = out["zero3_layer"], out["hsdp"]
+    assert layer["error"] is None and layer["loss_vs_none"] == pytest.approx(1, rel=1e-5), layer
+    assert hsdp["error"] is None and hsdp["n_devices"] == 4 and hsdp["loss_vs_none"] == pytest.approx(1, rel=1e-5)
 
 
 def test_gpu_failure_still_prints_json_with_error():

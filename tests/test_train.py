@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from meshrun.analysis import hlo
 from meshrun.config import load_config
 from meshrun.data.datasets import global_batch_arrays, make_dataset
-from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.sharding import DP_AXES, batch_spec
 from meshrun.runtime.mesh import build_mesh
 from meshrun.train.step import make_train_step
 
@@ -44,7 +44,7 @@ def run_state(cfg, n_devices=8, steps=3):
     ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch)
     state, losses = train_step.init(), []
     for i in range(steps):
-        tok, lab = global_batch_arrays(ds, i, mesh, P(DP_AXES))
+        tok, lab = global_batch_arrays(ds, i, mesh, batch_spec(mesh, tokens=False))
         state, metrics = train_step.step(state, tok, lab)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(train_step.to_model(state))  # model order, as checkpoints

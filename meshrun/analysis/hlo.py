@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.sharding import DP_AXES, REPLICA
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _DTYPE_BYTES = {
@@ -92,10 +92,10 @@ def _shape_parts(shape: str) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ..
 
 def data_parallel(colls: list[Collective]) -> list[Collective]:
     """The step's data-parallel reductions and gathers (its gradient "buckets"): all-reduce,
-    reduce-scatter and all-gather over a data-parallel axis ('data', 'expert'), without those made
+    reduce-scatter and all-gather over a data-parallel axis ('data', 'expert', HSDP's 'replica'), without those made
     of scalars only (loss, token counts: at most 8 bytes a part). Expert all-to-alls are not DP."""
     ops = ("all-reduce", "reduce-scatter", "all-gather")
-    return [c for c in colls if c.op in ops and set(c.axes) & set(DP_AXES) and c.bytes > 8 * c.parts]
+    return [c for c in colls if c.op in ops and set(c.axes) & {REPLICA, *DP_AXES} and c.bytes > 8 * c.parts]
 
 
 def _iota_groups(text: str) -> list[list[int]] | None:

@@ -29,6 +29,7 @@ from meshrun.config import (
     OPTIMIZER_STATE_DTYPES,
     RunConfig,
     TrainConfig,
+    check_zero_group,
     from_dict,
     load_yaml,
 )
@@ -51,7 +52,8 @@ from meshrun.planner.search import (
 from meshrun.planner.step_model import overlap_cut
 from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
-INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero")
+INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero",
+            "zero_group")  # fmt: skip
 # --evaluate keys whose value is one of a fixed set of names
 _CHOICES = {
     "remat": SEARCHED_REMATS,
@@ -160,6 +162,7 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         overlap_grad_reduce=given.get("overlap_grad_reduce", False),
         offload_grads=given.get("offload_grads", "host"),
         tp_comm_overlap=given.get("tp_comm_overlap", getattr(model, "tp_comm_overlap", False)),
+        zero_group=given.get("zero_group", 0),
     )
     _check_evaluated(layout, model, seq_len)
     return layout
@@ -217,6 +220,11 @@ def _evaluate_degrees(given: dict, cluster: Cluster) -> tuple[int, int, int, int
 def _check_evaluated(layout: Layout, model, seq_len: int | None) -> None:
     """The rules `train` and the search apply to a layout given with --evaluate."""
     c = layout.context
+    if layout.zero_group:  # mesh.zero_group's rules (MeshConfig, RunConfig)
+        check_zero_group(layout.zero_group, layout.data, "--evaluate zero_group")
+        if layout.zero == 0:
+            raise ConfigError("--evaluate zero_group", layout.zero_group, "set zero to 1, 2 or 3 with it, or leave "
+                              "it out", "groups shard ZeRO state, and zero=0 has none")  # fmt: skip
     if layout.tp_comm_overlap and (refusal := tp_overlap_refusal(model, layout)) is not None:
         raise ConfigError("--evaluate tp_comm_overlap", True, *refusal)  # the rules `train` and the search apply
     upd, field = layout.offload_update, "--evaluate offload_update"
@@ -257,7 +265,7 @@ def _schedule_rejects(layout) -> bool:
 def _parse_value(key: str, raw: str):
     field = f"--evaluate {key}"
     if key in INT_KEYS:
-        if not raw.isdigit() or (int(raw) < 1 and key != "zero"):
+        if not raw.isdigit() or (int(raw) < 1 and key not in ("zero", "zero_group")):
             raise ConfigError(field, raw, "use a positive whole number", "not a positive integer")
         if int(raw) > MAX_DIM:
             raise ConfigError(field, raw, f"use a whole number in [1, {MAX_DIM}]", "too large")
@@ -429,6 +437,12 @@ def fold_zero(results: list[Result]) -> list[Result]:
     return out
 
 
+def _zero(lay: Layout) -> str:
+    """The table's zero cell: the stage, and HSDP's ZeRO group (`3/8`: ZeRO-3 sharded over groups of 8 data
+    ranks, mesh.zero_group=8)."""
+    return f"{lay.zero}/{lay.zero_group}" if lay.zero_group else str(lay.zero)
+
+
 def _cp(lay: Layout) -> str:
     """The table's CP cell: the degree, and its kind when > 1 (`4 ring`, `2 ag`)."""
     return "1" if lay.context == 1 else f"{lay.context} {'ring' if lay.context_kind == 'ring' else 'ag'}"
@@ -457,7 +471,7 @@ def format_table(
         p = r.layout
         lines.append(
             f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {_cp(p):>7} {p.virtual:>2} "
-            f"{p.microbatches:>5} {p.micro_batch_size:>3} {p.zero:>4} {p.remat:>9} "
+            f"{p.microbatches:>5} {p.micro_batch_size:>3} {_zero(p):>4} {p.remat:>9} "
             f"{'y' if p.sequence_parallel else 'n':>3} {r.memory['total'] / GB:>7.3g} {r.step_time:>9.4g} "
             f"{r.tflops_per_device:>7.1f} {r.mfu:>6.1%} {r.time['bubble_fraction']:>6.1%}"
         )

@@ -30,7 +30,7 @@ from meshrun.config.load import (
     saved_model,
     to_dict,
 )
-from meshrun.config.mesh import AXES, DEFAULT_ORDER, MeshConfig
+from meshrun.config.mesh import AXES, DEFAULT_ORDER, MeshConfig, check_zero_group
 from meshrun.config.model import (
     CONTEXT_KINDS,
     EXECUTION_FIELDS,
@@ -79,8 +79,8 @@ __all__ = [
     "OFFLOAD_GRADS", "OFFLOAD_TIERS", "OFFLOAD_UPDATES", "OFFLOAD_UPDATE_ON", "OPTIMIZER_STATE_DTYPES",
     "REMATS", "CheckpointConfig", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OffloadConfig",
     "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig", "bounded", "check_device_count",
-    "choice", "default_model", "fp8_tier_refusal", "from_dict", "load_config", "load_mesh", "load_section",
-    "load_yaml", "merge",
+    "check_zero_group", "choice", "default_model", "fp8_tier_refusal", "from_dict", "load_config", "load_mesh",
+    "load_section", "load_yaml", "merge",
     "model_class", "model_from_dict", "offload_params_refusals", "optimizer_class", "optimizer_from_dict",
     "parse_overrides", "saved_model", "streamed_update_refusal", "streams_host_update", "to_dict",
     "use_model_classes", "use_optimizer_classes",

@@ -24,6 +24,10 @@ class MeshConfig:
     hosts: int = 0  # 0: one host per process; on CPU, H>0 splits the simulated devices into H hosts
     racks: int = 0  # hosts per rack (consecutive hosts share a rack); 0: all hosts in one rack
     allow_cross_host_tensor: bool = False  # true: a tensor group across hosts is a warning, not an error
+    # HSDP: ZeRO state sharded over groups of this many data ranks (e.g. the GPUs of one node) and
+    # replicated over mesh.data / zero_group groups; the mesh gets an outer 'replica' axis beside an inner
+    # 'data' axis of this size. 0: ZeRO shards over the whole data axis. docs/memory.md
+    zero_group: int = 0
 
     def __post_init__(self):
         for ax in AXES:
@@ -55,4 +59,19 @@ class MeshConfig:
         if self.racks < 0:
             raise ConfigError("mesh.racks", self.racks, "use 0 (one rack) or the number of hosts per rack")
         _bounded("mesh.hosts", self.hosts, 0, MAX_DEVICES)
+        _bounded("mesh.zero_group", self.zero_group, 0, MAX_DEVICES)
+        if self.zero_group and self.data != -1:
+            check_zero_group(self.zero_group, self.data)
         _bounded("mesh.racks", self.racks, 0, MAX_DEVICES)
+
+
+def check_zero_group(group: int, data: int, field: str = "mesh.zero_group") -> None:
+    """mesh.zero_group must split the data degree into whole groups (`data`: mesh.data, resolved)."""
+    if group > data:
+        raise ConfigError(field, group, f"use at most mesh.data={data} (a divisor of it), or 0",
+                          "the ZeRO group is larger than the data-parallel degree")  # fmt: skip
+    if data % group:
+        fits = [g for g in range(2, data) if data % g == 0]
+        eg = f" ({', '.join(map(str, fits))})" if fits else ""
+        raise ConfigError(field, group, f"use a divisor of mesh.data={data}{eg}, or 0",
+                          "the data-parallel degree does not split into groups of this size")  # fmt: skip

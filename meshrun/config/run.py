@@ -34,6 +34,9 @@ class RunConfig:
         if self.train.zero3_gather == "step" and self.offload.params:
             raise ConfigError("train.zero3_gather", "step", "leave it auto (or layer) with offload.params",
                               "offload.params fetches each layer inside the layer scan")  # fmt: skip
+        if self.mesh.zero_group and self.train.zero == 0:
+            raise ConfigError("mesh.zero_group", self.mesh.zero_group, "set train.zero to 1, 2 or 3 with it, or "
+                              "leave it 0", "groups shard ZeRO state, and train.zero=0 has none")  # fmt: skip
 
 
 # Keys that moved to another section: an old YAML fails with one line naming the new key.

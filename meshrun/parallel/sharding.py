@@ -29,7 +29,13 @@ DP_AXES = ("data", "expert")  # dense layers' data-parallel group: expert parall
 # Context parallelism splits every sequence over this axis: the batch is not split over it, but a
 # replicated weight's gradient is summed over it like over DP (Megatron's dp x cp group).
 CONTEXT = "context"
-GRAD_AXES = (*DP_AXES, CONTEXT)  # gradient reduction and ZeRO sharding group
+ZERO_AXES = (*DP_AXES, CONTEXT)  # the ZeRO sharding group
+# Hybrid sharded data parallel (`mesh.zero_group`): the mesh builder splits the data axis into an outer
+# 'replica' axis and an inner 'data' axis (the ZeRO group). The batch and the gradient reduction span
+# both; ZeRO state is sharded over the inner group only and replicated over 'replica'. Meshes without
+# HSDP have no 'replica' axis: `batch_axes` / `manual_axes` give the axes a mesh has.
+REPLICA = "replica"
+GRAD_AXES = (REPLICA, *ZERO_AXES)  # gradient reduction group (ZeRO shards over its ZERO_AXES only)
 # Manual axes of the step's shard_maps (the microbatch loop and the pipeline's tick loop): each device
 # runs its own pipeline stage, data shard and sequence chunk; 'tensor' stays auto (GSPMD shards the
 # weights inside).
@@ -51,7 +57,7 @@ PARAM_RULES: Rules = {
 
 # Activations.
 COMPUTE_RULES: Rules = {
-    "batch": DP_AXES,
+    "batch": (REPLICA, *DP_AXES),
     "length": (),
     "embed": (),
     "mlp": ("tensor",),
@@ -75,8 +81,23 @@ def param_rules(zero: int = 0, part: str = "params") -> Rules:
     sharded_from = {"opt": 1, "grads": 1, "params": 3}[part]
     rules = dict(PARAM_RULES)
     if zero >= sharded_from:
-        rules["embed"] = GRAD_AXES  # FSDP: every weight has an `embed` dimension
+        rules["embed"] = ZERO_AXES  # FSDP: every weight has an `embed` dimension (HSDP: not over 'replica')
     return rules
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes the batch rows are split over: the DP axes, after 'replica' where the mesh has it (HSDP)."""
+    return ((REPLICA,) if REPLICA in mesh.shape else ()) + DP_AXES
+
+
+def batch_spec(mesh: Mesh, tokens: bool = True) -> PartitionSpec:
+    """[batch, length] inputs on `mesh`: rows over `batch_axes`, tokens over 'context' (`tokens`)."""
+    return PartitionSpec(batch_axes(mesh), CONTEXT) if tokens else PartitionSpec(batch_axes(mesh))
+
+
+def manual_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The step's manual axes (`MANUAL`) that `mesh` has: 'replica' only with HSDP."""
+    return tuple(a for a in MANUAL if a in mesh.shape)
 
 
 def compute_rules(sequence_parallel: bool = False) -> Rules:

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.parallel.layer_fetch import on_host, use_layer_fetch
-from meshrun.parallel.sharding import CONTEXT, DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.sharding import CONTEXT, MANUAL, batch_axes, compute_rules, manual_axes, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
 from meshrun.pipeline.spec import PipelineSpec, pure
@@ -117,7 +117,7 @@ class Pipeline:
             mesh=mesh,
             in_specs=(zl_l.local_compute(), zl_o.local_compute(), *(bspec,) * len(batch)),
             out_specs=(P(), gl_specs, zl_o.partial_specs(), P()),
-            axis_names=set(MANUAL),
+            axis_names=set(manual_axes(mesh)),
             check_vma=False,
         )
         loss, gl, go, metrics = f(layers, other, *batch)
@@ -146,7 +146,7 @@ class Pipeline:
         params = zl.gather(_wsc(mesh, params, zl.store))  # ZeRO-3: all-gather the DP-sharded dims once per step
         # Microbatch j = rows j, m+j, 2m+j, ...: each data shard's rows split into m local
         # microbatches without moving token ids between devices (row order does not change the sums).
-        bspec = P(None, DP_AXES, CONTEXT)  # [M, B, S]: rows over DP, tokens over 'context'
+        bspec = P(None, batch_axes(mesh), CONTEXT)  # [M, B, S]: rows over DP, tokens over 'context'
         split = lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
         batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
         return params, [lax.with_sharding_constraint(split(a), NamedSharding(mesh, bspec)) for a in batch], bspec
@@ -166,8 +166,9 @@ class Pipeline:
             else:
                 gl = zl_l.reduce_local(run.layer_grads(carry["g_layers"]))
             go = zl_o.reduce_local(carry["g_other"], extra=("pipe",))
+            live = manual_axes(self.mesh)
             loss, metrics = contract.finish(
-                self.fns, lax.psum(carry["loss"], MANUAL), run.n_tok, lax.psum(carry["aux"], MANUAL), run.n_seq
+                self.fns, lax.psum(carry["loss"], live), run.n_tok, lax.psum(carry["aux"], live), run.n_seq
             )
             return loss, gl, go, metrics
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.family import contract
 from meshrun.parallel.layer_fetch import use_layer_fetch
-from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, manual_axes, use_rules
 from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.tick_loop import stage_fn, take
 
@@ -36,7 +36,7 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
         mesh=pl.mesh,
         in_specs=(zl.sub("layers").local_compute(), zl.without("layers").local_compute(), *(bspec,) * len(batch)),
         out_specs=(P(), P()),
-        axis_names=set(MANUAL),
+        axis_names=set(manual_axes(pl.mesh)),
         check_vma=False,
     )
     return f(layers, other, *batch)
@@ -59,7 +59,8 @@ def _body(spec: PipelineSpec, layers, other, tok, lab, seg=None, fetch=None):
             (_, buf, loss), _ = lax.scan(tick, (x_zero, buf, loss), jnp.arange(m + p - 1))
         flat = lambda a: a.reshape(-1, *a.shape[2:])
         n_tok = contract.token_count(fns, other, flat(tok), flat(lab))
-        return lax.psum(loss, MANUAL), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in spec.mesh.shape))
+        live = manual_axes(spec.mesh)
+        return lax.psum(loss, live), lax.psum(n_tok, tuple(a for a in GRAD_AXES if a in live))
 
 
 def _round_tick(spec: PipelineSpec, c: int, chunk, stage, other, batch, x_zero):

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from meshrun.config import PipelineConfig
 from meshrun.errors import ConfigError
 from meshrun.family.contract import ModelFns
-from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.sharding import batch_axes
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.program import TickProgram, tick_program
 from meshrun.pipeline.split import LayerSplit, layer_split
@@ -51,8 +51,8 @@ class PipelineSpec:
 
     @property
     def dp(self) -> int:
-        """Data-parallel shards of the batch (data x expert)."""
-        return int(np.prod([self.mesh.shape.get(a, 1) for a in DP_AXES]))
+        """Data-parallel shards of the batch (replica x data x expert)."""
+        return int(np.prod([self.mesh.shape.get(a, 1) for a in batch_axes(self.mesh)]))
 
     @property
     def placement(self) -> Placement:

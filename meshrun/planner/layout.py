@@ -58,6 +58,19 @@ class Layout:
     param_remainders: bool = False
     zero3_gather: str = "auto"  # train.zero3_gather: layer (FSDP) | step | auto (`step_model.layerwise`)
     zero2_reduce: str = "auto"  # train.zero2_reduce: microbatch (sharded sums) | step | auto
+    # mesh.zero_group (HSDP): ZeRO state sharded over groups of this many data ranks (e.g. one node's GPUs)
+    # and replicated over data / zero_group of them; 0: over all of `data`
+    zero_group: int = 0
+
+    @property
+    def zero_data(self) -> int:
+        """Data ranks one ZeRO shard group spans: `zero_group` (HSDP) or all of `data`."""
+        return self.zero_group or self.data
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the ZeRO state (HSDP: data / zero_group; else 1): the all-reduce across them."""
+        return self.data // self.zero_data
 
     @property
     def sched(self) -> registry.Schedule:
@@ -101,11 +114,14 @@ def layout_of(cfg: RunConfig, mesh_shape) -> Layout:
     the time model costs it as selective plus its host traffic: `search.predict_step_time`). Context
     parallelism: `mesh_shape['context']` (else `mesh.context`) and `model.context_parallel`."""
     m = cfg.pipeline.microbatches
-    dp = mesh_shape["data"] * mesh_shape["expert"]  # the batch is split over data x expert only (not context)
+    replicas = mesh_shape.get("replica", 1)  # HSDP: the data axis split into replica x data (mesh.zero_group)
+    data = replicas * mesh_shape["data"]
+    dp = data * mesh_shape["expert"]  # the batch is split over data x expert only (not context)
     return Layout(
         tensor=mesh_shape["tensor"],
         pipe=mesh_shape["pipe"],
-        data=mesh_shape["data"],
+        data=data,
+        zero_group=mesh_shape["data"] if replicas > 1 else 0,
         expert=mesh_shape["expert"],
         virtual=cfg.pipeline.virtual,
         microbatches=m,

@@ -240,12 +240,15 @@ def candidates(
     for t in tensors:
         for e in experts:
             for c, kind in context_degrees(cluster, t, seq_len, max_context):
-                yield from _layouts(model, n, L, global_batch, t, e, c, kind, framework)
+                yield from _layouts(model, n, L, global_batch, t, e, c, kind, framework, gpn)
 
 
 def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: int, c: int, kind: str,
-             framework: str = "meshrun"):  # fmt: skip
-    """The layouts of `candidates` with tensor t, expert e and context c (kind)."""
+             framework: str = "meshrun", gpn: int = 0):  # fmt: skip
+    """The layouts of `candidates` with tensor t, expert e and context c (kind); under meshrun, each ZeRO-3
+    layout also as HSDP with one node's data ranks as its ZeRO group (`gpn` GPUs per node), where the
+    data-parallel degree spans more than a node (FSDP's weight gathers then stay on NVLink)."""
+    node = gpn // (t * e * c) if framework == "meshrun" and gpn % (t * e * c) == 0 else 0
     if n % (t * e * c):
         return
     for p in (k for k in _divisors(n // (t * e * c)) if k <= L):
@@ -257,10 +260,12 @@ def _layouts(model: ModelConfig, n: int, L: int, global_batch: int, t: int, e: i
             m = per_rank // b
             for name, v in _schedules(p, m, L, framework):
                 for zero in range(4) if d * e * c > 1 else (0,):
-                    for remat in SEARCHED_REMATS:
-                        for sp in (False, True) if t > 1 else (False,):
-                            yield Layout(t, p, d, e, v, m, b, zero, remat, sp, name, context=c,
-                                         context_kind=kind)  # fmt: skip
+                    hsdp = zero == 3 and 1 < node < d and d % node == 0
+                    for group in (0, node) if hsdp else (0,):
+                        for remat in SEARCHED_REMATS:
+                            for sp in (False, True) if t > 1 else (False,):
+                                yield Layout(t, p, d, e, v, m, b, zero, remat, sp, name, context=c,
+                                             context_kind=kind, zero_group=group)  # fmt: skip
 
 
 def _schedules(p: int, m: int, L: int, framework: str = "meshrun"):

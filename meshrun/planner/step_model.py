@@ -168,8 +168,8 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     t = lay.tensor
     dense = (counts["layers"] - norms) * frac / t + norms * frac + (counts["embedding"] + counts["head"]) / t + h
     experts = counts["experts"] * frac / (t * lay.expert)
-    shard = zero_divisors(lay.zero, lay.data * lay.expert * lay.context)
-    eshard = zero_divisors(lay.zero, lay.data * lay.context)
+    shard = zero_divisors(lay.zero, lay.zero_data * lay.expert * lay.context)  # HSDP: over the group only
+    eshard = zero_divisors(lay.zero, lay.zero_data * lay.context)
     nrm = norms * frac + h  # norm scales: no `embed` dimension, so ZeRO leaves them whole (parallel/sharding.py)
     params = stored = pb * ((dense - nrm) / shard[0] + nrm + experts / eshard[0])
     grads = _grad_bytes(model, lay, frac, counts, dense, experts, shard, eshard)
@@ -468,8 +468,9 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
     """Pipe: activation permutes and the embedding/head gradient all-reduce; DP: the once-per-step
     gradient reduction (ZeRO-0 all-reduce, else reduce-scatter + all-gather of the params). The
     gradients are summed in float32 (`zero.accum_zeros`, 16-bit params too) and reduced in
-    `lay.grad_reduce_dtype`; counts below are elements."""
-    t, p, e, data, h, c = lay.tensor, lay.pipe, lay.expert, lay.data, model.d_model, lay.context
+    `lay.grad_reduce_dtype`; counts below are elements. HSDP (`lay.zero_group`): the reduce-scatter and
+    all-gather run inside the ZeRO group, and the scattered shards are all-reduced across the replicas."""
+    t, p, e, data, h, c = lay.tensor, lay.pipe, lay.expert, lay.zero_data, model.d_model, lay.context
     counts = param_counts(model)
     prec = precision_of(model, layout=lay)
     ab, rb, pb = 4, prec.reduce, prec.param  # float32 sums, the reduction's dtype, the params'
@@ -478,11 +479,12 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
     edge_n = (counts["embedding"] + counts["head"]) / t + h
     expert_n = counts["experts"] / p / (t * e)
     dense_axes = tuple(a for a, k in (("data", data), ("expert", e), ("context", c)) if k > 1)
+    across = ("replica",) if lay.replicas > 1 else ()  # HSDP: the ZeRO group's shards all-reduced across it
     if p > 1:
         ops, moved = permutes
         tally.add("collective-permute", ("pipe",), pipe_payload(act, lay) * moved / ops, ops)
         if rb == ab:  # one all-reduce over pipe and the DP axes
-            tally.add("all-reduce", ("pipe", *dense_axes), ab * edge_n)
+            tally.add("all-reduce", ("pipe", *across, *dense_axes), ab * edge_n)
             edge_n = 0.0
         else:  # summed over pipe in float32, then reduced over DP with the other gradients
             tally.add("all-reduce", ("pipe",), ab * edge_n)
@@ -490,10 +492,11 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
     if expert_n:
         groups.append((expert_n, tuple(a for a, k in (("data", data), ("context", c)) if k > 1), data * c))
     for n, axes, dp in groups:
-        if not axes:
-            continue
-        if lay.zero == 0:
-            tally.add("all-reduce", axes, rb * n)
+        if lay.zero == 0 or dp == 1:  # whole gradients (HSDP with one-rank groups: all-reduced across them)
+            if axes or across:
+                tally.add("all-reduce", (*across, *axes), rb * n)
         else:
             tally.add("reduce-scatter", axes, rb * n / dp)
             tally.add("all-gather", axes, pb * n)
+            if across:
+                tally.add("all-reduce", across, rb * n / dp)

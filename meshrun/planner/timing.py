@@ -201,8 +201,12 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
     data-parallel / ZeRO traffic of one device of the first stage (the one holding the embedding).
     Gradients travel at `prec.reduce` bytes, params at `prec.param`. Dense params reduce over data x
     expert x context ranks (TP inner: stride t), expert params over data x context ranks (stride t e
-    without context; with it the context ranks, t apart, are the inner part of the group)."""
-    t, d, e, p, zero, c = layout.tensor, layout.data, layout.expert, layout.pipe, layout.zero, layout.context
+    without context; with it the context ranks, t apart, are the inner part of the group). HSDP
+    (`layout.zero_group`): the reduce-scatter and all-gather run inside the ZeRO group (`zero_data` data
+    ranks: NVLink when it is one node's GPUs) and the scattered shards are all-reduced across the
+    `replicas` groups, t x group apart (the inter-node network), as often as the reduce-scatter."""
+    t, d, e, p, zero, c = layout.tensor, layout.zero_data, layout.expert, layout.pipe, layout.zero, layout.context
+    r, across = layout.replicas, t * e * c * layout.zero_data  # replica groups and the stride between them
     counts = param_counts(model)
     dense = (counts["layers"] / p + counts["embedding"]) / t
     experts = counts["experts"] / p / (t * e)
@@ -211,13 +215,14 @@ def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precisi
     # and reduce-scatters, each microbatch; ZeRO-3 gathers a layer again in the backward)
     layered = framework == "meshrun" and zero >= 2 and step_model.layerwise(model, layout)
     for n, dp, stride in ((dense, d * e * c, t), (experts, d * c, t if c > 1 else t * e)):
-        if dp <= 1 or n <= 0:
+        if dp * r <= 1 or n <= 0:
             continue
         grads, params = n * prec.reduce, n * prec.param
-        ar = cluster.allreduce_seconds(grads, dp, stride)
-        rs = cluster.allreduce_seconds(grads, dp, stride, half=True)
+        # whole gradients all-reduced (HSDP with groups of one rank: across the replicas)
+        ar = cluster.allreduce_seconds(grads, dp, stride) if dp > 1 else cluster.allreduce_seconds(grads, r, across)
+        rs = cluster.allreduce_seconds(grads, dp, stride, half=True) + cluster.allreduce_seconds(grads / dp, r, across)
         ag = cluster.allreduce_seconds(params, dp, stride, half=True)
-        if zero == 0:
+        if zero == 0 or dp == 1:
             per_step += ar
         elif (framework == "meshrun" and not layered) or zero == 1:
             per_step, gathers = per_step + rs + ag, gathers + ag
@@ -235,9 +240,9 @@ def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Preci
     norms = 2 * model.d_model * model.n_layers
     matrices = (counts["layers"] - norms + counts["experts"] / layout.expert) / layout.pipe / layout.tensor
     rest = norms / layout.pipe / layout.tensor + counts["embedding"] / layout.tensor
-    if layout.zero >= 1:
-        matrices /= layout.data * layout.expert * layout.context
-        rest /= layout.data * layout.expert * layout.context
+    if layout.zero >= 1:  # the update runs on the ZeRO shard (HSDP: of the group's)
+        matrices /= layout.zero_data * layout.expert * layout.context
+        rest /= layout.zero_data * layout.expert * layout.context
     moved = (matrices + rest) * (2 * prec.param + prec.grad) + 2 * (matrices * prec.opt + rest * prec.opt_rest)
     flops = matrices * optimizers.get(layout.optimizer).matrix_update_flops(model.d_model)
     return moved / gpu.hbm_bw + flops / (gpu.peak_flops / 2)

@@ -245,6 +245,8 @@ def explain(cfg) -> dict:
     collectives {predicted, compiled} (bytes per axis per step), counts {predicted, compiled}}."""
     n = needed_devices(cfg)
     shape = {a: getattr(cfg.mesh, a) for a in AXES}
+    if 0 < (group := cfg.mesh.zero_group) < shape["data"]:  # HSDP: the data axis as the mesh builder splits it
+        shape = {**shape, "replica": shape["data"] // group, "data": group}
     out = {"mesh": shape, "devices": n, "compiled": False, "note": "", "grad_reduce_dtype": cfg.train.grad_reduce_dtype}
     if not cfg.model.predictable:
         if n > MAX_SIMULATED:
@@ -282,7 +284,8 @@ def _mb(x) -> str:
 
 def format_report(rep: dict, title: str) -> str:
     """The report as text: memory per device, collectives per step, then the gradient buckets."""
-    shape = " x ".join(f"{a}={rep['mesh'][a]}" for a in AXES if rep["mesh"].get(a, 1) != 1) or "1 device"
+    axes = ("replica", *AXES)  # HSDP's replica axis just outside the data axis
+    shape = " x ".join(f"{a}={rep['mesh'][a]}" for a in axes if rep["mesh"].get(a, 1) != 1) or "1 device"
     lines = [f"{title}: mesh {shape} ({rep['devices']} devices)"]
     if rep["note"]:
         lines.append(f"note: {rep['note']}")

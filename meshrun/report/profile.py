@@ -7,13 +7,12 @@ import json
 from pathlib import Path
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from meshrun.analysis.profiler import trace_options
 from meshrun.analysis.trace import device_intervals, draw_timeline, load_trace, report_of_trace
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import MATPLOTLIB_FIX
-from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.sharding import batch_spec
 from meshrun.train.prepare import prepare
 from meshrun.train.restore import initial_params
 
@@ -25,7 +24,7 @@ def profile(cfg, steps: int, out: str | Path, timeline: bool = True) -> dict:
     mesh, train_step, ds = prepare(cfg)
     init = cfg.checkpoint.init_params
     state = train_step.init_from(initial_params(cfg, train_step, True)) if init else train_step.init()
-    batch = lambda s: global_batch_arrays(ds, s, mesh, P(DP_AXES))
+    batch = lambda s: global_batch_arrays(ds, s, mesh, batch_spec(mesh, tokens=False))
     compiled = train_step.step.lower(state, *batch(0)).compile()
     state, metrics = compiled(state, *batch(0))
     jax.block_until_ready(metrics)

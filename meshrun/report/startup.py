@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from meshrun.analysis.flops import param_counts
-from meshrun.parallel.sharding import GRAD_AXES
+from meshrun.parallel.sharding import GRAD_AXES, REPLICA
 
 
 def _gib(n: float) -> str:
@@ -85,13 +85,18 @@ def startup_lines(cfg: Any, mesh: Any, plan: Any) -> list[str]:
 
 
 def _zero_line(cfg: Any, plan: Any) -> str:
-    """ZeRO: the stage, what it shards and over how many data-parallel ranks (the gradient group)."""
+    """ZeRO: the stage, what it shards and over how many data-parallel ranks (the gradient group); with HSDP
+    the group it is sharded over and the replicas of it."""
     stage = cfg.train.zero
     ranks = math.prod(plan.mesh_shape.get(a, 1) for a in GRAD_AXES)
     if stage == 0:
         whole = "params, gradients and optimizer state whole"
         return f"zero      stage 0: {whole} on each of {ranks} data-parallel rank(s)"
     what = ("optimizer state", "optimizer state and gradients", "params, gradients and optimizer state")[stage - 1]
+    if (replicas := plan.mesh_shape.get(REPLICA, 1)) > 1:  # HSDP (mesh.zero_group)
+        hybrid = f"; hybrid: sharded over {ranks // replicas}, replicated over {replicas} (mesh.zero_group)"
+        return f"zero      stage {stage}: {what} sharded over groups of the {ranks} data-parallel ranks{hybrid}" \
+            f"{zero_variant(plan)}"  # fmt: skip
     return f"zero      stage {stage}: {what} sharded over {ranks} data-parallel rank(s){zero_variant(plan)}"
 
 

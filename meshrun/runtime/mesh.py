@@ -19,8 +19,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, MeshConfig, from_dict, to_dict
+from meshrun.config import AXES, MeshConfig, check_zero_group, from_dict, to_dict
 from meshrun.errors import ConfigError
+from meshrun.parallel.sharding import REPLICA, ZERO_AXES
 
 # Pretend-host count per mesh built on one process (CPU simulation); real runs use process_index.
 _PRETEND_HOSTS: dict[Mesh, int] = {}
@@ -51,6 +52,25 @@ def resolve_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
             f"product of axes is {fixed} but there are {n_devices} devices",
         )
     return sizes
+
+
+def split_data(cfg: MeshConfig, sizes: dict[str, int]) -> dict[str, int]:
+    """HSDP (`mesh.zero_group`): {'replica': data / group, 'data': group}; {} without it (or one group)."""
+    group, data = cfg.zero_group, sizes["data"]
+    if not group:
+        return {}
+    check_zero_group(group, data)  # mesh.data=-1: known only now
+    return {} if group == data else {REPLICA: data // group, "data": group}
+
+
+def mesh_axes(cfg: MeshConfig, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh's axis names, outer -> inner: `mesh.order`, with HSDP's 'replica' just outside 'data' so
+    that a ZeRO group is the `zero_group` neighbouring data ranks (one node's devices when it is the GPUs
+    per node and the axes inside 'data' have size 1)."""
+    if REPLICA not in split_data(cfg, sizes):
+        return tuple(cfg.order)
+    at = cfg.order.index("data")
+    return (*cfg.order[:at], REPLICA, *cfg.order[at:])
 
 
 def _host_groups(devices: list, hosts: int) -> list[list]:
@@ -111,10 +131,12 @@ def build_mesh(cfg: MeshConfig | None = None, devices: list | None = None, **ove
     devices = list(devices) if devices is not None else jax.devices()
     sizes = resolve_shape(cfg, len(devices))
     groups = _host_groups(devices, cfg.hosts)
-    shape = tuple(sizes[ax] for ax in cfg.order)
+    names = mesh_axes(cfg, sizes)
+    sizes = {**sizes, **split_data(cfg, sizes)}
+    shape = tuple(sizes[ax] for ax in names)
     arr = _hybrid_array(groups, shape)
     axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
-    mesh = Mesh(arr, tuple(cfg.order), axis_types=axis_types)
+    mesh = Mesh(arr, names, axis_types=axis_types)
     if len({d.process_index for d in devices}) == 1:
         _PRETEND_HOSTS[mesh] = len(groups)
     _HOSTS_PER_RACK.pop(mesh, None)  # meshes over the same devices are equal: forget an earlier build's racks
@@ -202,8 +224,8 @@ def _rack_warnings(mesh: Mesh) -> list[str]:
     if spans("pipe") > 1:
         return []
     out = []
-    for axis in ("data", "expert"):
-        if (k := spans(axis)) > 1:
+    for axis in (REPLICA, "data", "expert"):  # 'replica': HSDP's all-reduce across the ZeRO groups
+        if axis in mesh.shape and (k := spans(axis)) > 1:
             what = "gradient all-reduce" if axis == "data" else "all-to-all"
             out.append(
                 f"mesh.{axis}={mesh.shape[axis]}: {'an' if axis == 'expert' else 'a'} {axis} group spans {k} racks "
@@ -238,6 +260,11 @@ def describe(mesh: Mesh) -> str:
     multi = d["racks"] > 1  # the rack column only where there is more than one rack
     in_racks = f" in {d['racks']} racks" if multi else ""
     lines = [f"mesh {shape}  ({d['hosts']} host(s){in_racks}, {len(hosts)} devices)"]
+    if REPLICA in d["shape"]:  # HSDP
+        group = math.prod(d["shape"][a] for a in ZERO_AXES)
+        lines.append(f"hybrid (mesh.zero_group={d['shape']['data']}): ZeRO state sharded over groups of {group} "
+                     f"data-parallel ranks (the data groups below), replicated {d['shape'][REPLICA]} times "
+                     "(the replica groups)")  # fmt: skip
     lines.append("  " + "  ".join(f"{a:>7}" for a in d["axes"]) + ("    rack" if multi else "") + "    host  device")
     ids = np.array(d["device_ids"])
     for coord in np.ndindex(ids.shape):

@@ -26,7 +26,7 @@ from meshrun.data.datasets import global_batch_arrays
 from meshrun.family import contract
 from meshrun.family.contract import ModelFns
 from meshrun.parallel.layer_fetch import use_layer_fetch
-from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, use_rules
+from meshrun.parallel.sharding import MANUAL, batch_spec, compute_rules, manual_axes, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.executor import Pipeline
 from meshrun.pipeline.forward import forward_sums
@@ -57,9 +57,9 @@ def forward_sums_fn(fns: ModelFns, zl: ZeroShardings, microbatches: int) -> Call
         fn = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(zl.local_compute(), *(BATCH_SPEC,) * len(batch)),
+            in_specs=(zl.local_compute(), *(batch_spec(mesh),) * len(batch)),
             out_specs=(P(), P()),
-            axis_names=set(MANUAL),
+            axis_names=set(manual_axes(mesh)),
             check_vma=False,
         )
         return fn(zl.gather(params), *batch)
@@ -86,7 +86,7 @@ def evaluate(eval_step: Callable, params, val_ds, n_batches: int, mesh) -> dict[
     """{val_loss, val_perplexity, val_tokens} over validation batches 0..n_batches-1."""
     loss_sum = n_tok = 0.0
     for k in range(n_batches):
-        ls, n = jax.device_get(eval_step(params, *global_batch_arrays(val_ds, k, mesh, P(DP_AXES))))
+        ls, n = jax.device_get(eval_step(params, *global_batch_arrays(val_ds, k, mesh, batch_spec(mesh, tokens=False))))
         loss_sum, n_tok = loss_sum + float(ls), n_tok + float(n)
     val = loss_sum / max(n_tok, 1.0)
     return {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0)), "val_tokens": float(np.round(n_tok))}

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from meshrun.checkpoint.local import LocalTier, check_local_dir
 from meshrun.checkpoint.state import Checkpointer, PreemptionFlag, check_run_dir_writable
 from meshrun.config import RunConfig, to_dict
 from meshrun.data.datasets import global_batch_arrays
 from meshrun.errors import ConfigError, DistributedError, TrainingError
-from meshrun.parallel.sharding import DP_AXES
+from meshrun.parallel.sharding import batch_spec
 from meshrun.runtime.faults import Faults
 from meshrun.runtime.processes import agree, lost_peer, say, take_lock, warn
 from meshrun.runtime.watchdog import Watchdog
@@ -251,7 +250,7 @@ def _train(cfg: RunConfig, built: Prepared, stepper: Stepper, saves: Saves, b: B
     """Steps start..train.steps: batch, step, then the side jobs due (`SideJobs.hooks`); stop early on
     preemption or `stop_after`."""
     t, mesh, ts = cfg.train, built.mesh, built.train_step
-    batch_of = lambda step: global_batch_arrays(built.ds, step, mesh, P(DP_AXES))  # noqa: E731
+    batch_of = lambda step: global_batch_arrays(built.ds, step, mesh, batch_spec(mesh, tokens=False))  # noqa: E731
     tally, batch = Tally(), None
     config = to_dict(cfg)  # logged once by each of train.loggers
     with MetricsLogger(t.run_dir, total_steps=t.steps, quiet=quiet, loggers=t.loggers, config=config) as logger:

@@ -34,7 +34,7 @@ from meshrun.family import registry
 from meshrun.family.contract import Family, ModelFns
 from meshrun.offload.registry import Placement, placement
 from meshrun.parallel import context
-from meshrun.parallel.sharding import is_names, param_rules
+from meshrun.parallel.sharding import REPLICA, is_names, param_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.program import TickProgram, tick_program
 from meshrun.pipeline.registry import SCHEDULES, check_config
@@ -103,7 +103,7 @@ class StepPlan:
 
 
 def dp_degree(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["expert"]
+    return mesh.shape.get(REPLICA, 1) * mesh.shape["data"] * mesh.shape["expert"]
 
 
 def unit_costs(model: ModelConfig, seq_len: int | None = None, gpu: str = DEFAULT_GPU) -> tuple[float, float, float]:
@@ -145,6 +145,8 @@ def build_plan(cfg: RunConfig, mesh) -> StepPlan:
     """Check the config against the mesh and decide the step (see the module doc). `mesh`: a jax Mesh,
     or anything with a `.shape` mapping (then no shardings are built)."""
     shape = {a: int(mesh.shape.get(a, 1)) for a in AXES}
+    if REPLICA in mesh.shape:  # HSDP: 'data' is the ZeRO group, 'replica' the groups (mesh.zero_group)
+        shape[REPLICA] = int(mesh.shape[REPLICA])
     validate(cfg, mesh)
     family = registry.get(cfg.model.family)
     fns = family.model_fns(cfg.model)

@@ -35,7 +35,7 @@ from meshrun.offload.tier import StateTier, with_tier
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
 from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, shadowed, sink_index, use_layer_fetch
-from meshrun.parallel.sharding import BATCH_SPEC, DP_AXES, MANUAL, compute_rules, is_spec, use_rules
+from meshrun.parallel.sharding import MANUAL, batch_spec, compute_rules, is_spec, manual_axes, use_rules
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
@@ -150,13 +150,13 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
             loss, metrics = contract.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
             return loss, zl.reduce_local(gsum), metrics
 
-    batch_spec = BATCH_SPEC  # rows over the DP axes, tokens over 'context'
+    bspec = batch_spec(mesh)  # rows over the DP axes, tokens over 'context'
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(zl.local_compute(), *(batch_spec,) * len(batch)),
+        in_specs=(zl.local_compute(), *(bspec,) * len(batch)),
         out_specs=(P(), out_grads, P()),
-        axis_names=set(MANUAL),
+        axis_names=set(manual_axes(mesh)),
         check_vma=False,
     )
     loss, grads, metrics = fn(params, *batch)
@@ -210,7 +210,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     abstract_run = jax.eval_shape(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), plan.abstract_params) \
         if relay else abstract  # fmt: skip
     state_sh = state_shardings(zl, tx, abstract_run)
-    batch_sh = NamedSharding(mesh, P(DP_AXES))
+    batch_sh = NamedSharding(mesh, batch_spec(mesh, tokens=False))
     # Offloaded state rests in host memory: whatever computes on it moves it in and back out.
     host = lambda st, sh=state_sh: zl.to_host(st, sh)
     init = jax.jit(lambda: host(run_state()), out_shardings=state_sh)
