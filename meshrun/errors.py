@@ -1,4 +1,5 @@
-"""Errors the CLI turns into one line on stderr and a documented exit status (no traceback).
+"""Errors the CLI turns into one line on stderr and a documented exit status (no traceback; `--debug`
+on any subcommand or `MESHRUN_DEBUG=1` prints it above the line).
 
 | status | class              | meaning                                                              |
 |--------|--------------------|----------------------------------------------------------------------|
@@ -11,8 +12,6 @@
 | 6      | DistributedError   | jax.distributed failed after the settings were checked, or a peer died|
 | 7      | (step watchdog)    | no step finished within train.step_timeout: a hang (runtime/watchdog) |
 | 130    |                    | interrupted (Ctrl-C)                                                 |
-
-`--debug` (any subcommand) or `MESHRUN_DEBUG=1` prints the traceback above the line.
 """
 
 EXIT_OK = 0

@@ -247,7 +247,17 @@ def internal_names(text: str, names: tuple[set[str], set[str], set[str]]) -> lis
         called = name in functions and (m.group(2) or "_" in name)  # `make_streamed(cfg)`, `optimizer_tier.build`
         if private or dotted or name in classes or called:
             out.append(span)
-    return out
+    return out + _bare_internal_names(text, functions, public)
+
+
+def _bare_internal_names(text: str, functions: set[str], public: set[str]) -> list[str]:
+    """Names of meshrun's functions written in prose without backticks (`make_train_step`, `_x`):
+    snake_case or private words, outside code blocks, inline code and link targets."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    prose = re.sub(r"\]\([^)]*\)|`[^`]*`|https?://\S+", " ", prose)
+    own = {f.rsplit(".", 1)[-1] for f in functions} - public
+    words = re.findall(r"(?<![\w./:#-])(_?[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+|_[A-Za-z]\w*)(?![\w-])", prose)
+    return [w for w in words if w in own or w.startswith("_") and not w.endswith("_")]
 
 
 def test_internal_names_are_found():
@@ -256,8 +266,9 @@ def test_internal_names_are_found():
     bad = ["_Stepper", "layer_tier._Stepper", "Tier.step", "make_streamed(cfg)", "swap_dir.stepping", "Tier"]
     bad += ["make_streamed"]
     good = ["train.steps", "offload.dir", "ModelFns", "Schedule.check", "meshrun train x", "8·N", "step", "val_loss"]
-    text = " ".join(f"`{n}`" for n in bad + good) + "\n```bash\n`_hidden_in_a_block`\n```\n"
-    assert internal_names(text, names) == bad
+    text = " ".join(f"`{n}`" for n in bad + good) + "\n```bash\n`_hidden_in_a_block`\nmake_streamed\n```\n"
+    prose = "Then make_streamed(cfg) runs _Stepper; a run_dir, [a link](x/make_streamed.md) and `make_streamed\n(x)`."
+    assert internal_names(text + prose, names) == [*bad, "make_streamed", "_Stepper"]
 
 
 def test_user_pages_are_a_manual():

@@ -4,9 +4,8 @@ of optimizer state is ever in host memory (counted in `SwapFile.resident`):
 - init computes each chunk's initial state (the optimizer's elementwise init of the chunk's params)
   on the device and writes it straight into the file;
 - a checkpoint save hands orbax the optimizer's parameter-shaped leaves as `StreamedArray`s, which
-  `meshrun/checkpoint/slices.py` writes box by box from the file's chunks, in the format every tier
-  reads;
-- a restore reads those leaves box by box into the file.
+  `meshrun/checkpoint/slices.py` writes box by box from the file's chunks, in every tier's format;
+  a restore reads those leaves box by box into the file.
 
 `StatePieces` maps a chunk of the file (`[slot][row][C]`, a sub-range of every row) to boxes of the
 global optimizer leaves. Checkpoints keep the layers in model order; where the run places them

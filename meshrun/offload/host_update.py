@@ -10,9 +10,8 @@ writes the new state into the same buffers, and the store writes those back, as 
 in-place pass does with the mesh's own arrays (`device_chunk.DeviceChunk`). The update is the tier's
 own (`optimizer_tier.OptimizerTier.update_chunk`) on every distinct row of the process at once ([rows, C]).
 
-On a GPU machine the CPU backend's device is outside the mesh. On the simulated CPU devices the
-tests use, it is a device the mesh leaves out where there is one, else one of the mesh's: the code
-path is the same, the transfers are copies between CPU devices.
+On a GPU machine the CPU backend's device is outside the mesh; on simulated CPU devices it is one the
+mesh leaves out, else one of the mesh's (the same code path; the transfers are copies).
 """
 
 from __future__ import annotations

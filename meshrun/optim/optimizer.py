@@ -3,23 +3,15 @@ inside what the framework adds around every entry:
 
     with_master_weights( chain( clip_by_global_norm(grad_clip), with_state_dtype(entry) ) )
 
-* global-norm clipping needs the norm over all gradients, so the framework applies it, not the entry;
-* `with_state_dtype` keeps the entry's parameter-shaped state (its moments) in `optimizer.state_dtype`
-  and computes in float32;
-* `with_master_weights` keeps a float32 master copy when the params are stored below float32.
+Clipping needs the norm over all gradients, so the framework applies it; `with_state_dtype` keeps the
+entry's moments in `optimizer.state_dtype` and computes in float32; `with_master_weights` keeps a
+float32 master copy of params stored below float32. Build it with `make_optimizer(cfg, param_names)`.
 
-A streamed update that visits one chunk of the optimizer state at a time (a ZeRO-Infinity style
-NVMe tier) reuses exactly this optax code through `elementwise_transform(cfg)`: the entry in its
-state dtype, without the clipping and the master wrapper, for an entry declared `elementwise` (its
-update of an element depends only on that element and global scalars; else a ConfigError). The
-caller clips first (`optax.clip_by_global_norm`'s scale from the global norm over all chunks), runs
-`update(grad_chunk, state_chunk, master_chunk)` on the float32 master chunk, and rounds the new
-master to the param dtype as `apply_optimizer` does. A chunk's state is the state with every
-parameter-shaped leaf cut to that chunk (`map_params`); its scalars (Adam's step count) are the
-same for every chunk and advance once per step.
-
-ZeRO shards, offload moves and the pipeline re-places every parameter-shaped leaf of the state
-through `map_params` (`optax.tree_map_params`), whatever the entry.
+A streamed offload update runs the same optax code chunk by chunk through `elementwise_transform(cfg)`
+(entries declared `elementwise` only): the caller clips with the global norm over all chunks, updates
+the float32 master chunk and rounds it to the param dtype as `apply_optimizer` does. A chunk's state
+is the state with every parameter-shaped leaf cut to it (`map_params`, which ZeRO, offload and the
+pipeline also use to re-place the state); its scalars (Adam's count) advance once per step.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The optimizers meshrun knows, by `optimizer.name`: the one place that names an optimizer.
 
-Each entry declares what the rest of meshrun asks about, so nothing else assumes Adam:
-* `build`: "module:function" of its optax transformation (`meshrun.optim.optimizer` imports it; the
-  framework wraps it in global-norm clipping, the state dtype and the master weights);
-* its state per parameter: `moments` state tensors of each hidden-layer weight matrix and
-  `moments_other` of every other parameter (embeddings, head, norm scales, biases), stored in
-  `optimizer.state_dtype`, plus a float32 master copy when the params are stored below float32
-  (`state_bytes`); the planner's memory and time models read them;
-* `update_temps`: float32 temporaries its update holds at once per weight-matrix parameter (the
-  planner's memory; one per other parameter), `matrix_update_flops`: FLOPs per weight-matrix
-  parameter of one update as a function of d_model (the planner's time; 0: memory bound);
-* `elementwise`: each element's update depends only on that element and global scalars, so the
-  update can run on any chunk of the state (AdamW yes; Muon orthogonalizes whole matrices: no).
+Each `OptimizerSpec` declares what the rest of meshrun asks about, so nothing else assumes Adam:
+`build` ("module:function" of its optax transformation, which `meshrun.optim.optimizer` wraps in
+clipping, the state dtype and the master weights); `moments` / `moments_other`, its state tensors
+per element of a hidden-layer weight matrix / of every other parameter, stored in
+`optimizer.state_dtype` (`state_bytes`, read by the planner); `update_temps` and
+`matrix_update_flops`, the update's float32 temporaries and FLOPs per matrix parameter (the
+planner's memory and time); `elementwise`, whether each element's update depends only on that
+element and global scalars, so a streamed offload tier can update any chunk (AdamW yes, Muon no).
 
-An optimizer outside meshrun needs no entry here: `optimizer.name: package.module:SPEC` names its
-`OptimizerSpec` (whose `build` may be the function itself); examples/custom_optimizer shows one.
-
-Which state leaves ZeRO shards and offload moves needs no declaration: every parameter-shaped leaf
-of the optax state (`optax.tree_map_params`). Plain Python: the planner imports it without jax.
+Add a built-in optimizer as an entry of `OPTIMIZERS`; one outside meshrun needs none:
+`optimizer.name: package.module:SPEC` names its `OptimizerSpec` (examples/custom_optimizer), and
+`get(name)` finds either. Plain Python: the planner imports it without jax.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
-"""Tensor-parallel matmuls with their sequence-parallel collective decomposed into a ring (collective
-matmul: Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in
-Large Deep Learning Models"; Megatron-Core's --tp-comm-overlap; the shard_map docs' example).
+"""Tensor-parallel matmuls with their sequence-parallel collective run as a ring beside the matmul
+(`model.tp_comm_overlap`; collective matmul, Wang et al. 2023; Megatron-Core's --tp-comm-overlap).
 
-Under sequence parallelism a column-parallel matmul needs the whole sequence (an all-gather over
-'tensor' first) and a row-parallel one leaves partial sums (a reduce-scatter after). Here both
-run as t steps around the tensor ring: `ag_matmul` multiplies the sequence chunk it holds while
-`ppermute` passes it on; `matmul_rs` adds its share of one output chunk to a partial sum that then
-moves on while the next chunk's matmul runs. t - 1 collective-permutes replace each collective, and
-each transfer has a matmul beside it to hide under (on GPUs XLA's latency-hiding scheduler may run
-them concurrently; not measured here). The backward is written out as the same rings (a custom_vjp, which also
-keeps the nested shard_map out of autodiff, as `models/context.gather_kv` does): the residuals are
-the primal inputs only, so a remat policy's names keep their meaning (the gathered input is never
-stored; the backward passes the chunks around again for the weight gradient, as the all-gather's
-backward re-gathers it).
+Under sequence parallelism a column-parallel matmul needs an all-gather over 'tensor' first and a
+row-parallel one a reduce-scatter after. `ag_matmul` multiplies the sequence chunk it holds while
+`ppermute` passes it on; `matmul_rs` adds its share of an output chunk to a partial sum that moves
+on while the next chunk's matmul runs: t - 1 collective-permutes per collective, each beside a
+matmul for XLA's latency-hiding scheduler. The backward is the same rings (a custom_vjp whose
+residuals are the primal inputs only, so remat policies keep their meaning).
 
-Called inside the step's shard_maps (manual over pipe and the data axes, auto over 'tensor'): the
-functions open a shard_map manual over 'tensor' only. Arrays have the sequence on dimension 1.
-`spec` is a two-operand einsum whose output has the sequence on dimension 1 too; `w_dim` is the
-weight's dimension sharded over 'tensor'.
+Use: `t = ring_degree(cfg.tp_comm_overlap, length)`; when t > 0, call `ag_matmul(spec, x, w, w_dim, t)`
+or `matmul_rs(...)` inside the step's shard_maps (auto over 'tensor'; they open one manual over
+'tensor'). Arrays have the sequence on dimension 1; `spec` is a two-operand einsum whose output has
+it on dimension 1 too; `w_dim` is the weight's dimension sharded over 'tensor'.
 """
 
 from __future__ import annotations

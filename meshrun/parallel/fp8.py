@@ -1,21 +1,17 @@
-"""FP8 GEMMs (Micikevicius et al. 2022): e4m3 activations and weights forward, e5m2 gradients backward,
-per-tensor power-of-two scales, float32 accumulation; and the delayed recipe's amax history.
+"""FP8 GEMMs (`model.fp8`; Micikevicius et al. 2022): e4m3 activations and weights forward, e5m2
+gradients backward, per-tensor power-of-two scales, float32 accumulation.
 
-`model.fp8`: `tensorwise` scales each operand by its current amax / the format's max (Transformer
-Engine's current scaling); `delayed` by the largest amax of the last `model.fp8_amax_history` steps,
-rounded up to a power of two: 2^k, k the smallest integer with amax / 2^k <= the format's max
-(torchao's `round_scales_to_power_of_2`), so the history holds exponents, whose max over shards and
-microbatches the gradient sums can carry exactly (below).
+`tensorwise` scales each operand by its current amax / the format's max; `delayed` by the largest
+amax of the last `model.fp8_amax_history` steps, kept as power-of-two exponents. Exact across
+layouts: the tensorwise amax is `pmax`ed over the manual row axes (`row_axes()`: data, expert,
+context; 'tensor' is GSPMD's); delayed scaling records each step's exponent as a one-hot gradient
+of a zero parameter (`obs`), so the gradient sums over microbatches, ticks and ranks keep exactly
+the bins some shard saw and the largest one is the max whatever the split.
 
-Exact across layouts: inside the step's shard_maps the axes that split an activation's rows or
-tokens ('data', 'expert', 'context') are manual, so the tensorwise amax of an activation or
-gradient is `pmax`ed over them; 'tensor' is left to GSPMD, whose `max` over a sharded array is
-already global. Delayed scaling records each step's amax as a scale exponent in a histogram
-(`obs`, a zero parameter whose gradient is one-hot per observation): the gradient sums over
-microbatches, pipeline ticks and data-parallel ranks keep exactly the bins some shard saw, so the
-largest nonzero bin is the max over all of them, whatever the split (a sum of amaxes would not be).
-`update_state` rotates it into the history after the step. Shape letters: S GEMM slots of a layer,
-T = 3 tensors per GEMM (x, w, dy), H history, N exponent bins.
+Use: `einsum(spec, x, w, recipe, state, slot)` in place of `jnp.einsum` for a covered GEMM (`state`:
+the layer's `fp8` subtree, `slot` the GEMM's index); after the gradient reduction,
+`update_state(params, grads)` rotates the observations into the history and zeroes their gradients.
+Shape letters: S GEMM slots of a layer, T = 3 tensors per GEMM (x, w, dy), H history, N bins.
 """
 
 from __future__ import annotations

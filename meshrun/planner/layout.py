@@ -164,23 +164,18 @@ class Precision:
 
 
 def precision_of(model: ModelConfig, framework: str = "meshrun", layout: Layout | None = None) -> Precision:
-    """Bytes per param of params, grads, optimizer state, and per activation element.
-    megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 gradient buffers `main_grad`, accumulated
-    and all-reduced in fp32; fp32 master copy + Adam m, v: the ZeRO paper's K=12); Megatron-LM's
-    optimizer is Adam, whatever the layout says. Megatron-Core's distributed optimizer documents 6 +
-    12/d bytes (bf16 params, fp32 grads) and the ZeRO sharding is `layout.zero`. The gradient buffer
-    and its reduction take `layout.grad_reduce_dtype` (Megatron-LM forces float32 for bf16 models; NeMo's
-    `optim.grad_sync_dtype: bf16` and Megatron-Core's grad_reduce_in_fp32=False make them bf16: 2 + 2
-    + 12/d); `layout.param_remainders` (NeMo's distributed Adam on bf16 models) stores 2-byte remainders
-    for the master weights: 2 + 8 optimizer bytes.
+    """Bytes per param of params, grads, optimizer state, and per activation element, as `framework` keeps them.
+    megatron, bf16 params: 2 + 4 + 12 = 18 B/param (fp32 `main_grad` buffers, accumulated and
+    all-reduced in fp32; fp32 master + Adam m, v: the ZeRO paper's K=12), Adam whatever the layout
+    says, sharded by `layout.zero` (Megatron-Core's distributed optimizer: 6 + 12/d). The gradient
+    buffer and its reduction take `layout.grad_reduce_dtype` (NeMo's `grad_sync_dtype: bf16`: 2 + 2 +
+    12/d); `layout.param_remainders` (NeMo's distributed Adam) stores 2-byte master remainders: 2 + 8.
     meshrun: gradients in the param dtype; the optimizer state the registry entry of
-    `layout.optimizer` declares (`meshrun.optim.registry`: its moments in `layout.state_dtype`, plus
-    a float32 master copy when the params are stored below float32): adamw, bf16 params 2 + 2 + 12
-    (8 with bfloat16 moments), fp32 params 4 + 4 + 8 (the tiny CPU configs; Megatron's accounting
-    agrees there). `layout` None: adamw with float32 moments, meshrun's default.
-    `predict_memory` adds meshrun's gradient accumulator (float32 whatever the param dtype) and update
-    temporary on top. The DP reduction (`reduce`) carries the float32 sums, or with
-    `layout.grad_reduce_dtype=bfloat16` their bf16 cast (half the bytes); Megatron's is fp32."""
+    `layout.optimizer` declares (moments in `layout.state_dtype`, plus a float32 master below float32):
+    adamw with bf16 params 2 + 2 + 12 (8 with bf16 moments), fp32 params 4 + 4 + 8. `layout` None:
+    adamw with float32 moments. `predict_memory` adds meshrun's float32 gradient accumulator and the
+    update temporary. The DP reduction (`reduce`) carries the float32 sums, or their bf16 cast with
+    `layout.grad_reduce_dtype=bfloat16`; Megatron's is fp32."""
     lay = layout or Layout()
     if framework == "megatron":
         return _precision(model.param_dtype, model.dtype, "megatron", grad_reduce_dtype=lay.grad_reduce_dtype,

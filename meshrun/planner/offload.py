@@ -11,7 +11,6 @@ Levers (the train step's `offload.optimizer` and `model.remat=offload`):
 * params: `offload.params` (ZeRO-3 layouts), with the state on the device, in host memory or
   on NVMe (`param_offload.py`); only combinations meshrun's runtime accepts
   (`param_offload.refusals`, which asks `config.offload_params_refusals`).
-
 `propose` tries the levers when no layout fits in device memory.
 """
 
