@@ -82,13 +82,11 @@ def context_violations(layout: Layout, seq_len: int | None) -> list[str]:
     return out
 
 
-def structural_violations(
-    model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int | None = None
-) -> list[str]:
-    """Degrees that don't divide heads, kv heads, layers, experts, devices, the global batch or (context
-    parallelism) the sequence."""
+def _model_violations(model: ModelConfig, layout: Layout) -> list[str]:
+    """Degrees the model's shape cannot split over: heads, kv heads and d_ff over tensor, layers over
+    the pipeline's chunks, experts over expert, and context parallelism without context attention."""
     t, p, e, v = layout.tensor, layout.pipe, layout.expert, layout.virtual
-    out = context_violations(layout, seq_len)
+    out = []
     if layout.context > 1 and not model.context_attention:
         out.append(f"context={layout.context}: model.family={model.family} has no context-parallel attention")
     kv = model.n_heads if flops.is_mla(model) else model.n_kv_heads  # MLA: every head has its k and v
@@ -101,6 +99,16 @@ def structural_violations(
         out.append(f"expert={e} > 1 on a dense model (n_experts=0)")
     elif model.is_moe and model.n_experts % e:
         out.append(f"model.n_experts={model.n_experts} is not divisible by expert={e}")
+    return out
+
+
+def structural_violations(
+    model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int | None = None
+) -> list[str]:
+    """Degrees that don't divide heads, kv heads, layers, experts, devices, the global batch or (context
+    parallelism) the sequence."""
+    t, p, e, v = layout.tensor, layout.pipe, layout.expert, layout.virtual
+    out = context_violations(layout, seq_len) + _model_violations(model, layout)
     if layout.n_devices != cluster.n_devices:
         what = "tensor*pipe*data*expert" + ("*context" if layout.context > 1 else "")
         out.append(f"{what} = {layout.n_devices} != {cluster.n_devices} devices of {cluster}")
