@@ -175,6 +175,8 @@ class _LeafMoves:
     scatters: list[tuple[int, tuple[str, ...]]]
     rest: tuple[str, ...]
     reduce_dtype: Any
+    auto: tuple[str, ...] = ()  # the loop's auto axes ('tensor'): manual for the collectives
+    specs: tuple[P, P, P] = (P(), P(), P())  # stored, compute, gradient layouts over `auto`
 
     @classmethod
     def of(cls, mesh: Mesh, spec: P, base: P, target: P | None, reduce_dtype: Any) -> _LeafMoves:
@@ -185,22 +187,36 @@ class _LeafMoves:
         scattered = {a for _, axes in scatters for a in axes}
         live = tuple(a for a in GRAD_AXES if mesh.shape.get(a, 1) > 1)
         rest = tuple(a for a in live if a not in used and a not in scattered)
-        return cls(gathers, scatters, rest, reduce_dtype)
+        auto = tuple(a for a in mesh.axis_names if a not in MANUAL)
+        specs = tuple(restrict_spec(s, auto) for s in (spec, base, spec if target is None else target))
+        return cls(gathers, scatters, rest, reduce_dtype, auto, specs)
 
     def gather(self, x: jax.Array) -> jax.Array:
-        x = to_device(x)
+        return self._manual(self._gather, self.specs[0], self.specs[1])(to_device(x))
+
+    def reduce(self, g: jax.Array, dt: Any, host: bool) -> jax.Array:
+        """The gradient reduced onto its layout, in dtype `dt`, in host memory if `host`."""
+        g = self._manual(lambda g: self._reduce(g, dt), self.specs[1], self.specs[2])(g)
+        return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
+
+    def _manual(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
+        """`fn` in a shard_map manual over the loop's auto axes, so each device moves its tensor shard
+        as it is (left to GSPMD, XLA all-gathered the tensor shards first: twice the layer's bytes)."""
+        if not self.auto:
+            return fn
+        return jax.shard_map(fn, in_specs=in_spec, out_specs=out_spec, axis_names=set(self.auto), check_vma=False)
+
+    def _gather(self, x: jax.Array) -> jax.Array:
         for d, axes in self.gathers:
             x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
         return x
 
-    def reduce(self, g: jax.Array, dt: Any, host: bool) -> jax.Array:
-        """The gradient reduced onto its layout, in dtype `dt`, in host memory if `host`."""
+    def _reduce(self, g: jax.Array, dt: Any) -> jax.Array:
         g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
         g = g if self.reduce_dtype is None or not (self.scatters or self.rest) else g.astype(self.reduce_dtype)
         for d, axes in self.scatters:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-        g = (jax.lax.psum(g, self.rest) if self.rest else g).astype(dt)
-        return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
+        return (jax.lax.psum(g, self.rest) if self.rest else g).astype(dt)
 
 
 def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None, grads: Any = None) -> Callable:

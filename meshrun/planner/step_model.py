@@ -78,6 +78,9 @@ def predict_memory_jax(
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
     total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
+    if layerwise(model, layout):  # per layer the step peaks in the backward (activations, a gathered layer)
+        # or in the update (its float32 temporaries), not in both: the backward's buffers are freed first
+        total -= min(st["opt"] - st["moments"], acts + logits + st["params"] - st["stored"])
     state = st["stored"] + st["moments"]  # the step's arguments
     tier = ("host" if offload_optimizer else "none") if isinstance(offload_optimizer, bool) else offload_optimizer
     streamed = tier == "nvme" if streamed is None else streamed
