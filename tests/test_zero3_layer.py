@@ -9,6 +9,8 @@ step; the compiled HLO (the layers' all-gathers and reduce-scatters inside the l
 and microbatch, none there with gather-once) and its memory_analysis (below gather-once); bad input.
 """
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -91,6 +93,34 @@ def test_gathers_inside_the_layer_loop_once_per_layer_and_below_gather_once_in_m
     assert not looped(step, "all-gather") and not looped(step, "reduce-scatter")
     assert mem_layer.temp_size_in_bytes < mem_step.temp_size_in_bytes
     assert mem_layer.argument_size_in_bytes == mem_step.argument_size_in_bytes  # both rest sharded
+
+
+def _local_bytes(tree) -> int:
+    """Bytes of one device's blocks of a tree of sharded ShapeDtypeStructs."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("variant", [LAYER, ["train.zero=2", "train.zero2_reduce=microbatch"]], ids=["zero3", "zero2"])
+def test_sharded_state_and_gradient_sums_fall_as_one_over_data(variant):
+    """tensor 1, data 2, 4, 8: per device the state ZeRO shards (the compiled step's arguments, less
+    ZeRO-2's whole params: ZeRO-3's params and Adam's moments, ZeRO-2's moments) and the layers' float32
+    gradient sums (their block as `ZeroShardings.layer_sums` makes it in the loop) are 2/data of data 2's
+    within 10% (norm scales and the step counter rest whole)."""
+    sharded = {}
+    for data in (2, 4, 8):
+        over = ["mesh.pipe=1", f"mesh.data={data}", "mesh.tensor=1", "pipeline.microbatches=2", *variant]
+        cfg = _cfg("tiny_cpu.yaml", over)
+        ts = make_train_step(cfg, build_mesh(cfg.mesh, devices=jax.devices()[:data]))
+        batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=ts.batch_sharding)
+        args = ts.step.lower(ts.abstract_run, batch, batch).compile().memory_analysis().argument_size_in_bytes
+        whole = 0 if variant == LAYER else _local_bytes(ts.abstract_run.params)
+        layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype),
+                              ts.abstract_run.params["layers"])  # fmt: skip
+        sums = jax.eval_shape(ts.plan.zero.sub("layers").layer_sums, layers)
+        sharded[data] = (args - whole, sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(sums)))
+    for data in (4, 8):
+        for got, base in zip(sharded[data], sharded[2], strict=True):
+            assert got == pytest.approx(base * 2 / data, rel=0.1), (data, sharded)
 
 
 def test_auto_gathers_per_layer_by_the_gathered_bytes():

@@ -1,37 +1,25 @@
-"""offload.params: ZeRO-3 parameters rest in pinned host memory and each layer is fetched
-inside the model's layer scan (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021).
+"""Per-layer parameter fetch: ZeRO-3 / ZeRO-2 per layer (FSDP) and offload.params (ZeRO-Infinity's
+parameter offload, Rajbhandari et al. 2021), one fetch for weights resting in device or host memory.
 
-The model calls `fetch_layer` on one unit's parameters at the top of its scan body. Outside a step
-that streams parameters it is the identity. Inside one (`use_layer_fetch`, set by the step's loop
-around its trace) each leaf, a slice of the host-resident ZeRO-3 shard, is moved to device memory
-and all-gathered over the data-parallel axes ZeRO-3 split it over. Its backward reduce-scatters the
-layer's gradient over those axes and sums it over the remaining data-parallel axes, exactly as
-`ZeroShardings.finish` reduces the whole gradient once per step, and moves it to host memory: the
-layer's gradient leaves the scan reduced, in the ZeRO-3 layout. With one microbatch that is the
-step's gradient; with more, each layer's is added into float32 sums in host memory (`add_slice`,
-used by `bw_split.vjp_into`'s accumulation: the slice of the sums and the gradient come to the
-device, the sum goes back). The fetch sits inside the unit's
-remat, so the backward fetches the layer again instead of keeping the gathered weights (a unit
-with no remat of its own is checkpointed around them: `FETCHED`).
-
-With a gradient sink (`use_grad_sink`: offload.grads=nvme, one microbatch) the reduced
-gradient does not go to host memory at all: the fetch's backward hands each device's block of it
-to the sink (a host callback that writes it to the nvme tier's file) and returns, as the cotangent
-of a per-layer float32 scalar (`sink_index`: which layer and leaf, so the sink knows where it goes), the
-leaf's squared sum for the global norm (`sq_sum`, the formula the update's norm uses elsewhere).
-
-The reduced gradient is float32, as the whole-step reduction's is, whatever the params' dtype: a
-cotangent must have its primal's dtype, so the step differentiates with respect to float32 arrays
-shaped like the layers' shards (`Shadowed.z`: the gradient sums themselves, or zeros) that the
-forward ignores, not the (e.g. bf16) parameters, and the fetch's backward returns its float32
-gradient as their cotangent.
+A model calls `fetch_layer` on one unit's parameters at the top of its layer-scan body: the identity,
+unless the step traces it under `use_layer_fetch(make_fetch(...))` (`ZeroShardings.layer_fetch`).
+Then each leaf comes to device memory and is all-gathered over the data-parallel axes it rests split
+over; its backward reduce-scatters the layer's float32 gradient to the gradient layout (and psums it
+over the other data-parallel axes), where the primal rests. The fetch sits inside the unit's remat
+(`FETCHED`: gathered weights are never saved for the backward). To get a float32 gradient of 16-bit
+params the step differentiates float32 arrays beside the layers (`Shadowed`: the sums themselves);
+`add_slice` / `host_zeros` keep host-resident sums off the device. With a gradient sink
+(`use_grad_sink`, offload.grads=nvme) each device's block goes to the sink and the leaf's squared
+sum (`sq_sum`) comes back as the cotangent of its `sink_index`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -177,87 +165,134 @@ def _split_dims(spec: P, base: P) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
+@dataclass(frozen=True)
+class _LeafMoves:
+    """The collectives of one unit's leaf: the all-gathers to its compute layout (`gathers`) and, in
+    the backward, the reduce-scatters to its gradient layout (`scatters`) and the psum over the
+    remaining data-parallel axes (`rest`), in `reduce_dtype`."""
+
+    gathers: list[tuple[int, tuple[str, ...]]]
+    scatters: list[tuple[int, tuple[str, ...]]]
+    rest: tuple[str, ...]
+    reduce_dtype: Any
+    auto: tuple[str, ...] = ()  # the loop's auto axes ('tensor'): manual for the collectives
+    specs: tuple[P, P, P] = (P(), P(), P())  # stored, compute, gradient layouts over `auto`
+
+    @classmethod
+    def of(cls, mesh: Mesh, spec: P, base: P, target: P | None, reduce_dtype: Any) -> _LeafMoves:
+        """`spec` / `base` / `target`: one unit's stored, compute and gradient layouts (target None: spec)."""
+        gathers = _split_dims(spec, base)
+        scatters = gathers if target is None else _split_dims(target, base)
+        used = {a for _, axes in dims_with(base, GRAD_AXES) for a in axes}
+        scattered = {a for _, axes in scatters for a in axes}
+        live = tuple(a for a in GRAD_AXES if mesh.shape.get(a, 1) > 1)
+        rest = tuple(a for a in live if a not in used and a not in scattered)
+        auto = tuple(a for a in mesh.axis_names if a not in MANUAL)
+        specs = tuple(restrict_spec(s, auto) for s in (spec, base, spec if target is None else target))
+        return cls(gathers, scatters, rest, reduce_dtype, auto, specs)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        return self._manual(self._gather, self.specs[0], self.specs[1])(to_device(x))
+
+    def reduce(self, g: jax.Array, dt: Any, host: bool) -> jax.Array:
+        """The gradient reduced onto its layout, in dtype `dt`, in host memory if `host`."""
+        g = self._manual(lambda g: self._reduce(g, dt), self.specs[1], self.specs[2])(g)
+        return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
+
+    def _manual(self, fn: Callable, in_spec: P, out_spec: P) -> Callable:
+        """`fn` in a shard_map manual over the loop's auto axes, so each device moves its tensor shard
+        as it is (left to GSPMD, XLA all-gathered the tensor shards first: twice the layer's bytes)."""
+        if not self.auto:
+            return fn
+        return jax.shard_map(fn, in_specs=in_spec, out_specs=out_spec, axis_names=set(self.auto), check_vma=False)
+
+    def _gather(self, x: jax.Array) -> jax.Array:
+        for d, axes in self.gathers:
+            x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+        return x
+
+    def _reduce(self, g: jax.Array, dt: Any) -> jax.Array:
+        g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
+        g = g if self.reduce_dtype is None or not (self.scatters or self.rest) else g.astype(self.reduce_dtype)
+        for d, axes in self.scatters:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+        return (jax.lax.psum(g, self.rest) if self.rest else g).astype(dt)
+
+
 def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None, grads: Any = None) -> Callable:
     """p_unit -> p_unit in device memory, gathered to the compute layout. `store` / `compute`: the
     PartitionSpec trees of the stacked layers (leading layer axis, ZeRO-3 and ZeRO-0 layouts). `grads`:
     the layout the backward reduce-scatters each layer's gradient to (None: `store`'s; ZeRO-2 per
     microbatch: parameters that rest whole, a gradient that is scattered)."""
-    live = tuple(a for a in GRAD_AXES if mesh.shape.get(a, 1) > 1)
-
-    def leaf(x, spec, base, target=None):
-        spec, base = P(*spec[1:]), P(*base[1:])  # one unit: the layer axis is sliced away
-        gathers = _split_dims(spec, base)
-        # `grads` applies where the gradient goes to float32 arrays of its own shape (`Shadowed`); a
-        # parameter's own cotangent must have its shape
-        scatters = _split_dims(P(*target[1:]), base) if target is not None and isinstance(x, Shadowed) else gathers
-        used = {a for _, axes in dims_with(base, GRAD_AXES) for a in axes}
-        scattered = {a for _, axes in scatters for a in axes}
-        rest = tuple(a for a in live if a not in used and a not in scattered)
-
-        def gather(x):
-            x = to_device(x)
-            for d, axes in gathers:
-                x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
-            return x
-
-        def reduce(g, dt, host):
-            g = g.astype(jnp.float32)  # reduced as the whole-step reduction reduces the float32 sums
-            g = g if reduce_dtype is None or not (scatters or rest) else g.astype(reduce_dtype)
-            for d, axes in scatters:
-                g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-            g = (jax.lax.psum(g, rest) if rest else g).astype(dt)
-            return jax.device_put(g, HOST_SPACE) if host else g  # where the primal came from
-
-        if isinstance(x, Shadowed) and sink is not None:  # the gradient to the sink, its squared sum to z
-            return _to_sink(x, gather, reduce, spec)
-
-        if isinstance(x, Shadowed):  # the float32 gradient goes to z; x (not differentiated) has none
-            z_host = on_host(x.z)
-
-            @jax.custom_vjp
-            def fetch2(x, z):
-                return gather(x)
-
-            fetch2.defvjp(lambda x, z: (gather(x), None), lambda _, g: (None, reduce(g, x.z.dtype, z_host)))
-            return fetch2(x.x, x.z)
-
-        host = on_host(x)
-
-        @jax.custom_vjp
-        def fetch(x):
-            return gather(x)
-
-        fetch.defvjp(lambda x: (fetch(x), None), lambda _, g: (reduce(g, g.dtype, host),))
-        return fetch(x)
-
-    sink = grad_sink()
-    auto = tuple(a for a in mesh.axis_names if a not in MANUAL)  # auto inside the loop: manual for the sink
-
-    def _to_sink(x, gather, reduce, spec):
-        dtype = x.x.dtype if sink.cast else None
-        axes = spec_axes(spec)
-
-        def hand_over(g, layer):  # manual over every axis: this device's block
-            coords = tuple(jax.lax.axis_index(a) for a in mesh.axis_names)
-            io_callback(sink.write, None, layer, g, *coords)
-            return sq_sum(g, axes, dtype)
-
-        @jax.custom_vjp
-        def fetch3(x, z):
-            return gather(x)
-
-        def bwd(z, g):
-            g = reduce(g, jnp.float32, False)
-            if auto:
-                inner = restrict_spec(spec, auto)
-                return None, jax.shard_map(hand_over, in_specs=(inner, P()), out_specs=P(), axis_names=set(auto),
-                                           check_vma=False)(g, z)  # fmt: skip
-            return None, hand_over(g, z)
-
-        fetch3.defvjp(lambda x, z: (gather(x), z), bwd)
-        return fetch3(x.x, x.z)
-
+    leaf = functools.partial(_fetch_leaf, mesh, reduce_dtype, grad_sink())
     shadow = lambda x: isinstance(x, Shadowed)  # noqa: E731
     if grads is None:
         return lambda p: jax.tree.map(leaf, p, store, compute, is_leaf=shadow)
     return lambda p: jax.tree.map(leaf, p, store, compute, grads, is_leaf=shadow)
+
+
+def _fetch_leaf(mesh: Mesh, reduce_dtype: Any, sink: Any, x: Any, spec: P, base: P, target: P | None = None):
+    """One unit's leaf `x` (a parameter shard, or `Shadowed`) fetched: gathered in the forward, its
+    gradient reduced in the backward (to `z` for a `Shadowed`, to the sink if there is one)."""
+    spec, base = P(*spec[1:]), P(*base[1:])  # one unit: the layer axis is sliced away
+    # `target` applies where the gradient goes to float32 arrays of its own shape (`Shadowed`); a
+    # parameter's own cotangent must have its shape
+    target = P(*target[1:]) if target is not None and isinstance(x, Shadowed) else None
+    moves = _LeafMoves.of(mesh, spec, base, target, reduce_dtype)
+    if isinstance(x, Shadowed) and sink is not None:  # the gradient to the sink, its squared sum to z
+        return _fetch_to_sink(mesh, sink, moves, spec, x)
+    if isinstance(x, Shadowed):
+        return _fetch_shadowed(moves, x)
+    return _fetch_param(moves, x)
+
+
+def _fetch_param(moves: _LeafMoves, x: jax.Array) -> jax.Array:
+    """The gathered parameter; its backward returns the reduced gradient where `x` rests."""
+    host = on_host(x)
+
+    @jax.custom_vjp
+    def fetch(x):
+        return moves.gather(x)
+
+    fetch.defvjp(lambda x: (fetch(x), None), lambda _, g: (moves.reduce(g, g.dtype, host),))
+    return fetch(x)
+
+
+def _fetch_shadowed(moves: _LeafMoves, x: Shadowed) -> jax.Array:
+    """The gathered `x.x`; the float32 gradient goes to `x.z` (`x.x`, not differentiated, has none)."""
+    z_host = on_host(x.z)
+
+    @jax.custom_vjp
+    def fetch2(x, z):
+        return moves.gather(x)
+
+    fetch2.defvjp(lambda x, z: (moves.gather(x), None), lambda _, g: (None, moves.reduce(g, x.z.dtype, z_host)))
+    return fetch2(x.x, x.z)
+
+
+def _fetch_to_sink(mesh: Mesh, sink: Any, moves: _LeafMoves, spec: P, x: Shadowed) -> jax.Array:
+    """The gathered `x.x`; the backward hands each device's block of the reduced gradient to `sink`
+    and returns its squared sum as `x.z`'s cotangent (`x.z`: the leaf's `sink_index`)."""
+    dtype = x.x.dtype if sink.cast else None
+    axes = spec_axes(spec)
+    auto = tuple(a for a in mesh.axis_names if a not in MANUAL)  # auto inside the loop: manual for the sink
+
+    def hand_over(g, layer):  # manual over every axis: this device's block
+        coords = tuple(jax.lax.axis_index(a) for a in mesh.axis_names)
+        io_callback(sink.write, None, layer, g, *coords)
+        return sq_sum(g, axes, dtype)
+
+    @jax.custom_vjp
+    def fetch3(x, z):
+        return moves.gather(x)
+
+    def bwd(z, g):
+        g = moves.reduce(g, jnp.float32, False)
+        if auto:
+            inner = restrict_spec(spec, auto)
+            return None, jax.shard_map(hand_over, in_specs=(inner, P()), out_specs=P(), axis_names=set(auto),
+                                       check_vma=False)(g, z)  # fmt: skip
+        return None, hand_over(g, z)
+
+    fetch3.defvjp(lambda x, z: (moves.gather(x), z), bwd)
+    return fetch3(x.x, x.z)

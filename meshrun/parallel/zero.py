@@ -1,29 +1,16 @@
-"""ZeRO shardings of one step: where parameters, gradients and optimizer state live, and the
-data-parallel collectives that move between those layouts (Rajbhandari et al. 2020).
+"""ZeRO shardings of one step (Rajbhandari et al. 2020): where parameters, gradients and optimizer
+state live, and the data-parallel collectives between those layouts.
 
-`ZeroShardings` is built once per train step (`ZeroShardings.build`) and handed to whichever loop
-accumulates the gradients (the microbatch scan, `train.step.accumulate_grads`, or the pipeline executor). It holds
-four trees of PartitionSpecs over the whole mesh:
-
-* store   -- parameters as the train state keeps them (ZeRO-3: also sharded over the DP axes),
-* compute -- parameters as the loop uses them (ZeRO-0 specs: replicated over the DP axes),
-* grads   -- reduced gradients as the step returns them (ZeRO >= 1: scattered over the DP axes),
-* opt     -- optimizer moments (ZeRO >= 1: scattered like the gradients).
-
-Host offload (`offload`: the parts kept in pinned host memory between steps, e.g. {'opt'} or
-{'opt', 'store'}): the same specs with memory_kind='pinned_host', so each rank offloads exactly its
-own ZeRO shard. `sharding(part, spec)` gives a leaf's resting place, `device(spec)` where the step
-computes on it; the step moves offloaded state in with `to_device` and back with `to_host`.
-
-Gradients accumulate in float32 (`accum_zeros`, also for 16-bit params) and the one data-parallel
-reduction per step can run in a narrower dtype (`reduce_dtype`, `train.grad_reduce_dtype`): the
-partial sums are cast down just before the DP collective and back to float32 right after it, so the
-wire carries half the bytes while the accumulation and the optimizer see float32.
-
-Everything here runs once per step, outside any microbatch/tick loop. Gathers (ZeRO-3) and
-reduce-scatters (ZeRO >= 1) run in shard_maps manual over EVERY mesh axis, so each device moves
-its local tensor shard as it is: the same collectives inside a shard_map that leaves 'tensor' to
-GSPMD made XLA all-gather the tensor shards first (measured in the compiled HLO).
+`ZeroShardings.build` is called once per step (by the step plan) and handed to the loop that
+accumulates the gradients (`train.step.accumulate_grads` or the pipeline executor). It holds four
+PartitionSpec trees over the whole mesh: `store` (params as the state keeps them; ZeRO-3: split
+over the DP axes), `compute` (as the loop uses them), `grads` (reduced gradients; ZeRO >= 1:
+scattered) and `opt` (optimizer moments). `sharding(part, spec)` gives a leaf's resting place
+(pinned host memory for the `offload` parts), `to_device` / `to_host` move offloaded state in and
+out. In the loop: `gather` (ZeRO-3, once per step) or `layer_fetch` (per layer), then
+`reduce_local` and `finish` (one reduction per step, in `reduce_dtype`), all in shard_maps manual
+over every axis so each device moves its tensor shard as it is. Gradients accumulate in float32
+(`accum_zeros`).
 """
 
 from __future__ import annotations

@@ -78,7 +78,11 @@ def predict_memory_jax(
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
     host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed)
-    return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme)
+    freed = 0.0
+    if layerwise(model, layout):  # per layer the step peaks in the backward (activations, a gathered layer)
+        # or in the update (its float32 temporaries), not in both: the backward's buffers are freed first
+        freed = min(st["opt"] - st["moments"], acts + logits + st["params"] - st["stored"])
+    return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme, freed)
 
 
 def _offloaded_state(
@@ -96,10 +100,12 @@ def _offloaded_state(
     return host_state, nvme
 
 
-def _jax_memory_parts(st: dict, acts: float, host_acts: float, logits: float, host_state: float, nvme: float) -> dict:
-    """`predict_memory_jax`'s dict from its parts: the total, the step's arguments and temporaries, and
-    where the total rests between steps."""
-    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts
+def _jax_memory_parts(
+    st: dict, acts: float, host_acts: float, logits: float, host_state: float, nvme: float, freed: float = 0.0
+) -> dict:
+    """`predict_memory_jax`'s dict from its parts: the total (less `freed`, bytes never live beside the
+    rest), the step's arguments and temporaries, and where the total rests between steps."""
+    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts - freed
     state = st["stored"] + st["moments"]  # the step's arguments
     host = host_state + host_acts
     return {

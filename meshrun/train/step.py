@@ -34,11 +34,12 @@ from meshrun.offload.registry import build_tier
 from meshrun.offload.tier import StateTier, with_tier
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
-from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, shadowed, sink_index, use_layer_fetch
+from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import MANUAL, batch_spec, compute_rules, is_spec, manual_axes, use_rules
-from meshrun.parallel.zero import ZeroShardings, accum_zeros
+from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
+from meshrun.train.grad_sums import GradSums, zeros_like_shapes
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
@@ -82,85 +83,71 @@ class TrainStep:
 def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params, tokens, labels, segment_ids=None):
     """Non-pipelined: scan over microbatches inside a shard_map manual over the DP axes; one
     reduction after the loop. Returns (loss, grads in the ZeRO grad sharding, metrics)."""
-    mesh, m = zl.mesh, microbatches
-    live = tuple(a for a in MANUAL if mesh.shape.get(a, 1) > 1)
-    psum = lambda x: jax.lax.psum(x, live) if live else x
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
     batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
-    sink = zl.streamed and grad_sink() is not None  # offload.grads=nvme: the layers' gradient to the file
-    if sink and m != 1:
-        raise ValueError("a gradient sink takes one microbatch (config.offload_params_refusals)")
-    out_grads = zl.partial_specs()
-    if sink:  # the layers' squared sums per layer and leaf, the same on every device
-        out_grads = {**out_grads, "layers": jax.tree.map(lambda _: P(), out_grads["layers"], is_leaf=is_spec)}
-
-    def body(params, *batch):
-        tokens, labels = batch[:2]
-        fetch = use_layer_fetch(zl.layer_fetch())  # offload.params: layers fetched inside the scan
-        with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), fetch:
-            n_tok = psum(contract.token_count(fns, params, tokens, labels))  # global counts: shares add up
-            n_seq = tokens.shape[0] * dp_degree(mesh)
-            b = tokens.shape[0] // m
-
-            def share(p, *mb):
-                loss_sum, _, aux = contract.forward_sums(fns, p, *mb)
-                return contract.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
-
-            if zl.per_layer:  # differentiate w.r.t. float32 arrays beside the layers (`layer_fetch.Shadowed`):
-                layers = params["layers"]  # the layers' sums (or, with m = 1, zeros), in host memory when streamed
-                rest = {k: v for k, v in params.items() if k != "layers"}
-                share_d = lambda d, *mb: share({**d[0], "layers": shadowed(layers, d[1])}, *mb)
-                diff = lambda acc: ({k: v for k, v in acc.items() if k != "layers"}, acc["layers"])
-                primal = lambda acc: (rest, acc["layers"])
-                split_g = lambda g: {**g[0], "layers": g[1]}
-            else:
-                share_d, diff, primal, split_g = share, (lambda acc: acc), (lambda acc: params), (lambda g: g)
-            grad_fn = jax.grad(share_d, has_aux=True)
-
-            def micro(acc, mb):
-                if m == 1:  # nothing to accumulate: the gradient is the sum
-                    g, sums = grad_fn(primal(acc[0]), *mb)
-                    # streamed layers: their gradient came out of the scan reduced, in host memory
-                    add = lambda a, x: x if on_host(x) else a + x
-                    out = jax.tree.map(add, acc, (split_g(g), sums))
-                    if sink:  # the layers' gradient went to the sink; their squared sums came back
-                        out[0]["layers"] = split_g(g)["layers"]
-                    return out, None
-                # the backward's layer loop adds each layer's gradients into the float32 sums in
-                # place (`bw_split.vjp_into`): no whole fresh gradient beside the sums
-                loss, vjp, sums = jax.vjp(lambda d: share_d(d, *mb), primal(acc[0]), has_aux=True)
-                (g,) = bw_split.vjp_into(vjp, jnp.ones_like(loss), (diff(acc[0]),))
-                return (split_g(g), jax.tree.map(jnp.add, acc[1], sums)), None
-
-            shapes = jax.eval_shape(jax.grad(share, has_aux=True), params, *(a[:b] for a in batch))
-            sums = accum_zeros(shapes[0])
-            if sink:  # the layers are shadowed by their sink indices (`layer_fetch.sink_index`)
-                sums["layers"] = sink_index(params["layers"])
-            elif zl.streamed:  # the layers' float32 sums rest in host memory, added to a layer at a time (m = 1:
-                # the float32 reduced gradient itself)
-                sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes[0]["layers"]))
-            elif zl.fsdp:  # the layers' float32 sums in device memory, 1/DP of them (ZeRO-2: of whole params)
-                sums["layers"] = zl.layer_sums(params["layers"])
-            zeros = (sums, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]))
-            # Microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline executor splits): over the
-            # data shards that is global rows j, m+j, ... whatever the data-parallel degree, so a
-            # per-microbatch statistic (fp8's tensorwise amax) does not depend on the layout.
-            split = lambda a: a.reshape(b, m, *a.shape[1:]).swapaxes(0, 1)
-            (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, tuple(split(a) for a in batch))
-            loss, metrics = contract.finish(fns, psum(loss_sum), n_tok, psum(aux), n_seq)
-            return loss, zl.reduce_local(gsum), metrics
-
-    bspec = batch_spec(mesh)  # rows over the DP axes, tokens over 'context'
+    sums = GradSums.of(zl, microbatches)  # what is differentiated, where the gradient sums rest
     fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(zl.local_compute(), *(bspec,) * len(batch)),
-        out_specs=(P(), out_grads, P()),
-        axis_names=set(manual_axes(mesh)),
+        functools.partial(_local_grads, fns, zl, sums, microbatches),
+        mesh=zl.mesh,
+        # rows over the DP axes, tokens over 'context'
+        in_specs=(zl.local_compute(), *(batch_spec(zl.mesh),) * len(batch)),
+        out_specs=(P(), sums.out_specs(zl), P()),
+        axis_names=set(manual_axes(zl.mesh)),
         check_vma=False,
     )
     loss, grads, metrics = fn(params, *batch)
     return loss, zl.finish(grads), metrics
+
+
+def _dp_sum(mesh: Mesh, x):
+    """x summed over the live data-parallel axes (inside the loop's shard_map)."""
+    live = tuple(a for a in MANUAL if mesh.shape.get(a, 1) > 1)
+    return jax.lax.psum(x, live) if live else x
+
+
+def _loss_share(fns: ModelFns, n_tok, n_seq, p, *mb):
+    """One microbatch's share of the step's loss (the global token / sequence counts make shares add
+    up) and its (loss sum, aux) sums."""
+    loss_sum, _, aux = contract.forward_sums(fns, p, *mb)
+    return contract.loss_share(fns, loss_sum, aux, n_tok, n_seq), (loss_sum, aux)
+
+
+def _local_grads(fns: ModelFns, zl: ZeroShardings, sums: GradSums, m: int, params, *batch):
+    """`accumulate_grads`' shard_map body: this data shard's microbatches scanned into the float32
+    sums, then reduced (`reduce_local`). Returns (loss, local grads, metrics)."""
+    mesh, tokens, labels = zl.mesh, batch[0], batch[1]
+    fetch = use_layer_fetch(zl.layer_fetch())  # per layer: the layers fetched inside the scan
+    with use_rules(mesh, compute_rules(fns.sequence_parallel), manual=MANUAL), fetch:
+        n_tok = _dp_sum(mesh, contract.token_count(fns, params, tokens, labels))  # global counts
+        n_seq = tokens.shape[0] * dp_degree(mesh)
+        share = functools.partial(_loss_share, fns, n_tok, n_seq)
+        sums = sums.bind(params)
+        b = tokens.shape[0] // m
+        shapes = jax.eval_shape(jax.grad(share, has_aux=True), params, *(a[:b] for a in batch))
+        zeros = (sums.zeros(zl, shapes[0]), zeros_like_shapes(shapes[1]))
+        micro = functools.partial(_microbatch, sums, functools.partial(sums.loss, share), m)
+        (gsum, (loss_sum, aux)), _ = jax.lax.scan(micro, zeros, _microbatches(batch, m))
+        loss, metrics = contract.finish(fns, _dp_sum(mesh, loss_sum), n_tok, _dp_sum(mesh, aux), n_seq)
+        return loss, zl.reduce_local(gsum), metrics
+
+
+def _microbatches(batch: tuple, m: int) -> tuple:
+    """[rows, ...] -> [m, rows/m, ...]: microbatch j = local rows j, m+j, 2m+j, ... (as the pipeline
+    executor splits): over the data shards that is global rows j, m+j, ... whatever the data-parallel
+    degree, so a per-microbatch statistic (fp8's tensorwise amax) does not depend on the layout."""
+    return tuple(a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1) for a in batch)
+
+
+def _microbatch(sums: GradSums, loss, m: int, acc, mb):
+    """The scan step: microbatch `mb`'s gradient added into the sums `acc` = (grad sums, aux sums)."""
+    if m == 1:  # nothing to accumulate: the gradient is the sum
+        g, aux = jax.grad(loss, has_aux=True)(sums.primal(acc[0]), *mb)
+        return sums.first(acc, sums.grads(g), aux), None
+    # the backward's layer loop adds each layer's gradients into the float32 sums in place
+    # (`bw_split.vjp_into`): no whole fresh gradient beside the sums
+    out, vjp, aux = jax.vjp(lambda d: loss(d, *mb), sums.primal(acc[0]), has_aux=True)
+    (g,) = bw_split.vjp_into(vjp, jnp.ones_like(out), (sums.diff(acc[0]),))
+    return (sums.grads(g), jax.tree.map(jnp.add, acc[1], aux)), None
 
 
 def relayout(state: TrainState, tx, fn) -> TrainState:
@@ -188,8 +175,45 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     """Jitted train step with explicit in/out shardings and donated state (`plan`: `build_plan(cfg, mesh)`)."""
     plan = plan or build_plan(cfg, mesh)
     fp8.check_platform(cfg.model.fp8, mesh.devices.flat[0])
+    check_packing(cfg, plan.model_fns)
     tx = make_optimizer(cfg, plan.model_fns.param_names)
-    fns = plan.model_fns
+    st = _StatePlacement.of(plan, tx)
+    loss_and_grads = make_loss_and_grads(plan, mesh)
+    if plan.zero.streamed:  # params, gradient sums and optimizer state cross to the device a layer at a time
+        tx_streamed = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
+        one_step = functools.partial(_streamed_step, plan, tx_streamed, loss_and_grads, st.state_sh)
+    else:
+        one_step = functools.partial(_device_step, plan, tx, loss_and_grads, st.state_sh)
+
+    def train_step(state: TrainState, *batch):  # the name XLA's dumps carry (`explain` reads them)
+        return one_step(state, *batch)
+
+    batch_sh = NamedSharding(mesh, batch_spec(mesh, tokens=False))
+    n_batch = 3 if cfg.data.pack_documents else 2  # tokens, labels[, segment_ids]
+    step = jax.jit(
+        train_step, in_shardings=(st.state_sh, *(batch_sh,) * n_batch), out_shardings=(st.state_sh, None),
+        donate_argnums=(0,),
+    )  # fmt: skip
+    ts = TrainStep(
+        step=step,
+        init=st.init,
+        init_from=st.init_from,
+        state_shardings=st.state_sh,
+        batch_sharding=batch_sh,
+        abstract_state=_with_shardings(st.abstract, st.model_sh),
+        to_run=st.to_run,
+        to_model=st.to_model,
+        loss_and_grads=loss_and_grads,
+        abstract_run=_with_shardings(st.abstract_run, st.state_sh),
+        plan=plan,
+        tx=tx,
+    )
+    tier = build_tier(ts, cfg)
+    return ts if tier is None else with_tier(ts, tier)
+
+
+def check_packing(cfg: RunConfig, fns: ModelFns) -> None:
+    """data.pack_documents needs a model that takes segment ids."""
     if cfg.data.pack_documents and not fns.segments:
         raise ConfigError(
             "data.pack_documents",
@@ -198,79 +222,87 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
             "the model cannot take segment ids",
         )
 
-    def state_from(params) -> TrainState:
-        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
-    def init_state() -> TrainState:
-        return state_from(plan.family.init_params(cfg.model, cfg.train.seed))
+def _with_shardings(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
-    abstract = jax.eval_shape(state_from, plan.abstract_params)
-    split, relay, zl = plan.split, plan.relaid, plan.zero  # relay: layers stored in pipeline placement
-    run_state = (lambda: relayout(init_state(), tx, split.to_pipeline)) if relay else init_state
-    abstract_run = jax.eval_shape(lambda prm: relayout(state_from(prm), tx, split.to_pipeline), plan.abstract_params) \
-        if relay else abstract  # fmt: skip
-    state_sh = state_shardings(zl, tx, abstract_run)
-    batch_sh = NamedSharding(mesh, batch_spec(mesh, tokens=False))
-    # Offloaded state rests in host memory: whatever computes on it moves it in and back out.
-    host = lambda st, sh=state_sh: zl.to_host(st, sh)
-    init = jax.jit(lambda: host(run_state()), out_shardings=state_sh)
-    if relay:  # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
-        model_sh = state_shardings(plan.model_zero, tx, abstract)
-        to_run = jax.jit(lambda st: host(relayout(zl.to_device(st, model_sh), tx, split.to_pipeline)),
-                         out_shardings=state_sh)  # fmt: skip
-        to_model = jax.jit(lambda st: host(relayout(zl.to_device(st, state_sh), tx, split.from_pipeline), model_sh),
-                           out_shardings=model_sh)  # fmt: skip
-        init_from = jax.jit(lambda prm: host(relayout(state_from(prm), tx, split.to_pipeline)), out_shardings=state_sh)
-    else:
-        model_sh = state_sh
-        to_run = to_model = lambda st: st
-        init_from = jax.jit(lambda prm: host(state_from(prm)), out_shardings=state_sh)
-    loss_and_grads = make_loss_and_grads(plan, mesh)
-    tx_streamed = layer_update.no_clip_optimizer(cfg, fns.param_names) if zl.streamed else None
 
-    def train_step(state: TrainState, *batch):  # batch: tokens, labels[, segment_ids]
-        if zl.streamed:  # params, gradient sums and optimizer state cross to the device a layer at a time
-            loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
-            cast = not isinstance(state.opt_state, MasterState) or plan.pipe > 1  # as below / the pipeline does
-            params, opt_state, g_norm = layer_update.update(
-                tx_streamed, grads, state.opt_state, state.params, cfg.optimizer.grad_clip, cast, zl
-            )
-            return host(TrainState(params, opt_state, state.step + 1)), {"loss": loss, "grad_norm": g_norm, **aux}
-        state = zl.to_device(state, state_sh)  # offloaded moments / master weights: host -> device
-        loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
-        scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
-        if fns.update_state is not None:  # untrained model state (MoE balance biases) from the reduced grads
-            scaled, grads = fns.update_state(scaled, grads)
-        if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
-        params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
-        params = fp8.with_state(params, scaled)
-        if fns.keep_state is not None:
-            params = fns.keep_state(params, scaled)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        return host(TrainState(params, opt_state, state.step + 1)), metrics
+@dataclass(frozen=True)
+class _StatePlacement:
+    """The run state's shardings, in the placement the step runs on (`state_sh`) and in model order
+    (`model_sh`, checkpoints), and the jitted maps that make and move it. Offloaded state rests in host
+    memory: whatever computes on it moves it in and back out."""
 
-    n_batch = 3 if cfg.data.pack_documents else 2
-    step = jax.jit(
-        train_step, in_shardings=(state_sh, *(batch_sh,) * n_batch), out_shardings=(state_sh, None), donate_argnums=(0,)
+    abstract: TrainState  # model order
+    abstract_run: TrainState
+    state_sh: TrainState
+    model_sh: TrainState
+    init: Callable[[], TrainState]
+    init_from: Callable[[Params], TrainState]
+    to_run: Callable[[TrainState], TrainState]
+    to_model: Callable[[TrainState], TrainState]
+
+    @classmethod
+    def of(cls, plan: StepPlan, tx) -> _StatePlacement:
+        zl, split = plan.zero, plan.split
+        fresh = functools.partial(_fresh_state, tx)
+        abstract = jax.eval_shape(fresh, plan.abstract_params)
+        run_order = (lambda st: relayout(st, tx, split.to_pipeline)) if plan.relaid else (lambda st: st)
+        abstract_run = jax.eval_shape(lambda prm: run_order(fresh(prm)), plan.abstract_params)
+        state_sh = state_shardings(zl, tx, abstract_run)
+        model_sh = state_shardings(plan.model_zero, tx, abstract) if plan.relaid else state_sh
+        host = functools.partial(zl.to_host, shardings=state_sh)
+        seeded = lambda: fresh(plan.family.init_params(plan.cfg.model, plan.cfg.train.seed))
+        init = jax.jit(lambda: host(run_order(seeded())), out_shardings=state_sh)
+        init_from = jax.jit(lambda prm: host(run_order(fresh(prm))), out_shardings=state_sh)
+        if not plan.relaid:
+            return cls(abstract, abstract_run, state_sh, model_sh, init, init_from, _same, _same)
+        # checkpoints: model order, whose [L] layer axis may not divide over 'pipe' (uneven)
+        to_run = jax.jit(lambda st: host(run_order(zl.to_device(st, model_sh))), out_shardings=state_sh)
+        model_order = lambda st: relayout(zl.to_device(st, state_sh), tx, split.from_pipeline)
+        to_model = jax.jit(lambda st: zl.to_host(model_order(st), model_sh), out_shardings=model_sh)
+        return cls(abstract, abstract_run, state_sh, model_sh, init, init_from, to_run, to_model)
+
+
+def _same(state: TrainState) -> TrainState:
+    return state
+
+
+def _fresh_state(tx, params) -> TrainState:
+    """params with fresh optimizer state at step 0."""
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+
+def _streamed_step(plan: StepPlan, tx, loss_and_grads, state_sh, state: TrainState, *batch):
+    """offload.params' step: the update streams layer by layer (`layer_update.update`, `tx` its
+    no-clip optimizer)."""
+    zl = plan.zero
+    loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
+    cast = not isinstance(state.opt_state, MasterState) or plan.pipe > 1  # as `_device_step` / the pipeline does
+    params, opt_state, g_norm = layer_update.update(
+        tx, grads, state.opt_state, state.params, plan.cfg.optimizer.grad_clip, cast, zl
     )
-    with_sh = lambda t, s: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, s)
-    ts = TrainStep(
-        step=step,
-        init=init,
-        init_from=init_from,
-        state_shardings=state_sh,
-        batch_sharding=batch_sh,
-        abstract_state=with_sh(abstract, model_sh),
-        to_run=to_run,
-        to_model=to_model,
-        loss_and_grads=loss_and_grads,
-        abstract_run=with_sh(abstract_run, state_sh),
-        plan=plan,
-        tx=tx,
-    )
-    tier = build_tier(ts, cfg)
-    return ts if tier is None else with_tier(ts, tier)
+    state = TrainState(params, opt_state, state.step + 1)
+    return zl.to_host(state, state_sh), {"loss": loss, "grad_norm": g_norm, **aux}
+
+
+def _device_step(plan: StepPlan, tx, loss_and_grads, state_sh, state: TrainState, *batch):
+    """The step on the device: offloaded moments / master weights come in, the optimizer updates the
+    whole state, offloaded parts go back."""
+    fns, zl = plan.model_fns, plan.zero
+    state = zl.to_device(state, state_sh)
+    loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
+    scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
+    if fns.update_state is not None:  # untrained model state (MoE balance biases) from the reduced grads
+        scaled, grads = fns.update_state(scaled, grads)
+    if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
+    params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
+    params = fp8.with_state(params, scaled)
+    if fns.keep_state is not None:
+        params = fns.keep_state(params, scaled)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+    return zl.to_host(TrainState(params, opt_state, state.step + 1), state_sh), metrics
 
 
 def state_shardings(zl: ZeroShardings, tx, abstract: TrainState) -> TrainState:
