@@ -134,7 +134,7 @@ def test_auto_gathers_per_layer_by_the_gathered_bytes():
     assert build_plan(cfg, build_mesh(cfg.mesh)).zero3_gather == "step"  # a tiny model gathers once
     cfg = _cfg("tiny_cpu.yaml", LAYER)
     plan = build_plan(cfg, build_mesh(cfg.mesh))
-    assert plan.zero3_gather == "layer" and plan.zero.fsdp and not plan.zero.streamed
+    assert plan.zero3_gather == "layer" and plan.zero.fsdp and not plan.zero.from_host
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ class ZeroShardings:
     opt: Any
     reduce_dtype: Any = None  # dtype of the data-parallel gradient collectives (None: the gradients')
     offload: frozenset[str] = frozenset()  # parts resting in pinned host memory: 'opt', 'store'
-    streamed: bool = False  # offload.params: params['layers'] fetched layer by layer from host memory
+    from_host: bool = False  # offload.params: params['layers'] fetched layer by layer from host memory
     root: bool = False  # with `per_layer`: this is the layout of params['layers'] itself (`sub('layers')`)
     fsdp: bool = False  # train.zero3_gather=layer: params['layers'] gathered layer by layer from device memory
 
@@ -66,8 +66,8 @@ class ZeroShardings:
     def per_layer(self) -> bool:
         """params['layers'] are gathered layer by layer inside the layer scan (layer_fetch.py), each
         layer's gradient reduce-scattered as the backward makes it: FSDP (`fsdp`, the weights in device
-        memory) or offload.params (`streamed`, in host memory). One fetch, two sources."""
-        return self.streamed or self.fsdp
+        memory) or offload.params (`from_host`, in host memory). One fetch, two sources."""
+        return self.from_host or self.fsdp
 
     @classmethod
     def build(
@@ -78,19 +78,19 @@ class ZeroShardings:
         stage: int,
         reduce_dtype: Any = None,
         offload: tuple[str, ...] = (),
-        streamed: bool = False,
+        from_host: bool = False,
         fsdp: bool = False,
     ) -> ZeroShardings:
         """names: tree of logical-name tuples; shapes: the same tree of arrays / ShapeDtypeStructs.
         reduce_dtype: e.g. 'bfloat16' to run the data-parallel reduction in bf16; offload: parts in host
-        memory; streamed: the stacked layers are gathered and reduced layer by layer inside the layer scan, from
+        memory; from_host: the stacked layers are gathered and reduced layer by layer inside the layer scan, from
         host memory (offload.params); fsdp: the same from device memory (ZeRO-3 per layer)."""
         specs = lambda z, part: names_to_specs(names, shapes, param_rules(z, part), mesh)
         rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
         rd = None if rd == jnp.float32 else rd  # the accumulators are float32: nothing to cast
         trees = (specs(stage, "params"), specs(0, "params"), specs(stage, "grads"), specs(stage, "opt"))
-        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload), streamed=streamed,
-                   fsdp=fsdp and not streamed)  # fmt: skip
+        return cls(mesh, stage, *trees, reduce_dtype=rd, offload=frozenset(offload), from_host=from_host,
+                   fsdp=fsdp and not from_host)  # fmt: skip
 
     def sub(self, key: str) -> ZeroShardings:
         """The layout of one top-level entry of the parameter dict (e.g. 'layers')."""
@@ -98,7 +98,7 @@ class ZeroShardings:
         layers = key == "layers"
         return ZeroShardings(
             self.mesh, self.stage, *trees, reduce_dtype=self.reduce_dtype, offload=self.offload,
-            streamed=self.streamed and layers, root=self.per_layer and layers, fsdp=self.fsdp and layers,
+            from_host=self.from_host and layers, root=self.per_layer and layers, fsdp=self.fsdp and layers,
         )  # fmt: skip
 
     def without(self, key: str) -> ZeroShardings:
@@ -156,7 +156,7 @@ class ZeroShardings:
         return accum_zeros(jax.tree.map(one, layers, pick(self.store), pick(self.grads)))
 
     def _rest(self, tree: Any, fn: Callable) -> Any:
-        """`fn` (a method of the layout without 'layers') on every entry but the streamed layers."""
+        """`fn` (a method of the layout without 'layers') on every entry but the layers fetched per layer."""
         if not self.per_layer:
             return fn(self, tree)
         if self.root:
@@ -167,8 +167,8 @@ class ZeroShardings:
     # ------------------------------------------------------------ what the loop's shard_map sees
 
     def local_compute(self) -> Any:
-        """in_specs of the compute-layout parameters in the loop's shard_map (manual axes only); streamed
-        layers enter as their ZeRO-3 shards."""
+        """in_specs of the compute-layout parameters in the loop's shard_map (manual axes only); layers
+        fetched per layer enter as their ZeRO-3 shards."""
         if self.root:
             return _map(restrict_spec, self.store)
         specs = _map(restrict_spec, self.compute)

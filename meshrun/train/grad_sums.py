@@ -33,7 +33,7 @@ def sums_at(zl: ZeroShardings) -> str:
     """Where the layers' gradient sums rest (one of PLACES); call it inside the step's trace."""
     if not zl.per_layer:
         return "whole"
-    if zl.streamed:
+    if zl.from_host:
         return "sink" if grad_sink() is not None else "host"
     return "device"
 

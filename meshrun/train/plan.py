@@ -205,7 +205,7 @@ def _param_shardings(
         cfg.train.zero,
         cfg.train.grad_reduce_dtype,
         offload.pinned,
-        streamed=cfg.offload.params,
+        from_host=cfg.offload.params,
         fsdp=fsdp,
     )
     model_zero = build(abstract)

@@ -179,7 +179,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh, plan: StepPlan | None = None) ->
     tx = make_optimizer(cfg, plan.model_fns.param_names)
     st = _StatePlacement.of(plan, tx)
     loss_and_grads = make_loss_and_grads(plan, mesh)
-    if plan.zero.streamed:  # params, gradient sums and optimizer state cross to the device a layer at a time
+    if plan.zero.from_host:  # params, gradient sums and optimizer state cross to the device a layer at a time
         tx_streamed = layer_update.no_clip_optimizer(cfg, plan.model_fns.param_names)
         one_step = functools.partial(_streamed_step, plan, tx_streamed, loss_and_grads, st.state_sh)
     else:
