@@ -199,6 +199,7 @@ def test_cli_bad_fp8_input_exits_2(tmp_path):
         assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_delayed_state_is_checkpointed_and_resume_gives_the_same_losses(tmp_path):
     """The amax histories are parameters: a run stopped after step 3 (checkpoint at step 2) and resumed
     logs the losses of an uninterrupted run (step 3 again, then 4)."""

@@ -252,6 +252,7 @@ def test_mla_param_and_flop_counts():
     assert attn_core_fwd_flops(MLA, 10, 16) == 2 * 10 * 16 * 4 * (8 + 4 + 6)
 
 
+@pytest.mark.slow
 def test_step_gradients_and_loads_match_full_batch():
     """The fast representative case: data 2 x expert 2 x tensor 2 with 2 microbatches, one step's
     loss and every gradient against a one-device full-batch value_and_grad; the 'load' gradients,

@@ -37,6 +37,7 @@ def _same_as_without(over, config="tiny_cpu.yaml"):
     assert_same(on, off)
 
 
+@pytest.mark.slow
 def test_offload_params_matches_without_data_tensor():
     """data 4 x tensor 2, 4 microbatches: the layers' float32 sums rest in host memory; with the
     optimizer state in host memory too (offload.optimizer=host)."""
@@ -53,6 +54,7 @@ def test_offload_params_matches_without_data_one_microbatch():
     _same_as_without(DP8_M1)
 
 
+@pytest.mark.slow
 def test_offload_params_matches_without_expert():
     """data 2 x expert 2 x tensor 2, MoE every other layer: the MoE unit, which keeps everything for
     its backward at remat=none, is checkpointed around the fetched weights (fetched again)."""

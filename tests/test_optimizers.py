@@ -75,6 +75,7 @@ def test_muon_treats_hidden_matrices_apart():
     assert state == spec.moments * n["matrix"] + spec.moments_other * n["other"]
 
 
+@pytest.mark.slow
 def test_resume_with_another_optimizer_is_refused(tmp_path, capsys):
     """A muon checkpoint restores into muon (same numbers as an uninterrupted run); resuming it with
     adamw exits 2 with one line naming optimizer.name, and leaves the run dir as it was."""

@@ -816,6 +816,7 @@ def test_forward_sums_match_one_device(schedule, v):
     assert float(n) == float(ref_n)
 
 
+@pytest.mark.slow
 def test_overlap_grad_reduce_runs_beside_the_last_ticks():
     """pipeline.overlap_grad_reduce (zb-v p = 4, m = 8, ZeRO-1, data 2): the up-leg chunk's gradients are
     final at tick 48 of 51; its reduce-scatters (w1, w2; one layer per chunk here, so one tick reduces

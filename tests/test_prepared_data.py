@@ -178,6 +178,7 @@ def _train(tmp_path, name, out, over, n_devices):
     return res, rows
 
 
+@pytest.mark.slow
 def test_packed_training_with_val_loss_pipeline_matches_one_device(prepared, tmp_path):
     """prepare-data -> train with packed documents and val_loss: pipe2 x data2 x tensor2 (the pipeline
     executor; 1F1B, and zb-h1 for the loss) equals one device (the microbatch scan) in loss per step

@@ -247,6 +247,7 @@ def _lrs(run_dir) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_says_the_schedule_moved_and_decay_steps_keeps_it(tmp_path, capsys):
     """A larger train.steps at resume stretches the cosine: one warning line says so and names
     optimizer.decay_steps, which keeps the original horizon (the lr stays at its floor after it)."""
