@@ -14,16 +14,13 @@ import dataclasses
 import json
 import re
 
-import jax
-import numpy as np
 import pytest
 from test_train import _cfg, assert_same, reference, run_steps
+from test_zero3_layer import compiled_step
 
-from meshrun.analysis import hlo
 from meshrun.config import load_config
 from meshrun.planner.hardware import parse_cluster
 from meshrun.runtime.mesh import build_mesh, describe_dict
-from meshrun.train.step import make_train_step
 
 DP8 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=2"]
 DP4_TP2 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=2"]
@@ -63,22 +60,13 @@ def test_hsdp_pipe2_data4_group2_zero3_matches_one_device():
     assert_same(got, reference("tiny_cpu.yaml"))
 
 
-def _compiled(over):
-    cfg = _cfg("tiny_cpu.yaml", over)
-    mesh = build_mesh(cfg.mesh)
-    ts = make_train_step(cfg, mesh)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=ts.batch_sharding)
-    compiled = ts.step.lower(ts.abstract_run, batch, batch).compile()
-    return mesh, hlo.collectives(compiled.as_text(), dict(mesh.shape)), compiled.memory_analysis()
-
-
 def test_zero3_gathers_and_scatters_inside_the_group_and_all_reduces_across_groups():
     """data 8, group 4, ZeRO-3 (gathered once a step): the mesh is replica 2 x data 4; every all-gather
     and reduce-scatter runs over 'data' (groups of 4 devices), the scattered gradient shards are
     all-reduced over 'replica' (groups of 2) in the same bytes as the reduce-scatters give, and
     nothing but scalars and the unsharded norm scales is all-reduced over all 8. Parameters and Adam
     moments take 1/4 of the whole-model bytes per device: twice plain ZeRO-3's 1/8 on data 8."""
-    mesh, colls, mem = _compiled([*DP8, "mesh.zero_group=4", *ZERO["zero3-step"]])
+    _, mesh, colls, mem = compiled_step([*DP8, "mesh.zero_group=4", *ZERO["zero3-step"]])
     assert dict(mesh.shape) == {"pipe": 1, "replica": 2, "data": 4, "expert": 1, "context": 1, "tensor": 1}
     moved = [c for c in colls if c.op in ("all-gather", "reduce-scatter")]
     assert moved and {c.axes for c in moved} == {("data",)}
@@ -87,7 +75,7 @@ def test_zero3_gathers_and_scatters_inside_the_group_and_all_reduces_across_grou
     assert len(across) >= 1 and sum(c.bytes for c in across) == scattered
     whole = sum(c.bytes for c in colls if c.op == "all-reduce" and c.axes == ("replica", "data"))
     assert whole < 0.02 * scattered  # norm scales (not divisible) and the loss/token scalars
-    _, _, plain = _compiled([*DP8, *ZERO["zero3-step"]])
+    *_, plain = compiled_step([*DP8, *ZERO["zero3-step"]])
     ratio = mem.argument_size_in_bytes / plain.argument_size_in_bytes
     assert 1.95 < ratio <= 2, ratio  # only the norm scales (0.3% of the bytes) are whole in both
 

@@ -69,13 +69,14 @@ def test_bf16_params_with_float32_master_match_gather_once():
     assert_bf16_step_follows(on, off)
 
 
-def _compiled(over):
+def compiled_step(over):
+    """tiny_cpu.yaml with `over`, its step compiled: (cfg, mesh, the collectives of its HLO, memory_analysis)."""
     cfg = _cfg("tiny_cpu.yaml", over)
     mesh = build_mesh(cfg.mesh)
     ts = make_train_step(cfg, mesh)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), np.int32, sharding=ts.batch_sharding)
     compiled = ts.step.lower(ts.abstract_run, batch, batch).compile()
-    return cfg, hlo.collectives(compiled.as_text(), dict(mesh.shape)), compiled.memory_analysis()
+    return cfg, mesh, hlo.collectives(compiled.as_text(), dict(mesh.shape)), compiled.memory_analysis()
 
 
 def test_gathers_inside_the_layer_loop_once_per_layer_and_below_gather_once_in_memory():
@@ -83,8 +84,8 @@ def test_gathers_inside_the_layer_loop_once_per_layer_and_below_gather_once_in_m
     per layer and microbatch in the forward and again in the backward (2 x 7 gathers, each run 4 x 2
     times a step), and its gradient reduce-scattered there once per layer and microbatch. Gather-once:
     no all-gather in any loop. The per-layer step's temporaries are below gather-once's."""
-    cfg, layer, mem_layer = _compiled([*DP8, *LAYER])
-    _, step, mem_step = _compiled([*DP8, "train.zero=3", "train.zero3_gather=step"])
+    cfg, _, layer, mem_layer = compiled_step([*DP8, *LAYER])
+    _, _, step, mem_step = compiled_step([*DP8, "train.zero=3", "train.zero3_gather=step"])
     runs = cfg.model.n_layers * cfg.pipeline.microbatches
     looped = lambda cs, op: [c for c in cs if c.op == op and c.in_loop]  # noqa: E731
     assert [c.per_step for c in looped(layer, "all-gather")] == [runs] * 2 * WEIGHTS
