@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from test_train import _cfg, assert_same, reference, run_steps
-from test_zero3_layer import DP8, WEIGHTS, _compiled
+from test_zero3_layer import DP8, WEIGHTS, compiled_step
 
 from meshrun.cli.main import main
 from meshrun.config import zero2_per_microbatch
@@ -39,8 +39,8 @@ def test_layers_reduce_scattered_inside_the_loop_and_sums_sharded():
     once per layer and microbatch, nothing all-gathered there; once a step: no collective of the
     layers in any loop. The per-microbatch step's temporaries are below once-per-step's (float32 sums
     of 1/8 of the layers' bytes)."""
-    cfg, mb, mem_mb = _compiled([*DP8, *MB])
-    _, step, mem_step = _compiled([*DP8, "train.zero=2", "train.zero2_reduce=step"])
+    cfg, _, mb, mem_mb = compiled_step([*DP8, *MB])
+    _, _, step, mem_step = compiled_step([*DP8, "train.zero=2", "train.zero2_reduce=step"])
     runs = cfg.model.n_layers * cfg.pipeline.microbatches
     looped = lambda cs, op: [c for c in cs if c.op == op and c.in_loop]  # noqa: E731
     assert [c.per_step for c in looped(mb, "reduce-scatter")] == [runs] * WEIGHTS
