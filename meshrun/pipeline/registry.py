@@ -23,7 +23,6 @@ from meshrun.errors import ConfigError
 from meshrun.pipeline.schedules import ChunkPlacement, Table, Task, place, place_split
 
 Executor = Literal["lockstep", "per_op"]  # one forward and one backward per stage per tick, or one op
-EXECUTORS: tuple[Executor, ...] = ("lockstep", "per_op")
 
 
 @dataclass(frozen=True)

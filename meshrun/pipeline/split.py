@@ -75,10 +75,6 @@ class LayerSplit:
     def padded(self) -> int:
         return self.p * self.v * self.lmax
 
-    def stage_counts(self) -> list[int]:
-        """Layers each device runs per step (its v chunks)."""
-        return [sum(self.counts[self.k(c, s)] for c in range(self.v)) for s in range(self.p)]
-
     def pipeline_index(self) -> np.ndarray:
         """[p*v*lmax]: the model-order unit at each padded position, -1 for padding."""
         starts = np.concatenate([[0], np.cumsum(self.counts)])

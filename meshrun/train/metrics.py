@@ -33,15 +33,15 @@ def peak_flops(device: Any = None) -> float | None:
 
 
 def throughput(
-    step_time_s: float, *, flops_per_step: float, tokens_per_step: int, n_devices: int, peak: float | None = None
+    step_time_s: float, *, flops_per_step: float | None, tokens_per_step: int, n_devices: int, peak: float | None = None
 ) -> dict[str, float]:
-    """tokens/s, TFLOP/s per device, and MFU (only when the per-device `peak` FLOP/s is known)."""
-    out = {
-        "tokens_per_s": tokens_per_step / step_time_s,
-        "tflops_per_device": flops_per_step / step_time_s / n_devices / 1e12,
-    }
-    if peak:
-        out["mfu"] = flops_per_step / (step_time_s * peak * n_devices)
+    """tokens/s; TFLOP/s per device when the step's FLOPs are known, and MFU when the per-device `peak`
+    FLOP/s is known too."""
+    out = {"tokens_per_s": tokens_per_step / step_time_s}
+    if flops_per_step is not None:  # a family that declares no FLOPs: no TFLOP/s, no MFU
+        out["tflops_per_device"] = flops_per_step / step_time_s / n_devices / 1e12
+        if peak:
+            out["mfu"] = flops_per_step / (step_time_s * peak * n_devices)
     return out
 
 
@@ -68,16 +68,15 @@ class MetricRows:
 
     def row(self, metrics: dict, step: int, dt: float) -> dict:
         """The row of 0-based `step` that took `dt` seconds."""
-        known = self.flops is not None  # a family that declares no FLOPs: no TFLOP/s, no MFU
-        tflops = self.flops / dt / self.n_devices / 1e12 if known else None
+        speed = throughput(
+            dt, flops_per_step=self.flops, tokens_per_step=self.tokens, n_devices=self.n_devices, peak=self.peak
+        )
         return {
             **metrics,
             "lr": float(self.lr(step)),
             "step_time_s": dt,
-            "tokens_per_s": self.tokens / dt,
-            **({"tflops_per_device": tflops} if known else {}),
+            **speed,
             "bubble_fraction": self.bubble,
-            **({"mfu": tflops * 1e12 / self.peak} if known and self.peak else {}),
             **memory_in_use(),
         }
 
