@@ -30,7 +30,7 @@ from meshrun.config.load import (
     saved_model,
     to_dict,
 )
-from meshrun.config.mesh import AXES, DEFAULT_ORDER, MeshConfig, check_zero_group
+from meshrun.config.mesh import AXES, DEFAULT_ORDER, MeshConfig, check_zero_group, resolve_shape
 from meshrun.config.model import (
     CONTEXT_KINDS,
     EXECUTION_FIELDS,
@@ -82,7 +82,7 @@ __all__ = [
     "check_zero_group", "choice", "default_model", "fp8_tier_refusal", "from_dict", "load_config", "load_mesh",
     "load_section", "load_yaml", "merge",
     "model_class", "model_from_dict", "offload_params_refusals", "optimizer_class", "optimizer_from_dict",
-    "parse_overrides", "saved_model", "streamed_update_refusal", "streams_host_update", "to_dict",
+    "parse_overrides", "resolve_shape", "saved_model", "streamed_update_refusal", "streams_host_update", "to_dict",
     "use_model_classes", "use_optimizer_classes",
     "LAYER_GATHER_AUTO_BYTES", "ZERO2_REDUCES", "ZERO3_GATHERS", "zero2_layer_refusals", "zero2_per_microbatch",
     "zero3_layer_refusals", "zero3_per_layer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshrun.config.base import MAX_DEVICES, _bounded
@@ -75,3 +76,28 @@ def check_zero_group(group: int, data: int, field: str = "mesh.zero_group") -> N
         eg = f" ({', '.join(map(str, fits))})" if fits else ""
         raise ConfigError(field, group, f"use a divisor of mesh.data={data}{eg}, or 0",
                           "the data-parallel degree does not split into groups of this size")  # fmt: skip
+
+
+def resolve_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
+    """Axis sizes with the -1 axis filled; errors name the axes and the device count."""
+    sizes = {ax: getattr(cfg, ax) for ax in AXES}
+    fill = [ax for ax, v in sizes.items() if v == -1]
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if fill:
+        if n_devices % fixed:
+            raise ConfigError(
+                f"mesh.{fill[0]}",
+                -1,
+                f"make the other degrees' product ({fixed}) divide the {n_devices} devices",
+                f"{n_devices} devices are not divisible by {fixed}",
+            )
+        sizes[fill[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        shape = " x ".join(f"{ax}={sizes[ax]}" for ax in AXES)
+        raise ConfigError(
+            "mesh",
+            shape,
+            f"make the product equal {n_devices}, or set one axis to -1",
+            f"product of axes is {fixed} but there are {n_devices} devices",
+        )
+    return sizes

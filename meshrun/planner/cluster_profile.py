@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from meshrun.config import RunConfig, from_dict
+from meshrun.config import RunConfig, from_dict, resolve_shape
 from meshrun.errors import ConfigError
 from meshrun.planner import search
 from meshrun.planner.constants import COMM_LATENCY_S, OVERLAP_COST, Calibration, calibration_for
@@ -87,7 +87,7 @@ def read_run(path: str | Path) -> Run:
         _refuse(path, f"device kind {kind!r} is not in the GPU catalogue", f"use a run on one of {list(GPUS)}")
     med = statistics.median(times)
     spread = statistics.median(abs(t - med) for t in times) / med
-    return Run(str(path), cfg, _mesh_shape(cfg, n), med, len(times), spread, kind, f"{gpu}:{procs}x{n // procs}")
+    return Run(str(path), cfg, resolve_shape(cfg.mesh, n), med, len(times), spread, kind, f"{gpu}:{procs}x{n // procs}")
 
 
 def _step_times(path: Path) -> list[float]:
@@ -102,14 +102,6 @@ def _step_times(path: Path) -> list[float]:
         if isinstance(st, (int, float)) and st > 0 and int(row.get("step", 0)) > 1:
             out.append(float(st))
     return out
-
-
-def _mesh_shape(cfg: RunConfig, n: int) -> dict:
-    """Axis -> size of the run's mesh (a -1 axis takes the devices the others leave)."""
-    axes = ("data", "pipe", "expert", "context", "tensor")
-    shape = {a: int(getattr(cfg.mesh, a)) for a in axes}
-    known = math.prod(v for v in shape.values() if v > 0)
-    return {a: (n // known if v == -1 else v) for a, v in shape.items()}
 
 
 def read_runs(paths) -> list[Run]:

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from meshrun.config import AXES, MeshConfig, check_zero_group, from_dict, to_dict
+from meshrun.config import MeshConfig, check_zero_group, from_dict, resolve_shape, to_dict
 from meshrun.errors import ConfigError
 from meshrun.parallel.sharding import REPLICA, ZERO_AXES
 
@@ -27,31 +27,6 @@ from meshrun.parallel.sharding import REPLICA, ZERO_AXES
 _PRETEND_HOSTS: dict[Mesh, int] = {}
 # Hosts per rack of each mesh built here (absent: one rack).
 _HOSTS_PER_RACK: dict[Mesh, int] = {}
-
-
-def resolve_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
-    """Axis sizes with the -1 axis filled; errors name the axes and the device count."""
-    sizes = {ax: getattr(cfg, ax) for ax in AXES}
-    fill = [ax for ax, v in sizes.items() if v == -1]
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    if fill:
-        if n_devices % fixed:
-            raise ConfigError(
-                f"mesh.{fill[0]}",
-                -1,
-                f"make the other degrees' product ({fixed}) divide the {n_devices} devices",
-                f"{n_devices} devices are not divisible by {fixed}",
-            )
-        sizes[fill[0]] = n_devices // fixed
-    elif fixed != n_devices:
-        shape = " x ".join(f"{ax}={sizes[ax]}" for ax in AXES)
-        raise ConfigError(
-            "mesh",
-            shape,
-            f"make the product equal {n_devices}, or set one axis to -1",
-            f"product of axes is {fixed} but there are {n_devices} devices",
-        )
-    return sizes
 
 
 def split_data(cfg: MeshConfig, sizes: dict[str, int]) -> dict[str, int]:
