@@ -16,6 +16,7 @@ from meshrun.analysis import flops
 from meshrun.config import ModelConfig, model_class
 from meshrun.planner import timing
 from meshrun.planner.cost import Layout
+from meshrun.planner.fit import fit_logs
 from meshrun.planner.hardware import parse_cluster
 from meshrun.planner.kernels import Calibration
 
@@ -73,40 +74,8 @@ def fit_calibration(rows=MEGATRON_TABLE1, start: Calibration | None = None) -> C
         cal = Calibration(**{f: math.exp(v) for f, v in zip(FIELDS, x)})
         return [math.log(predict_row(r, cal) / r[-1]) for r in rows]
 
-    for _ in range(20):
-        r0 = resid(x)
-        cols = []
-        for j in range(n):
-            xj = list(x)
-            xj[j] += 1e-4
-            cols.append([(a - b) / 1e-4 for a, b in zip(resid(xj), r0)])
-        a = [[sum(p * q for p, q in zip(cols[i], cols[j])) * (1.01 if i == j else 1.0) + (1e-9 if i == j else 0.0)
-              for j in range(n)] for i in range(n)]  # fmt: skip
-        g = [-sum(c * r for c, r in zip(cols[i], r0)) for i in range(n)]
-        dx = _solve(a, g)
-        dx = [max(-1.0, min(1.0, d)) for d in dx]
-        new = [min(xi + di, 0.0) for xi, di in zip(x, dx)]  # fractions of peak stay <= 1
-        step = max(abs(a - b) for a, b in zip(new, x))
-        x = new
-        if step < 1e-4:
-            break
+    x = fit_logs(resid, x, upper=[0.0] * n, iters=20, max_step=1.0, tol=1e-4)  # fractions of peak <= 1
     return Calibration(gemm=round(math.exp(x[0]), 3), hbm=round(math.exp(x[1]), 3))
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (tiny systems)."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            m[r] = [x - f * y for x, y in zip(m[r], m[c])]
-    out = [0.0] * n
-    for r in reversed(range(n)):
-        out[r] = (m[r][n] - sum(m[r][k] * out[k] for k in range(r + 1, n))) / m[r][r]
-    return out
 
 
 def leave_one_out(rows=MEGATRON_TABLE1) -> list[tuple[float, float, float, float]]:
@@ -155,20 +124,8 @@ def fit_published(path, fields=PUBLISHED_FIELDS, start: Calibration | None = Non
     def cal_of(x):
         return dataclasses.replace(base, **{f: math.exp(v) for f, v in zip(fields, x)})
 
-    for _ in range(30):
-        r0 = published_residuals(cases, cal_of(x))
-        cols = []
-        for j in range(n):
-            xj = list(x)
-            xj[j] += 1e-4
-            cols.append([(a - b) / 1e-4 for a, b in zip(published_residuals(cases, cal_of(xj)), r0)])
-        a = [[sum(p * q for p, q in zip(cols[i], cols[j])) * (1.01 if i == j else 1.0) + (1e-9 if i == j else 0.0)
-              for j in range(n)] for i in range(n)]  # fmt: skip
-        g = [-sum(c * r for c, r in zip(cols[i], r0)) for i in range(n)]
-        dx = [max(-0.5, min(0.5, d)) for d in _solve(a, g)]
-        new = [min(xi + di, 0.0) for xi, di in zip(x, dx)]
-        step = max(abs(a - b) for a, b in zip(new, x))
-        x = new
-        if step < 1e-5:
-            break
+    def resid(x):
+        return published_residuals(cases, cal_of(x))
+
+    x = fit_logs(resid, x, upper=[0.0] * n, iters=30, max_step=0.5, tol=1e-5)
     return dataclasses.replace(cal_of(x), **{f: round(math.exp(v), 3) for f, v in zip(fields, x)})

@@ -28,6 +28,7 @@ from meshrun.config import RunConfig, from_dict, resolve_shape
 from meshrun.errors import ConfigError
 from meshrun.planner import search
 from meshrun.planner.constants import COMM_LATENCY_S, OVERLAP_COST, Calibration, calibration_for
+from meshrun.planner.fit import fit_logs
 from meshrun.planner.hardware import GB, GPUS, Cluster, gpu_of_kind, parse_cluster
 from meshrun.planner.layout import layout_of
 
@@ -157,26 +158,11 @@ def _rms(r: list[float]) -> float:
 def fit_params(runs: list[Run], names: tuple[str, ...], start: dict[str, float], cap: bool) -> dict[str, float]:
     """Least squares of `residuals` in the logs of `names` (the others as in `start`); Gauss-Newton,
     Levenberg-damped, numerical derivatives, each step at most e^1; fractions <= 1 when `cap`."""
-    from meshrun.planner.calibrate import _solve
-
     x = [math.log(start[n]) for n in names]
     limit = [0.0 if cap and n in FRACTIONS else math.inf for n in names]
     of = lambda x: start | {n: math.exp(v) for n, v in zip(names, x)}  # noqa: E731
-    for _ in range(40):
-        r0 = residuals(runs, of(x))
-        cols = []
-        for j in range(len(x)):
-            xj = list(x)
-            xj[j] += 1e-4
-            cols.append([(a - b) / 1e-4 for a, b in zip(residuals(runs, of(xj)), r0)])
-        a = [[sum(p * q for p, q in zip(ci, cj)) * (1.01 if i == j else 1.0) + (1e-9 if i == j else 0.0)
-              for j, cj in enumerate(cols)] for i, ci in enumerate(cols)]  # fmt: skip
-        g = [-sum(c * r for c, r in zip(col, r0)) for col in cols]
-        dx = [max(-1.0, min(1.0, d)) for d in _solve(a, g)]
-        new = [min(xi + di, lim) for xi, di, lim in zip(x, dx, limit)]
-        step, x = max(abs(p - q) for p, q in zip(new, x)), new
-        if step < 1e-5:
-            break
+    resid = lambda x: residuals(runs, of(x))  # noqa: E731
+    x = fit_logs(resid, x, upper=limit, iters=40, max_step=1.0, tol=1e-5)
     return of(x)
 
 
