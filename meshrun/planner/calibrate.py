@@ -14,7 +14,8 @@ import math
 
 from meshrun.analysis import flops
 from meshrun.config import ModelConfig, model_class
-from meshrun.planner import timing
+from meshrun.planner import published, timing
+from meshrun.planner.constants import H100_CALIBRATION
 from meshrun.planner.cost import Layout
 from meshrun.planner.fit import fit_logs
 from meshrun.planner.hardware import parse_cluster
@@ -103,8 +104,6 @@ PUBLISHED_FIELDS = ("gemm", "fp8", "flash")  # the H100 calibration's fitted fie
 
 def published_residuals(cases, cal: Calibration) -> list[float]:
     """log(predicted / published step time) of each case under `cal` (Megatron's semantics)."""
-    from meshrun.planner import published
-
     return [math.log(published.evaluate(c, calibration=cal).step_time / c.row["step_s"]) for c in cases]
 
 
@@ -112,9 +111,6 @@ def fit_published(path, fields=PUBLISHED_FIELDS, start: Calibration | None = Non
     """Least squares of log(predicted / published step time) over the rows of the calibration file at
     `path` that are not held out, in the logs of `fields` of the GPU's Calibration (Gauss-Newton,
     Levenberg-damped, numerical derivatives; fractions of peak stay <= 1). Rounded to 3 digits."""
-    from meshrun.planner import published
-    from meshrun.planner.constants import H100_CALIBRATION
-
     cases = [c for c in published.cases(path) if not c.row.get("held_out")]
     base = start or H100_CALIBRATION
     base = dataclasses.replace(base, fp8=base.fp8_gemm)  # fit the fp8 fraction in its own right
