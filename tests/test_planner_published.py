@@ -6,10 +6,13 @@ must fit the GPU the run used. `pytest -s` prints the table (predicted vs publis
 Pure Python, no JAX.
 """
 
+import dataclasses
+import json
 import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 
 from meshrun.planner import published
 
@@ -237,3 +240,82 @@ def test_flash2_rows_run_at_the_sourced_efficiency(cases):
         want = FLASH2_H100_EFFICIENCY if c.row["model"] in ("gpt3-175b", "nemotron4-340b", "grok1-314b") else None
         assert published.calibration_of(c).flash == (want or H100_CALIBRATION.flash), c.id
 
+
+# ----------------------------------------------------------------------------- the published settings on the CLI
+
+
+# the `meshrun plan --evaluate` keys of a row's Megatron / NeMo settings (published.case_of's Layout)
+def _cli_argv(case, tmp_path) -> list[str]:
+    m, lay, row = case.model, case.layout, case.row
+    keys = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len", "mlp",
+            "tie_embeddings", "attention_impl", "dtype", "param_dtype", "remat", "sequence_parallel",
+            "fp8")  # fmt: skip
+    path = tmp_path / f"{case.id}.yaml"
+    path.write_text(yaml.safe_dump({"model": {k: getattr(m, k) for k in keys}}))
+    ev = {"tensor": lay.tensor, "pipe": lay.pipe, "context": lay.context, "virtual": lay.virtual, "zero": lay.zero,
+          "schedule": lay.schedule, "context_kind": lay.context_kind, "tp_comm_overlap": lay.tp_comm_overlap,
+          "overlap_grad_reduce": lay.overlap_grad_reduce, "param_remainders": lay.param_remainders,
+          "tp_comm_fp8_rs": lay.tp_comm_fp8_rs, "overlap_param_gather": lay.overlap_param_gather,
+          "wgrad_deferral": lay.wgrad_deferral}  # fmt: skip
+    text = ",".join(f"{k}={str(v).lower()}" for k, v in ev.items())
+    return ["plan", "--model", str(path), "--cluster", str(case.cluster), "--global-batch", str(row["global_batch"]),
+            "--seq-len", str(row["seq_len"]), "--framework", "megatron", "--grad-reduce-dtype", lay.grad_reduce_dtype,
+            "--evaluate", text, "--json"]  # fmt: skip
+
+
+@pytest.mark.parametrize("row_id", ["llama3.1-405b-fp8", "llama3.1-405b-bf16", "llama3.1-70b-bf16"])
+def test_cli_costs_the_published_settings(row_id, cases, tmp_path, capsys):
+    """`meshrun plan --framework megatron --evaluate` with a row's settings (bf16 gradient reduction,
+    master remainders, TP overlap with fp8 buffers, param-gather overlap, deferred wgrads) costs what
+    the calibration table costs for that row: the same step time and memory."""
+    from meshrun.cli.main import main
+
+    case = next(c for c in cases if c.id == row_id)
+    assert main(_cli_argv(case, tmp_path)) == 0
+    got = json.loads(capsys.readouterr().out)["configs"][0]
+    want = published.evaluate(case)
+    assert got["step_time_s"] == pytest.approx(want.step_time, abs=1e-4)  # rounded to 4 digits
+    assert got["memory_gb"] == pytest.approx(want.memory["total"] / 1e9, abs=1e-3)
+    assert (got["param_remainders"], got["tp_comm_fp8_rs"]) == (
+        case.layout.param_remainders,
+        case.layout.tp_comm_fp8_rs,
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, frag",
+    [
+        (["--framework", "meshrun"], "--evaluate param_remainders: "),  # Megatron's keys under meshrun's semantics
+        (["--fp8", "none"], "--evaluate tp_comm_fp8_rs: "),  # fp8 buffers without fp8
+        (["--evaluate-extra", "wgrad_deferral=-1"], "--evaluate wgrad_deferral: "),
+        (["--evaluate-extra", "wgrad_deferral=lots"], "--evaluate wgrad_deferral: "),
+        (["--evaluate-extra", "param_remainders=maybe"], "--evaluate param_remainders: "),
+        (["--evaluate-extra", "sequence_parallel=false"], "--evaluate tp_comm_overlap: "),
+        (
+            ["--evaluate-extra", "pipe=1,virtual=1,data=36,schedule=1f1b,overlap_grad_reduce=false"],
+            "--evaluate wgrad_deferral: ",
+        ),  # fmt: skip
+        (["--grad-reduce-dtype", "float16"], "--grad-reduce-dtype: "),
+    ],
+)
+def test_cli_bad_megatron_settings_exit_2(extra, frag, cases, tmp_path, capsys):
+    """Each bad value: exit 2, one line naming the field, no traceback, nothing on stdout."""
+    from meshrun.cli.main import main
+
+    case = next(c for c in cases if c.id == "llama3.1-405b-fp8")
+    argv = _cli_argv(
+        dataclasses.replace(case, layout=dataclasses.replace(case.layout, param_remainders=True)), tmp_path
+    )
+    argv.remove("--json")
+    if extra[0] == "--evaluate-extra":  # later pairs of --evaluate override earlier ones
+        argv[argv.index("--evaluate") + 1] += "," + extra[1]
+    else:
+        for flag in extra[::2]:  # replace a flag the argv already has
+            if flag in argv:
+                i = argv.index(flag)
+                del argv[i : i + 2]
+        argv += extra
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and frag in err and "Traceback" not in err and out == "", err
+    assert len(err.strip().splitlines()) == 1
