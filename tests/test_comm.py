@@ -173,6 +173,11 @@ def test_plan_costs_the_yamls_grad_reduce_dtype_unless_told(tmp_path, capsys):
     assert sync["default"] == sync["yaml+flag"] > sync["flag"] == sync["yaml"]
     assert main([a for a in PLAN_175B if a != "--json"]) == 0
     assert "meshrun semantics, dp reduce float32" in capsys.readouterr().out.splitlines()[0]
+    # Megatron's costing: float32 unless told bfloat16 (--grad-reduce-in-bf16, NeMo's grad_sync_dtype),
+    # never the YAML's train section (meshrun's key)
+    for argv, want in (([], "float32"), (["--grad-reduce-dtype", "bfloat16"], "bfloat16")):
+        assert main([*PLAN, "--model", str(narrow), *PLAN_175B[-2:], "--framework", "megatron", *argv]) == 0
+        assert json.loads(capsys.readouterr().out)["grad_reduce_dtype"] == want
 
 
 @pytest.mark.parametrize(
@@ -183,8 +188,8 @@ def test_plan_costs_the_yamls_grad_reduce_dtype_unless_told(tmp_path, capsys):
             "--grad-reduce-dtype: invalid value (got 'float16'); use one of ['float32', 'bfloat16']",
         ),
         (
-            ["--grad-reduce-dtype", "bfloat16", "--framework", "megatron"],
-            "--grad-reduce-dtype: invalid value (got 'bfloat16'); use --framework meshrun",
+            ["--grad-reduce-dtype", "float16", "--framework", "megatron"],
+            "--grad-reduce-dtype: invalid value (got 'float16'); use one of ['float32', 'bfloat16']",
         ),
         (
             ["--evaluate", "tensor=8,grad_reduce_dtype=bfloat16"],

@@ -6,10 +6,13 @@ must fit the GPU the run used. `pytest -s` prints the table (predicted vs publis
 Pure Python, no JAX.
 """
 
+import dataclasses
+import json
 import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 
 from meshrun.planner import published
 
@@ -111,14 +114,13 @@ def test_h100_calibration_is_the_fit_of_the_published_runs():
 
 def test_published_step_times(cases):
     """Predicted / published step time at the published layouts. Fitted rows (12): median |error|
-    <= 5%, errors on both sides, every row within 15% (two fp8 rows, Llama 3.1 405B and Grok-1, sit
-    between 10% and 15%: docs/planning.md). Held-out rows (the 405B proxies, never fitted): within 20%."""
+    <= 5%, errors on both sides, every row within 10%. Held-out rows (the 405B proxies, never
+    fitted): within 20%."""
     fitted = _ratios(cases, held_out=False)
     errs = [r - 1 for r in fitted.values()]
     assert statistics.median(abs(e) for e in errs) <= 0.05, fitted
     assert sum(e < 0 for e in errs) >= 4 and sum(e > 0 for e in errs) >= 4, fitted
-    assert all(abs(e) <= 0.15 for e in errs), fitted
-    assert sum(abs(e) <= 0.10 for e in errs) >= 10, fitted
+    assert all(abs(e) <= 0.10 for e in errs), fitted
     held = _ratios(cases, held_out=True)
     assert all(abs(r - 1) <= 0.20 for r in held.values()), held
 
@@ -150,7 +152,7 @@ def test_fp8_covers_the_experts_under_megatron_only(cases):
     gpu = grok.cluster.gpu
     kw = dict(flash=True, act=2.0, moe=True)
     cal = calibration_for(gpu.name)
-    on = kernels.layer_seconds(grok.model, grok.layout, 8192, gpu, cal, fp8_experts=True, **kw)
+    on = kernels.layer_seconds(grok.model, grok.layout, 8192, gpu, cal, te=True, **kw)
     off = kernels.layer_seconds(grok.model, grok.layout, 8192, gpu, cal, **kw)
     assert on["gemm_fwd"] < 0.75 * off["gemm_fwd"] and on["gemm_bwd"] < 0.75 * off["gemm_bwd"]
     lay = replace(grok.layout, zero=1, tp_comm_overlap=False, overlap_grad_reduce=False)
@@ -180,3 +182,140 @@ def test_dropless_all_to_all_is_the_routed_volume_under_megatron(cases):
     latency = lay.microbatches * 8 * 4 * COMM_LATENCY_S  # 8 MoE layers a stage, 4 all-to-alls each, per micro-batch
     ratio = (t["megatron"] - latency) / (t["meshrun"] - latency)
     assert ratio == pytest.approx(k * MOE_DROPLESS_IMBALANCE / (e * min(k, model.n_experts // e)), rel=1e-6)
+
+
+def test_megatron_terms_of_the_published_settings(cases):
+    """The Transformer Engine / Megatron-Core terms the published settings switch on, each against its
+    count: fp8 userbuffers carry 4 (with fp8_buf on the forward reduce-scatters 6) of a layer's 8 TP
+    all-gathers and reduce-scatters in 1 byte; TE's ring sends dK/dV in bf16 (meshrun's in fp32);
+    deferred output-layer wgrads leave the last stage's micro-batches; the param all-gathers hide
+    beside the next step's first forwards. Each makes the step shorter, and only under Megatron."""
+    from dataclasses import replace
+
+    from meshrun.planner import timing
+    from meshrun.planner.activations import context_kv_bytes
+
+    c = next(c for c in cases if c.id == "llama3.1-405b-fp8")
+    m, lay, cl, cal = c.model, c.layout, c.cluster, published.calibration_of(c)
+    assert timing.tp_fp8_share(m, lay, te=True) == pytest.approx((6 * 0.5 + 2) / 8)
+    assert timing.tp_fp8_share(m, replace(lay, tp_comm_fp8_rs=False), te=True) == pytest.approx(0.75)
+    assert timing.tp_fp8_share(m, lay, te=False) == 1.0 == timing.tp_fp8_share(replace(m, fp8="none"), lay, True)
+    # the ring's last dK/dV step home, the part nothing hides: bf16 under Megatron, fp32 under meshrun
+    one = dict(s=8192, cal=cal, act=2.0)
+    cp = {fw: timing.context_seconds(m, lay, cl, framework=fw, **one) for fw in ("meshrun", "megatron")}
+    home = context_kv_bytes(m, 1, 8192, lay.tensor, lay.context, act=2.0) / lay.context / cl.group_bw(16)
+    assert cp["meshrun"] - cp["megatron"] >= home * 0.99
+    # the deferred wgrads: min(limit, m) of m micro-batches' output-layer weight GEMM
+    w = timing.deferred_wgrad(m, lay, 8192, cl.gpu, cal, "megatron")
+    assert w > 0 and timing.deferred_wgrad(m, lay, 8192, cl.gpu, cal, "meshrun") == 0.0
+    full = published.evaluate(c).time
+    for field, off in (("wgrad_deferral", 0), ("overlap_param_gather", False), ("tp_comm_fp8_rs", False)):
+        worse = published.evaluate(replace(c, layout=replace(lay, **{field: off}))).time
+        assert worse["total"] > full["total"], field
+    assert (
+        full["dp_sync"]
+        < published.evaluate(replace(c, layout=replace(lay, overlap_param_gather=False))).time["dp_sync"]
+    )
+
+
+def test_moe_tp_collectives_carry_the_routed_rows(cases):
+    """An MoE layer's expert block all-gathers and reduce-scatters its routed rows (top_k x capacity
+    per token) over TP, in bf16 under fp8 too: Grok-1's layer charges (1 + k cf) / 2 of a dense layer's
+    TP all-reduces."""
+    from meshrun.planner import timing
+
+    grok = next(c for c in cases if c.id == "grok1-314b-bf16")
+    m, lay = grok.model, grok.layout
+    ar = 1.0
+    k = m.top_k * m.capacity_factor
+    assert timing.tp_layer_seconds(m, lay, ar, te=True) == pytest.approx(4 * ar * (1 + k) / 2)
+
+
+def test_flash2_rows_run_at_the_sourced_efficiency(cases):
+    """Rows whose launch scripts select FlashAttention-2 (NVTE_FUSED_ATTN=0) cost attention at its
+    sourced H100 efficiency; the cuDNN rows at the fitted one."""
+    from meshrun.planner.constants import FLASH2_H100_EFFICIENCY, H100_CALIBRATION
+
+    for c in cases:
+        want = FLASH2_H100_EFFICIENCY if c.row["model"] in ("gpt3-175b", "nemotron4-340b", "grok1-314b") else None
+        assert published.calibration_of(c).flash == (want or H100_CALIBRATION.flash), c.id
+
+
+# ----------------------------------------------------------------------------- the published settings on the CLI
+
+
+# the `meshrun plan --evaluate` keys of a row's Megatron / NeMo settings (published.case_of's Layout)
+def _cli_argv(case, tmp_path) -> list[str]:
+    m, lay, row = case.model, case.layout, case.row
+    keys = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len", "mlp",
+            "tie_embeddings", "attention_impl", "dtype", "param_dtype", "remat", "sequence_parallel",
+            "fp8")  # fmt: skip
+    path = tmp_path / f"{case.id}.yaml"
+    path.write_text(yaml.safe_dump({"model": {k: getattr(m, k) for k in keys}}))
+    ev = {"tensor": lay.tensor, "pipe": lay.pipe, "context": lay.context, "virtual": lay.virtual, "zero": lay.zero,
+          "schedule": lay.schedule, "context_kind": lay.context_kind, "tp_comm_overlap": lay.tp_comm_overlap,
+          "overlap_grad_reduce": lay.overlap_grad_reduce, "param_remainders": lay.param_remainders,
+          "tp_comm_fp8_rs": lay.tp_comm_fp8_rs, "overlap_param_gather": lay.overlap_param_gather,
+          "wgrad_deferral": lay.wgrad_deferral}  # fmt: skip
+    text = ",".join(f"{k}={str(v).lower()}" for k, v in ev.items())
+    return ["plan", "--model", str(path), "--cluster", str(case.cluster), "--global-batch", str(row["global_batch"]),
+            "--seq-len", str(row["seq_len"]), "--framework", "megatron", "--grad-reduce-dtype", lay.grad_reduce_dtype,
+            "--evaluate", text, "--json"]  # fmt: skip
+
+
+@pytest.mark.parametrize("row_id", ["llama3.1-405b-fp8", "llama3.1-405b-bf16", "llama3.1-70b-bf16"])
+def test_cli_costs_the_published_settings(row_id, cases, tmp_path, capsys):
+    """`meshrun plan --framework megatron --evaluate` with a row's settings (bf16 gradient reduction,
+    master remainders, TP overlap with fp8 buffers, param-gather overlap, deferred wgrads) costs what
+    the calibration table costs for that row: the same step time and memory."""
+    from meshrun.cli.main import main
+
+    case = next(c for c in cases if c.id == row_id)
+    assert main(_cli_argv(case, tmp_path)) == 0
+    got = json.loads(capsys.readouterr().out)["configs"][0]
+    want = published.evaluate(case)
+    assert got["step_time_s"] == pytest.approx(want.step_time, abs=1e-4)  # rounded to 4 digits
+    assert got["memory_gb"] == pytest.approx(want.memory["total"] / 1e9, abs=1e-3)
+    assert (got["param_remainders"], got["tp_comm_fp8_rs"]) == (
+        case.layout.param_remainders,
+        case.layout.tp_comm_fp8_rs,
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, frag",
+    [
+        (["--framework", "meshrun"], "--evaluate param_remainders: "),  # Megatron's keys under meshrun's semantics
+        (["--fp8", "none"], "--evaluate tp_comm_fp8_rs: "),  # fp8 buffers without fp8
+        (["--evaluate-extra", "wgrad_deferral=-1"], "--evaluate wgrad_deferral: "),
+        (["--evaluate-extra", "wgrad_deferral=lots"], "--evaluate wgrad_deferral: "),
+        (["--evaluate-extra", "param_remainders=maybe"], "--evaluate param_remainders: "),
+        (["--evaluate-extra", "sequence_parallel=false"], "--evaluate tp_comm_overlap: "),
+        (
+            ["--evaluate-extra", "pipe=1,virtual=1,data=36,schedule=1f1b,overlap_grad_reduce=false"],
+            "--evaluate wgrad_deferral: ",
+        ),  # fmt: skip
+        (["--grad-reduce-dtype", "float16"], "--grad-reduce-dtype: "),
+    ],
+)
+def test_cli_bad_megatron_settings_exit_2(extra, frag, cases, tmp_path, capsys):
+    """Each bad value: exit 2, one line naming the field, no traceback, nothing on stdout."""
+    from meshrun.cli.main import main
+
+    case = next(c for c in cases if c.id == "llama3.1-405b-fp8")
+    argv = _cli_argv(
+        dataclasses.replace(case, layout=dataclasses.replace(case.layout, param_remainders=True)), tmp_path
+    )
+    argv.remove("--json")
+    if extra[0] == "--evaluate-extra":  # later pairs of --evaluate override earlier ones
+        argv[argv.index("--evaluate") + 1] += "," + extra[1]
+    else:
+        for flag in extra[::2]:  # replace a flag the argv already has
+            if flag in argv:
+                i = argv.index(flag)
+                del argv[i : i + 2]
+        argv += extra
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and frag in err and "Traceback" not in err and out == "", err
+    assert len(err.strip().splitlines()) == 1

@@ -53,7 +53,9 @@ from meshrun.planner.step_model import overlap_cut
 from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero",
-            "zero_group")  # fmt: skip
+            "zero_group", "wgrad_deferral")  # fmt: skip
+# --evaluate keys of Megatron's semantics only (--framework megatron): NeMo / Megatron-Core settings
+MEGATRON_KEYS = ("param_remainders", "tp_comm_fp8_rs", "overlap_param_gather", "wgrad_deferral")
 # --evaluate keys whose value is one of a fixed set of names
 _CHOICES = {
     "remat": SEARCHED_REMATS,
@@ -62,7 +64,8 @@ _CHOICES = {
     "offload_grads": OFFLOAD_GRADS,
 }
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
-             "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads", "tp_comm_overlap")  # fmt: skip
+             "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads", "tp_comm_overlap",
+             *MEGATRON_KEYS)  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
@@ -128,11 +131,17 @@ def load_model(text: str):
     return cfg.model, train, path.stem, cfg.optimizer
 
 
-def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_len: int | None = None) -> Layout:
+def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_len: int | None = None,
+                   framework: str = "meshrun") -> Layout:  # fmt: skip
     """`tensor=8,pipe=16,...` -> a Layout; keys left out get defaults (data takes the devices left over).
     Degrees above the device count, degrees whose product is not the device count, a context degree
-    that does not split `seq_len` and an unknown context_kind are ConfigErrors (exit 2)."""
+    that does not split `seq_len`, an unknown context_kind and a Megatron-only key under another
+    framework's semantics are ConfigErrors (exit 2)."""
     given = _evaluate_pairs(text)
+    for key in MEGATRON_KEYS:
+        if key in given and framework != "megatron":
+            raise ConfigError(f"--evaluate {key}", given[key], "add --framework megatron, or leave it out",
+                              "a NeMo / Megatron-Core setting, costed under Megatron's semantics only")  # fmt: skip
     t, p, e, c, d = _evaluate_degrees(given, cluster)
     b = given.get("micro_batch_size", 1)
     m = given.get("microbatches", max(1, global_batch // (b * d * e)))
@@ -163,8 +172,9 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
         offload_grads=given.get("offload_grads", "host"),
         tp_comm_overlap=given.get("tp_comm_overlap", getattr(model, "tp_comm_overlap", False)),
         zero_group=given.get("zero_group", 0),
+        **{k: given[k] for k in MEGATRON_KEYS if k in given},
     )
-    _check_evaluated(layout, model, seq_len)
+    _check_evaluated(layout, model, seq_len, framework)
     return layout
 
 
@@ -217,15 +227,17 @@ def _evaluate_degrees(given: dict, cluster: Cluster) -> tuple[int, int, int, int
     return t, p, e, c, d
 
 
-def _check_evaluated(layout: Layout, model, seq_len: int | None) -> None:
+def _check_evaluated(layout: Layout, model, seq_len: int | None, framework: str = "meshrun") -> None:
     """The rules `train` and the search apply to a layout given with --evaluate."""
     c = layout.context
+    if framework == "megatron":
+        _check_megatron(layout, model)
     if layout.zero_group:  # mesh.zero_group's rules (MeshConfig, RunConfig)
         check_zero_group(layout.zero_group, layout.data, "--evaluate zero_group")
         if layout.zero == 0:
             raise ConfigError("--evaluate zero_group", layout.zero_group, "set zero to 1, 2 or 3 with it, or leave "
                               "it out", "groups shard ZeRO state, and zero=0 has none")  # fmt: skip
-    if layout.tp_comm_overlap and (refusal := tp_overlap_refusal(model, layout)) is not None:
+    if layout.tp_comm_overlap and framework != "megatron" and (refusal := tp_overlap_refusal(model, layout)):
         raise ConfigError("--evaluate tp_comm_overlap", True, *refusal)  # the rules `train` and the search apply
     upd, field = layout.offload_update, "--evaluate offload_update"
     if upd != "auto" and layout.offload_optimizer != "host":  # the rules `train` applies (TrainConfig)
@@ -250,6 +262,24 @@ def _check_evaluated(layout: Layout, model, seq_len: int | None) -> None:
         )
 
 
+def _check_megatron(layout: Layout, model) -> None:
+    """The settings Megatron-Core / NeMo accept (--framework megatron): --tp-comm-overlap needs sequence
+    parallelism over TP > 1 (fp8 too: Transformer Engine's userbuffers); fp8 reduce-scatter buffers
+    need it and fp8; the master-weight remainders a 16-bit param; the wgrad deferral a pipeline."""
+    if layout.tp_comm_overlap and not (layout.sequence_parallel and layout.tensor > 1):
+        raise ConfigError("--evaluate tp_comm_overlap", True, "set sequence_parallel=true and tensor > 1 with it",
+                          "Megatron-Core's --tp-comm-overlap needs sequence parallelism")  # fmt: skip
+    if layout.tp_comm_fp8_rs and not (layout.tp_comm_overlap and model.fp8 != "none"):
+        raise ConfigError("--evaluate tp_comm_fp8_rs", True, "set tp_comm_overlap=true and an fp8 recipe (--fp8)",
+                          "fp8 userbuffers exist only for fp8 with TP overlap")  # fmt: skip
+    if layout.param_remainders and model.param_dtype != "bfloat16":
+        raise ConfigError("--evaluate param_remainders", True, "leave it out, or use a model with bfloat16 params",
+                          f"16-bit master-weight remainders need bf16 params, not {model.param_dtype}")  # fmt: skip
+    if layout.wgrad_deferral and layout.pipe == 1:
+        raise ConfigError("--evaluate wgrad_deferral", layout.wgrad_deferral, "set pipe > 1, or leave it out",
+                          "defers the output layer's weight gradients into the pipeline flush")  # fmt: skip
+
+
 def _schedule_rejects(layout) -> bool:
     """The layout's schedule refuses its pipe, micro-batches or chunks (evaluate reports that as a
     hard violation, with or without overlap_grad_reduce)."""
@@ -265,7 +295,7 @@ def _schedule_rejects(layout) -> bool:
 def _parse_value(key: str, raw: str):
     field = f"--evaluate {key}"
     if key in INT_KEYS:
-        if not raw.isdigit() or (int(raw) < 1 and key not in ("zero", "zero_group")):
+        if not raw.isdigit() or (int(raw) < 1 and key not in ("zero", "zero_group", "wgrad_deferral")):
             raise ConfigError(field, raw, "use a positive whole number", "not a positive integer")
         if int(raw) > MAX_DIM:
             raise ConfigError(field, raw, f"use a whole number in [1, {MAX_DIM}]", "too large")
@@ -333,7 +363,7 @@ def run_plan(args) -> int:
     opt["grad_reduce_dtype"] = _grad_reduce(args, train)
     kw = dict(framework=args.framework, dropout=args.dropout)
     if args.evaluate is not None:
-        layout = dataclasses.replace(parse_evaluate(args.evaluate, model, cluster, batch, seq), **opt)
+        layout = dataclasses.replace(parse_evaluate(args.evaluate, model, cluster, batch, seq, args.framework), **opt)
         results = [evaluate(model, layout, cluster, batch, seq, **kw)]
     else:
         found = search(model, cluster, batch, seq, top=4 * args.top, name=name, max_context=args.max_context,
@@ -413,15 +443,13 @@ def _optimizer(args, cfg) -> dict[str, str]:
 
 def _grad_reduce(args, train: dict) -> str:
     """The dtype of the data-parallel gradient reduction to cost: --grad-reduce-dtype, else the YAML's
-    train.grad_reduce_dtype, else meshrun's default. Megatron-LM's costing reduces in float32."""
+    train.grad_reduce_dtype, else meshrun's default. Megatron's costing: float32 unless the flag says
+    bfloat16 (Megatron-Core's --grad-reduce-in-bf16, NeMo's optim.grad_sync_dtype: bf16)."""
     flag = args.grad_reduce_dtype
     if flag is not None and flag not in GRAD_REDUCE_DTYPES:
         raise ConfigError("--grad-reduce-dtype", flag, f"use one of {list(GRAD_REDUCE_DTYPES)}")
     if args.framework == "megatron":
-        if flag not in (None, "float32"):
-            fix = "use --framework meshrun (Megatron-LM's costing reduces in fp32)"
-            raise ConfigError("--grad-reduce-dtype", flag, fix)
-        return "float32"
+        return flag or "float32"
     return flag or train.get("grad_reduce_dtype", TrainConfig.grad_reduce_dtype)
 
 

@@ -52,6 +52,15 @@ class Layout:
     overlap_grad_reduce: bool = False  # pipeline.overlap_grad_reduce (Megatron: --overlap-grad-reduce)
     offload_grads: str = "host"  # offload.grads: host | nvme, with offload_params
     tp_comm_overlap: bool = False  # model.tp_comm_overlap (Megatron-Core: --tp-comm-overlap), with sequence_parallel
+    # Megatron semantics, fp8 with tp_comm_overlap: the forward reduce-scatters' userbuffers hold fp8 too
+    # (Transformer Engine's fp8_buf on proj_fprop / fc2_fprop; its all-gathers' are fp8 by default)
+    tp_comm_fp8_rs: bool = False
+    # Megatron semantics: the distributed optimizer's param all-gathers run beside the next step's first
+    # forwards (--overlap-param-gather; NeMo's distributed Adam: overlap_param_sync)
+    overlap_param_gather: bool = False
+    # Megatron semantics, pipelined: the output layer's weight gradients of this many micro-batches run in
+    # the pipeline flush (--defer-embedding-wgrad-compute, --wgrad-deferral-limit); 0: not deferred
+    wgrad_deferral: int = 0
     # Megatron semantics only: NeMo's distributed Adam (Apex DistributedFusedAdam) on a bf16 model keeps
     # the 16-bit remainders of the fp32 master weights beside the bf16 params (store_param_remainders),
     # 2 bytes per param in place of a 4-byte master copy (`precision_of`)

@@ -6,6 +6,7 @@ layout (`cli.plan.parse_evaluate` + `search.evaluate`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import yaml
 
 from meshrun.config import ModelConfig, model_class
 from meshrun.planner import search
+from meshrun.planner.constants import FLASH2_H100_EFFICIENCY, Calibration, calibration_for
 from meshrun.planner.hardware import GB, parse_cluster
 from meshrun.planner.layout import Layout
 
@@ -74,11 +76,15 @@ def case_of(data: dict, row: dict) -> Case:
         microbatches=row["global_batch"] // (b * d * e), zero=1, remat=model.remat,
         sequence_parallel=bool(row["sp"]), schedule="interleaved" if row["virtual"] > 1 else "1f1b",
         tp_comm_overlap=bool(row["tp_overlap"]) and bool(row["sp"]), overlap_grad_reduce=row["virtual"] > 1,
+        tp_comm_fp8_rs=bool(spec.get("tp_overlap_fp8_rs")) and row["dtype"] == "fp8",  # fp8_buf=$FP8_ENABLED
+        overlap_param_gather=bool(spec["overlap_param_sync"]),
+        wgrad_deferral=row.get("wgrad_deferral", spec.get("wgrad_deferral", 0)),
         grad_reduce_dtype={"bf16": "bfloat16", "fp32": "float32"}[spec["grad_sync_dtype"]],
         # NeMo's distributed Adam keeps 16-bit master remainders on bf16 models, a full fp32 copy with fp8_params
         param_remainders=spec["optimizer"] == "distributed_fused_adam" and row["dtype"] == "bf16",
     )  # fmt: skip
     cluster = parse_cluster(f"h100-80g:{max(1, row['gpus'] // 8)}x{min(8, row['gpus'])}")
+    row = {"attention": spec.get("attention", "cudnn"), **row}  # the recipe's attention backend
     return Case(row, model, layout, cluster, float(spec.get("dropout", 0.0)))
 
 
@@ -87,8 +93,16 @@ def cases(path: str | Path) -> list[Case]:
     return [case_of(data, row) for row in data["runs"]]
 
 
-def evaluate(case: Case, **kw) -> search.Result:
+def calibration_of(case: Case, cal: Calibration | None = None) -> Calibration:
+    """The kernel calibration a row runs under: `cal` (default the GPU's), with FlashAttention-2's
+    efficiency where its launch script selects that backend (NVTE_FUSED_ATTN=0: `attention: flash2`)."""
+    cal = cal or calibration_for(case.cluster.gpu.name)
+    return dataclasses.replace(cal, flash=FLASH2_H100_EFFICIENCY) if case.row["attention"] == "flash2" else cal
+
+
+def evaluate(case: Case, calibration: Calibration | None = None, **kw) -> search.Result:
     """`search.evaluate` of the published layout with Megatron's semantics (kw: calibration)."""
+    kw["calibration"] = calibration_of(case, calibration)
     return search.evaluate(case.model, case.layout, case.cluster, case.row["global_batch"], case.row["seq_len"],
                            framework="megatron", dropout=case.dropout, **kw)  # fmt: skip
 

@@ -67,47 +67,82 @@ def stage_seconds(
     *,
     cluster: Cluster | None = None,
     dropout: bool = False,
-    fp8_experts: bool = False,
+    te: bool = False,
 ) -> tuple[float, float, float]:
     """(one layer, embedding, head + cross-entropy): seconds per micro-batch of the layout's
     micro-batch size on one device of `layout`, forward + backward (its remat, tensor, sequence and
     expert parallelism), TP all-reduces included when `cluster` is given (context parallelism: the
-    local s/c tokens; its K/V exchange is `context_seconds`)."""
+    local s/c tokens; its K/V exchange is `context_seconds`). `te`: Megatron's semantics (Transformer
+    Engine's linears and userbuffers: `kernels.layer_seconds`, `tp_fp8_share`)."""
     t, c = layout.tensor, layout.context
     # only what the costs read: the search re-costs the same micro-batch, TP and remat for many layouts
     sp = layout.sequence_parallel and t > 1
     key = Layout(tensor=t, micro_batch_size=layout.micro_batch_size, remat=layout.remat, expert=layout.expert,
                  sequence_parallel=sp, context=c, context_kind=layout.context_kind if c > 1 else "allgather",
-                 tp_comm_overlap=sp and layout.tp_comm_overlap)  # fmt: skip
-    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout, fp8_experts)
+                 tp_comm_overlap=sp and layout.tp_comm_overlap, tp_comm_fp8_rs=layout.tp_comm_fp8_rs)  # fmt: skip
+    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout, te)
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_seconds(
     model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration | None, cluster: Cluster | None,
-    dropout: bool, fp8_experts: bool = False,
+    dropout: bool, te: bool = False,
 ) -> tuple[float, float, float]:  # fmt: skip
     """`stage_seconds` of a layout holding only what the costs read (cached)."""
     cal = cal or gpu_calibration(gpu)
     act = precision_of(model).act
-    b, t, context, remat = layout.micro_batch_size, layout.tensor, layout.context, layout.remat
+    b, t, context = layout.micro_batch_size, layout.tensor, layout.context
     layer = layer_compute_seconds(model, layout, s, gpu, cal, dropout=dropout, act=act,
-                                  flash=model.attention_impl == "cudnn", fp8_experts=fp8_experts)  # fmt: skip
+                                  flash=model.attention_impl == "cudnn", te=te)  # fmt: skip
     tok = b * (s / context if context > 1 else s)
     first = kernels.embed_seconds(model, tok, t, gpu, cal, act)
     last = kernels.head_seconds(model, tok, t, gpu, cal, act)
     if cluster is not None and t > 1:
         ar = cluster.allreduce_seconds(act * tok * model.d_model, t)
-        layer += (4 + 2 * (remat == "full")) * ar  # 2 forward (attention out, MLP out) + 2 backward
-        layer -= tp_overlap_hidden(model, layout, s, cluster, cal, dropout)
+        layer += tp_layer_seconds(model, layout, ar, te)
+        layer -= tp_overlap_hidden(model, layout, s, cluster, cal, dropout, te)
         first += ar  # vocab-parallel embedding output
         last += ar  # the head's input gradient
     return layer, first, last
 
 
+def tp_fp8_share(model: ModelConfig, layout: Layout, te: bool) -> float:
+    """A dense layer's TP collective bytes as a share of their bf16 bytes. Transformer Engine's fp8 with
+    tp_comm_overlap (`te`): its userbuffers all-gather fp8, 1 byte (TE's initialize_ub: all-gather
+    buffers are fp8 under an fp8 recipe, reduce-scatters opt in with fp8_buf): the 2 forward all-gathers
+    of the layer input and the 2 backward ones of the output gradient, 4 of the layer's 8 all-gathers
+    and reduce-scatters; with `layout.tp_comm_fp8_rs` the 2 forward reduce-scatters too."""
+    if not (te and model.fp8 != "none" and layout.tp_comm_overlap and layout.sequence_parallel):
+        return 1.0
+    fp8 = 4 + 2 * layout.tp_comm_fp8_rs
+    return (fp8 / 2 + (8 - fp8)) / 8
+
+
+def tp_layer_seconds(model: ModelConfig, layout: Layout, ar: float, te: bool) -> float:
+    """TP collective seconds of one layer and micro-batch before the rings' overlap, `ar` one all-reduce
+    of the b s/c h activation: 2 forward (attention out, MLP out) + 2 backward (+ 2 recomputed under full
+    remat) at `tp_fp8_share` of their bytes. An MoE layer's expert block moves its routed rows, in bf16
+    (`routed_rows`: Megatron-Core's dispatcher all-gathers them over TP after the all-to-all and
+    reduce-scatters them before the combine; meshrun all-reduces the routed copies)."""
+    n, share = 4 + 2 * (layout.remat == "full"), tp_fp8_share(model, layout, te)
+    frac = model.n_moe_layers / model.n_layers
+    rows = routed_rows(model, layout.expert, "megatron" if te else "meshrun") if frac else 0.0
+    return n * ar * ((1 - frac) * share + frac * (share + rows) / 2)
+
+
+def routed_rows(model: ModelConfig, expert: int, framework: str) -> float:
+    """Rows per token an MoE layer's dispatch moves: `flops.moe_routed` (capacity routing: the padded
+    buffers; meshrun's dropless exchange: its fixed worst-case buffer); Megatron's dropless dispatch
+    sends the routed rows, top_k per token x MOE_DROPLESS_IMBALANCE on the busiest rank."""
+    if framework == "megatron" and model.moe_dispatch == "dropless":
+        return model.top_k * MOE_DROPLESS_IMBALANCE
+    return moe_routed(model, expert)
+
+
 def tp_overlap_hidden(
-    model: ModelConfig, layout: Layout, s: int, cluster: Cluster, cal: Calibration, dropout: bool = False
-) -> float:
+    model: ModelConfig, layout: Layout, s: int, cluster: Cluster, cal: Calibration, dropout: bool = False,
+    te: bool = False,
+) -> float:  # fmt: skip
     """Seconds per layer and micro-batch of the TP collectives that model.tp_comm_overlap takes off
     the step (Megatron-Core: --tp-comm-overlap; both need sequence parallelism). Each all-gather and
     reduce-scatter of a layer (the 2 + 2 forward, 2 + 2 backward and, under full remat, 2 + 2
@@ -121,18 +156,20 @@ def tp_overlap_hidden(
         return 0.0
     act = precision_of(model).act
     tok = b * (s / c if c > 1 else s)
-    half = cluster.allreduce_seconds(act * tok * model.d_model, t, half=True)  # one all-gather / reduce-scatter
+    # one all-gather / reduce-scatter (fp8 userbuffers: `tp_fp8_share`)
+    half = cluster.allreduce_seconds(act * tok * model.d_model, t, half=True) * tp_fp8_share(model, layout, te)
     step = half / (t - 1)
     k = kernels.layer_seconds(model, layout, s, cluster.gpu, cal, moe=False, dropout=dropout, act=act,
-                              flash=model.attention_impl == "cudnn")  # fmt: skip
+                              flash=model.attention_impl == "cudnn", te=te)  # fmt: skip
     hidden = lambda gemm: 4 * (t - 2) * min(step, gemm / 4 / t) * (1 - cluster.overlap_cost)
     total = hidden(k["gemm_fwd"]) * (2 if layout.remat == "full" else 1) + hidden(k["gemm_bwd"])
     return total * (1 - model.n_moe_layers / model.n_layers / 2)
 
 
 def context_seconds(
-    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, act: float, dropout: bool = False
-) -> float:
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, act: float, dropout: bool = False,
+    framework: str = "meshrun",
+) -> float:  # fmt: skip
     """Exposed seconds of one layer's K/V exchange over 'context', per micro-batch (0 when c = 1).
     K/V of the whole sequence on one device: G = 2 s b kv_heads head_dim / t x bytes (`context_kv_bytes`).
     * allgather: forward all-gather of K and V ((c-1)/c G received per device), backward reduce-scatter
@@ -140,7 +177,8 @@ def context_seconds(
       not the gathered, under every remat policy); not overlapped (Llama 3: small next to the
       attention with GQA).
     * ring: c - 1 steps per pass, each sending a K/V block of s/c tokens (G/c; the backward also the
-      float32 dK/dV block, and one more step to bring it home) to the next rank while the current
+      dK/dV block, and one more step to bring it home: float32 in meshrun's ring, the compute dtype in
+      Transformer Engine's, whose p2p buffers hold K/V and dK/dV in K/V's dtype) to the next rank while the current
       block is scored; a step lasts max(block compute,
       block transfer), so only the transfer's excess over the block's attention compute is exposed,
       plus OVERLAP_COST of the hidden part (NCCL takes SMs from the kernels it runs beside).
@@ -164,7 +202,7 @@ def context_seconds(
         xfer = cluster.latency_s + nbytes / bw
         return (c - 1) * (max(xfer, block_compute) - block_compute + cluster.overlap_cost * min(xfer, block_compute))
 
-    dkv = gathered / c * 4 / act  # dK/dV blocks travel in float32
+    dkv = gathered / c * (act if framework == "megatron" else 4.0) / act  # dK/dV blocks (meshrun: float32)
     home = cluster.latency_s + dkv / bw  # the last dK/dV step, after the ring: nothing to hide it behind
     # a recomputed forward ring (remat) scores its blocks beside the backward ring's, sharing its sends
     return steps(gathered / c, f / c) + steps(gathered / c + dkv, (bwd + redo * f) / c) + home
@@ -265,7 +303,9 @@ def predict_time(
     bubble_slots, bubble_fraction = _bubble(layout)
     loop, t_dp_full = (m + bubble_slots) * per_mb, t_dp
     t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework, cluster.overlap_cost)
-    total = loop + t_dp + t_opt
+    off, flush = _megatron_overlaps(model, layout, cluster, s, cal, (t_gather, t_mb, bubble_slots * per_mb), framework)
+    t_dp -= off
+    total = loop + t_dp + t_opt + flush
     return {
         "compute": m * t_mb,
         "tensor_comm": m * t_tp,
@@ -273,19 +313,48 @@ def predict_time(
         "pipe_comm": m * t_pp,
         "expert_comm": m * t_ep,
         "zero_comm": m * t_zero,
-        "bubble": bubble_slots * per_mb,
+        "bubble": bubble_slots * per_mb + flush,
         "dp_sync": t_dp,
         "optimizer": t_opt,
         "total": total,
         "dp_sync_full": t_dp_full + m * zero_mb,
         # model.tp_comm_overlap: TP collective seconds the rings hide (net of OVERLAP_COST), slowest stage
-        "tp_hidden": m * split[slow] * tp_overlap_hidden(model, layout, s, cluster, cal, dropout > 0),
+        "tp_hidden": m
+        * split[slow]
+        * tp_overlap_hidden(model, layout, s, cluster, cal, dropout > 0, framework == "megatron"),
         "dp_hidden": hidden,  # reduction seconds run beside the last ticks (modeled; `_overlapped_reduce`)
         "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,
         "split": split,
         "stage_seconds": times,
     }
+
+
+def _megatron_overlaps(model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration,
+                       parts: tuple[float, float, float], framework: str) -> tuple[float, float]:  # fmt: skip
+    """(seconds of the params' all-gathers that overlap_param_gather hides, net of OVERLAP_COST; seconds
+    the deferred output-layer weight gradients add after the loop) under Megatron's semantics. parts:
+    (the all-gathers' seconds, the slowest stage's compute per micro-batch, the bubble's seconds).
+    The next step's first forwards hide the gathers bucket by bucket: the forward (a third of a
+    micro-batch's compute) of min(m, p) micro-batches, the pipeline's warm-up. The deferred weight
+    gradients (`deferred_wgrad`) run in the flush, where the last stage idles for the bubble."""
+    if framework != "megatron":
+        return 0.0, 0.0
+    gather, t_mb, bubble = parts
+    hidden = min(gather, min(layout.microbatches, layout.pipe) * t_mb / 3) if layout.overlap_param_gather else 0.0
+    deferred = deferred_wgrad(model, layout, s, cluster.gpu, cal, framework) * layout.microbatches
+    return hidden * (1 - cluster.overlap_cost), max(0.0, deferred - bubble)
+
+
+def deferred_wgrad(model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration, framework: str) -> float:
+    """Seconds per micro-batch (averaged over the step's) of the output layer's weight-gradient GEMM that
+    `layout.wgrad_deferral` moves out of the last stage's micro-batches into the pipeline flush
+    (Megatron-Core's defer_embedding_wgrad_compute: "hide pipeline flush latency"); 0 without a pipeline."""
+    if framework != "megatron" or not layout.wgrad_deferral or layout.pipe == 1:
+        return 0.0
+    tok = layout.micro_batch_size * (s / layout.context if layout.context > 1 else s)
+    w = kernels.gemm_seconds(model.d_model, model.vocab / layout.tensor, tok, gpu, cal)
+    return w * min(layout.wgrad_deferral, layout.microbatches) / layout.microbatches
 
 
 def _exposed_reduce(model: ModelConfig, layout: Layout, t_dp: float, t_gather: float, loop: float, framework: str,
@@ -330,10 +399,11 @@ def _split_stages(
     seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone).
     Megatron's fp8 covers the expert GEMMs, meshrun's does not (`kernels.layer_seconds`)."""
     p, e8 = layout.pipe, framework == "megatron"
-    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout, fp8_experts=e8)
-    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout, fp8_experts=e8)
-    cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout)
-    with_cp = (full[0] + cp_layer, *full[1:])
+    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout, te=e8)
+    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout, te=e8)
+    cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout, framework)
+    dw = deferred_wgrad(model, layout, s, cluster.gpu, cal, framework)  # off the last stage's micro-batches
+    compute, with_cp = (*compute[:2], compute[2] - dw), (full[0] + cp_layer, full[1], full[2] - dw)
     v, placement = layout.chunks if p > 1 else layout.virtual, layout.sched.placement
     split = layers_per_stage(model.n_layers, p, v, with_cp, placement)
     times, busy = _stage_times(split, with_cp, placement), _stage_times(split, compute, placement)
@@ -409,17 +479,12 @@ def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: f
                     framework: str = "meshrun") -> float:  # fmt: skip
     """Per micro-batch: dispatch + combine all-to-all of the stage's MoE layers, forward and backward
     (+ recompute), not overlapped (Megatron-Core's all-to-all dispatcher of these releases runs it
-    between the attention and the experts). Rows per token: `flops.moe_routed` (capacity routing: the
-    padded buffers; meshrun's dropless exchange: its fixed worst-case buffer); Megatron's dropless
-    dispatch sends the routed rows, top_k per token x MOE_DROPLESS_IMBALANCE on the busiest rank."""
+    between the attention and the experts). Rows per token: `routed_rows`."""
     t, e = layout.tensor, layout.expert
     n_moe = model.n_moe_layers * stage_layers / model.n_layers
     if not (n_moe and e > 1):
         return 0.0
-    rows = moe_routed(model, e)
-    if framework == "megatron" and model.moe_dispatch == "dropless":
-        rows = model.top_k * MOE_DROPLESS_IMBALANCE
-    a2a = act * rows / (t if layout.sequence_parallel and t > 1 else 1)
+    a2a = act * routed_rows(model, e, framework) / (t if layout.sequence_parallel and t > 1 else 1)
     one = cluster.latency_s + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
     return n_moe * (4 + 2 * (layout.remat == "full")) * one
 
