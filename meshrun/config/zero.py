@@ -19,15 +19,16 @@ def zero3_layer_refusals(
 
 
 def zero2_layer_refusals(
-    param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None
+    param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None, overlap_grad_reduce: bool = False
 ) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.zero2_reduce=microbatch` beside these settings: (what, fix) pairs. The
     layers' gradient is reduce-scattered by the per-layer fetch's backward into float32 arrays beside
-    the parameters, which only the microbatch scan differentiates: no pipeline, no fp8."""
+    the parameters, which the microbatch scan or the pipeline's stage vjp differentiates: no fp8, and
+    nothing left for pipeline.overlap_grad_reduce to reduce."""
     out = []
-    if pipe is not None and pipe > 1:
-        out.append((f"is built without a pipeline only (mesh.pipe={pipe})",
-                    "use mesh.pipe=1 or train.zero2_reduce=step"))  # fmt: skip
+    if overlap_grad_reduce:
+        out.append(("reduces each layer's gradients inside the layer loop already (pipeline.overlap_grad_reduce=true)",
+                    "set pipeline.overlap_grad_reduce=false or train.zero2_reduce=step"))  # fmt: skip
     if fp8 not in (None, "none"):
         out.append(("is not built with fp8 training", "turn model.fp8 off or set train.zero2_reduce=step"))
     return out

@@ -270,7 +270,7 @@ def layerwise(model: ModelConfig, lay: Layout) -> bool:
                                               lay.overlap_grad_reduce)  # fmt: skip
         gathered = precision_of(model).param * counts["total"] / split
         return config.zero3_per_layer(lay.zero3_gather, 3, False, gathered, bool(refused))
-    refused = config.zero2_layer_refusals(model.param_dtype, model.fp8, lay.pipe)
+    refused = config.zero2_layer_refusals(model.param_dtype, model.fp8, lay.pipe, lay.overlap_grad_reduce)
     return config.zero2_per_microbatch(lay.zero2_reduce, 2, 4 * (counts["layers"] + counts["experts"]) / split,
                                        bool(refused))  # fmt: skip
 

@@ -267,7 +267,7 @@ def zero2_reduce(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> st
     if t.zero != 2:
         return None
     refused = zero2_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(m.fp8),
-                                   shape["pipe"])  # fmt: skip
+                                   shape["pipe"], cfg.pipeline.overlap_grad_reduce)  # fmt: skip
     if refused and t.zero2_reduce == "microbatch":
         raise ConfigError("train.zero2_reduce", "microbatch", refused[0][1], refused[0][0])
     sums = 0.0
