@@ -52,6 +52,14 @@ def test_zero2_per_microbatch_pipelined_matches_one_device(over):
     assert_same(got, reference("tiny_cpu.yaml"))
 
 
+@pytest.mark.slow
+def test_zero2_per_microbatch_matches_one_device_moe_expert():
+    """data 2 x expert 2 x tensor 2, MoE every other layer: the experts' gradients are reduce-scattered
+    over 'data' only (they stay split over 'expert')."""
+    got = run_steps(_cfg("tiny_moe_cpu.yaml", MB))
+    assert_same(got, reference("tiny_moe_cpu.yaml"))
+
+
 def test_layers_reduce_scattered_inside_the_loop_and_sums_sharded():
     """data 8, 2 microbatches, 4 layers: each layer weight's gradient is reduce-scattered inside a loop
     once per layer and microbatch, nothing all-gathered there; once a step: no collective of the
