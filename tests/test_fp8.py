@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import ONE_DEVICE, _cfg, assert_resume_gives_the_same_losses, run_steps
+from test_train import ONE_DEVICE, _cfg, assert_resume_gives_the_same_losses, assert_same, run_steps
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError
@@ -77,6 +77,8 @@ def test_amax_history_rotation_and_decode():
 # (test_wrong_amax_reduction_fails) 2e-2, and 8e-5..3e-4 in the loss. The delayed histories
 # (exponents) must match exactly.
 PARITY = ["optimizer.eps=1e-2"]
+ZERO3_LAYER = ["train.zero=3", "train.zero3_gather=layer"]
+ZERO2_MICROBATCH = ["train.zero=2", "train.zero2_reduce=microbatch"]
 NORM_RTOL = 2e-3
 
 
@@ -120,6 +122,10 @@ def fp8_reference(config, over):
         ),  # fmt: skip
         pytest.param("delayed", "tiny_cpu.yaml", ["pipeline.schedule=zb-h1"], marks=pytest.mark.slow),
         pytest.param("delayed", "tiny_moe_cpu.yaml", [], marks=pytest.mark.slow),  # data x expert x tensor
+        pytest.param(  # the observations reduced per layer as the backward makes them
+            "delayed", "tiny_cpu.yaml", ["mesh.pipe=1", "mesh.data=4", *ZERO3_LAYER], marks=pytest.mark.slow
+        ),  # fmt: skip
+        pytest.param("delayed", "tiny_cpu.yaml", ZERO2_MICROBATCH, marks=pytest.mark.slow),
     ],
 )
 def test_fp8_layouts_match_one_device(recipe, config, layout):
@@ -128,6 +134,23 @@ def test_fp8_layouts_match_one_device(recipe, config, layout):
     over = [f"model.fp8={recipe}"]
     got = run_steps(_cfg(config, [*PARITY, *over, *layout]))
     assert_fp8_same(got, fp8_reference(config, over))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, whole",
+    [
+        (["mesh.pipe=1", "mesh.data=4", *ZERO3_LAYER], ["train.zero3_gather=step"]),
+        (ZERO2_MICROBATCH, ["train.zero2_reduce=step"]),  # data2 x pipe2 x tensor2, 1F1B
+    ],
+    ids=["zero3-layer-data4-tensor2", "zero2-microbatch-1f1b"],
+)
+def test_fp8_tensorwise_per_layer_matches_the_whole_step(layout, whole):
+    """ZeRO-3 per layer and ZeRO-2 per microbatch under tensorwise fp8 equal the gather-once /
+    reduce-once step of the same layout (fp32 rtol 1e-5): the fetch gathers whole weights before their
+    amax, and the per-layer reductions change only the order of float32 sums."""
+    over = [*PARITY, "model.fp8=tensorwise", *layout]
+    assert_same(run_steps(_cfg("tiny_cpu.yaml", over)), run_steps(_cfg("tiny_cpu.yaml", [*over, *whole])))
 
 
 def test_wrong_amax_reduction_fails(monkeypatch):

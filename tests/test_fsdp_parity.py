@@ -1,12 +1,10 @@
 """ZeRO-3 per layer and ZeRO-2 per microbatch beside other features: the same numbers as one device
 (losses and params after 3 steps, fp32, rtol 1e-5) with context parallelism (ring), muon and the host
-tier (offload.optimizer=host); fp8 training is refused with both (exit 2, one line naming the field).
+tier (offload.optimizer=host). fp8 with both: tests/test_fp8.py.
 """
 
 import pytest
 from test_train import _cfg, assert_same, reference, run_steps
-
-from meshrun.cli.main import main
 
 LAYER = ["train.zero=3", "train.zero3_gather=layer"]
 MB = ["train.zero=2", "train.zero2_reduce=microbatch"]
@@ -34,13 +32,3 @@ FAST = {"context2-zero3-layer"}  # the representative case of the default suite
 def test_matches_one_device(over, ref):
     got = run_steps(_cfg("tiny_cpu.yaml", over))
     assert_same(got, reference("tiny_cpu.yaml", ref))
-
-
-@pytest.mark.parametrize("variant,field", [(LAYER, "train.zero3_gather"), (MB, "train.zero2_reduce")],
-                         ids=["zero3-layer", "zero2-microbatch"])  # fmt: skip
-def test_fp8_is_refused(variant, field, capsys, tmp_path):
-    over = [*DP4_TP2, *variant, "model.fp8=tensorwise", f"train.run_dir={tmp_path / 'run'}"]
-    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and field in err and "fp8" in err and "Traceback" not in err
-    assert not (tmp_path / "run").exists()

@@ -91,6 +91,12 @@ LAYOUTS = {
         "tiny_cpu.yaml",
         ["model.param_dtype=bfloat16", "model.dtype=bfloat16", "mesh.pipe=1", "mesh.data=4", "train.zero=1"],
     ),
+    # the per-layer variants: the layers' gradients leave the loop reduce-scattered, sums sharded
+    "data4-tensor2-zero3-layer": (
+        "tiny_cpu.yaml",
+        ["mesh.data=4", "mesh.pipe=1", "train.zero=3", "train.zero3_gather=layer"],
+    ),
+    "pipe2-data2-tensor2-zero2-microbatch": ("tiny_cpu.yaml", ["train.zero=2", "train.zero2_reduce=microbatch"]),
 }
 
 

@@ -2,9 +2,10 @@
 reduce-scattered as the backward makes it, every microbatch, and added into float32 sums that are
 themselves sharded (1/DP of the bytes); train.zero2_reduce=step keeps whole sums reduced once a step.
 
-Checked: one-device parity (losses and params after 3 steps, fp32 rtol 1e-5) on data and data x tensor
-layouts; the compiled HLO (the layers' reduce-scatters inside the loops, once per layer and
-microbatch; none there once per step); memory_analysis below once-per-step; bad input.
+Checked: one-device parity (losses and params after 3 steps, fp32 rtol 1e-5) on data, data x tensor and
+pipeline layouts (1F1B, interleaved, ZB-H1, ZB-V: the stage's vjp differentiates the sharded sums);
+the compiled HLO (the layers' reduce-scatters inside the loops, once per layer and microbatch; none
+there once per step); memory_analysis below once-per-step; bad input.
 """
 
 import jax
@@ -34,6 +35,31 @@ def test_zero2_per_microbatch_matches_one_device(over):
     assert_same(got, reference("tiny_cpu.yaml"))
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        [],
+        pytest.param(["pipeline.schedule=interleaved", "pipeline.virtual=2"], marks=pytest.mark.slow),
+        pytest.param(["pipeline.schedule=zb-h1"], marks=pytest.mark.slow),
+        pytest.param(["pipeline.schedule=zb-v"], marks=pytest.mark.slow),
+    ],
+    ids=["1f1b", "interleaved", "zb-h1", "zb-v"],
+)
+def test_zero2_per_microbatch_pipelined_matches_one_device(over):
+    """data 2 x pipe 2 x tensor 2: each stage's vjp sends every layer's gradient, reduce-scattered over
+    'data', to the stage's sharded float32 sums (the B/W split of ZB-H1 and ZB-V: in W)."""
+    got = run_steps(_cfg("tiny_cpu.yaml", [*over, *MB]))
+    assert_same(got, reference("tiny_cpu.yaml"))
+
+
+@pytest.mark.slow
+def test_zero2_per_microbatch_matches_one_device_moe_expert():
+    """data 2 x expert 2 x tensor 2, MoE every other layer: the experts' gradients are reduce-scattered
+    over 'data' only (they stay split over 'expert')."""
+    got = run_steps(_cfg("tiny_moe_cpu.yaml", MB))
+    assert_same(got, reference("tiny_moe_cpu.yaml"))
+
+
 def test_layers_reduce_scattered_inside_the_loop_and_sums_sharded():
     """data 8, 2 microbatches, 4 layers: each layer weight's gradient is reduce-scattered inside a loop
     once per layer and microbatch, nothing all-gathered there; once a step: no collective of the
@@ -46,6 +72,23 @@ def test_layers_reduce_scattered_inside_the_loop_and_sums_sharded():
     assert [c.per_step for c in looped(mb, "reduce-scatter")] == [runs] * WEIGHTS
     assert not looped(mb, "all-gather")
     assert not looped(step, "reduce-scatter") and not looped(step, "all-gather")
+    assert mem_mb.temp_size_in_bytes < mem_step.temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_pipelined_layers_reduce_scattered_inside_the_tick_loop():
+    """data 2 x pipe 2 x tensor 2, 1F1B over 4 microbatches: every layer weight's gradient is
+    reduce-scattered over 'data' inside the tick loop (per layer of a backward tick: at least the
+    stage's 2 layers x 4 microbatches a step, idle ticks' counted too), nothing all-gathered there; once a
+    step, no reduce-scatter there. The per-microbatch step's temporaries are below once-per-step's."""
+    cfg, _, mb, mem_mb = compiled_step(MB)
+    _, _, step, mem_step = compiled_step(["train.zero=2", "train.zero2_reduce=step"])
+    looped = lambda cs, op: [c for c in cs if c.op == op and c.in_loop]  # noqa: E731
+    scatters = looped(mb, "reduce-scatter")
+    per_stage = cfg.model.n_layers // cfg.mesh.pipe * cfg.pipeline.microbatches
+    assert scatters and len(scatters) % WEIGHTS == 0 and {c.axes for c in scatters} == {("data",)}
+    assert sum(c.per_step for c in scatters) >= WEIGHTS * per_stage
+    assert not looped(mb, "all-gather") and not looped(step, "reduce-scatter")
     assert mem_mb.temp_size_in_bytes < mem_step.temp_size_in_bytes
 
 
@@ -64,11 +107,11 @@ def test_auto_and_plan():
 @pytest.mark.parametrize(
     "over,fix",
     [
-        (MB, "use mesh.pipe=1"),  # tiny_cpu: mesh.pipe=2
+        ([*MB, "pipeline.schedule=zb-v", "pipeline.overlap_grad_reduce=true"], "overlap_grad_reduce=false"),
         (["train.zero=1", "train.zero2_reduce=microbatch"], "set train.zero=2"),
         (["train.zero=2", "train.zero2_reduce=often"], "use one of"),
     ],
-    ids=["pipeline", "zero1", "unknown"],
+    ids=["overlap-grad-reduce", "zero1", "unknown"],
 )
 def test_a_variant_the_layout_cannot_run_exits_2_naming_the_field(over, fix, capsys, tmp_path):
     assert main(["train", "configs/tiny_cpu.yaml", *over, f"train.run_dir={tmp_path / 'run'}"]) == 2

@@ -41,10 +41,16 @@ def test_zero3_per_layer_matches_one_device(over):
 
 
 @pytest.mark.slow
-def test_zero3_per_layer_interleaved_matches_one_device():
-    """Interleaved 1F1B (pipe 2, virtual 2): layers stored in pipeline placement, compared in model order."""
-    over = ["pipeline.schedule=interleaved", "pipeline.virtual=2", *LAYER]
-    got = run_steps(_cfg("tiny_cpu.yaml", over))
+@pytest.mark.parametrize(
+    "over",
+    [["pipeline.schedule=interleaved", "pipeline.virtual=2"], ["pipeline.schedule=zb-h1"], ["pipeline.schedule=zb-v"]],
+    ids=["interleaved", "zb-h1", "zb-v"],
+)
+def test_zero3_per_layer_pipelines_match_one_device(over):
+    """pipe 2 x data 2 x tensor 2: interleaved 1F1B (virtual 2) and the V (layers stored in pipeline
+    placement, compared in model order); ZB-H1 and ZB-V split each backward into B and W, W re-gathering
+    the layer and reduce-scattering its gradient."""
+    got = run_steps(_cfg("tiny_cpu.yaml", [*over, *LAYER]))
     assert_same(got, reference("tiny_cpu.yaml"))
 
 

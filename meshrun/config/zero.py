@@ -9,28 +9,25 @@ LAYER_GATHER_AUTO_BYTES = 2**30  # train.zero3_gather=auto: per-layer gathers ab
 
 
 def zero3_layer_refusals(
-    param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None, overlap_grad_reduce: bool = False
+    param_dtype: str | None = None, pipe: int | None = None, overlap_grad_reduce: bool = False
 ) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.zero3_gather=layer` beside these settings: (what, fix) pairs, empty when
     it runs them. The per-layer gather is offload.params' fetch with the weights in device memory,
-    so the same rules about the model and the pipeline apply (`offload_params_refusals`)."""
-    refused = offload_params_refusals(3, "none", param_dtype, fp8, pipe, "host", None, overlap_grad_reduce)
+    so the same rules about the model and the pipeline apply (`offload_params_refusals`), but fp8: the
+    step's update rotates the fetched layers' delayed-scaling observations like the gather-once step's."""
+    refused = offload_params_refusals(3, "none", param_dtype, None, pipe, "host", None, overlap_grad_reduce)
     return [(what, f"{fix}, or set train.zero3_gather=step") for what, fix in refused]
 
 
-def zero2_layer_refusals(
-    param_dtype: str | None = None, fp8: str | None = None, pipe: int | None = None
-) -> list[tuple[str, str]]:
+def zero2_layer_refusals(overlap_grad_reduce: bool = False) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.zero2_reduce=microbatch` beside these settings: (what, fix) pairs. The
     layers' gradient is reduce-scattered by the per-layer fetch's backward into float32 arrays beside
-    the parameters, which only the microbatch scan differentiates: no pipeline, no fp8."""
-    out = []
-    if pipe is not None and pipe > 1:
-        out.append((f"is built without a pipeline only (mesh.pipe={pipe})",
-                    "use mesh.pipe=1 or train.zero2_reduce=step"))  # fmt: skip
-    if fp8 not in (None, "none"):
-        out.append(("is not built with fp8 training", "turn model.fp8 off or set train.zero2_reduce=step"))
-    return out
+    the parameters, which the microbatch scan or the pipeline's stage vjp differentiates (any param
+    dtype, fp8 included): nothing is left for pipeline.overlap_grad_reduce to reduce."""
+    if overlap_grad_reduce:
+        return [("reduces each layer's gradients inside the layer loop already (pipeline.overlap_grad_reduce=true)",
+                 "set pipeline.overlap_grad_reduce=false or train.zero2_reduce=step")]  # fmt: skip
+    return []
 
 
 def zero2_per_microbatch(reduce: str, zero: int, sum_bytes: float, refused: bool) -> bool:

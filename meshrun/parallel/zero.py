@@ -69,6 +69,13 @@ class ZeroShardings:
         memory) or offload.params (`from_host`, in host memory). One fetch, two sources."""
         return self.from_host or self.fsdp
 
+    @property
+    def shadows(self) -> bool:
+        """ZeRO-2 per microbatch: the layers rest whole and each layer's gradient is reduce-scattered to
+        1/DP of it, so it goes to float32 arrays of that layout (`layer_fetch.Shadowed`, `layer_sums`),
+        never to the weights' own (whole) cotangent."""
+        return self.fsdp and self.stage == 2
+
     @classmethod
     def build(
         cls,

@@ -68,7 +68,7 @@ class OpRun(StageRun):
         every tick's B and W."""
         if self._split is not None:
             return self._split
-        chunk_def = jax.tree.structure(jax.eval_shape(lambda: self.chunk(0)))
+        chunk_def = jax.tree.structure(jax.eval_shape(lambda: self.diff_chunk(0)))
 
         def bwd(at, saved, dy):
             ch, mb = at if self.v > 1 else (0, *at)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshrun.family import contract
-from meshrun.parallel.layer_fetch import host_zeros, on_host
+from meshrun.parallel.layer_fetch import host_zeros, on_host, shadowed
 from meshrun.parallel.sharding import GRAD_AXES
 from meshrun.parallel.zero import accum_zeros
 from meshrun.pipeline import bw_split, schedules
@@ -36,14 +36,16 @@ class StageRun:
         self.stage = lax.axis_index("pipe")
         self.fill = jnp.nan if spec.nan_bubbles else 0.0
         self.counts = jnp.asarray(self.split.counts, jnp.int32)  # per virtual stage
-        lc = self.split.lmax
+        self.zl = spec.zero.sub("layers")  # the layers' ZeRO shardings (`drain`'s reductions)
         # v = 1: the stage's layers are used as they are (a dynamic chunk index would copy every
         # weight, and its gradient accumulator, on every tick). v > 1: [v, Lc, ...], or with
         # `flat_chunks` the stage's [v*Lc, ...] as it comes, a chunk a dynamic slice of it (a reshape
         # whose leading chunk axis changes the layout made XLA copy the stage's weights once per step).
-        self.layers_v = layers
-        if self.v > 1 and not self.flat_chunks:
-            self.layers_v = jax.tree.map(lambda a: a.reshape(self.v, lc, *a.shape[1:]), layers)
+        self.layers_v = self.chunked(layers)
+        # ZeRO-2 per microbatch: each layer's gradient goes to float32 arrays of its grad layout (1/DP
+        # of it, `layer_fetch.Shadowed`), which the stage's vjp differentiates in place of the weights
+        self.sums_v = jax.eval_shape(self.zl.layer_sums, layers) if self.zl.shadows else None
+        self.sums_v = None if self.sums_v is None else jax.eval_shape(self.chunked, self.sums_v)
         self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
@@ -59,13 +61,12 @@ class StageRun:
         if spec.residuals == "store":
             # segment ids are data, not activations: leaves that depend on them alone are rebuilt
             # in the backward from the same microbatch's ids, like the weight-only leaves
-            stage0 = lambda lp, x, seg=None: self.apply(0, seg)(lp, x)
-            self.mask, avals = activation_residuals(stage0, self.chunk(0), self.x_zero, self._seg(0))
+            stage0 = lambda lp, x, seg=None: self.diff_apply(0, seg)(lp, x)
+            self.mask, avals = activation_residuals(stage0, self.diff_chunk(0), self.x_zero, self._seg(0))
             self.res_avals = [a for a, d in zip(avals, self.mask, strict=True) if d]
         else:
             self.mask, self.res_avals = None, [self.x_aval]
         self.nslot = prog.slots + 1  # the last slot takes idle ticks' writes
-        self.zl = spec.zero.sub("layers")  # the layers' ZeRO shardings (`drain`'s reductions)
 
     # ------------------------------------------------------------ helpers
 
@@ -77,10 +78,31 @@ class StageRun:
         an uneven split one that skips the chunk's padding entries (its count is counts[c*p + stage])."""
         return stage_fn(self.split, contract.layers_fn(self.fns, seg), c, self.stage)
 
+    def chunked(self, tree):
+        """A stage's stacked [v*Lc, ...] tree as `layers_v` holds it."""
+        if self.v == 1 or self.flat_chunks:
+            return tree
+        return jax.tree.map(lambda a: a.reshape(self.v, self.split.lmax, *a.shape[1:]), tree)
+
     def chunk(self, c):
         if self.v == 1:
             return self.layers_v
         return jax.tree.map(lambda a: self.chunk_of(a, c), self.layers_v)
+
+    def diff_chunk(self, c):
+        """What the stage's vjp differentiates for chunk c: its weights, or with `sums_v` float32 zeros
+        of one chunk of the sums (the fetch's forward never reads them: only their shape matters)."""
+        if self.sums_v is None:
+            return self.chunk(c)
+        one = lambda s: s.shape if self.v == 1 else (self.split.lmax, *s.shape[1 if self.flat_chunks else 2 :])
+        return jax.tree.map(lambda s: jnp.zeros(one(s), s.dtype), self.sums_v)
+
+    def diff_apply(self, c, seg=None):
+        """`apply(c, seg)` as a function of `diff_chunk(c)` (and x)."""
+        f = self.apply(c, seg)
+        if self.sums_v is None:
+            return f
+        return lambda d, x: f(shadowed(self.chunk(c), d), x)
 
     def chunk_of(self, a, c):
         """Chunk c of a stacked per-stage array (the layers or their sums)."""
@@ -111,7 +133,10 @@ class StageRun:
         return jax.tree.map(lambda a, n: self.put_chunk(a, ch, n), g_layers, g), dx
 
     def layer_sums(self):
-        """Zero float32 sums of the stage's layers, where the layers rest (host memory: made a slice at a time)."""
+        """Zero float32 sums of the stage's layers, where the layers rest (host memory: made a slice at a
+        time); with `sums_v` 1/DP of them."""
+        if self.sums_v is not None:
+            return accum_zeros(self.sums_v)
         if any(on_host(a) for a in jax.tree.leaves(self.layers_v)):
             return host_zeros(jax.eval_shape(accum_zeros, self.layers_v))
         return accum_zeros(self.layers_v)
@@ -220,7 +245,7 @@ class StageRun:
         head), the last three from the head + loss on the last virtual stage (zeros elsewhere)."""
         fns, xs = self.fns, self.x_aval
         x = lax.cond(first, lambda: fns.embed(self.other, take(self.tok, mb)).astype(xs.dtype), lambda: x_in)
-        (y, aux), vjp = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), x)
+        (y, aux), vjp = jax.vjp(self.diff_apply(ch, self._seg(mb)), self.diff_chunk(ch), x)
         keep = [x]
         if self.mask is not None:  # only the activation-dependent leaves of the vjp are stored
             keep = [r for r, d in zip(jax.tree.leaves(vjp), self.mask, strict=True) if d]
@@ -239,8 +264,8 @@ class StageRun:
         leaves plus the weight-only leaves rebuilt by a dummy forward XLA removes ('store'), or a
         forward re-run from the saved stage input ('recompute')."""
         if self.mask is None:
-            return jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), saved[0])[1]
-        _, tmpl = jax.vjp(self.apply(ch, self._seg(mb)), self.chunk(ch), self.x_zero)
+            return jax.vjp(self.diff_apply(ch, self._seg(mb)), self.diff_chunk(ch), saved[0])[1]
+        _, tmpl = jax.vjp(self.diff_apply(ch, self._seg(mb)), self.diff_chunk(ch), self.x_zero)
         leaves, tdef = jax.tree.flatten(tmpl)
         it = iter(saved)
         return jax.tree.unflatten(tdef, [next(it) if d else lf for lf, d in zip(leaves, self.mask, strict=True)])

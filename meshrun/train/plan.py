@@ -247,8 +247,8 @@ def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> st
     t, m = cfg.train, cfg.model
     if t.zero != 3:
         return None
-    refused = zero3_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(m.fp8),
-                                   shape["pipe"], cfg.pipeline.overlap_grad_reduce)  # fmt: skip
+    refused = zero3_layer_refusals(str(getattr(m, "param_dtype", "float32")), shape["pipe"],
+                                   cfg.pipeline.overlap_grad_reduce)  # fmt: skip
     if refused and t.zero3_gather == "layer":
         raise ConfigError("train.zero3_gather", "layer", refused[0][1], refused[0][0])
     gathered = 0.0
@@ -266,8 +266,7 @@ def zero2_reduce(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> st
     t, m = cfg.train, cfg.model
     if t.zero != 2:
         return None
-    refused = zero2_layer_refusals(str(getattr(m, "param_dtype", "float32")), str(m.fp8),
-                                   shape["pipe"])  # fmt: skip
+    refused = zero2_layer_refusals(cfg.pipeline.overlap_grad_reduce)
     if refused and t.zero2_reduce == "microbatch":
         raise ConfigError("train.zero2_reduce", "microbatch", refused[0][1], refused[0][0])
     sums = 0.0
