@@ -172,7 +172,9 @@ LAYOUTS = [
     # two chunks per stage: 4 MoE layers after the first dense one (which runs on the first stage)
     pytest.param(["model.n_layers=5"], [*PIPE2_V2, "pipeline.schedule=zb-v"], id="zb-v-pipe2", marks=pytest.mark.slow),
     pytest.param(
-        ["model.n_layers=5"], [*PIPE2_V2, "pipeline.schedule=interleaved"], id="interleaved-pipe2",
+        ["model.n_layers=5"],
+        [*PIPE2_V2, "pipeline.schedule=interleaved"],
+        id="interleaved-pipe2",
         marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param([], ["mesh.context=2", *NO_TP], id="context2-data2-expert2", marks=pytest.mark.slow),
