@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from meshrun_models.gmm import ffn, gmm
+from meshrun_models.gmm import ffn
 from meshrun_models.layers import dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
@@ -43,9 +43,9 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
         w_up, act, spec = p["up"].astype(dt), jax.nn.gelu, (None, "mlp")
     if jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
         return ffn(x_RxD, w_up, p["down"].astype(dt), sizes_E, act)
-    h = gmm(x_RxD, w_up, sizes_E)
+    h = jax.lax.ragged_dot(x_RxD, w_up, sizes_E)
     a_RxF = act(constrain(h.reshape(-1, f, 2), spec).reshape(h.shape) if cfg.mlp == "swiglu" else constrain(h, spec))
-    return gmm(a_RxF, p["down"].astype(dt), sizes_E)
+    return jax.lax.ragged_dot(a_RxF, p["down"].astype(dt), sizes_E)
 
 
 def _swiglu(gu: jax.Array) -> jax.Array:

@@ -1,11 +1,11 @@
-"""Grouped matmul for dropless MoE: rows sorted by group, `sizes_G` rows each, row r times its group's weight.
+"""Dropless experts on XLA:CPU: rows sorted by group (expert), `sizes_G` rows each, through their group's FFN.
 
-`gmm` is `jax.lax.ragged_dot` on GPU and TPU (a grouped GEMM). XLA:CPU lowers ragged_dot to a masked
-dense matmul over every group and every row, padding rows included; there `gmm` runs a loop over
-tiles of `tile` rows instead, each tile one group's rows, whose trip count is the number of tiles the
-actual rows fill (at most sum(sizes)/tile + G): padding rows past sum(sizes) cost nothing. Its
-gradient (custom_vjp) is two more such loops: dx = gmm(dy, w^T), dw[g] = sum of x_tile^T dy_tile.
-Rows past sum(sizes) are zero in the output, as ragged_dot gives them.
+XLA:CPU lowers `jax.lax.ragged_dot` to a masked dense matmul over every group and every row, the
+padding rows of a worst-case buffer included. `ffn` runs one loop over tiles of `tile` rows instead,
+each tile one group's rows, whose trip count is the number of tiles the actual rows fill (at most
+sum(sizes)/tile + G): rows past sum(sizes) cost nothing and come out zero, as ragged_dot gives them.
+Its gradient (custom_vjp) is one more such loop, the tile's activations recomputed and the weight
+gradients summed in float32. GPUs and TPUs run ragged_dot (a grouped GEMM; models/dropless.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-
-
-def gmm(x_RxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array, tile: int = 32) -> jax.Array:
-    """Grouped matmul: ragged_dot off CPU, the tile loop (work ~ the actual rows) on XLA:CPU."""
-    sizes_G = sizes_G.astype(jnp.int32)
-    if jax.default_backend() != "cpu":
-        return jax.lax.ragged_dot(x_RxK, w_GxKxN, sizes_G)
-    return _tiled(x_RxK, w_GxKxN, sizes_G, tile)
 
 
 def _varying(carry, *refs):
@@ -58,64 +50,9 @@ def _tile_at(t, sizes_G, plan, tile: int):
     return g, row_start_G[g] + off, jnp.minimum(tile, sizes_G[g] - off)
 
 
-def _loop_mm(x_RxK, w_GxKxN, sizes_G, tile: int):
-    """out[rows of g] = x[rows of g] @ w[g], tile by tile over the filled tiles only."""
-    r = x_RxK.shape[0]
-    plan = _plan(sizes_G, tile)
-    x_pad = jnp.pad(x_RxK, ((0, tile), (0, 0)))  # a last partial tile reads past row r
-    dt = jnp.result_type(x_RxK.dtype, w_GxKxN.dtype)
-
-    def body(t, out):
-        g, start, valid = _tile_at(t, sizes_G, plan, tile)
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(x_pad, start, tile), w_GxKxN[g]).astype(dt)
-        keep = (jnp.arange(tile) < valid)[:, None]
-        y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, tile))
-        return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
-
-    out = _varying(jnp.zeros((r + tile, w_GxKxN.shape[2]), dt), x_RxK, w_GxKxN, sizes_G)
-    return jax.lax.fori_loop(0, plan[3], body, out)[:r]
-
-
-def _loop_dw(x_RxK, dy_RxN, sizes_G, n_groups: int, tile: int):
-    """dw[g] = x[rows of g]^T @ dy[rows of g] (float32 sums), tile by tile over the filled tiles."""
-    plan = _plan(sizes_G, tile)
-    x_pad = jnp.pad(x_RxK, ((0, tile), (0, 0)))
-    dy_pad = jnp.pad(dy_RxN, ((0, tile), (0, 0)))
-
-    def body(t, dw):
-        g, start, valid = _tile_at(t, sizes_G, plan, tile)
-        keep = (jnp.arange(tile) < valid)[:, None]
-        x = jnp.where(keep, jax.lax.dynamic_slice_in_dim(x_pad, start, tile), 0)
-        dy = jax.lax.dynamic_slice_in_dim(dy_pad, start, tile)
-        upd = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
-        return dw.at[g].add(upd)
-
-    dw = _varying(jnp.zeros((n_groups, x_RxK.shape[1], dy_RxN.shape[1]), jnp.float32), x_RxK, dy_RxN, sizes_G)
-    return jax.lax.fori_loop(0, plan[3], body, dw)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(x_RxK, w_GxKxN, sizes_G, tile: int):
-    return _loop_mm(x_RxK, w_GxKxN, sizes_G, tile)
-
-
-def _tiled_fwd(x_RxK, w_GxKxN, sizes_G, tile: int):
-    return _loop_mm(x_RxK, w_GxKxN, sizes_G, tile), (x_RxK, w_GxKxN, sizes_G)
-
-
-def _tiled_bwd(tile: int, res, dy_RxN):
-    x_RxK, w_GxKxN, sizes_G = res
-    dx = _loop_mm(dy_RxN, jnp.swapaxes(w_GxKxN, 1, 2), sizes_G, tile).astype(x_RxK.dtype)
-    dw = _loop_dw(x_RxK, dy_RxN, sizes_G, w_GxKxN.shape[0], tile).astype(w_GxKxN.dtype)
-    return _sum_to(dx, x_RxK), _sum_to(dw, w_GxKxN), None
-
-
-_tiled.defvjp(_tiled_fwd, _tiled_bwd)
-
-
 def ffn(x_RxD, w1_GxDxH, w2_GxFxD, sizes_G, act, tile: int = 64):
     """act(x @ w1[g]) @ w2[g] per row's group g, fused in one tile loop (XLA:CPU): one loop forward
-    and one backward (the tile's activations recomputed) instead of a gmm loop per matrix."""
+    and one backward (the tile's activations recomputed), not a loop per matrix."""
     return _fused(x_RxD, w1_GxDxH, w2_GxFxD, sizes_G.astype(jnp.int32), act, tile)
 
 
