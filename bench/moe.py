@@ -1,6 +1,6 @@
 """MoE dispatch: capacity routing vs dropless, step time and memory per layout (a script, not a test).
 
-    python bench/moe.py [--steps 5] [--warmup 2]
+    python bench/moe.py [--steps 5] [--warmup 2] [--only dispatch|fine] [--rounds 5]
 
 tiny_moe_cpu.yaml (4 experts, top-2, every other layer MoE, global batch 16 x 64 tokens) on
 data2 x expert2 x tensor2 and on one device, each with `model.moe_dispatch=capacity`
@@ -10,13 +10,20 @@ assignments in the last step. Dropless moves fixed worst-case all_to_all buffers
 parallelism (ragged_all_to_all is not implemented on XLA:CPU), and XLA:CPU runs ragged_dot as a
 masked dense matmul over the local experts, so CPU figures overstate its cost against a GPU's grouped
 GEMM. Simulated CPU devices share the host's cores: compare ratios within one run only.
+
+Fine-grained MoE vs dense: tiny_deepseek_cpu.yaml reshaped to 2 layers of d_model 128 on data2 x
+expert4, one MoE of 64 experts of width d_ff/8 = 64, top-8, 1 shared expert, beside the dense model
+of equal active FFN width (8 * 64 + 64 = 576; the router's d_model * 64 per token is extra): median
+ms/step over --rounds alternated rounds of --steps steps each (one untimed step per round first).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import ONE_DEVICE, measure  # noqa: E402  (bench/train.py; simulates 8 CPU devices on import)
@@ -32,12 +39,87 @@ DISPATCHES = (
     ("dropless", ["model.moe_dispatch=dropless"]),
 )
 
+FINE_CONFIG = "configs/tiny_deepseek_cpu.yaml"
+FINE_BASE = ["mesh.data=2", "mesh.expert=4", "mesh.tensor=1", "model.n_layers=2", "model.first_dense_layers=0",
+             "model.d_model=128", "model.d_ff=512", "model.route_groups=0", "model.route_group_limit=0"]  # fmt: skip
+FINE_MOE = ["model.n_experts=64", "model.moe_d_ff=64", "model.top_k=8", "model.n_shared_experts=1"]
+FINE_CASES = (
+    (
+        "dense d_ff=576",
+        [
+            "model.n_experts=0",
+            "model.moe_d_ff=0",
+            "model.n_shared_experts=0",
+            "model.d_ff=576",
+            "model.balance=aux_loss",
+            "model.router_score=softmax",
+        ],
+    ),  # fmt: skip
+    ("MoE dropless", [*FINE_MOE, "model.moe_dispatch=dropless"]),
+    ("MoE capacity cf=1.25", [*FINE_MOE, "model.moe_dispatch=capacity", "model.capacity_factor=1.25"]),
+)
+
+
+def stepper(path: str, overrides: list[str]):
+    """A compiled train step on one fixed batch: a callable that runs one step and returns its seconds."""
+    import jax  # after bench/train.py has set up the simulated devices
+    from jax.sharding import PartitionSpec as P
+
+    from meshrun.config import load_config
+    from meshrun.data.datasets import global_batch_arrays, make_dataset
+    from meshrun.parallel.sharding import DP_AXES
+    from meshrun.runtime.devices import cpu_devices
+    from meshrun.runtime.mesh import build_mesh
+    from meshrun.train.step import make_train_step
+
+    cfg = load_config(path, overrides)
+    mesh = build_mesh(cfg.mesh, devices=cpu_devices(cfg.mesh.data * cfg.mesh.expert * cfg.mesh.tensor))
+    ts = make_train_step(cfg, mesh)
+    t = cfg.train
+    ds = make_dataset(cfg.data, vocab=cfg.model.vocab, seq_len=t.seq_len, global_batch=t.global_batch)
+    batch = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
+    compiled, state = ts.step.lower(ts.abstract_run, *batch).compile(), [ts.init()]
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        state[0], metrics = compiled(state[0], *batch)
+        jax.block_until_ready(metrics["loss"])
+        return time.perf_counter() - t0
+
+    return step
+
+
+def fine_vs_dense(rounds: int, steps: int) -> None:
+    """Fine-grained MoE against the dense model of equal active FLOPs, alternated rounds, one table."""
+    steppers = [(name, stepper(FINE_CONFIG, FINE_BASE + over)) for name, over in FINE_CASES]
+    times = {name: [] for name, _ in steppers}
+    for _ in range(rounds):
+        for name, step in steppers:
+            step()
+            times[name] += [step() for _ in range(steps)]
+    head = f"{'data2 x expert4':<24}{'ms/step':>9}{'vs dense':>10}"
+    print(f"\n{head}\n{'-' * len(head)}")
+    dense = statistics.median(times[FINE_CASES[0][0]])
+    for name, t in times.items():
+        print(f"{name:<24}{1e3 * statistics.median(t):>9.1f}{statistics.median(t) / dense:>10.2f}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    ap.add_argument("--only", choices=("dispatch", "fine"), help="one of the two tables (default: both)")
+    ap.add_argument("--rounds", type=int, default=5, help="fine-grained vs dense: alternated rounds")
     args = ap.parse_args()
+    if args.only != "fine":
+        dispatch_table(args)
+    if args.only != "dispatch":
+        print(" ".join(__doc__.split("\n\n")[3].split()))
+        fine_vs_dense(args.rounds, args.steps)
+
+
+def dispatch_table(args) -> None:
+    """Capacity vs dropless on tiny_moe_cpu.yaml, parallel and on one device."""
     print(" ".join(__doc__.split("\n\n")[2].split()))
     print()
     head = f"{'layout':<10}{'dispatch':<18}{'step ms':>9}{'tok/s':>9}{'MiB/dev':>9}{'dropped':>9}{'vs cf=2':>9}"

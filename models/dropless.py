@@ -1,13 +1,14 @@
 """Dropless MoE dispatch (`model.moe_dispatch=dropless`): every (token, choice) assignment is computed.
 
-Tokens are sorted by expert and the local experts run as one grouped matmul (`jax.lax.ragged_dot`,
-MegaBlocks-style, Gale et al. 2022); no capacity, no padding, no drops.
+Tokens are sorted by expert and the local experts run as one grouped matmul (gmm.py: `ragged_dot`
+on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU a loop over the tiles the rows fill);
+no capacity, no drops.
 
 Expert parallelism over `axis` (ep devices, E/ep experts each): the per-destination row counts are
 exchanged first, then the rows travel in a fixed-size all_to_all sized to the worst case,
-M = T * min(k, E/ep) rows per destination (it runs on XLA:CPU, which has no ragged all-to-all). The
-receiver sorts the rows by local expert, runs the grouped matmul and sends the results back the same
-way. On XLA:CPU ragged_dot is a masked dense matmul over all local experts; GPUs run a grouped GEMM.
+M = T * min(k, E/ep) rows per destination (XLA:CPU has no ragged all-to-all). The receiver sorts
+the R = ep*M rows by local expert (the padding last), runs the grouped matmul, which on CPU computes
+the filled tiles only, and sends the results back the same way.
 
 Shape letters as in layers.py; A = T*k assignments, M rows per destination, R = ep*M received rows.
 """
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from meshrun_models.gmm import ffn
 from meshrun_models.layers import dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
@@ -31,20 +33,25 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     'mlp' stays column/row-parallel over tensor, as in the dense MLP."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
-
-    def mm(x, w):
-        return jax.lax.ragged_dot(x, w.astype(dt), sizes_E)
-
     if cfg.mlp == "swiglu":
         # gate and up in one grouped matmul (one input-gradient all-reduce over tensor in backward, not
         # two): [E, D, F, 2] -> [E, D, 2F] keeps each tensor shard's F slice contiguous.
         e, d, f = p["up"].shape
-        w_ExDx2F = jnp.stack([p["gate"], p["up"]], axis=-1).reshape(e, d, 2 * f)
-        gu = constrain(mm(x_RxD, w_ExDx2F).reshape(-1, f, 2), (None, "mlp", None))
-        a_RxF = jax.nn.silu(gu[..., 0]) * gu[..., 1]
+        w_up = jnp.stack([p["gate"], p["up"]], axis=-1).reshape(e, d, 2 * f).astype(dt)
+        act, spec = _swiglu, (None, "mlp", None)
     else:
-        a_RxF = jax.nn.gelu(constrain(mm(x_RxD, p["up"]), (None, "mlp")))
-    return mm(a_RxF, p["down"])
+        w_up, act, spec = p["up"].astype(dt), jax.nn.gelu, (None, "mlp")
+    if jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
+        return ffn(x_RxD, w_up, p["down"].astype(dt), sizes_E, act)
+    h = jax.lax.ragged_dot(x_RxD, w_up, sizes_E)
+    a_RxF = act(constrain(h.reshape(-1, f, 2), spec).reshape(h.shape) if cfg.mlp == "swiglu" else constrain(h, spec))
+    return jax.lax.ragged_dot(a_RxF, p["down"].astype(dt), sizes_E)
+
+
+def _swiglu(gu: jax.Array) -> jax.Array:
+    """silu(gate) * up of gate/up interleaved along the last axis ([..., 2F] = [..., F, 2])."""
+    g = gu.reshape(*gu.shape[:-1], -1, 2)
+    return jax.nn.silu(g[..., 0]) * g[..., 1]
 
 
 def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):

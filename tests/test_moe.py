@@ -291,3 +291,25 @@ def test_bad_moe_dispatch_exits_2(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     assert "model.moe_dispatch: invalid value (got 'sorted'); use one of ['capacity', 'dropless']" in err
+
+
+@pytest.mark.parametrize("tile", [1, 4, 64])
+def test_cpu_expert_tile_loop_matches_ragged_dot(tile):
+    """models/gmm.py's tile loop (dropless experts on XLA:CPU) equals two ragged_dots, output and the
+    gradients of x and both weights: empty groups, partial tiles, and 17 padding rows past the groups
+    (zero out, zero gradient), which the loop never visits."""
+    from meshrun_models.dropless import _swiglu
+    from meshrun_models.gmm import ffn
+
+    k = jax.random.split(jax.random.key(0), 4)
+    sizes = jnp.array([3, 0, 17, 9, 4])
+    x, dy = jax.random.normal(k[0], (50, 8)), jax.random.normal(k[3], (50, 8))
+    w1, w2 = jax.random.normal(k[1], (5, 8, 12)), jax.random.normal(k[2], (5, 6, 8))
+    ref = lambda x, a, b: jax.lax.ragged_dot(_swiglu(jax.lax.ragged_dot(x, a, sizes)), b, sizes)
+    got = lambda x, a, b: ffn(x, a, b, sizes, _swiglu, tile)
+    vg = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * dy), (0, 1, 2)))(x, w1, w2)
+    (v0, g0), (v1, g1) = vg(ref), vg(got)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    for a, b in zip(g0, g1, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+    assert not np.any(np.asarray(got(x, w1, w2))[33:]) and not np.any(np.asarray(g1[0])[33:])

@@ -475,16 +475,30 @@ def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) 
     return 2 * v * (cluster.latency_s + sent / cluster.group_bw(2 * t * layout.expert * layout.data * layout.context))
 
 
+def a2a_rows(model: ModelConfig, expert: int, framework: str = "meshrun") -> float:
+    """Rows per token one expert all-to-all moves: `routed_rows` (meshrun's dropless exchange keeps its
+    fixed worst-case buffers, which group-limited routing does not shrink, as every token may still
+    pick one rank). Under Megatron's dropless dispatch with device-limited routing (route_groups > 1,
+    limit M) a token's copies reach at most M groups, and a dispatch that sends a token once per group
+    it reaches (forwarded to its experts inside the group) moves min(top_k, M) / top_k of them
+    (DeepSeek-V3 report, 2.1.2 and 3.2.2: at most 4 nodes per token)."""
+    rows = routed_rows(model, expert, framework)
+    limit = getattr(model, "route_group_limit", 0) if getattr(model, "route_groups", 0) > 1 else 0
+    if framework != "megatron" or model.moe_dispatch != "dropless" or not limit:
+        return rows
+    return rows * min(model.top_k, limit) / model.top_k
+
+
 def _expert_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, act: float, stage_layers: float,
                     framework: str = "meshrun") -> float:  # fmt: skip
     """Per micro-batch: dispatch + combine all-to-all of the stage's MoE layers, forward and backward
     (+ recompute), not overlapped (Megatron-Core's all-to-all dispatcher of these releases runs it
-    between the attention and the experts). Rows per token: `routed_rows`."""
+    between the attention and the experts), of `a2a_rows` per token."""
     t, e = layout.tensor, layout.expert
     n_moe = model.n_moe_layers * stage_layers / model.n_layers
     if not (n_moe and e > 1):
         return 0.0
-    a2a = act * routed_rows(model, e, framework) / (t if layout.sequence_parallel and t > 1 else 1)
+    a2a = act * a2a_rows(model, e, framework) / (t if layout.sequence_parallel and t > 1 else 1)
     one = cluster.latency_s + a2a * (e - 1) / e / cluster.group_bw(e * t * layout.context)
     return n_moe * (4 + 2 * (layout.remat == "full")) * one
 

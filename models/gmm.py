@@ -1,0 +1,115 @@
+"""Dropless experts on XLA:CPU: rows sorted by group (expert), `sizes_G` rows each, through their group's FFN.
+
+XLA:CPU lowers `jax.lax.ragged_dot` to a masked dense matmul over every group and every row, the
+padding rows of a worst-case buffer included. `ffn` runs one loop over tiles of `tile` rows instead,
+each tile one group's rows, whose trip count is the number of tiles the actual rows fill (at most
+sum(sizes)/tile + G): rows past sum(sizes) cost nothing and come out zero, as ragged_dot gives them.
+Its gradient (custom_vjp) is one more such loop, the tile's activations recomputed and the weight
+gradients summed in float32. GPUs and TPUs run ragged_dot (a grouped GEMM; models/dropless.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+def _varying(carry, *refs):
+    """The loop's zero carries varying over every manual mesh axis its inputs vary over (shard_map)."""
+    axes = tuple(sorted(set().union(*(_vma(r) for r in refs))))
+    return jax.tree.map(lambda c: jax.lax.pcast(c, axes, to="varying") if axes else c, carry)
+
+
+def _sum_to(ct: jax.Array, like: jax.Array) -> jax.Array:
+    """A weight's cotangent summed over the manual axes the weight does not vary over (what AD's
+    transpose of the implicit pvary does), so it has the weight's type."""
+    extra = tuple(sorted(_vma(ct) - _vma(like)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def _vma(x: jax.Array) -> frozenset:
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10; older jax: ShapedArray.vma
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _plan(sizes_G: jax.Array, tile: int):
+    """Per group: its first tile, its first row; and the number of tiles the rows fill."""
+    n_tiles_G = (sizes_G + tile - 1) // tile
+    tile_end_G = jnp.cumsum(n_tiles_G)
+    return tile_end_G - n_tiles_G, tile_end_G, jnp.cumsum(sizes_G) - sizes_G, tile_end_G[-1]
+
+
+def _tile_at(t, sizes_G, plan, tile: int):
+    """Tile t's group, first row and number of valid rows (the rest belong to later groups)."""
+    first_tile_G, tile_end_G, row_start_G, _ = plan
+    g = jnp.sum(t >= tile_end_G).astype(jnp.int32)
+    off = (t - first_tile_G[g]) * tile
+    return g, row_start_G[g] + off, jnp.minimum(tile, sizes_G[g] - off)
+
+
+def ffn(x_RxD, w1_GxDxH, w2_GxFxD, sizes_G, act, tile: int = 64):
+    """act(x @ w1[g]) @ w2[g] per row's group g, fused in one tile loop (XLA:CPU): one loop forward
+    and one backward (the tile's activations recomputed), not a loop per matrix."""
+    return _fused(x_RxD, w1_GxDxH, w2_GxFxD, sizes_G.astype(jnp.int32), act, tile)
+
+
+def _tile_ffn(x, w1, w2, act):
+    return jnp.dot(act(jnp.dot(x, w1)), w2)
+
+
+def _ffn_loop(x_RxD, w1, w2, sizes_G, act, tile: int):
+    r = x_RxD.shape[0]
+    plan = _plan(sizes_G, tile)
+    x_pad = jnp.pad(x_RxD, ((0, tile), (0, 0)))
+
+    def body(t, out):
+        g, start, valid = _tile_at(t, sizes_G, plan, tile)
+        y = _tile_ffn(jax.lax.dynamic_slice_in_dim(x_pad, start, tile), w1[g], w2[g], act).astype(out.dtype)
+        keep = (jnp.arange(tile) < valid)[:, None]
+        y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, tile))
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
+
+    out = jnp.zeros((r + tile, w2.shape[2]), jnp.result_type(x_RxD.dtype, w2.dtype))
+    out = _varying(out, x_RxD, w1, w2, sizes_G)
+    return jax.lax.fori_loop(0, plan[3], body, out)[:r]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(x_RxD, w1, w2, sizes_G, act, tile: int):
+    return _ffn_loop(x_RxD, w1, w2, sizes_G, act, tile)
+
+
+def _fused_fwd(x_RxD, w1, w2, sizes_G, act, tile: int):
+    return _ffn_loop(x_RxD, w1, w2, sizes_G, act, tile), (x_RxD, w1, w2, sizes_G)
+
+
+def _fused_bwd(act, tile: int, res, dy_RxD):
+    x_RxD, w1, w2, sizes_G = res
+    plan = _plan(sizes_G, tile)
+    x_pad = jnp.pad(x_RxD, ((0, tile), (0, 0)))
+    dy_pad = jnp.pad(dy_RxD.astype(x_RxD.dtype), ((0, tile), (0, 0)))
+
+    def body(t, carry):
+        dx, dw1, dw2 = carry
+        g, start, valid = _tile_at(t, sizes_G, plan, tile)
+        keep = (jnp.arange(tile) < valid)[:, None]
+        x = jnp.where(keep, jax.lax.dynamic_slice_in_dim(x_pad, start, tile), 0)
+        dy = jnp.where(keep, jax.lax.dynamic_slice_in_dim(dy_pad, start, tile), 0)
+        _, vjp = jax.vjp(lambda a, b, c: _tile_ffn(a, b, c, act), x, w1[g], w2[g])
+        dxt, d1, d2 = vjp(dy)
+        dxt = jnp.where(keep, dxt, jax.lax.dynamic_slice_in_dim(dx, start, tile))
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, dxt, start, 0)
+        return dx, dw1.at[g].add(d1.astype(jnp.float32)), dw2.at[g].add(d2.astype(jnp.float32))
+
+    f32 = lambda w: jnp.zeros(w.shape, jnp.float32)
+    init = (jnp.zeros((x_RxD.shape[0] + tile, x_RxD.shape[1]), x_RxD.dtype), f32(w1), f32(w2))
+    init = _varying(init, x_RxD, w1, w2, sizes_G, dy_RxD)
+    dx, dw1, dw2 = jax.lax.fori_loop(0, plan[3], body, init)
+    dx = _sum_to(dx[: x_RxD.shape[0]], x_RxD)
+    return dx, _sum_to(dw1.astype(w1.dtype), w1), _sum_to(dw2.astype(w2.dtype), w2), None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
