@@ -18,21 +18,25 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from meshrun_models.layers import dtype_of
+from meshrun_models.layers import FP8_MOE_SLOTS, dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
+from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain
 
 
-def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused).
-    'mlp' stays column/row-parallel over tensor, as in the dense MLP."""
+def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None):
+    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused,
+    zeros under expert parallelism). 'mlp' stays column/row-parallel over tensor, as in the dense MLP.
+    `f8`: the block's fp8 state; the grouped matmuls run in fp8 under cfg.fp8 (`fp8.ragged_dot`)."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
 
-    def mm(x, w):
+    def mm(x, w, slot):
+        if cfg.fp8 != "none":
+            return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, FP8_MOE_SLOTS.index(slot))
         return jax.lax.ragged_dot(x, w.astype(dt), sizes_E)
 
     if cfg.mlp == "swiglu":
@@ -40,14 +44,14 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
         # two): [E, D, F, 2] -> [E, D, 2F] keeps each tensor shard's F slice contiguous.
         e, d, f = p["up"].shape
         w_ExDx2F = jnp.stack([p["gate"], p["up"]], axis=-1).reshape(e, d, 2 * f)
-        gu = constrain(mm(x_RxD, w_ExDx2F).reshape(-1, f, 2), (None, "mlp", None))
+        gu = constrain(mm(x_RxD, w_ExDx2F, "expert_in").reshape(-1, f, 2), (None, "mlp", None))
         a_RxF = jax.nn.silu(gu[..., 0]) * gu[..., 1]
     else:
-        a_RxF = jax.nn.gelu(constrain(mm(x_RxD, p["up"]), (None, "mlp")))
-    return mm(a_RxF, p["down"])
+        a_RxF = jax.nn.gelu(constrain(mm(x_RxD, p["up"], "expert_in"), (None, "mlp")))
+    return mm(a_RxF, p["down"], "expert_out")
 
 
-def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):
     """Route local groups with no capacity; experts local (axis None) or spread over mesh axis `axis`."""
     g, s, d = h_GxSxD.shape
     e, k, t = cfg.n_experts, cfg.top_k, g * s
@@ -62,16 +66,16 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     counts_E = jnp.sum(jax.nn.one_hot(expert_A, e, dtype=jnp.int32), axis=0)
     x_AxD = h_GxSxD.reshape(t, d)[order_A // k]
     if axis is None:
-        y_AxD = grouped_ffn(p, x_AxD, counts_E, cfg)
+        y_AxD = grouped_ffn(p, x_AxD, counts_E, cfg, f8)
     else:
-        y_AxD = _expert_parallel(p, x_AxD, counts_E, cfg, axis)
+        y_AxD = _expert_parallel(p, x_AxD, counts_E, cfg, axis, f8)
     where_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * k, dtype=order_A.dtype))
     y_TxkxD = y_AxD[where_A].reshape(t, k, d)
     out_TxD = jnp.einsum("tkd,tk->td", y_TxkxD, gates_GxSxk.reshape(t, k).astype(y_TxkxD.dtype))
     return out_TxD.reshape(g, s, d), stats
 
 
-def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig, axis: str) -> jax.Array:
+def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig, axis: str, f8=None) -> jax.Array:
     """Rows sorted by (global) expert -> this device's rows through their experts, over `axis`."""
     a, d = x_AxD.shape
     ep = jax.lax.axis_size(axis)
@@ -91,7 +95,7 @@ def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig,
     ends_IxE = jnp.cumsum(recv_counts, axis=1)
     key_IxM = jnp.sum(jnp.arange(m)[None, :, None] >= ends_IxE[:, None, :], axis=-1)
     order_R = jnp.argsort(key_IxM.reshape(ep * m), stable=True)
-    y_sorted = grouped_ffn(p, recv.reshape(ep * m, d)[order_R], recv_counts.sum(axis=0), cfg)
+    y_sorted = grouped_ffn(p, recv.reshape(ep * m, d)[order_R], recv_counts.sum(axis=0), cfg, f8)
     back_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(ep * m, dtype=order_R.dtype))
     y = jax.lax.all_to_all(y_sorted[back_R].reshape(ep, m, d), axis, 0, 0, tiled=True)
     # Row r of the sorted input went to destination j = dest_A[r], slot r - start_J[j].

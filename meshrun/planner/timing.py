@@ -67,7 +67,6 @@ def stage_seconds(
     *,
     cluster: Cluster | None = None,
     dropout: bool = False,
-    fp8_experts: bool = False,
 ) -> tuple[float, float, float]:
     """(one layer, embedding, head + cross-entropy): seconds per micro-batch of the layout's
     micro-batch size on one device of `layout`, forward + backward (its remat, tensor, sequence and
@@ -79,20 +78,20 @@ def stage_seconds(
     key = Layout(tensor=t, micro_batch_size=layout.micro_batch_size, remat=layout.remat, expert=layout.expert,
                  sequence_parallel=sp, context=c, context_kind=layout.context_kind if c > 1 else "allgather",
                  tp_comm_overlap=sp and layout.tp_comm_overlap)  # fmt: skip
-    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout, fp8_experts)
+    return _stage_seconds(model, key, s, gpu, cal, cluster, dropout)
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_seconds(
     model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration | None, cluster: Cluster | None,
-    dropout: bool, fp8_experts: bool = False,
+    dropout: bool,
 ) -> tuple[float, float, float]:  # fmt: skip
     """`stage_seconds` of a layout holding only what the costs read (cached)."""
     cal = cal or gpu_calibration(gpu)
     act = precision_of(model).act
     b, t, context, remat = layout.micro_batch_size, layout.tensor, layout.context, layout.remat
     layer = layer_compute_seconds(model, layout, s, gpu, cal, dropout=dropout, act=act,
-                                  flash=model.attention_impl == "cudnn", fp8_experts=fp8_experts)  # fmt: skip
+                                  flash=model.attention_impl == "cudnn")  # fmt: skip
     tok = b * (s / context if context > 1 else s)
     first = kernels.embed_seconds(model, tok, t, gpu, cal, act)
     last = kernels.head_seconds(model, tok, t, gpu, cal, act)
@@ -310,7 +309,7 @@ def _microbatch_parts(
     """(split, each stage's seconds, the slowest stage, one microbatch's seconds on it by part: compute,
     tensor, context, pipe, expert and exposed ZeRO comm; `_dp_comm`'s data-parallel seconds)."""
     b, c = layout.micro_batch_size, layout.context
-    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0, framework)
+    split, times, slow, cp_layer, busy = _split_stages(model, layout, cluster, s, cal, prec, dropout > 0)
     t_cp = split[slow] * cp_layer
     t_mb, t_tp = busy, times[slow] - busy - t_cp
     act = prec.act * b * (s / c if c > 1 else s) * model.d_model
@@ -323,15 +322,13 @@ def _microbatch_parts(
 
 
 def _split_stages(
-    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, prec: Precision, dropout: bool,
-    framework: str = "meshrun",
+    model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration, prec: Precision, dropout: bool
 ) -> tuple[list[int], list[float], int, float, float]:  # fmt: skip
     """The layer split balanced on each layer's compute + tensor + context seconds: (split, each stage's
-    seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone).
-    Megatron's fp8 covers the expert GEMMs, meshrun's does not (`kernels.layer_seconds`)."""
-    p, e8 = layout.pipe, framework == "megatron"
-    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout, fp8_experts=e8)
-    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout, fp8_experts=e8)
+    seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone)."""
+    p = layout.pipe
+    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout)
+    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout)
     cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout)
     with_cp = (full[0] + cp_layer, *full[1:])
     v, placement = layout.chunks if p > 1 else layout.virtual, layout.sched.placement
