@@ -156,7 +156,8 @@ def test_fp8_covers_the_experts_under_both_semantics(cases):
     assert on["gemm_fwd"] < 0.75 * off["gemm_fwd"] and on["gemm_bwd"] < 0.75 * off["gemm_bwd"]
     block = kernels.layer_seconds(replace(grok.model, fp8="blockwise"), grok.layout, 8192, gpu, cal, **kw)
     assert block["gemm_fwd"] == on["gemm_fwd"] and block["gemm_bwd"] == on["gemm_bwd"]  # the same GEMM rate
-    assert on["mem_bwd"] < block["mem_bwd"] < 1.1 * on["mem_bwd"]  # scales and the wgrad re-cast: small
+    # its scales and the weight gradient's re-casts of x and dY: memory-bound work, small beside the GEMMs
+    assert on["mem_bwd"] < block["mem_bwd"] and sum(block.values()) < 1.05 * sum(on.values())
     lay = replace(grok.layout, zero=1, tp_comm_overlap=False, overlap_grad_reduce=False)
     for framework in ("meshrun", "megatron"):
         ev = search.evaluate(grok.model, lay, grok.cluster, 1024, 8192, framework=framework)
