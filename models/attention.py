@@ -170,7 +170,7 @@ def attention(
         return mla_attention(p, h_BxLxD, cfg, segments)
     dt = dtype_of(cfg.dtype)
     recipe = cfg.fp8
-    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot))
+    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot), block=cfg.fp8_block)
     qkv = _qkv(p, h_BxLxD, cfg, gemm, bias, ring)
     o_BxLxHxDh = _attend(qkv, cfg, segments, rotary)
     if ring:

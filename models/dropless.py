@@ -20,32 +20,44 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from meshrun_models.gmm import ffn
-from meshrun_models.layers import dtype_of
+from meshrun_models.layers import FP8_MOE_SLOTS, dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
+from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain
 
 
-def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused).
-    'mlp' stays column/row-parallel over tensor, as in the dense MLP."""
+def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None):
+    """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused,
+    zeros under expert parallelism). 'mlp' stays column/row-parallel over tensor, as in the dense MLP.
+    `f8`: the block's fp8 state; the grouped matmuls run in fp8 under cfg.fp8 (`fp8.ragged_dot`)."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
     if cfg.mlp == "swiglu":
         # gate and up in one grouped matmul (one input-gradient all-reduce over tensor in backward, not
         # two): [E, D, F, 2] -> [E, D, 2F] keeps each tensor shard's F slice contiguous.
         e, d, f = p["up"].shape
-        w_up = jnp.stack([p["gate"], p["up"]], axis=-1).reshape(e, d, 2 * f).astype(dt)
+        w_up = jnp.stack([p["gate"], p["up"]], axis=-1).reshape(e, d, 2 * f)
         act, spec = _swiglu, (None, "mlp", None)
     else:
-        w_up, act, spec = p["up"].astype(dt), jax.nn.gelu, (None, "mlp")
-    if jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
-        return ffn(x_RxD, w_up, p["down"].astype(dt), sizes_E, act)
-    h = jax.lax.ragged_dot(x_RxD, w_up, sizes_E)
+        w_up, act, spec = p["up"], jax.nn.gelu, (None, "mlp")
+    if cfg.fp8 != "none":  # the grouped matmuls in fp8
+
+        def mm(x, w, slot):
+            return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, FP8_MOE_SLOTS.index(slot))
+
+    elif jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
+        return ffn(x_RxD, w_up.astype(dt), p["down"].astype(dt), sizes_E, act)
+    else:
+
+        def mm(x, w, slot):
+            return jax.lax.ragged_dot(x, w.astype(dt), sizes_E)
+
+    h = mm(x_RxD, w_up, "expert_in")
     a_RxF = act(constrain(h.reshape(-1, f, 2), spec).reshape(h.shape) if cfg.mlp == "swiglu" else constrain(h, spec))
-    return jax.lax.ragged_dot(a_RxF, p["down"].astype(dt), sizes_E)
+    return mm(a_RxF, p["down"], "expert_out")
 
 
 def _swiglu(gu: jax.Array) -> jax.Array:
@@ -54,7 +66,7 @@ def _swiglu(gu: jax.Array) -> jax.Array:
     return jax.nn.silu(g[..., 0]) * g[..., 1]
 
 
-def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):
     """Route local groups with no capacity; experts local (axis None) or spread over mesh axis `axis`."""
     g, s, d = h_GxSxD.shape
     e, k, t = cfg.n_experts, cfg.top_k, g * s
@@ -69,16 +81,16 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     counts_E = jnp.sum(jax.nn.one_hot(expert_A, e, dtype=jnp.int32), axis=0)
     x_AxD = h_GxSxD.reshape(t, d)[order_A // k]
     if axis is None:
-        y_AxD = grouped_ffn(p, x_AxD, counts_E, cfg)
+        y_AxD = grouped_ffn(p, x_AxD, counts_E, cfg, f8)
     else:
-        y_AxD = _expert_parallel(p, x_AxD, counts_E, cfg, axis)
+        y_AxD = _expert_parallel(p, x_AxD, counts_E, cfg, axis, f8)
     where_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * k, dtype=order_A.dtype))
     y_TxkxD = y_AxD[where_A].reshape(t, k, d)
     out_TxD = jnp.einsum("tkd,tk->td", y_TxkxD, gates_GxSxk.reshape(t, k).astype(y_TxkxD.dtype))
     return out_TxD.reshape(g, s, d), stats
 
 
-def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig, axis: str) -> jax.Array:
+def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig, axis: str, f8=None) -> jax.Array:
     """Rows sorted by (global) expert -> this device's rows through their experts, over `axis`."""
     a, d = x_AxD.shape
     ep = jax.lax.axis_size(axis)
@@ -98,7 +110,7 @@ def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig,
     ends_IxE = jnp.cumsum(recv_counts, axis=1)
     key_IxM = jnp.sum(jnp.arange(m)[None, :, None] >= ends_IxE[:, None, :], axis=-1)
     order_R = jnp.argsort(key_IxM.reshape(ep * m), stable=True)
-    y_sorted = grouped_ffn(p, recv.reshape(ep * m, d)[order_R], recv_counts.sum(axis=0), cfg)
+    y_sorted = grouped_ffn(p, recv.reshape(ep * m, d)[order_R], recv_counts.sum(axis=0), cfg, f8)
     back_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(ep * m, dtype=order_R.dtype))
     y = jax.lax.all_to_all(y_sorted[back_R].reshape(ep, m, d), axis, 0, 0, tiled=True)
     # Row r of the sorted input went to destination j = dest_A[r], slot r - start_J[j].

@@ -23,10 +23,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from meshrun_models.dropless import dropless_local
-from meshrun_models.layers import Lead, dtype_of, normal_param
+from meshrun_models.layers import FP8_MOE_SLOTS, Lead, dtype_of, normal_param
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
+from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain, current_rules, use_rules
 
@@ -141,27 +142,34 @@ def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int, split=None, bal=N
     return jax.lax.stop_gradient(dispatch), combine, stats
 
 
-def experts(p: Mapping[str, jax.Array], x_ExNxD: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Each expert's FFN on its buffer; 'mlp' column/row-parallel over tensor as in the dense MLP."""
+def experts(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, f8=None) -> jax.Array:
+    """Each expert's FFN on its buffers (G groups of C slots); 'mlp' column/row-parallel over tensor as
+    in the dense MLP. `f8`: the block's fp8 state (`layers.fp8_state`): the GEMMs run in fp8 under
+    cfg.fp8, one tensorwise scale for all the experts' weights of a GEMM (reduced over 'expert', which
+    splits them); blockwise's token tiles lie inside a group's slots, whatever the layout."""
     dt = dtype_of(cfg.dtype)
+    w = (lambda w: w) if cfg.fp8 != "none" else (lambda w: w.astype(dt))
+    gemm = lambda spec, x, w, slot: fp8.einsum(
+        spec, x, w, cfg.fp8, f8, FP8_MOE_SLOTS.index(slot), split_w=True, block=cfg.fp8_block
+    )
     if cfg.mlp == "swiglu":
-        w_ExDx2xF = jnp.stack([p["gate"], p["up"]], axis=2).astype(dt)
-        gu = constrain(jnp.einsum("end,edtf->entf", x_ExNxD, w_ExDx2xF), ("expert", None, None, "mlp"))
-        a_ExNxF = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+        w_ExDx2xF = w(jnp.stack([p["gate"], p["up"]], axis=2))
+        gu = constrain(gemm("egcd,edtf->egctf", x_ExGxCxD, w_ExDx2xF, "expert_in"), ("expert", None, None, None, "mlp"))
+        a_ExGxCxF = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
     else:
-        u = constrain(jnp.einsum("end,edf->enf", x_ExNxD, p["up"].astype(dt)), ("expert", None, "mlp"))
-        a_ExNxF = jax.nn.gelu(u)
-    return jnp.einsum("enf,efd->end", a_ExNxF, p["down"].astype(dt))
+        u = constrain(gemm("egcd,edf->egcf", x_ExGxCxD, w(p["up"]), "expert_in"), ("expert", None, None, "mlp"))
+        a_ExGxCxF = jax.nn.gelu(u)
+    return gemm("egcf,efd->egcd", a_ExGxCxF, w(p["down"]), "expert_out")
 
 
-def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):
     """Route local groups, exchange tokens over `axis` (None: no communication), run the local experts."""
     if cfg.moe_dispatch == "dropless":
-        return dropless_local(p, h_GxSxD, cfg, axis)
-    return capacity_local(p, h_GxSxD, cfg, axis)
+        return dropless_local(p, h_GxSxD, cfg, axis, f8)
+    return capacity_local(p, h_GxSxD, cfg, axis, f8)
 
 
-def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None):
+def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):
     """Capacity routing: dispatch to [E, G, C, D] buffers, all_to_all over `axis`, experts, combine."""
     g, s, d = h_GxSxD.shape
     split = sequence_split(cfg.context_parallel == "ring")  # a sequence split over 'context': route it whole
@@ -172,29 +180,29 @@ def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), h_GxSxD)
     if axis is not None:  # [E, G, C, D] -> [E/ep, G*ep, C, D]: buffers go to their expert's device
         x_ExGxCxD = jax.lax.all_to_all(x_ExGxCxD, axis, split_axis=0, concat_axis=1, tiled=True)
-    e_loc, n = x_ExGxCxD.shape[:2]
-    y = experts(p, x_ExGxCxD.reshape(e_loc, n * cap, d), cfg).reshape(e_loc, n, cap, d)
+    y = experts(p, x_ExGxCxD, cfg, f8)
     if axis is not None:  # and back: [E/ep, G*ep, C, D] -> [E, G, C, D]
         y = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
     out_GxSxD = jnp.einsum("gsec,egcd->gsd", combine_GxSxExC.astype(dt), y)
     return out_GxSxD, stats
 
 
-def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig):
+def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, f8=None):
     """MoE FFN on normed, full-length input. Returns (out_BxLxD, stats summed over this call's groups).
+    `f8`: the block's fp8 state (`layers.fp8_state`), replicated into the shard_map.
 
     Inside a caller's shard_map with 'expert' manual, stats are the local shard's sums (reduce them
     like the loss sum); otherwise they are global sums.
     """
     mesh, rules, manual = current_rules()
     if mesh is None or mesh.size == 1:
-        return moe_local(p, h_BxLxD, cfg, None)
+        return moe_local(p, h_BxLxD, cfg, None, f8)
     ep_axis = "expert" if mesh.shape.get("expert", 1) > 1 else None
     if "expert" in manual:
-        return moe_local(p, h_BxLxD, cfg, ep_axis)
+        return moe_local(p, h_BxLxD, cfg, ep_axis, f8)
     new = tuple(a for a in MOE_AXES if mesh.shape.get(a, 1) > 1 and a not in manual)
     if not new:  # nothing sharded that is not already local
-        return moe_local(p, h_BxLxD, cfg, None)
+        return moe_local(p, h_BxLxD, cfg, None, f8)
     if ep_axis and any(a in manual for a in rules.get("batch", ())):
         # A nested shard_map manual over 'expert' under a caller manual over 'data' lowers in forward
         # but its backward fails in Shardy (manual axis 'expert' after free axis 'data' in one dimension).
@@ -206,9 +214,9 @@ def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig):
     expert_spec = P("expert") if "expert" in new else P()
     w_specs = {k: (jax.tree.map(lambda _: P(), p[k]) if k in ("router", BALANCE) else expert_spec) for k in p}
 
-    def body(p_local, h_local):
+    def body(p_local, h_local, f8_local):
         with use_rules(mesh, rules, manual=tuple(manual) + new):
-            out, stats = moe_local(p_local, h_local, cfg, ep_axis)
+            out, stats = moe_local(p_local, h_local, cfg, ep_axis, f8_local)
         if batch_axes:
             stats = jax.lax.psum(stats, batch_axes)
         return out, stats
@@ -216,8 +224,8 @@ def moe_ffn(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig):
     fn = jax.shard_map(
         body,
         mesh=None if manual else mesh,
-        in_specs=(w_specs, P(batch_axes)),
+        in_specs=(w_specs, P(batch_axes), jax.tree.map(lambda _: P(), f8)),
         out_specs=(P(batch_axes), {k: P() for k in STATS}),
         axis_names=set(new),
     )
-    return fn(dict(p), h_BxLxD)
+    return fn(dict(p), h_BxLxD, f8)

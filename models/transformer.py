@@ -159,10 +159,10 @@ def _block(p: Mapping, x_BxLxD: jax.Array, cfg: ModelConfig, moe: bool, segments
     h = constrain(
         checkpoint_name(rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "mlp_in"), RESID if ring_mlp else FULL
     )
-    if moe:  # the experts' GEMMs stay in the compute dtype (docs/fp8.md)
-        y, stats = moe_ffn(p["moe"], h, cfg)
+    if moe:
+        y, stats = moe_ffn(p["moe"], h, cfg, f8)
         if "shared" in p:  # shared experts, beside the routed ones (DeepSeek-V3: routed + shared)
-            y = y + mlp(p["shared"], h, cfg)
+            y = y + mlp(p["shared"], h, cfg, f8)
     else:
         y, stats = mlp(p["mlp"], h, cfg, f8, ring_mlp), {k: jnp.zeros((), jnp.float32) for k in STATS}
     return constrain(x + constrain(y, RESID), RESID), stats

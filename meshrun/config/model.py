@@ -17,8 +17,8 @@ EXECUTION_FIELDS = (
     "remat", "remat_every", "sequence_parallel", "tp_comm_overlap", "attention_impl", "context_parallel",
 )  # fmt: skip
 REMATS = ("none", "full", "selective", "offload")
-FP8_RECIPES = ("none", "tensorwise", "delayed")  # model.fp8 (meshrun.parallel.fp8)
-FP8_FIELDS = ("fp8", "fp8_amax_history", "fp8_first_last_bf16")
+FP8_RECIPES = ("none", "tensorwise", "delayed", "blockwise")  # model.fp8 (meshrun.parallel.fp8, fp8_block)
+FP8_FIELDS = ("fp8", "fp8_amax_history", "fp8_first_last_bf16", "fp8_block")
 MAX_AMAX_HISTORY = 1024  # the longest delayed-scaling history NVIDIA Transformer Engine and MaxText use
 
 
@@ -46,11 +46,13 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the parameters; bfloat16 keeps a float32 master copy in the optimizer
     norm_eps: float = 1e-5  # epsilon of RMSNorm / LayerNorm
     init_std: float = 0.02  # standard deviation of the normal weight initialisation
-    # fp8 GEMMs in every layer's q/k/v, attention output, MLP in and out (docs/fp8.md): none |
-    # tensorwise (scales from the current amax) | delayed (from the max of an amax history); a family
+    # fp8 GEMMs in every layer's q/k/v, attention output, MLP and experts in and out (docs/fp8.md): none |
+    # tensorwise (scales from the current amax) | delayed (from the max of an amax history) | blockwise
+    # (DeepSeek-V3: a scale per 1 x fp8_block activation tile and fp8_block^2 weight block); a family
     # without fp8 GEMMs refuses anything but none
     fp8: str = "none"
     fp8_amax_history: int = 16  # fp8=delayed: steps of amax history
+    fp8_block: int = 128  # fp8=blockwise: tile size b (a dim smaller than b is one tile; larger: a multiple of b)
     fp8_first_last_bf16: bool = False  # with fp8: the first and last layers stay in the compute dtype
     # ---- execution settings (EXECUTION_FIELDS)
 
@@ -167,6 +169,7 @@ class ModelConfig:
             )  # fmt: skip
         if self.fp8_amax_history < 1:
             raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, "use at least 1 step, e.g. 16")
+        _bounded("model.fp8_block", self.fp8_block, 1, MAX_DIM)
         if self.fp8_amax_history > MAX_AMAX_HISTORY:  # a parameter per fp8 GEMM, with Adam moments of its own
             fix = f"use at most {MAX_AMAX_HISTORY} steps, e.g. 16"
             raise ConfigError("model.fp8_amax_history", self.fp8_amax_history, fix, "longer than any recipe uses")

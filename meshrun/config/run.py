@@ -31,6 +31,9 @@ class RunConfig:
         if why := fp8_tier_refusal(self.model.fp8, self.offload.optimizer):
             fix = "use offload.optimizer=host (its update carries it) or model.fp8=tensorwise"
             raise ConfigError("offload.optimizer", self.offload.optimizer, fix, why)
+        if self.model.fp8 == "blockwise" and self.mesh.context > 1:
+            fix = "use mesh.context=1 with model.fp8=blockwise, or model.fp8=tensorwise"
+            raise ConfigError("mesh.context", self.mesh.context, fix, "the weight gradient's token tiles would span it")
         if self.train.zero3_gather == "step" and self.offload.params:
             raise ConfigError("train.zero3_gather", "step", "leave it auto (or layer) with offload.params",
                               "offload.params fetches each layer inside the layer scan")  # fmt: skip

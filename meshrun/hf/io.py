@@ -416,6 +416,7 @@ _RUNTIME_FIELDS = {
     "fp8",  # fp8 is how the GEMMs ran: the master weights are ordinary weights (export_hf notes it)
     "fp8_amax_history",
     "fp8_first_last_bf16",
+    "fp8_block",
 }
 
 

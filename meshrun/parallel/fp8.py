@@ -8,8 +8,8 @@ context; 'tensor' is GSPMD's); delayed scaling records each step's exponent as a
 of a zero parameter (`obs`), so the gradient sums over microbatches, ticks and ranks keep exactly
 the bins some shard saw and the largest one is the max whatever the split.
 
-Use: `einsum(spec, x, w, recipe, state, slot)` in place of `jnp.einsum` for a covered GEMM (`state`:
-the layer's `fp8` subtree, `slot` the GEMM's index); after the gradient reduction,
+Use: `einsum(spec, x, w, recipe, state, slot)` for `jnp.einsum` (`ragged_dot` for the grouped matmul) on a
+covered GEMM (`state`: the layer's `fp8` subtree, `slot` the GEMM's index); after the gradient reduction,
 `update_state(params, grads)` rotates the observations into the history and zeroes their gradients.
 Shape letters: S GEMM slots of a layer, T = 3 tensors per GEMM (x, w, dy), H history, N bins.
 """
@@ -26,9 +26,10 @@ import jax.numpy as jnp
 
 from meshrun.config import FP8_RECIPES as RECIPES
 from meshrun.errors import ConfigError
+from meshrun.parallel import fp8_block
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, current_rules
 
-__all__ = ["RECIPES", "einsum", "update_state"]
+__all__ = ["RECIPES", "einsum", "ragged_dot", "update_state"]
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 K_LO, K_HI = -120, 120  # scale exponents kept (2^k stays a normal float32 and so do k_x + k_w products)
 N_BINS = K_HI - K_LO + 1
@@ -85,11 +86,36 @@ class _How(NamedTuple):
     rows: tuple[str, ...]  # manual axes to pmax activation amaxes over (tensorwise)
     x_dtype: Any
     w_dtype: Any
+    w_rows: tuple[str, ...] = ()  # manual axes that split the weight (experts: 'expert'), pmax'ed too
+
+
+RAGGED = "ragged"  # the op of `ragged_dot` (else an einsum spec)
+_RAGGED_W = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+def _gemms(op: str, sizes):
+    """(forward, input gradient, weight gradient) of `op` on fp8 operands, float32 results."""
+    f32 = jnp.float32
+    if op == RAGGED:  # x [R, K] rows grouped by `sizes`, w [E, K, N]
+        return (
+            lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=f32),
+            lambda dy, w: jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=f32),
+            lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, _RAGGED_W, preferred_element_type=f32),
+        )
+    xs, rest = op.split(",")
+    ws, ys = rest.split("->")
+    return (
+        lambda x, w: jnp.einsum(op, x, w, preferred_element_type=f32),
+        lambda dy, w: jnp.einsum(f"{ys},{ws}->{xs}", dy, w, preferred_element_type=f32),
+        lambda x, dy: jnp.einsum(f"{xs},{ys}->{ws}", x, dy, preferred_element_type=f32),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dot(spec: str, how: _How, x, w, scale_T, sink_TxN):
-    return _fwd(spec, how, x, w, scale_T, sink_TxN)[0]
+def _dot(op: str, how: _How, x, w, sizes, scale_T, sink_TxN):
+    return _fwd(op, how, x, w, sizes, scale_T, sink_TxN)[0]
 
 
 def _scale(amax_local, dtype, how: _How, stored):
@@ -101,30 +127,27 @@ def _scale(amax_local, dtype, how: _How, stored):
     return jnp.where(stored > 0, stored, pow2(scale_exponent(amax, dtype))), _observed(amax_local, dtype)
 
 
-def _fwd(spec, how, x, w, scale_T, sink_TxN):
+def _fwd(op, how, x, w, sizes, scale_T, sink_TxN):
     del sink_TxN
     (sx, ox), (sw, ow) = (
         _scale(_amax(x, ()), E4M3, how, scale_T[0]),
-        _scale(_amax(w, ()), E4M3, how._replace(rows=()), scale_T[1]),
+        _scale(_amax(w, ()), E4M3, how._replace(rows=how.w_rows), scale_T[1]),
     )
     qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
-    y = jnp.einsum(spec, qx, qw, preferred_element_type=jnp.float32)
+    y = _gemms(op, sizes)[0](qx, qw)
     y = (y * (sx * sw)).astype(how.x_dtype)
-    return y, (qx, qw, sx, sw, scale_T[2], None if ox is None else (ox, ow))
+    return y, (qx, qw, sizes, sx, sw, scale_T[2], None if ox is None else (ox, ow))
 
 
-def _bwd(spec, how, res, dy):
-    qx, qw, sx, sw, sdy, obs = res
+def _bwd(op, how, res, dy):
+    qx, qw, sizes, sx, sw, sdy, obs = res
     sdy, ody = _scale(_amax(dy, ()), E5M2, how, sdy)
     qdy = quantize(dy, sdy, E5M2)
-    xs, rest = spec.split(",")
-    ws, ys = rest.split("->")
-    dx = jnp.einsum(f"{ys},{ws}->{xs}", qdy, qw, preferred_element_type=jnp.float32)
-    dw = jnp.einsum(f"{xs},{ys}->{ws}", qx, qdy, preferred_element_type=jnp.float32)
-    dx = (dx * (sdy * sw)).astype(how.x_dtype)
-    dw = (dw * (sx * sdy)).astype(how.w_dtype)
+    _, dgrad, wgrad = _gemms(op, sizes)
+    dx = (dgrad(qdy, qw) * (sdy * sw)).astype(how.x_dtype)
+    dw = (wgrad(qx, qdy) * (sx * sdy)).astype(how.w_dtype)
     sink = jnp.zeros((len(TENSORS), N_BINS), jnp.float32) if obs is None else jnp.stack([*obs, ody])
-    return dx, dw, jnp.zeros((len(TENSORS),), jnp.float32), sink
+    return dx, dw, None, jnp.zeros((len(TENSORS),), jnp.float32), sink
 
 
 _dot.defvjp(_fwd, _bwd)
@@ -166,19 +189,46 @@ def history_scales(hist_TxH: jax.Array) -> jax.Array:
     return jnp.where(k <= EMPTY, 0.0, pow2(jnp.maximum(k, K_LO)))
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, state: Mapping | None = None, slot: int = 0):
+def einsum(
+    spec: str, x: jax.Array, w: jax.Array, recipe: str, state: Mapping | None = None, slot: int = 0, *,
+    split_w: bool = False, block: int = 128,
+):  # fmt: skip
     """`jnp.einsum(spec, x, w)` in x's dtype, through fp8 under `recipe` (two operands, every index of
     one appearing in the other or the output). `state`: this layer's {'hist' [S, T, H], 'obs' [S, T, N]
-    (delayed), 'on' [] (1: fp8; 0: the layer stays in the compute dtype)}."""
+    (delayed), 'on' [] (1: fp8; 0: the layer stays in the compute dtype)}. `split_w`: w is split over
+    the manual row axes too (the experts over 'expert'), so its amax is reduced like x's. `block`:
+    blockwise's tile size (`fp8_block`)."""
     plain = lambda x, w: jnp.einsum(spec, x, w.astype(x.dtype))
+    if recipe == "blockwise":
+        return _on(state, lambda x, w: fp8_block.einsum(spec, block, x, w), plain, x, w)
+    return _gemm(spec, plain, x, w, None, recipe, state, slot, split_w)
+
+
+def ragged_dot(
+    x_RxK: jax.Array, w_ExKxN: jax.Array, sizes_E: jax.Array, recipe: str, state: Mapping | None = None,
+    slot: int = 0,
+):  # fmt: skip
+    """`jax.lax.ragged_dot(x, w, sizes)` (rows grouped by expert, the dropless experts' grouped matmul)
+    in x's dtype, through fp8 under `recipe` as `einsum` (tensorwise or delayed; the config refuses
+    blockwise with it); one scale for all experts' weights, reduced over the axes that split them."""
+    plain = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), sizes_E)
+    return _gemm(RAGGED, plain, x_RxK, w_ExKxN, sizes_E, recipe, state, slot, True)
+
+
+def _gemm(op, plain, x, w, sizes, recipe, state, slot, split_w):
     if recipe == "none":
         return plain(x, w)
-    how = _How(recipe, row_axes(), x.dtype, w.dtype)  # rows: pmax'ed for tensorwise and delayed's first step
+    rows = row_axes()  # pmax'ed for tensorwise and delayed's first step
+    how = _How(recipe, rows, x.dtype, w.dtype, rows if split_w else ())
     if recipe == "delayed":
         scale_T, sink = history_scales(state["hist"][slot]), state["obs"][slot]
     else:
         scale_T, sink = jnp.ones((len(TENSORS),), jnp.float32), jnp.zeros((len(TENSORS), N_BINS), jnp.float32)
-    fp8 = lambda x, w: _dot(spec, how, x, w, scale_T, sink)
+    return _on(state, lambda x, w: _dot(op, how, x, w, sizes, scale_T, sink), plain, x, w)
+
+
+def _on(state, fp8, plain, x, w):
+    """fp8(x, w), or plain(x, w) in a layer that fp8_first_last_bf16 keeps in the compute dtype."""
     if state is not None and "on" in state:
         return jax.lax.cond(state["on"] > 0, fp8, plain, x, w)
     return fp8(x, w)

@@ -54,12 +54,20 @@ def linear_seconds(
     return fwd, bwd
 
 
-def fp8_overhead_bytes(tokens: float, k: float, n: float, act: float, weight: bool = True) -> tuple[float, float]:
+def fp8_overhead_bytes(
+    tokens: float, k: float, n: float, act: float, weight: bool = True, recipe: str = ""
+) -> tuple[float, float]:
     """(forward, backward) bytes of one fp8 GEMM's casts: amax and cast of x and W forward (read in the
     compute dtype, write one byte; W read in bf16), of dY backward. `weight=False`: W is cast once per
     step, not per micro-batch (Transformer Engine caches it over a step's micro-batches:
-    is_first_microbatch; with fp8_params the optimizer writes it as fp8)."""
-    return tokens * k * (act + 1) + (k * n * 3.0 if weight else 0.0), tokens * n * (act + 1)
+    is_first_microbatch; with fp8_params the optimizer writes it as fp8). blockwise (DeepSeek-V3) adds a
+    float32 scale per 128 values of x and dY and per 128x128 block of W, and the weight gradient's
+    re-cast of x (one byte in, one out) and of dY in 128x1 tiles."""
+    fwd, bwd = tokens * k * (act + 1) + (k * n * 3.0 if weight else 0.0), tokens * n * (act + 1)
+    if recipe == "blockwise":
+        fwd += 4.0 * (tokens * k / 128 + k * n / 128**2)
+        bwd = 2 * bwd + tokens * k * 2.0 + 4.0 * (2 * tokens * n + tokens * k) / 128
+    return fwd, bwd
 
 
 def hbm_seconds(nbytes: float, gpu: GPU, cal: Calibration) -> float:
@@ -122,9 +130,10 @@ def layer_seconds(
     """Seconds of one layer for one micro-batch of the layout's micro-batch size on one device of
     `layout` (its tensor, sequence, expert and context parallelism), by part: {'gemm_fwd', 'gemm_bwd',
     'attn_fwd', 'attn_bwd', 'mem_fwd', 'mem_bwd'}. Context parallelism: every per-token kernel runs on
-    the local b s/c tokens (`attention_core_seconds` for the attention). `te` (Megatron's semantics:
-    Transformer Engine linears): under model.fp8 the expert GEMMs run in fp8 too (meshrun's model.fp8
-    covers the dense GEMMs only) and each weight's fp8 cast is once per step (`fp8_overhead_bytes`)."""
+    the local b s/c tokens (`attention_core_seconds` for the attention). Under model.fp8 every GEMM but
+    the router's runs in fp8, the routed and shared experts' too (meshrun's model.fp8 and Megatron-Core's
+    Transformer Engine linears alike); blockwise at the same GEMM rate. `te` (Megatron's semantics):
+    each weight's fp8 cast is once per step (`fp8_overhead_bytes`)."""
     b, t, context = layout.micro_batch_size, layout.tensor, layout.context
     sp = layout.sequence_parallel and t > 1
     tok, h = b * (s / context if context > 1 else s), model.d_model
@@ -135,9 +144,9 @@ def layer_seconds(
         [] if moe else [(h, up), (model.d_ff / t, h)]
     )
     parts = [linear_seconds(tok, k_, n_, gpu, cal, fp8=f8) for k_, n_ in dense]
-    cast = [fp8_overhead_bytes(tok, k_, n_, act, not te) for k_, n_ in dense] if f8 else []
+    cast = [fp8_overhead_bytes(tok, k_, n_, act, not te, model.fp8) for k_, n_ in dense] if f8 else []
     if moe:
-        more, more_cast = expert_gemms(model, tok, t, layout.expert, gpu, cal, fp8=f8 and te, act=act)
+        more, more_cast = expert_gemms(model, tok, t, layout.expert, gpu, cal, fp8=f8, act=act, te=te)
         parts, cast = parts + more, cast + more_cast
     attn = attention_core_seconds(model, b, s, t, gpu, cal, flash=flash, dropout=dropout, act=act, context=context,
                                   kind=layout.context_kind)  # fmt: skip
@@ -156,27 +165,31 @@ def layer_seconds(
 
 
 def expert_gemms(
-    model: ModelConfig, tok: float, t: int, expert: int, gpu: GPU, cal: Calibration, *, fp8: bool, act: float
+    model: ModelConfig, tok: float, t: int, expert: int, gpu: GPU, cal: Calibration, *, fp8: bool, act: float,
+    te: bool = False,
 ) -> tuple[list[tuple], list[tuple]]:  # fmt: skip
     """An MoE layer's expert GEMMs and router on one device: ((forward, backward) seconds of each, the
     (forward, backward) fp8 cast bytes of the expert GEMMs when `fp8`). Each device runs n_experts/expert
     local experts (width moe_d_ff) over the k*cf routed copies of its `tok` tokens, and the shared experts
-    over all of them."""
+    over all of them. `te`: weights cast to fp8 once per step (`fp8_overhead_bytes`)."""
     h, ff, glu = model.d_model, model.expert_d_ff, (2 if model.mlp == "swiglu" else 1)
     local = model.n_experts / expert
     parts = []
     shared = model.n_shared_experts * ff / t  # the shared experts: one MLP on every token
+    cast = []
     if shared:
-        parts += [linear_seconds(tok, k_, n_, gpu, cal) for k_, n_ in ((h, glu * shared), (shared, h))]
+        shapes = ((h, glu * shared), (shared, h))
+        parts += [linear_seconds(tok, k_, n_, gpu, cal, fp8=fp8) for k_, n_ in shapes]
+        cast += [fp8_overhead_bytes(tok, k_, n_, act, not te, model.fp8) for k_, n_ in shapes] if fp8 else []
     # grouped GEMM: the real rows (the busiest rank's); capacity routing: padded to capacity
     padding = MOE_DROPLESS_IMBALANCE if model.moe_dispatch == "dropless" else model.capacity_factor
     routed = tok * model.top_k * padding / local
     shapes = ((h, glu * ff / t), (ff / t, h))  # routed experts of width moe_d_ff
     parts += [linear_seconds(routed, k_, n_, gpu, cal, local, fp8=fp8) for k_, n_ in shapes]
-    # only Transformer Engine's experts run fp8 (`fp8`): their weights cast once per step
-    cast = (
-        [tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act, False)) for k_, n_ in shapes] if fp8 else []
-    )
+    if fp8:
+        cast += [
+            tuple(local * x for x in fp8_overhead_bytes(routed, k_, n_, act, not te, model.fp8)) for k_, n_ in shapes
+        ]
     parts.append(linear_seconds(tok, h, model.n_experts, gpu, cal))  # router
     return parts, cast
 

@@ -153,7 +153,7 @@ def evaluate(
         model, layout, seq_len=seq_len, framework=framework, dropout=dropout > 0, split=tm["split"], overheads=True
     )
     hard += _memory_violations(mem, layout, cluster)
-    soft = _soft_violations(model, layout, cluster, tm, framework)
+    soft = _soft_violations(layout, cluster, tm)
     levers = layout.offload_params or layout.offload_optimizer != "none"
     if levers and framework != "meshrun":
         hard.append("offload_params / offload_optimizer: costed for meshrun's step only (--framework meshrun)")
@@ -184,9 +184,9 @@ def _throughput(
     return {"tflops_per_device": hw / (step * n) / 1e12, "mfu": mf / (step * cluster.gpu.peak_flops * n)}
 
 
-def _soft_violations(model: ModelConfig, layout: Layout, cluster: Cluster, tm: dict, framework: str) -> list[str]:
+def _soft_violations(layout: Layout, cluster: Cluster, tm: dict) -> list[str]:
     """What makes a layout slow without making it invalid: a deep bubble, a data-parallel sync longer
-    than compute, a context exchange over the inter-node network, bf16 expert GEMMs beside fp8."""
+    than compute, a context exchange over the inter-node network."""
     soft = []
     m, p = layout.microbatches, layout.pipe
     v = layout.virtual
@@ -201,9 +201,6 @@ def _soft_violations(model: ModelConfig, layout: Layout, cluster: Cluster, tm: d
             f"tensor*context={tc} > {cluster.gpus_per_node} GPUs per node: the K/V exchange "
             f"({tm['context_comm']:.3g} s exposed) runs over the inter-node network"
         )
-    if framework == "meshrun" and model.is_moe and model.fp8 != "none":
-        soft.append(f"model.fp8={model.fp8} covers the dense GEMMs only in meshrun's step: the expert "
-                    "GEMMs run in the compute dtype (costed so; Megatron's run fp8: --framework megatron)")  # fmt: skip
     return soft
 
 

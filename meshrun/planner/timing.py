@@ -397,10 +397,10 @@ def _split_stages(
 ) -> tuple[list[int], list[float], int, float, float]:  # fmt: skip
     """The layer split balanced on each layer's compute + tensor + context seconds: (split, each stage's
     seconds, the slowest stage, one layer's context-comm seconds, the slowest stage's compute alone).
-    Megatron's fp8 covers the expert GEMMs, meshrun's does not (`kernels.layer_seconds`)."""
-    p, e8 = layout.pipe, framework == "megatron"
-    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout, te=e8)
-    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout, te=e8)
+    Megatron's Transformer Engine casts each weight to fp8 once per step (`kernels.layer_seconds`)."""
+    p, te = layout.pipe, framework == "megatron"
+    compute = stage_seconds(model, layout, s, cluster.gpu, cal, dropout=dropout, te=te)
+    full = stage_seconds(model, layout, s, cluster.gpu, cal, cluster=cluster, dropout=dropout, te=te)
     cp_layer = context_seconds(model, layout, cluster, s, cal, prec.act, dropout, framework)
     dw = deferred_wgrad(model, layout, s, cluster.gpu, cal, framework)  # off the last stage's micro-batches
     compute, with_cp = (*compute[:2], compute[2] - dw), (full[0] + cp_layer, full[1], full[2] - dw)

@@ -57,6 +57,9 @@ def _without_effect(cfg: RunConfig, platform: str | None) -> list[tuple[str, Any
     if history != type(m).fp8_amax_history and fp8 != "delayed":
         out.append(("model.fp8_amax_history", history, f"model.fp8 is {fp8} (only delayed keeps a history)",
                     "set model.fp8=delayed, or drop it"))  # fmt: skip
+    if m.fp8_block != type(m).fp8_block and fp8 != "blockwise":
+        out.append(("model.fp8_block", m.fp8_block, f"model.fp8 is {fp8} (only blockwise has tiles)",
+                    "set model.fp8=blockwise, or drop it"))  # fmt: skip
     if c.local_every == 0:
         for k in ("local_keep", "local_dir"):
             if getattr(c, k) != getattr(type(c), k):

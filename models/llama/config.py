@@ -6,6 +6,7 @@ Plain Python (no jax): `meshrun plan` and config loading read it without startin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -89,6 +90,7 @@ class LlamaConfig(ModelConfig):
             raise ConfigError("model.routed_scaling", self.routed_scaling, "use a positive factor, e.g. 1.0")
         self._check_moe_shapes()
         self._check_mla()
+        self._check_fp8_block()
         choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
@@ -139,6 +141,27 @@ class LlamaConfig(ModelConfig):
                 raise ConfigError(
                     f"model.{f}", getattr(self, f), f"use {f}={str(off).lower()} with model.attention=mla",
                     "multi-head latent attention has no such variant here",
+                )  # fmt: skip
+
+    def _check_fp8_block(self) -> None:
+        """fp8=blockwise: fp8_block (or a smaller dim, one tile) tiles every covered GEMM's dims; the
+        grouped matmul (dropless) has no blockwise recipe."""
+        if self.fp8 != "blockwise":
+            return
+        b, dims = self.fp8_block, [("d_model", self.d_model), ("head_dim", self.head_dim), ("d_ff", self.d_ff)]
+        if self.n_experts:
+            shared = self.n_shared_experts * self.expert_d_ff
+            dims += [("moe_d_ff", self.expert_d_ff), ("n_shared_experts * moe_d_ff", shared)]
+            if self.moe_dispatch == "dropless":
+                raise ConfigError(
+                    "model.moe_dispatch", "dropless", "use moe_dispatch=capacity with model.fp8=blockwise, or "
+                    "model.fp8=tensorwise", "the grouped matmul has no blockwise recipe here",
+                )  # fmt: skip
+        for name, dim in dims:
+            if dim and dim % min(b, dim):
+                raise ConfigError(
+                    "model.fp8_block", b, f"use a block that divides {name}={dim} (e.g. {math.gcd(b, dim)}), "
+                    "or model.fp8=tensorwise", f"model.{name}={dim} is neither smaller than it nor a multiple of it",
                 )  # fmt: skip
 
     def _check_moe_shapes(self) -> None:
