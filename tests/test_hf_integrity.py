@@ -309,6 +309,28 @@ def test_import_refuses_a_top_1_mixtral(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "fam, change, text",
+    [
+        ("qwen3_moe", {"num_experts_per_tok": 1}, "model.top_k: a top-1 Qwen3-MoE computes differently"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "config.json: use_sliding_window"),
+        ("qwen3_moe", {"attention_bias": True}, "config.json: attention_bias"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "config.json: mlp_only_layers: the MoE layers of"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json: rope_scaling"),
+    ],
+    ids=["top-1", "sliding-window", "attention-bias", "moe-layer-pattern", "yarn-rope"],
+)
+def test_import_refuses_a_config_meshrun_cannot_represent(tmp_path, capsys, fam, change, text):
+    """One line, exit 2, nothing written: a layer pattern that is not first dense layers then groups of
+    moe_every (MoE at layers 0 and 2 of 3), and the variants meshrun does not compute."""
+    src = _copy(fam, tmp_path)
+    cfg = json.loads((src / "config.json").read_text()) | change
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, err = _import_rc(capsys, src, tmp_path / "run")
+    assert rc == 2 and text in _one_line(err), err
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------ tokenizer travels
 
 

@@ -413,13 +413,14 @@ def test_family_without_the_fields_exits_2(capsys):
 
 
 def test_hugging_face_exchange_refuses_the_new_shapes():
-    """export-hf writes Mixtral-shaped MoE models only: the new shapes are refused with one line."""
+    """export-hf writes Mixtral- and Qwen3-MoE-shaped MoE models: DeepSeek-V3's shapes are refused with
+    one line naming the fields, multi-head latent attention by its field."""
     from meshrun_models.llama import hf
 
-    mixtral = dict(hf.MIXTRAL_ROUTING, route_group_limit=0)
-    hf.layer_map(dataclasses.replace(DS, **mixtral))
-    with pytest.raises(ConfigError, match=r"^model.moe_d_ff: .*got 16.*use moe_d_ff=0"):
-        hf.layer_map(DS)
+    from meshrun.hf.io import export_config
+
+    with pytest.raises(ConfigError, match=r"^model.balance, .*model.n_shared_experts.*Hugging Face"):
+        export_config(DS, None, 64, "float32")
     dense_mla = dataclasses.replace(MLA, n_experts=0, **{**hf.MIXTRAL_ROUTING, "route_group_limit": 0})
     with pytest.raises(ConfigError, match=r"^model.attention: .*latent attention.*got 'mla'.*use attention=gqa"):
         hf.layer_map(dense_mla)

@@ -37,6 +37,7 @@ from meshrun.hf.convert import (
     adapter,
     expected_names,
     family_of,
+    first_name,
     hf_config,
     hf_tensors,
     ignored,
@@ -101,14 +102,12 @@ def _placed_params(cfg, st, hf, model_dir, mesh) -> dict:
     family = registry.get(cfg.family)
     family.check_mesh(cfg, dict(mesh.shape))
     shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
-    lazies = _checked_lazies(
-        cfg, st, hf, model_dir, {p: a.shape for p, a in flat_tree(family.abstract_params(cfg)).items()}
-    )
-    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    abstract = flat_tree(family.abstract_params(cfg))
+    lazies = _checked_lazies(cfg, st, hf, model_dir, {p: a.shape for p, a in abstract.items()})
     flat = {}
-    for path, sh in shardings.items():
-        lz = lazies[path]
-        flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda idx, lz=lz: lz.read(idx).astype(dtype))
+    for path, sh in shardings.items():  # each leaf in its own dtype (balance state: float32 always)
+        lz, dtype = lazies[path], np.dtype(abstract[path].dtype)
+        flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda i, lz=lz, t=dtype: lz.read(i).astype(t))
     return flat
 
 
@@ -190,7 +189,8 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
     except ValueError as e:  # a per-head reshape that does not fit the stored tensor
         raise ConfigError(f"{model_dir}/config.json", str(e), fix, "contradicts the tensor shapes") from None
     ad = adapter(cfg)
-    names = {p: t for p, (t, *_) in ad.layer_map(cfg).items()} | {p: t for p, (t, _) in ad.top_map(cfg).items()}
+    names = {p: first_name(v, cfg) for p, v in ad.layer_map(cfg).items()}
+    names |= {p: t for p, (t, _) in ad.top_map(cfg).items()}
 
     for name, kind in ad.top_map(cfg).values():
         if kind in ("vocab", "vocab_t") and st.get(name).shape[0] != hf["vocab_size"]:
@@ -207,8 +207,7 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
                 f"{model_dir}/config.json",
                 "/".join(path),
                 fix,
-                f"config.json implies shape {tuple(shape)} for this weight, the safetensors' "
-                f"{names[path].format(l=0, e=0)} gives {got}",
+                f"config.json implies shape {tuple(shape)} for this weight, the safetensors' {names[path]} gives {got}",
             )
     return lazies
 
@@ -426,6 +425,8 @@ def _arch(cfg) -> dict[str, Any]:
         d = {k: v for k, v in d.items() if not k.startswith("rope_") or k in ("rope_theta", "rope_scaling")}
     if not d.get("n_experts"):
         d = {k: v for k, v in d.items() if k not in ("top_k", "moe_every")}
+    elif "moe_d_ff" in d:  # 0 means d_ff: the width is what counts
+        d["moe_d_ff"] = cfg.expert_d_ff
     return d
 
 
@@ -453,7 +454,8 @@ def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any
         raise ConfigError(
             ", ".join(f"model.{k}" for k in diff),
             {k: want.get(k) for k in diff},
-            "export a run trained with settings a transformers architecture has (Llama, Mistral, Qwen2, Mixtral)",
+            "export a run trained with settings a transformers architecture has (Llama, Mistral, Qwen2, Mixtral, "
+            "Qwen3-MoE)",
             "the trained model cannot be written as a Hugging Face config.json",
         )
     return config
