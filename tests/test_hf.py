@@ -29,8 +29,8 @@ from meshrun.hf.safetensors_io import SafeTensors
 from meshrun.runtime.mesh import build_mesh
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral", "qwen3_moe")
-MOE = ("mixtral", "qwen3_moe")
+FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral", "qwen3_moe", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 TOL = 1e-4
 
@@ -251,6 +251,29 @@ NATIVE = {
     "qwen3_moe": dict(
         MIXTRAL, n_layers=5, qk_norm=True, moe_d_ff=16, router_norm_topk=False, first_dense_layers=1, moe_every=2
     ),
+    # DeepSeek-V3: latent attention without a q latent, sigmoid scores in 2 of 4 groups, a shared
+    # expert, balance biases (the balance 'load' state is meshrun's own: zeros, not exported)
+    "deepseek_v3": dict(
+        MIXTRAL,
+        n_layers=3,
+        attention="mla",
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        head_dim=4,
+        n_kv_heads=4,
+        n_experts=8,
+        capacity_factor=4.0,
+        moe_d_ff=8,
+        n_shared_experts=1,
+        first_dense_layers=1,
+        router_score="sigmoid",
+        routed_scaling=2.5,
+        balance="bias",
+        route_groups=4,
+        route_group_limit=2,
+    ),  # fmt: skip
 }
 
 
@@ -272,6 +295,9 @@ def test_native_model_exports_and_imports_back(tmp_path, kind):
     })  # fmt: skip
     rng = np.random.default_rng(0)  # every leaf random (biases and norm scales too)
     params = jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(np.float32), arrays(abstract_params(cfg)))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: np.zeros_like(a) if "'load'" in jax.tree_util.keystr(p) else a, params
+    )
     save_params(tmp_path / "run" / "hf_import", params, {"model": to_dict(cfg)})
     export_hf(tmp_path / "run", tmp_path / "out")
     import_hf(tmp_path / "out", tmp_path / "again", vocab_multiple=128)

@@ -3,8 +3,8 @@
 Which family a transformers directory is comes from the registry: each family's adapter
 (`Family.hf`, e.g. models/llama/hf.py) lists the `architectures` and `model_type`s it accepts and
 holds its tables: config.json <-> ModelConfig (`model_config`, `hf_config`), meshrun leaf path <->
-tensor name (`top_map`: unstacked leaves, `layer_map`: per-layer leaves stacked on 'layers', with a
-transform kind below and a part index when several leaves share one tensor), `ignored` names.
+tensor name (`top_map`: unstacked leaves, `layer_map`: stacked per-layer leaves, with a transform kind
+below, a part index when several leaves share one tensor and the layer of each stack entry), `ignored` names.
 Vocab: padded with zero rows/columns to a multiple (tensor-parallel vocab split), stripped on export.
 
 A `Lazy` tensor is a shape plus a function of an index (a tuple of slices) that reads only that part

@@ -73,6 +73,7 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
             "RUN_DIR", str(run_dir), "use a new RUN_DIR or delete its hf_import/", "it already holds an import"
         )
     st = _checked_tensors(model_dir, cfg)
+    _note_unused(hf)
     flat = _placed_params(cfg, st, hf, model_dir, mesh if mesh is not None else build_mesh(MeshConfig()))
     src_dtype = hf.get("torch_dtype") or hf.get("dtype")
     src_dtype = src_dtype if src_dtype in ("float32", "bfloat16", "float16") else "float32"
@@ -94,6 +95,16 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
         "params": int(sum(int(np.prod(a.shape)) for a in flat.values())),
         "next": quick_check(yaml_path),
     }
+
+
+def _note_unused(hf: dict) -> None:
+    """One note on stderr for the checkpoint's layers meshrun does not import (DeepSeek-V3's MTP)."""
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    if mtp and jax.process_index() == 0:
+        first = hf["num_hidden_layers"]
+        print(f"meshrun: note: num_nextn_predict_layers={mtp}: the multi-token-prediction layers' weights "
+              f"(model.layers.{first}.* on) are not imported; meshrun trains next-token prediction",
+              file=sys.stderr)  # fmt: skip
 
 
 def _placed_params(cfg, st, hf, model_dir, mesh) -> dict:
@@ -415,6 +426,7 @@ _RUNTIME_FIELDS = {
     "fp8",  # fp8 is how the GEMMs ran: the master weights are ordinary weights (export_hf notes it)
     "fp8_amax_history",
     "fp8_first_last_bf16",
+    "bias_rate",  # balance=bias's update step: a training setting no config.json holds
 }
 
 
@@ -427,6 +439,8 @@ def _arch(cfg) -> dict[str, Any]:
         d = {k: v for k, v in d.items() if k not in ("top_k", "moe_every")}
     elif "moe_d_ff" in d:  # 0 means d_ff: the width is what counts
         d["moe_d_ff"] = cfg.expert_d_ff
+    if d.get("attention") == "mla":  # every head has its own k and v; head_dim is unused
+        d = {k: v for k, v in d.items() if k not in ("n_kv_heads", "head_dim")}
     return d
 
 
@@ -444,6 +458,8 @@ def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any
             config = None
     if config is None:
         config = hf_config(cfg, vocab, dtype) | keep
+    if config.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layer was not imported: none is written
+        config["num_nextn_predict_layers"] = 0
     if "dtype" in config and "torch_dtype" not in config:
         config["dtype"] = dtype
     else:
@@ -455,7 +471,7 @@ def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any
             ", ".join(f"model.{k}" for k in diff),
             {k: want.get(k) for k in diff},
             "export a run trained with settings a transformers architecture has (Llama, Mistral, Qwen2, Mixtral, "
-            "Qwen3-MoE)",
+            "Qwen3-MoE, DeepSeek-V3)",
             "the trained model cannot be written as a Hugging Face config.json",
         )
     return config

@@ -1,13 +1,14 @@
-"""The llama family's Hugging Face tables: transformers Llama 2/3/3.1, Mistral, Qwen2, Mixtral, Qwen3-MoE
-config.json <-> ModelConfig, and tensor names <-> meshrun parameter paths (the generic reading,
+"""The llama family's Hugging Face tables: transformers Llama 2/3/3.1, Mistral, Qwen2, Mixtral, Qwen3-MoE and
+DeepSeek-V3 config.json <-> ModelConfig, and tensor names <-> meshrun parameter paths (the generic reading,
 placement and writing is meshrun/hf/). The adapter on `FAMILY.hf`.
 
 Layout facts, checked against transformers' forward by tests/test_hf.py:
 - RoPE: transformers' checkpoints are already in the rotate-half layout (their conversion script
-  permuted Meta's interleaved q/k rows), which is what models/layers.rope uses: no permutation.
+  permuted Meta's interleaved q/k rows), which is what models/layers.rope uses: no permutation;
+  DeepSeek-V3 keeps interleaved RoPE rows (rope_interleave), reordered on import ('t_rope', 'col_rope').
 - GQA: query head n uses kv head n // G in both (transformers' repeat_kv; meshrun's [K, G] split).
 - Linear weights are [out, in] in transformers, [in, ...] here; heads split out of the out dim.
-- Mixtral: capacity_factor = n_experts / top_k so that no token is ever dropped (dropless reference).
+- MoE imports route dropless, capacity_factor = n_experts / top_k (nothing dropped if switched).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ FAMILIES = {  # transformers architecture -> model_type
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ARCH = {v: k for k, v in FAMILIES.items()}
 ARCHITECTURES, MODEL_TYPES = tuple(FAMILIES), tuple(ARCH)  # what this family imports
@@ -89,7 +91,7 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     if act != "silu":
         raise ConfigError(f"{FIELD}: hidden_act", act, "meshrun's SwiGLU uses silu")
     for k in ("attention_bias", "mlp_bias"):
-        if fam in ("llama", "mistral", "qwen3_moe") and hf.get(k):
+        if fam in ("llama", "mistral", "qwen3_moe", "deepseek_v3") and hf.get(k):
             raise ConfigError(f"{FIELD}: {k}", True, "meshrun has q/k/v biases only (Qwen2); use a model without")
     n_heads = hf["num_attention_heads"]
     fields: dict[str, Any] = dict(
@@ -109,13 +111,16 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
         **_rope(hf),
     )
     if fam == "mixtral":
-        fields |= _moe_fields(hf["num_local_experts"], hf["num_experts_per_tok"], True, hf, 0.02)
+        aux = hf.get("router_aux_loss_coef", 0.02)
+        fields |= _moe_fields(hf["num_local_experts"], hf["num_experts_per_tok"], True, aux)
     elif fam == "qwen3_moe":
         fields |= _qwen3_moe_fields(hf)
+    elif fam == "deepseek_v3":
+        fields |= _deepseek_v3_fields(hf) | _mla_fields(hf)
     return LlamaConfig(**fields)
 
 
-def _moe_fields(e: int, k: int, norm_topk: bool, hf: dict, aux: float, arch: str = "Mixtral") -> dict[str, Any]:
+def _moe_fields(e: int, k: int, norm_topk: bool, aux: float, arch: str = "Mixtral") -> dict[str, Any]:
     """Routed-expert fields shared by the MoE architectures: dropless (transformers drops no token)."""
     if k == 1 and norm_topk:  # models/router.py renormalises the gates only when k > 1
         raise ConfigError(
@@ -130,7 +135,7 @@ def _moe_fields(e: int, k: int, norm_topk: bool, hf: dict, aux: float, arch: str
         moe_dispatch="dropless",
         capacity_factor=float(e) / k,  # used only if a user switches to capacity routing: nothing dropped
         moe_every=1,
-        aux_loss_coef=float(hf.get("router_aux_loss_coef", aux)),
+        aux_loss_coef=float(aux),
         z_loss_coef=0.0,
     )
 
@@ -146,9 +151,8 @@ def _qwen3_moe_fields(hf: dict) -> dict[str, Any]:
     for k in range(1, n + 1):
         for f in range(n):
             if (n - f) % k == 0 and moe == [i >= f and (i - f) % k == k - 1 for i in range(n)]:
-                fields = _moe_fields(
-                    e, hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)), hf, 0.001, "Qwen3-MoE"
-                )
+                norm, aux = bool(hf.get("norm_topk_prob", False)), hf.get("router_aux_loss_coef", 0.001)
+                fields = _moe_fields(e, hf["num_experts_per_tok"], norm, aux, "Qwen3-MoE")
                 return fields | dict(qk_norm=True, moe_d_ff=hf["moe_intermediate_size"], first_dense_layers=f,
                                      moe_every=k)  # fmt: skip
     raise ConfigError(
@@ -158,24 +162,67 @@ def _qwen3_moe_fields(hf: dict) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _deepseek_v3_fields(hf: dict) -> dict[str, Any]:
+    """DeepSeek-V3's MoE: sigmoid scores, e_score_correction_bias (= balance=bias), groups, shared experts."""
+    for key, want, why in (
+        ("rope_interleave", True, "meshrun reads DeepSeek's interleaved RoPE rows (the published layout)"),
+        ("rms_norm_eps", 1e-6, "transformers' DeepSeek-V3 latent norms use 1e-6 whatever it says; meshrun one eps"),
+        ("scoring_func", "sigmoid", "DeepSeek-V3 scores the experts with a sigmoid"),
+    ):
+        if hf.get(key, want) != want:
+            raise ConfigError(f"{FIELD}: {key}", hf[key], f"use {key}={want}", why)
+    if not hf.get("n_shared_experts"):
+        raise ConfigError(f"{FIELD}: n_shared_experts", hf.get("n_shared_experts"), "use 1 or more (DeepSeek-V3: 1)")
+    g, m = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    norm, aux = bool(hf.get("norm_topk_prob", True)), hf.get("aux_loss_alpha", 0.0001)
+    return _moe_fields(hf["n_routed_experts"], hf["num_experts_per_tok"], norm, aux, "DeepSeek-V3") | dict(
+        moe_d_ff=hf["moe_intermediate_size"],
+        n_shared_experts=int(hf["n_shared_experts"]),
+        first_dense_layers=int(hf.get("first_k_dense_replace", 0)),
+        router_score="sigmoid",
+        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        balance="bias",
+        route_groups=g if g > 1 else 0,
+        route_group_limit=m if g > 1 else 0,
+    )
+
+
+def _mla_fields(hf: dict) -> dict[str, Any]:
+    """Multi-head latent attention (every head its own k and v: n_kv_heads = n_heads, head_dim unused)."""
+    dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return {k: int(hf[k]) for k in dims} | dict(
+        attention="mla",
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        n_kv_heads=hf["num_attention_heads"],
+        head_dim=int(hf["qk_rope_head_dim"]),
+    )
+
+
 def cfg_family(cfg: ModelConfig) -> str:
     """The transformers architecture a meshrun model is written as (export_config then checks that
     it reads back as the same model)."""
     if cfg.is_moe:
-        return "qwen3_moe" if cfg.qk_norm else "mixtral"
+        deepseek = (
+            cfg.attention == "mla" or cfg.router_score == "sigmoid" or cfg.n_shared_experts or cfg.balance == "bias"
+        )
+        return "deepseek_v3" if deepseek else "qwen3_moe" if cfg.qk_norm else "mixtral"
     return "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
 
 
 def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     """A transformers config.json for a meshrun model (used when the run was not imported)."""
     fam = cfg_family(cfg)
-    if cfg.mlp != "swiglu" or (fam == "mixtral" and cfg.moe_every != 1):
+    bad = [(f, v) for f, v in (("mlp", "swiglu"), ("attention", "mla")) if fam == "deepseek_v3" or f == "mlp"]
+    bad = [(f, want) for f, want in bad if getattr(cfg, f) != want]
+    if fam in ("mixtral", "deepseek_v3") and cfg.moe_every != 1:
+        bad.append(("moe_every", 1))
+    if bad:
+        f, want = bad[0]
         raise ConfigError(
-            "model.mlp" if cfg.mlp != "swiglu" else "model.moe_every",
-            cfg.mlp if cfg.mlp != "swiglu" else cfg.moe_every,
-            "export-hf writes Llama/Qwen2/Mixtral/Qwen3-MoE: swiglu MLPs and, for a Mixtral, every layer MoE",
-            "no Hugging Face architecture for this model",
-        )
+            f"model.{f}", getattr(cfg, f), f"use {f}={want} for a model exported as {ARCH[fam]}",
+            "export-hf writes Llama/Qwen2/Mixtral/Qwen3-MoE and DeepSeek-V3 (latent attention, every layer MoE "
+            "after the first dense ones); no Hugging Face architecture for this model",
+        )  # fmt: skip
     out: dict[str, Any] = {
         "architectures": [ARCH[fam]],
         "model_type": fam,
@@ -225,6 +272,8 @@ def _family_config(cfg: ModelConfig, fam: str) -> dict[str, Any]:
             "norm_topk_prob": cfg.router_norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": sorted(dense),
             "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
         }  # fmt: skip
+    if fam == "deepseek_v3":
+        out |= _deepseek_v3_config(cfg)
     if fam == "qwen2":  # transformers' Qwen2 slides in layers >= max_window_layers
         w = cfg.sliding_window
         out |= {
@@ -233,6 +282,19 @@ def _family_config(cfg: ModelConfig, fam: str) -> dict[str, Any]:
             "max_window_layers": 0 if w else cfg.n_layers,
         }
     return out
+
+
+def _deepseek_v3_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim, "q_lora_rank": cfg.q_lora_rank or None,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True,
+        "n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "n_shared_experts": cfg.n_shared_experts,
+        "moe_intermediate_size": cfg.expert_d_ff, "first_k_dense_replace": cfg.first_dense_layers,
+        "routed_scaling_factor": cfg.routed_scaling, "n_group": max(cfg.route_groups, 1),
+        "topk_group": cfg.route_group_limit or 1, "norm_topk_prob": cfg.router_norm_topk,
+        "aux_loss_alpha": cfg.aux_loss_coef, "num_nextn_predict_layers": 0, "attention_bias": False,
+    }  # fmt: skip
 
 
 def _flat(ids) -> list[int]:
@@ -246,11 +308,11 @@ MIXTRAL_ROUTING = {  # the MoE fields a Mixtral checkpoint has at these values o
 
 
 def check_shapes(cfg: ModelConfig) -> None:
-    """ConfigError for multi-head latent attention (not exchanged yet)."""
-    if getattr(cfg, "attention", "gqa") != "gqa":
+    """ConfigError for multi-head latent attention in a dense model (DeepSeek-V3 is the architecture)."""
+    if getattr(cfg, "attention", "gqa") != "gqa" and not cfg.is_moe:
         raise ConfigError(
-            "model.attention", cfg.attention, "use attention=gqa for a model exchanged with Hugging Face",
-            "meshrun exchanges Llama-shaped attention only (not DeepSeek's multi-head latent attention yet)",
+            "model.attention", cfg.attention, "use attention=gqa for a dense model exchanged with Hugging Face",
+            "meshrun exchanges multi-head latent attention as DeepSeek-V3 (an MoE model) only",
         )  # fmt: skip
 
 
@@ -268,11 +330,33 @@ def stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], Any, bool]]:
     return out + [(("layers", "moe"), tuple(f + u * k + k - 1 for u in units), True)]
 
 
+def _mla_map(cfg: ModelConfig, pre: tuple[str, ...], at: str) -> dict:
+    """DeepSeek-V3's attention; the RoPE rows of q and of the shared k reordered from interleaved."""
+    a, h, dr = pre + ("attn",), cfg.n_heads, cfg.qk_rope_head_dim
+    m = {
+        a + ("kv_down",): (at + "kv_a_proj_with_mqa.weight", "t_rope", dr),
+        a + ("kv_norm",): (at + "kv_a_layernorm.weight", "id", 0),
+        a + ("kv_up",): (at + "kv_b_proj.weight", "col", h),
+        a + ("o",): (at + "o_proj.weight", "row", h),
+    }
+    if not cfg.q_lora_rank:
+        return m | {a + ("q",): (at + "q_proj.weight", "col_rope", (h, dr))}
+    return m | {
+        a + ("q_down",): (at + "q_a_proj.weight", "t", 0),
+        a + ("q_norm",): (at + "q_a_layernorm.weight", "id", 0),
+        a + ("q_up",): (at + "q_b_proj.weight", "col_rope", (h, dr)),
+    }
+
+
 def _attn_map(cfg: ModelConfig, pre: tuple[str, ...]) -> dict:
     at = "model.layers.{l}.self_attn."
-    m = {
+    norms = {
         pre + ("attn_norm", "scale"): ("model.layers.{l}.input_layernorm.weight", "id", 0),
         pre + ("mlp_norm", "scale"): ("model.layers.{l}.post_attention_layernorm.weight", "id", 0),
+    }
+    if cfg.attention == "mla":
+        return norms | _mla_map(cfg, pre, at)
+    m = norms | {
         pre + ("attn", "q"): (at + "q_proj.weight", "col", cfg.n_heads),
         pre + ("attn", "k"): (at + "k_proj.weight", "col", cfg.n_kv_heads),
         pre + ("attn", "v"): (at + "v_proj.weight", "col", cfg.n_kv_heads),
@@ -307,8 +391,14 @@ def _moe_map(cfg: ModelConfig, pre: tuple[str, ...]) -> dict:
             pre + ("moe", "up"): (moe + "experts.{e}.w3.weight", "t", 0),
             pre + ("moe", "down"): (moe + "experts.{e}.w2.weight", "t", 0),
         }
-    moe = "model.layers.{l}.mlp."  # Qwen3-MoE
-    return {pre + ("moe", "router"): (moe + "gate.weight", "t", 0)} | _mlp_map(pre, "moe", moe + "experts.{e}.")
+    moe = "model.layers.{l}.mlp."  # Qwen3-MoE, DeepSeek-V3
+    m = {pre + ("moe", "router"): (moe + "gate.weight", "t", 0)} | _mlp_map(pre, "moe", moe + "experts.{e}.")
+    if cfg.n_shared_experts:
+        m |= _mlp_map(pre, "shared", moe + "shared_experts.")
+    if cfg.balance == "bias":  # its load (zeros) is meshrun's own state
+        m[pre + ("moe", "balance", "bias")] = (moe + "gate.e_score_correction_bias", "id", 0)
+        m[pre + ("moe", "balance", "load")] = ("", "zeros", cfg.n_experts)
+    return m
 
 
 def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple]:
@@ -336,4 +426,7 @@ def top_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
 
 def ignored(cfg: ModelConfig, name: str) -> bool:
     """Checkpoint tensors the model has no use for (buffers, the tied lm_head copy)."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
+        return True
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    return cfg.attention == "mla" and layer.isdigit() and int(layer) >= cfg.n_layers  # DeepSeek's MTP layers
