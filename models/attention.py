@@ -55,6 +55,9 @@ class Attention(nnx.Module):
             self.q_bias = zeros_param((h, dh), ("heads", "head_dim"), lead, cfg)
             self.k_bias = zeros_param((k, dh), ("kv_heads", "head_dim"), lead, cfg)
             self.v_bias = zeros_param((k, dh), ("kv_heads", "head_dim"), lead, cfg)
+        if getattr(cfg, "qk_norm", False):  # Qwen3: one head_dim scale each, shared by the heads
+            self.q_norm = ones_param((dh,), ("norm",), lead, cfg)
+            self.k_norm = ones_param((dh,), ("norm",), lead, cfg)
 
     def _mla(self, cfg: ModelConfig, lead: Lead, rngs: nnx.Rngs) -> None:
         """Multi-head latent attention's weights. A latent dimension is named 'embed' (its rows are
@@ -172,7 +175,7 @@ def attention(
     recipe = cfg.fp8
     gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot), block=cfg.fp8_block)
     qkv = _qkv(p, h_BxLxD, cfg, gemm, bias, ring)
-    o_BxLxHxDh = _attend(qkv, cfg, segments, rotary)
+    o_BxLxHxDh = _attend(p, qkv, cfg, segments, rotary)
     if ring:
         return matmul_rs("blhk,hkd->bld", o_BxLxHxDh, p["o"].astype(dt), 0, ring)
     return gemm("blhk,hkd->bld", o_BxLxHxDh, p["o"], "attn_out")
@@ -198,13 +201,16 @@ def _qkv(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, gemm,
     return checkpoint_name(constrain(qkv, ("batch", None, "kv_heads", None, "head_dim")), "qkv")
 
 
-def _attend(qkv: jax.Array, cfg: ModelConfig, segments, rotary: bool) -> jax.Array:
-    """Causal attention of the fused q/k/v (RoPE applied if `rotary`): B x L x H x Dh."""
+def _attend(p: Mapping[str, jax.Array], qkv: jax.Array, cfg: ModelConfig, segments, rotary: bool) -> jax.Array:
+    """Causal attention of the fused q/k/v (model.qk_norm, then RoPE if `rotary`): B x L x H x Dh."""
     g, dh = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     b, length = qkv.shape[:2]
     q_BxLxHxDh = qkv[:, :, :, :g].reshape(b, length, cfg.n_heads, dh)
     k_BxLxKxDh, v_BxLxKxDh = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     pos_BxL = _positions(segments)
+    if getattr(cfg, "qk_norm", False):  # per head, before RoPE (Qwen3)
+        q_BxLxHxDh = rms_norm(q_BxLxHxDh, p["q_norm"], cfg.norm_eps)
+        k_BxLxKxDh = rms_norm(k_BxLxKxDh, p["k_norm"], cfg.norm_eps)
     if rotary:
         freq = rope_freqs(cfg)
         q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)

@@ -29,7 +29,8 @@ from meshrun.hf.safetensors_io import SafeTensors
 from meshrun.runtime.mesh import build_mesh
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral")
+FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral", "qwen3_moe", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 TOL = 1e-4
 
@@ -69,6 +70,26 @@ def test_logits_match_transformers(imported, fam):
     print(f"{fam}: max |logit - transformers| = {err:.2e}")
     assert err <= TOL
     assert np.all(got[..., 100:] == 0.0)  # padded vocab rows are zero
+
+
+@pytest.mark.parametrize("fam", MOE)
+def test_sharded_logits_match_transformers(imported, fam):
+    """The MoE imports run split over tensor 2 x expert 2 (heads, expert widths and the
+    experts themselves sharded, the all_to_all dispatch) give transformers' logits too."""
+    from meshrun.family import registry
+    from meshrun.hf.io import flat_tree, nest_tree
+    from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, use_rules
+
+    cfg, params = _load(imported[fam][0])
+    mesh = build_mesh(MeshConfig(data=1, tensor=2, expert=2), jax.devices()[:4])  # 2 sequences: 2 batch shards
+    shardings = flat_tree(tree_shardings(registry.get(cfg.family).abstract_params(cfg), mesh, param_rules(zero=3)))
+    placed = nest_tree({k: jax.device_put(v, shardings[k]) for k, v in flat_tree(params).items()})
+    tokens = np.load(FIX / "tokens.npy")
+    with use_rules(mesh, compute_rules(False)):
+        got = np.asarray(jax.jit(lambda p, t: _forward(cfg, p, t))(placed, tokens))
+    err = float(np.max(np.abs(got[..., :100] - np.load(FIX / fam / "logits.npy"))))
+    print(f"{fam} on tensor 2 x expert 2: max |logit - transformers| = {err:.2e}")
+    assert err <= TOL
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -221,26 +242,62 @@ def test_fixture_script_reproduces_fixtures(tmp_path):
         np.testing.assert_allclose(np.load(tmp_path / fam / "logits.npy"), np.load(FIX / fam / "logits.npy"), atol=1e-6)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_native_model_exports_and_imports_back(tmp_path, moe):
+MIXTRAL = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0, moe_dispatch="dropless")
+NATIVE = {
+    "dense": dict(tie_embeddings=True, qkv_bias=True),  # Qwen2
+    "moe": dict(MIXTRAL, n_layers=2),  # Mixtral: dropless on import
+    # Qwen3-MoE: head norms, narrow experts without renormalisation, a dense layer first and every
+    # other layer after it MoE (written as mlp_only_layers [0, 1, 3])
+    "qwen3_moe": dict(
+        MIXTRAL, n_layers=5, qk_norm=True, moe_d_ff=16, router_norm_topk=False, first_dense_layers=1, moe_every=2
+    ),
+    # DeepSeek-V3: latent attention without a q latent, sigmoid scores in 2 of 4 groups, a shared
+    # expert, balance biases (the balance 'load' state is meshrun's own: zeros, not exported)
+    "deepseek_v3": dict(
+        MIXTRAL,
+        n_layers=3,
+        attention="mla",
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        head_dim=4,
+        n_kv_heads=4,
+        n_experts=8,
+        capacity_factor=4.0,
+        moe_d_ff=8,
+        n_shared_experts=1,
+        first_dense_layers=1,
+        router_score="sigmoid",
+        routed_scaling=2.5,
+        balance="bias",
+        route_groups=4,
+        route_group_limit=2,
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+def test_native_model_exports_and_imports_back(tmp_path, kind):
     """A model meshrun made (no Hugging Face config to copy): export-hf writes a config of its own
-    (Qwen2 for q/k/v biases, Mixtral for MoE) that imports back to the same ModelConfig and params;
-    with transformers installed it also gives meshrun's logits there."""
+    (Qwen2 for q/k/v biases, Mixtral or Qwen3-MoE for MoE) that imports back to the same ModelConfig
+    and params; with transformers installed it also gives meshrun's logits there."""
     from meshrun_models import abstract_params
     from meshrun_models.layers import arrays
 
     from meshrun.checkpoint.params import save_params
     from meshrun.config import to_dict
 
-    moe_fields = dict(n_experts=4, top_k=2, capacity_factor=2.0, moe_every=1, z_loss_coef=0.0, moe_dispatch="dropless")
-    moe_fields = moe_fields if moe else {}  # Mixtral: dropless on import
-    cfg = LlamaConfig(
-        vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
-        tie_embeddings=not moe, qkv_bias=not moe, norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3",
-        rope_original_max_seq_len=256, **moe_fields,
-    )  # fmt: skip
+    cfg = LlamaConfig(**{
+        **dict(vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
+               norm_eps=1e-6, rope_theta=500000.0, rope_scaling="llama3", rope_original_max_seq_len=256),
+        **NATIVE[kind],
+    })  # fmt: skip
     rng = np.random.default_rng(0)  # every leaf random (biases and norm scales too)
     params = jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(np.float32), arrays(abstract_params(cfg)))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: np.zeros_like(a) if "'load'" in jax.tree_util.keystr(p) else a, params
+    )
     save_params(tmp_path / "run" / "hf_import", params, {"model": to_dict(cfg)})
     export_hf(tmp_path / "run", tmp_path / "out")
     import_hf(tmp_path / "out", tmp_path / "again", vocab_multiple=128)

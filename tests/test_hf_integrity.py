@@ -309,6 +309,60 @@ def test_import_refuses_a_top_1_mixtral(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "fam, change, text",
+    [
+        ("qwen3_moe", {"num_experts_per_tok": 1}, "model.top_k: a top-1 Qwen3-MoE computes differently"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "config.json: use_sliding_window"),
+        ("qwen3_moe", {"attention_bias": True}, "config.json: attention_bias"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "config.json: mlp_only_layers: the MoE layers of"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json: rope_scaling"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 40.0, "mscale": 1.0}}, "config.json: rope_scaling"),
+        ("deepseek_v3", {"rope_interleave": False}, "config.json: rope_interleave"),
+        ("deepseek_v3", {"rms_norm_eps": 1e-5}, "config.json: rms_norm_eps"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "config.json: scoring_func"),
+        ("deepseek_v3", {"n_shared_experts": 0}, "config.json: n_shared_experts"),
+        ("deepseek_v3", {"attention_bias": True}, "config.json: attention_bias"),
+        ("deepseek_v3", {"num_experts_per_tok": 1}, "model.top_k: a top-1 DeepSeek-V3 computes differently"),
+    ],
+    ids=["top-1", "sliding-window", "attention-bias", "moe-layer-pattern", "yarn-rope", "deepseek-yarn-rope",
+         "deepseek-rope-not-interleaved", "deepseek-eps", "deepseek-softmax", "deepseek-no-shared",
+         "deepseek-attention-bias", "deepseek-top-1"],
+)  # fmt: skip
+def test_import_refuses_a_config_meshrun_cannot_represent(tmp_path, capsys, fam, change, text):
+    """One line, exit 2, nothing written: a layer pattern that is not first dense layers then groups of
+    moe_every (MoE at layers 0 and 2 of 3), and the variants meshrun does not compute."""
+    src = _copy(fam, tmp_path)
+    cfg = json.loads((src / "config.json").read_text()) | change
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, err = _import_rc(capsys, src, tmp_path / "run")
+    assert rc == 2 and text in _one_line(err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_deepseek_multi_token_prediction_layer_is_dropped_with_a_note(tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint with its multi-token-prediction layer (model.layers.{n}.*,
+    num_nextn_predict_layers=1): imported without it, one note on stderr; the export's config.json
+    says num_nextn_predict_layers=0 (no such layer written)."""
+    from meshrun.hf.safetensors_io import write
+
+    src = _copy("deepseek_v3", tmp_path)
+    st = SafeTensors(src)
+    tensors = {k: np.array(st.get(k)) for k in st.keys()}  # copies: the file is rewritten below
+    del st
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = np.ones((32, 64), np.float32)
+    write(src / "model.safetensors", tensors | mtp)
+    cfg = json.loads((src / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, err = _import_rc(capsys, src, tmp_path / "run")
+    note = [ln for ln in err.splitlines() if "note:" in ln]
+    assert rc == 0 and len(note) == 1 and "num_nextn_predict_layers=1" in note[0] and "model.layers.3.*" in note[0]
+    export_hf(tmp_path / "run", tmp_path / "out", quiet=True)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert SafeTensors(tmp_path / "out").keys() == sorted(tensors)
+
+
 # ------------------------------------------------------------------ tokenizer travels
 
 

@@ -121,6 +121,25 @@ def test_gpt_style_tied_parity():
     assert_same(loss_and_grads(cfg, params, tok, lab), loss_and_grads(cfg, params, tok, lab, mesh_of(2, 4, 1)))
 
 
+@pytest.mark.parametrize("changes", [{}, {"sequence_parallel": True, "tp_comm_overlap": True}])
+def test_qk_norm_parity(changes):
+    """model.qk_norm (Qwen3): a head_dim scale for q and one for k, replicated while the heads split
+    over 'tensor'; random scales, so a scale applied to the wrong heads would show."""
+    cfg = dataclasses.replace(DENSE, qk_norm=True, **changes)
+    _, params = init_params(cfg, 3)
+    attn = params["layers"]["attn"]
+    assert attn["q_norm"].shape == attn["k_norm"].shape == (DENSE.n_layers, DENSE.head_dim)
+    from meshrun_models.layers import arrays
+
+    from meshrun.analysis.flops import param_counts
+
+    assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(arrays(params)))
+    for name, seed in (("q_norm", 1), ("k_norm", 2)):
+        attn[name][...] = 1.0 + 0.3 * jax.random.normal(jax.random.key(seed), attn[name].shape)
+    tok, lab = batch(cfg)
+    assert_same(loss_and_grads(cfg, params, tok, lab), loss_and_grads(cfg, params, tok, lab, mesh_of(2, 4, 1), zero=3))
+
+
 @pytest.mark.parametrize("moe", [False, True])
 def test_functional_pieces_compose(dense, moe):
     """embed -> apply_layers on two slices -> head_loss, sums (loss, tokens AND aux) added over two

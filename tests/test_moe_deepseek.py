@@ -422,13 +422,19 @@ def test_family_without_the_fields_exits_2(capsys):
 
 
 def test_hugging_face_exchange_refuses_the_new_shapes():
-    """export-hf writes Mixtral-shaped MoE models only: the new shapes are refused with one line."""
+    """export-hf writes DeepSeek-V3's MoE shapes as DeepSeek-V3, which has latent attention: with
+    grouped-query attention they are refused with one line naming the field, as is a dense model
+    with latent attention; a DeepSeek-V3 config with routing it cannot express names the fields."""
     from meshrun_models.llama import hf
 
-    mixtral = dict(hf.MIXTRAL_ROUTING, route_group_limit=0)
-    hf.layer_map(dataclasses.replace(DS, **mixtral))
-    with pytest.raises(ConfigError, match=r"^model.moe_d_ff: .*got 16.*use moe_d_ff=0"):
-        hf.layer_map(DS)
+    from meshrun.hf.io import export_config
+
+    with pytest.raises(ConfigError, match=r"^model.attention: .*got 'gqa'.*use attention=mla .*DeepseekV3ForCausalLM"):
+        export_config(DS, None, 64, "float32")
+    mla = dataclasses.replace(MLA, norm_eps=1e-6)  # transformers' DeepSeek-V3 latent norms: 1e-6
+    assert export_config(mla, None, 64, "float32")["architectures"] == ["DeepseekV3ForCausalLM"]
+    with pytest.raises(ConfigError, match=r"^model.router_score: .*got {'router_score': 'softmax'}"):
+        export_config(dataclasses.replace(mla, router_score="softmax"), None, 64, "float32")
     dense_mla = dataclasses.replace(MLA, n_experts=0, **{**hf.MIXTRAL_ROUTING, "route_group_limit": 0})
     with pytest.raises(ConfigError, match=r"^model.attention: .*latent attention.*got 'mla'.*use attention=gqa"):
         hf.layer_map(dense_mla)

@@ -45,8 +45,9 @@ def qkv_widths(m: ModelConfig) -> tuple[int, int]:
 
 
 def norm_params(m: ModelConfig) -> int:
-    """One layer's norm scales: the two d_model ones, and MLA's latent norms."""
-    return 2 * m.d_model + (m.kv_lora_rank + m.q_lora_rank if is_mla(m) else 0)
+    """One layer's norm scales: the two d_model ones, and MLA's latent norms or Qwen3's q/k head norms."""
+    qk = 2 * m.head_dim if getattr(m, "qk_norm", False) else 0
+    return 2 * m.d_model + (m.kv_lora_rank + m.q_lora_rank if is_mla(m) else qk)
 
 
 def attn_core_width(m: ModelConfig) -> int:

@@ -3,8 +3,8 @@
 Which family a transformers directory is comes from the registry: each family's adapter
 (`Family.hf`, e.g. models/llama/hf.py) lists the `architectures` and `model_type`s it accepts and
 holds its tables: config.json <-> ModelConfig (`model_config`, `hf_config`), meshrun leaf path <->
-tensor name (`top_map`: unstacked leaves, `layer_map`: per-layer leaves stacked on 'layers', with a
-transform kind below and a part index when several leaves share one tensor), `ignored` names.
+tensor name (`top_map`: unstacked leaves, `layer_map`: stacked per-layer leaves, with a transform kind
+below, a part index when several leaves share one tensor and the layer of each stack entry), `ignored` names.
 Vocab: padded with zero rows/columns to a multiple (tensor-parallel vocab split), stripped on export.
 
 A `Lazy` tensor is a shape plus a function of an index (a tuple of slices) that reads only that part
@@ -98,8 +98,29 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- per-layer tensor map
 
 
+def _deinterleave(dr: int) -> np.ndarray:
+    """RoPE dims in DeepSeek's interleaved order (pairs side by side) -> rotate-half order: the even
+    dims, then the odd ones (transformers' `apply_rotary_pos_emb_interleave` reorders them so)."""
+    return np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])
+
+
+def _rope_rows(y: np.ndarray, dr: int, inverse: bool = False) -> np.ndarray:
+    """The last dr entries of y's last axis reordered by `_deinterleave` (or back)."""
+    perm, out = _deinterleave(dr), np.array(y)
+    if inverse:
+        out[..., out.shape[-1] - dr + perm] = y[..., -dr:]
+    else:
+        out[..., -dr:] = y[..., out.shape[-1] - dr + perm]
+    return out
+
+
 # transform: hf per-layer array -> meshrun per-layer array (and `_inverse`), n = heads of that projection
-def _forward(kind: str, x: np.ndarray, n: int) -> np.ndarray:
+# (t_rope: the RoPE dims dr at the end; col_rope: (heads, dr))
+def _forward(kind: str, x: np.ndarray, n) -> np.ndarray:
+    if kind == "t_rope":  # [r + dr, D] -> [D, r + dr], the RoPE part in rotate-half order
+        return _rope_rows(x.T, n)
+    if kind == "col_rope":  # [H*(dn + dr), D] -> [D, H, dn + dr], each head's RoPE part reordered
+        return _rope_rows(_forward("col", x, n[0]), n[1])
     if kind == "id":
         return x
     if kind == "t":  # [out, in] -> [in, out]
@@ -117,7 +138,11 @@ def _forward(kind: str, x: np.ndarray, n: int) -> np.ndarray:
     raise AssertionError(kind)
 
 
-def _inverse(kind: str, y: np.ndarray) -> np.ndarray:
+def _inverse(kind: str, y: np.ndarray, n=0) -> np.ndarray:
+    if kind == "t_rope":
+        return _rope_rows(y, n, inverse=True).T
+    if kind == "col_rope":
+        return _inverse("col", _rope_rows(y, n[1], inverse=True))
     if kind == "id":
         return y
     if kind == "t":
@@ -148,9 +173,24 @@ def _norm(index, shape) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
 
-def _entry(v: tuple) -> tuple[str, str, int, int, int]:
-    """A layer_map value (tmpl, kind, heads[, part, parts]) with its part (0 of 1 when whole)."""
-    return (*v, 0, 1) if len(v) == 3 else tuple(v)
+def _entry(v: tuple, cfg: ModelConfig) -> tuple:
+    """A layer_map value (tmpl, kind, heads[, part, parts[, layers]]) in full: its part (0 of 1 when
+    whole) and the transformers layer index of each entry of the stack (default: layer i at i)."""
+    v = (*v, 0, 1) if len(v) == 3 else tuple(v)
+    return v if len(v) == 6 else (*v, tuple(range(cfg.n_layers)))
+
+
+def _names(tmpl: str, ids: np.ndarray, experts: int) -> Iterator[str]:
+    """Every transformers name of a stacked leaf (per layer, and per expert when `{e}` is in it)."""
+    for i in ids.flat:
+        for e in range(experts if "{e}" in tmpl else 1):
+            yield tmpl.format(l=int(i), e=e)
+
+
+def first_name(v: tuple, cfg: ModelConfig) -> str:
+    """The transformers name of a layer_map value's first layer (and expert)."""
+    tmpl, *_, ids = _entry(v, cfg)
+    return next(_names(tmpl, np.asarray(ids), 1)) if tmpl else ""
 
 
 def _part(x: np.ndarray, part: int, parts: int) -> np.ndarray:
@@ -186,56 +226,66 @@ def lazy_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], vocab: int) 
     for path, (name, kind) in ad.top_map(cfg).items():
         out[path] = padded(name, 0) if kind == "vocab" else padded(name, 1) if kind == "vocab_t" else _whole(get(name))
     for path, v in ad.layer_map(cfg).items():
-        tmpl, kind, n, part, parts = _entry(v)
-        experts = "{e}" in tmpl
-        lead = (cfg.n_layers, cfg.n_experts) if experts else (cfg.n_layers,)
-        _same_shapes(tmpl, lead, get)
-        per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)
-        try:
-            one = per(0, 0)
-        except ValueError:  # numpy's reshape message names neither the tensor nor the heads
-            first, of = tmpl.format(l=0, e=0), f", part {part + 1} of {parts}" if parts > 1 else ""
-            raise ValueError(
-                f"{first} has shape {tuple(get(first).shape)}, which does not split into {n} heads ({kind}{of})"
-            ) from None
-        out[path] = _stacked(lead, one.shape, per)
+        out[path] = _layer_lazy(cfg, v, get)
     return out
+
+
+def _layer_lazy(cfg: ModelConfig, v: tuple, get: Callable[[str], np.ndarray]) -> Lazy:
+    """The Lazy of one stacked leaf: its transformers tensors per layer (and expert), transformed."""
+    tmpl, kind, n, part, parts, ids = _entry(v, cfg)
+    ids = np.asarray(ids, dtype=np.int64)
+    experts = cfg.n_experts if "{e}" in tmpl else 0
+    if kind == "zeros":  # state transformers does not keep (balance=bias's load): zeros, [*stack, n]
+        shape = ids.shape + (n,)
+        return Lazy(shape, lambda index: np.zeros([len(range(k)[s]) for s, k in zip(_norm(index, shape), shape)]))
+    _same_shapes(tmpl, ids, experts, get)
+    per = lambda i, e, t=tmpl, k=kind, n=n, q=part, m=parts: _forward(k, _part(get(t.format(l=i, e=e)), q, m), n)
+    try:
+        one = per(int(ids.flat[0]), 0)
+    except ValueError:  # numpy's reshape message names neither the tensor nor the heads
+        first, of = tmpl.format(l=int(ids.flat[0]), e=0), f", part {part + 1} of {parts}" if parts > 1 else ""
+        raise ValueError(
+            f"{first} has shape {tuple(get(first).shape)}, which does not split into {n} heads ({kind}{of})"
+        ) from None
+    return _stacked(ids, experts, one.shape, per)
 
 
 class TransposedTensor(ValueError):
     """A layer's tensor holds the transpose of another layer's shape: the file is wrong, not config.json."""
 
 
-def _same_shapes(tmpl: str, lead: tuple[int, ...], get: Callable[[str], np.ndarray]) -> None:
-    """ValueError naming the tensor when a layer's (or expert's) tensor differs in shape from layer 0's."""
-    first = tmpl.format(l=0, e=0)
+def _same_shapes(tmpl: str, ids: np.ndarray, experts: int, get: Callable[[str], np.ndarray]) -> None:
+    """ValueError naming the tensor when a layer's (or expert's) tensor differs in shape from the first's."""
+    names = list(_names(tmpl, ids, experts))
+    first = names[0]
     want = tuple(get(first).shape)
-    for i in range(lead[0]):
-        for e in range(lead[1] if len(lead) > 1 else 1):
-            name = tmpl.format(l=i, e=e)
-            got = tuple(get(name).shape)
-            if got != want and len(got) == 2 and got == want[::-1]:
-                raise TransposedTensor(f"{name} has shape {got}, {first} has {want}: one is stored transposed")
-            if got != want:
-                raise ValueError(f"{name} has shape {got}, {first} has {want}")
+    for name in names:
+        got = tuple(get(name).shape)
+        if got != want and len(got) == 2 and got == want[::-1]:
+            raise TransposedTensor(f"{name} has shape {got}, {first} has {want}: one is stored transposed")
+        if got != want:
+            raise ValueError(f"{name} has shape {got}, {first} has {want}")
 
 
 def _whole(a: np.ndarray) -> Lazy:
     return Lazy(tuple(a.shape), lambda index: np.array(a[_norm(index, a.shape)]))
 
 
-def _stacked(lead: tuple[int, ...], shape: tuple[int, ...], per) -> Lazy:
+def _stacked(ids: np.ndarray, experts: int, shape: tuple[int, ...], per) -> Lazy:
+    """[*ids.shape, (experts,) shape]: entry (pos, e) is per(ids[pos], e)."""
+    lead = ids.shape + ((experts,) if experts else ())
     full = lead + tuple(shape)
 
     def read(index):
         idx = _norm(index, full)
-        layers = range(*idx[0].indices(lead[0]))
-        if len(lead) == 1:
-            blocks = [np.array(per(i, 0)[idx[1:]]) for i in layers]
-        else:
-            es = range(*idx[1].indices(lead[1]))
-            blocks = [np.stack([np.array(per(i, e)[idx[2:]]) for e in es]) for i in layers]
-        return np.stack(blocks)
+        ranges, rest = [range(*s.indices(n)) for s, n in zip(idx, lead)], idx[len(lead) :]
+
+        def build(pos: tuple) -> np.ndarray:
+            if len(pos) == len(lead):
+                return np.array(per(int(ids[pos[: ids.ndim]]), pos[-1] if experts else 0)[rest])
+            return np.stack([build((*pos, i)) for i in ranges[len(pos)]])
+
+        return build(())
 
     return Lazy(full, read)
 
@@ -251,19 +301,18 @@ def hf_tensors(
     for path, (name, kind) in top.items():
         if kind == "vocab":
             yield name, np.asarray(leaf(path)[:vocab])
-    lm = {path: _entry(v) for path, v in ad.layer_map(cfg).items()}
-    for layer in range(cfg.n_layers):
+    for layer, entries in _by_layer(cfg, ad.layer_map(cfg)).items():
         pieces: dict[str, dict[int, np.ndarray]] = {}
-        for path, (tmpl, kind, _, part, parts) in lm.items():
-            y = np.asarray(leaf(path)[layer])
+        for path, pos, (tmpl, kind, n, part, parts, _) in entries:
+            y = np.asarray(leaf(path)[pos])
             if "{e}" in tmpl:
                 for e in range(cfg.n_experts):
-                    yield tmpl.format(l=layer, e=e), _inverse(kind, y[e])
+                    yield tmpl.format(l=layer, e=e), _inverse(kind, y[e], n)
             elif parts == 1:
-                yield tmpl.format(l=layer), _inverse(kind, y)
+                yield tmpl.format(l=layer), _inverse(kind, y, n)
             else:
                 got = pieces.setdefault(tmpl.format(l=layer), {})
-                got[part] = _inverse(kind, y)
+                got[part] = _inverse(kind, y, n)
                 if len(got) == parts:
                     yield tmpl.format(l=layer), np.concatenate([got[i] for i in range(parts)], axis=-1)
     for path, (name, kind) in top.items():
@@ -273,14 +322,27 @@ def hf_tensors(
             yield name, np.asarray(leaf(path)[:, :vocab]).T
 
 
+def _by_layer(cfg: ModelConfig, layer_map: dict) -> dict[int, list]:
+    """transformers layer -> [(meshrun path, index of that layer in the leaf, full entry)], in layer order."""
+    out: dict[int, list] = {}
+    for path, v in layer_map.items():
+        e = _entry(v, cfg)
+        if e[1] == "zeros":
+            continue
+        ids = np.asarray(e[5], dtype=np.int64)
+        for pos in np.ndindex(*ids.shape):
+            out.setdefault(int(ids[pos]), []).append((path, pos, e))
+    return dict(sorted(out.items()))
+
+
 def expected_names(cfg: ModelConfig) -> set[str]:
     """Every transformers tensor name the model needs (a tied lm_head is not among them)."""
     ad = adapter(cfg)
     names = {name for name, _ in ad.top_map(cfg).values()}
     for v in ad.layer_map(cfg).values():
-        tmpl = v[0]
-        for layer in range(cfg.n_layers):
-            names |= {tmpl.format(l=layer, e=e) for e in range(max(cfg.n_experts, 1))}
+        tmpl, kind, *_, ids = _entry(v, cfg)
+        if kind != "zeros":
+            names |= set(_names(tmpl, np.asarray(ids), cfg.n_experts))
     return names
 
 

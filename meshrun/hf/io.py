@@ -37,6 +37,7 @@ from meshrun.hf.convert import (
     adapter,
     expected_names,
     family_of,
+    first_name,
     hf_config,
     hf_tensors,
     ignored,
@@ -72,6 +73,7 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
             "RUN_DIR", str(run_dir), "use a new RUN_DIR or delete its hf_import/", "it already holds an import"
         )
     st = _checked_tensors(model_dir, cfg)
+    _note_unused(hf)
     flat = _placed_params(cfg, st, hf, model_dir, mesh if mesh is not None else build_mesh(MeshConfig()))
     src_dtype = hf.get("torch_dtype") or hf.get("dtype")
     src_dtype = src_dtype if src_dtype in ("float32", "bfloat16", "float16") else "float32"
@@ -95,20 +97,28 @@ def import_hf(model_dir: str | Path, run_dir: str | Path, *, mesh=None, vocab_mu
     }
 
 
+def _note_unused(hf: dict) -> None:
+    """One note on stderr for the checkpoint's layers meshrun does not import (DeepSeek-V3's MTP)."""
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    if mtp and jax.process_index() == 0:
+        first = hf["num_hidden_layers"]
+        print(f"meshrun: note: num_nextn_predict_layers={mtp}: the multi-token-prediction layers' weights "
+              f"(model.layers.{first}.* on) are not imported; meshrun trains next-token prediction",
+              file=sys.stderr)  # fmt: skip
+
+
 def _placed_params(cfg, st, hf, model_dir, mesh) -> dict:
     """{path: jax.Array}: every weight placed straight into its ZeRO-3 sharding on `mesh`, each
     device's shard read from the memory-mapped files on its own."""
     family = registry.get(cfg.family)
     family.check_mesh(cfg, dict(mesh.shape))
     shardings = flat_tree(tree_shardings(family.abstract_params(cfg), mesh, param_rules(zero=3)))
-    lazies = _checked_lazies(
-        cfg, st, hf, model_dir, {p: a.shape for p, a in flat_tree(family.abstract_params(cfg)).items()}
-    )
-    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    abstract = flat_tree(family.abstract_params(cfg))
+    lazies = _checked_lazies(cfg, st, hf, model_dir, {p: a.shape for p, a in abstract.items()})
     flat = {}
-    for path, sh in shardings.items():
-        lz = lazies[path]
-        flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda idx, lz=lz: lz.read(idx).astype(dtype))
+    for path, sh in shardings.items():  # each leaf in its own dtype (balance state: float32 always)
+        lz, dtype = lazies[path], np.dtype(abstract[path].dtype)
+        flat[path] = jax.make_array_from_callback(lz.shape, sh, lambda i, lz=lz, t=dtype: lz.read(i).astype(t))
     return flat
 
 
@@ -190,7 +200,8 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
     except ValueError as e:  # a per-head reshape that does not fit the stored tensor
         raise ConfigError(f"{model_dir}/config.json", str(e), fix, "contradicts the tensor shapes") from None
     ad = adapter(cfg)
-    names = {p: t for p, (t, *_) in ad.layer_map(cfg).items()} | {p: t for p, (t, _) in ad.top_map(cfg).items()}
+    names = {p: first_name(v, cfg) for p, v in ad.layer_map(cfg).items()}
+    names |= {p: t for p, (t, _) in ad.top_map(cfg).items()}
 
     for name, kind in ad.top_map(cfg).values():
         if kind in ("vocab", "vocab_t") and st.get(name).shape[0] != hf["vocab_size"]:
@@ -207,8 +218,7 @@ def _checked_lazies(cfg, st, hf: dict, model_dir, want: dict) -> dict:
                 f"{model_dir}/config.json",
                 "/".join(path),
                 fix,
-                f"config.json implies shape {tuple(shape)} for this weight, the safetensors' "
-                f"{names[path].format(l=0, e=0)} gives {got}",
+                f"config.json implies shape {tuple(shape)} for this weight, the safetensors' {names[path]} gives {got}",
             )
     return lazies
 
@@ -417,6 +427,7 @@ _RUNTIME_FIELDS = {
     "fp8_amax_history",
     "fp8_first_last_bf16",
     "fp8_block",
+    "bias_rate",  # balance=bias's update step: a training setting no config.json holds
 }
 
 
@@ -427,6 +438,10 @@ def _arch(cfg) -> dict[str, Any]:
         d = {k: v for k, v in d.items() if not k.startswith("rope_") or k in ("rope_theta", "rope_scaling")}
     if not d.get("n_experts"):
         d = {k: v for k, v in d.items() if k not in ("top_k", "moe_every")}
+    elif "moe_d_ff" in d:  # 0 means d_ff: the width is what counts
+        d["moe_d_ff"] = cfg.expert_d_ff
+    if d.get("attention") == "mla":  # every head has its own k and v; head_dim is unused
+        d = {k: v for k, v in d.items() if k not in ("n_kv_heads", "head_dim")}
     return d
 
 
@@ -444,6 +459,8 @@ def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any
             config = None
     if config is None:
         config = hf_config(cfg, vocab, dtype) | keep
+    if config.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layer was not imported: none is written
+        config["num_nextn_predict_layers"] = 0
     if "dtype" in config and "torch_dtype" not in config:
         config["dtype"] = dtype
     else:
@@ -454,7 +471,8 @@ def export_config(cfg, hf: dict | None, vocab: int, dtype: str) -> dict[str, Any
         raise ConfigError(
             ", ".join(f"model.{k}" for k in diff),
             {k: want.get(k) for k in diff},
-            "export a run trained with settings a transformers architecture has (Llama, Mistral, Qwen2, Mixtral)",
+            "export a run trained with settings a transformers architecture has (Llama, Mistral, Qwen2, Mixtral, "
+            "Qwen3-MoE, DeepSeek-V3)",
             "the trained model cannot be written as a Hugging Face config.json",
         )
     return config

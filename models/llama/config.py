@@ -31,6 +31,7 @@ class LlamaConfig(ModelConfig):
     rope_high_freq_factor: float = 4.0  # rope_scaling=llama3: wavelengths below original_max/high are kept
     rope_original_max_seq_len: int = 8192  # rope_scaling=llama3: the context length the model was trained at
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head (a head_dim scale each) before RoPE (Qwen3)
     sliding_window: int = 0  # > 0: a token attends to itself and the sliding_window - 1 tokens before (Mistral)
     n_experts: int = 0  # 0: dense model
     top_k: int = 2  # experts each token is routed to
@@ -117,7 +118,9 @@ class LlamaConfig(ModelConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def _check_mla(self) -> None:
-        """model.attention=mla's ranks and head dims (DeepSeek-V2/V3)."""
+        """model.attention=mla's ranks and head dims (DeepSeek-V2/V3), and model.qk_norm."""
+        if not isinstance(self.qk_norm, bool):
+            raise ConfigError("model.qk_norm", self.qk_norm, "use true or false")
         choice("model.attention", self.attention, ("gqa", "mla"))
         for f in MLA_FIELDS:
             bounded(f"model.{f}", getattr(self, f), 0, MAX_DIM)
@@ -136,7 +139,7 @@ class LlamaConfig(ModelConfig):
                 "model.v_head_dim", self.v_head_dim,
                 f"use at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} with model.attention=mla",
             )  # fmt: skip
-        for f, off in (("qkv_bias", False), ("tp_comm_overlap", False), ("fp8", "none")):
+        for f, off in (("qkv_bias", False), ("qk_norm", False), ("tp_comm_overlap", False), ("fp8", "none")):
             if getattr(self, f) != off:
                 raise ConfigError(
                     f"model.{f}", getattr(self, f), f"use {f}={str(off).lower()} with model.attention=mla",

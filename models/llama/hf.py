@@ -1,13 +1,14 @@
-"""The llama family's Hugging Face tables: transformers Llama 2/3/3.1, Mistral, Qwen2 and Mixtral
-config.json <-> ModelConfig, and tensor names <-> meshrun parameter paths (the generic reading,
+"""The llama family's Hugging Face tables: transformers Llama 2/3/3.1, Mistral, Qwen2, Mixtral, Qwen3-MoE and
+DeepSeek-V3 config.json <-> ModelConfig, and tensor names <-> meshrun parameter paths (the generic reading,
 placement and writing is meshrun/hf/). The adapter on `FAMILY.hf`.
 
 Layout facts, checked against transformers' forward by tests/test_hf.py:
 - RoPE: transformers' checkpoints are already in the rotate-half layout (their conversion script
-  permuted Meta's interleaved q/k rows), which is what models/layers.rope uses: no permutation.
+  permuted Meta's interleaved q/k rows), which is what models/layers.rope uses: no permutation;
+  DeepSeek-V3 keeps interleaved RoPE rows (rope_interleave), reordered on import ('t_rope', 'col_rope').
 - GQA: query head n uses kv head n // G in both (transformers' repeat_kv; meshrun's [K, G] split).
 - Linear weights are [out, in] in transformers, [in, ...] here; heads split out of the out dim.
-- Mixtral: capacity_factor = n_experts / top_k so that no token is ever dropped (dropless reference).
+- MoE imports route dropless, capacity_factor = n_experts / top_k (nothing dropped if switched).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ FAMILIES = {  # transformers architecture -> model_type
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ARCH = {v: k for k, v in FAMILIES.items()}
 ARCHITECTURES, MODEL_TYPES = tuple(FAMILIES), tuple(ARCH)  # what this family imports
@@ -88,9 +91,8 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
     if act != "silu":
         raise ConfigError(f"{FIELD}: hidden_act", act, "meshrun's SwiGLU uses silu")
     for k in ("attention_bias", "mlp_bias"):
-        if fam in ("llama", "mistral") and hf.get(k):
+        if fam in ("llama", "mistral", "qwen3_moe", "deepseek_v3") and hf.get(k):
             raise ConfigError(f"{FIELD}: {k}", True, "meshrun has q/k/v biases only (Qwen2); use a model without")
-    window = _window(hf, fam)
     n_heads = hf["num_attention_heads"]
     fields: dict[str, Any] = dict(
         vocab=-(-hf["vocab_size"] // vocab_multiple) * vocab_multiple,
@@ -105,41 +107,122 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=fam == "qwen2",
-        sliding_window=int(window),
+        sliding_window=int(_window(hf, fam)),
         **_rope(hf),
     )
     if fam == "mixtral":
-        e, k = hf["num_local_experts"], hf["num_experts_per_tok"]
-        if k == 1:  # models/router.py renormalises the gates only when k > 1
-            raise ConfigError(
-                "model.top_k",
-                1,
-                "use top_k >= 2 for a model exchanged with transformers as a Mixtral",
-                "a top-1 Mixtral computes differently in transformers (its one gate is renormalised to 1.0) "
-                "and in meshrun (the expert is scaled by its gate probability)",
-            )
-        fields |= dict(
-            n_experts=e,
-            top_k=k,
-            moe_dispatch="dropless",  # Mixtral drops no token
-            capacity_factor=float(e) / k,  # used only if a user switches to capacity routing: nothing dropped
-            moe_every=1,
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
-            z_loss_coef=0.0,
-        )
+        aux = hf.get("router_aux_loss_coef", 0.02)
+        fields |= _moe_fields(hf["num_local_experts"], hf["num_experts_per_tok"], True, aux)
+    elif fam == "qwen3_moe":
+        fields |= _qwen3_moe_fields(hf)
+    elif fam == "deepseek_v3":
+        fields |= _deepseek_v3_fields(hf) | _mla_fields(hf)
     return LlamaConfig(**fields)
+
+
+def _moe_fields(e: int, k: int, norm_topk: bool, aux: float, arch: str = "Mixtral") -> dict[str, Any]:
+    """Routed-expert fields shared by the MoE architectures: dropless (transformers drops no token)."""
+    if k == 1 and norm_topk:  # models/router.py renormalises the gates only when k > 1
+        raise ConfigError(
+            "model.top_k", 1, f"use top_k >= 2 for a model exchanged with transformers as a {arch}",
+            f"a top-1 {arch} computes differently in transformers (its one gate is renormalised to 1.0) "
+            "and in meshrun (the expert is scaled by its gate probability)",
+        )  # fmt: skip
+    return dict(
+        n_experts=e,
+        top_k=k,
+        router_norm_topk=norm_topk,
+        moe_dispatch="dropless",
+        capacity_factor=float(e) / k,  # used only if a user switches to capacity routing: nothing dropped
+        moe_every=1,
+        aux_loss_coef=float(aux),
+        z_loss_coef=0.0,
+    )
+
+
+def _qwen3_moe_fields(hf: dict) -> dict[str, Any]:
+    """Qwen3-MoE: q/k head norms, narrow experts; layer i is MoE unless in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0, which meshrun holds as first_dense_layers + moe_every."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"{FIELD}: use_sliding_window", True, "import a Qwen3-MoE without sliding windows")
+    n, step, only = hf["num_hidden_layers"], int(hf.get("decoder_sparse_step", 1)), hf.get("mlp_only_layers") or []
+    e = int(hf["num_experts"])
+    moe = [i not in only and e > 0 and (i + 1) % step == 0 for i in range(n)]
+    for k in range(1, n + 1):
+        for f in range(n):
+            if (n - f) % k == 0 and moe == [i >= f and (i - f) % k == k - 1 for i in range(n)]:
+                norm, aux = bool(hf.get("norm_topk_prob", False)), hf.get("router_aux_loss_coef", 0.001)
+                fields = _moe_fields(e, hf["num_experts_per_tok"], norm, aux, "Qwen3-MoE")
+                return fields | dict(qk_norm=True, moe_d_ff=hf["moe_intermediate_size"], first_dense_layers=f,
+                                     moe_every=k)  # fmt: skip
+    raise ConfigError(
+        f"{FIELD}: mlp_only_layers", only,
+        "meshrun's layers are some dense ones, then groups of (decoder_sparse_step - 1) dense layers and an MoE one",
+        f"the MoE layers of decoder_sparse_step={step} with these dense layers form no such pattern",
+    )  # fmt: skip
+
+
+def _deepseek_v3_fields(hf: dict) -> dict[str, Any]:
+    """DeepSeek-V3's MoE: sigmoid scores, e_score_correction_bias (= balance=bias), groups, shared experts."""
+    for key, want, why in (
+        ("rope_interleave", True, "meshrun reads DeepSeek's interleaved RoPE rows (the published layout)"),
+        ("rms_norm_eps", 1e-6, "transformers' DeepSeek-V3 latent norms use 1e-6 whatever it says; meshrun one eps"),
+        ("scoring_func", "sigmoid", "DeepSeek-V3 scores the experts with a sigmoid"),
+    ):
+        if hf.get(key, want) != want:
+            raise ConfigError(f"{FIELD}: {key}", hf[key], f"use {key}={want}", why)
+    if not hf.get("n_shared_experts"):
+        raise ConfigError(f"{FIELD}: n_shared_experts", hf.get("n_shared_experts"), "use 1 or more (DeepSeek-V3: 1)")
+    g, m = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    norm, aux = bool(hf.get("norm_topk_prob", True)), hf.get("aux_loss_alpha", 0.0001)
+    return _moe_fields(hf["n_routed_experts"], hf["num_experts_per_tok"], norm, aux, "DeepSeek-V3") | dict(
+        moe_d_ff=hf["moe_intermediate_size"],
+        n_shared_experts=int(hf["n_shared_experts"]),
+        first_dense_layers=int(hf.get("first_k_dense_replace", 0)),
+        router_score="sigmoid",
+        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        balance="bias",
+        route_groups=g if g > 1 else 0,
+        route_group_limit=m if g > 1 else 0,
+    )
+
+
+def _mla_fields(hf: dict) -> dict[str, Any]:
+    """Multi-head latent attention (every head its own k and v: n_kv_heads = n_heads, head_dim unused)."""
+    dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return {k: int(hf[k]) for k in dims} | dict(
+        attention="mla",
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        n_kv_heads=hf["num_attention_heads"],
+        head_dim=int(hf["qk_rope_head_dim"]),
+    )
+
+
+def cfg_family(cfg: ModelConfig) -> str:
+    """The transformers architecture a meshrun model is written as (export_config then checks that
+    it reads back as the same model)."""
+    if cfg.is_moe:
+        deepseek = (
+            cfg.attention == "mla" or cfg.router_score == "sigmoid" or cfg.n_shared_experts or cfg.balance == "bias"
+        )
+        return "deepseek_v3" if deepseek else "qwen3_moe" if cfg.qk_norm else "mixtral"
+    return "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
 
 
 def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     """A transformers config.json for a meshrun model (used when the run was not imported)."""
-    if cfg.mlp != "swiglu" or (cfg.is_moe and cfg.moe_every != 1):
+    fam = cfg_family(cfg)
+    bad = [(f, v) for f, v in (("mlp", "swiglu"), ("attention", "mla")) if fam == "deepseek_v3" or f == "mlp"]
+    bad = [(f, want) for f, want in bad if getattr(cfg, f) != want]
+    if fam in ("mixtral", "deepseek_v3") and cfg.moe_every != 1:
+        bad.append(("moe_every", 1))
+    if bad:
+        f, want = bad[0]
         raise ConfigError(
-            "model.mlp" if cfg.mlp != "swiglu" else "model.moe_every",
-            cfg.mlp if cfg.mlp != "swiglu" else cfg.moe_every,
-            "export-hf writes Llama/Qwen2/Mixtral: swiglu MLPs and, for MoE, every layer MoE",
-            "no Hugging Face architecture for this model",
-        )
-    fam = "mixtral" if cfg.is_moe else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
+            f"model.{f}", getattr(cfg, f), f"use {f}={want} for a model exported as {ARCH[fam]}",
+            "export-hf writes Llama/Qwen2/Mixtral/Qwen3-MoE and DeepSeek-V3 (latent attention, every layer MoE "
+            "after the first dense ones); no Hugging Face architecture for this model",
+        )  # fmt: skip
     out: dict[str, Any] = {
         "architectures": [ARCH[fam]],
         "model_type": fam,
@@ -155,25 +238,42 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(cfg),
         "torch_dtype": dtype,
     }
-    if cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
-        }
+    return out | _family_config(cfg, fam)
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    if cfg.rope_scaling != "llama3":
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": cfg.rope_scaling_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+    }
+
+
+def _family_config(cfg: ModelConfig, fam: str) -> dict[str, Any]:
+    """config.json's architecture-specific keys."""
+    out: dict[str, Any] = {}
     if fam in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window or None
     if fam == "mixtral":
+        out |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k}
+    if fam in ("mixtral", "qwen3_moe"):
+        out["router_aux_loss_coef"] = cfg.aux_loss_coef
+    if fam == "qwen3_moe":  # every dense layer listed: any first_dense_layers / moe_every pattern
+        dense = [i for _, ids, moe in stacks(cfg) if not moe for i in _flat(ids)]
         out |= {
-            "num_local_experts": cfg.n_experts,
-            "num_experts_per_tok": cfg.top_k,
-            "router_aux_loss_coef": cfg.aux_loss_coef,
-        }
+            "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_d_ff,
+            "norm_topk_prob": cfg.router_norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": sorted(dense),
+            "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+        }  # fmt: skip
+    if fam == "deepseek_v3":
+        out |= _deepseek_v3_config(cfg)
     if fam == "qwen2":  # transformers' Qwen2 slides in layers >= max_window_layers
         w = cfg.sliding_window
         out |= {
@@ -184,38 +284,79 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     return out
 
 
+def _deepseek_v3_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim, "q_lora_rank": cfg.q_lora_rank or None,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True,
+        "n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "n_shared_experts": cfg.n_shared_experts,
+        "moe_intermediate_size": cfg.expert_d_ff, "first_k_dense_replace": cfg.first_dense_layers,
+        "routed_scaling_factor": cfg.routed_scaling, "n_group": max(cfg.route_groups, 1),
+        "topk_group": cfg.route_group_limit or 1, "norm_topk_prob": cfg.router_norm_topk,
+        "aux_loss_alpha": cfg.aux_loss_coef, "num_nextn_predict_layers": 0, "attention_bias": False,
+    }  # fmt: skip
+
+
+def _flat(ids) -> list[int]:
+    return [j for i in ids for j in (_flat(i) if isinstance(i, tuple) else [i])]
+
+
 MIXTRAL_ROUTING = {  # the MoE fields a Mixtral checkpoint has at these values only
     "moe_d_ff": 0, "n_shared_experts": 0, "first_dense_layers": 0, "router_score": "softmax",
     "router_norm_topk": True, "routed_scaling": 1.0, "balance": "aux_loss", "route_groups": 0,
 }  # fmt: skip
 
 
-def check_mixtral_shapes(cfg: ModelConfig) -> None:
-    """ConfigError for an MoE that a Mixtral checkpoint cannot hold (Qwen3-MoE / DeepSeek-V3 shapes), and
-    for multi-head latent attention (a Llama-shaped checkpoint has q/k/v/o projections only)."""
-    if getattr(cfg, "attention", "gqa") != "gqa":
+def check_shapes(cfg: ModelConfig) -> None:
+    """ConfigError for multi-head latent attention in a dense model (DeepSeek-V3 is the architecture)."""
+    if getattr(cfg, "attention", "gqa") != "gqa" and not cfg.is_moe:
         raise ConfigError(
-            "model.attention", cfg.attention, "use attention=gqa for a model exchanged with Hugging Face",
-            "meshrun exchanges Llama-shaped attention only (not DeepSeek's multi-head latent attention yet)",
+            "model.attention", cfg.attention, "use attention=gqa for a dense model exchanged with Hugging Face",
+            "meshrun exchanges multi-head latent attention as DeepSeek-V3 (an MoE model) only",
         )  # fmt: skip
+
+
+def stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], Any, bool]]:
+    """(meshrun path prefix, transformers layer index of each entry, MoE?) of every stack of blocks:
+    model.first_dense_layers ('first'), then the units: dense blocks ('layers'), or per group of
+    moe_every the moe_every - 1 dense blocks ('layers', 'dense') and the MoE block ('layers', 'moe')."""
+    f, k = cfg.first_dense_layers, cfg.moe_every
+    out = [(("first",), tuple(range(f)), False)] if f else []
     if not cfg.is_moe:
-        return
-    for f, v in MIXTRAL_ROUTING.items():
-        if getattr(cfg, f) != v:
-            raise ConfigError(
-                f"model.{f}", getattr(cfg, f), f"use {f}={v} for a model exchanged with Hugging Face",
-                "meshrun exchanges Mixtral-shaped MoE models only (not Qwen3-MoE or DeepSeek-V3 yet)",
-            )  # fmt: skip
+        return out + [(("layers",), tuple(range(cfg.n_layers)), False)]
+    units = range(cfg.n_units)
+    if k > 1:
+        out.append((("layers", "dense"), tuple(tuple(f + u * k + j for j in range(k - 1)) for u in units), False))
+    return out + [(("layers", "moe"), tuple(f + u * k + k - 1 for u in units), True)]
 
 
-def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str, int]]:
-    """meshrun leaf path -> (hf name template with {l} and {e}, transform, heads) for stacked leaves."""
-    check_mixtral_shapes(cfg)
-    pre = ("layers", "moe") if cfg.is_moe else ("layers",)
-    at = "model.layers.{l}.self_attn."
+def _mla_map(cfg: ModelConfig, pre: tuple[str, ...], at: str) -> dict:
+    """DeepSeek-V3's attention; the RoPE rows of q and of the shared k reordered from interleaved."""
+    a, h, dr = pre + ("attn",), cfg.n_heads, cfg.qk_rope_head_dim
     m = {
+        a + ("kv_down",): (at + "kv_a_proj_with_mqa.weight", "t_rope", dr),
+        a + ("kv_norm",): (at + "kv_a_layernorm.weight", "id", 0),
+        a + ("kv_up",): (at + "kv_b_proj.weight", "col", h),
+        a + ("o",): (at + "o_proj.weight", "row", h),
+    }
+    if not cfg.q_lora_rank:
+        return m | {a + ("q",): (at + "q_proj.weight", "col_rope", (h, dr))}
+    return m | {
+        a + ("q_down",): (at + "q_a_proj.weight", "t", 0),
+        a + ("q_norm",): (at + "q_a_layernorm.weight", "id", 0),
+        a + ("q_up",): (at + "q_b_proj.weight", "col_rope", (h, dr)),
+    }
+
+
+def _attn_map(cfg: ModelConfig, pre: tuple[str, ...]) -> dict:
+    at = "model.layers.{l}.self_attn."
+    norms = {
         pre + ("attn_norm", "scale"): ("model.layers.{l}.input_layernorm.weight", "id", 0),
         pre + ("mlp_norm", "scale"): ("model.layers.{l}.post_attention_layernorm.weight", "id", 0),
+    }
+    if cfg.attention == "mla":
+        return norms | _mla_map(cfg, pre, at)
+    m = norms | {
         pre + ("attn", "q"): (at + "q_proj.weight", "col", cfg.n_heads),
         pre + ("attn", "k"): (at + "k_proj.weight", "col", cfg.n_kv_heads),
         pre + ("attn", "v"): (at + "v_proj.weight", "col", cfg.n_kv_heads),
@@ -227,22 +368,48 @@ def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str, int]]:
             pre + ("attn", "k_bias"): (at + "k_proj.bias", "bias", cfg.n_kv_heads),
             pre + ("attn", "v_bias"): (at + "v_proj.bias", "bias", cfg.n_kv_heads),
         }
-    if cfg.is_moe:
+    if cfg.qk_norm:  # Qwen3
+        m |= {pre + ("attn", "q_norm"): (at + "q_norm.weight", "id", 0)}
+        m |= {pre + ("attn", "k_norm"): (at + "k_norm.weight", "id", 0)}
+    return m
+
+
+def _mlp_map(pre: tuple[str, ...], name: str, mlp: str = "model.layers.{l}.mlp.") -> dict:
+    return {
+        pre + (name, "gate"): (mlp + "gate_proj.weight", "t", 0),
+        pre + (name, "up"): (mlp + "up_proj.weight", "t", 0),
+        pre + (name, "down"): (mlp + "down_proj.weight", "t", 0),
+    }
+
+
+def _moe_map(cfg: ModelConfig, pre: tuple[str, ...]) -> dict:
+    if cfg_family(cfg) == "mixtral":
         moe = "model.layers.{l}.block_sparse_moe."
-        m |= {
+        return {
             pre + ("moe", "router"): (moe + "gate.weight", "t", 0),
             pre + ("moe", "gate"): (moe + "experts.{e}.w1.weight", "t", 0),
             pre + ("moe", "up"): (moe + "experts.{e}.w3.weight", "t", 0),
             pre + ("moe", "down"): (moe + "experts.{e}.w2.weight", "t", 0),
         }
-    else:
-        mlp = "model.layers.{l}.mlp."
-        m |= {
-            pre + ("mlp", "gate"): (mlp + "gate_proj.weight", "t", 0),
-            pre + ("mlp", "up"): (mlp + "up_proj.weight", "t", 0),
-            pre + ("mlp", "down"): (mlp + "down_proj.weight", "t", 0),
-        }
+    moe = "model.layers.{l}.mlp."  # Qwen3-MoE, DeepSeek-V3
+    m = {pre + ("moe", "router"): (moe + "gate.weight", "t", 0)} | _mlp_map(pre, "moe", moe + "experts.{e}.")
+    if cfg.n_shared_experts:
+        m |= _mlp_map(pre, "shared", moe + "shared_experts.")
+    if cfg.balance == "bias":  # its load (zeros) is meshrun's own state
+        m[pre + ("moe", "balance", "bias")] = (moe + "gate.e_score_correction_bias", "id", 0)
+        m[pre + ("moe", "balance", "load")] = ("", "zeros", cfg.n_experts)
     return m
+
+
+def layer_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple]:
+    """meshrun leaf path -> (hf name template with {l} and {e}, transform, heads, part, parts, the
+    transformers layer of each stack entry) for stacked leaves."""
+    check_shapes(cfg)
+    out = {}
+    for pre, ids, moe in stacks(cfg):
+        m = _attn_map(cfg, pre) | (_moe_map(cfg, pre) if moe else _mlp_map(pre, "mlp"))
+        out |= {path: (*v, 0, 1, ids) for path, v in m.items()}
+    return out
 
 
 def top_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
@@ -259,4 +426,7 @@ def top_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
 
 def ignored(cfg: ModelConfig, name: str) -> bool:
     """Checkpoint tensors the model has no use for (buffers, the tied lm_head copy)."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
+        return True
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    return cfg.attention == "mla" and layer.isdigit() and int(layer) >= cfg.n_layers  # DeepSeek's MTP layers
