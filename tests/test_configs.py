@@ -54,8 +54,10 @@ def test_every_config_loads(path):
     assert cfg.model.n_layers >= 1
 
 
-# mixtral_h100.yaml's MoE routing also runs, smaller, in tiny_moe_cpu.yaml: its one step is slow-only
-STEP_CONFIGS = [pytest.param(p, marks=pytest.mark.slow) if p.name == "mixtral_h100.yaml" else p for p in RUN_CONFIGS]
+# mixtral_h100.yaml's and moe_1t_h100.yaml's MoE routing also runs, smaller, in tiny_moe_cpu.yaml and
+# tiny_deepseek_cpu.yaml: their one step is slow-only
+SLOW_STEPS = ("mixtral_h100.yaml", "moe_1t_h100.yaml")
+STEP_CONFIGS = [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_STEPS else p for p in RUN_CONFIGS]
 
 
 @pytest.mark.parametrize("path", STEP_CONFIGS, ids=lambda p: p.name)
