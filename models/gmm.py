@@ -14,25 +14,20 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from meshrun_models.layers import vary_over, varying_axes
 
 
 def _varying(carry, *refs):
     """The loop's zero carries varying over every manual mesh axis its inputs vary over (shard_map)."""
-    axes = tuple(sorted(set().union(*(_vma(r) for r in refs))))
-    return jax.tree.map(lambda c: jax.lax.pcast(c, axes, to="varying") if axes else c, carry)
+    axes = frozenset().union(*(varying_axes(r) for r in refs))
+    return jax.tree.map(lambda c: vary_over(c, axes), carry)
 
 
 def _sum_to(ct: jax.Array, like: jax.Array) -> jax.Array:
     """A weight's cotangent summed over the manual axes the weight does not vary over (what AD's
     transpose of the implicit pvary does), so it has the weight's type."""
-    extra = tuple(sorted(_vma(ct) - _vma(like)))
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(like)))
     return jax.lax.psum(ct, extra) if extra else ct
-
-
-def _vma(x: jax.Array) -> frozenset:
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10; older jax: ShapedArray.vma
-    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
 
 
 def _plan(sizes_G: jax.Array, tile: int):

@@ -44,6 +44,19 @@ KEPT_NAMES = ("attn_in", "q_rot", "k_rot", "v", "probs", "attn_out", "resid_mid"
               "ring_out", "ring_lse")  # fmt: skip
 
 
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes `x` varies over inside a shard_map (jax >= 0.10: manual_axis_type; older: vma)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def vary_over(z: jax.Array, axes: frozenset) -> jax.Array:
+    """`z` made to vary over `axes` too: a loop carry inside a caller's shard_map varies as its inputs."""
+    missing = tuple(sorted(axes - varying_axes(z)))
+    return jax.lax.pcast(z, missing, to="varying") if missing else z
+
+
 def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 

@@ -30,6 +30,8 @@ from meshrun_models.layers import (
     mlp,
     normal_param,
     rms_norm,
+    vary_over,
+    varying_axes,
     vocab_parallel_xent,
 )
 from meshrun_models.moe import STATS, MoE, moe_ffn
@@ -218,18 +220,6 @@ def grouped_remat(unit, k: int):
     return jax.checkpoint(group, prevent_cse=False)
 
 
-def _vma(x: jax.Array) -> frozenset:
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10; older jax: ShapedArray.vma
-    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
-
-
-def _varying(z: jax.Array, vma: frozenset) -> jax.Array:
-    """Inside a caller's shard_map the scan carry must vary over the same manual axes as x."""
-    missing = tuple(sorted(vma - _vma(z)))
-    return jax.lax.pcast(z, missing, to="varying") if missing else z
-
-
 def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segment_ids_BxL: jax.Array | None = None):
     """Run stacked units [a, b) (any contiguous slice of params['layers'] along axis 0; units are
     homogeneous, so the math does not depend on where the slice starts). `segment_ids_BxL`
@@ -252,15 +242,15 @@ def apply_layers(layer_params: Any, x_BxLxD: jax.Array, cfg: ModelConfig, segmen
         unit = remat_unit(functools.partial(_unit, cfg=cfg), cfg.remat, named=not cfg.is_moe)
 
     x = constrain(x_BxLxD, RESID)
-    vma = _vma(x)
+    vma = varying_axes(x)
     segments = segment_info(segment_ids_BxL, cfg, x.shape[1])  # once, outside the layer scan
 
     def step(carry, p_unit):
         x, aux = carry
         x, stats = unit(p_unit, x, segments)
-        return (x, {k: aux[k] + _varying(stats[k], vma) for k in STATS}), None
+        return (x, {k: aux[k] + vary_over(stats[k], vma) for k in STATS}), None
 
-    aux0 = {k: _varying(jnp.zeros((), jnp.float32), vma) for k in STATS}
+    aux0 = {k: vary_over(jnp.zeros((), jnp.float32), vma) for k in STATS}
     (x, aux), _ = jax.lax.scan(step, (x, aux0), p)
     return x, aux
 
