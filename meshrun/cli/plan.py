@@ -150,32 +150,27 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
     if given.get("executor", sched.executors[0]) not in sched.executors:
         raise ConfigError("--evaluate executor", given["executor"], f"use {' or '.join(sched.executors)}",
                           f"{sched.name} runs on the {'/'.join(sched.executors)} executor only")  # fmt: skip
-    layout = Layout(
-        tensor=t,
-        pipe=p,
-        data=d,
-        expert=e,
-        virtual=v,
-        microbatches=m,
-        micro_batch_size=b,
-        zero=given.get("zero", 0),
-        remat=given.get("remat", model.remat),
-        sequence_parallel=given.get("sequence_parallel", model.sequence_parallel),
-        schedule=sched.name,
-        executor=sched.executor(given.get("executor", "auto")),
-        context=c,
-        context_kind=given.get("context_kind", getattr(model, "context_parallel", "allgather")),
-        offload_optimizer=given.get("offload_optimizer", "none"),
-        offload_update=given.get("offload_update", "auto"),
-        offload_params=given.get("offload_params", False),
-        overlap_grad_reduce=given.get("overlap_grad_reduce", False),
-        offload_grads=given.get("offload_grads", "host"),
-        tp_comm_overlap=given.get("tp_comm_overlap", getattr(model, "tp_comm_overlap", False)),
-        zero_group=given.get("zero_group", 0),
-        **{k: given[k] for k in MEGATRON_KEYS if k in given},
-    )
+    layout = Layout(tensor=t, pipe=p, data=d, expert=e, virtual=v, microbatches=m, micro_batch_size=b,
+                    schedule=sched.name, executor=sched.executor(given.get("executor", "auto")),
+                    context=c, **_plain_fields(given, model))  # fmt: skip
     _check_evaluated(layout, model, seq_len, framework)
     return layout
+
+
+# --evaluate keys copied into the Layout as given, with their defaults when left out
+_PLAIN_DEFAULTS = {"zero": 0, "offload_optimizer": "none", "offload_update": "auto", "offload_params": False,
+                   "overlap_grad_reduce": False, "offload_grads": "host", "zero_group": 0}  # fmt: skip
+
+
+def _plain_fields(given: dict, model) -> dict:
+    """The Layout fields `--evaluate` takes as given: `_PLAIN_DEFAULTS`' keys, the model config's own
+    defaults (remat, sequence parallelism, context kind, TP-communication overlap) and the
+    Megatron-only keys present."""
+    from_model = {"remat": model.remat, "sequence_parallel": model.sequence_parallel,
+                  "context_kind": getattr(model, "context_parallel", "allgather"),
+                  "tp_comm_overlap": getattr(model, "tp_comm_overlap", False)}  # fmt: skip
+    out = {k: given.get(k, dflt) for k, dflt in {**_PLAIN_DEFAULTS, **from_model}.items()}
+    return out | {k: given[k] for k in MEGATRON_KEYS if k in given}
 
 
 def _evaluate_pairs(text: str) -> dict:
