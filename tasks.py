@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import venv
 from pathlib import Path
@@ -16,9 +17,9 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / "python"
 
 
-def sh(*cmd: str | Path) -> None:
+def sh(*cmd: str | Path, env: dict | None = None) -> None:
     print("+", " ".join(map(str, cmd)), flush=True)
-    rc = subprocess.call([str(c) for c in cmd], cwd=ROOT)
+    rc = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
     if rc:
         sys.exit(rc)
 
@@ -34,6 +35,20 @@ def ensure_env(extra: str) -> None:
         sh(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
         sh(PY, "-m", "pip", "install", "-q", "-e", f".[{extra}]" if extra else ".")
         stamp.write_text(digest)
+
+
+def compile_cache_env(folder: str) -> dict:
+    """The parallel test run's environment: jax's persistent compilation cache in `folder` (fresh for
+    each run), shared by the workers and the CLI processes they start, so that a program compiled once
+    in the run (a one-device reference, the tiny configs the CLI and docs tests train) is not compiled
+    again. Tests only: a user's run never sets it. The size cap turns on jax's file lock, so that no
+    worker reads an entry another is still writing."""
+    return os.environ | {
+        "JAX_COMPILATION_CACHE_DIR": folder,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
+    }
 
 
 def main() -> None:
@@ -59,7 +74,10 @@ def main() -> None:
             workers = str(max(1, min(os.cpu_count() or 1, 8)))
             slow = "" if os.environ.get("MESHRUN_TEST_ALL") == "1" else " and not slow"
             # --durations: the slowest tests are named at the end, to keep the default suite short
-            sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial" + slow, "--durations=30")
+            # The multi-process and fault tests compile as a user's run does: no cache.
+            with tempfile.TemporaryDirectory(prefix="meshrun-test-xla-cache-") as cache:
+                env = compile_cache_env(cache)
+                sh(PY, "-m", "pytest", "-n", workers, "-m", "not serial" + slow, "--durations=30", env=env)
             sh(PY, "-m", "pytest", "-m", "serial" + slow, "--durations=10")
     elif what in ("help", "-h", "--help"):
         print(__doc__)
