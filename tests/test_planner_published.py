@@ -263,14 +263,18 @@ def _cli_argv(case, tmp_path) -> list[str]:
     text = ",".join(f"{k}={str(v).lower()}" for k, v in ev.items())
     return ["plan", "--model", str(path), "--cluster", str(case.cluster), "--global-batch", str(row["global_batch"]),
             "--seq-len", str(row["seq_len"]), "--framework", "megatron", "--grad-reduce-dtype", lay.grad_reduce_dtype,
-            "--evaluate", text, "--json"]  # fmt: skip
+            "--attention-kernel", row["attention"], "--dropout", str(case.dropout), "--evaluate", text,
+            "--json"]  # fmt: skip
 
 
-@pytest.mark.parametrize("row_id", ["llama3.1-405b-fp8", "llama3.1-405b-bf16", "llama3.1-70b-bf16"])
+@pytest.mark.parametrize(
+    "row_id", ["llama3.1-405b-fp8", "llama3.1-405b-bf16", "llama3.1-70b-bf16", "gpt3-175b-bf16", "nemotron4-340b-fp8"]
+)
 def test_cli_costs_the_published_settings(row_id, cases, tmp_path, capsys):
     """`meshrun plan --framework megatron --evaluate` with a row's settings (bf16 gradient reduction,
-    master remainders, TP overlap with fp8 buffers, param-gather overlap, deferred wgrads) costs what
-    the calibration table costs for that row: the same step time and memory."""
+    master remainders, TP overlap with fp8 buffers, param-gather overlap, deferred wgrads, the
+    attention kernel: --attention-kernel flash2 for the rows whose launch scripts pick
+    FlashAttention-2) costs what the calibration table costs for that row: the same step time and memory."""
     from meshrun.cli.main import main
 
     case = next(c for c in cases if c.id == row_id)
@@ -299,6 +303,8 @@ def test_cli_costs_the_published_settings(row_id, cases, tmp_path, capsys):
             "--evaluate wgrad_deferral: ",
         ),  # fmt: skip
         (["--grad-reduce-dtype", "float16"], "--grad-reduce-dtype: "),
+        (["--attention-kernel", "flash3"], "--attention-kernel: "),
+        (["--attention-kernel", "flash2", "--cluster", "b200:72x8"], "--attention-kernel: "),  # no sourced figure
     ],
 )
 def test_cli_bad_megatron_settings_exit_2(extra, frag, cases, tmp_path, capsys):
