@@ -125,6 +125,20 @@ def test_published_step_times(cases):
     assert all(abs(r - 1) <= 0.20 for r in held.values()), held
 
 
+def test_leave_one_model_out():
+    """Each model's rows predicted by the constants fitted on the other models' rows
+    (`calibrate.leave_one_model_out`; printed with -s): median |error| <= 5%, every row within 13%
+    (405B fp8, +12.6%, is the worst: the 10% the fitted rows meet is not met here)."""
+    from meshrun.planner import calibrate
+
+    errs = calibrate.leave_one_model_out(DATA)
+    print("\n" + "\n".join(f"{k}: {v:+.1%}" for k, v in errs.items()))
+    a, low = [abs(e) for e in errs.values()], sum(e < 0 for e in errs.values())
+    print(f"median |error| {statistics.median(a):.1%}, worst {max(a):.1%}, {low} of {len(a)} optimistic")
+    assert len(errs) == 12
+    assert statistics.median(a) <= 0.05 and max(a) <= 0.13, errs
+
+
 def test_fp8_speedup_shrinks_where_attention_is_a_larger_share(cases):
     """The published bf16 / fp8 step ratio is 1.34 for Llama 3.1 8B and 70B (seq 8192: bf16 flash
     attention a larger share) and 1.5 for GPT-3 175B and Llama 3.1 405B; the planner's follows, each
