@@ -165,19 +165,31 @@ def test_profile_numbers_round_trip_through_the_file(synthetic, tmp_path, capsys
 
 
 HELD_OUT = "t2p2"
+ROUNDS = 3  # each layout trained this many times, the layouts interleaved; its fastest round is kept
+
+
+def _fastest_rounds(tmp_path, overrides) -> dict[str, Path]:
+    """Each layout's run dir of least measured step (the median of its steps after the compile) over
+    ROUNDS rounds that train every layout in turn: a load on the machine only adds time, and
+    interleaving gives every layout the same chances at a quiet moment."""
+    from meshrun.train.loop import run
+
+    rounds: dict[str, list[Path]] = {name: [] for name in LAYOUTS}
+    for r in range(ROUNDS):
+        for name in LAYOUTS:
+            d = tmp_path / f"{name}-{r}"
+            run(load_config(TINY, BASE + overrides + LAYOUTS[name] + [f"train.run_dir={d}"]), quiet=True)
+            rounds[name].append(d)
+    return {name: min(ds, key=lambda d: cp.read_run(d).measured_s) for name, ds in rounds.items()}
 
 
 @pytest.mark.slow
 def test_cpu_layouts_calibrate_and_predict_a_held_out_layout(tmp_path, capsys):
-    """Train three layouts of a small model on the 8 simulated CPU devices (8 steps each), calibrate on
-    them, and predict a fourth layout (tensor 2 x pipe 2 x data 2) within 15% of its measured step."""
-    from meshrun.train.loop import run
-
+    """Train three layouts of a small model on the 8 simulated CPU devices (8 steps each, the fastest
+    of ROUNDS interleaved rounds), calibrate on them, and predict a fourth layout (tensor 2 x pipe 2 x
+    data 2) within 15% of its measured step."""
     small = ["model.d_model=128", "model.d_ff=384", "model.head_dim=32", "train.steps=8", "train.log_every=1"]
-    dirs = {}
-    for name in ("d8", "t2", "p2", HELD_OUT):
-        dirs[name] = tmp_path / name
-        run(load_config(TINY, BASE + small + LAYOUTS[name] + [f"train.run_dir={dirs[name]}"]), quiet=True)
+    dirs = _fastest_rounds(tmp_path, small)
     prof = tmp_path / "cpu.json"
     rc, text, err = run_cli(["--calibrate", *(str(dirs[n]) for n in ("d8", "t2", "p2")), "--out", str(prof)], capsys)
     assert rc == 0, err

@@ -125,6 +125,20 @@ def test_published_step_times(cases):
     assert all(abs(r - 1) <= 0.20 for r in held.values()), held
 
 
+def test_leave_one_model_out():
+    """Each model's rows predicted by the constants fitted on the other models' rows
+    (`calibrate.leave_one_model_out`; printed with -s): median |error| <= 5%, every row within 13%
+    (405B fp8, +12.6%, is the worst: the 10% the fitted rows meet is not met here)."""
+    from meshrun.planner import calibrate
+
+    errs = calibrate.leave_one_model_out(DATA)
+    print("\n" + "\n".join(f"{k}: {v:+.1%}" for k, v in errs.items()))
+    a, low = [abs(e) for e in errs.values()], sum(e < 0 for e in errs.values())
+    print(f"median |error| {statistics.median(a):.1%}, worst {max(a):.1%}, {low} of {len(a)} optimistic")
+    assert len(errs) == 12
+    assert statistics.median(a) <= 0.05 and max(a) <= 0.13, errs
+
+
 def test_fp8_speedup_shrinks_where_attention_is_a_larger_share(cases):
     """The published bf16 / fp8 step ratio is 1.34 for Llama 3.1 8B and 70B (seq 8192: bf16 flash
     attention a larger share) and 1.5 for GPT-3 175B and Llama 3.1 405B; the planner's follows, each
@@ -263,14 +277,18 @@ def _cli_argv(case, tmp_path) -> list[str]:
     text = ",".join(f"{k}={str(v).lower()}" for k, v in ev.items())
     return ["plan", "--model", str(path), "--cluster", str(case.cluster), "--global-batch", str(row["global_batch"]),
             "--seq-len", str(row["seq_len"]), "--framework", "megatron", "--grad-reduce-dtype", lay.grad_reduce_dtype,
-            "--evaluate", text, "--json"]  # fmt: skip
+            "--attention-kernel", row["attention"], "--dropout", str(case.dropout), "--evaluate", text,
+            "--json"]  # fmt: skip
 
 
-@pytest.mark.parametrize("row_id", ["llama3.1-405b-fp8", "llama3.1-405b-bf16", "llama3.1-70b-bf16"])
+@pytest.mark.parametrize(
+    "row_id", ["llama3.1-405b-fp8", "llama3.1-405b-bf16", "llama3.1-70b-bf16", "gpt3-175b-bf16", "nemotron4-340b-fp8"]
+)
 def test_cli_costs_the_published_settings(row_id, cases, tmp_path, capsys):
     """`meshrun plan --framework megatron --evaluate` with a row's settings (bf16 gradient reduction,
-    master remainders, TP overlap with fp8 buffers, param-gather overlap, deferred wgrads) costs what
-    the calibration table costs for that row: the same step time and memory."""
+    master remainders, TP overlap with fp8 buffers, param-gather overlap, deferred wgrads, the
+    attention kernel: --attention-kernel flash2 for the rows whose launch scripts pick
+    FlashAttention-2) costs what the calibration table costs for that row: the same step time and memory."""
     from meshrun.cli.main import main
 
     case = next(c for c in cases if c.id == row_id)
@@ -299,6 +317,8 @@ def test_cli_costs_the_published_settings(row_id, cases, tmp_path, capsys):
             "--evaluate wgrad_deferral: ",
         ),  # fmt: skip
         (["--grad-reduce-dtype", "float16"], "--grad-reduce-dtype: "),
+        (["--attention-kernel", "flash3"], "--attention-kernel: "),
+        (["--attention-kernel", "flash2", "--cluster", "b200:72x8"], "--attention-kernel: "),  # no sourced figure
     ],
 )
 def test_cli_bad_megatron_settings_exit_2(extra, frag, cases, tmp_path, capsys):

@@ -37,6 +37,7 @@ from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import registry
 from meshrun.planner import cluster_profile
+from meshrun.planner.constants import ATTENTION_KERNELS, FLASH2_EFFICIENCY, calibration_for, with_attention_kernel
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import CLUSTER_HELP, GB, GPUS, Cluster, parse_cluster
 from meshrun.planner.layout import CONTEXT_KINDS
@@ -94,6 +95,9 @@ def register(subparsers) -> None:
     )
     p.add_argument("--framework", default="meshrun", help=f"whose step semantics to cost: {list(FRAMEWORKS)}")
     p.add_argument("--fp8", default=None, help=f"fp8 recipe to cost: {list(FP8_RECIPES)} (default: model.fp8)")
+    p.add_argument("--attention-kernel", default="cudnn", metavar="KERNEL",
+                   help=f"fused attention's kernel: {list(ATTENTION_KERNELS)} (cudnn: the GPU's fitted efficiency, "
+                   "flash2: FlashAttention-2's published one; default cudnn)")  # fmt: skip
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (megatron only; meshrun has none)")
     p.add_argument(
         "--optimizer",
@@ -353,6 +357,7 @@ def run_plan(args) -> int:
     opt = _optimizer(args, opt_cfg)
     cluster = _cluster(args)
     model = _with_fp8(args, model, cluster)
+    cluster = _with_attention_kernel(args, model, cluster)
     batch, seq = _batch_and_seq(args, train, model)
     _check_flags(args, opt)
     opt["grad_reduce_dtype"] = _grad_reduce(args, train)
@@ -372,6 +377,7 @@ def run_plan(args) -> int:
             "active_params": active_params(model),
             "cluster": str(cluster),
             "framework": args.framework,
+            "attention_kernel": args.attention_kernel,
             "grad_reduce_dtype": opt["grad_reduce_dtype"],
             "devices": cluster.n_devices,
             "usable_memory_gb": round(cluster.usable_memory / GB, 3),
@@ -397,6 +403,24 @@ def _with_fp8(args, model, cluster: Cluster):
         fix = "use --fp8 none here, or an H100/H200/GH200/B200 cluster"
         raise ConfigError("--fp8", model.fp8, fix, f"{cluster.gpu.name} has no fp8 GEMMs")
     return model
+
+
+def _with_attention_kernel(args, model, cluster: Cluster) -> Cluster:
+    """The cluster whose GPU runs fused attention with --attention-kernel's efficiency
+    (`constants.with_attention_kernel`); flash2 needs fused attention and a GPU with a sourced figure."""
+    kernel, gpu = args.attention_kernel, cluster.gpu
+    if kernel not in ATTENTION_KERNELS:
+        raise ConfigError("--attention-kernel", kernel, f"use one of {list(ATTENTION_KERNELS)}")
+    if kernel == "cudnn":
+        return cluster
+    if model.attention_impl != "cudnn":
+        fix = "use --attention-kernel cudnn, or a model with attention_impl: cudnn (fused attention)"
+        raise ConfigError("--attention-kernel", kernel, fix, f"model.attention_impl={model.attention_impl}")
+    if gpu.name not in FLASH2_EFFICIENCY:
+        fix = f"use cudnn on {gpu.name}, or one of {sorted(FLASH2_EFFICIENCY)}"
+        raise ConfigError("--attention-kernel", kernel, fix, f"no published FlashAttention-2 figure for {gpu.name}")
+    cal = with_attention_kernel(gpu.calibration or calibration_for(gpu.name), kernel, gpu.name)
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=cal))
 
 
 def _batch_and_seq(args, train: dict, model) -> tuple[int, int]:

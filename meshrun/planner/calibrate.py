@@ -109,9 +109,14 @@ def published_residuals(cases, cal: Calibration) -> list[float]:
 
 def fit_published(path, fields=PUBLISHED_FIELDS, start: Calibration | None = None) -> Calibration:
     """Least squares of log(predicted / published step time) over the rows of the calibration file at
-    `path` that are not held out, in the logs of `fields` of the GPU's Calibration (Gauss-Newton,
-    Levenberg-damped, numerical derivatives; fractions of peak stay <= 1). Rounded to 3 digits."""
-    cases = [c for c in published.cases(path) if not c.row.get("held_out")]
+    `path` that are not held out (`fit_cases`)."""
+    return fit_cases([c for c in published.cases(path) if not c.row.get("held_out")], fields, start)
+
+
+def fit_cases(cases, fields=PUBLISHED_FIELDS, start: Calibration | None = None) -> Calibration:
+    """Least squares of log(predicted / published step time) over `cases`, in the logs of `fields` of
+    the GPU's Calibration (Gauss-Newton, Levenberg-damped, numerical derivatives; fractions of peak
+    stay <= 1). Rounded to 3 digits."""
     base = start or H100_CALIBRATION
     base = dataclasses.replace(base, fp8=base.fp8_gemm)  # fit the fp8 fraction in its own right
     x = [math.log(getattr(base, f)) for f in fields]
@@ -125,3 +130,16 @@ def fit_published(path, fields=PUBLISHED_FIELDS, start: Calibration | None = Non
 
     x = fit_logs(resid, x, upper=[0.0] * n, iters=30, max_step=0.5, tol=1e-5)
     return dataclasses.replace(cal_of(x), **{f: round(math.exp(v), 3) for f, v in zip(fields, x)})
+
+
+def leave_one_model_out(path) -> dict[str, float]:
+    """Generalisation of the published fit: for each model of the rows not held out, the constants
+    fitted on the other models' rows (`fit_cases`) predict its rows. {row id: predicted / published - 1}."""
+    cases = [c for c in published.cases(path) if not c.row.get("held_out")]
+    out = {}
+    for model in dict.fromkeys(c.row["model"] for c in cases):
+        cal = fit_cases([c for c in cases if c.row["model"] != model])
+        for c in cases:
+            if c.row["model"] == model:
+                out[c.id] = published.evaluate(c, calibration=cal).step_time / c.row["step_s"] - 1
+    return out

@@ -15,7 +15,7 @@ A GPU with no set of its own uses the A100's (`calibration_for`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -39,9 +39,18 @@ class Calibration:
 FLASH_EFFICIENCY = 0.5
 # Sourced: FlashAttention-2 on an H100 reaches ~35% of its bf16 peak (Shah et al. 2024, FlashAttention-3,
 # abstract: "FlashAttention-2 achieving only 35% utilization on the H100 GPU"). The published H100 runs
-# whose launch scripts set NVTE_FUSED_ATTN=0 (Transformer Engine's FlashAttention-2 backend) run at it
-# (`published.calibration_of`); the fitted `flash` is cuDNN's fused attention (NVTE_FUSED_ATTN=1).
+# whose launch scripts set NVTE_FUSED_ATTN=0 (Transformer Engine's FlashAttention-2 backend) run at it;
+# the fitted `flash` is cuDNN's fused attention (NVTE_FUSED_ATTN=1).
 FLASH2_H100_EFFICIENCY = 0.35
+# `--attention-kernel flash2` (and a published row's `attention: flash2`): FlashAttention-2's sourced
+# efficiency by GPU: the A100s at the FlashAttention-2 paper's (FLASH_EFFICIENCY), the Hopper GPUs (the
+# same SMs as the H100) at the FlashAttention-3 paper's H100 figure. Not sourced elsewhere (V100: no
+# FlashAttention-2; B200: no published figure).
+FLASH2_EFFICIENCY: dict[str, float] = {
+    **dict.fromkeys(("a100-40g", "a100-80g", "a100-80g-pcie"), FLASH_EFFICIENCY),
+    **dict.fromkeys(("h100-80g", "h800", "h200", "gh200", "gh200-144g"), FLASH2_H100_EFFICIENCY),
+}
+ATTENTION_KERNELS = ("cudnn", "flash2")  # fused attention's kernel: the GPU's fitted `flash`, or FlashAttention-2
 # Fitted on Megatron-LM's PTD-P Table 1 (A100): `calibrate.fit_calibration()`; tests/test_planner.py
 # checks these equal the fit. The fit puts the memory-bound kernels at the bound (full HBM bandwidth):
 # their byte counts are if anything high.
@@ -55,6 +64,12 @@ CALIBRATIONS: dict[str, Calibration] = {"h100-80g": H100_CALIBRATION}
 def calibration_for(gpu_name: str) -> Calibration:
     """The calibration set of a GPU of the catalogue: its own where fitted, else the A100's."""
     return CALIBRATIONS.get(gpu_name, CALIBRATION)
+
+
+def with_attention_kernel(cal: Calibration, kernel: str, gpu_name: str) -> Calibration:
+    """`cal` with fused attention run by `kernel` (ATTENTION_KERNELS): cudnn keeps its `flash`, flash2
+    takes FLASH2_EFFICIENCY's figure for the GPU (KeyError where none is sourced)."""
+    return cal if kernel == "cudnn" else replace(cal, flash=FLASH2_EFFICIENCY[gpu_name])
 
 
 # ----------------------------------------------------------------------------- communication

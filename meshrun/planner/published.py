@@ -6,7 +6,6 @@ layout (`cli.plan.parse_evaluate` + `search.evaluate`).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ import yaml
 
 from meshrun.config import ModelConfig, model_class
 from meshrun.planner import search
-from meshrun.planner.constants import FLASH2_H100_EFFICIENCY, Calibration, calibration_for
+from meshrun.planner.constants import Calibration, calibration_for, with_attention_kernel
 from meshrun.planner.hardware import GB, parse_cluster
 from meshrun.planner.layout import Layout
 
@@ -95,9 +94,10 @@ def cases(path: str | Path) -> list[Case]:
 
 def calibration_of(case: Case, cal: Calibration | None = None) -> Calibration:
     """The kernel calibration a row runs under: `cal` (default the GPU's), with FlashAttention-2's
-    efficiency where its launch script selects that backend (NVTE_FUSED_ATTN=0: `attention: flash2`)."""
-    cal = cal or calibration_for(case.cluster.gpu.name)
-    return dataclasses.replace(cal, flash=FLASH2_H100_EFFICIENCY) if case.row["attention"] == "flash2" else cal
+    efficiency where its launch script selects that backend (NVTE_FUSED_ATTN=0: `attention: flash2`;
+    `meshrun plan --attention-kernel flash2`)."""
+    gpu = case.cluster.gpu.name
+    return with_attention_kernel(cal or calibration_for(gpu), case.row["attention"], gpu)
 
 
 def evaluate(case: Case, calibration: Calibration | None = None, **kw) -> search.Result:
