@@ -343,9 +343,15 @@ def test_blockwise_config_errors():
         load_config("configs/tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=0"])
     with pytest.raises(ConfigError, match="model.moe_dispatch"):
         load_config("configs/tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.moe_dispatch=dropless"])
-    with pytest.raises(ConfigError, match="mesh.context"):
-        load_config("configs/tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=64", "mesh.context=2",
-                                              "mesh.pipe=1"])  # fmt: skip
+    # context: exact when each shard's contiguous chunks (seq 64: 32 tokens, 16 in the ring's zigzag) are whole tiles
+    ctx = ["model.fp8=blockwise", "mesh.context=2", "mesh.pipe=1"]
+    load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=32"])
+    with pytest.raises(ConfigError, match=r"mesh.context: .*64-token tiles .* 32-token chunks .*divides 32"):
+        load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=64"])
+    with pytest.raises(ConfigError, match="16-token chunks"):
+        load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=32", "model.context_parallel=ring"])
+    with pytest.raises(ConfigError, match="experts' slot tiles"):
+        load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=16"])
 
 
 def test_cli_blockwise_block_that_does_not_divide_exits_2(tmp_path):
@@ -422,8 +428,9 @@ def drift(got, ref):
     [
         ("tiny_cpu.yaml", ["model.fp8_block=32"], []),  # data2 x pipe2 x tensor2, 1F1B, m=4
         ("tiny_moe_cpu.yaml", ["model.fp8_block=16", "model.n_shared_experts=1"], ["mesh.data=4", "mesh.tensor=1"]),
+        ("tiny_cpu.yaml", ["model.fp8_block=4"], ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"]),  # 8-token shards
     ],
-    ids=["data2-pipe2-tensor2", "moe-data4-expert2"],
+    ids=["data2-pipe2-tensor2", "moe-data4-expert2", "data2-context2-tensor2"],
 )
 def test_blockwise_layouts_stay_within_one_devices_own_spread(config, over, layout):
     """Loss and every parameter after 3 blockwise steps on 8 devices stay within twice the spread of
