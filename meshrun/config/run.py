@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshrun.config.checkpoint import CheckpointConfig
@@ -32,14 +33,26 @@ class RunConfig:
             fix = "use offload.optimizer=host (its update carries it) or model.fp8=tensorwise"
             raise ConfigError("offload.optimizer", self.offload.optimizer, fix, why)
         if self.model.fp8 == "blockwise" and self.mesh.context > 1:
-            fix = "use mesh.context=1 with model.fp8=blockwise, or model.fp8=tensorwise"
-            raise ConfigError("mesh.context", self.mesh.context, fix, "the weight gradient's token tiles would span it")
+            _check_blockwise_context(self.model, self.mesh.context, self.train.seq_len)
         if self.train.zero3_gather == "step" and self.offload.params:
             raise ConfigError("train.zero3_gather", "step", "leave it auto (or layer) with offload.params",
                               "offload.params fetches each layer inside the layer scan")  # fmt: skip
         if self.mesh.zero_group and self.train.zero == 0:
             raise ConfigError("mesh.zero_group", self.mesh.zero_group, "set train.zero to 1, 2 or 3 with it, or "
                               "leave it 0", "groups shard ZeRO state, and train.zero=0 has none")  # fmt: skip
+
+
+def _check_blockwise_context(model: ModelConfig, context: int, seq_len: int) -> None:
+    """Blockwise's weight gradient tiles b tokens of a sequence: exact under a context split when each
+    shard's contiguous chunks (L/c, or L/2c in the ring's zigzag) are whole tiles of b."""
+    chunk = seq_len // (context * (2 if model.context_parallel == "ring" else 1))
+    if model.n_experts:
+        fix = "use mesh.context=1 with model.fp8=blockwise on experts, or model.fp8=tensorwise"
+        raise ConfigError("mesh.context", context, fix, "the experts' slot tiles would span it")
+    if chunk % model.fp8_block:
+        fix = f"use a model.fp8_block that divides {chunk} (e.g. {math.gcd(chunk, model.fp8_block)}), or mesh.context=1"
+        why = f"the weight gradient's {model.fp8_block}-token tiles would span the context shards' {chunk}-token chunks"
+        raise ConfigError("mesh.context", context, fix, why)
 
 
 # Keys that moved to another section: an old YAML fails with one line naming the new key.

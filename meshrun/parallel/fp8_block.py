@@ -7,7 +7,7 @@ to float32 every b products). Backward, DeepSeek-V3's choice: the input gradient
 tiles (b output channels) and the same weight blocks; the weight gradient from x (dequantised from
 its forward tiles) and dY re-quantised in b x 1 tiles (b tokens of one channel; the tokens are its
 contraction). b is `model.fp8_block`, or a dim's size when smaller. Stateless: no history, no pmax
-(a tile never spans the manual axes, which split whole tokens; 'tensor' is GSPMD's).
+(a tile never spans the manual axes: the config keeps a context shard's chunks whole tiles).
 
 A reference for the numerics: the per-block partial products are materialised (on a GPU a kernel
 keeps them in registers). Letters of an einsum spec: c the blocked contraction (the last one of x),
