@@ -101,7 +101,8 @@ def test_offload_grads_nvme_refusals(over, what, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert what in err and "offload.grads" in err and err.count("\n") == 1 and "Traceback" not in err
-    assert offload_params_refusals(3, "nvme", "bfloat16", "none", 1, "nvme", 1) == []
-    assert offload_params_refusals(3, "host", "float32", "none", 1, "nvme", 1)
-    assert offload_params_refusals(3, "nvme", "float32", "none", 1, "nvme", 2)
-    assert "without a pipeline only" in offload_params_refusals(3, "nvme", "float32", "none", 2, "nvme", 1)[0][0]
+    kw = dict(fp8="none", offload_grads="nvme")
+    assert offload_params_refusals(3, "nvme", **kw, pipe=1, microbatches=1) == []
+    assert offload_params_refusals(3, "host", **kw, pipe=1, microbatches=1)
+    assert offload_params_refusals(3, "nvme", **kw, pipe=1, microbatches=2)
+    assert "without a pipeline only" in offload_params_refusals(3, "nvme", **kw, pipe=2, microbatches=1)[0][0]

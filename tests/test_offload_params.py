@@ -154,25 +154,20 @@ def test_offload_params_needs_zero_3(capsys):
     assert err.count("\n") == 1
 
 
-def test_offload_params_refuses_bf16_params_with_a_pipeline(capsys):
-    """bf16 params are built without a pipeline only (the pipeline's backward would round each layer's
-    reduced gradient to bf16); the config, the step's plan and the planner ask the same pure function,
-    which accepts the nvme tier and refuses fp8."""
-    over = ["offload.params=true", "train.zero=3", "model.param_dtype=bfloat16", "train.run_dir=runs/t-op-bf16"]
-    assert main(["train", "configs/tiny_cpu.yaml", *over]) == 2  # tiny_cpu: mesh.pipe=2
-    err = capsys.readouterr().err
-    assert "offload.params" in err and "use mesh.pipe=1" in err and "Traceback" not in err
-    assert err.count("\n") == 1
-    assert offload_params_refusals(3, "nvme", "bfloat16", "none", 1) == []
-    assert offload_params_refusals(3, "none", "bfloat16", "none", 2) and offload_params_refusals(3, "none", "bfloat16")
-    assert offload_params_refusals(3, "none", "float32", "tensorwise", 1) and offload_params_refusals(1, "none")
+def test_offload_params_rules():
+    """The config, the step's plan and the planner ask the same pure function: it accepts the nvme tier
+    and pipelines (bf16 params too: test_zero3_layer.py), and refuses fp8 and ZeRO below 3."""
+    assert offload_params_refusals(3, "nvme", fp8="none", pipe=1) == []
+    assert offload_params_refusals(3, "none", fp8="none", pipe=2) == offload_params_refusals(3, "none") == []
+    assert offload_params_refusals(3, "none", fp8="tensorwise", pipe=1) and offload_params_refusals(1, "none")
 
 
 BF16 = ["model.param_dtype=bfloat16", "model.dtype=bfloat16"]
 
 
-def _grads_and_one_step(over):
-    """(loss, float32 gradient, state after one step in model order) of tiny_cpu with `over`."""
+def _grads_and_one_step(over, step: bool = True):
+    """(loss, float32 gradient, state after one step in model order, or None without `step`) of tiny_cpu
+    with `over`."""
     cfg = _cfg("tiny_cpu.yaml", over)
     mesh = build_mesh(cfg.mesh)
     ts = make_train_step(cfg, mesh)
@@ -180,6 +175,8 @@ def _grads_and_one_step(over):
     batch = global_batch_arrays(ds, 0, mesh, P(DP_AXES))
     state = ts.init()
     loss, grads, _ = jax.device_get(jax.jit(ts.loss_and_grads)(state.params, *batch))
+    if not step:
+        return loss, grads, None
     state, _ = ts.step(state, *batch)
     return loss, grads, jax.device_get(ts.to_model(state))
 
@@ -205,6 +202,16 @@ def test_bf16_params_reduce_the_fetched_gradient_in_float32(over):
 def assert_bf16_step_follows(on, off, exact: bool = False) -> None:
     """`_grads_and_one_step` of two bf16-param runs: float32 gradients at rtol 1e-5 (bit for bit when
     `exact`), the master and Adam's moments at rtol 1e-5, and the params the rounded master."""
+    assert_float32_grads_follow(on, off, exact)
+    state, ref = on[2], off[2]
+    for (path, a), b in zip(jax.tree.leaves_with_path(state.opt_state), jax.tree.leaves(ref.opt_state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    rounded = jax.tree.map(lambda m, p: np.asarray(m).astype(p.dtype), state.opt_state.master, state.params)
+    jax.tree.map(np.testing.assert_array_equal, state.params, rounded)
+
+
+def assert_float32_grads_follow(on, off, exact: bool = False) -> None:
+    """The float32 gradients of two `_grads_and_one_step` runs at rtol 1e-5 (bit for bit when `exact`)."""
     for (path, g), r in zip(jax.tree.leaves_with_path(on[1]), jax.tree.leaves(off[1]), strict=True):
         assert g.dtype == r.dtype == np.float32, path
         if exact:
@@ -212,11 +219,6 @@ def assert_bf16_step_follows(on, off, exact: bool = False) -> None:
         np.testing.assert_allclose(
             g, r, rtol=1e-5, atol=1e-6 * float(np.abs(r).max()), err_msg=jax.tree_util.keystr(path)
         )
-    state, ref = on[2], off[2]
-    for (path, a), b in zip(jax.tree.leaves_with_path(state.opt_state), jax.tree.leaves(ref.opt_state), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-    rounded = jax.tree.map(lambda m, p: np.asarray(m).astype(p.dtype), state.opt_state.master, state.params)
-    jax.tree.map(np.testing.assert_array_equal, state.params, rounded)
 
 
 def test_offload_params_refuses_overlap_grad_reduce(capsys):
@@ -228,5 +230,5 @@ def test_offload_params_refuses_overlap_grad_reduce(capsys):
     err = capsys.readouterr().err
     assert "offload.params" in err and "pipeline.overlap_grad_reduce=false" in err and "Traceback" not in err
     assert err.count("\n") == 1
-    assert offload_params_refusals(3, "none", "float32", "none", 2, overlap_grad_reduce=True)
-    assert not offload_params_refusals(3, "none", "float32", "none", 2)
+    assert offload_params_refusals(3, "none", fp8="none", pipe=2, overlap_grad_reduce=True)
+    assert not offload_params_refusals(3, "none", fp8="none", pipe=2)

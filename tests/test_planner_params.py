@@ -220,7 +220,7 @@ def test_405b_follows_the_runtimes_acceptance(capsys, monkeypatch):
     planner's answer follows `config.offload_params_refusals` alone: refused, it exits 2 naming what
     refuses it; accepted, the same command answers with a layout and its step time. Pinned both ways
     by replacing that one function, and checked against what it says today."""
-    today = [w for w, _ in config.offload_params_refusals(3, "nvme", "bfloat16", "none", 1)]  # its layout: pipe 1
+    today = [w for w, _ in config.offload_params_refusals(3, "nvme", fp8="none", pipe=1)]  # its layout: pipe 1
     check_405b(*run_cli([*ARGV_405B, "--top", "1"], capsys), today)
     monkeypatch.setattr(config, "offload_params_refusals", refuse)
     check_405b(*run_cli([*ARGV_405B, "--top", "1"], capsys), ["is refused by this test"])
@@ -231,7 +231,7 @@ def test_405b_follows_the_runtimes_acceptance(capsys, monkeypatch):
 def _refuse_grads(*args, **kw):
     """`config.offload_params_refusals` as today, and offload.grads=nvme refused as well."""
     out = ORIGINAL_REFUSALS(*args, **kw)
-    grads = kw.get("offload_grads", args[5] if len(args) > 5 else "host")
+    grads = kw.get("offload_grads", "host")
     return out + [("is refused with the gradient on NVMe by this test", "accept it")] * (grads == "nvme")
 
 

@@ -80,7 +80,7 @@ class OffloadConfig:
 def offload_params_refusals(
     zero: int,
     offload_optimizer: str,
-    param_dtype: str | None = None,
+    *,
     fp8: str | None = None,
     pipe: int | None = None,
     offload_grads: str = "host",
@@ -90,8 +90,9 @@ def offload_params_refusals(
     """Why meshrun refuses `offload.params=true` beside these settings: (what, fix) pairs, empty
     when it runs them. The one place these rules live: TrainConfig, the step's plan (the model's
     fields, the mesh's pipeline degree) and the planner (which proposes only what this accepts) ask
-    it. A field given as None is not checked (TrainConfig does not see the model's), except that
-    params below float32 need `pipe` known: they are built without a pipeline only."""
+    it. A field given as None is not checked (TrainConfig does not see the model's). Params below
+    float32 run with or without a pipeline: their float32 gradient goes to float32 arrays beside them
+    (`layer_fetch.Shadowed`), which the microbatch scan or the stage's vjp differentiates."""
     out = _nvme_grads_refusals(offload_optimizer, pipe, microbatches) if offload_grads == "nvme" else []
     if overlap_grad_reduce:
         out.append(("reduces each layer's gradients inside the layer loop already (pipeline.overlap_grad_reduce=true)",
@@ -100,13 +101,6 @@ def offload_params_refusals(
         out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
     if fp8 not in (None, "none"):
         out.append(("is not built with fp8 training", "turn model.fp8 off with it"))
-    if param_dtype not in (None, "float32") and (pipe is None or pipe > 1):
-        # The fetched layer's float32 gradient goes to float32 arrays beside the params
-        # (layer_fetch.Shadowed), which the microbatch scan differentiates; the pipeline's backward takes
-        # the vjp of the (bf16) params themselves, so each layer's reduced gradient would be rounded.
-        got = "mesh.pipe unknown" if pipe is None else f"mesh.pipe={pipe}"
-        out.append((f"is built for {param_dtype} params without a pipeline only ({got})",
-                    "use mesh.pipe=1 or model.param_dtype=float32 with it"))  # fmt: skip
     return out
 
 

@@ -8,14 +8,12 @@ from meshrun.config.offload import offload_params_refusals
 LAYER_GATHER_AUTO_BYTES = 2**30  # train.zero3_gather=auto: per-layer gathers above this many gathered bytes
 
 
-def zero3_layer_refusals(
-    param_dtype: str | None = None, pipe: int | None = None, overlap_grad_reduce: bool = False
-) -> list[tuple[str, str]]:
+def zero3_layer_refusals(overlap_grad_reduce: bool = False) -> list[tuple[str, str]]:
     """Why meshrun refuses `train.zero3_gather=layer` beside these settings: (what, fix) pairs, empty when
     it runs them. The per-layer gather is offload.params' fetch with the weights in device memory,
-    so the same rules about the model and the pipeline apply (`offload_params_refusals`), but fp8: the
-    step's update rotates the fetched layers' delayed-scaling observations like the gather-once step's."""
-    refused = offload_params_refusals(3, "none", param_dtype, None, pipe, "host", None, overlap_grad_reduce)
+    so the same rules apply (`offload_params_refusals`), but fp8: the step's update rotates the
+    fetched layers' delayed-scaling observations like the gather-once step's."""
+    refused = offload_params_refusals(3, "none", overlap_grad_reduce=overlap_grad_reduce)
     return [(what, f"{fix}, or set train.zero3_gather=step") for what, fix in refused]
 
 

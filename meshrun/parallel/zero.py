@@ -69,12 +69,14 @@ class ZeroShardings:
         memory) or offload.params (`from_host`, in host memory). One fetch, two sources."""
         return self.from_host or self.fsdp
 
-    @property
-    def shadows(self) -> bool:
-        """ZeRO-2 per microbatch: the layers rest whole and each layer's gradient is reduce-scattered to
-        1/DP of it, so it goes to float32 arrays of that layout (`layer_fetch.Shadowed`, `layer_sums`),
-        never to the weights' own (whole) cotangent."""
-        return self.fsdp and self.stage == 2
+    def shadows(self, layers: Any) -> bool:
+        """Whether the pipeline's stage vjp differentiates float32 arrays beside the layers
+        (`layer_fetch.Shadowed`, `layer_sums`) rather than the layers (`layers`: the stacked layers or
+        their shapes): ZeRO-2 per microbatch (the layers rest whole, each layer's gradient is reduce-scattered
+        to 1/DP of them) and per-layer layers stored below float32 (their own cotangent would round
+        each layer's reduced gradient to their dtype)."""
+        narrow = any(a.dtype != jnp.float32 for a in jax.tree.leaves(layers))
+        return self.per_layer and (narrow or self.fsdp and self.stage == 2)
 
     @classmethod
     def build(

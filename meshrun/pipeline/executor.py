@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshrun.errors import ConfigError
 from meshrun.family import contract
-from meshrun.parallel.layer_fetch import on_host, use_layer_fetch
+from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import CONTEXT, MANUAL, batch_axes, compute_rules, manual_axes, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline.per_op import OpRun
@@ -131,10 +131,9 @@ class Pipeline:
         gspec = zl.grads
         if self.placement == "model":
             gl, gspec = lsplit.from_pipeline(gl), self.model_zero.grads
-        # fp32 sums -> param dtype (offload.params: the layers' sums in host memory are cast layer
-        # by layer in the update, `offload/layer_update.py`)
-        grads = jax.tree.map(lambda g, a: g if on_host(g) else g.astype(a.dtype), {**go, "layers": gl}, params)
-        return loss, _wsc(mesh, grads, gspec), metrics
+        # the float32 sums, as the microbatch scan leaves them: the step casts them to the param dtype
+        # unless the optimizer keeps a float32 master (then Adam takes them as they are)
+        return loss, _wsc(mesh, {**go, "layers": gl}, gspec), metrics
 
     def placed(self, params, tokens, labels, segment_ids=None):
         """(params in the padded pipeline placement, gathered; the batch arrays as [M, B, S] microbatches;

@@ -42,9 +42,9 @@ class StageRun:
         # `flat_chunks` the stage's [v*Lc, ...] as it comes, a chunk a dynamic slice of it (a reshape
         # whose leading chunk axis changes the layout made XLA copy the stage's weights once per step).
         self.layers_v = self.chunked(layers)
-        # ZeRO-2 per microbatch: each layer's gradient goes to float32 arrays of its grad layout (1/DP
-        # of it, `layer_fetch.Shadowed`), which the stage's vjp differentiates in place of the weights
-        self.sums_v = jax.eval_shape(self.zl.layer_sums, layers) if self.zl.shadows else None
+        # ZeRO-2 per microbatch, per-layer bf16 layers: each layer's gradient goes to float32 arrays of its
+        # grad layout (`layer_fetch.Shadowed`), which the stage's vjp differentiates in place of the weights
+        self.sums_v = jax.eval_shape(self.zl.layer_sums, layers) if self.zl.shadows(layers) else None
         self.sums_v = None if self.sums_v is None else jax.eval_shape(self.chunked, self.sums_v)
         self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
@@ -134,12 +134,11 @@ class StageRun:
 
     def layer_sums(self):
         """Zero float32 sums of the stage's layers, where the layers rest (host memory: made a slice at a
-        time); with `sums_v` 1/DP of them."""
-        if self.sums_v is not None:
-            return accum_zeros(self.sums_v)
+        time); with `sums_v` of their grad layout."""
+        sums = self.layers_v if self.sums_v is None else self.sums_v
         if any(on_host(a) for a in jax.tree.leaves(self.layers_v)):
-            return host_zeros(jax.eval_shape(accum_zeros, self.layers_v))
-        return accum_zeros(self.layers_v)
+            return host_zeros(jax.eval_shape(accum_zeros, sums))
+        return accum_zeros(sums)
 
     def full(self, shape, dtype):
         return jnp.full(shape, self.fill, dtype)

@@ -96,8 +96,9 @@ def refusals(model: ModelConfig, layout: Layout, optimizer: str, grads: str = "h
     """Why meshrun's runtime refuses this combination (empty: it runs it): `config.offload_params_refusals`
     (looked up at call time, so the planner follows it) and the layer-streamed update's elementwise rule."""
     fp8 = model.fp8
-    refused = config.offload_params_refusals(layout.zero, optimizer, model.param_dtype, fp8, layout.pipe, grads,
-                                             layout.microbatches, layout.overlap_grad_reduce)  # fmt: skip
+    refused = config.offload_params_refusals(layout.zero, optimizer, fp8=fp8, pipe=layout.pipe, offload_grads=grads,
+                                             microbatches=layout.microbatches,
+                                             overlap_grad_reduce=layout.overlap_grad_reduce)  # fmt: skip
     out = [what for what, _ in refused]
     if not optimizers.get(layout.optimizer).elementwise:
         out.append(f"streams the update layer by layer, which {layout.optimizer}'s update is not")

@@ -266,7 +266,7 @@ def layerwise(model: ModelConfig, lay: Layout) -> bool:
     split = lay.tensor * lay.pipe
     counts = param_counts(model)
     if lay.zero == 3:
-        refused = config.zero3_layer_refusals(model.param_dtype, lay.pipe, lay.overlap_grad_reduce)
+        refused = config.zero3_layer_refusals(lay.overlap_grad_reduce)
         gathered = precision_of(model).param * counts["total"] / split
         return config.zero3_per_layer(lay.zero3_gather, 3, False, gathered, bool(refused))
     refused = config.zero2_layer_refusals(lay.overlap_grad_reduce)

@@ -220,9 +220,8 @@ def _offload_placement(cfg: RunConfig, shape: Mapping[str, int], mesh) -> Placem
     offload.params beside the pipeline and microbatches, the MoE bias with a streamed update, and
     pinned host memory on this platform."""
     if cfg.offload.params and (refused := offload_params_refusals(
-        cfg.train.zero, cfg.offload.optimizer, cfg.model.param_dtype,
-        cfg.model.fp8, shape["pipe"], cfg.offload.grads, cfg.pipeline.microbatches,
-        cfg.pipeline.overlap_grad_reduce,
+        cfg.train.zero, cfg.offload.optimizer, fp8=cfg.model.fp8, pipe=shape["pipe"], offload_grads=cfg.offload.grads,
+        microbatches=cfg.pipeline.microbatches, overlap_grad_reduce=cfg.pipeline.overlap_grad_reduce,
     )):  # fmt: skip
         raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
     offload = placement(cfg, mesh.devices.flat if hasattr(mesh, "devices") else None)
@@ -247,8 +246,7 @@ def zero3_gather(cfg: RunConfig, shape: Mapping[str, int], family: Family) -> st
     t, m = cfg.train, cfg.model
     if t.zero != 3:
         return None
-    refused = zero3_layer_refusals(str(getattr(m, "param_dtype", "float32")), shape["pipe"],
-                                   cfg.pipeline.overlap_grad_reduce)  # fmt: skip
+    refused = zero3_layer_refusals(cfg.pipeline.overlap_grad_reduce)
     if refused and t.zero3_gather == "layer":
         raise ConfigError("train.zero3_gather", "layer", refused[0][1], refused[0][0])
     gathered = 0.0

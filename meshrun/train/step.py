@@ -278,7 +278,7 @@ def _streamed_step(plan: StepPlan, tx, loss_and_grads, state_sh, state: TrainSta
     no-clip optimizer)."""
     zl = plan.zero
     loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
-    cast = not isinstance(state.opt_state, MasterState) or plan.pipe > 1  # as `_device_step` / the pipeline does
+    cast = not isinstance(state.opt_state, MasterState)  # as `_device_step` does
     params, opt_state, g_norm = layer_update.update(
         tx, grads, state.opt_state, state.params, plan.cfg.optimizer.grad_clip, cast, zl
     )
