@@ -63,6 +63,7 @@ def predict_memory_jax(
     offload_optimizer: bool | str = False,
     layers: float | None = None,
     streamed: bool | None = None,
+    in_flight: int = 2,
 ) -> dict[str, float]:
     """Per-device bytes of meshrun's own compiled train step (`memory_analysis()`'s argument + temp), part
     by part, where JAX differs from Megatron's accounting (`predict_memory`): every pipeline stage holds
@@ -70,11 +71,13 @@ def predict_memory_jax(
     loop); optimizer state per its registry entry plus the update's float32 temporaries; activations per
     `activations.meshrun_layer_bytes` (the executor's residual slots with a pipeline); fp32 logits.
     `offload_optimizer`: False/True/"host"/"nvme"; `streamed` (default: the nvme tier) keeps the stored
-    params on the device. `device` / `host` / `nvme` split the total by where it rests between steps.
-    docs/memory.md explains each part."""
+    params on the device. `in_flight`: the layers ZeRO-3 per layer holds gathered at once (the one in
+    use and the next one's gather in flight; 1 on XLA:CPU, whose collectives are synchronous).
+    `device` / `host` / `nvme` split the total by where it rests between steps. docs/memory.md
+    explains each part."""
     frac = (model.n_layers / layout.pipe if layers is None else layers) / model.n_layers
     s = seq_len or model.max_seq_len
-    st = _state_bytes(model, layout, frac)
+    st = _state_bytes(model, layout, frac, in_flight)
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
     host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed)
@@ -164,9 +167,10 @@ def overlap_cut(lay: Layout) -> tuple[int, int, float]:
     return _cuts(lay.schedule, lay.pipe, lay.microbatches, lay.virtual, lay.run_executor)
 
 
-def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, float]:
-    """Params (as stored, and as the step holds them), grads (+ the accumulator), optimizer (moments
-    + the update temporary) on one device holding `frac` of the layers; the element counts too."""
+def _state_bytes(model: ModelConfig, lay: Layout, frac: float, in_flight: int = 2) -> dict[str, float]:
+    """Params (as stored, and as the step holds them; `in_flight` gathered layers per layer),
+    grads (+ the accumulator), optimizer (moments + the update temporary) on one device holding
+    `frac` of the layers; the element counts too."""
     pb = precision_of(model).param
     h = model.d_model
     counts = param_counts(model)
@@ -189,12 +193,12 @@ def _state_bytes(model: ModelConfig, lay: Layout, frac: float) -> dict[str, floa
     moments = prec.opt * matrices + prec.opt_rest * rest
     opt = moments + 4 * (temps * matrices + rest)
     if lay.zero == 3 and layerwise(model, lay):  # FSDP: the embedding and head gathered before the loop, the
-        # layers inside it: the layer in use and the next one's gather in flight
+        # layers inside it: the layer in use and (in_flight 2) the next one's gather in flight
         norms_all = 2 * h * model.n_layers
         one_layer = (
             (counts["layers"] - norms_all) / t + norms_all + counts["experts"] / (t * lay.expert)
         ) / model.n_layers
-        params += pb * ((counts["embedding"] + counts["head"]) / t + h + 2 * one_layer)
+        params += pb * ((counts["embedding"] + counts["head"]) / t + h + in_flight * one_layer)
     elif lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
@@ -387,6 +391,8 @@ def predict_collective_bytes(
     _model_parallel(tally, model, layout, act, f_ticks, b_ticks)
     _context_parallel(tally, model, layout, s, f_ticks, b_ticks)
     _gradient_sync(tally, model, layout, act, permutes)
+    if layout.zero >= 2 and layerwise(model, layout):
+        _layer_sync(tally, model, layout, f_ticks, b_ticks)
     return {"bytes": tally.out, "count": tally.count}
 
 
@@ -493,6 +499,10 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
             edge_n = 0.0
         else:  # summed over pipe in float32, then reduced over DP with the other gradients
             tally.add("all-reduce", ("pipe",), ab * edge_n)
+    if lay.zero >= 2 and layerwise(model, lay):  # layers reduced in the scan (`_layer_sync`); ZeRO-2 gathers them
+        if lay.zero == 2 and data * e * c > 1:
+            tally.add("all-gather", dense_axes, pb * layer_n)
+        layer_n, expert_n = 0.0, 0.0
     groups = [(layer_n + edge_n, dense_axes, data * e * c)]
     if expert_n:
         groups.append((expert_n, tuple(a for a, k in (("data", data), ("context", c)) if k > 1), data * c))
@@ -505,3 +515,27 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
             tally.add("all-gather", axes, pb * n)
             if across:
                 tally.add("all-reduce", across, rb * n / dp)
+
+
+def _layer_sync(tally: _Tally, model: ModelConfig, lay: Layout, f_ticks: float, b_ticks: float) -> None:
+    """ZeRO-3 per layer / ZeRO-2 per microbatch (`layer_fetch`): each layer's weight matrices, as the
+    device's tensor shard holds them, all-gathered in its forward and again in its backward (ZeRO-3),
+    its gradient reduce-scattered there (result: 1/DP of it), its norm scales' gradient (ZeRO leaves
+    them whole) all-reduced; in `lay.grad_reduce_dtype`."""
+    t, e, data, c, h = lay.tensor, lay.expert, lay.zero_data, lay.context, model.d_model
+    counts, prec = param_counts(model), precision_of(model, layout=lay)
+    per_tick = model.n_layers / (lay.pipe * lay.chunks)  # layers of one forward or backward
+    norms = 2 * h
+    dense = ((counts["layers"] - norms * model.n_layers) / t, ("data", "expert", "context"), data * e * c)
+    experts = (counts["experts"] / (t * e), ("data", "context"), data * c)
+    for n, names, dp in (dense, experts):
+        axes = tuple(a for a in names if {"data": data, "expert": e, "context": c}[a] > 1)
+        if dp <= 1 or n <= 0:
+            continue
+        one = n / model.n_layers
+        if lay.zero == 3:
+            tally.add("all-gather", axes, prec.param * one, per_tick * (f_ticks + b_ticks))
+        tally.add("reduce-scatter", axes, prec.reduce * one / dp, per_tick * b_ticks)
+    dense_axes = tuple(a for a, k in (("data", data), ("expert", e), ("context", c)) if k > 1)
+    if dense_axes:
+        tally.add("all-reduce", dense_axes, prec.reduce * norms, per_tick * b_ticks)

@@ -66,11 +66,12 @@ def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
     return search.predict_step_time(cfg.model, lay, cluster, cfg.train.global_batch, cfg.train.seq_len, levers)
 
 
-def predict(cfg, mesh_shape: dict[str, int], program=None, offload=None) -> dict:
+def predict(cfg, mesh_shape: dict[str, int], program=None, offload=None, in_flight: int = 2) -> dict:
     """Planner side: memory of meshrun's step (and Megatron's accounting for reference), collectives.
     `program`: the step's tick program (its permutes per step) when there is a pipeline; `offload`: the
-    plan's `Placement` (None: made from `cfg`). Empty for a family whose config class is not
-    `predictable` (the formulas are for transformer layers)."""
+    plan's `Placement` (None: made from `cfg`); `in_flight`: gathered layers at once under ZeRO-3 per
+    layer (1 for the XLA:CPU compile, whose collectives are synchronous). Empty for a family whose
+    config class is not `predictable` (the formulas are for transformer layers)."""
     if not cfg.model.predictable:
         return {"memory": {}, "collectives": {}, "counts": {}}
     lay, s = planner_layout(cfg, mesh_shape), cfg.train.seq_len
@@ -79,7 +80,7 @@ def predict(cfg, mesh_shape: dict[str, int], program=None, offload=None) -> dict
 
         offload = placement(cfg)
     mem = step_model.predict_memory_jax(cfg.model, lay, seq_len=s, offload_optimizer=cfg.offload.optimizer,
-                                        streamed=offload.streams)  # fmt: skip
+                                        streamed=offload.streams, in_flight=in_flight)  # fmt: skip
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
     comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes)  # lay: its reduce dtype
@@ -260,7 +261,7 @@ def explain(cfg) -> dict:
         compiled, mesh, plan = compile_step(cfg, dump_to=d, tier=tier)
         live = _read_live(d)
     shape = dict(mesh.shape)
-    pred = predict(cfg, shape, plan.program, plan.offload)
+    pred = predict(cfg, shape, plan.program, plan.offload, in_flight=1)  # compiled for XLA:CPU
     mem = _compiled_memory(compiled, live, tier)
     comm = compiled_collectives(compiled.as_text(), shape)
     out |= {
