@@ -31,6 +31,7 @@ from meshrun_models.layers import (
     rope_freqs,
     segment_positions,
     softmax_to,
+    yarn_scales,
     zeros_param,
 )
 
@@ -212,8 +213,8 @@ def _attend(p: Mapping[str, jax.Array], qkv: jax.Array, cfg: ModelConfig, segmen
         q_BxLxHxDh = rms_norm(q_BxLxHxDh, p["q_norm"], cfg.norm_eps)
         k_BxLxKxDh = rms_norm(k_BxLxKxDh, p["k_norm"], cfg.norm_eps)
     if rotary:
-        freq = rope_freqs(cfg)
-        q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)
+        freq, a = rope_freqs(cfg), yarn_scales(cfg)[0]
+        q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL, a), rope(k_BxLxKxDh, freq, pos_BxL, a)
     return _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg, segments, "kv_heads")
 
 
@@ -230,6 +231,9 @@ def _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg: ModelConfig, segments, kv_nam
     n_kv = k_BxLxKxDh.shape[2]
     chunk = segments if isinstance(segments, ContextChunk) else None
     mask = None if chunk or segments is None else segments[1]
+    softmax_factor = yarn_scales(cfg)[1]
+    if softmax_factor != 1.0:  # YaRN's softmax scale correction (DeepSeek-V3), folded into q for every kernel
+        q_BxLxHxDh = (q_BxLxHxDh.astype(jnp.float32) * jnp.float32(softmax_factor)).astype(q_BxLxHxDh.dtype)
     q_BxLxHxDh = checkpoint_name(constrain(q_BxLxHxDh, ("batch", None, "heads", "head_dim")), "q_rot")
     k_BxLxKxDh = checkpoint_name(constrain(k_BxLxKxDh, ("batch", None, kv_name, "head_dim")), "k_rot")
     v_BxLxKxDh = checkpoint_name(constrain(v_BxLxKxDh, ("batch", None, kv_name, "head_dim")), "v")
@@ -258,7 +262,8 @@ def mla_attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConf
     output before the residual-stream constraint, as `attention`. The down-projections and the latent
     norms are replicated over 'tensor' (their input gradient is all-reduced there, as a column-parallel
     layer's), the up-projections and the output are split by heads. Per head: q = [q_nope, rope(q_pe)],
-    k = [k_nope, rope(k_pe)] with one k_pe shared by every head, softmax scale 1/sqrt(nope + rope).
+    k = [k_nope, rope(k_pe)] with one k_pe shared by every head, softmax scale 1/sqrt(nope + rope) (YaRN's
+    factors aside, `yarn_scales`).
     v is zero-padded to the q/k head size so that every attention kernel (jax's, the context-parallel
     all-gather and ring) runs unchanged: the padded output columns are exact zeros, dropped after."""
     dt = dtype_of(cfg.dtype)
@@ -276,9 +281,9 @@ def mla_attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConf
     c_BxLxR = rms_norm(ckv_BxLxR[..., :r], p["kv_norm"], cfg.norm_eps)
     kv_BxLxHxE = jnp.einsum("blr,rhk->blhk", c_BxLxR, w("kv_up"))
     kv_BxLxHxE = checkpoint_name(constrain(kv_BxLxHxE, ("batch", None, "heads", "head_dim")), "qkv")
-    pos_BxL, freq = _positions(segments), rope_freqs(cfg, dr)
-    q_pe = rope(q_BxLxHxDq[..., n:], freq, pos_BxL)
-    k_pe_BxLx1xDr = rope(ckv_BxLxR[:, :, None, r:], freq, pos_BxL)
+    pos_BxL, freq, a = _positions(segments), rope_freqs(cfg, dr), yarn_scales(cfg)[0]
+    q_pe = rope(q_BxLxHxDq[..., n:], freq, pos_BxL, a)
+    k_pe_BxLx1xDr = rope(ckv_BxLxR[:, :, None, r:], freq, pos_BxL, a)
     b, length, heads = q_BxLxHxDq.shape[:3]
     q_BxLxHxDq = jnp.concatenate([q_BxLxHxDq[..., :n], q_pe], axis=-1)
     k_pe = jnp.broadcast_to(k_pe_BxLx1xDr, (b, length, heads, dr))

@@ -11,6 +11,7 @@ Parameters are created already stacked: `lead` is a tuple of `(size, logical_nam
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -194,18 +195,40 @@ def rope_freqs(cfg: ModelConfig, dim: int | None = None) -> jax.Array:
         smooth = (n0 / wavelen - lo) / (hi - lo)
         medium = (wavelen >= n0 / hi) & (wavelen <= n0 / lo)
         freq = jnp.where(medium, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+    elif cfg.rope_scaling == "yarn":
+        freq = _yarn(cfg, freq, 2 * half)
     return freq
 
 
-def rope(x_BxLxHxDh: jax.Array, freq: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+def _yarn(cfg: ModelConfig, freq: jax.Array, dim: int) -> jax.Array:
+    """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters`: the dims that turn fewer than
+    beta_slow times in original_max positions divided by the factor, those turning more than beta_fast
+    kept, a linear ramp over the (truncated) dims between."""
+    n0, base = cfg.rope_original_max_seq_len, cfg.rope_theta
+    at = lambda rot: dim * math.log(n0 / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(at(cfg.rope_beta_fast)), 0), min(math.ceil(at(cfg.rope_beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / ((high + 0.001 * (low == high)) - low), 0, 1)
+    keep = 1 - ramp
+    return freq / cfg.rope_scaling_factor * (1 - keep) + freq * keep
+
+
+def yarn_scales(cfg: ModelConfig) -> tuple[float, float]:
+    """(factor on RoPE's cos and sin, factor on the softmax scale): YaRN's (LlamaConfig.yarn_scales), else 1s."""
+    return cfg.yarn_scales() if getattr(cfg, "rope_scaling", "none") == "yarn" else (1.0, 1.0)
+
+
+def rope(x_BxLxHxDh: jax.Array, freq: jax.Array, positions_BxL: jax.Array | None = None, scale: float = 1.0):
     """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX and Hugging Face's
     checkpoints, whose q/k rows are already permuted for it); `freq` from rope_freqs; positions 0..L-1
-    unless `positions_BxL` is given (packed documents: positions restart at each document)."""
+    unless `positions_BxL` is given (packed documents: positions restart at each document). `scale`:
+    cos and sin are multiplied by it (YaRN's attention factor, `yarn_scales`)."""
     _, length, _, dh = x_BxLxHxDh.shape
     half = dh // 2
     pos = jnp.arange(length)[None] if positions_BxL is None else positions_BxL
     ang_BxLxHalf = pos.astype(jnp.float32)[..., None] * freq
     cos, sin = jnp.cos(ang_BxLxHalf)[:, :, None, :], jnp.sin(ang_BxLxHalf)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
     x = x_BxLxHxDh.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
