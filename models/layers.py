@@ -125,20 +125,33 @@ class RMSNorm(nnx.Module):
 FP8_SLOTS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # the GEMMs of a block model.fp8 covers, in state order
 # an MoE block's: its dense MLP slots serve the shared experts, then the routed experts' in and out
 FP8_MOE_SLOTS = (*FP8_SLOTS, "expert_in", "expert_out")
+# attention=mla's projections in place of 'qkv' (q_up is the full q projection when q_lora_rank=0)
+FP8_MLA_SLOTS = ("q_down", "q_up", "kv_down", "kv_up")
+
+
+def fp8_slots(cfg: ModelConfig, moe: bool = False) -> tuple[str, ...]:
+    """The GEMMs model.fp8 covers in a block of `cfg` (an MoE block: `moe`), in state order."""
+    slots = FP8_MOE_SLOTS if moe else FP8_SLOTS
+    return (*FP8_MLA_SLOTS, *slots[1:]) if getattr(cfg, "attention", "gqa") == "mla" else slots
+
+
+def fp8_slot(cfg: ModelConfig, name: str) -> int:
+    """The state index of GEMM `name` (the same in a dense and an MoE block)."""
+    return fp8_slots(cfg, moe=True).index(name)
 
 
 class Fp8State(nnx.Module):
     """A block's fp8 scaling state (`meshrun.parallel.fp8`), float32, created without drawing random
     numbers (the weights are the same with fp8 on or off). delayed: 'hist' [S, T, H] scale exponents
     and 'obs' [S, T, N] (zeros; its gradient is the step's histogram); fp8_first_last_bf16: 'on' (0
-    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every (FP8_MOE_SLOTS);
+    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every (`fp8_slots`);
     `first`: a block of the model.first_dense_layers stack."""
 
     def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False, first: bool = False):
         shape = tuple(s for s, _ in lead)
         names = tuple(n for _, n in lead)
         param = lambda v: nnx.Param(v, out_sharding=names + (None,) * (v.ndim - len(names)))
-        s, t = len(FP8_MOE_SLOTS if last_in_group else FP8_SLOTS), len(fp8.TENSORS)
+        s, t = len(fp8_slots(cfg, last_in_group)), len(fp8.TENSORS)
         if cfg.fp8 == "delayed":
             self.hist = param(jnp.full((*shape, s, t, cfg.fp8_amax_history), fp8.EMPTY, jnp.float32))
             self.obs = param(jnp.zeros((*shape, s, t, fp8.N_BINS), jnp.float32))
@@ -263,7 +276,7 @@ def mlp(
             w_dim = spec.split(",")[1].index("f")
             run = ag_matmul if slot == "mlp_in" else matmul_rs
             return run(spec, x, w.astype(dt), w_dim, ring)
-        return fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot), block=cfg.fp8_block)
+        return fp8.einsum(spec, x, w, recipe, f8, fp8_slot(cfg, slot), block=cfg.fp8_block)
 
     if cfg.mlp == "swiglu":
         # gate and up in one einsum: one input-gradient all-reduce in backward instead of two.

@@ -170,7 +170,12 @@ class LlamaConfig(ModelConfig):
                 "model.v_head_dim", self.v_head_dim,
                 f"use at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} with model.attention=mla",
             )  # fmt: skip
-        for f, off in (("qkv_bias", False), ("qk_norm", False), ("tp_comm_overlap", False), ("fp8", "none")):
+        if self.fp8 == "blockwise":
+            raise ConfigError(
+                "model.fp8", "blockwise", "use model.fp8=tensorwise or delayed with model.attention=mla",
+                "the latent projections have no blockwise recipe here",
+            )  # fmt: skip
+        for f, off in (("qkv_bias", False), ("qk_norm", False), ("tp_comm_overlap", False)):
             if getattr(self, f) != off:
                 raise ConfigError(
                     f"model.{f}", getattr(self, f), f"use {f}={str(off).lower()} with model.attention=mla",
