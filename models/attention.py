@@ -21,9 +21,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from meshrun_models.context import allgather_attention, ring_attention
 from meshrun_models.layers import (
-    FP8_SLOTS,
     Lead,
     dtype_of,
+    fp8_slot,
     normal_param,
     ones_param,
     rms_norm,
@@ -31,6 +31,7 @@ from meshrun_models.layers import (
     rope_freqs,
     segment_positions,
     softmax_to,
+    yarn_scales,
     zeros_param,
 )
 
@@ -169,11 +170,11 @@ def attention(
     fp8 state (`layers.fp8_state`): the q/k/v and output GEMMs run in fp8 under cfg.fp8. `ring` = t > 0
     (model.tp_comm_overlap, `collective_matmul.ring_degree`): h comes split over the sequence and the
     q/k/v and output GEMMs run as rings over the t tensor shards; the output comes back split too."""
-    if getattr(cfg, "attention", "gqa") == "mla":  # fp8 and tensor rings are refused with it (the config)
-        return mla_attention(p, h_BxLxD, cfg, segments)
+    if getattr(cfg, "attention", "gqa") == "mla":  # tensor rings are refused with it (the config)
+        return mla_attention(p, h_BxLxD, cfg, segments, f8)
     dt = dtype_of(cfg.dtype)
     recipe = cfg.fp8
-    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot), block=cfg.fp8_block)
+    gemm = lambda spec, x, w, slot: fp8.einsum(spec, x, w, recipe, f8, fp8_slot(cfg, slot), block=cfg.fp8_block)
     qkv = _qkv(p, h_BxLxD, cfg, gemm, bias, ring)
     o_BxLxHxDh = _attend(p, qkv, cfg, segments, rotary)
     if ring:
@@ -212,8 +213,8 @@ def _attend(p: Mapping[str, jax.Array], qkv: jax.Array, cfg: ModelConfig, segmen
         q_BxLxHxDh = rms_norm(q_BxLxHxDh, p["q_norm"], cfg.norm_eps)
         k_BxLxKxDh = rms_norm(k_BxLxKxDh, p["k_norm"], cfg.norm_eps)
     if rotary:
-        freq = rope_freqs(cfg)
-        q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL), rope(k_BxLxKxDh, freq, pos_BxL)
+        freq, a = rope_freqs(cfg), yarn_scales(cfg)[0]
+        q_BxLxHxDh, k_BxLxKxDh = rope(q_BxLxHxDh, freq, pos_BxL, a), rope(k_BxLxKxDh, freq, pos_BxL, a)
     return _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg, segments, "kv_heads")
 
 
@@ -230,6 +231,9 @@ def _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg: ModelConfig, segments, kv_nam
     n_kv = k_BxLxKxDh.shape[2]
     chunk = segments if isinstance(segments, ContextChunk) else None
     mask = None if chunk or segments is None else segments[1]
+    softmax_factor = yarn_scales(cfg)[1]
+    if softmax_factor != 1.0:  # YaRN's softmax scale correction (DeepSeek-V3), folded into q for every kernel
+        q_BxLxHxDh = (q_BxLxHxDh.astype(jnp.float32) * jnp.float32(softmax_factor)).astype(q_BxLxHxDh.dtype)
     q_BxLxHxDh = checkpoint_name(constrain(q_BxLxHxDh, ("batch", None, "heads", "head_dim")), "q_rot")
     k_BxLxKxDh = checkpoint_name(constrain(k_BxLxKxDh, ("batch", None, kv_name, "head_dim")), "k_rot")
     v_BxLxKxDh = checkpoint_name(constrain(v_BxLxKxDh, ("batch", None, kv_name, "head_dim")), "v")
@@ -253,36 +257,38 @@ def _core(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, cfg: ModelConfig, segments, kv_nam
 # ---------------------------------------------------------------- multi-head latent attention
 
 
-def mla_attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, segments=None) -> jax.Array:
+def mla_attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConfig, segments=None, f8=None):
     """DeepSeek-V2/V3's multi-head latent attention on normed input (full length); the row-parallel
     output before the residual-stream constraint, as `attention`. The down-projections and the latent
     norms are replicated over 'tensor' (their input gradient is all-reduced there, as a column-parallel
     layer's), the up-projections and the output are split by heads. Per head: q = [q_nope, rope(q_pe)],
-    k = [k_nope, rope(k_pe)] with one k_pe shared by every head, softmax scale 1/sqrt(nope + rope).
+    k = [k_nope, rope(k_pe)] with one k_pe shared by every head, softmax scale 1/sqrt(nope + rope) (YaRN's
+    factors aside, `yarn_scales`).
     v is zero-padded to the q/k head size so that every attention kernel (jax's, the context-parallel
-    all-gather and ring) runs unchanged: the padded output columns are exact zeros, dropped after."""
-    dt = dtype_of(cfg.dtype)
-    w = lambda name: p[name].astype(dt)
+    all-gather and ring) runs unchanged: the padded output columns are exact zeros, dropped after.
+    `f8`: the block's fp8 state: the five projections (`layers.FP8_MLA_SLOTS`, the output) run in fp8
+    under cfg.fp8 (tensorwise, delayed), the latent norms and the attention core in the compute dtype."""
+    gemm = lambda spec, x, name, slot: fp8.einsum(spec, x, p[name], cfg.fp8, f8, fp8_slot(cfg, slot))
     n, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     latent = ("batch", None, None)
     if cfg.q_lora_rank:
-        cq_BxLxR = constrain(jnp.einsum("bld,dr->blr", h_BxLxD, w("q_down")), latent)
+        cq_BxLxR = constrain(gemm("bld,dr->blr", h_BxLxD, "q_down", "q_down"), latent)
         cq_BxLxR = rms_norm(cq_BxLxR, p["q_norm"], cfg.norm_eps)
-        q_BxLxHxDq = jnp.einsum("blr,rhk->blhk", cq_BxLxR, w("q_up"))
+        q_BxLxHxDq = gemm("blr,rhk->blhk", cq_BxLxR, "q_up", "q_up")
     else:
-        q_BxLxHxDq = jnp.einsum("bld,dhk->blhk", h_BxLxD, w("q"))
+        q_BxLxHxDq = gemm("bld,dhk->blhk", h_BxLxD, "q", "q_up")
     q_BxLxHxDq = checkpoint_name(constrain(q_BxLxHxDq, ("batch", None, "heads", "head_dim")), "qkv")
-    ckv_BxLxR = constrain(jnp.einsum("bld,dr->blr", h_BxLxD, w("kv_down")), latent)
+    ckv_BxLxR = constrain(gemm("bld,dr->blr", h_BxLxD, "kv_down", "kv_down"), latent)
     c_BxLxR = rms_norm(ckv_BxLxR[..., :r], p["kv_norm"], cfg.norm_eps)
-    kv_BxLxHxE = jnp.einsum("blr,rhk->blhk", c_BxLxR, w("kv_up"))
+    kv_BxLxHxE = gemm("blr,rhk->blhk", c_BxLxR, "kv_up", "kv_up")
     kv_BxLxHxE = checkpoint_name(constrain(kv_BxLxHxE, ("batch", None, "heads", "head_dim")), "qkv")
-    pos_BxL, freq = _positions(segments), rope_freqs(cfg, dr)
-    q_pe = rope(q_BxLxHxDq[..., n:], freq, pos_BxL)
-    k_pe_BxLx1xDr = rope(ckv_BxLxR[:, :, None, r:], freq, pos_BxL)
+    pos_BxL, freq, a = _positions(segments), rope_freqs(cfg, dr), yarn_scales(cfg)[0]
+    q_pe = rope(q_BxLxHxDq[..., n:], freq, pos_BxL, a)
+    k_pe_BxLx1xDr = rope(ckv_BxLxR[:, :, None, r:], freq, pos_BxL, a)
     b, length, heads = q_BxLxHxDq.shape[:3]
     q_BxLxHxDq = jnp.concatenate([q_BxLxHxDq[..., :n], q_pe], axis=-1)
     k_pe = jnp.broadcast_to(k_pe_BxLx1xDr, (b, length, heads, dr))
     k_BxLxHxDq = jnp.concatenate([kv_BxLxHxE[..., :n], k_pe], axis=-1)
     v_BxLxHxDq = jnp.pad(kv_BxLxHxE[..., n:], ((0, 0), (0, 0), (0, 0), (0, n + dr - dv)))
     o_BxLxHxDq = _core(q_BxLxHxDq, k_BxLxHxDq, v_BxLxHxDq, cfg, segments, "heads")
-    return jnp.einsum("blhk,hkd->bld", o_BxLxHxDq[..., :dv], w("o"))
+    return gemm("blhk,hkd->bld", o_BxLxHxDq[..., :dv], "o", "attn_out")

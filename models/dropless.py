@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from meshrun_models.gmm import ffn
-from meshrun_models.layers import FP8_MOE_SLOTS, dtype_of
+from meshrun_models.layers import dtype_of, fp8_slot
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
@@ -46,7 +46,7 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     if cfg.fp8 != "none":  # the grouped matmuls in fp8
 
         def mm(x, w, slot):
-            return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, FP8_MOE_SLOTS.index(slot))
+            return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, fp8_slot(cfg, slot))
 
     elif jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
         return ffn(x_RxD, w_up.astype(dt), p["down"].astype(dt), sizes_E, act)

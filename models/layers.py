@@ -11,6 +11,7 @@ Parameters are created already stacked: `lead` is a tuple of `(size, logical_nam
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -124,20 +125,33 @@ class RMSNorm(nnx.Module):
 FP8_SLOTS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # the GEMMs of a block model.fp8 covers, in state order
 # an MoE block's: its dense MLP slots serve the shared experts, then the routed experts' in and out
 FP8_MOE_SLOTS = (*FP8_SLOTS, "expert_in", "expert_out")
+# attention=mla's projections in place of 'qkv' (q_up is the full q projection when q_lora_rank=0)
+FP8_MLA_SLOTS = ("q_down", "q_up", "kv_down", "kv_up")
+
+
+def fp8_slots(cfg: ModelConfig, moe: bool = False) -> tuple[str, ...]:
+    """The GEMMs model.fp8 covers in a block of `cfg` (an MoE block: `moe`), in state order."""
+    slots = FP8_MOE_SLOTS if moe else FP8_SLOTS
+    return (*FP8_MLA_SLOTS, *slots[1:]) if getattr(cfg, "attention", "gqa") == "mla" else slots
+
+
+def fp8_slot(cfg: ModelConfig, name: str) -> int:
+    """The state index of GEMM `name` (the same in a dense and an MoE block)."""
+    return fp8_slots(cfg, moe=True).index(name)
 
 
 class Fp8State(nnx.Module):
     """A block's fp8 scaling state (`meshrun.parallel.fp8`), float32, created without drawing random
     numbers (the weights are the same with fp8 on or off). delayed: 'hist' [S, T, H] scale exponents
     and 'obs' [S, T, N] (zeros; its gradient is the step's histogram); fp8_first_last_bf16: 'on' (0
-    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every (FP8_MOE_SLOTS);
+    on the model's first and last layer). `last_in_group`: the MoE block of a group of moe_every (`fp8_slots`);
     `first`: a block of the model.first_dense_layers stack."""
 
     def __init__(self, cfg: ModelConfig, lead: Lead, *, last_in_group: bool = False, first: bool = False):
         shape = tuple(s for s, _ in lead)
         names = tuple(n for _, n in lead)
         param = lambda v: nnx.Param(v, out_sharding=names + (None,) * (v.ndim - len(names)))
-        s, t = len(FP8_MOE_SLOTS if last_in_group else FP8_SLOTS), len(fp8.TENSORS)
+        s, t = len(fp8_slots(cfg, last_in_group)), len(fp8.TENSORS)
         if cfg.fp8 == "delayed":
             self.hist = param(jnp.full((*shape, s, t, cfg.fp8_amax_history), fp8.EMPTY, jnp.float32))
             self.obs = param(jnp.zeros((*shape, s, t, fp8.N_BINS), jnp.float32))
@@ -194,18 +208,40 @@ def rope_freqs(cfg: ModelConfig, dim: int | None = None) -> jax.Array:
         smooth = (n0 / wavelen - lo) / (hi - lo)
         medium = (wavelen >= n0 / hi) & (wavelen <= n0 / lo)
         freq = jnp.where(medium, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+    elif cfg.rope_scaling == "yarn":
+        freq = _yarn(cfg, freq, 2 * half)
     return freq
 
 
-def rope(x_BxLxHxDh: jax.Array, freq: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+def _yarn(cfg: ModelConfig, freq: jax.Array, dim: int) -> jax.Array:
+    """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters`: the dims that turn fewer than
+    beta_slow times in original_max positions divided by the factor, those turning more than beta_fast
+    kept, a linear ramp over the (truncated) dims between."""
+    n0, base = cfg.rope_original_max_seq_len, cfg.rope_theta
+    at = lambda rot: dim * math.log(n0 / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(at(cfg.rope_beta_fast)), 0), min(math.ceil(at(cfg.rope_beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / ((high + 0.001 * (low == high)) - low), 0, 1)
+    keep = 1 - ramp
+    return freq / cfg.rope_scaling_factor * (1 - keep) + freq * keep
+
+
+def yarn_scales(cfg: ModelConfig) -> tuple[float, float]:
+    """(factor on RoPE's cos and sin, factor on the softmax scale): YaRN's (LlamaConfig.yarn_scales), else 1s."""
+    return cfg.yarn_scales() if getattr(cfg, "rope_scaling", "none") == "yarn" else (1.0, 1.0)
+
+
+def rope(x_BxLxHxDh: jax.Array, freq: jax.Array, positions_BxL: jax.Array | None = None, scale: float = 1.0):
     """Rotary position embedding (Su et al. 2021), rotate-half layout (Llama/NeoX and Hugging Face's
     checkpoints, whose q/k rows are already permuted for it); `freq` from rope_freqs; positions 0..L-1
-    unless `positions_BxL` is given (packed documents: positions restart at each document)."""
+    unless `positions_BxL` is given (packed documents: positions restart at each document). `scale`:
+    cos and sin are multiplied by it (YaRN's attention factor, `yarn_scales`)."""
     _, length, _, dh = x_BxLxHxDh.shape
     half = dh // 2
     pos = jnp.arange(length)[None] if positions_BxL is None else positions_BxL
     ang_BxLxHalf = pos.astype(jnp.float32)[..., None] * freq
     cos, sin = jnp.cos(ang_BxLxHalf)[:, :, None, :], jnp.sin(ang_BxLxHalf)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
     x = x_BxLxHxDh.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -240,7 +276,7 @@ def mlp(
             w_dim = spec.split(",")[1].index("f")
             run = ag_matmul if slot == "mlp_in" else matmul_rs
             return run(spec, x, w.astype(dt), w_dim, ring)
-        return fp8.einsum(spec, x, w, recipe, f8, FP8_SLOTS.index(slot), block=cfg.fp8_block)
+        return fp8.einsum(spec, x, w, recipe, f8, fp8_slot(cfg, slot), block=cfg.fp8_block)
 
     if cfg.mlp == "swiglu":
         # gate and up in one einsum: one input-gradient all-reduce in backward instead of two.

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from meshrun_models.dropless import dropless_local
-from meshrun_models.layers import FP8_MOE_SLOTS, Lead, dtype_of, normal_param
+from meshrun_models.layers import Lead, dtype_of, fp8_slot, normal_param
 from meshrun_models.router import router_stats, top_k_gates
 
 from meshrun.config import ModelConfig
@@ -150,7 +150,7 @@ def experts(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, 
     dt = dtype_of(cfg.dtype)
     w = (lambda w: w) if cfg.fp8 != "none" else (lambda w: w.astype(dt))
     gemm = lambda spec, x, w, slot: fp8.einsum(
-        spec, x, w, cfg.fp8, f8, FP8_MOE_SLOTS.index(slot), split_w=True, block=cfg.fp8_block
+        spec, x, w, cfg.fp8, f8, fp8_slot(cfg, slot), split_w=True, block=cfg.fp8_block
     )
     if cfg.mlp == "swiglu":
         w_ExDx2xF = w(jnp.stack([p["gate"], p["up"]], axis=2))

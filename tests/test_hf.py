@@ -29,8 +29,9 @@ from meshrun.hf.safetensors_io import SafeTensors
 from meshrun.runtime.mesh import build_mesh
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral", "qwen3_moe", "deepseek_v3")
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
+            "qwen3_moe_yarn")  # fmt: skip
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn", "qwen3_moe_yarn")
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 TOL = 1e-4
 
@@ -115,13 +116,15 @@ def test_export_round_trips_bit_exactly(imported, fam, tmp_path):
 
 
 def test_v4_config_keys_read_like_v5():
-    """transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests rope_parameters."""
-    v5 = json.loads((FIX / "llama31" / "config.json").read_text())
+    """transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests rope_parameters (the
+    fixtures carry both)."""
+    both = json.loads((FIX / "llama31" / "config.json").read_text())
+    v5 = {k: v for k, v in both.items() if k not in ("rope_theta", "rope_scaling")}
     v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
     rp = dict(v5["rope_parameters"])
     v4["rope_theta"] = rp.pop("rope_theta")
     v4["rope_scaling"] = rp
-    assert model_config(v4) == model_config(v5)
+    assert model_config(v4) == model_config(v5) == model_config(both)
     assert model_config(v5).rope_scaling == "llama3" and model_config(v5).rope_original_max_seq_len == 256
     qwen = json.loads((FIX / "qwen2" / "config.json").read_text())
     legacy = {k: v for k, v in qwen.items() if k != "layer_types"} | {"sliding_window": 8, "use_sliding_window": True}
@@ -129,6 +132,37 @@ def test_v4_config_keys_read_like_v5():
     assert model_config(legacy | {"max_window_layers": 2}).sliding_window == 0  # none does
     with pytest.raises(ConfigError, match="mix full and sliding"):
         model_config(legacy | {"max_window_layers": 1})
+
+
+@pytest.mark.parametrize("fam", ["deepseek_v3_yarn", "qwen3_moe_yarn"])
+def test_yarn_frequencies_and_factors_match_transformers(fam):
+    """YaRN's RoPE frequencies are transformers' (inv_freq.npy: every band, which the fixture's 16
+    positions barely turn); its factors are DeepSeek-V3's softmax correction m(1)^2 = (0.1 ln 40 + 1)^2
+    with cos/sin unscaled (mscale = mscale_all_dim), and Qwen's derived attention factor 0.1 ln 4 + 1
+    on cos/sin; transformers 5's rope_parameters read alike."""
+    from meshrun_models.layers import rope_freqs
+
+    hf = json.loads((FIX / fam / "config.json").read_text())
+    cfg = model_config(hf)
+    assert cfg.rope_scaling == "yarn"
+    want = np.load(FIX / fam / "inv_freq.npy")
+    np.testing.assert_allclose(np.asarray(rope_freqs(cfg, 2 * len(want))), want, rtol=1e-6)
+    a, s = cfg.yarn_scales()
+    m = lambda f: 0.1 * np.log(f) + 1
+    assert (a, s) == pytest.approx((1.0, m(40) ** 2) if fam.startswith("deepseek") else (m(4), 1.0), rel=1e-12)
+    v5 = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+    assert model_config(v5 | {"rope_parameters": hf["rope_scaling"] | {"rope_theta": hf["rope_theta"]}}) == cfg
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(rope_beta_fast=0.5), dict(rope_beta_slow=0.0), dict(rope_mscale_all_dim=-1.0), dict(rope_scaling_factor=0.0)],
+)
+def test_yarn_fields_are_checked(bad):
+    field = next(iter(bad))
+    with pytest.raises(ConfigError, match=f"model.{field}"):
+        LlamaConfig(rope_scaling="yarn", **bad)
+    LlamaConfig(**bad)  # unused without rope_scaling=yarn: accepted
 
 
 def test_hub_id_and_bad_dirs_exit_2(tmp_path, capsys):

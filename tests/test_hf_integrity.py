@@ -146,6 +146,17 @@ def test_checkpoints_verify_exits_5_on_a_damaged_checkpoint(llama, tmp_path, cap
         ("llama2", {"rope_theta": 123456.0}),
         ("llama2", {"sliding_window": 8}),  # a Llama with a window is a Mistral
         ("mixtral", {"top_k": 3}),  # top_k=1 is refused: test_export_refuses_a_model_hugging_face_cannot_express
+        (
+            "llama2",
+            dict(
+                rope_scaling="yarn",
+                rope_scaling_factor=4.0,
+                rope_original_max_seq_len=64,
+                rope_beta_fast=16.0,
+                rope_attention_factor=1.25,
+            ),
+        ),  # fmt: skip
+        ("deepseek_v3", dict(rope_scaling="yarn", rope_scaling_factor=40.0, rope_mscale_all_dim=1.0)),
     ],
 )
 def test_export_writes_the_config_of_the_model_that_was_trained(tmp_path, fam, over):
@@ -170,14 +181,25 @@ def test_export_writes_the_config_of_the_model_that_was_trained(tmp_path, fam, o
     ) == dataclasses.replace(cfg, remat="none", dtype="float32")
 
 
-@pytest.mark.parametrize(("top_k", "moe_every", "field"), [(2, 2, "model.moe_every"), (1, 1, "model.top_k")])
-def test_export_refuses_a_model_hugging_face_cannot_express(llama, tmp_path, capsys, top_k, moe_every, field):
+MOE4 = dict(n_experts=4, capacity_factor=2.0)
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        (dict(MOE4, top_k=2, moe_every=2), "model.moe_every"),
+        (dict(MOE4, top_k=1, moe_every=1), "model.top_k"),
+        (dict(rope_scaling="yarn", rope_mscale_all_dim=1.0), "model.rope_mscale_all_dim"),
+    ],
+)
+def test_export_refuses_a_model_hugging_face_cannot_express(llama, tmp_path, capsys, over, field):
     """MoE every other layer: no architecture; top-1: transformers' Mixtral renormalises the one gate
-    to 1.0, meshrun scales the expert by its probability (their logits differed by 2.47)."""
+    to 1.0, meshrun scales the expert by its probability (their logits differed by 2.47); YaRN's
+    softmax correction: DeepSeek-V3's only."""
     import dataclasses
 
     cfg, _, _ = load_params(llama, quiet=True)
-    cfg = dataclasses.replace(cfg, n_experts=4, top_k=top_k, moe_every=moe_every, capacity_factor=2.0)
+    cfg = dataclasses.replace(cfg, **over)
     run = tmp_path / "moe"
     meta = {"model": to_dict(cfg), "init_params": str(llama / "hf_import")}
     from meshrun.family import registry
@@ -316,8 +338,13 @@ def test_import_refuses_a_top_1_mixtral(tmp_path, capsys):
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "config.json: use_sliding_window"),
         ("qwen3_moe", {"attention_bias": True}, "config.json: attention_bias"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "config.json: mlp_only_layers: the MoE layers of"),
-        ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json: rope_scaling"),
-        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 40.0, "mscale": 1.0}}, "config.json: rope_scaling"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "config.json: rope_scaling"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+         "config.json: rope_scaling.mscale_all_dim"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 40.0, "truncate": False}},
+         "config.json: rope_scaling.truncate"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 40.0, "beta_fast": 0.5}}, "model.rope_beta_fast"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": -1.0}}, "model.rope_scaling_factor"),
         ("deepseek_v3", {"rope_interleave": False}, "config.json: rope_interleave"),
         ("deepseek_v3", {"rms_norm_eps": 1e-5}, "config.json: rms_norm_eps"),
         ("deepseek_v3", {"scoring_func": "softmax"}, "config.json: scoring_func"),
@@ -325,7 +352,8 @@ def test_import_refuses_a_top_1_mixtral(tmp_path, capsys):
         ("deepseek_v3", {"attention_bias": True}, "config.json: attention_bias"),
         ("deepseek_v3", {"num_experts_per_tok": 1}, "model.top_k: a top-1 DeepSeek-V3 computes differently"),
     ],
-    ids=["top-1", "sliding-window", "attention-bias", "moe-layer-pattern", "yarn-rope", "deepseek-yarn-rope",
+    ids=["top-1", "sliding-window", "attention-bias", "moe-layer-pattern", "longrope", "yarn-mscale-all-dim",
+         "yarn-no-truncate", "yarn-beta-fast-below-slow", "yarn-negative-factor",
          "deepseek-rope-not-interleaved", "deepseek-eps", "deepseek-softmax", "deepseek-no-shared",
          "deepseek-attention-bias", "deepseek-top-1"],
 )  # fmt: skip

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from meshrun_models import init_params, loss_fn, moe_ffn
-from meshrun_models.layers import arrays
+from meshrun_models.layers import arrays, rope_freqs
 from meshrun_models.llama.config import LlamaConfig
 from meshrun_models.moe import update_balance
 from meshrun_models.router import top_k_gates
@@ -162,6 +162,16 @@ def reference(over=()):
 
 
 NO_TP = ["mesh.tensor=1"]
+SLOW = pytest.mark.slow
+# YaRN (DeepSeek-V3's factor and betas; the attention factor derived, 1.37, and a softmax correction)
+YARN = dict(rope_scaling="yarn", rope_scaling_factor=40.0, rope_original_max_seq_len=4096,
+            rope_mscale_all_dim=0.8)  # fmt: skip
+
+
+def _over(fields: dict) -> list[str]:
+    return [f"model.{k}={v}" for k, v in fields.items()]
+
+
 PIPE2_V2 = ["mesh.pipe=2", *NO_TP, "pipeline.virtual=2", "pipeline.microbatches=4"]
 LAYOUTS = [
     pytest.param([], [], id="data2-expert2-tensor2-dropless", marks=pytest.mark.slow),
@@ -188,6 +198,14 @@ LAYOUTS = [
     pytest.param(
         ["model.q_lora_rank=0"], ["mesh.tensor=4", "mesh.data=1"], id="mla-no-q-latent-tensor4", marks=pytest.mark.slow
     ),
+    # YaRN with the sequence split over 'context' (positions from the chunk) and the heads over 'tensor'
+    pytest.param(_over(YARN), ["mesh.context=2", "mesh.data=1"], id="yarn-context2-tensor2", marks=SLOW),
+    pytest.param(
+        [*_over(YARN), "model.context_parallel=ring"],
+        ["mesh.context=2", "mesh.data=1"],
+        id="yarn-ring2-tensor2",
+        marks=SLOW,
+    ),  # fmt: skip
     pytest.param([], ["train.zero=1"], id="zero1", marks=pytest.mark.slow),
     pytest.param([], ["mesh.data=4", *NO_TP, "train.zero=2"], id="zero2-data4", marks=pytest.mark.slow),
     pytest.param([], ["train.zero=3"], id="zero3", marks=pytest.mark.slow),
@@ -209,9 +227,12 @@ def numpy_mla(p, h, cfg):
     n, dr, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     length = h.shape[1]
     ang = np.arange(length)[:, None] * cfg.rope_theta ** (-np.arange(dr // 2) / (dr // 2))
+    a_rope, a_softmax = cfg.yarn_scales()  # YaRN: cos/sin and softmax scale factors (1.0 without)
+    if cfg.rope_scaling == "yarn":  # its frequencies are checked against transformers' in test_hf.py
+        ang = np.arange(length)[:, None] * np.asarray(rope_freqs(cfg, dr), np.float64)
 
     def rot(x):  # [.., L, dr], rotate-half
-        c, s_ = np.cos(ang), np.sin(ang)
+        c, s_ = a_rope * np.cos(ang), a_rope * np.sin(ang)
         a, b = x[..., : dr // 2], x[..., dr // 2 :]
         return np.concatenate([a * c - b * s_, b * c + a * s_], -1)
 
@@ -226,17 +247,17 @@ def numpy_mla(p, h, cfg):
     for head in range(cfg.n_heads):
         qh = np.concatenate([q[:, :, head, :n], rot(q[:, :, head, n:])], -1)
         kh = np.concatenate([kv[:, :, head, :n], k_pe], -1)
-        s = np.einsum("bld,bsd->bls", qh, kh) / np.sqrt(n + dr)
+        s = np.einsum("bld,bsd->bls", qh, kh) / np.sqrt(n + dr) * a_softmax
         s = np.where(np.tril(np.ones((length, length), bool)), s, -np.inf)
         a = np.exp(s - s.max(-1, keepdims=True))
         out[:, :, head] = np.einsum("bls,bsd->bld", a / a.sum(-1, keepdims=True), kv[:, :, head, n:])
     return np.einsum("blhk,hkd->bld", out, p["o"])
 
 
-@pytest.mark.parametrize("changes", [{}, {"q_lora_rank": 0}, {"remat": "full"}])
+@pytest.mark.parametrize("changes", [{}, {"q_lora_rank": 0}, {"remat": "full"}, YARN, {**YARN, "remat": "full"}])
 def test_mla_matches_numpy(changes):
     """The layer (its own XLA core under remat=none, jax's kernel otherwise) against the float64 loop;
-    weights of the documented shapes."""
+    weights of the documented shapes; with YaRN, its RoPE factor and softmax correction."""
     from meshrun_models.attention import attention
 
     cfg = dataclasses.replace(MLA, init_std=0.2, **changes)
@@ -351,7 +372,7 @@ def test_bf16_params_with_float32_master_match_one_device():
         ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
           "q_lora_rank": -1}, "model.q_lora_rank: out of range (got -1)"),
         ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-          "fp8": "tensorwise"}, "model.fp8: multi-head latent attention has no such variant here (got 'tensorwise')"),
+          "fp8": "blockwise"}, "model.fp8: the latent projections have no blockwise recipe here (got 'blockwise')"),
     ],
 )  # fmt: skip
 def test_config_errors_name_field_value_and_fix(changes, line):

@@ -24,12 +24,18 @@ class LlamaConfig(ModelConfig):
     mlp: str = "swiglu"  # swiglu (Llama: 3 matrices) | gelu (GPT-3: 2 matrices, d_ff = 4*d_model)
     tie_embeddings: bool = False  # the output head reuses the embedding matrix
     rope_theta: float = 10000.0  # RoPE base frequency
-    # RoPE frequency scaling: none | llama3 (Llama 3.1: low frequencies / factor, smooth band between)
+    # RoPE frequency scaling: none | llama3 (Llama 3.1: low frequencies / factor, smooth band between) |
+    # yarn (YaRN: Qwen, DeepSeek-V3; low frequencies / factor, a linear ramp between beta_fast and beta_slow)
     rope_scaling: str = "none"
-    rope_scaling_factor: float = 8.0  # rope_scaling=llama3: the factor low frequencies are divided by
+    rope_scaling_factor: float = 8.0  # llama3 | yarn: the factor low frequencies are divided by
     rope_low_freq_factor: float = 1.0  # rope_scaling=llama3: wavelengths above original_max/low are scaled
     rope_high_freq_factor: float = 4.0  # rope_scaling=llama3: wavelengths below original_max/high are kept
-    rope_original_max_seq_len: int = 8192  # rope_scaling=llama3: the context length the model was trained at
+    rope_original_max_seq_len: int = 8192  # llama3 | yarn: the context length the model was trained at
+    rope_beta_fast: float = 32.0  # yarn: dims turning more than beta_fast times in original_max are kept
+    rope_beta_slow: float = 1.0  # yarn: dims turning fewer than beta_slow times are divided by the factor
+    rope_attention_factor: float = 0.0  # yarn: RoPE's cos and sin are multiplied by it (0: 0.1 ln(factor) + 1)
+    # yarn: > 0: the softmax scale is multiplied by (0.1 rope_mscale_all_dim ln(factor) + 1)^2 (DeepSeek-V3)
+    rope_mscale_all_dim: float = 0.0
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each q and k head (a head_dim scale each) before RoPE (Qwen3)
     sliding_window: int = 0  # > 0: a token attends to itself and the sliding_window - 1 tokens before (Mistral)
@@ -92,15 +98,7 @@ class LlamaConfig(ModelConfig):
         self._check_moe_shapes()
         self._check_mla()
         self._check_fp8_block()
-        choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
-        if self.rope_scaling == "llama3" and not (
-            self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
-        ):
-            raise ConfigError(
-                "model.rope_low_freq_factor",
-                self.rope_low_freq_factor,
-                "use 0 < rope_low_freq_factor < rope_high_freq_factor and a positive rope_scaling_factor",
-            )
+        self._check_rope()
         if self.n_experts:
             if not 1 <= self.top_k <= self.n_experts:
                 raise ConfigError("model.top_k", self.top_k, f"use 1 <= top_k <= n_experts={self.n_experts}")
@@ -111,6 +109,39 @@ class LlamaConfig(ModelConfig):
                 raise ConfigError("model.moe_every", self.moe_every, f"use a divisor of {what}")
             if self.capacity_factor <= 0:
                 raise ConfigError("model.capacity_factor", self.capacity_factor, "use a positive factor")
+
+    def _check_rope(self) -> None:
+        """model.rope_scaling and its parameters (llama3, yarn)."""
+        choice("model.rope_scaling", self.rope_scaling, ("none", "llama3", "yarn"))
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ConfigError(
+                "model.rope_low_freq_factor",
+                self.rope_low_freq_factor,
+                "use 0 < rope_low_freq_factor < rope_high_freq_factor and a positive rope_scaling_factor",
+            )
+        if self.rope_scaling != "yarn":
+            return
+        for f in ("rope_scaling_factor", "rope_beta_slow", "rope_original_max_seq_len"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"model.{f}", getattr(self, f), "use a positive number with rope_scaling=yarn")
+        if not self.rope_beta_fast >= self.rope_beta_slow:
+            raise ConfigError(
+                "model.rope_beta_fast", self.rope_beta_fast, f"use at least rope_beta_slow={self.rope_beta_slow}"
+            )
+        for f in ("rope_attention_factor", "rope_mscale_all_dim"):
+            if not getattr(self, f) >= 0:
+                raise ConfigError(f"model.{f}", getattr(self, f), "use a number >= 0 (0: unset)")
+
+    def yarn_scales(self) -> tuple[float, float]:
+        """rope_scaling=yarn's (factor on RoPE's cos and sin, factor on the softmax scale), as transformers'
+        `_compute_yarn_parameters` and DeepseekV3Attention; (1.0, 1.0) otherwise."""
+        if self.rope_scaling != "yarn":
+            return 1.0, 1.0
+        f, ma = self.rope_scaling_factor, self.rope_mscale_all_dim
+        m = lambda x: 1.0 if f <= 1 else 0.1 * x * math.log(f) + 1.0
+        return self.rope_attention_factor or m(1.0), m(ma) ** 2 if ma else 1.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -139,7 +170,12 @@ class LlamaConfig(ModelConfig):
                 "model.v_head_dim", self.v_head_dim,
                 f"use at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} with model.attention=mla",
             )  # fmt: skip
-        for f, off in (("qkv_bias", False), ("qk_norm", False), ("tp_comm_overlap", False), ("fp8", "none")):
+        if self.fp8 == "blockwise":
+            raise ConfigError(
+                "model.fp8", "blockwise", "use model.fp8=tensorwise or delayed with model.attention=mla",
+                "the latent projections have no blockwise recipe here",
+            )  # fmt: skip
+        for f, off in (("qkv_bias", False), ("qk_norm", False), ("tp_comm_overlap", False)):
             if getattr(self, f) != off:
                 raise ConfigError(
                     f"model.{f}", getattr(self, f), f"use {f}={str(off).lower()} with model.attention=mla",

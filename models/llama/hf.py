@@ -13,6 +13,7 @@ Layout facts, checked against transformers' forward by tests/test_hf.py:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from meshrun_models.llama.config import LlamaConfig
@@ -56,9 +57,32 @@ def _rope(hf: dict) -> dict[str, Any]:
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
             "rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
         }
+    elif kind == "yarn":
+        out |= _yarn(scaling, hf)
     elif kind != "default":
-        raise ConfigError(f"{FIELD}: rope_scaling", kind, "meshrun supports rope types default and llama3")
+        raise ConfigError(f"{FIELD}: rope_scaling", kind, "meshrun supports rope types default, llama3 and yarn")
     return out
+
+
+def _yarn(scaling: dict, hf: dict) -> dict[str, Any]:
+    """YaRN's parameters (transformers' defaults for the unset ones: original_max = max_position_embeddings,
+    beta_fast 32, beta_slow 1); its attention factor m(mscale) / m(mscale_all_dim) when both are set, m(x) =
+    0.1 x ln(factor) + 1 (DeepSeek-V3: 1.0), else the given one or 0 (meshrun derives m(1), as transformers)."""
+    if scaling.get("truncate", True) is not True:
+        raise ConfigError(f"{FIELD}: rope_scaling.truncate", scaling["truncate"], "meshrun's YaRN truncates: use true")
+    if scaling.get("attention_factor") is not None and not scaling["attention_factor"] > 0:
+        raise ConfigError(f"{FIELD}: rope_scaling.attention_factor", scaling["attention_factor"], "use a positive one")
+    get = lambda k, default: float(scaling.get(k) or default)
+    f, ms, ma = float(scaling["factor"]), get("mscale", 0), get("mscale_all_dim", 0)
+    m = lambda x: 1.0 if f <= 1 else 0.1 * x * math.log(f) + 1.0
+    a = scaling.get("attention_factor")
+    a = float(a) if a is not None else float(m(ms) / m(ma)) if ms and ma else 0.0
+    n0 = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096)
+    return {
+        "rope_scaling": "yarn", "rope_scaling_factor": f, "rope_original_max_seq_len": int(n0),
+        "rope_beta_fast": get("beta_fast", 32), "rope_beta_slow": get("beta_slow", 1), "rope_attention_factor": a,
+        "rope_mscale_all_dim": ma,
+    }  # fmt: skip
 
 
 def _window(hf: dict, fam: str) -> int:
@@ -110,6 +134,11 @@ def model_config(hf: dict, vocab_multiple: int = 128) -> ModelConfig:
         sliding_window=int(_window(hf, fam)),
         **_rope(hf),
     )
+    if fields.get("rope_mscale_all_dim") and fam != "deepseek_v3":
+        raise ConfigError(
+            f"{FIELD}: rope_scaling.mscale_all_dim", fields["rope_mscale_all_dim"], "import it without mscale_all_dim",
+            f"meshrun's mscale_all_dim also scales the softmax (DeepSeek-V3), which transformers' {ARCH[fam]} does not",
+        )  # fmt: skip
     if fam == "mixtral":
         aux = hf.get("router_aux_loss_coef", 0.02)
         fields |= _moe_fields(hf["num_local_experts"], hf["num_experts_per_tok"], True, aux)
@@ -216,6 +245,8 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
     bad = [(f, want) for f, want in bad if getattr(cfg, f) != want]
     if fam in ("mixtral", "deepseek_v3") and cfg.moe_every != 1:
         bad.append(("moe_every", 1))
+    if fam != "deepseek_v3" and cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:  # DeepSeek's softmax factor
+        bad.append(("rope_mscale_all_dim", 0.0))
     if bad:
         f, want = bad[0]
         raise ConfigError(
@@ -245,6 +276,13 @@ def hf_config(cfg: ModelConfig, vocab: int, dtype: str) -> dict[str, Any]:
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    if cfg.rope_scaling == "yarn":
+        opt = {"attention_factor": cfg.rope_attention_factor, "mscale_all_dim": cfg.rope_mscale_all_dim}
+        return {
+            "rope_type": "yarn", "factor": cfg.rope_scaling_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len, "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+        } | {k: v for k, v in opt.items() if v}  # fmt: skip
     if cfg.rope_scaling != "llama3":
         return None
     return {
