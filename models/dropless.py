@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from meshrun_models.gmm import ffn
+from meshrun_models.gmm import ffn, take_rows
 from meshrun_models.layers import FP8_MOE_SLOTS, dtype_of
 from meshrun_models.router import router_stats, top_k_gates
 
@@ -29,11 +29,15 @@ from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain
 
+SLACK = 2  # CPU: batched slots per expert, as a multiple of its expected rows; rows past them run in a loop
 
-def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None):
+
+def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None, mean=1):
     """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused,
     zeros under expert parallelism). 'mlp' stays column/row-parallel over tensor, as in the dense MLP.
-    `f8`: the block's fp8 state; the grouped matmuls run in fp8 under cfg.fp8 (`fp8.ragged_dot`)."""
+    `f8`: the block's fp8 state; the grouped matmuls run in fp8 under cfg.fp8 (`fp8.ragged_dot`).
+    On CPU each expert's first SLACK * `mean` rows (`mean`: the expected rows per expert) run as one
+    batched matmul, the rest, if any, in the tile loop (gmm.ffn)."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
     if cfg.mlp == "swiglu":
@@ -45,7 +49,7 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     else:
         w_up, act, spec = p["up"], jax.nn.gelu, (None, "mlp")
     if cfg.fp8 == "none" and jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
-        return ffn(x_RxD, (w_up.astype(dt),), p["down"].astype(dt), sizes_E, act)
+        return ffn(x_RxD, (w_up.astype(dt),), p["down"].astype(dt), sizes_E, act, cap=SLACK * mean)
     if cfg.fp8 != "none":  # the grouped matmuls in fp8
 
         def mm(x, w, slot):
@@ -67,27 +71,6 @@ def _swiglu(gu: jax.Array) -> jax.Array:
     return jax.nn.silu(g[..., 0]) * g[..., 1]
 
 
-@jax.custom_vjp
-def take_rows(x_NxD, idx_O, ok_O, inv_NxQ, inv_ok_NxQ):
-    """Rows x[idx] (zero where not ok). The move is a partial bijection between x's rows, each taken
-    Q times, and the output's ok rows; inv/inv_ok give, per row of x, its Q places in the output, so
-    the gradient is a gather too (summed over Q), not a scatter-add, which XLA:CPU runs slowly."""
-    return jnp.where(ok_O[:, None], x_NxD[idx_O], 0)
-
-
-def take_rows_fwd(x_NxD, idx_O, ok_O, inv_NxQ, inv_ok_NxQ):
-    return take_rows(x_NxD, idx_O, ok_O, inv_NxQ, inv_ok_NxQ), (idx_O, ok_O, inv_NxQ, inv_ok_NxQ)
-
-
-def take_rows_bwd(res, ct_OxD):
-    idx_O, ok_O, inv_NxQ, inv_ok_NxQ = res
-    dx = jnp.sum(jnp.where(inv_ok_NxQ[..., None], ct_OxD[inv_NxQ], 0), axis=1)
-    return dx, None, None, None, None
-
-
-take_rows.defvjp(take_rows_fwd, take_rows_bwd)
-
-
 def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):
     """Route local groups with no capacity; experts local (axis None) or spread over mesh axis `axis`."""
     g, s, d = h_GxSxD.shape
@@ -105,7 +88,7 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     h_TxD, yes = h_GxSxD.reshape(t, d), lambda *shape: jnp.ones(shape, bool)
     if axis is None:
         x_AxD = take_rows(h_TxD, order_A // k, yes(t * k), where_A.reshape(t, k), yes(t, k))
-        y_sorted = grouped_ffn(p, x_AxD, counts_E, cfg, f8)
+        y_sorted = grouped_ffn(p, x_AxD, counts_E, cfg, f8, -(-t * k // e))
         y_AxD = take_rows(y_sorted, where_A, yes(t * k), order_A[:, None], yes(t * k, 1))
     else:
         y_AxD = _expert_parallel(p, h_TxD, order_A, where_A, counts_E, cfg, axis, f8)
@@ -162,7 +145,8 @@ def _expert_parallel(p, h_TxD, order_A, where_A, counts_E, cfg: ModelConfig, axi
     n_IxJ = jax.lax.all_to_all(counts_E.reshape(ep, e_loc), axis, 0, 0, tiled=True)
     recv = jax.lax.all_to_all(send.reshape(ep, m, d), axis, 0, 0, tiled=True).reshape(ep * m, d)
     row_q, ok_q, pos_r, ok_r = _group_rows(n_IxJ, m)
-    y_grouped = grouped_ffn(p, take_rows(recv, row_q, ok_q, pos_r[:, None], ok_r[:, None]), n_IxJ.sum(axis=0), cfg, f8)
+    x_grouped = take_rows(recv, row_q, ok_q, pos_r[:, None], ok_r[:, None])
+    y_grouped = grouped_ffn(p, x_grouped, n_IxJ.sum(axis=0), cfg, f8, -(-a // e_loc))
     y_recv = take_rows(y_grouped, pos_r, ok_r, row_q[:, None], ok_q[:, None])
     y = jax.lax.all_to_all(y_recv.reshape(ep, m, d), axis, 0, 0, tiled=True).reshape(ep * m, d)
     return take_rows(y, slot_A, yes(a), asg_S[:, None], ok_S[:, None])

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from meshrun_models.dropless import dropless_local, take_rows
+from meshrun_models.dropless import dropless_local
+from meshrun_models.gmm import take_rows
 from meshrun_models.layers import FP8_MOE_SLOTS, Lead, dtype_of, normal_param
 from meshrun_models.router import router_stats, top_k_gates
 

@@ -293,12 +293,13 @@ def test_bad_moe_dispatch_exits_2(capsys):
     assert "model.moe_dispatch: invalid value (got 'sorted'); use one of ['capacity', 'dropless']" in err
 
 
-@pytest.mark.parametrize("tile", [1, 4, 32, 64])
-def test_cpu_expert_tile_loop_matches_ragged_dot(tile):
+@pytest.mark.parametrize("tile,cap", [(1, 0), (4, 0), (32, 0), (64, 0), (4, 5), (32, 5), (4, 20)])
+def test_cpu_expert_tile_loop_matches_ragged_dot(tile, cap):
     """models/gmm.py's tile loop (dropless experts on XLA:CPU) equals ragged_dots, output and the
     gradients of x and the three weights: empty groups, partial tiles, a last window moved back to
     end at the last row (tile 32) and 17 padding rows past the groups (zero out, zero gradient),
-    which the loop never visits."""
+    which the loop never visits; with `cap` the first cap rows of each group run batched, the rest
+    (groups of 17 and 9 rows past cap 5; none past 20) in the loop."""
     from meshrun_models.gmm import ffn
 
     k = jax.random.split(jax.random.key(0), 5)
@@ -308,7 +309,7 @@ def test_cpu_expert_tile_loop_matches_ragged_dot(tile):
     act = lambda g, u: jax.nn.silu(g) * u
     rd = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
     ref = lambda x, a, b, c: rd(act(rd(x, a), rd(x, b)), c)
-    got = lambda x, a, b, c: ffn(x, (a, b), c, sizes, act, tile)
+    got = lambda x, a, b, c: ffn(x, (a, b), c, sizes, act, tile, cap)
     vg = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * dy), (0, 1, 2, 3)))(x, *w)
     (v0, g0), (v1, g1) = vg(ref), vg(got)
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
