@@ -1,14 +1,14 @@
 """Dropless MoE dispatch (`model.moe_dispatch=dropless`): every (token, choice) assignment is computed.
 
 Tokens are sorted by expert and the local experts run as one grouped matmul (gmm.py: `ragged_dot`
-on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU a loop over the tiles the rows fill);
-no capacity, no drops.
+on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU batched slots of twice an expert's
+expected rows plus a tile loop for any rows past them); no capacity, no drops.
 
 Expert parallelism over `axis` (ep devices, E/ep experts each): the per-destination row counts are
 exchanged first, then the rows travel in a fixed-size all_to_all sized to the worst case,
 M = T * min(k, E/ep) rows per destination (XLA:CPU has no ragged all-to-all). The receiver groups
-the rows by local expert (positions computed from the counts, no sort), runs the grouped matmul,
-which on CPU computes the filled tiles only, and sends the results back the same way. Every row
+the rows by local expert (positions computed from the counts, no sort), runs the grouped matmul
+and sends the results back the same way. Every row
 move is a gather whose gradient is the gather by the inverse map (`take_rows`): no scatter-add.
 
 Shape letters as in layers.py; A = T*k assignments, M rows per destination, R = ep*M received rows.

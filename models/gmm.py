@@ -6,7 +6,8 @@ each tile one group's rows, whose trip count is the number of tiles the actual r
 sum(sizes)/tile + G): rows past sum(sizes) cost nothing and come out zero, as ragged_dot gives them.
 A tile window that would run past the last row is moved back to end there (no padded copy of the
 rows). Its gradient (custom_vjp) is one more such loop, the tile's activations recomputed and the
-weight gradients summed in float32. GPUs and TPUs run ragged_dot (a grouped GEMM; models/dropless.py).
+weight gradients summed in float32. With `cap`, each group's first cap rows run as batched matmuls
+instead and the loop takes only the rows past them. GPUs and TPUs run ragged_dot (models/dropless.py).
 """
 
 from __future__ import annotations
