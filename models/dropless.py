@@ -1,14 +1,15 @@
 """Dropless MoE dispatch (`model.moe_dispatch=dropless`): every (token, choice) assignment is computed.
 
 Tokens are sorted by expert and the local experts run as one grouped matmul (gmm.py: `ragged_dot`
-on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU a loop over the tiles the rows fill);
-no capacity, no drops.
+on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU batched slots of twice an expert's
+expected rows plus a tile loop for any rows past them); no capacity, no drops.
 
 Expert parallelism over `axis` (ep devices, E/ep experts each): the per-destination row counts are
 exchanged first, then the rows travel in a fixed-size all_to_all sized to the worst case,
-M = T * min(k, E/ep) rows per destination (XLA:CPU has no ragged all-to-all). The receiver sorts
-the R = ep*M rows by local expert (the padding last), runs the grouped matmul, which on CPU computes
-the filled tiles only, and sends the results back the same way.
+M = T * min(k, E/ep) rows per destination (XLA:CPU has no ragged all-to-all). The receiver groups
+the rows by local expert (positions computed from the counts, no sort), runs the grouped matmul
+and sends the results back the same way. Every row
+move is a gather whose gradient is the gather by the inverse map (`take_rows`): no scatter-add.
 
 Shape letters as in layers.py; A = T*k assignments, M rows per destination, R = ep*M received rows.
 """
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from meshrun_models.gmm import ffn
+from meshrun_models.gmm import ffn, take_rows
 from meshrun_models.layers import dtype_of, fp8_slot
 from meshrun_models.router import router_stats, top_k_gates
 
@@ -28,11 +29,15 @@ from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain
 
+SLACK = 2  # CPU: batched slots per expert, as a multiple of its expected rows; rows past them run in a loop
 
-def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None):
+
+def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None, mean=1):
     """Expert FFNs on rows sorted by expert, sizes_E rows each (rows past their sum are padding, unused,
     zeros under expert parallelism). 'mlp' stays column/row-parallel over tensor, as in the dense MLP.
-    `f8`: the block's fp8 state; the grouped matmuls run in fp8 under cfg.fp8 (`fp8.ragged_dot`)."""
+    `f8`: the block's fp8 state; the grouped matmuls run in fp8 under cfg.fp8 (`fp8.ragged_dot`).
+    On CPU each expert's first SLACK * `mean` rows (`mean`: the expected rows per expert) run as one
+    batched matmul, the rest, if any, in the tile loop (gmm.ffn)."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
     if cfg.mlp == "swiglu":
@@ -43,13 +48,13 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
         act, spec = _swiglu, (None, "mlp", None)
     else:
         w_up, act, spec = p["up"], jax.nn.gelu, (None, "mlp")
+    if cfg.fp8 == "none" and jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
+        return ffn(x_RxD, (w_up.astype(dt),), p["down"].astype(dt), sizes_E, act, cap=SLACK * mean)
     if cfg.fp8 != "none":  # the grouped matmuls in fp8
 
         def mm(x, w, slot):
             return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, fp8_slot(cfg, slot))
 
-    elif jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
-        return ffn(x_RxD, w_up.astype(dt), p["down"].astype(dt), sizes_E, act)
     else:
 
         def mm(x, w, slot):
@@ -78,41 +83,70 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
 
     expert_A = top_i_GxSxk.reshape(t * k)  # token-major: assignment a is token a // k
     order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> assignment
-    counts_E = jnp.sum(jax.nn.one_hot(expert_A, e, dtype=jnp.int32), axis=0)
-    x_AxD = h_GxSxD.reshape(t, d)[order_A // k]
-    if axis is None:
-        y_AxD = grouped_ffn(p, x_AxD, counts_E, cfg, f8)
-    else:
-        y_AxD = _expert_parallel(p, x_AxD, counts_E, cfg, axis, f8)
     where_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * k, dtype=order_A.dtype))
-    y_TxkxD = y_AxD[where_A].reshape(t, k, d)
+    counts_E = jnp.sum(jax.nn.one_hot(expert_A, e, dtype=jnp.int32), axis=0)
+    h_TxD, yes = h_GxSxD.reshape(t, d), lambda *shape: jnp.ones(shape, bool)
+    if axis is None:
+        x_AxD = take_rows(h_TxD, order_A // k, yes(t * k), where_A.reshape(t, k), yes(t, k))
+        y_sorted = grouped_ffn(p, x_AxD, counts_E, cfg, f8, -(-t * k // e))
+        y_AxD = take_rows(y_sorted, where_A, yes(t * k), order_A[:, None], yes(t * k, 1))
+    else:
+        y_AxD = _expert_parallel(p, h_TxD, order_A, where_A, counts_E, cfg, axis, f8)
+    y_TxkxD = y_AxD.reshape(t, k, d)
     out_TxD = jnp.einsum("tkd,tk->td", y_TxkxD, gates_GxSxk.reshape(t, k).astype(y_TxkxD.dtype))
     return out_TxD.reshape(g, s, d), stats
 
 
-def _expert_parallel(p, x_AxD: jax.Array, counts_E: jax.Array, cfg: ModelConfig, axis: str, f8=None) -> jax.Array:
-    """Rows sorted by (global) expert -> this device's rows through their experts, over `axis`."""
-    a, d = x_AxD.shape
-    ep = jax.lax.axis_size(axis)
-    e_loc = cfg.n_experts // ep
-    m = (a // cfg.top_k) * min(cfg.top_k, e_loc)  # worst case rows for one destination
-    # Send buffer [ep, M, D]: destination j's rows (contiguous in expert order) at the front of block j.
-    per_dev_J = counts_E.reshape(ep, e_loc).sum(axis=1)
+def _send_slots(order_A, where_A, counts_E, ep: int, m: int):
+    """Sender side: send-buffer slot -> assignment (and whether it holds one), assignment -> slot.
+    Destination j's rows (contiguous in expert order) sit at the front of its block of m slots."""
+    a = order_A.shape[0]
+    per_dev_J = counts_E.reshape(ep, -1).sum(axis=1)
     start_J = jnp.cumsum(per_dev_J) - per_dev_J
-    src_JxM = start_J[:, None] + jnp.arange(m)[None, :]
-    valid_JxM = jnp.arange(m)[None, :] < per_dev_J[:, None]
-    send = jnp.where(valid_JxM[..., None], x_AxD[jnp.minimum(src_JxM, a - 1)], 0)
-    # Counts first: recv_counts[i, j] = rows device i sends for my local expert j.
-    recv_counts = jax.lax.all_to_all(counts_E.reshape(ep, e_loc), axis, 0, 0, tiled=True)
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep, M, D]: block i came from device i
-    # Each source's block is sorted by local expert; regroup all R = ep*M rows by local expert
-    # (padding rows get key e_loc and sort last, past the groups; their outputs are never read).
-    ends_IxE = jnp.cumsum(recv_counts, axis=1)
-    key_IxM = jnp.sum(jnp.arange(m)[None, :, None] >= ends_IxE[:, None, :], axis=-1)
-    order_R = jnp.argsort(key_IxM.reshape(ep * m), stable=True)
-    y_sorted = grouped_ffn(p, recv.reshape(ep * m, d)[order_R], recv_counts.sum(axis=0), cfg, f8)
-    back_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(ep * m, dtype=order_R.dtype))
-    y = jax.lax.all_to_all(y_sorted[back_R].reshape(ep, m, d), axis, 0, 0, tiled=True)
-    # Row r of the sorted input went to destination j = dest_A[r], slot r - start_J[j].
-    dest_A = jnp.sum(jnp.arange(a)[:, None] >= jnp.cumsum(per_dev_J)[None, :], axis=1)
-    return y.reshape(ep * m, d)[dest_A * m + jnp.arange(a) - start_J[dest_A]]
+    ok_JxM = jnp.arange(m)[None, :] < per_dev_J[:, None]
+    asg_JxM = order_A[jnp.minimum(start_J[:, None] + jnp.arange(m)[None, :], a - 1)]
+    dest_A = jnp.sum(where_A[:, None] >= jnp.cumsum(per_dev_J)[None, :], axis=1)
+    slot_A = dest_A * m + where_A - start_J[dest_A]
+    return asg_JxM.reshape(ep * m), ok_JxM.reshape(ep * m), slot_A
+
+
+def _group_rows(n_IxJ, m: int):
+    """Receiver side, n[i, j] rows from source i for local expert j, source i's rows at the front of
+    its block of m, by expert: grouped row q (by expert, then source) -> received row, and back."""
+    ep, e_loc = n_IxJ.shape
+    blk_off = jnp.cumsum(n_IxJ, axis=1) - n_IxJ  # expert j's first row in source i's block
+    src_end = jnp.cumsum(n_IxJ, axis=0)
+    src_off = src_end - n_IxJ  # source i's first row among expert j's
+    exp_end = src_end[-1].cumsum()
+    exp_start = exp_end - src_end[-1]
+    q = jnp.arange(ep * m)
+    j_q = jnp.minimum(jnp.sum(q[:, None] >= exp_end[None, :], axis=1), e_loc - 1)
+    o_q = q - exp_start[j_q]
+    i_q = jnp.minimum(jnp.sum(o_q[:, None] >= src_end[:, j_q].T, axis=1), ep - 1)
+    row_q = i_q * m + blk_off[i_q, j_q] + o_q - src_off[i_q, j_q]
+    r_IxM = jnp.arange(m)[None, :]
+    j_r = jnp.minimum(jnp.sum(r_IxM[..., None] >= jnp.cumsum(n_IxJ, axis=1)[:, None, :], axis=-1), e_loc - 1)
+    i_r = jnp.arange(ep)[:, None]
+    pos_r = exp_start[j_r] + src_off[i_r, j_r] + r_IxM - blk_off[i_r, j_r]
+    ok_r = r_IxM < n_IxJ.sum(axis=1)[:, None]
+    return row_q, q < exp_end[-1], pos_r.reshape(ep * m), ok_r.reshape(ep * m)
+
+
+def _expert_parallel(p, h_TxD, order_A, where_A, counts_E, cfg: ModelConfig, axis: str, f8=None) -> jax.Array:
+    """Tokens -> their assignments' expert outputs [A, D] (token-major), the experts spread over `axis`."""
+    t, d = h_TxD.shape
+    a, ep = order_A.shape[0], jax.lax.axis_size(axis)
+    e_loc = cfg.n_experts // ep
+    m = t * min(cfg.top_k, e_loc)  # worst case rows for one destination
+    asg_S, ok_S, slot_A = _send_slots(order_A, where_A, counts_E, ep, m)
+    yes = lambda *shape: jnp.ones(shape, bool)
+    send = take_rows(h_TxD, asg_S // cfg.top_k, ok_S, slot_A.reshape(t, -1), yes(t, a // t))
+    # Counts first: n[i, j] = rows device i sends for my local expert j.
+    n_IxJ = jax.lax.all_to_all(counts_E.reshape(ep, e_loc), axis, 0, 0, tiled=True)
+    recv = jax.lax.all_to_all(send.reshape(ep, m, d), axis, 0, 0, tiled=True).reshape(ep * m, d)
+    row_q, ok_q, pos_r, ok_r = _group_rows(n_IxJ, m)
+    x_grouped = take_rows(recv, row_q, ok_q, pos_r[:, None], ok_r[:, None])
+    y_grouped = grouped_ffn(p, x_grouped, n_IxJ.sum(axis=0), cfg, f8, -(-a // e_loc))
+    y_recv = take_rows(y_grouped, pos_r, ok_r, row_q[:, None], ok_q[:, None])
+    y = jax.lax.all_to_all(y_recv.reshape(ep, m, d), axis, 0, 0, tiled=True).reshape(ep * m, d)
+    return take_rows(y, slot_A, yes(a), asg_S[:, None], ok_S[:, None])

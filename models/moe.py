@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from meshrun_models.dropless import dropless_local
+from meshrun_models.gmm import take_rows
 from meshrun_models.layers import Lead, dtype_of, fp8_slot, normal_param
 from meshrun_models.router import router_stats, top_k_gates
 
@@ -103,7 +104,10 @@ def queue_positions(choice_GxSxkxE: jax.Array, split=None) -> jax.Array:
     g, s, k, e = choice_GxSxkxE.shape
     n = 1 if split is None else split.chunk_ids.shape[1]  # chunks on this shard
     c_GxNxTxkxE = choice_GxSxkxE.reshape(g, n, s // n, k, e)
-    within = jnp.cumsum(c_GxNxTxkxE, axis=2) - c_GxNxTxkxE  # same choice rank, same expert, earlier in chunk
+    # same choice rank, same expert, earlier in chunk: an exclusive prefix sum as one matmul by a strictly
+    # lower-triangular matrix (exact: sums of 0/1; XLA:CPU runs cumsum as an O(S^2) reduce-window)
+    earlier_TxT = (jnp.arange(s // n)[None, :] < jnp.arange(s // n)[:, None]).astype(jnp.float32)
+    within = jnp.einsum("ut,gntke->gnuke", earlier_TxT, c_GxNxTxkxE)
     counts_GxNxkxE = jnp.sum(c_GxNxTxkxE, axis=2)
     if split is None:
         all_GxQxkxE, mine_N = counts_GxNxkxE, jnp.arange(n)
@@ -121,25 +125,38 @@ def queue_positions(choice_GxSxkxE: jax.Array, split=None) -> jax.Array:
 
 
 def route(logits_GxSxE: jax.Array, cfg: ModelConfig, cap: int, split=None, bal=None):
-    """Top-k routing with capacity. Returns dispatch and combine [G,S,E,C] (float32) and stats.
-    A sequence split over the context axis (`split`) routes as the whole sequence would: places
-    in the queue are global; a kept token's slot in this shard's buffer is its rank among this
-    shard's kept tokens (at most C of them), so the experts see the same rows."""
+    """Top-k routing with capacity. Returns the choices [G,S,k], their gates (float32), their slots in
+    the expert's buffer of C, whether they are kept, and the stats. A sequence split over the context
+    axis (`split`) routes as the whole sequence would: places in the queue are global; a kept token's
+    slot in this shard's buffer is its rank among this shard's kept tokens (at most C of them), so the
+    experts see the same rows."""
     g, s, e = logits_GxSxE.shape
     k = cfg.top_k
     probs_GxSxE, top_i_GxSxk, gates_GxSxk = top_k_gates(logits_GxSxE, cfg, None if bal is None else bal["bias"])
     choice_GxSxkxE = jax.nn.one_hot(top_i_GxSxk, e, dtype=jnp.float32)
     pos_GxSxk = queue_positions(choice_GxSxkxE, split)
-    keep_GxSxk = (pos_GxSxk < cap).astype(jnp.float32)
+    keep_GxSxk = pos_GxSxk < cap
     if split is not None:  # local slots: kept assignments, choice-major
         kept_GxkSxE = (choice_GxSxkxE * keep_GxSxk[..., None]).transpose(0, 2, 1, 3).reshape(g, k * s, e)
         slot_GxkSxE = jnp.cumsum(kept_GxkSxE, axis=1) - 1.0
         pos_GxSxk = jnp.sum(slot_GxkSxE.reshape(g, k, s, e).transpose(0, 2, 1, 3) * choice_GxSxkxE, axis=-1)
-    slot_GxSxkxC = jax.nn.one_hot(pos_GxSxk.astype(jnp.int32), cap, dtype=jnp.float32) * keep_GxSxk[..., None]
-    dispatch = jnp.einsum("gske,gskc->gsec", choice_GxSxkxE, slot_GxSxkxC)
-    combine = jnp.einsum("gske,gskc,gsk->gsec", choice_GxSxkxE, slot_GxSxkxC, gates_GxSxk)
-    stats = router_stats(logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk), split, bal)
-    return jax.lax.stop_gradient(dispatch), combine, stats
+    stats = router_stats(
+        logits_GxSxE, probs_GxSxE, top_i_GxSxk, jnp.sum(1.0 - keep_GxSxk.astype(jnp.float32)), split, bal
+    )
+    return top_i_GxSxk, gates_GxSxk, pos_GxSxk.astype(jnp.int32), keep_GxSxk, stats
+
+
+def slots(top_i_GxSxk, pos_GxSxk, keep_GxSxk, n_experts: int, cap: int):
+    """Buffer [E, G, C] slot of each (token, choice) (clipped where dropped) and, per slot, the
+    assignment (g, s, choice) it holds and whether it holds one: the dispatch and the combine are
+    row gathers (`take_rows`), not one-hot einsums over tokens x experts x capacity x d_model."""
+    g, s, k = top_i_GxSxk.shape
+    group_G = jnp.arange(g)[:, None, None]
+    slot_GxSxk = jnp.where(keep_GxSxk, (top_i_GxSxk * g + group_G) * cap + pos_GxSxk, n_experts * g * cap)
+    asg_A = jnp.arange(g * s * k, dtype=jnp.int32)
+    owner = jnp.full(n_experts * g * cap, -1, jnp.int32).at[slot_GxSxk.reshape(-1)].set(asg_A, mode="drop")
+    slot_A = jnp.minimum(slot_GxSxk.reshape(-1), n_experts * g * cap - 1)
+    return slot_A, owner, keep_GxSxk.reshape(-1)
 
 
 def experts(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, f8=None) -> jax.Array:
@@ -172,18 +189,23 @@ def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, 
 def capacity_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):
     """Capacity routing: dispatch to [E, G, C, D] buffers, all_to_all over `axis`, experts, combine."""
     g, s, d = h_GxSxD.shape
+    e, k = cfg.n_experts, cfg.top_k
     split = sequence_split(cfg.context_parallel == "ring")  # a sequence split over 'context': route it whole
     cap = capacity(cfg, s * (1 if split is None else split.c))
     logits = jnp.einsum("gsd,de->gse", h_GxSxD.astype(jnp.float32), p["router"].astype(jnp.float32))
-    dispatch_GxSxExC, combine_GxSxExC, stats = route(logits, cfg, cap, split, p.get(BALANCE))
-    dt = h_GxSxD.dtype
-    x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), h_GxSxD)
+    top_i, gates_GxSxk, pos, keep, stats = route(logits, cfg, cap, split, p.get(BALANCE))
+    slot_A, owner, keep_A = slots(top_i, pos, keep, e, cap)
+    inv = (slot_A.reshape(g * s, k), keep_A.reshape(g * s, k))  # a token's k slots: the dispatch's gradient
+    x = take_rows(h_GxSxD.reshape(g * s, d), jnp.maximum(owner, 0) // k, owner >= 0, *inv)
+    x_ExGxCxD = x.reshape(e, g, cap, d)
     if axis is not None:  # [E, G, C, D] -> [E/ep, G*ep, C, D]: buffers go to their expert's device
         x_ExGxCxD = jax.lax.all_to_all(x_ExGxCxD, axis, split_axis=0, concat_axis=1, tiled=True)
     y = experts(p, x_ExGxCxD, cfg, f8)
     if axis is not None:  # and back: [E/ep, G*ep, C, D] -> [E, G, C, D]
         y = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
-    out_GxSxD = jnp.einsum("gsec,egcd->gsd", combine_GxSxExC.astype(dt), y)
+    y_AxD = take_rows(y.reshape(e * g * cap, d), slot_A, keep_A, jnp.maximum(owner, 0)[:, None], (owner >= 0)[:, None])
+    w_GxSxk = jnp.where(keep, gates_GxSxk, 0.0).astype(y.dtype)
+    out_GxSxD = jnp.einsum("gskd,gsk->gsd", y_AxD.reshape(g, s, k, d), w_GxSxk)
     return out_GxSxD, stats
 
 

@@ -293,23 +293,26 @@ def test_bad_moe_dispatch_exits_2(capsys):
     assert "model.moe_dispatch: invalid value (got 'sorted'); use one of ['capacity', 'dropless']" in err
 
 
-@pytest.mark.parametrize("tile", [1, 4, 64])
-def test_cpu_expert_tile_loop_matches_ragged_dot(tile):
-    """models/gmm.py's tile loop (dropless experts on XLA:CPU) equals two ragged_dots, output and the
-    gradients of x and both weights: empty groups, partial tiles, and 17 padding rows past the groups
-    (zero out, zero gradient), which the loop never visits."""
-    from meshrun_models.dropless import _swiglu
+@pytest.mark.parametrize("tile,cap", [(1, 0), (4, 0), (32, 0), (64, 0), (4, 5), (32, 5), (4, 20)])
+def test_cpu_expert_tile_loop_matches_ragged_dot(tile, cap):
+    """models/gmm.py's tile loop (dropless experts on XLA:CPU) equals ragged_dots, output and the
+    gradients of x and the three weights: empty groups, partial tiles, a last window moved back to
+    end at the last row (tile 32) and 17 padding rows past the groups (zero out, zero gradient),
+    which the loop never visits; with `cap` the first cap rows of each group run batched, the rest
+    (groups of 17 and 9 rows past cap 5; none past 20) in the loop."""
     from meshrun_models.gmm import ffn
 
-    k = jax.random.split(jax.random.key(0), 4)
+    k = jax.random.split(jax.random.key(0), 5)
     sizes = jnp.array([3, 0, 17, 9, 4])
     x, dy = jax.random.normal(k[0], (50, 8)), jax.random.normal(k[3], (50, 8))
-    w1, w2 = jax.random.normal(k[1], (5, 8, 12)), jax.random.normal(k[2], (5, 6, 8))
-    ref = lambda x, a, b: jax.lax.ragged_dot(_swiglu(jax.lax.ragged_dot(x, a, sizes)), b, sizes)
-    got = lambda x, a, b: ffn(x, a, b, sizes, _swiglu, tile)
-    vg = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * dy), (0, 1, 2)))(x, w1, w2)
+    w = jax.random.normal(k[1], (5, 8, 6)), jax.random.normal(k[4], (5, 8, 6)), jax.random.normal(k[2], (5, 6, 8))
+    act = lambda g, u: jax.nn.silu(g) * u
+    rd = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+    ref = lambda x, a, b, c: rd(act(rd(x, a), rd(x, b)), c)
+    got = lambda x, a, b, c: ffn(x, (a, b), c, sizes, act, tile, cap)
+    vg = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * dy), (0, 1, 2, 3)))(x, *w)
     (v0, g0), (v1, g1) = vg(ref), vg(got)
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
     for a, b in zip(g0, g1, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
-    assert not np.any(np.asarray(got(x, w1, w2))[33:]) and not np.any(np.asarray(g1[0])[33:])
+    assert not np.any(np.asarray(got(x, *w))[33:]) and not np.any(np.asarray(g1[0])[33:])
