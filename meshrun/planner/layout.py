@@ -112,6 +112,14 @@ class Layout:
         return self.micro_batch_size * self.microbatches * self.data * self.expert
 
 
+def replaced(lay: Layout, **fields) -> Layout:
+    """`dataclasses.replace(lay, **fields)` without its per-call field checks (Layout has no
+    __post_init__, so a copy of its fields is the same Layout): the search builds hundreds of thousands."""
+    new = object.__new__(Layout)
+    new.__dict__.update(lay.__dict__, **fields)
+    return new
+
+
 def model_layout(model: ModelConfig, **kw) -> Layout:
     """A Layout whose remat and sequence parallelism are the model's unless given in `kw`."""
     return Layout(**{"remat": model.remat, "sequence_parallel": model.sequence_parallel, **kw})

@@ -17,7 +17,7 @@ from meshrun.planner import cost, offload, timing
 from meshrun.planner.cost import MEMORY_PARTS, Layout
 from meshrun.planner.hardware import GB, Cluster
 from meshrun.planner.kernels import Calibration
-from meshrun.planner.layout import CONTEXT_KINDS
+from meshrun.planner.layout import CONTEXT_KINDS, replaced
 
 # remat modes the layout search tries (not offload: a memory lever, `offload.propose`)
 SEARCHED_REMATS = ("none", "selective", "full")
@@ -309,7 +309,8 @@ def search(
     (`context_degrees`). Every layout runs `optimizer` with its moments in `state_dtype` and reduces
     its gradients over data parallelism in `grad_reduce_dtype`. Raises ConfigError when none fits."""
     opt = dict(optimizer=optimizer, state_dtype=state_dtype, grad_reduce_dtype=grad_reduce_dtype)
-    fitting, smallest, n_seen = _cost_candidates(model, cluster, global_batch, seq_len, max_context, opt, kw)
+    bases: list[tuple[Layout, Result | None]] = []  # each candidate, with its own result when costed and hard
+    fitting, smallest, n_seen = _cost_candidates(model, cluster, global_batch, seq_len, max_context, opt, kw, bases)
     if not n_seen:
         raise ConfigError(
             "--global-batch",
@@ -319,21 +320,25 @@ def search(
             "no layout divides the global batch",
         )
     if not fitting:
-        return _offloaded_or_refused(model, cluster, global_batch, seq_len, top, name, max_context, opt, kw, smallest)
+        return _offloaded_or_refused(model, cluster, global_batch, seq_len, top, name, bases, kw, smallest)
     fitting.sort(key=lambda r: (r.step_time, r.memory["total"]))
     return fitting[:top]
 
 
 def _cost_candidates(
-    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, max_context: int, opt: dict, kw: dict
-) -> tuple[list[Result], Result | None, int]:
+    model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, max_context: int, opt: dict, kw: dict,
+    bases: list,
+) -> tuple[list[Result], Result | None, int]:  # fmt: skip
     """Every candidate layout, run with `opt`'s optimizer settings, costed on its best executor:
-    (the results that fit, the smallest of those that do not (None if none), how many layouts)."""
+    (the results that fit, the smallest of those that do not (None if none), how many layouts).
+    Appends each candidate to `bases` with `evaluate`'s result of it as it is, if costed and hard."""
     fitting, smallest, n_seen = [], None, 0
     for layout in candidates(model, cluster, global_batch, seq_len, max_context, kw.get("framework", "meshrun")):
         layout = _with(layout, **opt)
         n_seen += 1
-        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw)
+        memo = {}
+        r = _best_executor(model, layout, cluster, global_batch, seq_len, kw, memo)
+        bases.append((layout, memo.get("base")))
         if r.hard:
             if smallest is None or r.memory["total"] < smallest.memory["total"]:
                 smallest = r
@@ -349,15 +354,14 @@ def _offloaded_or_refused(
     seq_len: int,
     top: int,
     name: str,
-    max_context: int,
-    opt: dict,
+    bases: list,
     kw,
     smallest: Result,
 ) -> list[Result]:
     """Where no layout fits on the devices alone: the offloading proposals, else a ConfigError that
     names the smallest layout's memory and what would make it fit."""
     fw = kw.get("framework", "meshrun")
-    memory_only = _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw)
+    memory_only = _memory_only(model, cluster, global_batch, seq_len, bases, kw)
     offloaded = offload.propose(memory_only, model, cluster, seq_len, top, fw)
     if offloaded:
         return offloaded
@@ -375,13 +379,15 @@ def _offloaded_or_refused(
 
 def _with(lay: Layout, **fields) -> Layout:
     """`replace` where a field changes, else `lay` itself (the search builds tens of thousands)."""
-    return lay if all(getattr(lay, k) == v for k, v in fields.items()) else replace(lay, **fields)
+    return lay if all(getattr(lay, k) == v for k, v in fields.items()) else replaced(lay, **fields)
 
 
-def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, kw) -> Result:
+def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, kw,
+                   memo: dict | None = None) -> Result:  # fmt: skip
     """The layout on whichever executor of its schedule fits and is faster (first the entry's first):
     lockstep 1F1B holds min(m, 2p - 1) microbatches, the per-op executor p (+ one B's stash) with a
-    smaller bubble when its ticks are one op each. Megatron's accounting has one executor."""
+    smaller bubble when its ticks are one op each. Megatron's accounting has one executor. `memo`:
+    gets "base", the result of `layout` itself where it is one of the variants and does not fit."""
     executors = layout.sched.executors
     if layout.pipe == 1 or kw.get("framework", "meshrun") != "meshrun":
         executors = executors[:1]
@@ -394,6 +400,8 @@ def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, s
             for tp in _tp_overlaps(model, _with(layout, executor=ex), kw.get("framework", "meshrun")):
                 lay = _with(layout, executor=ex, overlap_grad_reduce=ov, tp_comm_overlap=tp)
                 r = evaluate(model, lay, cluster, global_batch, seq_len, **kw)
+                if memo is not None and r.hard and (lay is layout or lay == layout):
+                    memo["base"] = r
                 if best is None or _better(r, best):
                     best = r
     return best
@@ -424,10 +432,9 @@ def tp_overlap_refusal(model, layout: Layout) -> tuple[str, str] | None:
     own rules (a family with rings, sequence parallelism, no fp8), and in a pipeline the lockstep
     executor over an even layer split (`train.plan.check_ring_pipeline`). The search and `plan
     --evaluate` both ask it."""
-    try:
-        replace(model, tp_comm_overlap=True, sequence_parallel=layout.sequence_parallel)
-    except ConfigError as e:
-        return e.fix, e.what or "invalid value"
+    refused = _model_refusal(model, layout.sequence_parallel)
+    if refused is not None:
+        return refused
     if layout.pipe > 1 and layout.run_executor != "lockstep":
         why = f"meshrun's rings run on the lockstep executor only ({layout.schedule} on {layout.run_executor})"
         return "use a schedule on the lockstep executor with it", why
@@ -438,15 +445,35 @@ def tp_overlap_refusal(model, layout: Layout) -> tuple[str, str] | None:
     return None
 
 
+_MODEL_REFUSALS: dict = {}  # (id(model), sequence_parallel) -> (model, refusal): the last models asked
+
+
+def _model_refusal(model, sequence_parallel: bool) -> tuple[str, str] | None:
+    """`tp_overlap_refusal`'s model config rules: (fix, why) when the (frozen) model config refuses
+    tp_comm_overlap with `sequence_parallel`, else None; kept per model, as the search asks it per layout."""
+    key = (id(model), sequence_parallel)
+    hit = _MODEL_REFUSALS.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    try:
+        replace(model, tp_comm_overlap=True, sequence_parallel=sequence_parallel)
+        out = None
+    except ConfigError as e:
+        out = e.fix, e.what or "invalid value"
+    if len(_MODEL_REFUSALS) >= 64:
+        _MODEL_REFUSALS.clear()
+    _MODEL_REFUSALS[key] = (model, out)
+    return out
+
+
 def _context_text(lay: Layout) -> str:
     return f" context={lay.context} ({lay.context_kind})" if lay.context > 1 else ""
 
 
-def _memory_only(model, cluster, global_batch, seq_len, max_context, opt, kw) -> list[Result]:
-    """Nothing fits in device memory: the layouts that break the memory rule only (offload candidates)."""
-    fw = kw.get("framework", "meshrun")
-    rs = (evaluate(model, replace(lay, **opt), cluster, global_batch, seq_len, **kw)
-          for lay in candidates(model, cluster, global_batch, seq_len, max_context, fw))  # fmt: skip
+def _memory_only(model, cluster, global_batch, seq_len, bases: list, kw) -> list[Result]:
+    """Nothing fits in device memory: the layouts that break the memory rule only (offload candidates).
+    `bases`: (candidate, its result or None) from `_cost_candidates`; a result there is not costed again."""
+    rs = (r or evaluate(model, lay, cluster, global_batch, seq_len, **kw) for lay, r in bases)
     return [r for r in rs if r.hard and not structural_violations(model, r.layout, cluster, global_batch, seq_len)]
 
 

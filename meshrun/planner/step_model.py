@@ -167,7 +167,25 @@ def overlap_cut(lay: Layout) -> tuple[int, int, float]:
     return _cuts(lay.schedule, lay.pipe, lay.microbatches, lay.virtual, lay.run_executor)
 
 
+_STATE_MEMO: list = [None, {}]  # the model `_state_bytes` keeps results for, and its dict
+
+
 def _state_bytes(model: ModelConfig, lay: Layout, frac: float, in_flight: int = 2) -> dict[str, float]:
+    """`_state_bytes_of`, kept per (frozen) model by the layout fields it reads (`precision_of`'s,
+    `layerwise`'s and `overlap_cut`'s included): the search asks it for layouts differing elsewhere."""
+    if _STATE_MEMO[0] is not model:
+        _STATE_MEMO[:] = [model, {}]
+    key = (frac, in_flight, lay.tensor, lay.pipe, lay.data, lay.zero_group, lay.expert, lay.context, lay.virtual,
+           lay.microbatches, lay.zero, lay.schedule, lay.executor, lay.optimizer, lay.state_dtype,
+           lay.grad_reduce_dtype, lay.offload_params, lay.overlap_grad_reduce, lay.zero3_gather,
+           lay.zero2_reduce)  # fmt: skip
+    out = _STATE_MEMO[1].get(key)
+    if out is None:
+        out = _STATE_MEMO[1][key] = _state_bytes_of(model, lay, frac, in_flight)
+    return dict(out)
+
+
+def _state_bytes_of(model: ModelConfig, lay: Layout, frac: float, in_flight: int = 2) -> dict[str, float]:
     """Params (as stored, and as the step holds them; `in_flight` gathered layers per layer),
     grads (+ the accumulator), optimizer (moments + the update temporary) on one device holding
     `frac` of the layers; the element counts too."""

@@ -234,7 +234,30 @@ def _stage_times(split: tuple[int, ...], costs: tuple[float, float, float], plac
     return out
 
 
+_MEMO: list = [None, None, {}]  # the (model, cluster) pair `_memo_for` keeps results for, and its dict
+
+
+def _memo_for(model: ModelConfig, cluster: Cluster) -> dict:
+    """A dict of pure results for this (frozen) model and cluster: a new one when either changes."""
+    if _MEMO[0] is not model or _MEMO[1] is not cluster:
+        _MEMO[:] = [model, cluster, {}]
+    return _MEMO[2]
+
+
 def _dp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision, framework: str) -> tuple:
+    """`_dp_comm_of`, kept per model and cluster by the layout fields it reads (`step_model.layerwise`'s
+    included): the search asks it for many layouts that differ only elsewhere."""
+    lay = layout
+    key = (prec, framework, lay.tensor, lay.data, lay.zero_group, lay.expert, lay.pipe, lay.zero, lay.context,
+           lay.offload_params, lay.overlap_grad_reduce, lay.zero3_gather, lay.zero2_reduce)  # fmt: skip
+    memo = _memo_for(model, cluster)
+    out = memo.get(key)
+    if out is None:
+        out = memo[key] = _dp_comm_of(model, layout, cluster, prec, framework)
+    return out
+
+
+def _dp_comm_of(model: ModelConfig, layout: Layout, cluster: Cluster, prec: Precision, framework: str) -> tuple:
     """(seconds per micro-batch, seconds once per step, of those the params' all-gathers) of
     data-parallel / ZeRO traffic of one device of the first stage (the one holding the embedding).
     Gradients travel at `prec.reduce` bytes, params at `prec.param`. Dense params reduce over data x
