@@ -371,24 +371,28 @@ def run_plan(args) -> int:
         results = fold_zero(found)[: args.top]
     counts = param_counts(model)
     if args.json:
-        out = {
-            "model": name,
-            "params": counts["total"],
-            "active_params": active_params(model),
-            "cluster": str(cluster),
-            "framework": args.framework,
-            "attention_kernel": args.attention_kernel,
-            "grad_reduce_dtype": opt["grad_reduce_dtype"],
-            "devices": cluster.n_devices,
-            "usable_memory_gb": round(cluster.usable_memory / GB, 3),
-            "global_batch": batch,
-            "seq_len": seq,
-            "configs": [r.to_dict() for r in results],
-        }
-        print(json.dumps(out))
+        print(json.dumps(_json_answer(args, model, name, cluster, batch, seq, opt, results)))
     else:
         print(format_table(name, counts["total"], cluster, batch, seq, results, args.framework, model))
     return 0
+
+
+def _json_answer(args, model, name: str, cluster: Cluster, batch: int, seq: int, opt: dict, results) -> dict:
+    """`plan --json`'s answer: the question (model, cluster, semantics, batch) and each layout's result."""
+    return {
+        "model": name,
+        "params": param_counts(model)["total"],
+        "active_params": active_params(model),
+        "cluster": str(cluster),
+        "framework": args.framework,
+        "attention_kernel": args.attention_kernel,
+        "grad_reduce_dtype": opt["grad_reduce_dtype"],
+        "devices": cluster.n_devices,
+        "usable_memory_gb": round(cluster.usable_memory / GB, 3),
+        "global_batch": batch,
+        "seq_len": seq,
+        "configs": [r.to_dict() for r in results],
+    }
 
 
 def _with_fp8(args, model, cluster: Cluster):
