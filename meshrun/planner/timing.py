@@ -309,6 +309,10 @@ def _optimizer_seconds(model: ModelConfig, layout: Layout, gpu: GPU, prec: Preci
     return moved / gpu.hbm_bw + flops / (gpu.peak_flops / 2)
 
 
+# predict_time's parts that every microbatch pays (seconds per step: m x one microbatch's)
+MICROBATCH_PARTS = ("compute", "tensor_comm", "context_comm", "pipe_comm", "expert_comm", "zero_comm")
+
+
 def predict_time(
     model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, *, calibration: Calibration | None = None,
     precision: Precision | None = None, framework: str = "meshrun", dropout: float = 0.0,
@@ -329,22 +333,16 @@ def predict_time(
     off, flush = _megatron_overlaps(model, layout, cluster, s, cal, (t_gather, t_mb, bubble_slots * per_mb), framework)
     t_dp -= off
     total = loop + t_dp + t_opt + flush
+    hid = tp_overlap_hidden(model, layout, s, cluster, cal, dropout > 0, framework == "megatron")
     return {
-        "compute": m * t_mb,
-        "tensor_comm": m * t_tp,
-        "context_comm": m * t_cp,
-        "pipe_comm": m * t_pp,
-        "expert_comm": m * t_ep,
-        "zero_comm": m * t_zero,
+        **{k: m * v for k, v in zip(MICROBATCH_PARTS, (t_mb, t_tp, t_cp, t_pp, t_ep, t_zero), strict=True)},
         "bubble": bubble_slots * per_mb + flush,
         "dp_sync": t_dp,
         "optimizer": t_opt,
         "total": total,
         "dp_sync_full": t_dp_full + m * zero_mb,
         # model.tp_comm_overlap: TP collective seconds the rings hide (net of OVERLAP_COST), slowest stage
-        "tp_hidden": m
-        * split[slow]
-        * tp_overlap_hidden(model, layout, s, cluster, cal, dropout > 0, framework == "megatron"),
+        "tp_hidden": m * split[slow] * hid,
         "dp_hidden": hidden,  # reduction seconds run beside the last ticks (modeled; `_overlapped_reduce`)
         "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,
