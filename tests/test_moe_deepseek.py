@@ -142,7 +142,7 @@ def test_load_gradient_is_the_expert_loads():
     """The 'load' leaf's gradient of the loss is each MoE layer's assignment counts (B*L*k per layer)."""
     _, params = init_params(DS, 0)
     tok, lab = batch(DS)
-    g = jax.grad(lambda p: loss_fn(p, tok, lab, DS)[0])(arrays(params))
+    g = jax.jit(jax.grad(lambda p: loss_fn(p, tok, lab, DS)[0]))(arrays(params))
     load = np.asarray(g["layers"]["moe"]["moe"]["balance"]["load"])
     assert load.shape == (2, 8) and np.all(load == np.round(load))
     np.testing.assert_array_equal(load.sum(-1), [tok.size * DS.top_k] * 2)
