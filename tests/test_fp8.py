@@ -408,8 +408,9 @@ def test_blockwise_config_errors():
         load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=64"])
     with pytest.raises(ConfigError, match="16-token chunks"):
         load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=32", "model.context_parallel=ring"])
-    with pytest.raises(ConfigError, match="experts' slot tiles"):
-        load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=16"])
+    load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=16"])  # experts: each shard's own tiles
+    with pytest.raises(ConfigError, match="32-token chunks"):  # the MoE model's dense GEMMs still need whole tiles
+        load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=64", "model.moe_dispatch=dropless"])
 
 
 def test_cli_blockwise_block_that_does_not_divide_exits_2(tmp_path):
@@ -482,6 +483,10 @@ def drift(got, ref):
 # steps; data2, tensor2, data2 x pipe2 x tensor2 drift 2.3e-3, 2.3e-3, 2.4e-3 from one device at 4.
 # So such a layout is held to twice the nudged run's parameter spread (one sample each of the same
 # flips) and its losses to 1e-4 (the larger blockwise twin's 8e-5) or twice the nudged loss spread.
+# Blockwise experts under a context split (block 8, a shared expert): the losses of steps 1-2 within 1e-6,
+# step 3's as far apart as the nudged run's (its cascade): capacity on context2 x expert2 x tensor2
+# 1.0e-4 / 2.7e-3 (nudged 1.0e-4 / 2.8e-3); dropless on data2 x context2 x expert2 1.0e-4 / 2.4e-3, on
+# context2 x expert2 x tensor2 1.55e-4 / 2.8e-3 (nudged 7.5e-5 / 2.4e-3: its loss just past the bound).
 CONTEXT2 = ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"]  # data2 x context2 x tensor2
 
 
@@ -495,11 +500,16 @@ CONTEXT2 = ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"]  # data2 x context2 
         ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=16", "model.moe_dispatch=dropless",
          "model.n_shared_experts=1"], []),  # data2 x expert2 x tensor2
         ("tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=4"], CONTEXT2),  # 8-token shards: 2 tiles
+        ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=8", "model.n_shared_experts=1"],
+         ["mesh.context=2", "mesh.data=1"]),  # context2 x expert2 x tensor2, capacity
+        ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=8", "model.n_shared_experts=1",
+         "model.moe_dispatch=dropless"], ["mesh.context=2", "mesh.tensor=1"]),  # data2 x context2 x expert2
         ("tiny_cpu.yaml", ["model.fp8=tensorwise"], CONTEXT2),
         ("tiny_moe_cpu.yaml", ["model.fp8=tensorwise", "model.moe_dispatch=dropless"], []),  # data2 x expert2 x tensor2
     ],
     ids=["blockwise-data2-pipe2-tensor2", "blockwise-moe-data4-expert2", "blockwise-dropless-data2-expert2-tensor2",
-         "blockwise-data2-context2-tensor2",
+         "blockwise-data2-context2-tensor2", "blockwise-moe-context2-expert2-tensor2",
+         "blockwise-dropless-data2-context2-expert2",
          "tensorwise-data2-context2-tensor2", "tensorwise-dropless-data2-expert2-tensor2"],
 )  # fmt: skip
 def test_fp8_layouts_stay_within_one_devices_own_spread(config, over, layout):
