@@ -53,7 +53,9 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     if cfg.fp8 != "none":  # the grouped matmuls in fp8
 
         def mm(x, w, slot):
-            return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, fp8_slot(cfg, slot))
+            pairs = 2 if slot == "expert_in" and cfg.mlp == "swiglu" else 1  # blockwise: gate and up apart
+            i = fp8_slot(cfg, slot)
+            return fp8.ragged_dot(x, w, sizes_E, cfg.fp8, f8, i, block=cfg.fp8_block, interleaved=pairs)
 
     else:
 

@@ -350,6 +350,47 @@ def test_blockwise_is_deepseek_v3s_recipe():
         close(tw, ref)
 
 
+def test_blockwise_grouped_matmul_is_deepseek_v3s_recipe():
+    """The dropless experts' grouped matmul (rows sorted by expert: 21, 0, 27 and 16 rows, 8 padding rows
+    past them) with block 16 and SwiGLU's interleaved [gate, up] against numpy's recipe in float64: y from
+    each row's 1x16 tiles and its expert's 16x16 blocks of gate and of up; dX from dY in 1x16 tiles along
+    each matrix's N and the same blocks; dW from x (dequantised) and dY in 16x1 tiles of each expert's
+    rows from its first (a short last tile). The padding rows come out zero and add nothing to dW."""
+    from meshrun.parallel import fp8_block
+
+    sizes, (r, k, f) = np.array([21, 0, 27, 16]), (72, 32, 16)
+    ks = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(ks[0], (r, k)) * jnp.linspace(0.1, 3.0, k)
+    w = jax.random.normal(ks[1], (4, k, 2 * f)) * 0.05  # [E, K, F * 2]: gate and up interleaved
+    dy = jax.random.normal(ks[2], (r, 2 * f))
+    y, vjp = jax.vjp(lambda x, w: fp8_block.ragged_dot(16, 2, x, w, jnp.asarray(sizes)), x, w)
+    dx, dw = vjp(dy)
+    close = lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    g_R = np.repeat(np.arange(4), sizes)  # the 64 grouped rows' experts
+    n = len(g_R)
+    qx, sx = _tiles(x[:n], 1, 16)  # [R, Kb, 16], [R, Kb, 1]
+    wb = np.asarray(w).reshape(4, 2, 16, 1, 16, 2).transpose(0, 1, 3, 5, 2, 4).reshape(4, 2, 1, 2, 256)
+    qw, sw = _tiles(wb, 4, 256)  # per expert, K block, N block, matrix: 256 values
+    qw, sw = qw.reshape(4, 2, 1, 2, 16, 16), sw[..., 0, 0]  # [E, Kb, Nb, m, c, o], [E, Kb, Nb, m]
+    ref = np.einsum("rk,rknm,rkc,rknmco->rnom", sx[..., 0], sw[g_R], qx, qw[g_R]).reshape(n, 2 * f)
+    close(y[:n], ref)
+    assert not np.any(np.asarray(y[n:]))
+    qdy, sdy = _tiles(np.asarray(dy[:n]).reshape(n, 1, 16, 2).transpose(0, 1, 3, 2), 3, 16)  # [R, Nb, m, 1, o]
+    ref_dx = np.einsum("rnm,rknm,rnmo,rknmco->rkc", sdy[:, :, :, 0, 0], sw[g_R], qdy[:, :, :, 0], qw[g_R])
+    close(dx[:n], ref_dx.reshape(n, k))
+    assert not np.any(np.asarray(dx[n:]))
+    x_deq = (qx * sx).astype(np.float32).reshape(n, k)
+    ref_dw = np.zeros((4, k, 2 * f))
+    for e, start in enumerate(np.cumsum(sizes) - sizes):
+        for t in range(start, start + sizes[e], 16):  # 16-row tiles of the expert's rows, the last short
+            end = min(t + 16, start + sizes[e])
+            pad = ((0, 16 - (end - t)), (0, 0))  # one tile of 16 rows
+            qx2, sx2 = _tiles(np.pad(x_deq[t:end], pad)[None], 1, 16)
+            qdy2, sdy2 = _tiles(np.pad(np.asarray(dy)[t:end], pad)[None], 1, 16)
+            ref_dw[e] += np.einsum("k,n,sk,sn->kn", sx2[0, 0, 0], sdy2[0, 0, 0], qx2[0, 0], qdy2[0, 0])
+    close(dw, ref_dw)
+
+
 def test_blockwise_config_errors():
     load_config("configs/tiny_moe_cpu.yaml", ["model.fp8=blockwise"])  # d_model 64, head_dim 16, d_ff 128: a tile each
     with pytest.raises(ConfigError, match=r"divides d_ff=192 \(e.g. 64\)"):  # 192 = 1.5 tiles of 128
@@ -359,8 +400,7 @@ def test_blockwise_config_errors():
         load_config("configs/tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=48"])
     with pytest.raises(ConfigError, match="model.fp8_block"):
         load_config("configs/tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=0"])
-    with pytest.raises(ConfigError, match="model.moe_dispatch"):
-        load_config("configs/tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.moe_dispatch=dropless"])
+    load_config("configs/tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.moe_dispatch=dropless"])
     # context: exact when each shard's contiguous chunks (seq 64: 32 tokens, 16 in the ring's zigzag) are whole tiles
     ctx = ["model.fp8=blockwise", "mesh.context=2", "mesh.pipe=1"]
     load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=32"])
@@ -368,8 +408,9 @@ def test_blockwise_config_errors():
         load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=64"])
     with pytest.raises(ConfigError, match="16-token chunks"):
         load_config("configs/tiny_cpu.yaml", [*ctx, "model.fp8_block=32", "model.context_parallel=ring"])
-    with pytest.raises(ConfigError, match="experts' slot tiles"):
-        load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=16"])
+    load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=16"])  # experts: each shard's own tiles
+    with pytest.raises(ConfigError, match="32-token chunks"):  # the MoE model's dense GEMMs still need whole tiles
+        load_config("configs/tiny_moe_cpu.yaml", [*ctx, "model.fp8_block=64", "model.moe_dispatch=dropless"])
 
 
 def test_cli_blockwise_block_that_does_not_divide_exits_2(tmp_path):
@@ -442,6 +483,10 @@ def drift(got, ref):
 # steps; data2, tensor2, data2 x pipe2 x tensor2 drift 2.3e-3, 2.3e-3, 2.4e-3 from one device at 4.
 # So such a layout is held to twice the nudged run's parameter spread (one sample each of the same
 # flips) and its losses to 1e-4 (the larger blockwise twin's 8e-5) or twice the nudged loss spread.
+# Blockwise experts under a context split (block 8, a shared expert): the losses of steps 1-2 within 1e-6,
+# step 3's as far apart as the nudged run's (its cascade): capacity on context2 x expert2 x tensor2
+# 1.0e-4 / 2.7e-3 (nudged 1.0e-4 / 2.8e-3); dropless on data2 x context2 x expert2 1.0e-4 / 2.4e-3, on
+# context2 x expert2 x tensor2 1.55e-4 / 2.8e-3 (nudged 7.5e-5 / 2.4e-3: its loss just past the bound).
 CONTEXT2 = ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"]  # data2 x context2 x tensor2
 
 
@@ -452,11 +497,19 @@ CONTEXT2 = ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"]  # data2 x context2 
         ("tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=32"], []),  # data2 x pipe2 x tensor2, 1F1B, m=4
         ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=16", "model.n_shared_experts=1"],
          ["mesh.data=4", "mesh.tensor=1"]),
+        ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=16", "model.moe_dispatch=dropless",
+         "model.n_shared_experts=1"], []),  # data2 x expert2 x tensor2
         ("tiny_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=4"], CONTEXT2),  # 8-token shards: 2 tiles
+        ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=8", "model.n_shared_experts=1"],
+         ["mesh.context=2", "mesh.data=1"]),  # context2 x expert2 x tensor2, capacity
+        ("tiny_moe_cpu.yaml", ["model.fp8=blockwise", "model.fp8_block=8", "model.n_shared_experts=1",
+         "model.moe_dispatch=dropless"], ["mesh.context=2", "mesh.tensor=1"]),  # data2 x context2 x expert2
         ("tiny_cpu.yaml", ["model.fp8=tensorwise"], CONTEXT2),
         ("tiny_moe_cpu.yaml", ["model.fp8=tensorwise", "model.moe_dispatch=dropless"], []),  # data2 x expert2 x tensor2
     ],
-    ids=["blockwise-data2-pipe2-tensor2", "blockwise-moe-data4-expert2", "blockwise-data2-context2-tensor2",
+    ids=["blockwise-data2-pipe2-tensor2", "blockwise-moe-data4-expert2", "blockwise-dropless-data2-expert2-tensor2",
+         "blockwise-data2-context2-tensor2", "blockwise-moe-context2-expert2-tensor2",
+         "blockwise-dropless-data2-context2-expert2",
          "tensorwise-data2-context2-tensor2", "tensorwise-dropless-data2-expert2-tensor2"],
 )  # fmt: skip
 def test_fp8_layouts_stay_within_one_devices_own_spread(config, over, layout):
@@ -471,10 +524,14 @@ def test_fp8_layouts_stay_within_one_devices_own_spread(config, over, layout):
     assert got <= 2 * floor and loss_drift <= max(2 * loss_floor, 1e-4)
 
 
-def test_step_hlo_blockwise_gemms_are_e4m3():
-    """blockwise on the MoE unit (capacity; no remat): each of the 10 covered GEMMs is an e4m3 x e4m3
-    GEMM per block forward, input gradient and weight gradient (DeepSeek-V3: e4m3 throughout)."""
-    over = ["model.fp8=blockwise", "model.fp8_block=16", "model.remat=none", "model.n_shared_experts=1"]
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_step_hlo_blockwise_gemms_are_e4m3(dispatch):
+    """blockwise on the MoE unit (no remat): each of the 10 covered GEMMs is an e4m3 x e4m3 GEMM per
+    block forward, input gradient and weight gradient (DeepSeek-V3: e4m3 throughout); dropless's
+    forward and input gradient are one ragged GEMM batched over the blocks, its weight gradient one
+    GEMM batched over the token tiles."""
+    over = ["model.fp8=blockwise", "model.fp8_block=16", "model.remat=none", "model.n_shared_experts=1",
+            f"model.moe_dispatch={dispatch}"]  # fmt: skip
     kinds = step_dot_kinds("tiny_moe_cpu.yaml", over)
     assert kinds.pop(("f8E4M3FN", "f8E4M3FN")) == 3 * 10
     assert set(kinds) == {("f32", "f32")}, kinds

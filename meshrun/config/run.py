@@ -44,11 +44,9 @@ class RunConfig:
 
 def _check_blockwise_context(model: ModelConfig, context: int, seq_len: int) -> None:
     """Blockwise's weight gradient tiles b tokens of a sequence: exact under a context split when each
-    shard's contiguous chunks (L/c, or L/2c in the ring's zigzag) are whole tiles of b."""
+    shard's contiguous chunks (L/c, or L/2c in the ring's zigzag) are whole tiles of b. (The experts'
+    token tiles are their buffers' or rows' on each shard, whatever the split.)"""
     chunk = seq_len // (context * (2 if model.context_parallel == "ring" else 1))
-    if model.n_experts:
-        fix = "use mesh.context=1 with model.fp8=blockwise on experts, or model.fp8=tensorwise"
-        raise ConfigError("mesh.context", context, fix, "the experts' slot tiles would span it")
     if chunk % model.fp8_block:
         fix = f"use a model.fp8_block that divides {chunk} (e.g. {math.gcd(chunk, model.fp8_block)}), or mesh.context=1"
         why = f"the weight gradient's {model.fp8_block}-token tiles would span the context shards' {chunk}-token chunks"

@@ -206,12 +206,16 @@ def einsum(
 
 def ragged_dot(
     x_RxK: jax.Array, w_ExKxN: jax.Array, sizes_E: jax.Array, recipe: str, state: Mapping | None = None,
-    slot: int = 0,
+    slot: int = 0, *, block: int = 128, interleaved: int = 1,
 ):  # fmt: skip
     """`jax.lax.ragged_dot(x, w, sizes)` (rows grouped by expert, the dropless experts' grouped matmul)
-    in x's dtype, through fp8 under `recipe` as `einsum` (tensorwise or delayed; the config refuses
-    blockwise with it); one scale for all experts' weights, reduced over the axes that split them."""
+    in x's dtype, through fp8 under `recipe` as `einsum`: tensorwise and delayed with one scale for all
+    experts' weights, reduced over the axes that split them; blockwise per row tile and per expert's
+    weight block (`fp8_block.ragged_dot`; `interleaved` matrices along N, each blocked on its own)."""
     plain = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), sizes_E)
+    if recipe == "blockwise":
+        blocked = lambda x, w: fp8_block.ragged_dot(block, interleaved, x, w, sizes_E)
+        return _on(state, blocked, plain, x_RxK, w_ExKxN)
     return _gemm(RAGGED, plain, x_RxK, w_ExKxN, sizes_E, recipe, state, slot, True)
 
 

@@ -114,3 +114,91 @@ def _bwd(spec, block, res, dy):
 
 
 einsum.defvjp(_fwd, _bwd)
+
+
+# ---------------------------------------------------------------- the grouped matmul (dropless experts)
+# x [R, K] rows sorted by group (expert), sizes[g] rows each (rows past their sum come out zero), w [E, K, N].
+# Activation tiles are per row (1 x b of K; 1 x b of N for dY) and weight blocks per expert, so the forward
+# and input gradient are batched ragged GEMMs over the contraction blocks, each partial scaled by its row's
+# tile scale and its row's expert's block scale. The weight gradient's b x 1 token tiles start at each
+# group's first row (a group's last tile may be short). N may hold `m` interleaved matrices ([N/m, m]:
+# SwiGLU's gate and up), each blocked on its own.
+
+
+def _row_groups(sizes_E: jax.Array, r: int) -> jax.Array:
+    """Each row's group [R] (rows past the groups: the last one; their products are zero)."""
+    ends = jnp.cumsum(sizes_E)
+    return jnp.minimum(jnp.sum(jnp.arange(r)[:, None] >= ends[None, :], axis=1), sizes_E.shape[0] - 1)
+
+
+def _token_tiles(sizes_E: jax.Array, r: int, b: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The weight gradient's token tiles, b rows from each group's first: per tile (at most R // b + E) its
+    rows [T, b] (clipped), which of them it holds [T, b], and its group [T] (E for no tile)."""
+    e = sizes_E.shape[0]
+    n_tiles_E = (sizes_E + b - 1) // b
+    tile_end_E = jnp.cumsum(n_tiles_E)
+    t = jnp.arange(r // b + e)
+    g_T = jnp.sum(t[:, None] >= tile_end_E[None, :], axis=1)
+    g = jnp.minimum(g_T, e - 1)
+    first_T = jnp.cumsum(sizes_E)[g] - sizes_E[g] + (t - tile_end_E[g] + n_tiles_E[g]) * b
+    n_T = jnp.where(g_T < e, jnp.clip(jnp.cumsum(sizes_E)[g] - first_T, 0, b), 0)
+    j = jnp.arange(b)[None, :]
+    return jnp.minimum(first_T[:, None] + j, r - 1), j < n_T[:, None], g_T
+
+
+def _ragged_batched(x_BxRxC, w_BxExCxN, sizes_E) -> jax.Array:
+    """Per batch index b: ragged_dot(x[b], w[b], sizes), e4m3 operands, float32 results [B, R, N]."""
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([2], [2]), ([0], [0])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[1]
+    )  # fmt: skip
+    return jax.lax.ragged_dot_general(x_BxRxC, w_BxExCxN, sizes_E, dn, preferred_element_type=jnp.float32)
+
+
+def _blocks(k: int, n: int, m: int, block: int) -> tuple[int, int]:
+    """The K and N blocks (a dim below `block` is one block); ValueError if one does not tile."""
+    bk, bn = min(block, k), min(block, n // m)
+    if k % bk or n % (bn * m):
+        raise ValueError(f"fp8_block {block} does not tile a grouped matmul of K={k}, N={n} ({m} interleaved)")
+    return bk, bn
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def ragged_dot(block: int, m: int, x_RxK: jax.Array, w_ExKxN: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, sizes)` in x's dtype through the blockwise recipe; `m` interleaved
+    matrices along N (1, or 2 for SwiGLU's [gate, up] pairs), each in its own weight blocks."""
+    return _ragged_fwd(block, m, x_RxK, w_ExKxN, sizes_E)[0]
+
+
+def _ragged_fwd(block, m, x, w, sizes):
+    (r, k), (e, _, n) = x.shape, w.shape
+    bk, bn = _blocks(k, n, m, block)
+    kb, nb = k // bk, n // (bn * m)
+    sizes = sizes.astype(jnp.int32)
+    qx, sx, _ = _quantize(x.reshape(r, kb, bk), "rKk", "k")  # [R, Kb, bk], [R, Kb]
+    qw, sw, _ = _quantize(w.reshape(e, kb, bk, nb, bn, m), "eKkNnm", "kn")  # sw [E, Kb, Nb, m]
+    part = _ragged_batched(qx.transpose(1, 0, 2), qw.reshape(e, kb, bk, n).transpose(1, 0, 2, 3), sizes)
+    sw_R = sw[_row_groups(sizes, r)]
+    y = jnp.einsum("rK,rKNm,KrNnm->rNnm", sx, sw_R, part.reshape(kb, r, nb, bn, m)).reshape(r, n)
+    return y.astype(x.dtype), (qx, sx, qw, sw_R, sizes, jnp.zeros((0,), w.dtype))
+
+
+def _ragged_bwd(block, m, res, dy):
+    qx, sx, qw, sw_R, sizes, tag = res
+    (r, kb, bk), (e, _, _, nb, bn, _) = qx.shape, qw.shape
+    # input gradient: dY in 1 x b tiles along N (per interleaved matrix), the forward's weight blocks
+    qdy, sdy, _ = _quantize(dy.reshape(r, nb, bn, m), "rNnm", "n")  # [R, Nb, bn, m], [R, Nb, m]
+    w_T = qw.transpose(3, 5, 0, 4, 1, 2).reshape(nb * m, e, bn, kb * bk)  # [Nb m, E, bn, K]
+    part = _ragged_batched(qdy.transpose(1, 3, 0, 2).reshape(nb * m, r, bn), w_T, sizes)
+    dx = jnp.einsum("rNm,rKNm,NmrKk->rKk", sdy, sw_R, part.reshape(nb, m, r, kb, bk)).reshape(r, kb * bk)
+    # weight gradient: x (dequantised) and dY re-quantised in b x 1 tiles of each group's rows
+    rows_TxB, ok_TxB, g_T = _token_tiles(sizes, r, block)
+    x_deq = (qx.astype(jnp.float32) * sx[..., None]).reshape(r, kb * bk)
+    tiles = lambda a: jnp.where(ok_TxB[..., None], a[rows_TxB], 0)
+    qx2, sx2, _ = _quantize(tiles(x_deq), "tsk", "s")  # [T, b, K], [T, K]
+    qdy2, sdy2, _ = _quantize(tiles(dy.astype(jnp.float32)), "tsn", "s")
+    part = jnp.einsum("tsk,tsn->tkn", qx2, qdy2, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("tk,tn,tkn,te->ekn", sx2, sdy2, part, jax.nn.one_hot(g_T, e, dtype=jnp.float32))
+    return dx.astype(dy.dtype), dw.astype(tag.dtype), None
+
+
+ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)

@@ -183,19 +183,13 @@ class LlamaConfig(ModelConfig):
                 )  # fmt: skip
 
     def _check_fp8_block(self) -> None:
-        """fp8=blockwise: fp8_block (or a smaller dim, one tile) tiles every covered GEMM's dims; the
-        grouped matmul (dropless) has no blockwise recipe."""
+        """fp8=blockwise: fp8_block (or a smaller dim, one tile) tiles every covered GEMM's dims."""
         if self.fp8 != "blockwise":
             return
         b, dims = self.fp8_block, [("d_model", self.d_model), ("head_dim", self.head_dim), ("d_ff", self.d_ff)]
         if self.n_experts:
             shared = self.n_shared_experts * self.expert_d_ff
             dims += [("moe_d_ff", self.expert_d_ff), ("n_shared_experts * moe_d_ff", shared)]
-            if self.moe_dispatch == "dropless":
-                raise ConfigError(
-                    "model.moe_dispatch", "dropless", "use moe_dispatch=capacity with model.fp8=blockwise, or "
-                    "model.fp8=tensorwise", "the grouped matmul has no blockwise recipe here",
-                )  # fmt: skip
         for name, dim in dims:
             if dim and dim % min(b, dim):
                 raise ConfigError(
