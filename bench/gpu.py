@@ -28,7 +28,9 @@ line records them (`xla_flags`) and, parsed, the overlap and bucket-fusion ones 
 is ONE JSON line: the remat=none numbers at the top level, the remat=full ones under `remat_full`,
 and an `error` field (null when everything ran). Steady step = median of the steps after the first
 two; model FLOPs and MFU follow meshrun.train.metrics (Megatron's count: no recomputation, full attention
-matrix) against its dense bf16 peak table.
+matrix) against its dense bf16 peak table. `calibration`: `meshrun plan --calibrate` on the runs of
+remat none, full and (on a GPU) fp8, one device each, written as run dirs into a temporary folder: the
+fitted cluster profile, each run's measured and predicted step and its error.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -64,6 +68,8 @@ ZERO3_LAYER = ["train.zero=3", "train.zero3_gather=layer"]
 VARIANTS = ("none", "full", "fp8", "offload_params", *OFFLOAD_ON, "zero3_layer", "hsdp")
 NAMED = ("fp8", "offload_params", *OFFLOAD_ON, "zero3_layer", "hsdp")  # reported under their own name
 HSDP_DRY_DEVICES = 4  # simulated CPU devices of the dry run's hsdp child
+CALIBRATE_ON = ("none", "full", "fp8")  # one-device variants whose runs `meshrun plan --calibrate` fits (fp8 on
+# a GPU only: the planner has no fp8 GEMMs to cost on a CPU)
 REAL = {"d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_ff": 5632,
         "vocab": 32000, "seq_len": 2048}  # fmt: skip
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_ff": 128,
@@ -155,6 +161,8 @@ def child(a) -> int:
         times.append(dt)
         losses.append(loss)
         emit(event="step", step=step + 1, step_time_s=dt, loss=loss)
+    if a.run_dir:
+        write_run_dir(Path(a.run_dir), cfg, len(devices), times)
     steady = statistics.median(times[SKIP_STEPS:] or times[-1:])
     stats = dev.memory_stats() or {}
     emit(
@@ -174,6 +182,40 @@ def child(a) -> int:
         peak_flops=peak,
     )
     return 0
+
+
+def write_run_dir(d: Path, cfg, n_devices: int, times: list[float]) -> None:
+    """A run dir as `meshrun train` leaves it for `meshrun plan --calibrate`: config.yaml, devices.json
+    (the `n_devices` the step ran on) and metrics.jsonl with each step's time."""
+    import yaml
+
+    from meshrun.config import to_dict
+    from meshrun.train.config_file import devices_record
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (d / "devices.json").write_text(json.dumps(devices_record() | {"devices": n_devices, "local_devices": n_devices}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "step_time_s": t}) + "\n"
+                                             for i, t in enumerate(times)))  # fmt: skip
+
+
+def calibrate(run_dirs: list[Path]) -> dict:
+    """The cluster profile `meshrun plan --calibrate` fits on the run dirs that have step times; its
+    `error` names why there is none (a ConfigError's one line)."""
+    from meshrun.errors import ConfigError
+    from meshrun.planner import cluster_profile as cp
+
+    dirs = [str(d) for d in run_dirs if (d / "metrics.jsonl").is_file()]
+    if not dirs:
+        return {"error": "no run of " + "/".join(CALIBRATE_ON) + " finished"}
+    try:
+        runs = cp.read_runs(dirs)
+        prof = cp.profile_of(runs, *cp.fit(runs))
+    except ConfigError as e:
+        return {"error": str(e)}
+    for row in prof["runs"]:  # the variant, not the temporary folder
+        row["run_dir"] = Path(row["run_dir"]).name
+    return {**prof, "error": None}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -249,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="model.remat values")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hsdp", action="store_true", help=argparse.SUPPRESS)  # child: all devices, mesh.zero_group
+    ap.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)  # child: write a run dir for --calibrate
     ap.add_argument("child_overrides", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -283,6 +326,7 @@ def main(argv=None) -> int:
         "gpu_env_applied": False,
     }
     errors = []
+    runs_root = Path(tempfile.mkdtemp(prefix="meshrun_gpu_bench_"))  # the run dirs --calibrate reads
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if platform == "gpu":
@@ -292,6 +336,7 @@ def main(argv=None) -> int:
             raise RuntimeError(f"no GPU found (platform {platform}); use --dry-run to check the code path on CPU")
         out["xla_flags"] = env.get("XLA_FLAGS", "")
         out["comm_flags"] = comm_flags(out["xla_flags"])
+        calibrated = [v for v in a.variants if v in CALIBRATE_ON and (v != "fp8" or platform == "gpu")]
         for i, remat in enumerate(a.variants):
             key = remat if remat in NAMED else "remat_" + remat
             left = deadline - time.monotonic()
@@ -302,6 +347,7 @@ def main(argv=None) -> int:
             timeout = left / (len(a.variants) - i)  # an equal share of what is left; unused time rolls over
             res = out[key] = {}
             child_env, flags = env, ["--hsdp"] if remat == "hsdp" else []
+            flags += ["--run-dir", str(runs_root / remat)] if remat in calibrated else []
             if flags and dry:  # the dry run's hsdp child: simulated CPU devices
                 xla = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={HSDP_DRY_DEVICES}"
                 child_env = {**env, "XLA_FLAGS": xla.strip()}
@@ -310,6 +356,10 @@ def main(argv=None) -> int:
                 errors.append(f"{key}: {res['error']}")
     except (Exception, Interrupted, KeyboardInterrupt) as e:  # report what there is, whatever happened
         errors.append(f"{type(e).__name__}: {e}")
+    if any(v in CALIBRATE_ON for v in a.variants):
+        out["calibration"] = calibrate([runs_root / v for v in a.variants if v in CALIBRATE_ON])  # those that ran
+        errors += [f"calibration: {out['calibration']['error']}"] if out["calibration"]["error"] else []
+    shutil.rmtree(runs_root, ignore_errors=True)
     bf16, fp8 = out.get("remat_none", {}), out.get("fp8", {})
     if bf16.get("loss_last") and fp8.get("loss_last") and fp8.get("step_time_s"):
         fp8["loss_vs_bf16"] = fp8["loss_last"] / bf16["loss_last"]

@@ -12,6 +12,7 @@ import pytest
 from meshrun.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/tiny_cpu.yaml")
 
 
 def _refused(capsys, argv: list[str], flag: str, seconds: float = 5.0) -> str:
@@ -41,6 +42,7 @@ def _refused(capsys, argv: list[str], flag: str, seconds: float = 5.0) -> str:
         (["import-hf", "x", "y", "--vocab-multiple", "0"], "--vocab-multiple"),
         (["profile", str(ROOT / "configs/tiny_cpu.yaml"), "--steps", str(10**12)], "--steps"),
         (["profile", str(ROOT / "configs/tiny_cpu.yaml"), "--devices", "0"], "--devices"),
+        (["explain", TINY, "model.fp8=tensorwise", "--cluster", "v100-32g:1x8"], "--cluster"),  # no fp8 GEMMs
         (["mesh", "=3"], "=3"),
         (["mesh", "mesh..data=2"], "mesh..data"),
     ],

@@ -52,6 +52,11 @@ def test_gpu_dry_run_prints_one_json_line():
     layer, hsdp = out["zero3_layer"], out["hsdp"]
     assert layer["error"] is None and layer["loss_vs_none"] == pytest.approx(1, rel=1e-5), layer
     assert hsdp["error"] is None and hsdp["n_devices"] == 4 and hsdp["loss_vs_none"] == pytest.approx(1, rel=1e-5)
+    # `meshrun plan --calibrate` on the one-device runs (fp8 on a GPU only): a profile of the device
+    cal = out["calibration"]
+    assert cal["error"] is None and cal["gpu"] == "cpu" and cal["cluster"] == "cpu:1x1", cal
+    assert [r["run_dir"] for r in cal["runs"]] == ["none", "full"] and cal["fitted"], cal
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in cal["runs"]), cal
 
 
 def test_gpu_failure_still_prints_json_with_error():

@@ -567,3 +567,42 @@ def test_per_op_1f1b_holds_less_and_idles_less(gpt3):
     assert per_op.time["bubble_fraction"] == pytest.approx(2 * 7 / (3 * 32 + 2 * 7))
     assert lock.time["bubble_fraction"] == pytest.approx(7 / (32 + 7))
     assert per_op.step_time < lock.step_time
+
+
+# ----------------------------------------------------------------------------- ZeRO variants in --evaluate
+
+FSDP_70B = ["--model", "llama-70b", "--cluster", "h100-80g:8x8", "--global-batch", "512", "--seq-len", "4096"]
+
+
+def test_evaluate_costs_the_named_zero3_variant(capsys):
+    """zero3_gather=step gathers every weight before the loop (the whole 70B model on each device), layer
+    gathers per layer (what auto picks here); the JSON answer carries the variant."""
+    got = {}
+    for variant in ("auto", "layer", "step"):
+        layout = f"tensor=1,pipe=1,zero=3,remat=full,micro_batch_size=1,zero3_gather={variant}"
+        rc, out, err = run_cli([*FSDP_70B, "--evaluate", layout, "--json"], capsys)
+        assert rc == 0, err
+        got[variant] = json.loads(out)["configs"][0]
+    assert got["step"]["zero3_gather"] == "step"
+    assert got["auto"]["memory_gb"] == got["layer"]["memory_gb"] < 80 < got["step"]["memory_gb"]
+
+
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        ("zero=1,zero3_gather=layer", ["zero3_gather", "set zero=3"]),
+        ("zero=3,zero2_reduce=microbatch", ["zero2_reduce", "set zero=2"]),
+        ("zero=3,zero3_gather=sometimes", ["zero3_gather", "use one of"]),
+        ("pipe=4,virtual=4,schedule=interleaved,zero=3,zero3_gather=layer,overlap_grad_reduce=true",
+         ["zero3_gather", "overlap_grad_reduce=false"]),
+        ("pipe=4,virtual=4,schedule=interleaved,zero=2,zero2_reduce=microbatch,overlap_grad_reduce=true",
+         ["zero2_reduce", "overlap_grad_reduce=false"]),
+        ("zero=3,zero3_gather=step,offload_params=true", ["zero3_gather", "leave it auto"]),
+    ],
+)  # fmt: skip
+def test_evaluate_refuses_a_zero_variant_the_layout_cannot_run(layout, words, capsys):
+    rc, out, err = run_cli([*FSDP_70B, "--evaluate", f"tensor=8,{layout}"], capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (rc, out, err)
+    assert all(w in err for w in words), err
+    rc, _, err = run_cli([*FSDP_70B, "--framework", "megatron", "--evaluate", "zero=3,zero3_gather=layer"], capsys)
+    assert rc == 2 and "meshrun variant" in err, err

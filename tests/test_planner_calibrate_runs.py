@@ -119,6 +119,10 @@ def test_bad_runs_exit_2_naming_what_is_missing_and_write_nothing(synthetic, tmp
     gpu = write_run(tmp_path / "gpu", "t2", 1.0, {**CPU8, "platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})
     _refused(["--calibrate", str(synthetic["d8"]), str(gpu), "--out", str(out)], capsys, "h100-80g:1x8", "one cluster")
     _refused(["--calibrate", str(tmp_path / "nowhere"), "--out", str(out)], capsys, "no such run dir")
+    fp8 = write_run(tmp_path / "fp8", "d8", 1.0)  # fp8 on a device the catalogue has no fp8 GEMMs for
+    raw = yaml.safe_load((fp8 / "config.yaml").read_text())
+    (fp8 / "config.yaml").write_text(yaml.safe_dump({**raw, "model": {**raw["model"], "fp8": "tensorwise"}}))
+    _refused(["--calibrate", str(synthetic["d8"]), str(fp8), "--out", str(out)], capsys, "model.fp8", "no fp8 GEMMs")
     assert not out.exists()
 
 

@@ -27,11 +27,15 @@ from meshrun.config import (
     OFFLOAD_TIERS,
     OFFLOAD_UPDATES,
     OPTIMIZER_STATE_DTYPES,
+    ZERO2_REDUCES,
+    ZERO3_GATHERS,
     RunConfig,
     TrainConfig,
     check_zero_group,
     from_dict,
     load_yaml,
+    zero2_layer_refusals,
+    zero3_layer_refusals,
 )
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
@@ -63,10 +67,12 @@ _CHOICES = {
     "offload_optimizer": OFFLOAD_TIERS,
     "offload_update": OFFLOAD_UPDATES,
     "offload_grads": OFFLOAD_GRADS,
+    "zero3_gather": ZERO3_GATHERS,
+    "zero2_reduce": ZERO2_REDUCES,
 }
 EVAL_KEYS = (*INT_KEYS, "remat", "sequence_parallel", "schedule", "executor", "context_kind", "offload_optimizer",
              "offload_update", "offload_params", "overlap_grad_reduce", "offload_grads", "tp_comm_overlap",
-             *MEGATRON_KEYS)  # fmt: skip
+             "zero3_gather", "zero2_reduce", *MEGATRON_KEYS)  # fmt: skip
 DEGREES = ("tensor", "pipe", "data", "expert", "context")  # their product is the device count
 FLAG_KEYS = {"optimizer": "--optimizer", "state_dtype": "--state-dtype", "grad_reduce_dtype": "--grad-reduce-dtype"}
 # configs/models of the source tree, for `--model NAME`.
@@ -163,7 +169,8 @@ def parse_evaluate(text: str, model, cluster: Cluster, global_batch: int, seq_le
 
 # --evaluate keys copied into the Layout as given, with their defaults when left out
 _PLAIN_DEFAULTS = {"zero": 0, "offload_optimizer": "none", "offload_update": "auto", "offload_params": False,
-                   "overlap_grad_reduce": False, "offload_grads": "host", "zero_group": 0}  # fmt: skip
+                   "overlap_grad_reduce": False, "offload_grads": "host", "zero_group": 0, "zero3_gather": "auto",
+                   "zero2_reduce": "auto"}  # fmt: skip
 
 
 def _plain_fields(given: dict, model) -> dict:
@@ -231,6 +238,7 @@ def _check_evaluated(layout: Layout, model, seq_len: int | None, framework: str 
     c = layout.context
     if framework == "megatron":
         _check_megatron(layout, model)
+    _check_zero_variant(layout, framework)
     if layout.zero_group:  # mesh.zero_group's rules (MeshConfig, RunConfig)
         check_zero_group(layout.zero_group, layout.data, "--evaluate zero_group")
         if layout.zero == 0:
@@ -259,6 +267,30 @@ def _check_evaluated(layout: Layout, model, seq_len: int | None, framework: str 
             f"(e.g. a power of two)",
             bad[0],
         )
+
+
+# --evaluate key -> (its ZeRO stage, its per-layer value, the rules `train` applies to that value)
+_ZERO_VARIANTS = {"zero3_gather": (3, "layer", zero3_layer_refusals), "zero2_reduce": (2, "microbatch",
+                                                                                     zero2_layer_refusals)}  # fmt: skip
+
+
+def _check_zero_variant(layout: Layout, framework: str) -> None:
+    """train.zero3_gather / train.zero2_reduce as --evaluate keys: meshrun's variants of its own ZeRO
+    stage, refused where `train` refuses them (`config.zero`)."""
+    for key, (stage, per_layer, refusals) in _ZERO_VARIANTS.items():
+        value, field = getattr(layout, key), f"--evaluate {key}"
+        if value == "auto":
+            continue
+        if framework != "meshrun":
+            raise ConfigError(field, value, "leave it out", f"a meshrun variant; {framework}'s semantics run ZeRO "
+                              "as DeepSpeed does")  # fmt: skip
+        if layout.zero != stage:
+            raise ConfigError(field, value, f"set zero={stage} with it, or leave it out",
+                              f"chooses ZeRO-{stage}'s variant (zero={layout.zero})")  # fmt: skip
+        if value == "step" and layout.offload_params:
+            raise ConfigError(field, value, "leave it auto with offload_params", "offload_params fetches per layer")
+        if value == per_layer and (refused := refusals(layout.overlap_grad_reduce)):
+            raise ConfigError(field, value, refused[0][1], refused[0][0])
 
 
 def _check_megatron(layout: Layout, model) -> None:

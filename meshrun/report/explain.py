@@ -48,10 +48,15 @@ def unpredicted(family: str) -> str:
 
 
 def check_cluster(cfg, cluster_text: str) -> None:
-    """A step time is predicted for transformer families only (`predictable`)."""
+    """A step time is predicted for transformer families only (`predictable`), and for model.fp8 on a
+    GPU with fp8 GEMMs only (as `meshrun plan --fp8`)."""
     if not cfg.model.predictable:
         what = f"model.family={cfg.model.family} has no predicted step time (predictable = False)"
         raise ConfigError("--cluster", cluster_text, "leave it out for this family", what)
+    gpu = parse_cluster(cluster_text).gpu
+    if getattr(cfg.model, "fp8", "none") != "none" and not gpu.fp8_flops:
+        raise ConfigError("--cluster", cluster_text, "use an H100/H200/GH200/B200 cluster, or leave model.fp8 out",
+                          f"{gpu.name} has no fp8 GEMMs to cost model.fp8={cfg.model.fp8} on")  # fmt: skip
 
 
 def step_time(cfg, mesh_shape: dict[str, int], cluster_text: str) -> float:
