@@ -40,9 +40,9 @@ def test_planner_predicts_the_per_layer_step(variant):
 @pytest.mark.slow
 def test_per_layer_zero_holds_less_than_deepspeed_semantics():
     """docs/memory.md's table: ZeRO-3 per layer < ZeRO-2 per microbatch < ZeRO-1 compiled, ZeRO-3 at
-    most the DeepSpeed-semantics total (ZeRO-2 above it by a layer's stacked gate/up weight and its
-    gradient before the reduce-scatter, which DeepSpeed's accounting leaves out), each within 10% of
-    the planner's meshrun prediction and 5% of its collective bytes."""
+    most the DeepSpeed-semantics total (ZeRO-2 above it: its activations, 1/DP sums and arguments
+    alone reach that total, which counts no per-layer buffer at ZeRO-2), each within 10% of the
+    planner's meshrun prediction and 5% of its collective bytes."""
     reps = [_report([*TABLE, *v]) for v in (ZERO1, ZERO2_MB, ZERO3_LAYER)]
     mem = [r["memory"] for r in reps]
     z1, z2, z3 = (m["compiled"]["total"] for m in mem)

@@ -231,6 +231,17 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None, g
     return lambda p: jax.tree.map(leaf, p, store, compute, grads, is_leaf=shadow)
 
 
+def reduce_rest(mesh: Mesh, compute: Any, grads: Any, reduce_dtype: Any = None) -> Callable:
+    """(params, z) -> params for the entries not fetched per layer (embedding, head, final norm), in
+    the loop's compute layout: the identity, whose backward reduces each leaf's gradient onto its
+    gradient layout into the float32 array of `z` at its place (per layer: 1/DP sums, as the layers')."""
+
+    def one(x, z, base, target):
+        return _fetch_shadowed(_LeafMoves.of(mesh, base, base, target, reduce_dtype), Shadowed(x, z))
+
+    return lambda p, z: jax.tree.map(one, p, z, compute, grads, is_leaf=lambda a: isinstance(a, jax.Array))
+
+
 def _fetch_leaf(mesh: Mesh, reduce_dtype: Any, sink: Any, x: Any, spec: P, base: P, target: P | None = None):
     """One unit's leaf `x` (a parameter shard, or `Shadowed`) fetched: gathered in the forward, its
     gradient reduced in the backward (to `z` for a `Shadowed`, to the sink if there is one)."""

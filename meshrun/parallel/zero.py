@@ -61,6 +61,7 @@ class ZeroShardings:
     from_host: bool = False  # offload.params: params['layers'] fetched layer by layer from host memory
     root: bool = False  # with `per_layer`: this is the layout of params['layers'] itself (`sub('layers')`)
     fsdp: bool = False  # train.zero3_gather=layer: params['layers'] gathered layer by layer from device memory
+    rest_reduced: bool = False  # per layer: the other entries' gradients too left the loop reduced (`rest_sums`)
 
     @property
     def per_layer(self) -> bool:
@@ -164,6 +165,21 @@ class ZeroShardings:
 
         return accum_zeros(jax.tree.map(one, layers, pick(self.store), pick(self.grads)))
 
+    def rest_sums(self, params: Any) -> Any:
+        """Float32 zeros for the gradient sums of the entries other than the layers inside the loop's
+        shard_map, shaped like their local block of the grad layout (`params`: the local compute-layout
+        params, arrays or shapes); with `rest_reduced` the loop reduces into them."""
+        rest = lambda t: {k: v for k, v in t.items() if k != "layers"}  # noqa: E731
+
+        def one(a, base, target):
+            shape = list(a.shape)
+            for d, axes in dims_with(target, GRAD_AXES):
+                extra = [x for x in axes if x not in dict(dims_with(base, GRAD_AXES)).get(d, ())]
+                shape[d] //= math.prod(self.mesh.shape[x] for x in extra)
+            return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+        return accum_zeros(jax.tree.map(one, rest(params), rest(self.compute), rest(self.grads)))
+
     def _rest(self, tree: Any, fn: Callable) -> Any:
         """`fn` (a method of the layout without 'layers') on every entry but the layers fetched per layer."""
         if not self.per_layer:
@@ -192,7 +208,7 @@ class ZeroShardings:
                 return P(self._reduction_axes(base), *restrict_spec(base))
             return restrict_spec(target)
 
-        if self.root:
+        if self.root or self.rest_reduced:
             return _map(restrict_spec, self.grads)
         specs = _map(one, self.compute, self.grads)
         return {**specs, "layers": _map(restrict_spec, self.grads["layers"])} if self.per_layer else specs
@@ -227,6 +243,8 @@ class ZeroShardings:
         ZeRO scatters leave as per-rank partial sums [1, ...] for `finish`. `extra`: axes summed in any
         case (the pipeline sums embedding/head grads over 'pipe'). Per-layer layers left the scan reduced."""
         if self.per_layer:
+            if self.rest_reduced:
+                return grads
             return self._rest(grads, lambda zl, t: ZeroShardings.reduce_local(zl, t, extra))
 
         def one(g, base, target):
@@ -243,7 +261,7 @@ class ZeroShardings:
         psum_scatter inside the tensor-auto loop made XLA all-gather the tensor shards first, and a
         GSPMD sum gave a full all-reduce). Per-layer layers left the scan reduced."""
         if self.per_layer:
-            return self._rest(grads, ZeroShardings.finish)
+            return grads if self.rest_reduced else self._rest(grads, ZeroShardings.finish)
         flat_g, tree = jax.tree.flatten(grads)
         flat_b, flat_t = jax.tree.leaves(self.compute, is_leaf=is_spec), jax.tree.leaves(self.grads, is_leaf=is_spec)
         idx = [i for i, (b, t) in enumerate(zip(flat_b, flat_t, strict=True)) if self._deferred(b, t)]

@@ -249,10 +249,15 @@ def _grad_bytes(
         # gradient to them): fresh gradients are one layer's and the embedding/head's
         grads = pb * (other + one_layer)
     if per_layer:  # ZeRO-2 per microbatch / ZeRO-3 per layer: the layers' float32 sums are 1/DP shards (norm
-        # scales whole), the embedding's and head's whole with micro-batches
+        # scales whole); the embedding's and head's too without a pipeline (`GradSums.fetch_rest`), else
+        # whole with micro-batches
         layer_w = dense - other
         sums = (layer_w - norms * frac) / shard[1] + norms * frac + experts / eshard[1]
-        grads += 4 * (sums + (other if lay.microbatches > 1 else 0.0))
+        if rest_sharded(lay):
+            sums += (other - h) / shard[1] + h
+        elif lay.microbatches > 1:
+            sums += other
+        grads += 4 * sums
     elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         grads += max(pb, 4) * (dense + experts)
     if overlap_cut(lay)[2]:
@@ -277,6 +282,13 @@ def _overlap_sum_elems(
         / (lc * lay.chunks)
     )
     return reduced + rows
+
+
+def rest_sharded(lay: Layout) -> bool:
+    """Whether a per-layer step (`layerwise`) reduces the embedding's, head's and final norm's gradients
+    every microbatch into 1/DP float32 sums too: the microbatch scan with the layers' sums on the device
+    (`GradSums.fetch_rest`), not the pipeline nor offload.params."""
+    return lay.pipe == 1 and not lay.offload_params
 
 
 def layerwise(model: ModelConfig, lay: Layout) -> bool:
@@ -521,6 +533,9 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
         if lay.zero == 2 and data * e * c > 1:
             tally.add("all-gather", dense_axes, pb * layer_n)
         layer_n, expert_n = 0.0, 0.0
+        if rest_sharded(lay) and data * e * c > 1:  # the other entries' too, every microbatch
+            _edge_sync(tally, lay, rb, pb, edge_n, h, dense_axes, across)
+            edge_n = 0.0
     groups = [(layer_n + edge_n, dense_axes, data * e * c)]
     if expert_n:
         groups.append((expert_n, tuple(a for a, k in (("data", data), ("context", c)) if k > 1), data * c))
@@ -533,6 +548,20 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
             tally.add("all-gather", axes, pb * n)
             if across:
                 tally.add("all-reduce", across, rb * n / dp)
+
+
+def _edge_sync(tally: _Tally, lay: Layout, rb: float, pb: float, edge_n: float, h: float, axes: tuple,
+               across: tuple) -> None:  # fmt: skip
+    """`rest_sharded`: the embedding's and head's gradients reduce-scattered every microbatch in the
+    reduction's dtype (`rb` bytes; their shards all-reduced across HSDP replicas), the final norm's
+    all-reduced; their params (`pb` bytes) all-gathered once per step (ZeRO-2 after the update, ZeRO-3
+    before the loop). `edge_n`: their elements on one device (the norm's `h` included)."""
+    m, dp = lay.microbatches, lay.zero_data * lay.expert * lay.context
+    tally.add("reduce-scatter", axes, rb * (edge_n - h) / dp, m)
+    if across:
+        tally.add("all-reduce", across, rb * (edge_n - h) / dp, m)
+    tally.add("all-reduce", (*across, *axes), rb * h, m)
+    tally.add("all-gather", axes, pb * edge_n)
 
 
 def _layer_sync(tally: _Tally, model: ModelConfig, lay: Layout, f_ticks: float, b_ticks: float) -> None:

@@ -6,7 +6,8 @@ microbatch's gradient goes into them, so it does not branch on the placement its
 
 * whole  -- the parameters themselves are differentiated; the sums are float32 trees in device memory.
 * device -- per layer (ZeRO-3 / ZeRO-2 per layer): the layers' gradient goes to float32 arrays beside
-  them (`layer_fetch.Shadowed`), 1/DP of the layers' sums in device memory (`ZeroShardings.layer_sums`).
+  them (`layer_fetch.Shadowed`), 1/DP of the layers' sums in device memory (`ZeroShardings.layer_sums`);
+  the other entries' (embedding, head) every microbatch to 1/DP sums too (`layer_fetch.reduce_rest`).
 * host   -- the same with the sums in pinned host memory (offload.params), added to a layer at a time.
 * sink   -- offload.grads=nvme: the layers are shadowed by their sink indices (`layer_fetch.sink_index`),
   their gradient goes to the sink and their squared sums come back (one microbatch).
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, shadowed, sink_index
+from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, reduce_rest, shadowed, sink_index
 from meshrun.parallel.sharding import is_spec
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 
@@ -54,13 +55,23 @@ class GradSums:
 
     at: str  # one of PLACES
     params: Any = None  # the loop's local params (`bind`)
+    # "device": (params, z) -> params of the entries other than the layers, whose gradient the backward
+    # reduces into their 1/DP float32 sums z (`layer_fetch.reduce_rest`)
+    fetch_rest: Any = None
 
     @classmethod
     def of(cls, zl: ZeroShardings, microbatches: int) -> GradSums:
         at = sums_at(zl)
         if at == "sink" and microbatches != 1:
             raise ValueError("a gradient sink takes one microbatch (config.offload_params_refusals)")
-        return cls(at)
+        if at != "device":
+            return cls(at)
+        return cls(at, fetch_rest=reduce_rest(zl.mesh, _without_layers(zl.compute), _without_layers(zl.grads),
+                                              zl.reduce_dtype))  # fmt: skip
+
+    def layout(self, zl: ZeroShardings) -> ZeroShardings:
+        """The step's ZeroShardings as the loop reduces: on the device every entry leaves it reduced."""
+        return dataclasses.replace(zl, rest_reduced=True) if self.fetch_rest is not None else zl
 
     def bind(self, params: Any) -> GradSums:
         return dataclasses.replace(self, params=params)
@@ -80,11 +91,15 @@ class GradSums:
         """`share` (params, *microbatch -> (loss, aux)) of the differentiated tree `d`."""
         if not self.per_layer:
             return share(d, *mb)
-        return share({**d[0], "layers": shadowed(self.params["layers"], d[1])}, *mb)
+        rest = d[0] if self.fetch_rest is None else self.fetch_rest(_without_layers(self.params), d[0])
+        return share({**rest, "layers": shadowed(self.params["layers"], d[1])}, *mb)
 
     def primal(self, sums: Any) -> Any:
         """The differentiated tree, given the gradient sums (per layer: the layers' arrays are the sums)."""
-        return (_without_layers(self.params), sums["layers"]) if self.per_layer else self.params
+        if not self.per_layer:
+            return self.params
+        rest = _without_layers(self.params if self.fetch_rest is None else sums)
+        return rest, sums["layers"]
 
     def diff(self, sums: Any) -> Any:
         """The sums shaped as the differentiated tree (`bw_split.vjp_into` adds into them)."""
@@ -101,8 +116,8 @@ class GradSums:
             sums["layers"] = sink_index(self.params["layers"])
         elif self.at == "host":  # m = 1: the float32 reduced gradient itself
             sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes["layers"]))
-        elif self.at == "device":  # 1/DP of them (ZeRO-2: of whole params)
-            sums["layers"] = zl.layer_sums(self.params["layers"])
+        elif self.at == "device":  # 1/DP of them (ZeRO-2: of whole params), the other entries' too
+            sums = {**zl.rest_sums(self.params), "layers": zl.layer_sums(self.params["layers"])}
         return sums
 
     def first(self, acc: Any, g: Any, aux: Any) -> Any:

@@ -86,6 +86,7 @@ def accumulate_grads(fns: ModelFns, zl: ZeroShardings, microbatches: int, params
     params = zl.gather(params)  # ZeRO-3: all-gather the DP-sharded dims once per step
     batch = (tokens, labels) if segment_ids is None else (tokens, labels, segment_ids)
     sums = GradSums.of(zl, microbatches)  # what is differentiated, where the gradient sums rest
+    zl = sums.layout(zl)
     fn = jax.shard_map(
         functools.partial(_local_grads, fns, zl, sums, microbatches),
         mesh=zl.mesh,
