@@ -221,3 +221,18 @@ def test_elementwise_transform_is_the_step_optimizer_without_clipping():
     with pytest.raises(ConfigError, match="optimizer.name"):
         elementwise_transform(load_config("configs/tiny_cpu.yaml", MUON))
     assert isinstance(tx, optax.GradientTransformation)
+
+
+def test_warmup_zero_starts_at_the_peak_lr_and_ends_at_the_floor():
+    """optimizer.warmup_steps=0 means no warmup: the first step runs at optimizer.lr (a warmup of one
+    step would run it at 0 and move nothing), and the cosine reaches min_lr_ratio·lr at train.steps;
+    a warmup of 2 still starts at 0 and peaks at its end."""
+    from meshrun.optim.optimizer import lr_schedule
+
+    base = ["optimizer.lr=0.01", "optimizer.min_lr_ratio=0.1", "train.steps=10"]
+    cold = lr_schedule(load_config("configs/tiny_cpu.yaml", [*base, "optimizer.warmup_steps=0"]))
+    warm = lr_schedule(load_config("configs/tiny_cpu.yaml", [*base, "optimizer.warmup_steps=2"]))
+    np.testing.assert_allclose([float(cold(0)), float(cold(10)), float(cold(20))], [0.01, 0.001, 0.001], rtol=1e-6)
+    assert 0.001 < float(cold(5)) < 0.01
+    np.testing.assert_allclose([float(warm(0)), float(warm(1)), float(warm(2)), float(warm(10))],
+                               [0.0, 0.005, 0.01, 0.001], rtol=1e-6)  # fmt: skip

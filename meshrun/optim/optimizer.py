@@ -32,12 +32,13 @@ from meshrun.optim import registry
 
 
 def lr_schedule(cfg: RunConfig, horizon: int | None = None) -> optax.Schedule:
-    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio·lr at `horizon` (default
-    `decay_horizon(cfg)`), flat after it."""
+    """Linear warmup from 0 to lr over optimizer.warmup_steps (0: none, the first step at lr), then
+    cosine decay to min_lr_ratio·lr at `horizon` (default `decay_horizon(cfg)`), flat after it."""
     o, steps = cfg.optimizer, decay_horizon(cfg) if horizon is None else horizon
-    return optax.warmup_cosine_decay_schedule(
-        0.0, o.lr, max(o.warmup_steps, 1), max(steps, o.warmup_steps + 1), o.lr * o.min_lr_ratio
-    )
+    end = max(steps, o.warmup_steps + 1)
+    if o.warmup_steps == 0:
+        return optax.cosine_decay_schedule(o.lr, end, o.min_lr_ratio)
+    return optax.warmup_cosine_decay_schedule(0.0, o.lr, o.warmup_steps, end, o.lr * o.min_lr_ratio)
 
 
 def decay_horizon(cfg: RunConfig) -> int:
