@@ -608,3 +608,52 @@ def test_evaluate_refuses_a_zero_variant_the_layout_cannot_run(layout, words, ca
     assert all(w in err for w in words), err
     rc, _, err = run_cli([*FSDP_70B, "--framework", "megatron", "--evaluate", "zero=3,zero3_gather=layer"], capsys)
     assert rc == 2 and "meshrun variant" in err, err
+
+
+def _best_of(text: str):
+    """The search's pick among the variants of one 70B layout (`search._best_executor`)."""
+    from meshrun.cli.plan import load_model, parse_evaluate
+
+    model, cluster = load_model("llama-70b")[0], parse_cluster("h100-80g:8x8")
+    layout = parse_evaluate(text, model, cluster, 512, 4096)
+    best = search._best_executor(model, layout, cluster, 512, 4096, {})
+    field, per_layer = ("zero3_gather", "layer") if layout.zero == 3 else ("zero2_reduce", "microbatch")
+    both = [search.evaluate(model, dataclasses.replace(best.layout, overlap_grad_reduce=False, **{field: v}),
+                            cluster, 512, 4096) for v in (per_layer, "step")]  # fmt: skip
+    return model, best, both
+
+
+def test_search_picks_zero2_once_per_step_where_it_fits_and_is_faster():
+    """TP8 PP4 v4 ZeRO-2 with full remat: both variants fit; reducing once per step is faster than per
+    microbatch (what the run's auto rule picks without overlap_grad_reduce), so the search names step, and
+    the table says so."""
+    from meshrun.cli.plan import format_table
+
+    model, best, (per_mb, per_step) = _best_of("tensor=8,pipe=4,virtual=4,schedule=interleaved,zero=2,remat=full")
+    assert (per_mb.layout.zero2_reduce, per_step.layout.zero2_reduce) == ("microbatch", "step")
+    assert not per_mb.hard and not per_step.hard
+    assert per_step.step_time < per_mb.step_time and per_mb.memory["total"] < per_step.memory["total"]
+    assert best.layout.zero2_reduce == "step" and best.step_time <= per_step.step_time
+    cluster = parse_cluster("h100-80g:8x8")
+    table = format_table("llama-70b", 70e9, cluster, 512, 4096, [best], model=model)
+    assert "  2S " in table and "#1 ZeRO-2: train.zero2_reduce=step" in table
+    table = format_table("llama-70b", 70e9, cluster, 512, 4096, [per_step], model=model)
+    assert "#1 ZeRO-2: train.zero2_reduce=step (auto would pick microbatch: set it in the config)" in table
+
+
+@pytest.mark.parametrize(
+    "text, field, kept",
+    [
+        ("tensor=1,pipe=1,zero=3,remat=full,micro_batch_size=1", "zero3_gather", "layer"),
+        ("tensor=8,pipe=1,zero=2,remat=selective,micro_batch_size=2,sequence_parallel=true", "zero2_reduce",
+         "microbatch"),
+    ],
+)  # fmt: skip
+def test_search_keeps_the_per_layer_variant_where_once_per_step_does_not_fit(text, field, kept):
+    """Pure FSDP at 70B: gathering every weight once per step is faster but holds the whole model (no
+    fit); ZeRO-2 on TP8 DP8 at micro-batch 2: whole float32 gradient sums do not fit. The search keeps
+    the per-layer / per-microbatch variant, named."""
+    _, best, (per_layer, per_step) = _best_of(text)
+    assert per_step.hard and any(v.startswith("memory ") for v in per_step.violations)
+    assert not per_layer.hard and getattr(per_layer.layout, field) == kept
+    assert getattr(best.layout, field) == kept and not best.hard

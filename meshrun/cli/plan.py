@@ -54,7 +54,7 @@ from meshrun.planner.search import (
     search,
     tp_overlap_refusal,
 )
-from meshrun.planner.step_model import overlap_cut
+from meshrun.planner.step_model import layerwise, overlap_cut
 from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero",
@@ -510,20 +510,26 @@ def _grad_reduce(args, train: dict) -> str:
 
 def fold_zero(results: list[Result]) -> list[Result]:
     """One row per layout: ZeRO variants of the same TP/PP/DP/EP/schedule/remat layout fold into the
-    fastest one (results come best first, so its ZeRO stage is the best that fits)."""
+    fastest one (results come best first, so its ZeRO stage and variant are the best that fit)."""
     seen, out = set(), []
     for r in results:
-        key = dataclasses.replace(r.layout, zero=0)
+        key = dataclasses.replace(r.layout, zero=0, zero3_gather="auto", zero2_reduce="auto")
         if key not in seen:
             seen.add(key)
             out.append(r)
     return out
 
 
+ZERO_VARIANT_CELLS = {"layer": "L", "step": "S", "microbatch": "M"}  # the zero cell's variant letter
+
+
 def _zero(lay: Layout) -> str:
-    """The table's zero cell: the stage, and HSDP's ZeRO group (`3/8`: ZeRO-3 sharded over groups of 8 data
-    ranks, mesh.zero_group=8)."""
-    return f"{lay.zero}/{lay.zero_group}" if lay.zero_group else str(lay.zero)
+    """The table's zero cell: the stage, HSDP's ZeRO group (`3/8`: ZeRO-3 sharded over groups of 8 data
+    ranks, mesh.zero_group=8) and a named ZeRO-2/3 variant (`3L`: train.zero3_gather=layer, `3S`: step;
+    `2M`: train.zero2_reduce=microbatch, `2S`: step)."""
+    variant = {3: lay.zero3_gather, 2: lay.zero2_reduce}.get(lay.zero, "auto")
+    group = f"/{lay.zero_group}" if lay.zero_group else ""
+    return f"{lay.zero}{ZERO_VARIANT_CELLS.get(variant, '')}{group}"
 
 
 def _cp(lay: Layout) -> str:
@@ -547,14 +553,14 @@ def format_table(
         f"({cluster.usable_memory / GB:.0f} GB each), global batch {batch} x seq {seq}, {framework} semantics, "
         f"dp reduce {results[0].layout.grad_reduce_dtype}",
         "",
-        f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'CP':>7} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>4} "
+        f"{'#':>2} {'TP':>3} {'PP':>3} {'DP':>5} {'EP':>3} {'CP':>7} {'v':>2} {'m':>5} {'mbs':>3} {'zero':>5} "
         f"{'remat':>9} {'SP':>3} {'mem GB':>7} {'step s':>9} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6}",
     ]
     for i, r in enumerate(results, 1):
         p = r.layout
         lines.append(
             f"{i:>2} {p.tensor:>3} {p.pipe:>3} {p.data:>5} {p.expert:>3} {_cp(p):>7} {p.virtual:>2} "
-            f"{p.microbatches:>5} {p.micro_batch_size:>3} {_zero(p):>4} {p.remat:>9} "
+            f"{p.microbatches:>5} {p.micro_batch_size:>3} {_zero(p):>5} {p.remat:>9} "
             f"{'y' if p.sequence_parallel else 'n':>3} {r.memory['total'] / GB:>7.3g} {r.step_time:>9.4g} "
             f"{r.tflops_per_device:>7.1f} {r.mfu:>6.1%} {r.time['bubble_fraction']:>6.1%}"
         )
@@ -585,6 +591,7 @@ def _best_time_lines(best: Result, framework: str, model) -> list[str]:
     lines = ["", f"#1 layers per stage: {split[0]} x {len(split)}" if even else uneven]
     if best.layout.pipe > 1:
         lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
+    lines += _zero_variant_lines(best.layout, model)
     lines += [f"#1 time (s): {tm}", _axis_shares(best.time)]
     if best.time.get("dp_hidden", 0) > 0 and model is not None:
         early = overlap_cut(best.layout)[2]
@@ -601,6 +608,21 @@ def _best_time_lines(best: Result, framework: str, model) -> list[str]:
             f"{best.time['tensor_comm'] + best.time['tp_hidden']:.3g} s without it; modeled, not measured on a GPU)"
         )
     return lines
+
+
+def _zero_variant_lines(lay: Layout, model) -> list[str]:
+    """The best layout's ZeRO-2/3 variant as the setting that runs it, and what the run's `auto` would
+    pick instead where it differs (`layerwise` asks the run's rule)."""
+    field = {3: "zero3_gather", 2: "zero2_reduce"}.get(lay.zero)
+    if field is None or getattr(lay, field) == "auto":
+        return []
+    chosen = getattr(lay, field)
+    line = f"#1 ZeRO-{lay.zero}: train.{field}={chosen}"
+    if model is not None:
+        auto = layerwise(model, dataclasses.replace(lay, **{field: "auto"}))
+        picked = ("layer" if lay.zero == 3 else "microbatch") if auto else "step"
+        line += " (what auto picks too)" if picked == chosen else f" (auto would pick {picked}: set it in the config)"
+    return [line]
 
 
 def _best_memory_lines(best: Result) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from meshrun.analysis import flops
-from meshrun.config import ModelConfig
+from meshrun.config import ModelConfig, zero2_layer_refusals, zero3_layer_refusals
 from meshrun.errors import ConfigError
 from meshrun.pipeline import registry
 from meshrun.planner import cost, offload, timing
@@ -384,35 +384,60 @@ def _with(lay: Layout, **fields) -> Layout:
 
 def _best_executor(model, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, kw,
                    memo: dict | None = None) -> Result:  # fmt: skip
-    """The layout on whichever executor of its schedule fits and is faster (first the entry's first):
-    lockstep 1F1B holds min(m, 2p - 1) microbatches, the per-op executor p (+ one B's stash) with a
-    smaller bubble when its ticks are one op each. Megatron's accounting has one executor. `memo`:
-    gets "base", the result of `layout` itself where it is one of the variants and does not fit."""
-    executors = layout.sched.executors
-    if layout.pipe == 1 or kw.get("framework", "meshrun") != "meshrun":
-        executors = executors[:1]
-    # overlap_grad_reduce where some chunk's gradients are final before the last tick (both frameworks:
-    # Megatron's --overlap-grad-reduce); off too, since the early chunks' sums cost memory in meshrun's step
-    overlaps = (False, True) if layout.chunks > 1 else (False,)
+    """The layout on whichever of its variants (`_variants`: executor, overlaps, ZeRO-2/3 variant) fits
+    and is faster, ties to the smaller. `memo`: gets "base", the result of `layout` itself where it is
+    one of the variants and does not fit."""
     best = None
-    for ex in executors:
-        for ov in overlaps:
-            for tp in _tp_overlaps(model, _with(layout, executor=ex), kw.get("framework", "meshrun")):
-                lay = _with(layout, executor=ex, overlap_grad_reduce=ov, tp_comm_overlap=tp)
-                r = evaluate(model, lay, cluster, global_batch, seq_len, **kw)
-                if memo is not None and r.hard and (lay is layout or lay == layout):
-                    memo["base"] = r
-                if best is None or _better(r, best):
-                    best = r
+    for fields in _variants(model, layout, kw.get("framework", "meshrun")):
+        lay = _with(layout, **fields)
+        r = evaluate(model, lay, cluster, global_batch, seq_len, **kw)
+        if memo is not None and r.hard and (lay is layout or lay == layout):
+            memo["base"] = r
+        if best is None or _better(r, best):
+            best = r
     return best
+
+
+def _variants(model, layout: Layout, framework: str):
+    """The fields `_best_executor` tries on `layout`: each executor of its schedule (lockstep 1F1B holds
+    min(m, 2p - 1) microbatches, the per-op executor p (+ one B's stash) with a smaller bubble; Megatron's
+    accounting has one), pipeline.overlap_grad_reduce off and on where some chunk's gradients are final
+    before the last tick (its early sums cost memory in meshrun's step), model.tp_comm_overlap
+    (`_tp_overlaps`) and ZeRO-2/3's variants (`zero_variants`)."""
+    executors = layout.sched.executors
+    if layout.pipe == 1 or framework != "meshrun":
+        executors = executors[:1]
+    for ex in executors:
+        for ov in (False, True) if layout.chunks > 1 else (False,):
+            for tp in _tp_overlaps(model, _with(layout, executor=ex), framework):
+                for zv in zero_variants(layout, ov, framework):
+                    yield dict(executor=ex, overlap_grad_reduce=ov, tp_comm_overlap=tp, **zv)
+
+
+def zero_variants(layout: Layout, overlap_grad_reduce: bool, framework: str = "meshrun") -> list[dict]:
+    """meshrun's ZeRO-2 / ZeRO-3 variants the search costs on `layout`, each named (never `auto`, so the
+    plan runs what was costed): ZeRO-3 gathered per layer (FSDP) and once per step, ZeRO-2 reduced per
+    microbatch and once per step; the per-layer one only where `train` runs it beside
+    `overlap_grad_reduce` (`config.zero`). Other stages, offload.params (its own fetch) and Megatron's
+    semantics: the layout as it is."""
+    if framework != "meshrun" or layout.offload_params or layout.zero not in (2, 3):
+        return [{}]
+    if layout.zero == 3:
+        field, per_layer, refused = "zero3_gather", "layer", zero3_layer_refusals(overlap_grad_reduce)
+    else:
+        field, per_layer, refused = "zero2_reduce", "microbatch", zero2_layer_refusals(overlap_grad_reduce)
+    return [{field: v} for v in ((per_layer, "step") if not refused else ("step",))]
 
 
 def _better(r: Result, best: Result) -> bool:
     """A fitting variant before one that fits nowhere; among fitting ones the faster, among the others
-    the smaller (the figure the "fits on no layout" error quotes is the least any variant needs)."""
+    the smaller (the figure the "fits on no layout" error quotes is the least any variant needs); equal
+    times: the smaller."""
     if r.hard != best.hard:
         return best.hard
-    return r.memory["total"] < best.memory["total"] if r.hard else r.step_time < best.step_time
+    if r.hard:
+        return r.memory["total"] < best.memory["total"]
+    return (r.step_time, r.memory["total"]) < (best.step_time, best.memory["total"])
 
 
 def _tp_overlaps(model, layout: Layout, framework: str) -> tuple[bool, ...]:
