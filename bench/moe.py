@@ -14,7 +14,7 @@ GEMM. Simulated CPU devices share the host's cores: compare ratios within one ru
 Fine-grained MoE vs dense: tiny_deepseek_cpu.yaml reshaped to 2 layers of d_model 128 on data2 x
 expert4, one MoE of 64 experts of width d_ff/8 = 64, top-8, 1 shared expert, beside the dense model
 of equal active FFN width (8 * 64 + 64 = 576; the router's d_model * 64 per token is extra): median
-ms/step over --rounds alternated rounds of --steps steps each (one untimed step per round first).
+ms/step and CPU ms/step over --rounds alternated rounds of --steps steps each (one untimed step per round first).
 """
 
 from __future__ import annotations
@@ -93,15 +93,21 @@ def fine_vs_dense(rounds: int, steps: int) -> None:
     """Fine-grained MoE against the dense model of equal active FLOPs, alternated rounds, one table."""
     steppers = [(name, stepper(FINE_CONFIG, FINE_BASE + over)) for name, over in FINE_CASES]
     times = {name: [] for name, _ in steppers}
+    cpu = {name: [] for name, _ in steppers}
     for _ in range(rounds):
         for name, step in steppers:
             step()
-            times[name] += [step() for _ in range(steps)]
-    head = f"{'data2 x expert4':<24}{'ms/step':>9}{'vs dense':>10}"
+            for _ in range(steps):
+                c0 = time.process_time()
+                times[name].append(step())
+                cpu[name].append(time.process_time() - c0)
+    head = f"{'data2 x expert4':<24}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
     print(f"\n{head}\n{'-' * len(head)}")
-    dense = statistics.median(times[FINE_CASES[0][0]])
+    dense, dense_cpu = (statistics.median(x[FINE_CASES[0][0]]) for x in (times, cpu))
     for name, t in times.items():
-        print(f"{name:<24}{1e3 * statistics.median(t):>9.1f}{statistics.median(t) / dense:>10.2f}")
+        wall, c = statistics.median(t), statistics.median(cpu[name])
+        print(f"{name:<24}{1e3 * wall:>9.1f}{wall / dense:>10.2f}{1e3 * c:>9.1f}{c / dense_cpu:>10.2f}")
+    print("CPU ms = this process's CPU time per step (all simulated devices), steadier on shared cores.")
 
 
 def main() -> None:
