@@ -8,14 +8,16 @@ train.zero=3 train.zero3_gather=layer on mesh.data=8 (configs/tiny_cpu.yaml with
 docs/memory.md's table unless overridden), compiles each, then alternates them: each round times
 `--steps` steps of every variant in turn, so a drift of the machine's load moves both sides of a
 ratio. Prints each round's median step per variant and its ratio to ZeRO-1, then the median of
-the rounds' ratios (the target for ZeRO-3 per layer: <= 1.15x ZeRO-1), and the compiled step's
-bytes per device of each (`memory_analysis`: argument + temp).
+the rounds' ratios (the target for ZeRO-3 per layer: <= 1.15x ZeRO-1), the same for the process's
+CPU time per step (user + system: steadier than wall time on shared cores, blind to idle cores), and
+the compiled step's bytes per device of each (`memory_analysis`: argument + temp).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -57,15 +59,21 @@ def build(over: list[str]):
     return {"ts": ts, "state": state, "batch": batch, "bytes": mem.argument_size_in_bytes + mem.temp_size_in_bytes}
 
 
-def time_steps(v: dict, n: int) -> float:
-    """Median seconds of `n` steps."""
-    out = []
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def time_steps(v: dict, n: int) -> tuple[float, float]:
+    """Median wall and process CPU seconds of `n` steps."""
+    wall, cpu = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         v["state"], m = v["ts"].step(v["state"], *v["batch"])
         jax.block_until_ready(m["loss"])
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(cpu_seconds() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main() -> int:
@@ -79,15 +87,21 @@ def main() -> int:
     print(f"{'round':>5}  " + "  ".join(f"{n + ' ms':>24}" for n in names) + "  " +
           "  ".join(f"{n.split()[0] + ' / ZeRO-1':>16}" for n in names[1:]))  # fmt: skip
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
+    cpu: dict[str, list[float]] = {n: [] for n in names[1:]}
     for r in range(a.rounds):
-        t = {n: time_steps(runs[n], a.steps) for n in names}
+        both = {n: time_steps(runs[n], a.steps) for n in names}
+        t = {n: w for n, (w, _) in both.items()}
         for n in names[1:]:
             ratios[n].append(t[n] / t["ZeRO-1"])
+            cpu[n].append(both[n][1] / both["ZeRO-1"][1])
         print(f"{r + 1:>5}  " + "  ".join(f"{1e3 * t[n]:>24.1f}" for n in names) + "  " +
               "  ".join(f"{ratios[n][-1]:>16.3f}" for n in names[1:]), flush=True)  # fmt: skip
     print()
     for n in names:
-        extra = "" if n == "ZeRO-1" else f"; step time {statistics.median(ratios[n]):.3f}x ZeRO-1 (median of rounds)"
+        extra = ""
+        if n != "ZeRO-1":
+            w, c = statistics.median(ratios[n]), statistics.median(cpu[n])
+            extra = f"; step time {w:.3f}x ZeRO-1, CPU time {c:.3f}x (medians of rounds)"
         print(f"{n:<22} compiled argument + temp {runs[n]['bytes'] / 1e6:7.1f} MB per device{extra}")
     med = statistics.median(ratios["ZeRO-3 per layer"])
     print(f"ZeRO-3 per layer / ZeRO-1 = {med:.3f}x ({'within' if med <= 1.15 else 'NOT within'} the 1.15x target)")

@@ -31,6 +31,9 @@ LAYER = ["train.zero=3", "train.zero3_gather=layer"]
 DP4_TP2 = ["mesh.pipe=1", "mesh.data=4", "mesh.tensor=2", "pipeline.microbatches=4"]
 DP8 = ["mesh.pipe=1", "mesh.data=8", "mesh.tensor=1", "pipeline.microbatches=2"]
 WEIGHTS = 7  # gathered weights of one tiny_cpu layer: q, k, v, o, gate, up, down (norm scales stay whole)
+# ZeRO-3 per layer (layer_group.Plan) gathers them in 5 collectives (q; k and v stacked; o; gate and
+# up stacked; down: none is 1/8 of gate's size, so none is packed) and reduce-scatters them one by one
+GATHERS, SCATTERS = 5, 7
 EDGES = 2  # the embedding and head: without a pipeline reduce-scattered once per microbatch too
 
 
@@ -141,19 +144,19 @@ def compiled_step(over):
 
 
 def test_gathers_inside_the_layer_loop_once_per_layer_and_below_gather_once_in_memory():
-    """data 8, 2 microbatches, 4 layers. Per layer: each layer weight is all-gathered inside a loop once
-    per layer and microbatch in the forward and again in the backward (2 x 7 gathers, each run 4 x 2
-    times a step), and its gradient reduce-scattered there once per layer and microbatch (the embedding's
-    and head's once per microbatch). Gather-once: no all-gather in any loop. The per-layer step's
-    temporaries are below gather-once's."""
+    """data 8, 2 microbatches, 4 layers. Per layer: the layer's weights are all-gathered inside a loop
+    once per layer and microbatch in the forward and again in the backward (2 x 5 gathers, each run
+    4 x 2 times a step), and their gradients reduce-scattered there once per layer and microbatch
+    (7 reduce-scatters; the embedding's and head's once per microbatch). Gather-once: no all-gather in
+    any loop. The per-layer step's temporaries are below gather-once's."""
     cfg, _, layer, mem_layer = compiled_step([*DP8, *LAYER])
     _, _, step, mem_step = compiled_step([*DP8, "train.zero=3", "train.zero3_gather=step"])
     runs = cfg.model.n_layers * cfg.pipeline.microbatches
     looped = lambda cs, op: [c for c in cs if c.op == op and c.in_loop]  # noqa: E731
-    assert [c.per_step for c in looped(layer, "all-gather")] == [runs] * 2 * WEIGHTS
+    assert [c.per_step for c in looped(layer, "all-gather")] == [runs] * 2 * GATHERS
     assert all(c.axes == ("data",) for c in looped(layer, "all-gather"))
     edges = [cfg.pipeline.microbatches] * EDGES
-    assert sorted(c.per_step for c in looped(layer, "reduce-scatter")) == sorted([runs] * WEIGHTS + edges)
+    assert sorted(c.per_step for c in looped(layer, "reduce-scatter")) == sorted([runs] * SCATTERS + edges)
     assert not looped(step, "all-gather") and not looped(step, "reduce-scatter")
     assert mem_layer.temp_size_in_bytes < mem_step.temp_size_in_bytes
     assert mem_layer.argument_size_in_bytes == mem_step.argument_size_in_bytes  # both rest sharded

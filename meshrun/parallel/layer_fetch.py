@@ -29,6 +29,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshrun.parallel import layer_group
 from meshrun.parallel.sharding import GRAD_AXES, MANUAL, dims_with, restrict_spec, spec_dims
 
 HOST_SPACE = jax.memory.Space.Host
@@ -228,7 +229,42 @@ def make_fetch(mesh: Mesh, store: Any, compute: Any, reduce_dtype: Any = None, g
     shadow = lambda x: isinstance(x, Shadowed)  # noqa: E731
     if grads is None:
         return lambda p: jax.tree.map(leaf, p, store, compute, is_leaf=shadow)
-    return lambda p: jax.tree.map(leaf, p, store, compute, grads, is_leaf=shadow)
+    return functools.partial(_fetch_grouped, mesh, reduce_dtype, grad_sink(), store, compute, grads)
+
+
+def _fetch_grouped(mesh: Mesh, reduce_dtype: Any, sink: Any, store: Any, compute: Any, grads: Any, p: Any) -> Any:
+    """`_fetch_leaf` over one unit's tree (device-resting FSDP), the `Shadowed` leaves that gather and
+    reduce-scatter over the same axes sharing collectives (`layer_group.Plan`)."""
+    shadow = lambda x: isinstance(x, Shadowed)  # noqa: E731
+    xs, tree = jax.tree.flatten(p, is_leaf=shadow)
+    specs = [jax.tree.leaves(t, is_leaf=lambda s: isinstance(s, P)) for t in (store, compute, grads)]
+    out: list[Any] = [None] * len(xs)
+    groups: dict[tuple, list[tuple[int, _LeafMoves]]] = {}
+    for i, x in enumerate(xs):
+        spec, base, target = (P(*s[i][1:]) for s in specs)  # one unit: the layer axis is sliced away
+        moves = _LeafMoves.of(mesh, spec, base, target, reduce_dtype)
+        if sink is None and shadow(x) and not (on_host(x.x) or on_host(x.z)) and layer_group.groupable(moves):
+            groups.setdefault(layer_group.group_key(moves, x.x), []).append((i, moves))
+        else:
+            out[i] = _fetch_leaf(mesh, reduce_dtype, sink, x, specs[0][i], specs[1][i], specs[2][i])
+    for members in groups.values():
+        idx, moves = [i for i, _ in members], [m for _, m in members]
+        for i, y in zip(idx, _fetch_group(moves, [xs[i] for i in idx]), strict=True):
+            out[i] = y
+    return jax.tree.unflatten(tree, out)
+
+
+def _fetch_group(moves: list[_LeafMoves], xs: list[Shadowed]) -> tuple[jax.Array, ...]:
+    """The gathered `x.x` of a group of leaves, their float32 gradients sent to the `x.z`, with the
+    group's collectives (`layer_group`; `_fetch_shadowed`, for several leaves)."""
+    plan = layer_group.Plan.of(moves, [x.x for x in xs], [x.z.dtype for x in xs])
+
+    @jax.custom_vjp
+    def fetch(x, z):
+        return plan.gather(x)
+
+    fetch.defvjp(lambda x, z: (fetch(x, z), None), lambda _, g: (None, plan.reduce(g)))
+    return fetch(tuple(x.x for x in xs), tuple(x.z for x in xs))
 
 
 def reduce_rest(mesh: Mesh, compute: Any, grads: Any, reduce_dtype: Any = None) -> Callable:
