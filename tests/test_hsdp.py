@@ -195,7 +195,7 @@ def test_planner_costs_the_group_on_nvlink_and_the_replicas_on_the_network():
 
 def test_plan_search_tries_hsdp_beside_fsdp(capsys):
     """The search tries each ZeRO-3 layout also with one node's data ranks as its group; the table marks
-    it `3/<group>` (mesh.zero_group)."""
+    it `3L/<group>` or `3S/<group>` (mesh.zero_group; L/S: gathered per layer or once a step)."""
     from meshrun.cli.main import main
     from meshrun.planner import search
 
@@ -207,7 +207,7 @@ def test_plan_search_tries_hsdp_beside_fsdp(capsys):
     assert plain <= set(layouts)  # beside the same layout's plain ZeRO-3
     argv = ["plan", "--model", "llama-7b", "--cluster", "h100-80g:4x8", "--global-batch", "256", "--top", "20"]
     assert main(argv) == 0
-    assert re.search(r" 3/8 ", capsys.readouterr().out)
+    assert re.search(r" 3[LS]/8 ", capsys.readouterr().out)
     argv = [*argv[:-2], "--evaluate", "tensor=1,data=32,zero=3,zero_group=8", "--json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["configs"][0]["zero_group"] == 8
