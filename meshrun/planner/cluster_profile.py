@@ -86,7 +86,7 @@ def read_run(path: str | Path) -> Run:
     gpu = "cpu" if dev.get("platform") == "cpu" else gpu_of_kind(kind)
     if gpu is None:
         _refuse(path, f"device kind {kind!r} is not in the GPU catalogue", f"use a run on one of {list(GPUS)}")
-    if getattr(cfg.model, "fp8", "none") != "none" and not GPUS[gpu].fp8_flops:
+    if cfg.model.fp8 != "none" and not GPUS[gpu].fp8_flops:
         _refuse(path, f"model.fp8={cfg.model.fp8} ran on {gpu}, which has no fp8 GEMMs to cost",
                 "calibrate on runs without model.fp8")  # fmt: skip
     med = statistics.median(times)

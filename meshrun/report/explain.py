@@ -54,7 +54,7 @@ def check_cluster(cfg, cluster_text: str) -> None:
         what = f"model.family={cfg.model.family} has no predicted step time (predictable = False)"
         raise ConfigError("--cluster", cluster_text, "leave it out for this family", what)
     gpu = parse_cluster(cluster_text).gpu
-    if getattr(cfg.model, "fp8", "none") != "none" and not gpu.fp8_flops:
+    if cfg.model.fp8 != "none" and not gpu.fp8_flops:
         raise ConfigError("--cluster", cluster_text, "use an H100/H200/GH200/B200 cluster, or leave model.fp8 out",
                           f"{gpu.name} has no fp8 GEMMs to cost model.fp8={cfg.model.fp8} on")  # fmt: skip
 
