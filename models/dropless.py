@@ -27,7 +27,7 @@ from meshrun_models.router import router_stats, top_k_gates
 from meshrun.config import ModelConfig
 from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
-from meshrun.parallel.sharding import constrain
+from meshrun.parallel.sharding import constrain, splits
 
 SLACK = 2  # CPU: batched slots per expert, as a multiple of its expected rows; rows past them run in a loop
 
@@ -40,7 +40,8 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     batched matmul, the rest, if any, in the tile loop (gmm.ffn)."""
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
-    if cfg.fp8 == "none" and jax.default_backend() == "cpu":  # one fused tile loop: only the tiles the rows fill
+    cpu = cfg.fp8 == "none" and jax.default_backend() == "cpu"  # one fused tile loop: only the tiles the rows fill
+    if cpu and splits("mlp") == 1:
         # gate and up as two matmuls: no stacked weight copy, no interleaved output to split
         w_in, act_in = ((p["gate"], p["up"]), _silu_mul) if cfg.mlp == "swiglu" else ((p["up"],), jax.nn.gelu)
         return ffn(x_RxD, tuple(w.astype(dt) for w in w_in), p["down"].astype(dt), sizes_E, act_in, cap=SLACK * mean)
@@ -52,6 +53,8 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
         act, spec = _swiglu, (None, "mlp", None)
     else:
         w_up, act, spec = p["up"], jax.nn.gelu, (None, "mlp")
+    if cpu:
+        return ffn(x_RxD, (w_up.astype(dt),), p["down"].astype(dt), sizes_E, act, cap=SLACK * mean)
     if cfg.fp8 != "none":  # the grouped matmuls in fp8
 
         def mm(x, w, slot):

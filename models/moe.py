@@ -30,7 +30,7 @@ from meshrun_models.router import router_stats, top_k_gates
 from meshrun.config import ModelConfig
 from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
-from meshrun.parallel.sharding import constrain, current_rules, use_rules
+from meshrun.parallel.sharding import constrain, current_rules, splits, use_rules
 
 STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens", "moe_balance")
 BALANCE = "balance"  # an MoE layer's balance=bias state: {'bias' [E], 'load' [E]} (float32, not trained)
@@ -161,11 +161,13 @@ def slots(top_i_GxSxk, pos_GxSxk, keep_GxSxk, n_experts: int, cap: int):
 
 def experts(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, f8=None) -> jax.Array:
     """Each expert's FFN on its buffers (G groups of C slots); 'mlp' column/row-parallel over tensor as
-    in the dense MLP. Without fp8 the slots are one row axis and gate and up two einsums: [E, rows, D]
-    batched matmuls whose weight gradients contract one axis (on XLA:CPU 1.4x less time than a gate/up
-    stacked over [E, D, 2, F] on [E, G, C, D], whose output slices and weight stack cost copies)."""
-    if cfg.fp8 != "none":
-        return _experts_fp8(p, x_ExGxCxD, cfg, f8)
+    in the dense MLP. Without fp8 and with 'mlp' whole, the slots are one row axis and gate and up two
+    einsums: [E, rows, D] batched matmuls whose weight gradients contract one axis (on XLA:CPU 1.4x less
+    time than a gate/up stacked over [E, D, 2, F] on [E, G, C, D], whose output slices and weight stack
+    cost copies). With 'mlp' split, gate and up stay one stacked GEMM: one input-gradient all-reduce
+    over tensor in the backward, not two."""
+    if cfg.fp8 != "none" or splits("mlp") > 1:
+        return _experts_stacked(p, x_ExGxCxD, cfg, f8)
     e, g, c, d = x_ExGxCxD.shape
     dt = dtype_of(cfg.dtype)
     x_ExRxD = x_ExGxCxD.reshape(e, g * c, d)
@@ -177,21 +179,23 @@ def experts(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, 
     return jnp.einsum("erf,efd->erd", a_ExRxF, p["down"].astype(dt)).reshape(e, g, c, d)
 
 
-def _experts_fp8(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, f8) -> jax.Array:
-    """`experts` under cfg.fp8: one tensorwise scale for all the experts' weights of a GEMM (gate and
-    up stacked: one scale; reduced over 'expert', which splits them); blockwise's token tiles lie
-    inside a group's slots, whatever the layout."""
+def _experts_stacked(p: Mapping[str, jax.Array], x_ExGxCxD: jax.Array, cfg: ModelConfig, f8) -> jax.Array:
+    """`experts` with gate and up stacked into one GEMM; under cfg.fp8 (`f8`: the block's fp8 state) one
+    tensorwise scale for all the experts' weights of a GEMM (reduced over 'expert', which splits them);
+    blockwise's token tiles lie inside a group's slots, whatever the layout."""
+    dt = dtype_of(cfg.dtype)
+    w = (lambda w: w) if cfg.fp8 != "none" else (lambda w: w.astype(dt))
     gemm = lambda spec, x, w, slot: fp8.einsum(
         spec, x, w, cfg.fp8, f8, fp8_slot(cfg, slot), split_w=True, block=cfg.fp8_block
     )
     if cfg.mlp == "swiglu":
-        w_ExDx2xF = jnp.stack([p["gate"], p["up"]], axis=2)
+        w_ExDx2xF = w(jnp.stack([p["gate"], p["up"]], axis=2))
         gu = constrain(gemm("egcd,edtf->egctf", x_ExGxCxD, w_ExDx2xF, "expert_in"), ("expert", None, None, None, "mlp"))
         a_ExGxCxF = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
     else:
-        u = constrain(gemm("egcd,edf->egcf", x_ExGxCxD, p["up"], "expert_in"), ("expert", None, None, "mlp"))
+        u = constrain(gemm("egcd,edf->egcf", x_ExGxCxD, w(p["up"]), "expert_in"), ("expert", None, None, "mlp"))
         a_ExGxCxF = jax.nn.gelu(u)
-    return gemm("egcf,efd->egcd", a_ExGxCxF, p["down"], "expert_out")
+    return gemm("egcf,efd->egcd", a_ExGxCxF, w(p["down"]), "expert_out")
 
 
 def moe_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelConfig, axis: str | None, f8=None):

@@ -237,6 +237,18 @@ def current_rules() -> tuple[Mesh | None, Rules, frozenset[str]]:
     return _CTX.get()
 
 
+def splits(name: str) -> int:
+    """How many devices the logical axis `name` is split over under the active rules (manual axes
+    included; 1 without a mesh)."""
+    mesh, rules, _ = _CTX.get()
+    if mesh is None:
+        return 1
+    n = 1
+    for ax in rules.get(name, ()):
+        n *= mesh.shape.get(ax, 1)
+    return n
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """with_sharding_constraint by logical names; a no-op when no mesh is active (one device)."""
     mesh, rules, manual = _CTX.get()
