@@ -30,6 +30,7 @@ from meshrun_models.router import router_stats, top_k_gates
 from meshrun.config import ModelConfig
 from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
+from meshrun.parallel.layer_fetch import to_device
 from meshrun.parallel.sharding import constrain, current_rules, splits, use_rules
 
 STATS = ("moe_aux_loss", "moe_z_loss", "dropped_tokens", "moe_balance")
@@ -66,16 +67,17 @@ class MoE(nnx.Module):
 def update_balance(params, grads, rate: float):
     """After the step's gradient reduction: every MoE layer's bias moves by `rate` towards balance,
     bias += rate * sign(mean load - load) (DeepSeek-V3's update; the loads are the 'load' gradients:
-    the step's assignment counts over all tokens), 'load' is reset to 0 and both gradients are zeroed,
+    the step's assignment counts over all tokens; 'load' itself stays 0) and both gradients are zeroed,
     so clipping, the logged norm and the optimizer never see them. Returns (params, grads)."""
     if not isinstance(params, Mapping):
         return params, grads
     new_p, new_g = dict(params), dict(grads)
     for key, sub in params.items():
         if key == BALANCE and isinstance(sub, Mapping) and "bias" in sub:
-            load = grads[key]["load"].astype(jnp.float32)
+            load = to_device(grads[key]["load"]).astype(jnp.float32)  # offload.params: in host memory
             step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-            new_p[key] = {"bias": sub["bias"] + step.astype(sub["bias"].dtype), "load": jnp.zeros_like(sub["load"])}
+            bias = to_device(sub["bias"])
+            new_p[key] = {**sub, "bias": bias + step.astype(bias.dtype)}  # 'load' stays zero: its gradient counts
             new_g[key] = jax.tree.map(jnp.zeros_like, grads[key])
         else:
             new_p[key], new_g[key] = update_balance(sub, grads[key], rate)

@@ -67,6 +67,27 @@ def test_offload_params_matches_without_context():
     _same_as_without(["mesh.pipe=1", "mesh.data=2", "mesh.context=2", "pipeline.microbatches=2", "train.zero=3"])
 
 
+def test_offload_params_carries_the_fp8_histories():
+    """data 8, delayed fp8: the amax histories, resting in host memory with the layers, take each step's
+    observations on the device after the streamed step's reduction; the same numbers, histories
+    included, as the step without the switch (the gather-once ZeRO-3 step)."""
+    _same_as_without([*DP8_M1, "model.fp8=delayed"])
+
+
+@pytest.mark.slow
+def test_offload_params_carries_the_fp8_histories_through_the_pipeline():
+    """data 2 x pipe 2 x tensor 2, 1F1B, delayed fp8: the histories' zero gradient (the loss does not
+    differentiate them) goes into the host sums beside the fetched layers' reduced ones."""
+    _same_as_without([*PIPE, "model.fp8=delayed"])
+
+
+@pytest.mark.slow
+def test_offload_params_carries_the_moe_balance_bias():
+    """tiny_deepseek_cpu (data 2 x expert 2 x tensor 2, balance: bias, 2 microbatches): each MoE layer's
+    bias, resting in host memory, moves by the step's loads as without the switch."""
+    _same_as_without(["train.zero=3"], "tiny_deepseek_cpu.yaml")
+
+
 def test_evaluation_matches_without():
     """The forward-only evaluation step fetches the layers the same way (data 4 x tensor 2)."""
     got = []
@@ -156,10 +177,13 @@ def test_offload_params_needs_zero_3(capsys):
 
 def test_offload_params_rules():
     """The config, the step's plan and the planner ask the same pure function: it accepts the nvme tier
-    and pipelines (bf16 params too: test_zero3_layer.py), and refuses fp8 and ZeRO below 3."""
+    and pipelines (bf16 params too: test_zero3_layer.py) and fp8, and refuses ZeRO below 3 and fp8 with the
+    gradient file."""
     assert offload_params_refusals(3, "nvme", fp8="none", pipe=1) == []
     assert offload_params_refusals(3, "none", fp8="none", pipe=2) == offload_params_refusals(3, "none") == []
-    assert offload_params_refusals(3, "none", fp8="tensorwise", pipe=1) and offload_params_refusals(1, "none")
+    assert offload_params_refusals(3, "none", fp8="delayed", pipe=1) == []
+    assert offload_params_refusals(1, "none")
+    assert offload_params_refusals(3, "nvme", fp8="tensorwise", pipe=1, offload_grads="nvme", microbatches=1)
 
 
 BF16 = ["model.param_dtype=bfloat16", "model.dtype=bfloat16"]

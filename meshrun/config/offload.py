@@ -99,8 +99,9 @@ def offload_params_refusals(
                     "set pipeline.overlap_grad_reduce=false with it"))  # fmt: skip
     if zero != 3:
         out.append((f"needs ZeRO-3's sharded parameters (train.zero={zero})", "set train.zero=3 (or turn it off)"))
-    if fp8 not in (None, "none"):
-        out.append(("is not built with fp8 training", "turn model.fp8 off with it"))
+    if fp8 not in (None, "none") and offload_grads == "nvme":
+        out.append(("with offload.grads=nvme sends the fp8 scaling observations to the gradient file, "
+                    "where the update does not read them", "use offload.grads=host with model.fp8"))  # fmt: skip
     return out
 
 

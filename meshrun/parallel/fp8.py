@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from meshrun.config import FP8_RECIPES as RECIPES
 from meshrun.errors import ConfigError
 from meshrun.parallel import fp8_block
+from meshrun.parallel.layer_fetch import to_device
 from meshrun.parallel.sharding import CONTEXT, DP_AXES, current_rules
 
 __all__ = ["RECIPES", "einsum", "ragged_dot", "update_state"]
@@ -262,12 +263,10 @@ def update_state(params: Any, grads: Any) -> tuple[Any, Any]:
     new_p, new_g = dict(params), dict(grads)
     for key, sub in params.items():
         if key == STATE_KEY and isinstance(sub, Mapping):
-            g = grads[key]
-            state = dict(sub)
-            if "hist" in state:
-                state["hist"] = rotate(sub["hist"], decode(g["obs"]))
-                state["obs"] = jnp.zeros_like(sub["obs"])
-            new_p[key], new_g[key] = state, jax.tree.map(jnp.zeros_like, g)
+            state = dict(sub)  # 'obs' stays zero: only its gradient carries the observations
+            if "hist" in state:  # offload.params: both may rest in host memory
+                state["hist"] = rotate(to_device(sub["hist"]), decode(to_device(grads[key]["obs"])))
+            new_p[key], new_g[key] = state, jax.tree.map(jnp.zeros_like, grads[key])
         else:
             new_p[key], new_g[key] = update_state(sub, grads[key])
     return new_p, new_g

@@ -137,6 +137,19 @@ def to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, DEVICE_SPACE) if on_host(x) else x
 
 
+def rest_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x in the memory space `like` rests in."""
+    return jax.device_put(x, HOST_SPACE) if on_host(like) and not on_host(x) else x
+
+
+def add_to(acc: jax.Array, g: jax.Array) -> jax.Array:
+    """acc + g where `acc` rests. Into host sums a gradient on the device is one no fetch reduced: the
+    zeros of a leaf the loss does not differentiate (fp8's amax history, the MoE balance bias)."""
+    if on_host(acc) and not on_host(g):
+        return jax.device_put(to_device(acc) + g, HOST_SPACE)
+    return acc + g
+
+
 def add_slice(acc: jax.Array, i, y: jax.Array) -> jax.Array:
     """acc[i] += y along the leading axis; a host-resident `acc` is read to the device, added to and
     written back one slice at a time (the sums never come to the device whole)."""

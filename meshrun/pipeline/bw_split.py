@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jc
 
-from meshrun.parallel.layer_fetch import add_slice
+from meshrun.parallel.layer_fetch import add_slice, add_to
 
 # calls split through their bodies (inlined in B and W): jit, and remat's checkpoint (its body in
 # the backward is the recomputed forward plus the layer's backward; B runs the recompute, and what W
@@ -197,7 +197,7 @@ def run_w(jaxpr, bws: BWSplit, consts, args, stash, acc=None, keep=None):
     inside = {o for o, _ in parts.values()}
     for k, a in enumerate(acc or []):
         if a is not None:
-            outs[k] = cur[k] if k in inside else a + _kept(outs[k].astype(a.dtype), keep)
+            outs[k] = cur[k] if k in inside else add_to(a, _kept(outs[k].astype(a.dtype), keep))
     return outs
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshrun.parallel.layer_fetch import grad_sink, host_zeros, on_host, reduce_rest, shadowed, sink_index
+from meshrun.parallel.layer_fetch import add_to, grad_sink, host_zeros, on_host, reduce_rest, shadowed, sink_index
 from meshrun.parallel.sharding import is_spec
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 
@@ -45,7 +45,7 @@ def _without_layers(tree: dict) -> dict:
 
 def _add(acc: jax.Array, g: jax.Array) -> jax.Array:
     """A microbatch's gradient into the sums; one that left the scan reduced, in host memory, is the sum."""
-    return g if on_host(g) else acc + g
+    return g if on_host(g) else add_to(acc, g)
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ def _param_shardings(
 
 def _offload_placement(cfg: RunConfig, shape: Mapping[str, int], mesh) -> Placement:
     """The run's offload placement (`offload.registry.placement`), after the rules that need the mesh:
-    offload.params beside the pipeline and microbatches, the MoE bias with a streamed update, and
+    offload.params beside the pipeline and microbatches, the MoE bias with the tier's streamed update, and
     pinned host memory on this platform."""
     if cfg.offload.params and (refused := offload_params_refusals(
         cfg.train.zero, cfg.offload.optimizer, fp8=cfg.model.fp8, pipe=shape["pipe"], offload_grads=cfg.offload.grads,
@@ -225,10 +225,10 @@ def _offload_placement(cfg: RunConfig, shape: Mapping[str, int], mesh) -> Placem
     )):  # fmt: skip
         raise ConfigError("offload.params", True, refused[0][1], refused[0][0])
     offload = placement(cfg, mesh.devices.flat if hasattr(mesh, "devices") else None)
-    if cfg.model.balance == "bias" and (cfg.offload.params or offload.streams):
+    if cfg.model.balance == "bias" and offload.streams:
         raise ConfigError(
-            "model.balance", "bias", "use model.balance=aux_loss with it, or offload.update=whole without "
-            "offload.params", "the streamed updates do not carry the MoE balance biases",
+            "model.balance", "bias", "use model.balance=aux_loss with it, or the host tier's offload.update=whole",
+            "the optimizer tier's streamed update does not carry the MoE balance biases",
         )  # fmt: skip
     host = cfg.offload.optimizer == "host" and not offload.streams  # pinned host memory
     if hasattr(mesh, "devices") and (host or cfg.model.remat == "offload" or cfg.offload.params):

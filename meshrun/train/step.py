@@ -34,7 +34,7 @@ from meshrun.offload.registry import build_tier
 from meshrun.offload.tier import StateTier, with_tier
 from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer, map_params
 from meshrun.parallel import fp8
-from meshrun.parallel.layer_fetch import use_layer_fetch
+from meshrun.parallel.layer_fetch import rest_like, use_layer_fetch
 from meshrun.parallel.sharding import MANUAL, batch_spec, compute_rules, is_spec, manual_axes, use_rules
 from meshrun.parallel.zero import ZeroShardings
 from meshrun.pipeline import bw_split
@@ -285,15 +285,33 @@ def _fresh_state(tx, params) -> TrainState:
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
+def _untrained_from_grads(fns, params, grads) -> tuple[Any, Any]:
+    """(params with their untrained state set from the step's reduced gradients, the gradients with
+    that state's zeroed): delayed fp8's amax histories, then the model's own state (MoE balance
+    biases), so clipping, the logged norm and the optimizer never see them."""
+    scaled, grads = fp8.update_state(params, grads)
+    if fns.update_state is not None:
+        scaled, grads = fns.update_state(scaled, grads)
+    return scaled, grads
+
+
+def _untrained_kept(fns, params, scaled) -> Any:
+    """The optimizer's new `params` with the untrained state taken from `scaled` (its update discarded)."""
+    params = fp8.with_state(params, scaled)
+    return params if fns.keep_state is None else fns.keep_state(params, scaled)
+
+
 def _streamed_step(plan: StepPlan, tx, loss_and_grads, state_sh, state: TrainState, *batch):
     """offload.params' step: the update streams layer by layer (`layer_update.update`, `tx` its
     no-clip optimizer)."""
     zl = plan.zero
     loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))
+    scaled, grads = _untrained_from_grads(plan.model_fns, state.params, grads)
     cast = not isinstance(state.opt_state, MasterState)  # as `_device_step` does
     params, opt_state, g_norm = layer_update.update(
         tx, grads, state.opt_state, state.params, plan.cfg.optimizer.grad_clip, cast, zl
     )
+    params = jax.tree.map(rest_like, _untrained_kept(plan.model_fns, params, scaled), state.params)
     state = TrainState(params, opt_state, state.step + 1)
     return zl.to_host(state, state_sh), {"loss": loss, "grad_norm": g_norm, **aux}
 
@@ -304,15 +322,11 @@ def _device_step(plan: StepPlan, tx, loss_and_grads, state_sh, state: TrainState
     fns, zl = plan.model_fns, plan.zero
     state = zl.to_device(state, state_sh)
     loss, grads, aux = loss_and_grads(state.params, *plan.lay_out(batch))  # context axis: token layout
-    scaled, grads = fp8.update_state(state.params, grads)  # delayed fp8: amax histories take this step's
-    if fns.update_state is not None:  # untrained model state (MoE balance biases) from the reduced grads
-        scaled, grads = fns.update_state(scaled, grads)
+    scaled, grads = _untrained_from_grads(fns, state.params, grads)
     if not isinstance(state.opt_state, MasterState):  # master weights: Adam takes the fp32 sums as they are
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # fp32 sums -> param dtype
     params, opt_state = apply_optimizer(tx, grads, state.opt_state, state.params)
-    params = fp8.with_state(params, scaled)
-    if fns.keep_state is not None:
-        params = fns.keep_state(params, scaled)
+    params = _untrained_kept(fns, params, scaled)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
     return zl.to_host(TrainState(params, opt_state, state.step + 1), state_sh), metrics
 
