@@ -267,8 +267,10 @@ def mla_attention(p: Mapping[str, jax.Array], h_BxLxD: jax.Array, cfg: ModelConf
     v is zero-padded to the q/k head size so that every attention kernel (jax's, the context-parallel
     all-gather and ring) runs unchanged: the padded output columns are exact zeros, dropped after.
     `f8`: the block's fp8 state: the five projections (`layers.FP8_MLA_SLOTS`, the output) run in fp8
-    under cfg.fp8 (tensorwise, delayed), the latent norms and the attention core in the compute dtype."""
-    gemm = lambda spec, x, name, slot: fp8.einsum(spec, x, p[name], cfg.fp8, f8, fp8_slot(cfg, slot))
+    under cfg.fp8, the latent norms and the attention core in the compute dtype; blockwise's tiles lie in
+    one head (q_up, kv_up: its dims; the output: its v dims), a partial last tile zero-padded."""
+    block = cfg.fp8_block
+    gemm = lambda spec, x, name, slot: fp8.einsum(spec, x, p[name], cfg.fp8, f8, fp8_slot(cfg, slot), block=block)
     n, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     latent = ("batch", None, None)
     if cfg.q_lora_rank:

@@ -371,8 +371,6 @@ def test_bf16_params_with_float32_master_match_one_device():
          "model.v_head_dim: invalid value (got 16); use at most qk_nope_head_dim + qk_rope_head_dim = 12"),
         ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
           "q_lora_rank": -1}, "model.q_lora_rank: out of range (got -1)"),
-        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-          "fp8": "blockwise"}, "model.fp8: the latent projections have no blockwise recipe here (got 'blockwise')"),
     ],
 )  # fmt: skip
 def test_config_errors_name_field_value_and_fix(changes, line):

@@ -170,11 +170,6 @@ class LlamaConfig(ModelConfig):
                 "model.v_head_dim", self.v_head_dim,
                 f"use at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} with model.attention=mla",
             )  # fmt: skip
-        if self.fp8 == "blockwise":
-            raise ConfigError(
-                "model.fp8", "blockwise", "use model.fp8=tensorwise or delayed with model.attention=mla",
-                "the latent projections have no blockwise recipe here",
-            )  # fmt: skip
         for f, off in (("qkv_bias", False), ("qk_norm", False), ("tp_comm_overlap", False)):
             if getattr(self, f) != off:
                 raise ConfigError(
@@ -183,10 +178,14 @@ class LlamaConfig(ModelConfig):
                 )  # fmt: skip
 
     def _check_fp8_block(self) -> None:
-        """fp8=blockwise: fp8_block (or a smaller dim, one tile) tiles every covered GEMM's dims."""
+        """fp8=blockwise: fp8_block (or a smaller dim, one tile) tiles every covered GEMM's dims. MLA's
+        ranks and head dims may end in a partial tile, zero-padded (DeepSeek-V3's scale grids round up:
+        its kv_down has 576 rows, its q heads 192 dims); none of them is split over 'tensor'."""
         if self.fp8 != "blockwise":
             return
-        b, dims = self.fp8_block, [("d_model", self.d_model), ("head_dim", self.head_dim), ("d_ff", self.d_ff)]
+        b, dims = self.fp8_block, [("d_model", self.d_model), ("d_ff", self.d_ff)]
+        if self.attention != "mla":
+            dims.append(("head_dim", self.head_dim))
         if self.n_experts:
             shared = self.n_shared_experts * self.expert_d_ff
             dims += [("moe_d_ff", self.expert_d_ff), ("n_shared_experts * moe_d_ff", shared)]
