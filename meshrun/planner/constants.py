@@ -8,8 +8,9 @@ Calibration sets (`CALIBRATIONS`, by the GPU catalogue's name):
   `calibrate.fit_calibration()`, fields gemm and hbm.
 * h100-80g: NVIDIA's DGX Cloud Benchmarking H100 runs (tests/data/published_runs.yaml, tag v24.11.1:
   GPT-3 175B, Llama 3.1 8B / 70B / 405B, Nemotron-4 340B, Grok-1 314B, bf16 and fp8), the rows not
-  marked held_out, `calibrate.fit_published()`, fields gemm, fp8 and flash; the held-out rows (the 405B
-  proxies) are predicted, never fitted.
+  marked held_out, `calibrate.fit_published()`, fields gemm, fp8, flash and overlap (Megatron's overlap
+  charge: 0, every larger charge fits worse); the held-out rows (the 405B proxies) are predicted, never
+  fitted.
 A GPU with no set of its own uses the A100's (`calibration_for`).
 """
 
@@ -64,7 +65,9 @@ ATTENTION_KERNELS = ("cudnn", "flash2")  # fused attention's kernel: the GPU's f
 # their byte counts are if anything high.
 CALIBRATION = Calibration(gemm=0.741, hbm=1.0)
 # Fitted on the published H100 runs (not the held-out rows): `calibrate.fit_published()`;
-# tests/test_planner_published.py checks these equal the fit.
+# tests/test_planner_published.py checks these equal the fit. overlap: the charge under Megatron's
+# semantics (the recipes' ub_tp_comm_overlap_cfg gives TE's ring-exchange overlaps 1 SM, its pipelined
+# and bulk ones 2 to 24 of the 132); meshrun's semantics and ZeRO-2/3 traffic keep OVERLAP_COST.
 H100_CALIBRATION = Calibration(gemm=0.612, hbm=1.0, fp8=0.497, flash=0.487, overlap=0.0)
 CALIBRATIONS: dict[str, Calibration] = {"h100-80g": H100_CALIBRATION}
 
