@@ -103,8 +103,8 @@ def _ratios(cases, held_out: bool) -> dict[str, float]:
 
 
 def test_h100_calibration_is_the_fit_of_the_published_runs():
-    """constants.H100_CALIBRATION (gemm, fp8, flash) is what `calibrate.fit_published` returns on the
-    rows not held out: fitted, not tuned per row."""
+    """constants.H100_CALIBRATION (gemm, fp8, flash, overlap) is what `calibrate.fit_published` returns
+    on the rows not held out: fitted, not tuned per row."""
     from meshrun.planner import calibrate, constants
 
     assert calibrate.fit_published(DATA) == constants.H100_CALIBRATION
@@ -112,23 +112,54 @@ def test_h100_calibration_is_the_fit_of_the_published_runs():
     assert constants.calibration_for("a100-80g") == constants.CALIBRATION
 
 
+def test_the_overlap_charge_is_fitted_and_megatrons_only(cases):
+    """The share of hidden communication charged under Megatron's semantics is a fitted field of the H100
+    set: the fit lands on 0 (every charge fits the runs worse: 0.25, the assumed one, and 0.1), the
+    other fields refitted there. meshrun's semantics, unmeasured on a GPU, keep the assumed
+    OVERLAP_COST, as does ZeRO-2/3 traffic; a cluster profile's own charge wins under both."""
+    from dataclasses import replace
+
+    from meshrun.planner import calibrate, search
+    from meshrun.planner.constants import H100_CALIBRATION, OVERLAP_COST
+    from meshrun.planner.hardware import parse_cluster
+
+    assert "overlap" in calibrate.PUBLISHED_FIELDS and H100_CALIBRATION.overlap == 0.0
+    fitted = [c for c in cases if not c.row.get("held_out")]
+    sse = lambda cal: sum(r * r for r in calibrate.published_residuals(fitted, cal))  # noqa: E731
+    best = sse(H100_CALIBRATION)
+    for charge in (0.1, OVERLAP_COST):
+        other = calibrate.fit_cases(fitted, ("gemm", "fp8", "flash"), replace(H100_CALIBRATION, overlap=charge))
+        assert sse(other) > best, charge
+    h100, a100 = parse_cluster("h100-80g:2x8"), parse_cluster("a100-80g:2x8")
+    assert h100.overlap_for("megatron") == 0.0 and h100.overlap_for("meshrun") == OVERLAP_COST
+    assert a100.overlap_for("megatron") == OVERLAP_COST == a100.overlap_for("meshrun")
+    profiled = replace(h100, overlap_cost=0.4)
+    assert profiled.overlap_for("megatron") == 0.4 == profiled.overlap_for("meshrun")
+    # ZeRO-2's per-micro-batch reduce-scatters, which no published run used, keep the assumed charge
+    c = next(c for c in cases if c.id == "llama3.1-8b-bf16")
+    lay = replace(c.layout, zero=2)
+    zero = {k: search.evaluate(c.model, lay, replace(c.cluster, overlap_cost=k), 128, 8192,
+                               framework="megatron").time["zero_comm"] for k in (None, OVERLAP_COST, 0.0)}  # fmt: skip
+    assert zero[None] == zero[OVERLAP_COST] > zero[0.0] >= 0
+
+
 def test_published_step_times(cases):
     """Predicted / published step time at the published layouts. Fitted rows (12): median |error|
     <= 5%, errors on both sides, every row within 10%. Held-out rows (the 405B proxies, never
-    fitted): within 20%."""
+    fitted): within 10% too (the worst, 21 layers fp8, +9.8%)."""
     fitted = _ratios(cases, held_out=False)
     errs = [r - 1 for r in fitted.values()]
     assert statistics.median(abs(e) for e in errs) <= 0.05, fitted
     assert sum(e < 0 for e in errs) >= 4 and sum(e > 0 for e in errs) >= 4, fitted
     assert all(abs(e) <= 0.10 for e in errs), fitted
     held = _ratios(cases, held_out=True)
-    assert all(abs(r - 1) <= 0.20 for r in held.values()), held
+    assert all(abs(r - 1) <= 0.10 for r in held.values()), held
 
 
 def test_leave_one_model_out():
     """Each model's rows predicted by the constants fitted on the other models' rows
-    (`calibrate.leave_one_model_out`; printed with -s): median |error| <= 5%, every row within 13%
-    (405B fp8, +12.6%, is the worst: the 10% the fitted rows meet is not met here)."""
+    (`calibrate.leave_one_model_out`; printed with -s): median |error| <= 5%, every row within the
+    fitted rows' 10% (405B fp8, +7.5%, is the worst)."""
     from meshrun.planner import calibrate
 
     errs = calibrate.leave_one_model_out(DATA)
@@ -136,7 +167,7 @@ def test_leave_one_model_out():
     a, low = [abs(e) for e in errs.values()], sum(e < 0 for e in errs.values())
     print(f"median |error| {statistics.median(a):.1%}, worst {max(a):.1%}, {low} of {len(a)} optimistic")
     assert len(errs) == 12
-    assert statistics.median(a) <= 0.05 and max(a) <= 0.13, errs
+    assert statistics.median(a) <= 0.05 and max(a) <= 0.10, errs
 
 
 def test_fp8_speedup_shrinks_where_attention_is_a_larger_share(cases):

@@ -55,7 +55,7 @@ from meshrun.planner.search import (
     tp_overlap_refusal,
 )
 from meshrun.planner.step_model import layerwise, overlap_cut
-from meshrun.planner.timing import FRAMEWORKS, OVERLAP_COST, overlap_ticks
+from meshrun.planner.timing import FRAMEWORKS, overlap_ticks
 
 INT_KEYS = ("tensor", "pipe", "data", "expert", "context", "virtual", "microbatches", "micro_batch_size", "zero",
             "zero_group", "wgrad_deferral")  # fmt: skip
@@ -593,18 +593,19 @@ def _best_time_lines(best: Result, framework: str, model) -> list[str]:
         lines.append(f"#1 schedule: {best.layout.schedule} on the {best.layout.run_executor} executor")
     lines += _zero_variant_lines(best.layout, model)
     lines += [f"#1 time (s): {tm}", _axis_shares(best.time)]
+    charge = best.time["overlap_cost"]
     if best.time.get("dp_hidden", 0) > 0 and model is not None:
         early = overlap_cut(best.layout)[2]
         used, n, ticks = overlap_ticks(model, best.layout, framework)
         lines.append(
             f"#1 overlap_grad_reduce: {best.time['dp_hidden']:.3g} s of the gradient reduction ({early:.0%} of the "
-            f"layers) beside {used} of the last {n} of {ticks} ticks, charged {OVERLAP_COST:.0%} "
+            f"layers) beside {used} of the last {n} of {ticks} ticks, charged {charge:.0%} "
             f"(dp_sync {best.time['dp_sync_full']:.3g} s without it; modeled from the schedule, not measured on a GPU)"
         )
     if best.time.get("tp_hidden", 0) > 0:
         lines.append(
             f"#1 tp_comm_overlap: {best.time['tp_hidden']:.3g} s of the TP all-gathers and reduce-scatters hidden "
-            f"beside the chunks' matmuls, net of the {OVERLAP_COST:.0%} charge (tensor_comm "
+            f"beside the chunks' matmuls, net of the {charge:.0%} charge (tensor_comm "
             f"{best.time['tensor_comm'] + best.time['tp_hidden']:.3g} s without it; modeled, not measured on a GPU)"
         )
     return lines

@@ -27,7 +27,7 @@ import yaml
 from meshrun.config import RunConfig, from_dict, resolve_shape
 from meshrun.errors import ConfigError
 from meshrun.planner import search
-from meshrun.planner.constants import COMM_LATENCY_S, OVERLAP_COST, Calibration, calibration_for
+from meshrun.planner.constants import COMM_LATENCY_S, Calibration, calibration_for
 from meshrun.planner.fit import fit_logs
 from meshrun.planner.hardware import GB, GPUS, Cluster, gpu_of_kind, parse_cluster
 from meshrun.planner.layout import layout_of
@@ -124,7 +124,7 @@ def defaults(cluster: Cluster) -> dict[str, float]:
     gpu = cluster.gpu
     cal = gpu.calibration or calibration_for(gpu.name)
     return {"gemm": cal.gemm, "hbm": cal.hbm, "intra_bw": gpu.intra_node_bw, "inter_bw": cluster.nic_bw_per_gpu,
-            "latency_s": COMM_LATENCY_S, "overlap_cost": OVERLAP_COST, "flash": cal.flash,
+            "latency_s": COMM_LATENCY_S, "overlap_cost": cluster.overlap_for("meshrun"), "flash": cal.flash,
             "fp8": cal.fp8_gemm}  # fmt: skip
 
 
@@ -132,7 +132,9 @@ def apply(cluster: Cluster, params: dict[str, float]) -> Cluster:
     """`cluster` with a profile's parameters: its GPU's calibration and link rates, the cluster's latency
     and overlap charge (the node's NICs as one rate per device)."""
     gpu = cluster.gpu
-    cal = Calibration(gemm=params["gemm"], hbm=params["hbm"], fp8=params["fp8"], flash=params["flash"])
+    cal = Calibration(
+        gemm=params["gemm"], hbm=params["hbm"], fp8=params["fp8"], flash=params["flash"], overlap=params["overlap_cost"]
+    )
     link = {"nvlink_bw": 2 * params["intra_bw"]} if gpu.nvlink_bw else {"pcie_bw": params["intra_bw"]}
     gpu = dataclasses.replace(gpu, calibration=cal, nic_bw=params["inter_bw"], **link)
     return dataclasses.replace(cluster, gpu=gpu, nics=0, nic_gbps=0.0, latency_s=params["latency_s"],

@@ -22,7 +22,7 @@ from meshrun.errors import ConfigError
 # NCCL's achievable fraction of link bandwidth and per-message latency: `constants.py`
 from meshrun.planner.constants import COMM_EFFICIENCY as COMM_EFFICIENCY
 from meshrun.planner.constants import COMM_LATENCY_S as COMM_LATENCY_S
-from meshrun.planner.constants import OVERLAP_COST, Calibration
+from meshrun.planner.constants import OVERLAP_COST, Calibration, calibration_for
 
 GB = 1e9
 TB = 1e12
@@ -209,7 +209,18 @@ class Cluster:
     nvme_read_gbs: float = 0.0  # sequential GB/s of each drive (0: the default)
     nvme_write_gbs: float = 0.0
     latency_s: float = COMM_LATENCY_S  # fixed cost of each collective / p2p message (a cluster profile's fit)
-    overlap_cost: float = OVERLAP_COST  # share of overlapped communication still charged (`constants.py`)
+    overlap_cost: float | None = None  # share of overlapped communication still charged (None: `overlap_for`)
+
+    def overlap_for(self, framework: str) -> float:
+        """The share of hidden communication still charged to the step under `framework`: the cluster's
+        own where set (a cluster profile's fit); else under Megatron's semantics the GPU calibration's
+        `overlap` (the H100's fitted on the published runs), under meshrun's OVERLAP_COST (assumed: no GPU
+        run of meshrun has measured it)."""
+        if self.overlap_cost is not None:
+            return self.overlap_cost
+        if framework == "megatron":
+            return (self.gpu.calibration or calibration_for(self.gpu.name)).overlap
+        return OVERLAP_COST
 
     @property
     def n_devices(self) -> int:

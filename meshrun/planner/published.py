@@ -7,7 +7,7 @@ layout (`cli.plan.parse_evaluate` + `search.evaluate`).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -101,9 +101,11 @@ def calibration_of(case: Case, cal: Calibration | None = None) -> Calibration:
 
 
 def evaluate(case: Case, calibration: Calibration | None = None, **kw) -> search.Result:
-    """`search.evaluate` of the published layout with Megatron's semantics (kw: calibration)."""
-    kw["calibration"] = calibration_of(case, calibration)
-    return search.evaluate(case.model, case.layout, case.cluster, case.row["global_batch"], case.row["seq_len"],
+    """`search.evaluate` of the published layout with Megatron's semantics (kw: calibration), the
+    cluster charging the calibration's overlap share (`Calibration.overlap`)."""
+    cal = kw["calibration"] = calibration_of(case, calibration)
+    cluster = replace(case.cluster, overlap_cost=cal.overlap)
+    return search.evaluate(case.model, case.layout, cluster, case.row["global_batch"], case.row["seq_len"],
                            framework="megatron", dropout=case.dropout, **kw)  # fmt: skip
 
 

@@ -35,7 +35,8 @@ from meshrun.planner.step_model import pipe_payload
 
 FRAMEWORKS = ("meshrun", "megatron")
 # The kernel calibration (CALIBRATION: the A100's, fitted on Megatron-LM's PTD-P Table 1; a GPU's own
-# where fitted: `constants.calibration_for`) and OVERLAP_COST: constants.py, with their sources.
+# where fitted: `constants.calibration_for`) and its overlap charge (`Cluster.overlap_for`: under Megatron's
+# semantics the GPU's `Calibration.overlap`, under meshrun's OVERLAP_COST): constants.py, with their sources.
 
 
 def gpu_calibration(gpu: GPU) -> Calibration:
@@ -149,7 +150,7 @@ def tp_overlap_hidden(
     recomputed ones that `_stage_seconds` charges as all-reduces) runs as t - 1 ring steps of one
     sequence chunk, each beside the matmul of one chunk (its share of the layer's forward or backward
     GEMM time, / 4 collectives, / t chunks). Of the t - 1 steps the first's transfer has no matmul
-    before it: t - 2 are hidden, each up to its chunk's matmul, charged OVERLAP_COST (NCCL takes SMs
+    before it: t - 2 are hidden, each up to its chunk's matmul, charged `Cluster.overlap_for` (NCCL takes SMs
     from the GEMMs it runs beside). MoE layers: only their attention's collectives (half) ring."""
     t, c, b = layout.tensor, layout.context, layout.micro_batch_size
     if not (layout.tp_comm_overlap and layout.sequence_parallel and t > 2):
@@ -161,7 +162,8 @@ def tp_overlap_hidden(
     step = half / (t - 1)
     k = kernels.layer_seconds(model, layout, s, cluster.gpu, cal, moe=False, dropout=dropout, act=act,
                               flash=model.attention_impl == "cudnn", te=te)  # fmt: skip
-    hidden = lambda gemm: 4 * (t - 2) * min(step, gemm / 4 / t) * (1 - cluster.overlap_cost)
+    kept = 1 - cluster.overlap_for("megatron" if te else "meshrun")
+    hidden = lambda gemm: 4 * (t - 2) * min(step, gemm / 4 / t) * kept
     total = hidden(k["gemm_fwd"]) * (2 if layout.remat == "full" else 1) + hidden(k["gemm_bwd"])
     return total * (1 - model.n_moe_layers / model.n_layers / 2)
 
@@ -181,7 +183,7 @@ def context_seconds(
       Transformer Engine's, whose p2p buffers hold K/V and dK/dV in K/V's dtype) to the next rank while the current
       block is scored; a step lasts max(block compute,
       block transfer), so only the transfer's excess over the block's attention compute is exposed,
-      plus OVERLAP_COST of the hidden part (NCCL takes SMs from the kernels it runs beside).
+      plus `Cluster.overlap_for` of the hidden part (NCCL takes SMs from the kernels it runs beside).
     Bandwidth: the c ranks are t apart (tensor innermost, then context): NVLink while t c fits in a
     node, else the inter-node link (`Cluster.allreduce_seconds` / `group_bw`)."""
     c, t, b = layout.context, layout.tensor, layout.micro_batch_size
@@ -196,11 +198,11 @@ def context_seconds(
     f, bwd = kernels.attention_core_seconds(
         model, b, s, t, cluster.gpu, cal, flash=flash, dropout=dropout, act=act, context=c, kind="ring"
     )
-    bw = cluster.group_bw(t * c)
+    bw, charge = cluster.group_bw(t * c), cluster.overlap_for(framework)
 
     def steps(nbytes: float, block_compute: float) -> float:
         xfer = cluster.latency_s + nbytes / bw
-        return (c - 1) * (max(xfer, block_compute) - block_compute + cluster.overlap_cost * min(xfer, block_compute))
+        return (c - 1) * (max(xfer, block_compute) - block_compute + charge * min(xfer, block_compute))
 
     dkv = gathered / c * (act if framework == "megatron" else 4.0) / act  # dK/dV blocks (meshrun: float32)
     home = cluster.latency_s + dkv / bw  # the last dK/dV step, after the ring: nothing to hide it behind
@@ -329,7 +331,7 @@ def predict_time(
     per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
     loop, t_dp_full = (m + bubble_slots) * per_mb, t_dp
-    t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework, cluster.overlap_cost)
+    t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework, cluster.overlap_for(framework))
     off, flush = _megatron_overlaps(model, layout, cluster, s, cal, (t_gather, t_mb, bubble_slots * per_mb), framework)
     t_dp -= off
     total = loop + t_dp + t_opt + flush
@@ -341,11 +343,12 @@ def predict_time(
         "optimizer": t_opt,
         "total": total,
         "dp_sync_full": t_dp_full + m * zero_mb,
-        # model.tp_comm_overlap: TP collective seconds the rings hide (net of OVERLAP_COST), slowest stage
+        # model.tp_comm_overlap: TP collective seconds the rings hide (net of the overlap charge), slowest stage
         "tp_hidden": m * split[slow] * hid,
         "dp_hidden": hidden,  # reduction seconds run beside the last ticks (modeled; `_overlapped_reduce`)
         "dp_gather": t_gather,  # the params' all-gathers in dp_sync (meshrun ZeRO >= 1)
         "bubble_fraction": bubble_fraction,
+        "overlap_cost": cluster.overlap_for(framework),  # the share of hidden communication charged
         "split": split,
         "stage_seconds": times,
     }
@@ -353,7 +356,7 @@ def predict_time(
 
 def _megatron_overlaps(model: ModelConfig, layout: Layout, cluster: Cluster, s: int, cal: Calibration,
                        parts: tuple[float, float, float], framework: str) -> tuple[float, float]:  # fmt: skip
-    """(seconds of the params' all-gathers that overlap_param_gather hides, net of OVERLAP_COST; seconds
+    """(seconds of the params' all-gathers that overlap_param_gather hides, net of the overlap charge; seconds
     the deferred output-layer weight gradients add after the loop) under Megatron's semantics. parts:
     (the all-gathers' seconds, the slowest stage's compute per micro-batch, the bubble's seconds).
     The next step's first forwards hide the gathers bucket by bucket: the forward (a third of a
@@ -364,7 +367,7 @@ def _megatron_overlaps(model: ModelConfig, layout: Layout, cluster: Cluster, s: 
     gather, t_mb, bubble = parts
     hidden = min(gather, min(layout.microbatches, layout.pipe) * t_mb / 3) if layout.overlap_param_gather else 0.0
     deferred = deferred_wgrad(model, layout, s, cluster.gpu, cal, framework) * layout.microbatches
-    return hidden * (1 - cluster.overlap_cost), max(0.0, deferred - bubble)
+    return hidden * (1 - cluster.overlap_for(framework)), max(0.0, deferred - bubble)
 
 
 def deferred_wgrad(model: ModelConfig, layout: Layout, s: int, gpu: GPU, cal: Calibration, framework: str) -> float:
@@ -382,7 +385,7 @@ def _exposed_reduce(model: ModelConfig, layout: Layout, t_dp: float, t_gather: f
                     overlap_cost: float = OVERLAP_COST):  # fmt: skip
     """(exposed data-parallel seconds, seconds hidden beside the last ticks) under overlap_grad_reduce:
     `moved` seconds of the reduction go into the last ticks (`sent`: with meshrun's re-sent layers),
-    `hidden` of them beside the ticks (charged OVERLAP_COST), the rest still exposed."""
+    `hidden` of them beside the ticks (charged `overlap_cost`), the rest still exposed."""
     moved, sent, hidden = _overlapped_reduce(model, layout, t_dp - t_gather, loop, framework)
     return t_dp - moved + (sent - hidden) + overlap_cost * hidden, hidden
 
@@ -408,7 +411,8 @@ def _microbatch_parts(
     t_ep = _expert_seconds(model, layout, cluster, act, split[slow], framework)
     dp = _dp_comm(model, layout, cluster, prec, framework)
     hidden = min(dp[0], t_mb)  # ZeRO-2/3 per-micro-batch traffic overlaps that micro-batch's compute
-    t_zero = dp[0] - hidden + cluster.overlap_cost * hidden
+    # charged as meshrun's under both semantics: no published run of the H100 fit used ZeRO-2/3
+    t_zero = dp[0] - hidden + cluster.overlap_for("meshrun") * hidden
     return split, times, slow, (t_mb, t_tp, t_cp, t_pp, t_ep, t_zero), dp
 
 
