@@ -6,10 +6,10 @@ tiny_moe_cpu.yaml (4 experts, top-2, every other layer MoE, global batch 16 x 64
 data2 x expert2 x tensor2 and on one device, each with `model.moe_dispatch=capacity`
 at capacity_factor 2.0 (= E/k: nothing can drop) and 1.25 (drops), and `dropless`: step time (median
 of --steps after --warmup), compiled argument + temp bytes per device, dropped (token, choice)
-assignments in the last step. Dropless moves fixed worst-case all_to_all buffers under expert
-parallelism (ragged_all_to_all is not implemented on XLA:CPU), and XLA:CPU runs ragged_dot as a
-masked dense matmul over the local experts, so CPU figures overstate its cost against a GPU's grouped
-GEMM. Simulated CPU devices share the host's cores: compare ratios within one run only.
+assignments in the last step. Under expert parallelism dropless all-gathers the expert group's
+tokens and runs its experts on worst-case buffers (ragged_all_to_all is not implemented on XLA:CPU),
+and XLA:CPU runs ragged_dot as a masked dense matmul over the local experts, so CPU figures overstate
+its cost against a GPU's grouped GEMM. Simulated CPU devices share the host's cores: compare ratios within one run only.
 
 Fine-grained MoE vs dense: tiny_deepseek_cpu.yaml reshaped to 2 layers of d_model 128 on data2 x
 expert4, one MoE of 64 experts of width d_ff/8 = 64, top-8, 1 shared expert, beside the dense model

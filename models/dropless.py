@@ -4,14 +4,14 @@ Tokens are sorted by expert and the local experts run as one grouped matmul (gmm
 on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU batched slots of twice an expert's
 expected rows plus a tile loop for any rows past them); no capacity, no drops.
 
-Expert parallelism over `axis` (ep devices, E/ep experts each): the per-destination row counts are
-exchanged first, then the rows travel in a fixed-size all_to_all sized to the worst case,
-M = T * min(k, E/ep) rows per destination (XLA:CPU has no ragged all-to-all). The receiver groups
-the rows by local expert (positions computed from the counts, no sort), runs the grouped matmul
-and sends the results back the same way. Every row
-move is a gather whose gradient is the gather by the inverse map (`take_rows`): no scatter-add.
+Expert parallelism over `axis` (ep devices, E/ep experts each): every device all-gathers its
+group's tokens with their gates and expert ids (ep*T rows; XLA:CPU has no ragged all-to-all, and a
+fixed all_to_all would move the worst case, ep*T*min(k, E/ep) rows), runs its own experts on the
+assignments it finds there, grouped by expert (a sort), and one reduce-scatter brings each token its
+gated sum. Every row move is a gather whose gradient is the gather by the inverse map
+(`take_rows`): no scatter-add.
 
-Shape letters as in layers.py; A = T*k assignments, M rows per destination, R = ep*M received rows.
+Shape letters as in layers.py; A = T*k assignments (ep*T*k gathered), R = ep*T*min(k, E/ep) grouped rows.
 """
 
 from __future__ import annotations
@@ -92,72 +92,56 @@ def dropless_local(p: Mapping[str, jax.Array], h_GxSxD: jax.Array, cfg: ModelCon
     split = sequence_split(cfg.context_parallel == "ring")  # statistics of the whole sequence
     stats = router_stats(logits, probs, top_i_GxSxk, jnp.zeros((), jnp.float32), split, bal)
 
+    h_TxD, gates_Txk = h_GxSxD.reshape(t, d), gates_GxSxk.reshape(t, k)
+    if axis is not None:
+        return _expert_parallel(p, h_TxD, top_i_GxSxk.reshape(t, k), gates_Txk, cfg, axis, f8).reshape(g, s, d), stats
     expert_A = top_i_GxSxk.reshape(t * k)  # token-major: assignment a is token a // k
     order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> assignment
     where_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(t * k, dtype=order_A.dtype))
     counts_E = jnp.sum(jax.nn.one_hot(expert_A, e, dtype=jnp.int32), axis=0)
-    h_TxD, yes = h_GxSxD.reshape(t, d), lambda *shape: jnp.ones(shape, bool)
-    if axis is None:
-        x_AxD = take_rows(h_TxD, order_A // k, yes(t * k), where_A.reshape(t, k), yes(t, k))
-        y_sorted = grouped_ffn(p, x_AxD, counts_E, cfg, f8, -(-t * k // e))
-        y_AxD = take_rows(y_sorted, where_A, yes(t * k), order_A[:, None], yes(t * k, 1))
-    else:
-        y_AxD = _expert_parallel(p, h_TxD, order_A, where_A, counts_E, cfg, axis, f8)
-    y_TxkxD = y_AxD.reshape(t, k, d)
-    out_TxD = jnp.einsum("tkd,tk->td", y_TxkxD, gates_GxSxk.reshape(t, k).astype(y_TxkxD.dtype))
+    yes = lambda *shape: jnp.ones(shape, bool)
+    x_AxD = take_rows(h_TxD, order_A // k, yes(t * k), where_A.reshape(t, k), yes(t, k))
+    y_sorted = grouped_ffn(p, x_AxD, counts_E, cfg, f8, -(-t * k // e))
+    y_TxkxD = take_rows(y_sorted, where_A, yes(t * k), order_A[:, None], yes(t * k, 1)).reshape(t, k, d)
+    out_TxD = jnp.einsum("tkd,tk->td", y_TxkxD, gates_Txk.astype(y_TxkxD.dtype))
     return out_TxD.reshape(g, s, d), stats
 
 
-def _send_slots(order_A, where_A, counts_E, ep: int, m: int):
-    """Sender side: send-buffer slot -> assignment (and whether it holds one), assignment -> slot.
-    Destination j's rows (contiguous in expert order) sit at the front of its block of m slots."""
-    a = order_A.shape[0]
-    per_dev_J = counts_E.reshape(ep, -1).sum(axis=1)
-    start_J = jnp.cumsum(per_dev_J) - per_dev_J
-    ok_JxM = jnp.arange(m)[None, :] < per_dev_J[:, None]
-    asg_JxM = order_A[jnp.minimum(start_J[:, None] + jnp.arange(m)[None, :], a - 1)]
-    dest_A = jnp.sum(where_A[:, None] >= jnp.cumsum(per_dev_J)[None, :], axis=1)
-    slot_A = dest_A * m + where_A - start_J[dest_A]
-    return asg_JxM.reshape(ep * m), ok_JxM.reshape(ep * m), slot_A
+def _gather_tokens(h_TxD: jax.Array, gates_Txk: jax.Array, top_i_Txk: jax.Array, axis: str):
+    """The tokens of every device on `axis` with their gates and expert ids, as one float32 all-gather of
+    [T, D + 2k] rows (the ids bit-cast, outside the gradient); its transpose, a reduce-scatter, returns
+    the tokens' and the gates' gradients in one collective too. Returns [ep*T, D], [ep*T, k] x2."""
+    d, k = h_TxD.shape[1], gates_Txk.shape[1]
+    ids = jax.lax.stop_gradient(jax.lax.bitcast_convert_type(top_i_Txk.astype(jnp.int32), jnp.float32))
+    packed = jnp.concatenate([h_TxD.astype(jnp.float32), gates_Txk.astype(jnp.float32), ids], axis=1)
+    rows = jax.lax.all_gather(packed, axis, axis=0, tiled=True)
+    ids_all = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(rows[:, d + k :]), jnp.int32)
+    return rows[:, :d].astype(h_TxD.dtype), rows[:, d : d + k], ids_all
 
 
-def _group_rows(n_IxJ, m: int):
-    """Receiver side, n[i, j] rows from source i for local expert j, source i's rows at the front of
-    its block of m, by expert: grouped row q (by expert, then source) -> received row, and back."""
-    ep, e_loc = n_IxJ.shape
-    blk_off = jnp.cumsum(n_IxJ, axis=1) - n_IxJ  # expert j's first row in source i's block
-    src_end = jnp.cumsum(n_IxJ, axis=0)
-    src_off = src_end - n_IxJ  # source i's first row among expert j's
-    exp_end = src_end[-1].cumsum()
-    exp_start = exp_end - src_end[-1]
-    q = jnp.arange(ep * m)
-    j_q = jnp.minimum(jnp.sum(q[:, None] >= exp_end[None, :], axis=1), e_loc - 1)
-    o_q = q - exp_start[j_q]
-    i_q = jnp.minimum(jnp.sum(o_q[:, None] >= src_end[:, j_q].T, axis=1), ep - 1)
-    row_q = i_q * m + blk_off[i_q, j_q] + o_q - src_off[i_q, j_q]
-    r_IxM = jnp.arange(m)[None, :]
-    j_r = jnp.minimum(jnp.sum(r_IxM[..., None] >= jnp.cumsum(n_IxJ, axis=1)[:, None, :], axis=-1), e_loc - 1)
-    i_r = jnp.arange(ep)[:, None]
-    pos_r = exp_start[j_r] + src_off[i_r, j_r] + r_IxM - blk_off[i_r, j_r]
-    ok_r = r_IxM < n_IxJ.sum(axis=1)[:, None]
-    return row_q, q < exp_end[-1], pos_r.reshape(ep * m), ok_r.reshape(ep * m)
+def _expert_parallel(p, h_TxD, top_i_Txk, gates_Txk, cfg: ModelConfig, axis: str, f8=None) -> jax.Array:
+    """Tokens -> their gated expert outputs summed [T, D], the experts spread over `axis`.
 
-
-def _expert_parallel(p, h_TxD, order_A, where_A, counts_E, cfg: ModelConfig, axis: str, f8=None) -> jax.Array:
-    """Tokens -> their assignments' expert outputs [A, D] (token-major), the experts spread over `axis`."""
+    All-gather, local select, reduce-scatter: every device gets its group's tokens once (ep*T rows,
+    fewer than the worst-case all_to_all buffer of ep*T*min(k, E/ep) rows), runs its own experts'
+    assignments among them, sorted by local expert, and the gated sums per token come home by one
+    reduce-scatter. The received rows, R = ep*T*min(k, E/ep) at most, are grouped as a worst-case
+    all_to_all would group them (by expert, then source and token order)."""
     t, d = h_TxD.shape
-    a, ep = order_A.shape[0], jax.lax.axis_size(axis)
+    k, ep = cfg.top_k, jax.lax.axis_size(axis)
     e_loc = cfg.n_experts // ep
-    m = t * min(cfg.top_k, e_loc)  # worst case rows for one destination
-    asg_S, ok_S, slot_A = _send_slots(order_A, where_A, counts_E, ep, m)
-    yes = lambda *shape: jnp.ones(shape, bool)
-    send = take_rows(h_TxD, asg_S // cfg.top_k, ok_S, slot_A.reshape(t, -1), yes(t, a // t))
-    # Counts first: n[i, j] = rows device i sends for my local expert j.
-    n_IxJ = jax.lax.all_to_all(counts_E.reshape(ep, e_loc), axis, 0, 0, tiled=True)
-    recv = jax.lax.all_to_all(send.reshape(ep, m, d), axis, 0, 0, tiled=True).reshape(ep * m, d)
-    row_q, ok_q, pos_r, ok_r = _group_rows(n_IxJ, m)
-    x_grouped = take_rows(recv, row_q, ok_q, pos_r[:, None], ok_r[:, None])
-    y_grouped = grouped_ffn(p, x_grouped, n_IxJ.sum(axis=0), cfg, f8, -(-a // e_loc))
-    y_recv = take_rows(y_grouped, pos_r, ok_r, row_q[:, None], ok_q[:, None])
-    y = jax.lax.all_to_all(y_recv.reshape(ep, m, d), axis, 0, 0, tiled=True).reshape(ep * m, d)
-    return take_rows(y, slot_A, yes(a), asg_S[:, None], ok_S[:, None])
+    h_all, g_all, i_all = _gather_tokens(h_TxD, gates_Txk, top_i_Txk, axis)
+    local = i_all - jax.lax.axis_index(axis) * e_loc
+    mine = (local >= 0) & (local < e_loc)  # [ep*T, k]
+    key_A = jnp.where(mine, local, e_loc).reshape(-1)  # other devices' assignments sort last
+    a, r = key_A.shape[0], ep * t * min(k, e_loc)  # a token has at most min(k, E/ep) local choices
+    order_A = jnp.argsort(key_A, stable=True)[:r]  # grouped row -> assignment
+    where_A = jnp.zeros(a, jnp.int32).at[order_A].set(jnp.arange(r, dtype=jnp.int32), mode="drop")
+    sizes = jnp.sum(jax.nn.one_hot(key_A, e_loc, dtype=jnp.int32), axis=0)
+    ok_R = jnp.arange(r) < jnp.sum(sizes)
+    x_RxD = take_rows(h_all, order_A // k, ok_R, where_A.reshape(-1, k), mine)
+    y_RxD = grouped_ffn(p, x_RxD, sizes, cfg, f8, -(-t * k // e_loc))
+    y_AxD = take_rows(y_RxD, where_A, mine.reshape(-1), order_A[:, None], ok_R[:, None])
+    w_Txk = jnp.where(mine, g_all, 0.0).astype(y_AxD.dtype)
+    out = jnp.einsum("tkd,tk->td", y_AxD.reshape(-1, k, d), w_Txk)
+    return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)

@@ -15,6 +15,7 @@ from meshrun_models.layers import arrays
 from meshrun_models.llama.config import LlamaConfig
 from test_models import ATOL, RTOL, assert_same, batch, loss_and_grads, mesh_of
 
+from meshrun.analysis.flops import dropless_exchange
 from meshrun.analysis.hlo import collectives
 from meshrun.parallel.sharding import compute_rules, param_rules, tree_shardings, tree_specs, use_rules
 from meshrun.planner.layout import Layout
@@ -251,12 +252,13 @@ def _in_rules(mesh, manual, fn):
 DROPLESS = dataclasses.replace(MOE, n_layers=2, moe_every=1, moe_dispatch="dropless")  # capacity_factor 1.0 ignored
 
 
-def test_dropless_parity_and_worst_case_all_to_all():
+def test_dropless_parity_and_gathered_exchange():
     """Dropless on one device == capacity routing with capacity S (nothing can drop) == dropless on
     data2 x expert2 x tensor2 (loss, aux, grads); dropped_tokens 0 although capacity_factor=1.0
-    drops in capacity routing. The compiled step moves rows in fixed worst-case all_to_alls: per
-    MoE layer one int32 [ep, E/ep] count exchange, [ep, M, D] rows there and back (forward and
-    backward) with M = T * min(k, E/ep), T local tokens; no all-gather (expert weights stay put)."""
+    drops in capacity routing. The compiled step exchanges rows over 'expert' by one all-gather of
+    the group's T local tokens each, float32 [ep*T, D + 2k] with their gates and ids, and one
+    reduce-scatter of the gated sums [ep*T, D] per MoE layer, each transposed in the backward; no
+    all_to_all, and the step model predicts the same bytes."""
     cfg = DROPLESS
     _, params = init_params(cfg, 0)
     tok, lab = batch(cfg)
@@ -272,15 +274,22 @@ def test_dropless_parity_and_worst_case_all_to_all():
         compiled = jax.jit(step).lower(placed).compile()
     assert_same(ref, compiled(placed))
 
-    ep, e_loc, t = 2, cfg.n_experts // 2, tok.size // 4  # tokens over data x expert
-    rows_bytes = ep * t * min(cfg.top_k, e_loc) * cfg.d_model * 4
+    ep, t, d, k = 2, tok.size // 4, cfg.d_model, cfg.top_k  # tokens over data x expert
     c = collectives(compiled.as_text(), dict(mesh.shape))
-    assert not [x for x in c if x.op == "all-gather"]
-    a2a = sorted((x.axes, x.bytes, x.in_loop) for x in c if x.op == "all-to-all")
-    assert a2a == sorted([(("expert",), ep * e_loc * 4, True)] + [(("expert",), rows_bytes, True)] * 4)
-    # meshrun explain's step model counts the same all_to_alls per step (counts + rows, 2 layers)
+    assert not [x for x in c if x.op == "all-to-all"]
+    rows = sorted((x.op, x.bytes, x.in_loop) for x in c if x.axes == ("expert",))
+    fwd = [("all-gather", ep * t * (d + 2 * k) * 4, True), ("reduce-scatter", t * d * 4, True)]
+    bwd = [("reduce-scatter", t * (d + 2 * k) * 4, True), ("all-gather", ep * t * d * 4, True)]
+    assert rows == sorted(fwd + bwd)
+    # the step model's bytes (`flops.dropless_exchange`) and counts, 2 MoE layers
+    gathered, packed = dropless_exchange(cfg, ep, 4)
+    moved = sum(x.bytes * x.per_step for x in c if x.axes == ("expert",))
+    assert moved == pytest.approx(cfg.n_moe_layers * t * d * 4 * (gathered + 1 + packed + ep), rel=1e-6)
     pred = predict_collective_bytes(cfg, Layout(tensor=2, data=2, expert=2, micro_batch_size=2), seq_len=tok.shape[1])
-    assert pred["count"]["all-to-all"] == sum(x.per_step for x in c if x.op == "all-to-all") == 10
+    ops = ("all-gather", "reduce-scatter")
+    counted = {op: sum(x.per_step for x in c if x.op == op and x.axes == ("expert",)) for op in ops}
+    assert counted == {op: pred["count"][op] for op in counted} == {"all-gather": 4, "reduce-scatter": 4}
+    assert "all-to-all" not in pred["count"]
 
 
 def test_bad_moe_dispatch_exits_2(capsys):

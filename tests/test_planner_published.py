@@ -213,12 +213,14 @@ def test_fp8_covers_the_experts_under_both_semantics(cases):
 
 def test_dropless_all_to_all_is_the_routed_volume_under_megatron(cases):
     """A dropless MoE on EP 8: Megatron's dispatch sends the routed rows (top_k per token, times the
-    stated imbalance), meshrun's dropless exchange its fixed worst-case buffer (ep x min(top_k, E/ep)
-    rows per token): the all-to-all seconds scale by that ratio."""
+    stated imbalance), meshrun's dropless exchange an all-gather of the group's tokens (ep rows per
+    token, float32 with gates and ids) and a reduce-scatter of the sums (ep rows): the seconds scale
+    by that ratio."""
     from dataclasses import replace
 
     from meshrun.planner import search
     from meshrun.planner.constants import COMM_LATENCY_S, MOE_DROPLESS_IMBALANCE
+    from meshrun.planner.layout import precision_of
 
     grok = next(c for c in cases if c.id == "grok1-314b-bf16")
     model = replace(grok.model, moe_dispatch="dropless")
@@ -229,7 +231,8 @@ def test_dropless_all_to_all_is_the_routed_volume_under_megatron(cases):
     assert t["megatron"] < t["meshrun"]
     latency = lay.microbatches * 8 * 4 * COMM_LATENCY_S  # 8 MoE layers a stage, 4 all-to-alls each, per micro-batch
     ratio = (t["megatron"] - latency) / (t["meshrun"] - latency)
-    assert ratio == pytest.approx(k * MOE_DROPLESS_IMBALANCE / (e * min(k, model.n_experts // e)), rel=1e-6)
+    gathered = e * (model.d_model + 2 * k) / model.d_model * 4 / precision_of(model).act
+    assert ratio == pytest.approx(k * MOE_DROPLESS_IMBALANCE / ((gathered + e) / 2), rel=1e-6)
 
 
 def test_megatron_terms_of_the_published_settings(cases):

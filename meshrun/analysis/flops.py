@@ -115,12 +115,22 @@ def _matmul_active(m: ModelConfig, moe: bool) -> int:
 
 
 def moe_routed(m: ModelConfig, expert: int = 1) -> float:
-    """Rows per token that an MoE layer's all_to_all moves and its expert FFN runs on: top_k x
-    capacity_factor with capacity routing (buffers padded to capacity); dropless: top_k, and with
-    expert parallelism ep x min(top_k, E/ep), the fixed worst-case exchange of models/dropless.py."""
+    """Rows per token that an MoE layer's expert FFN runs on (and capacity routing's all_to_all moves):
+    top_k x capacity_factor with capacity routing (buffers padded to capacity); dropless: top_k, and
+    with expert parallelism ep x min(top_k, E/ep), the worst case a device's experts may receive."""
     if m.moe_dispatch != "dropless":
         return m.top_k * m.capacity_factor
     return float(m.top_k if expert <= 1 else expert * min(m.top_k, m.n_experts // expert))
+
+
+def dropless_exchange(m: ModelConfig, expert: int, act_bytes: float) -> tuple[float, float]:
+    """Bytes per token, as multiples of one d_model activation of `act_bytes` per element, of the two
+    collectives of models/dropless.py's expert exchange (ep > 1), each forward and again transposed
+    backward: the all-gather of the group's tokens with their gates and expert ids in float32 (ep rows
+    of d_model + 2 top_k; its reduce-scatter one row) and the reduce-scatter of the gated sums in the
+    activation dtype (one row; its all-gather ep rows). Returns (gathered, scattered) per token."""
+    packed = (m.d_model + 2 * m.top_k) / m.d_model * 4.0 / act_bytes
+    return expert * packed, packed
 
 
 def layer_fwd_flops(m: ModelConfig, tokens: float, s: int, moe: bool = False, capacity: float = 1.0) -> float:

@@ -94,7 +94,7 @@ COMM_LATENCY_S = 10e-6
 # Assumed: a dropless MoE's busiest expert rank receives this many times the mean routed rows (top_k per
 # token); 1.0: the expectation, the load-balancing loss keeping the routing even. Scales the expert GEMMs
 # (both semantics: both run the real rows) and, under Megatron's semantics, the all-to-all and the
-# routed activations (meshrun's dropless exchange moves a fixed worst-case buffer: `flops.moe_routed`).
+# routed activations (meshrun's dropless experts keep worst-case buffers: `flops.moe_routed`).
 MOE_DROPLESS_IMBALANCE = 1.0
 
 # ----------------------------------------------------------------------------- runtime memory (GPU plans)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from meshrun import config
-from meshrun.analysis.flops import moe_routed, param_counts
+from meshrun.analysis.flops import dropless_exchange, moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.optim import registry as optimizers
@@ -476,10 +476,16 @@ def _model_parallel(tally: _Tally, model: ModelConfig, lay: Layout, act: float, 
         per_pass = 2 * layers - moe_layers
         tally.add("all-reduce", ("tensor",), act, f_ticks * (per_pass + 2) + b_ticks * per_pass)
         tally.add("all-reduce", ("tensor",), routed, (f_ticks + b_ticks) * moe_layers)
-    if e > 1 and moe_layers:
+    if e > 1 and moe_layers and model.moe_dispatch == "dropless":
+        # all-gather the group's tokens (float32, with gates and ids), reduce-scatter the gated sums;
+        # backward: each transposed (reduce-scatter of the gathered rows' gradients, all-gather of dy)
+        gathered, packed = dropless_exchange(model, e, precision_of(model).act)
+        tally.add("all-gather", ("expert",), act * gathered, f_ticks * moe_layers)
+        tally.add("reduce-scatter", ("expert",), act, f_ticks * moe_layers)
+        tally.add("reduce-scatter", ("expert",), act * packed, b_ticks * moe_layers)
+        tally.add("all-gather", ("expert",), act * e, b_ticks * moe_layers)
+    elif e > 1 and moe_layers:
         tally.add("all-to-all", ("expert",), routed, 2 * (f_ticks + b_ticks) * moe_layers)
-        if model.moe_dispatch == "dropless":  # per-expert row counts first: int32 [ep, E/ep], forward only
-            tally.add("all-to-all", ("expert",), 4.0 * model.n_experts, f_ticks * moe_layers)
 
 
 def _context_parallel(tally: _Tally, model: ModelConfig, lay: Layout, s: int, f_ticks, b_ticks) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from meshrun.analysis.flops import moe_routed, param_counts
+from meshrun.analysis.flops import dropless_exchange, moe_routed, param_counts
 from meshrun.config import ModelConfig
 from meshrun.optim import registry as optimizers
 from meshrun.pipeline import schedules
@@ -132,8 +132,8 @@ def tp_layer_seconds(model: ModelConfig, layout: Layout, ar: float, te: bool) ->
 
 
 def routed_rows(model: ModelConfig, expert: int, framework: str) -> float:
-    """Rows per token an MoE layer's dispatch moves: `flops.moe_routed` (capacity routing: the padded
-    buffers; meshrun's dropless exchange: its fixed worst-case buffer); Megatron's dropless dispatch
+    """Rows per token an MoE layer's experts run on: `flops.moe_routed` (capacity routing: the padded
+    buffers; meshrun's dropless: the worst case a device may receive); Megatron's dropless dispatch
     sends the routed rows, top_k per token x MOE_DROPLESS_IMBALANCE on the busiest rank."""
     if framework == "megatron" and model.moe_dispatch == "dropless":
         return model.top_k * MOE_DROPLESS_IMBALANCE
@@ -501,12 +501,16 @@ def _pipe_seconds(layout: Layout, cluster: Cluster, act: float, framework: str) 
 
 
 def a2a_rows(model: ModelConfig, expert: int, framework: str = "meshrun") -> float:
-    """Rows per token one expert all-to-all moves: `routed_rows` (meshrun's dropless exchange keeps its
-    fixed worst-case buffers, which group-limited routing does not shrink, as every token may still
-    pick one rank). Under Megatron's dropless dispatch with device-limited routing (route_groups > 1,
+    """Rows per token one expert collective moves: `routed_rows`; meshrun's dropless exchange (ep > 1)
+    all-gathers the group's tokens and reduce-scatters the gated sums, ep rows each on the wire side
+    (`flops.dropless_exchange`; the gathered rows in float32 with gates and ids), which group-limited
+    routing does not shrink. Under Megatron's dropless dispatch with device-limited routing (route_groups > 1,
     limit M) a token's copies reach at most M groups, and a dispatch that sends a token once per group
     it reaches (forwarded to its experts inside the group) moves min(top_k, M) / top_k of them
     (DeepSeek-V3 report, 2.1.2 and 3.2.2: at most 4 nodes per token)."""
+    if framework != "megatron" and model.moe_dispatch == "dropless" and expert > 1:
+        gathered, _ = dropless_exchange(model, expert, precision_of(model).act)
+        return (gathered + expert) / 2  # all-gathers and reduce-scatters alternate
     rows = routed_rows(model, expert, framework)
     limit = getattr(model, "route_group_limit", 0) if getattr(model, "route_groups", 0) > 1 else 0
     if framework != "megatron" or model.moe_dispatch != "dropless" or not limit:
