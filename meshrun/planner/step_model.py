@@ -67,25 +67,51 @@ def predict_memory_jax(
 ) -> dict[str, float]:
     """Per-device bytes of meshrun's own compiled train step (`memory_analysis()`'s argument + temp), part
     by part, where JAX differs from Megatron's accounting (`predict_memory`): every pipeline stage holds
-    the embedding and head; the microbatch gradient is whole at every ZeRO stage (reduced once after the
-    loop); optimizer state per its registry entry plus the update's float32 temporaries; activations per
-    `activations.meshrun_layer_bytes` (the executor's residual slots with a pipeline); fp32 logits.
-    `offload_optimizer`: False/True/"host"/"nvme"; `streamed` (default: the nvme tier) keeps the stored
-    params on the device. `in_flight`: the layers ZeRO-3 per layer holds gathered at once (the one in
-    use and the next one's gather in flight; 1 on XLA:CPU, whose collectives are synchronous).
-    `device` / `host` / `nvme` split the total by where it rests between steps. docs/memory.md
-    explains each part."""
+    the embedding and head; optimizer state per its registry entry plus the update's float32
+    temporaries; activations per `activations.meshrun_layer_bytes` (the executor's residual slots with a
+    pipeline); fp32 logits; the backward's working set (`backward_working_bytes`). The total is the
+    arguments plus the larger of the backward's peak and the reduction and update's (the sums beside
+    the update's temporaries). `offload_optimizer`: False/True/"host"/"nvme"; `streamed` (default: the
+    nvme tier) keeps the stored params on the device. `in_flight`: the layers ZeRO-3 per layer holds
+    gathered at once (the weight in use and the next layer's gather; 1 on XLA:CPU, whose collectives are
+    synchronous). `device` / `host` / `nvme` split the total by where it rests between steps."""
     frac = (model.n_layers / layout.pipe if layers is None else layers) / model.n_layers
     s = seq_len or model.max_seq_len
     st = _state_bytes(model, layout, frac, in_flight)
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
     host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed)
-    freed = 0.0
-    if layerwise(model, layout):  # per layer the step peaks in the backward (activations, a gathered layer)
-        # or in the update (its float32 temporaries), not in both: the backward's buffers are freed first
-        freed = min(st["opt"] - st["moments"], acts + logits + st["params"] - st["stored"])
-    return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme, freed)
+    working = backward_working_bytes(model, layout, s)
+    # the step peaks in a layer's backward (gathered weights, fresh gradients, activations, the backward's
+    # working set; without a pipeline the logits are freed once the loss's backward is done, while a
+    # pipeline's tick runs the loss beside other chunks' backward) or in the reduction and update after
+    # the loop (the gradient sums beside the reduced gradient and the update's float32 temporaries),
+    # not in both: the backward's buffers are freed first
+    apart = min(logits, working) if layout.pipe == 1 else 0.0
+    backward = st["params"] - st["stored"] + st["grads"] - st["sums"] + acts + logits + working - apart
+    freed = apart + min(st["opt"] - st["moments"], backward)
+    return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme, freed, working)
+
+
+def backward_working_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
+    """The transients of a layer's backward at its peak, the MLP's input projection (gate/up pair, or
+    fc1), beyond the sums, the saved activations and `_state_bytes`' fresh gradients and gathered
+    layers (read off the tiny configs' buffer assignments): with the stacked weights (the step
+    variants) the pair's weights sliced out of the stack and the transposed copy its input-gradient
+    dot reads, and the two zero-padded cotangents of its halves; ZeRO-2 per microbatch (each layer's
+    weights fetched whole) the cotangents; ZeRO-3 per layer, which gathers each weight where it is
+    used, the gathered pair, its transposed copy and three cotangents (the halves' and their join),
+    in place of a whole gathered layer and its fresh gradient. offload.params: none counted."""
+    if lay.offload_params:
+        return 0.0
+    pb, ab = precision_of(model).param, precision_of(model).act
+    ff = (2 if model.mlp == "swiglu" else 1) * model.d_ff / lay.tensor  # the pair's width on the device
+    sl = s / lay.context if lay.context > 1 else s
+    pair = pb * model.d_model * ff
+    cotangent = ab * lay.micro_batch_size * sl * ff
+    if not layerwise(model, lay):
+        return 2 * pair + 2 * cotangent
+    return 2 * pair + 3 * cotangent if lay.zero == 3 else 2 * cotangent
 
 
 def _offloaded_state(
@@ -104,11 +130,12 @@ def _offloaded_state(
 
 
 def _jax_memory_parts(
-    st: dict, acts: float, host_acts: float, logits: float, host_state: float, nvme: float, freed: float = 0.0
-) -> dict:
+    st: dict, acts: float, host_acts: float, logits: float, host_state: float, nvme: float, freed: float = 0.0,
+    working: float = 0.0,
+) -> dict:  # fmt: skip
     """`predict_memory_jax`'s dict from its parts: the total (less `freed`, bytes never live beside the
     rest), the step's arguments and temporaries, and where the total rests between steps."""
-    total = st["params"] + st["grads"] + st["opt"] + acts + logits + host_acts - freed
+    total = st["params"] + st["grads"] + st["opt"] + acts + logits + working + host_acts - freed
     state = st["stored"] + st["moments"]  # the step's arguments
     host = host_state + host_acts
     return {
@@ -120,6 +147,7 @@ def _jax_memory_parts(
         "optimizer": st["opt"],
         "activations": acts,
         "logits": logits,
+        "working": working,
         "total": total,
         "argument": state,
         "temp": total - state,
@@ -200,7 +228,7 @@ def _state_bytes_of(model: ModelConfig, lay: Layout, frac: float, in_flight: int
     eshard = zero_divisors(lay.zero, lay.zero_data * lay.context)
     nrm = norms * frac + h  # norm scales: no `embed` dimension, so ZeRO leaves them whole (parallel/sharding.py)
     params = stored = pb * ((dense - nrm) / shard[0] + nrm + experts / eshard[0])
-    grads = _grad_bytes(model, lay, frac, counts, dense, experts, shard, eshard)
+    grads, sums = _grad_bytes(model, lay, frac, counts, dense, experts, shard, eshard)
     # the optimizer state (the registry entry's moments + the fp32 master under bf16 params) and its
     # update's float32 temporaries, all where ZeRO puts the optimizer state (the update is computed
     # on the shard the moments live on); hidden-layer weight matrices apart from the other parameters
@@ -211,27 +239,29 @@ def _state_bytes_of(model: ModelConfig, lay: Layout, frac: float, in_flight: int
     moments = prec.opt * matrices + prec.opt_rest * rest
     opt = moments + 4 * (temps * matrices + rest)
     if lay.zero == 3 and layerwise(model, lay):  # FSDP: the embedding and head gathered before the loop, the
-        # layers inside it: the layer in use and (in_flight 2) the next one's gather in flight
+        # layers inside it: the weight in use (`backward_working_bytes`) and (in_flight 2) the next layer's
+        # gather in flight
         norms_all = 2 * h * model.n_layers
         one_layer = (
             (counts["layers"] - norms_all) / t + norms_all + counts["experts"] / (t * lay.expert)
         ) / model.n_layers
-        params += pb * ((counts["embedding"] + counts["head"]) / t + h + in_flight * one_layer)
+        params += pb * ((counts["embedding"] + counts["head"]) / t + h + (in_flight - 1) * one_layer)
     elif lay.zero == 3:  # all weights gathered before the loop (`ZeroShardings.gather`)
         params += pb * (dense + experts)
     # the update's elements (the optimizer's ZeRO shard) and its gradients there: the reduced float32
     # sums with micro-batches (in the param dtype without), one shard from ZeRO-1 on (reduce-scatter)
     opt_elems = (dense - nrm) / shard[2] + nrm + experts / eshard[2]
     grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
-    return {"params": params, "stored": stored, "grads": grads, "opt": opt, "moments": moments,
+    return {"params": params, "stored": stored, "grads": grads, "sums": sums, "opt": opt, "moments": moments,
             "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
 
 
 def _grad_bytes(
     model: ModelConfig, lay: Layout, frac: float, counts: dict, dense: float, experts: float, shard, eshard
-) -> float:
-    """Gradient bytes on one device: the fresh gradients, the float32 accumulator, and under
-    overlap_grad_reduce the chunks' reduced sums and a drain tick's rows."""
+) -> tuple[float, float]:
+    """(all, the sums) of the gradient bytes on one device: the fresh gradients, the float32 sums (the
+    accumulator; without micro-batches the whole gradient itself), and under overlap_grad_reduce the
+    chunks' reduced sums and a drain tick's rows. The sums are what the reduction after the loop reads."""
     pb = precision_of(model).param
     h = model.d_model
     norms = 2 * h * model.n_layers
@@ -239,30 +269,31 @@ def _grad_bytes(
     # Fresh gradients are whole on every device: with the gradient reduced once per step (reduce-scatter
     # from ZeRO-1 on) after the loop, ZeRO-2 holds what ZeRO-1 holds; per layer (`layerwise`) each
     # layer's gradient is reduce-scattered into 1/dp float32 sums as the backward makes it.
-    grads = pb * (dense + experts)
+    fresh, sums = 0.0, pb * (dense + experts)
     one_layer = ((counts["layers"] - norms) / t + norms + counts["experts"] / (t * lay.expert)) / model.n_layers
     other = (counts["embedding"] + counts["head"]) / t + h
     per_layer = layerwise(model, lay)
     if lay.microbatches > 1 or per_layer:
         # the backward's layer loop adds each layer's weight gradients into the float32 sums in place
         # (`bw_split.vjp_into` / `run_w`; per layer: the fetch's backward hands each layer's reduced
-        # gradient to them): fresh gradients are one layer's and the embedding/head's
-        grads = pb * (other + one_layer)
+        # gradient to them): fresh gradients are one layer's and the embedding/head's (ZeRO-3 per layer:
+        # none beside the gathered weights at its peak, `backward_working_bytes`)
+        fresh = 0.0 if per_layer and lay.zero == 3 and not lay.offload_params else pb * (other + one_layer)
     if per_layer:  # ZeRO-2 per microbatch / ZeRO-3 per layer: the layers' float32 sums are 1/DP shards (norm
         # scales whole); the embedding's and head's too without a pipeline (`GradSums.fetch_rest`), else
         # whole with micro-batches
         layer_w = dense - other
-        sums = (layer_w - norms * frac) / shard[1] + norms * frac + experts / eshard[1]
+        n = (layer_w - norms * frac) / shard[1] + norms * frac + experts / eshard[1]
         if rest_sharded(lay):
-            sums += (other - h) / shard[1] + h
+            n += (other - h) / shard[1] + h
         elif lay.microbatches > 1:
-            sums += other
-        grads += 4 * sums
+            n += other
+        sums = 4 * n
     elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
-        grads += max(pb, 4) * (dense + experts)
+        sums = max(pb, 4) * (dense + experts)
     if overlap_cut(lay)[2]:
-        grads += max(pb, 4) * _overlap_sum_elems(model, lay, frac, counts, dense, experts, shard, eshard)
-    return grads
+        sums += max(pb, 4) * _overlap_sum_elems(model, lay, frac, counts, dense, experts, shard, eshard)
+    return fresh + sums, sums
 
 
 def _overlap_sum_elems(

@@ -89,8 +89,8 @@ def predict(cfg, mesh_shape: dict[str, int], program=None, offload=None, in_flig
     megatron = cost.predict_memory(cfg.model, lay, seq_len=s, framework="megatron")
     permutes = program.permute_counts() if program is not None else None  # the executor's phases: ticks that send
     comm = step_model.predict_collective_bytes(cfg.model, lay, seq_len=s, permutes=permutes)  # lay: its reduce dtype
-    keys = ("params", "grads", "optimizer", "activations", "logits", "argument", "temp", "total", "device", "host",
-            "nvme")  # fmt: skip
+    keys = ("params", "grads", "optimizer", "activations", "logits", "working", "argument", "temp", "total", "device",
+            "host", "nvme")  # fmt: skip
     return {
         "memory": {k: int(mem[k]) for k in keys} | {"megatron_total": int(megatron["total"])},
         "collectives": {k: int(v) for k, v in comm["bytes"].items()},
@@ -313,6 +313,7 @@ def _memory_lines(rep: dict) -> list[str]:
         ("  optimizer (+ update tmp)", pm.get("optimizer"), None),
         ("  activations", pm.get("activations"), None),
         ("  logits", pm.get("logits"), None),
+        ("  backward working set", pm.get("working"), None),
         ("output", None, cm.get("output")),
         ("alias (donated)", None, cm.get("alias")),
         ("total", pm.get("total"), cm.get("total")),
