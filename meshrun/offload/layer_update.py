@@ -27,7 +27,7 @@ from meshrun.config import RunConfig
 from meshrun.errors import ConfigError
 from meshrun.offload.optimizer_tier import clip
 from meshrun.optim import optimizer, registry
-from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, spec_axes, sq_sum, to_device
+from meshrun.parallel.layer_fetch import rest_like, spec_axes, sq_sum, to_device
 from meshrun.parallel.sharding import is_spec
 
 LAYER, OTHER, SCALAR = "layer", "other", "scalar"
@@ -55,11 +55,6 @@ def kinds(tx, opt_state: Any, params: Any) -> list[str]:
 
 def _empty(x) -> jax.Array:
     return jnp.zeros((0,), x.dtype)
-
-
-def _back(new: jax.Array, like: jax.Array) -> jax.Array:
-    """A new slice, in the memory space its source rests in."""
-    return jax.device_put(new, HOST_SPACE) if on_host(like) else new
 
 
 def _dtype(g, p, cast: bool):
@@ -184,7 +179,8 @@ def update(tx, grads: Any, opt_state: Any, params: Any, max_norm: float, cast: b
     def layer_body(_, xs):
         g, p, slots = xs
         new_p, new_slots = up.layers(g, p, slots, scalars, params, grads, g_norm)
-        return None, (jax.tree.map(_back, new_p, p), [_back(n, s) for n, s in zip(new_slots, slots, strict=True)])
+        new_slots = [rest_like(n, s) for n, s in zip(new_slots, slots, strict=True)]
+        return None, (jax.tree.map(rest_like, new_p, p), new_slots)
 
     _, (new_layers, new_slots) = jax.lax.scan(layer_body, None, (grads["layers"], params["layers"], slots))
     new_other, new_kept = up.others(grads, params, kept, g_norm)

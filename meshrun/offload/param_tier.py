@@ -30,7 +30,7 @@ from meshrun.offload.grad_file import GradSink
 from meshrun.offload.layer_layout import layer_layout
 from meshrun.offload.layer_update import LAYER, SCALAR
 from meshrun.optim.optimizer import MasterState
-from meshrun.parallel.layer_fetch import HOST_SPACE, on_host, to_device, use_grad_sink
+from meshrun.parallel.layer_fetch import rest_like, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
 
 
@@ -163,8 +163,7 @@ class ParamTier:
 
         def back(*xs):  # the new params into the resting ones, in place; the new state as rows
             old, new, st = xs[:k], xs[k : 2 * k], xs[2 * k :]
-            back = lambda x, o: jax.device_put(x, HOST_SPACE) if on_host(o) else x
-            out = tuple(self._put(o, back(x.astype(o.dtype), o), l0, k_)
+            out = tuple(self._put(o, rest_like(x.astype(o.dtype), o), l0, k_)
                         for o, x in zip(old, new, strict=True))  # fmt: skip
             return out, self._to_rows(st)
 

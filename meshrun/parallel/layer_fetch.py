@@ -145,18 +145,15 @@ def rest_like(x: jax.Array, like: jax.Array) -> jax.Array:
 def add_to(acc: jax.Array, g: jax.Array) -> jax.Array:
     """acc + g where `acc` rests. Into host sums a gradient on the device is one no fetch reduced: the
     zeros of a leaf the loss does not differentiate (fp8's amax history, the MoE balance bias)."""
-    if on_host(acc) and not on_host(g):
-        return jax.device_put(to_device(acc) + g, HOST_SPACE)
-    return acc + g
+    return rest_like(to_device(acc) + g, acc)
 
 
 def add_slice(acc: jax.Array, i, y: jax.Array) -> jax.Array:
     """acc[i] += y along the leading axis; a host-resident `acc` is read to the device, added to and
     written back one slice at a time (the sums never come to the device whole)."""
     s = jax.lax.dynamic_index_in_dim(acc, i, 0, keepdims=False)
-    host = on_host(acc)
     new = to_device(s) + to_device(y).astype(acc.dtype)
-    return jax.lax.dynamic_update_index_in_dim(acc, jax.device_put(new, HOST_SPACE) if host else new, i, 0)
+    return jax.lax.dynamic_update_index_in_dim(acc, rest_like(new, acc), i, 0)
 
 
 def host_zeros(like: Any) -> Any:
