@@ -155,30 +155,23 @@ class ZeroShardings:
         local block of the grad layout (`layers`: the local stored layers, arrays or shapes): ZeRO-3's
         shards as they rest, ZeRO-2's 1/DP of the whole parameters."""
         pick = (lambda t: t) if self.root else (lambda t: t["layers"])
-
-        def one(a, base, target):
-            shape = list(a.shape)
-            for d, axes in dims_with(target, GRAD_AXES):
-                extra = [x for x in axes if x not in dict(dims_with(base, GRAD_AXES)).get(d, ())]
-                shape[d] //= math.prod(self.mesh.shape[x] for x in extra)
-            return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
-
-        return accum_zeros(jax.tree.map(one, layers, pick(self.store), pick(self.grads)))
+        return accum_zeros(jax.tree.map(self._grad_block, layers, pick(self.store), pick(self.grads)))
 
     def rest_sums(self, params: Any) -> Any:
         """Float32 zeros for the gradient sums of the entries other than the layers inside the loop's
         shard_map, shaped like their local block of the grad layout (`params`: the local compute-layout
         params, arrays or shapes); with `rest_reduced` the loop reduces into them."""
         rest = lambda t: {k: v for k, v in t.items() if k != "layers"}  # noqa: E731
+        return accum_zeros(jax.tree.map(self._grad_block, rest(params), rest(self.compute), rest(self.grads)))
 
-        def one(a, base, target):
-            shape = list(a.shape)
-            for d, axes in dims_with(target, GRAD_AXES):
-                extra = [x for x in axes if x not in dict(dims_with(base, GRAD_AXES)).get(d, ())]
-                shape[d] //= math.prod(self.mesh.shape[x] for x in extra)
-            return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
-
-        return accum_zeros(jax.tree.map(one, rest(params), rest(self.compute), rest(self.grads)))
+    def _grad_block(self, a: Any, base: P, target: P) -> jax.ShapeDtypeStruct:
+        """The shape of a local block `a` (laid out by `base`) once cut to the grad layout `target`: each
+        dim divided by the ZeRO axes `target` adds to `base`'s."""
+        shape = list(a.shape)
+        for d, axes in dims_with(target, GRAD_AXES):
+            extra = [x for x in axes if x not in dict(dims_with(base, GRAD_AXES)).get(d, ())]
+            shape[d] //= math.prod(self.mesh.shape[x] for x in extra)
+        return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
 
     def _rest(self, tree: Any, fn: Callable) -> Any:
         """`fn` (a method of the layout without 'layers') on every entry but the layers fetched per layer."""
