@@ -9,8 +9,9 @@ larger set taken while it lowers the RMS residual by more than MIN_GAIN and more
 noise, at most max(1, runs - 1) parameters. The rest keep the catalogue's figures.
 `meshrun plan --cluster-profile FILE` costs layouts with the result.
 
-A run's measured step time is the median of its step times after the first (which compiles). The
-runs of one profile share a device kind and node shape; their node counts may differ.
+A run's measured step time is the lower quartile of its step times after the first (which compiles):
+the planner predicts an undisturbed step, and a load on the machine, a slow batch or a side job only
+adds time. The runs of one profile share a device kind and node shape; their node counts may differ.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class Run:
     path: str
     cfg: RunConfig
     mesh_shape: dict
-    measured_s: float
-    steps: int  # step times the median is over
+    measured_s: float  # the lower quartile of its step times after step 1 (`steady_step`)
+    steps: int  # step times the quartile is over
     spread: float  # their median absolute deviation / the median: the measurement's own noise
     kind: str  # device kind (jax's, e.g. 'NVIDIA H100 80GB HBM3', or 'cpu')
     cluster: str  # the cluster string of its devices, e.g. cpu:1x8
@@ -91,7 +92,15 @@ def read_run(path: str | Path) -> Run:
                 "calibrate on runs without model.fp8")  # fmt: skip
     med = statistics.median(times)
     spread = statistics.median(abs(t - med) for t in times) / med
-    return Run(str(path), cfg, resolve_shape(cfg.mesh, n), med, len(times), spread, kind, f"{gpu}:{procs}x{n // procs}")
+    shape, cluster = resolve_shape(cfg.mesh, n), f"{gpu}:{procs}x{n // procs}"
+    return Run(str(path), cfg, shape, steady_step(times), len(times), spread, kind, cluster)
+
+
+def steady_step(times: list[float]) -> float:
+    """The lower quartile of a run's step times (linear between order statistics): interference only
+    adds time, so the low part of the distribution is the undisturbed step; a quartile, not the
+    minimum, so that one odd step does not set it."""
+    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
 
 
 def _step_times(path: Path) -> list[float]:
