@@ -174,6 +174,24 @@ def test_a_burst_of_load_leaves_the_measured_step_alone(tmp_path):
     assert cp.steady_step([2 * t for t in times]) == pytest.approx(2 * cp.read_run(d).measured_s)
 
 
+def test_simulated_devices_are_measured_by_their_cpu_seconds(tmp_path):
+    """On simulated CPU devices at least as many as the host's cores, the measured step is the steps'
+    CPU seconds over the cores (a load on the host stretches the wall times, not the work); with more
+    cores than devices, or a run without step_cpu_s, the wall times; never on a GPU."""
+    walls, cpus = [1.0, 2.0, 1.5, 3.0, 1.2], [1.6, 1.7, 1.6, 1.8, 1.6]
+    for name, dev, want in (("cpu", {**CPU8, "host_cores": 2}, (0.8, "cpu")),
+                            ("wide", {**CPU8, "host_cores": 16}, (1.2, "wall")),
+                            ("old", CPU8, (1.2, "wall"))):  # fmt: skip
+        d = write_run(tmp_path / name, "d8", 1.0, dev)
+        pairs = zip([9.0, *walls], [9.0, *cpus])  # step 1 (compile) left out
+        rows = [{"step": s + 1, "step_time_s": w, "step_cpu_s": c} for s, (w, c) in enumerate(pairs)]
+        if name == "old":
+            rows = [{k: v for k, v in r.items() if k != "step_cpu_s"} for r in rows]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        run = cp.read_run(d)
+        assert (run.measured_s, run.basis) == (pytest.approx(want[0]), want[1]), name
+
+
 def test_simulated_devices_pay_no_bubble():
     """On the CPU's simulated devices (one host's cores) the other stage's work fills a stage's idle
     ticks: a pipe=2 layout is charged no bubble there, while a GPU cluster charges the schedule's."""
@@ -219,7 +237,7 @@ def _fastest_rounds(tmp_path, overrides) -> dict[str, Path]:
 def test_cpu_layouts_calibrate_and_predict_a_held_out_layout(tmp_path, capsys):
     """Train three layouts of a small model on the 8 simulated CPU devices (8 steps each, the fastest
     of ROUNDS interleaved rounds), calibrate on them, and predict a fourth layout (tensor 2 x pipe 2 x
-    data 2) within 15% of its measured step."""
+    data 2) within 15% of its measured step (its steps' CPU seconds over the host's cores)."""
     small = ["model.d_model=128", "model.d_ff=384", "model.head_dim=32", "train.steps=8", "train.log_every=1"]
     dirs = _fastest_rounds(tmp_path, small)
     prof = tmp_path / "cpu.json"
@@ -227,8 +245,11 @@ def test_cpu_layouts_calibrate_and_predict_a_held_out_layout(tmp_path, capsys):
     assert rc == 0, err
     print(text)
     held = cp.read_run(dirs[HELD_OUT])
+    assert {cp.read_run(d).basis for d in dirs.values()} == {"cpu"}  # 8 devices, at most 8 cores
     cluster = cp.profile_cluster(cp.load_profile(str(prof)), None, str(prof))
     pred = cp.predict(held, cluster)
     err = pred / held.measured_s - 1
-    print(f"held out {HELD_OUT}: measured {held.measured_s:.4g} s, predicted {pred:.4g} s ({err:+.1%})")
+    wall = cp.steady_step(cp._step_times(Path(held.path) / cp.METRICS))
+    print(f"held out {HELD_OUT}: measured {held.measured_s:.4g} s (wall {wall:.4g} s), predicted {pred:.4g} s "
+          f"({err:+.1%})")  # fmt: skip
     assert pred == pytest.approx(held.measured_s, rel=0.15)
