@@ -291,9 +291,11 @@ def format_fit(prof: dict) -> str:
         "fitted: " + ", ".join(show(n) for n in fitted),
         "fixed at their defaults: " + ", ".join(show(n) for n in fixed),
         "",
-        f"{'run':<40} {'cluster':>10} {'steps':>5} {'measured s':>11} {'predicted s':>11} {'error':>7}",
+        f"{'run':<40} {'cluster':>10} {'steps':>5} {'measured s':>11} {'of':>4} {'predicted s':>11} {'error':>7}",
     ]
     for r in prof["runs"]:
         lines.append(f"{r['run_dir'][-40:]:<40} {r['cluster']:>10} {r['steps']:>5} {r['measured_s']:>11.4g} "
-                     f"{r['predicted_s']:>11.4g} {r['error']:>+7.1%}")  # fmt: skip
+                     f"{r.get('basis', 'wall'):>4} {r['predicted_s']:>11.4g} {r['error']:>+7.1%}")  # fmt: skip
+    lines.append("measured: the lower quartile of the steps after step 1; of wall: their times, cpu: their CPU "
+                 "seconds over the host's cores (simulated devices)")  # fmt: skip
     return "\n".join(lines)
