@@ -9,8 +9,12 @@ larger set taken while it lowers the RMS residual by more than MIN_GAIN and more
 noise, at most max(1, runs - 1) parameters. The rest keep the catalogue's figures.
 `meshrun plan --cluster-profile FILE` costs layouts with the result.
 
-A run's measured step time is the median of its step times after the first (which compiles). The
-runs of one profile share a device kind and node shape; their node counts may differ.
+A run's measured step time is the lower quartile of its step times after the first (which compiles):
+the planner predicts an undisturbed step, and a load on the machine, a slow batch or a side job only
+adds time. On simulated CPU devices at least as many as the host's cores, it is the lower quartile of
+the steps' CPU seconds over the cores (`step_cpu_s`, `host_cores`): the work a step needs, which other
+processes on the host do not change, spread over all the cores as the planner's CPU model assumes.
+The runs of one profile share a device kind and node shape; their node counts may differ.
 """
 
 from __future__ import annotations
@@ -50,11 +54,12 @@ class Run:
     path: str
     cfg: RunConfig
     mesh_shape: dict
-    measured_s: float
-    steps: int  # step times the median is over
+    measured_s: float  # the lower quartile of its step times after step 1 (`steady_step`)
+    steps: int  # step times the quartile is over
     spread: float  # their median absolute deviation / the median: the measurement's own noise
     kind: str  # device kind (jax's, e.g. 'NVIDIA H100 80GB HBM3', or 'cpu')
     cluster: str  # the cluster string of its devices, e.g. cpu:1x8
+    basis: str = "wall"  # what measured_s is of: 'wall' step times, or 'cpu' seconds over the host's cores
 
 
 def _refuse(path, what: str, fix: str):
@@ -89,20 +94,38 @@ def read_run(path: str | Path) -> Run:
     if cfg.model.fp8 != "none" and not GPUS[gpu].fp8_flops:
         _refuse(path, f"model.fp8={cfg.model.fp8} ran on {gpu}, which has no fp8 GEMMs to cost",
                 "calibrate on runs without model.fp8")  # fmt: skip
+    times, basis = _measured(d / METRICS, dev, gpu, times)
     med = statistics.median(times)
     spread = statistics.median(abs(t - med) for t in times) / med
-    return Run(str(path), cfg, resolve_shape(cfg.mesh, n), med, len(times), spread, kind, f"{gpu}:{procs}x{n // procs}")
+    shape, cluster = resolve_shape(cfg.mesh, n), f"{gpu}:{procs}x{n // procs}"
+    return Run(str(path), cfg, shape, steady_step(times), len(times), spread, kind, cluster, basis)
 
 
-def _step_times(path: Path) -> list[float]:
-    """The step_time_s of every metrics row after step 1 (whose time includes the compile)."""
+def _measured(metrics: Path, dev: dict, gpu: str, times: list[float]) -> tuple[list[float], str]:
+    """(the step times the measurement is of, its basis): on simulated CPU devices at least as many as
+    the host's cores, each step's CPU seconds over the cores ('cpu'; module doc), else `times` ('wall')."""
+    cores, cpu = int(dev.get("host_cores", 0)), _step_times(metrics, "step_cpu_s")
+    if gpu == "cpu" and cores and int(dev.get("devices", 0)) >= cores and len(cpu) == len(times):
+        return [t / cores for t in cpu], "cpu"
+    return times, "wall"
+
+
+def steady_step(times: list[float]) -> float:
+    """The lower quartile of a run's step times (linear between order statistics): interference only
+    adds time, so the low part of the distribution is the undisturbed step; a quartile, not the
+    minimum, so that one odd step does not set it."""
+    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
+
+
+def _step_times(path: Path, key: str = "step_time_s") -> list[float]:
+    """The `key` of every metrics row after step 1 (whose time includes the compile)."""
     out = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except ValueError:
             continue
-        st = row.get("step_time_s") if isinstance(row, dict) else None
+        st = row.get(key) if isinstance(row, dict) else None
         if isinstance(st, (int, float)) and st > 0 and int(row.get("step", 0)) > 1:
             out.append(float(st))
     return out
@@ -217,7 +240,7 @@ def profile_of(runs: list[Run], params: dict[str, float], fitted: tuple[str, ...
     for r, e in zip(runs, residuals(runs, params)):
         pred = r.measured_s * math.exp(e)
         rows.append({"run_dir": r.path, "cluster": r.cluster, "measured_s": r.measured_s, "predicted_s": pred,
-                     "error": math.exp(e) - 1, "steps": r.steps, "spread": r.spread})  # fmt: skip
+                     "error": math.exp(e) - 1, "steps": r.steps, "spread": r.spread, "basis": r.basis})  # fmt: skip
     return {"format": FORMAT, "gpu": cluster.gpu.name, "device_kind": runs[0].kind, "cluster": str(cluster),
             "params": dict(params), "fitted": list(fitted), "noise": noise_of(runs), "runs": rows}  # fmt: skip
 
@@ -268,9 +291,11 @@ def format_fit(prof: dict) -> str:
         "fitted: " + ", ".join(show(n) for n in fitted),
         "fixed at their defaults: " + ", ".join(show(n) for n in fixed),
         "",
-        f"{'run':<40} {'cluster':>10} {'steps':>5} {'measured s':>11} {'predicted s':>11} {'error':>7}",
+        f"{'run':<40} {'cluster':>10} {'steps':>5} {'measured s':>11} {'of':>4} {'predicted s':>11} {'error':>7}",
     ]
     for r in prof["runs"]:
         lines.append(f"{r['run_dir'][-40:]:<40} {r['cluster']:>10} {r['steps']:>5} {r['measured_s']:>11.4g} "
-                     f"{r['predicted_s']:>11.4g} {r['error']:>+7.1%}")  # fmt: skip
+                     f"{r.get('basis', 'wall'):>4} {r['predicted_s']:>11.4g} {r['error']:>+7.1%}")  # fmt: skip
+    lines.append("measured: the lower quartile of the steps after step 1; of wall: their times, cpu: their CPU "
+                 "seconds over the host's cores (simulated devices)")  # fmt: skip
     return "\n".join(lines)

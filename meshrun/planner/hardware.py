@@ -45,6 +45,9 @@ class GPU:
     pcie_bw: float = 32 * GB  # host link, one direction: PCIe Gen4 x16 32 GB/s, Gen5 64 GB/s
     fp8_flops: float = 0.0  # dense fp8 tensor-core FLOP/s (0: no fp8 GEMMs)
     tiles: bool = True  # GEMMs run in waves of tiles over the SMs (False: a CPU, no wave quantisation)
+    # The devices share one host's cores (simulated CPU devices): a pipeline stage's idle ticks run the
+    # other stages' work, so the bubble costs no time while the devices keep the cores busy.
+    shared_cores: bool = False
     calibration: Calibration | None = None  # a cluster profile's fitted fractions (None: `calibration_for`)
 
     @property
@@ -95,7 +98,7 @@ GPUS: dict[str, GPU] = {
     # figures, no datasheet. The devices share one process, so "NVLink" is a memory copy between them.
     # Fit them to the host with `meshrun plan --calibrate RUN_DIR ...` (a cluster profile); uncalibrated
     # step times are orders of magnitude only.
-    "cpu": GPU("cpu", 20e9, 16 * GB, 10 * GB, 20 * GB, 10 * GB, 1, 10 * GB, tiles=False),
+    "cpu": GPU("cpu", 20e9, 16 * GB, 10 * GB, 20 * GB, 10 * GB, 1, 10 * GB, tiles=False, shared_cores=True),
 }
 
 

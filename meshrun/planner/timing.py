@@ -320,7 +320,8 @@ def predict_time(
     precision: Precision | None = None, framework: str = "meshrun", dropout: float = 0.0,
 ) -> dict[str, float]:  # fmt: skip
     """Seconds per step by part: compute (slowest stage), tensor/context/pipe/expert comm, exposed ZeRO
-    and DP gradient sync, pipeline bubble, optimizer update, plus the layer split."""
+    and DP gradient sync, pipeline bubble (none on a GPU with `shared_cores`), optimizer update, plus the
+    layer split."""
     cal = calibration or gpu_calibration(cluster.gpu)
     prec = precision or precision_of(model, framework, layout)
     m, s, gpu = layout.microbatches, seq_len, cluster.gpu
@@ -330,6 +331,8 @@ def predict_time(
     t_opt = _optimizer_seconds(model, layout, gpu, prec)
     per_mb = t_mb + t_tp + t_cp + t_pp + t_ep + t_zero
     bubble_slots, bubble_fraction = _bubble(layout)
+    if gpu.shared_cores:  # simulated devices of one host: the other stages' work fills the idle ticks
+        bubble_slots = 0.0
     loop, t_dp_full = (m + bubble_slots) * per_mb, t_dp
     t_dp, hidden = _exposed_reduce(model, layout, t_dp, t_gather, loop, framework, cluster.overlap_for(framework))
     off, flush = _megatron_overlaps(model, layout, cluster, s, cal, (t_gather, t_mb, bubble_slots * per_mb), framework)

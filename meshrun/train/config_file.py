@@ -65,10 +65,13 @@ def write_config(cfg: RunConfig) -> None:
 
 
 def devices_record() -> dict:
-    """The platform, device kind and counts of this run's devices (a resume rewrites it)."""
+    """The platform, device kind and counts of this run's devices, and the host cores this process may
+    run on (a resume rewrites it)."""
     dev = jax.devices()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return {"platform": dev.platform, "device_kind": dev.device_kind, "devices": jax.device_count(),
-            "processes": jax.process_count(), "local_devices": jax.local_device_count()}  # fmt: skip
+            "processes": jax.process_count(), "local_devices": jax.local_device_count(),
+            "host_cores": cores}  # fmt: skip
 
 
 def _write(path: Path, text: str) -> None:

@@ -187,13 +187,15 @@ class Stepper:
         say(f"compiled in {time.perf_counter() - t0:.1f} s", quiet)
 
     def __call__(self, batch, step: int) -> tuple[dict[str, float], float]:
-        """1-based `step` on `batch`, advancing the state: (metrics as floats, seconds in the call)."""
+        """1-based `step` on `batch`, advancing the state: (metrics as floats plus step_cpu_s, the
+        process's CPU seconds in the call over all its threads; seconds in the call)."""
         self.dog.phase("step" if self.ready else "first step", step)
         self.faults.before_step(step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.state, metrics = self._call(batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.perf_counter() - t0
+        metrics["step_cpu_s"] = time.process_time() - c0
         self.dog.step_done(step, dt)
         self.ready = True
         return metrics, dt

@@ -55,7 +55,8 @@ def memory_in_use() -> dict[str, int]:
 
 
 class MetricRows:
-    """What is in a metrics.jsonl row: the step's metrics plus lr, step time,
+    """What is in a metrics.jsonl row: the step's metrics (with step_cpu_s, the process's CPU seconds
+    in the step) plus lr, step time,
     tokens/s, TFLOP/s per device and MFU (when the family's FLOPs and the device's peak are known),
     the pipeline bubble and device memory."""
 
