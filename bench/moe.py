@@ -40,24 +40,27 @@ DISPATCHES = (
 )
 
 FINE_CONFIG = "configs/tiny_deepseek_cpu.yaml"
-FINE_BASE = ["mesh.data=2", "mesh.expert=4", "mesh.tensor=1", "model.n_layers=2", "model.first_dense_layers=0",
-             "model.d_model=128", "model.d_ff=512", "model.route_groups=0", "model.route_group_limit=0"]  # fmt: skip
-FINE_MOE = ["model.n_experts=64", "model.moe_d_ff=64", "model.top_k=8", "model.n_shared_experts=1"]
-FINE_CASES = (
-    (
-        "dense d_ff=576",
-        [
-            "model.n_experts=0",
-            "model.moe_d_ff=0",
-            "model.n_shared_experts=0",
-            "model.d_ff=576",
-            "model.balance=aux_loss",
-            "model.router_score=softmax",
-        ],
-    ),  # fmt: skip
-    ("MoE dropless", [*FINE_MOE, "model.moe_dispatch=dropless"]),
-    ("MoE capacity cf=1.25", [*FINE_MOE, "model.moe_dispatch=capacity", "model.capacity_factor=1.25"]),
-)
+FINE_MESH = ["mesh.data=2", "mesh.expert=4", "mesh.tensor=1", "model.n_layers=2", "model.first_dense_layers=0",
+             "model.route_groups=0", "model.route_group_limit=0"]  # fmt: skip
+FINE_TOKENS = 16 * 64  # tiny_deepseek_cpu.yaml's global batch x seq_len: --size's token factor 1
+
+
+def fine_cases(d_model: int = 128, tokens: int = 1) -> tuple[tuple[str, list[str]], ...]:
+    """The fine-grained MoE at d_model (d_ff = 4 d_model, 64 experts of width d_ff/8, top-8, 1 shared)
+    and its dense twin of equal active FFN width (9 d_ff/8), `tokens` x the global batch of 16 x 64."""
+    f = 4 * d_model
+    base = [*FINE_MESH, f"model.d_model={d_model}", f"model.d_ff={f}", f"train.global_batch={16 * tokens}"]
+    moe = [*base, "model.n_experts=64", f"model.moe_d_ff={f // 8}", "model.top_k=8", "model.n_shared_experts=1"]
+    dense = [*base, "model.n_experts=0", "model.moe_d_ff=0", "model.n_shared_experts=0", f"model.d_ff={9 * f // 8}",
+             "model.balance=aux_loss", "model.router_score=softmax"]  # fmt: skip
+    return (
+        (f"dense d_ff={9 * f // 8}", dense),
+        ("MoE dropless", [*moe, "model.moe_dispatch=dropless"]),
+        ("MoE capacity cf=1.25", [*moe, "model.moe_dispatch=capacity", "model.capacity_factor=1.25"]),
+    )
+
+
+FINE_CASES = fine_cases()
 
 
 def stepper(path: str, overrides: list[str]):
@@ -89,25 +92,41 @@ def stepper(path: str, overrides: list[str]):
     return step
 
 
-def fine_vs_dense(rounds: int, steps: int) -> None:
-    """Fine-grained MoE against the dense model of equal active FLOPs, alternated rounds, one table."""
-    steppers = [(name, stepper(FINE_CONFIG, FINE_BASE + over)) for name, over in FINE_CASES]
-    times = {name: [] for name, _ in steppers}
-    cpu = {name: [] for name, _ in steppers}
+def alternate(cases, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
+    """Median (seconds, CPU seconds) per step of each case over `rounds` alternated rounds."""
+    steppers = [(name, stepper(FINE_CONFIG, over)) for name, over in cases]
+    times = {name: ([], []) for name, _ in steppers}
     for _ in range(rounds):
         for name, step in steppers:
             step()
             for _ in range(steps):
                 c0 = time.process_time()
-                times[name].append(step())
-                cpu[name].append(time.process_time() - c0)
-    head = f"{'data2 x expert4':<24}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
-    print(f"\n{head}\n{'-' * len(head)}")
-    dense, dense_cpu = (statistics.median(x[FINE_CASES[0][0]]) for x in (times, cpu))
-    for name, t in times.items():
-        wall, c = statistics.median(t), statistics.median(cpu[name])
-        print(f"{name:<24}{1e3 * wall:>9.1f}{wall / dense:>10.2f}{1e3 * c:>9.1f}{c / dense_cpu:>10.2f}")
+                times[name][0].append(step())
+                times[name][1].append(time.process_time() - c0)
+    return {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in times.items()}
+
+
+def fine_vs_dense(rounds: int, steps: int, sizes=((128, 1),)) -> None:
+    """Fine-grained MoE against the dense model of equal active FLOPs per (d_model, token factor) of
+    `sizes`, the cases of one size alternated in rounds; one table."""
+    head = f"{'d_model tokens':<16}{'data2 x expert4':<22}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
+    print(f"\n{head}\n{'-' * len(head)}", flush=True)
+    for d_model, factor in sizes:
+        cases = fine_cases(d_model, factor)
+        med = alternate(cases, rounds, steps)
+        dense, dense_cpu = med[cases[0][0]]
+        for name, (wall, c) in med.items():
+            row = f"{d_model:<8}{factor * FINE_TOKENS:<8}{name:<22}{1e3 * wall:>9.1f}{wall / dense:>10.2f}"
+            print(f"{row}{1e3 * c:>9.1f}{c / dense_cpu:>10.2f}", flush=True)
     print("CPU ms = this process's CPU time per step (all simulated devices), steadier on shared cores.")
+
+
+def size_arg(text: str) -> tuple[int, int]:
+    """--size D or DxN: d_model D (a multiple of 8), N times the tokens of a step (default 1)."""
+    d, _, n = text.partition("x")
+    if not d.isdigit() or int(d) % 8 or not (n or "1").isdigit() or int(n or 1) < 1:
+        raise argparse.ArgumentTypeError(f"--size {text!r}: give D or DxN, e.g. 256x4 (D a multiple of 8, N >= 1)")
+    return int(d), int(n or 1)
 
 
 def main() -> None:
@@ -116,12 +135,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--only", choices=("dispatch", "fine"), help="one of the two tables (default: both)")
     ap.add_argument("--rounds", type=int, default=5, help="fine-grained vs dense: alternated rounds")
+    ap.add_argument("--size", type=size_arg, nargs="+", default=[(128, 1)], metavar="D[xN]",
+                    help="fine-grained vs dense at d_model D and N x the tokens a step (default 128x1)")  # fmt: skip
     args = ap.parse_args()
     if args.only != "fine":
         dispatch_table(args)
     if args.only != "dispatch":
         print(" ".join(__doc__.split("\n\n")[3].split()))
-        fine_vs_dense(args.rounds, args.steps)
+        fine_vs_dense(args.rounds, args.steps, args.size)
 
 
 def dispatch_table(args) -> None:
