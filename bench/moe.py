@@ -45,12 +45,16 @@ FINE_MESH = ["mesh.data=2", "mesh.expert=4", "mesh.tensor=1", "model.n_layers=2"
 FINE_TOKENS = 16 * 64  # tiny_deepseek_cpu.yaml's global batch x seq_len: --size's token factor 1
 
 
-def fine_cases(d_model: int = 128, tokens: int = 1) -> tuple[tuple[str, list[str]], ...]:
+def fine_cases(d_model: int = 128, tokens: int = 1, one: bool = False) -> tuple[tuple[str, list[str]], ...]:
     """The fine-grained MoE at d_model (d_ff = 4 d_model, 64 experts of width d_ff/8, top-8, 1 shared)
-    and its dense twin of equal active FFN width (9 d_ff/8), `tokens` x the global batch of 16 x 64."""
-    f = 4 * d_model
-    base = [*FINE_MESH, f"model.d_model={d_model}", f"model.d_ff={f}", f"train.global_batch={16 * tokens}"]
-    moe = [*base, "model.n_experts=64", f"model.moe_d_ff={f // 8}", "model.top_k=8", "model.n_shared_experts=1"]
+    and its dense twin of equal active FFN width (9 d_ff/8), `tokens` x the global batch of 16 x 64.
+    `one`: one device's share on one device (1/8 of the batch; the MoE with the 16 experts of one
+    expert rank, so its buffers and expert GEMMs have the shapes of one device of data2 x expert4)."""
+    f, batch = 4 * d_model, (2 if one else 16) * tokens
+    base = [*FINE_MESH, f"model.d_model={d_model}", f"model.d_ff={f}", f"train.global_batch={batch}"]
+    base += ["mesh.data=1", "mesh.expert=1"] if one else []
+    moe = [*base, f"model.n_experts={16 if one else 64}", f"model.moe_d_ff={f // 8}", "model.top_k=8",
+           "model.n_shared_experts=1"]  # fmt: skip
     dense = [*base, "model.n_experts=0", "model.moe_d_ff=0", "model.n_shared_experts=0", f"model.d_ff={9 * f // 8}",
              "model.balance=aux_loss", "model.router_score=softmax"]  # fmt: skip
     return (
@@ -106,13 +110,14 @@ def alternate(cases, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in times.items()}
 
 
-def fine_vs_dense(rounds: int, steps: int, sizes=((128, 1),)) -> None:
+def fine_vs_dense(rounds: int, steps: int, sizes=((128, 1),), one: bool = False) -> None:
     """Fine-grained MoE against the dense model of equal active FLOPs per (d_model, token factor) of
-    `sizes`, the cases of one size alternated in rounds; one table."""
-    head = f"{'d_model tokens':<16}{'data2 x expert4':<22}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
+    `sizes`, the cases of one size alternated in rounds; one table (`one`: one device's share)."""
+    layout = "1 device, 1/8 step" if one else "data2 x expert4"
+    head = f"{'d_model tokens':<16}{layout:<22}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
     print(f"\n{head}\n{'-' * len(head)}", flush=True)
     for d_model, factor in sizes:
-        cases = fine_cases(d_model, factor)
+        cases = fine_cases(d_model, factor, one)
         med = alternate(cases, rounds, steps)
         dense, dense_cpu = med[cases[0][0]]
         for name, (wall, c) in med.items():
@@ -137,12 +142,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="fine-grained vs dense: alternated rounds")
     ap.add_argument("--size", type=size_arg, nargs="+", default=[(128, 1)], metavar="D[xN]",
                     help="fine-grained vs dense at d_model D and N x the tokens a step (default 128x1)")  # fmt: skip
+    ap.add_argument("--one-device", action="store_true",
+                    help="fine-grained vs dense: one device's share of a step on one device")  # fmt: skip
     args = ap.parse_args()
     if args.only != "fine":
         dispatch_table(args)
     if args.only != "dispatch":
         print(" ".join(__doc__.split("\n\n")[3].split()))
-        fine_vs_dense(args.rounds, args.steps, args.size)
+        fine_vs_dense(args.rounds, args.steps, args.size, args.one_device)
 
 
 def dispatch_table(args) -> None:
