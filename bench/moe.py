@@ -1,6 +1,7 @@
 """MoE dispatch: capacity routing vs dropless, step time and memory per layout (a script, not a test).
 
-    python bench/moe.py [--steps 5] [--warmup 2] [--only dispatch|fine] [--rounds 5]
+    python bench/moe.py [--steps 5] [--warmup 2] [--only dispatch|fine] [--rounds 5] [--size D[xN] ...]
+                        [--one-device]
 
 tiny_moe_cpu.yaml (4 experts, top-2, every other layer MoE, global batch 16 x 64 tokens) on
 data2 x expert2 x tensor2 and on one device, each with `model.moe_dispatch=capacity`
@@ -11,10 +12,15 @@ tokens and runs its experts on worst-case buffers (ragged_all_to_all is not impl
 and XLA:CPU runs ragged_dot as a masked dense matmul over the local experts, so CPU figures overstate
 its cost against a GPU's grouped GEMM. Simulated CPU devices share the host's cores: compare ratios within one run only.
 
-Fine-grained MoE vs dense: tiny_deepseek_cpu.yaml reshaped to 2 layers of d_model 128 on data2 x
-expert4, one MoE of 64 experts of width d_ff/8 = 64, top-8, 1 shared expert, beside the dense model
-of equal active FFN width (8 * 64 + 64 = 576; the router's d_model * 64 per token is extra): median
-ms/step and CPU ms/step over --rounds alternated rounds of --steps steps each (one untimed step per round first).
+Fine-grained MoE vs dense: tiny_deepseek_cpu.yaml reshaped to 2 MoE layers on data2 x expert4, each of
+64 experts of width d_ff/8, top-8, and 1 shared expert, beside the dense model of equal active FFN width
+(9 d_ff/8; the router's d_model * 64 per token is extra), at d_model 128 (d_ff 512) and the 16 x 64 tokens
+of a step, or with --size D[xN] at d_model D (d_ff 4D) and N x the tokens; --one-device: one device's
+share of the step (1/8 of the batch, routed among the 16 experts of one expert rank) on one device.
+Median ms/step and CPU ms/step over --rounds alternated rounds of --steps steps each (one untimed step
+per round first). At the default size an expert GEMM is a few KFLOP: the step measures per-op and
+collective overhead; the larger sizes show the trend (a real MoE step has thousands of tokens per
+expert group: 2048 at N = 4).
 """
 
 from __future__ import annotations
