@@ -15,6 +15,7 @@ Shape legend: M microbatches, B local microbatch rows, S sequence, D model width
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -106,6 +107,8 @@ class Pipeline:
         params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
+        if zl.per_layer:  # the embedding's and head's gradient left the ticks reduced, as the layers'
+            zl_o = dataclasses.replace(zl_o, rest_reduced=True)
         # pipeline.overlap_grad_reduce: chunks final before the last tick leave the loop reduced, the others
         # as partial sums (one reduction per chunk)
         early = {c for _, cs in self.program.grad_cuts for c in cs}
