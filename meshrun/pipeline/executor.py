@@ -3,7 +3,8 @@
 Shape legend: M microbatches, B local microbatch rows, S sequence, D model width, Lc layers per chunk.
 
 * Manual over 'pipe', 'data' and 'expert', auto over 'tensor'; the data-parallel gradient reduction
-  is one psum (ZeRO >= 1: psum_scatter) after the loop.
+  is one psum (ZeRO >= 1: psum_scatter) after the loop; per layer (`ZeroShardings.per_layer`) every
+  gradient, the embedding's and head's included, is reduce-scattered each microbatch inside it.
 * The schedule is data: `program.tick_program` turns its table into per-tick index arrays, grouped
   into phases with one `lax.scan` each; activations and gradients move with `ppermute` over 'pipe'.
 * Backward is an explicit per-stage `jax.vjp`; in-flight residuals live in a fixed slot buffer, so
