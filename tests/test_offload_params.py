@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_train import _cfg, assert_same, run_steps
+from test_train import _cfg, assert_same, reference, run_steps
 
-from meshrun.analysis import placement
+from meshrun.analysis import hlo, placement
 from meshrun.analysis.memory import memory_spaces
 from meshrun.cli.main import main
 from meshrun.config import offload_params_refusals
@@ -52,6 +52,27 @@ def test_offload_params_matches_without_pipeline():
 def test_offload_params_matches_without_data_one_microbatch():
     """data 8, one microbatch: each layer's reduced gradient is the step's, straight to host memory."""
     _same_as_without(DP8_M1)
+
+
+@pytest.mark.parametrize(
+    "over", [PIPE, pytest.param(DP4_TP2, marks=pytest.mark.slow)], ids=["pipe-1f1b", "data4-tensor2-m4"]
+)
+def test_offload_params_matches_one_device(over):
+    """The embedding's, head's and final norm's gradient goes every microbatch to 1/DP float32 sums on
+    the device (in the tick loop: from the first and last stage's vjps) beside the layers' host sums:
+    losses and params after 3 steps equal one device."""
+    assert_same(run_steps(_cfg("tiny_cpu.yaml", [*over, *ON])), reference("tiny_cpu.yaml"))
+
+
+def test_embedding_and_head_reduce_scattered_every_microbatch():
+    """data 4 x tensor 2, 4 microbatches: the embedding's and head's gradients are reduce-scattered to
+    1/DP shards inside the microbatch loop, once per microbatch (not from whole sums after it)."""
+    ts, traced = _step([*DP4_TP2, *ON])
+    cfg, mesh = ts.plan.cfg, ts.plan.zero.mesh
+    colls = hlo.collectives(traced.lower().compile().as_text(), dict(mesh.shape))
+    edge = 4 * cfg.model.vocab * cfg.model.d_model // (cfg.mesh.tensor * cfg.mesh.data)  # a shard's bytes
+    edges = [c for c in colls if c.op == "reduce-scatter" and c.bytes == edge]
+    assert len(edges) == 2 and all(c.in_loop and c.per_step == cfg.pipeline.microbatches for c in edges), edges
 
 
 @pytest.mark.slow

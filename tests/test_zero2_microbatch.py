@@ -80,15 +80,19 @@ def test_layers_reduce_scattered_inside_the_loop_and_sums_sharded():
 def test_pipelined_layers_reduce_scattered_inside_the_tick_loop():
     """data 2 x pipe 2 x tensor 2, 1F1B over 4 microbatches: every layer weight's gradient is
     reduce-scattered over 'data' inside the tick loop (per layer of a backward tick: at least the
-    stage's 2 layers x 4 microbatches a step, idle ticks' counted too), nothing all-gathered there; once a
+    stage's 2 layers x 4 microbatches a step, idle ticks' counted too), and the embedding's and head's
+    (the first and last stage's vjps) at least once per microbatch, nothing all-gathered there; once a
     step, no reduce-scatter there. The per-microbatch step's temporaries are below once-per-step's."""
     cfg, _, mb, mem_mb = compiled_step(MB)
     _, _, step, mem_step = compiled_step(["train.zero=2", "train.zero2_reduce=step"])
     looped = lambda cs, op: [c for c in cs if c.op == op and c.in_loop]  # noqa: E731
     scatters = looped(mb, "reduce-scatter")
+    edge = 4 * cfg.model.vocab * cfg.model.d_model // (cfg.mesh.tensor * cfg.mesh.data)  # a 1/DP shard's bytes
+    edges, layers = [c for c in scatters if c.bytes == edge], [c for c in scatters if c.bytes != edge]
     per_stage = cfg.model.n_layers // cfg.mesh.pipe * cfg.pipeline.microbatches
-    assert scatters and len(scatters) % WEIGHTS == 0 and {c.axes for c in scatters} == {("data",)}
-    assert sum(c.per_step for c in scatters) >= WEIGHTS * per_stage
+    assert layers and len(layers) % WEIGHTS == 0 and {c.axes for c in scatters} == {("data",)}
+    assert sum(c.per_step for c in layers) >= WEIGHTS * per_stage
+    assert len(edges) == EDGES and min(c.per_step for c in edges) >= cfg.pipeline.microbatches
     assert not looped(mb, "all-gather") and not looped(step, "reduce-scatter")
     assert mem_mb.temp_size_in_bytes < mem_step.temp_size_in_bytes
 

@@ -61,7 +61,9 @@ class ZeroShardings:
     from_host: bool = False  # offload.params: params['layers'] fetched layer by layer from host memory
     root: bool = False  # with `per_layer`: this is the layout of params['layers'] itself (`sub('layers')`)
     fsdp: bool = False  # train.zero3_gather=layer: params['layers'] gathered layer by layer from device memory
-    rest_reduced: bool = False  # per layer: the other entries' gradients too left the loop reduced (`rest_sums`)
+    # per layer: the other entries' gradients too left the loop reduced (`rest_sums`); on a layout without
+    # the layers (`without`: the pipeline's embedding and head), those entries' own
+    rest_reduced: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -150,6 +152,16 @@ class ZeroShardings:
         grads = pick(self.grads) if self.fsdp else None  # ZeRO-2: reduce-scattered, nothing gathered
         return layer_fetch.make_fetch(self.mesh, pick(self.store), pick(self.compute), self.reduce_dtype, grads)
 
+    def rest_fetch(self) -> Callable | None:
+        """Per layer: (params, z) -> the entries other than the layers (embedding, head, final norm) as
+        they are, whose backward reduces each leaf's gradient every microbatch into its 1/DP float32
+        sums `z` (`rest_sums`, `layer_fetch.reduce_rest`), in the microbatch scan and the pipeline alike;
+        None when the layers are not fetched per layer."""
+        if not self.per_layer:
+            return None
+        rest = lambda t: {k: v for k, v in t.items() if k != "layers"}  # noqa: E731
+        return layer_fetch.reduce_rest(self.mesh, rest(self.compute), rest(self.grads), self.reduce_dtype)
+
     def layer_sums(self, layers: Any) -> Any:
         """Float32 zeros for the layers' gradient sums inside the loop's shard_map, shaped like their
         local block of the grad layout (`layers`: the local stored layers, arrays or shapes): ZeRO-3's
@@ -234,7 +246,10 @@ class ZeroShardings:
     def reduce_local(self, grads: Any, extra: tuple[str, ...] = ()) -> Any:
         """Inside the loop's shard_map, after the accumulation: psum what stays replicated; leaves that
         ZeRO scatters leave as per-rank partial sums [1, ...] for `finish`. `extra`: axes summed in any
-        case (the pipeline sums embedding/head grads over 'pipe'). Per-layer layers left the scan reduced."""
+        case (the pipeline sums embedding/head grads over 'pipe'). Per-layer layers left the scan reduced;
+        with `rest_reduced` the other entries too (only `extra` is summed)."""
+        if self.rest_reduced and not self.per_layer:  # the pipeline's entries but the layers: 1/DP sums
+            return jax.lax.psum(grads, extra) if extra else grads
         if self.per_layer:
             if self.rest_reduced:
                 return grads
@@ -253,6 +268,8 @@ class ZeroShardings:
         shard_map manual over every axis: local tensor shards are reduce-scattered as they are (a
         psum_scatter inside the tensor-auto loop made XLA all-gather the tensor shards first, and a
         GSPMD sum gave a full all-reduce). Per-layer layers left the scan reduced."""
+        if self.rest_reduced and not self.per_layer:
+            return grads
         if self.per_layer:
             return grads if self.rest_reduced else self._rest(grads, ZeroShardings.finish)
         flat_g, tree = jax.tree.flatten(grads)

@@ -3,7 +3,8 @@
 Shape legend: M microbatches, B local microbatch rows, S sequence, D model width, Lc layers per chunk.
 
 * Manual over 'pipe', 'data' and 'expert', auto over 'tensor'; the data-parallel gradient reduction
-  is one psum (ZeRO >= 1: psum_scatter) after the loop.
+  is one psum (ZeRO >= 1: psum_scatter) after the loop; per layer (`ZeroShardings.per_layer`) every
+  gradient, the embedding's and head's included, is reduce-scattered each microbatch inside it.
 * The schedule is data: `program.tick_program` turns its table into per-tick index arrays, grouped
   into phases with one `lax.scan` each; activations and gradients move with `ppermute` over 'pipe'.
 * Backward is an explicit per-stage `jax.vjp`; in-flight residuals live in a fixed slot buffer, so
@@ -15,6 +16,7 @@ Shape legend: M microbatches, B local microbatch rows, S sequence, D model width
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -106,6 +108,8 @@ class Pipeline:
         params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
         layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
+        if zl.per_layer:  # the embedding's and head's gradient left the ticks reduced, as the layers'
+            zl_o = dataclasses.replace(zl_o, rest_reduced=True)
         # pipeline.overlap_grad_reduce: chunks final before the last tick leave the loop reduced, the others
         # as partial sums (one reduction per chunk)
         early = {c for _, cs in self.program.grad_cuts for c in cs}

@@ -46,6 +46,10 @@ class StageRun:
         # grad layout (`layer_fetch.Shadowed`), which the stage's vjp differentiates in place of the weights
         self.sums_v = jax.eval_shape(self.zl.layer_sums, layers) if self.zl.shadows(layers) else None
         self.sums_v = None if self.sums_v is None else jax.eval_shape(self.chunked, self.sums_v)
+        # per layer: the embedding's, head's and final norm's gradient goes every microbatch to 1/DP
+        # float32 sums (`ZeroShardings.rest_fetch`), as in the microbatch scan; else whole sums
+        self.rest = spec.zero.rest_fetch()
+        self.other_sums = jax.eval_shape(accum_zeros, other if self.rest is None else spec.zero.rest_sums(other))
         self.x_aval = jax.eval_shape(self.fns.embed, other, tok[0])
         self.x_zero = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
 
@@ -144,7 +148,17 @@ class StageRun:
         return jnp.full(shape, self.fill, dtype)
 
     def zeros_other(self):
-        return jax.tree.map(jnp.zeros_like, self.other)
+        """A zero gradient of the entries but the layers: as `other`, per layer of their 1/DP sums."""
+        if self.rest is None:
+            return jax.tree.map(jnp.zeros_like, self.other)
+        return zeros_like_shapes(self.other_sums)
+
+    def vjp_other(self, f, *xs, **kw):
+        """`jax.vjp` of f(other, *xs); per layer in the zeros of `other`'s 1/DP sums, whose cotangent is
+        the gradient reduced onto them (`rest`)."""
+        if self.rest is None:
+            return jax.vjp(f, self.other, *xs, **kw)
+        return jax.vjp(lambda z, *a: f(self.rest(self.other, z), *a), self.zeros_other(), *xs, **kw)
 
     def init_carry(self) -> dict:
         xs = self.x_aval
@@ -156,7 +170,7 @@ class StageRun:
             # float32 sums, also for 16-bit params; in host memory where the layers rest there
             # (offload.params: each layer's gradient is added in as the backward makes it)
             "g_layers": self.layer_sums(),
-            "g_other": accum_zeros(self.other),
+            "g_other": zeros_like_shapes(self.other_sums),
             "loss": jnp.zeros((), jnp.float32),
             "aux": {k: jnp.zeros((), a.dtype) for k, a in self.aux_aval.items()},
         }
@@ -251,7 +265,7 @@ class StageRun:
 
         def head():
             hl = lambda o, a: fns.head_loss(o, a, take(self.lab, mb))
-            ls, hvjp, _ = jax.vjp(hl, self.other, y, has_aux=True)
+            ls, hvjp, _ = self.vjp_other(hl, y, has_aux=True)
             d_o, dy = hvjp(jnp.asarray(1.0, ls.dtype) / self.n_tok.astype(ls.dtype))
             return ls.astype(jnp.float32), d_o, dy.astype(xs.dtype)
 
@@ -273,7 +287,7 @@ class StageRun:
         """The embedding's gradient from the first virtual stage's input gradient (zeros elsewhere)."""
 
         def run():
-            _, evjp = jax.vjp(lambda o: self.fns.embed(o, take(self.tok, mb)), self.other)
+            _, evjp = self.vjp_other(lambda o: self.fns.embed(o, take(self.tok, mb)))
             return evjp(dx.astype(self.x_aval.dtype))[0]
 
         return lax.cond(first, run, self.zeros_other)
@@ -399,6 +413,10 @@ def stage_fn(split: LayerSplit, apply, c, stage):
         return apply
     n = split.count(c, stage)
     return functools.partial(uneven_apply, apply, split.lmin, n)
+
+
+def zeros_like_shapes(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
 def put(buf, i, x):

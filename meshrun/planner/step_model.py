@@ -280,15 +280,10 @@ def _grad_bytes(
         # none beside the gathered weights at its peak, `backward_working_bytes`)
         fresh = 0.0 if per_layer and lay.zero == 3 and not lay.offload_params else pb * (other + one_layer)
     if per_layer:  # ZeRO-2 per microbatch / ZeRO-3 per layer: the layers' float32 sums are 1/DP shards (norm
-        # scales whole); the embedding's and head's too without a pipeline (`GradSums.fetch_rest`), else
-        # whole with micro-batches
+        # scales whole); the embedding's and head's too (`ZeroShardings.rest_fetch`), the final norm's whole
         layer_w = dense - other
         n = (layer_w - norms * frac) / shard[1] + norms * frac + experts / eshard[1]
-        if rest_sharded(lay):
-            n += (other - h) / shard[1] + h
-        elif lay.microbatches > 1:
-            n += other
-        sums = 4 * n
+        sums = 4 * (n + (other - h) / shard[1] + h)
     elif lay.microbatches > 1:  # the loop's accumulator: float32 whatever the param dtype (zero.accum_zeros)
         sums = max(pb, 4) * (dense + experts)
     if overlap_cut(lay)[2]:
@@ -313,13 +308,6 @@ def _overlap_sum_elems(
         / (lc * lay.chunks)
     )
     return reduced + rows
-
-
-def rest_sharded(lay: Layout) -> bool:
-    """Whether a per-layer step (`layerwise`) reduces the embedding's, head's and final norm's gradients
-    every microbatch into 1/DP float32 sums too: the microbatch scan with the layers' sums on the device
-    (`GradSums.fetch_rest`), not the pipeline nor offload.params."""
-    return lay.pipe == 1 and not lay.offload_params
 
 
 def layerwise(model: ModelConfig, lay: Layout) -> bool:
@@ -451,7 +439,7 @@ def predict_collective_bytes(
     tally = _Tally()
     _model_parallel(tally, model, layout, act, f_ticks, b_ticks)
     _context_parallel(tally, model, layout, s, f_ticks, b_ticks)
-    _gradient_sync(tally, model, layout, act, permutes)
+    _gradient_sync(tally, model, layout, act, permutes, (f_ticks, b_ticks))
     if layout.zero >= 2 and layerwise(model, layout):
         _layer_sync(tally, model, layout, f_ticks, b_ticks)
     return {"bytes": tally.out, "count": tally.count}
@@ -542,8 +530,9 @@ def _context_parallel(tally: _Tally, model: ModelConfig, lay: Layout, s: int, f_
         tally.add("reduce-scatter", ("context",), gathered / c, layers * b_ticks)
 
 
-def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, permutes) -> None:
-    """Pipe: activation permutes and the embedding/head gradient all-reduce; DP: the once-per-step
+def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, permutes, ticks) -> None:
+    """Pipe: activation permutes and the embedding/head gradient all-reduce (per layer: of their 1/DP
+    sums, `_edge_sync`; `ticks`: a stage's forward and backward ticks); DP: the once-per-step
     gradient reduction (ZeRO-0 all-reduce, else reduce-scatter + all-gather of the params). The
     gradients are summed in float32 (`zero.accum_zeros`, 16-bit params too) and reduced in
     `lay.grad_reduce_dtype`; counts below are elements. HSDP (`lay.zero_group`): the reduce-scatter and
@@ -558,20 +547,23 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
     expert_n = counts["experts"] / p / (t * e)
     dense_axes = tuple(a for a, k in (("data", data), ("expert", e), ("context", c)) if k > 1)
     across = ("replica",) if lay.replicas > 1 else ()  # HSDP: the ZeRO group's shards all-reduced across it
+    per_layer = lay.zero >= 2 and layerwise(model, lay)
     if p > 1:
         ops, moved = permutes
         tally.add("collective-permute", ("pipe",), pipe_payload(act, lay) * moved / ops, ops)
-        if rb == ab:  # one all-reduce over pipe and the DP axes
+        if per_layer:  # the 1/DP sums reduced in the ticks (`_edge_sync`), the final norm's whole
+            tally.add("all-reduce", ("pipe",), ab * ((edge_n - h) / (data * e * c) + h))
+        elif rb == ab:  # one all-reduce over pipe and the DP axes
             tally.add("all-reduce", ("pipe", *across, *dense_axes), ab * edge_n)
             edge_n = 0.0
         else:  # summed over pipe in float32, then reduced over DP with the other gradients
             tally.add("all-reduce", ("pipe",), ab * edge_n)
-    if lay.zero >= 2 and layerwise(model, lay):  # layers reduced in the scan (`_layer_sync`); ZeRO-2 gathers them
+    if per_layer:  # layers reduced in the scan (`_layer_sync`); ZeRO-2 gathers them
         if lay.zero == 2 and data * e * c > 1:
             tally.add("all-gather", dense_axes, pb * layer_n)
         layer_n, expert_n = 0.0, 0.0
-        if rest_sharded(lay) and data * e * c > 1:  # the other entries' too, every microbatch
-            _edge_sync(tally, lay, rb, pb, edge_n, h, dense_axes, across)
+        if data * e * c > 1:  # the other entries' too, every microbatch
+            _edge_sync(tally, model, lay, (rb, pb), dense_axes, across, ticks)
             edge_n = 0.0
     groups = [(layer_n + edge_n, dense_axes, data * e * c)]
     if expert_n:
@@ -587,18 +579,25 @@ def _gradient_sync(tally: _Tally, model: ModelConfig, lay: Layout, act: float, p
                 tally.add("all-reduce", across, rb * n / dp)
 
 
-def _edge_sync(tally: _Tally, lay: Layout, rb: float, pb: float, edge_n: float, h: float, axes: tuple,
-               across: tuple) -> None:  # fmt: skip
-    """`rest_sharded`: the embedding's and head's gradients reduce-scattered every microbatch in the
-    reduction's dtype (`rb` bytes; their shards all-reduced across HSDP replicas), the final norm's
-    all-reduced; their params (`pb` bytes) all-gathered once per step (ZeRO-2 after the update, ZeRO-3
-    before the loop). `edge_n`: their elements on one device (the norm's `h` included)."""
-    m, dp = lay.microbatches, lay.zero_data * lay.expert * lay.context
-    tally.add("reduce-scatter", axes, rb * (edge_n - h) / dp, m)
-    if across:
-        tally.add("all-reduce", across, rb * (edge_n - h) / dp, m)
-    tally.add("all-reduce", (*across, *axes), rb * h, m)
-    tally.add("all-gather", axes, pb * edge_n)
+def _edge_sync(tally: _Tally, model: ModelConfig, lay: Layout, dtypes: tuple[float, float], axes: tuple,
+               across: tuple, ticks: tuple) -> None:  # fmt: skip
+    """Per layer: the embedding's and head's gradients reduce-scattered every microbatch in the
+    reduction's dtype (`dtypes`: its bytes and the params'; the shards all-reduced across HSDP
+    replicas), the final norm's all-reduced; their params all-gathered once per step (ZeRO-2 after
+    the update, ZeRO-3 before the loop). Without a pipeline one backward a microbatch reduces them;
+    in the pipeline the head's vjp (with the norm's; a tied matrix: the embedding) on each tick that
+    runs a forward, the embedding's on each that runs a backward (`ticks`), as the tick loop's conds."""
+    rb, pb = dtypes
+    t, h, dp = lay.tensor, model.d_model, lay.zero_data * lay.expert * lay.context
+    counts = param_counts(model)
+    emb, head = counts["embedding"] / t, counts["head"] / t
+    parts = [(head or emb, ticks[0]), (emb, ticks[1])] if lay.pipe > 1 else [(emb + head, ticks[0])]
+    for n, k in parts:
+        tally.add("reduce-scatter", axes, rb * n / dp, k)
+        if across:
+            tally.add("all-reduce", across, rb * n / dp, k)
+    tally.add("all-reduce", (*across, *axes), rb * h, ticks[0])
+    tally.add("all-gather", axes, pb * (emb + head + h))
 
 
 def _layer_sync(tally: _Tally, model: ModelConfig, lay: Layout, f_ticks: float, b_ticks: float) -> None:

@@ -6,11 +6,13 @@ microbatch's gradient goes into them, so it does not branch on the placement its
 
 * whole  -- the parameters themselves are differentiated; the sums are float32 trees in device memory.
 * device -- per layer (ZeRO-3 / ZeRO-2 per layer): the layers' gradient goes to float32 arrays beside
-  them (`layer_fetch.Shadowed`), 1/DP of the layers' sums in device memory (`ZeroShardings.layer_sums`);
-  the other entries' (embedding, head) every microbatch to 1/DP sums too (`layer_fetch.reduce_rest`).
-* host   -- the same with the sums in pinned host memory (offload.params), added to a layer at a time.
+  them (`layer_fetch.Shadowed`), 1/DP of the layers' sums in device memory (`ZeroShardings.layer_sums`).
+* host   -- the same with the layers' sums in pinned host memory (offload.params), added to a layer at a time.
 * sink   -- offload.grads=nvme: the layers are shadowed by their sink indices (`layer_fetch.sink_index`),
   their gradient goes to the sink and their squared sums come back (one microbatch).
+
+Per layer (device, host, sink) the other entries' gradient (embedding, head, final norm) goes every
+microbatch to 1/DP float32 sums in device memory (`ZeroShardings.rest_fetch`, `rest_sums`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshrun.parallel.layer_fetch import add_to, grad_sink, host_zeros, on_host, reduce_rest, shadowed, sink_index
+from meshrun.parallel.layer_fetch import add_to, grad_sink, host_zeros, on_host, shadowed, sink_index
 from meshrun.parallel.sharding import is_spec
 from meshrun.parallel.zero import ZeroShardings, accum_zeros
 
@@ -55,8 +57,8 @@ class GradSums:
 
     at: str  # one of PLACES
     params: Any = None  # the loop's local params (`bind`)
-    # "device": (params, z) -> params of the entries other than the layers, whose gradient the backward
-    # reduces into their 1/DP float32 sums z (`layer_fetch.reduce_rest`)
+    # per layer: (params, z) -> params of the entries other than the layers, whose gradient the backward
+    # reduces into their 1/DP float32 sums z (`ZeroShardings.rest_fetch`)
     fetch_rest: Any = None
 
     @classmethod
@@ -64,13 +66,10 @@ class GradSums:
         at = sums_at(zl)
         if at == "sink" and microbatches != 1:
             raise ValueError("a gradient sink takes one microbatch (config.offload_params_refusals)")
-        if at != "device":
-            return cls(at)
-        return cls(at, fetch_rest=reduce_rest(zl.mesh, _without_layers(zl.compute), _without_layers(zl.grads),
-                                              zl.reduce_dtype))  # fmt: skip
+        return cls(at, fetch_rest=zl.rest_fetch())
 
     def layout(self, zl: ZeroShardings) -> ZeroShardings:
-        """The step's ZeroShardings as the loop reduces: on the device every entry leaves it reduced."""
+        """The step's ZeroShardings as the loop reduces: per layer every entry leaves it reduced."""
         return dataclasses.replace(zl, rest_reduced=True) if self.fetch_rest is not None else zl
 
     def bind(self, params: Any) -> GradSums:
@@ -111,14 +110,14 @@ class GradSums:
 
     def zeros(self, zl: ZeroShardings, shapes: Any) -> Any:
         """The zero float32 sums (`shapes`: the gradient's) where they rest; with a sink, its indices."""
-        sums = accum_zeros(shapes)
+        if self.at == "whole":
+            return accum_zeros(shapes)
+        rest = zl.rest_sums(self.params)  # per layer: the other entries' 1/DP sums, wherever the layers' rest
         if self.at == "sink":
-            sums["layers"] = sink_index(self.params["layers"])
-        elif self.at == "host":  # m = 1: the float32 reduced gradient itself
-            sums["layers"] = host_zeros(jax.eval_shape(accum_zeros, shapes["layers"]))
-        elif self.at == "device":  # 1/DP of them (ZeRO-2: of whole params), the other entries' too
-            sums = {**zl.rest_sums(self.params), "layers": zl.layer_sums(self.params["layers"])}
-        return sums
+            return {**rest, "layers": sink_index(self.params["layers"])}
+        if self.at == "host":  # m = 1: the float32 reduced gradient itself
+            return {**rest, "layers": host_zeros(jax.eval_shape(accum_zeros, shapes["layers"]))}
+        return {**rest, "layers": zl.layer_sums(self.params["layers"])}  # 1/DP (ZeRO-2: of whole params)
 
     def first(self, acc: Any, g: Any, aux: Any) -> Any:
         """With one microbatch: (sums, aux sums) after its gradient `g` (a tree of the params)."""
