@@ -69,7 +69,8 @@ def predict_memory_jax(
     by part, where JAX differs from Megatron's accounting (`predict_memory`): every pipeline stage holds
     the embedding and head; optimizer state per its registry entry plus the update's float32
     temporaries; activations per `activations.meshrun_layer_bytes` (the executor's residual slots with a
-    pipeline); fp32 logits; the backward's working set (`backward_working_bytes`). The total is the
+    pipeline); fp32 logits; the backward's working set (`backward_working_bytes`); offload.params'
+    update outputs (`_update_out_bytes`), live through the backward. The total is the
     arguments plus the larger of the backward's peak and the reduction and update's (the sums beside
     the update's temporaries). `offload_optimizer`: False/True/"host"/"nvme"; `streamed` (default: the
     nvme tier) keeps the stored params on the device. `in_flight`: the layers ZeRO-3 per layer holds
@@ -80,7 +81,7 @@ def predict_memory_jax(
     st = _state_bytes(model, layout, frac, in_flight)
     acts, host_acts = _activation_bytes(model, layout, s, frac)
     logits = _logits_bytes(model, layout, s)
-    host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed)
+    host_state, nvme = _offloaded_state(model, st, offload_optimizer, streamed, layout.offload_params)
     working = backward_working_bytes(model, layout, s)
     # the step peaks in a layer's backward (gathered weights, fresh gradients, activations, the backward's
     # working set; without a pipeline the logits are freed once the loss's backward is done, while a
@@ -89,6 +90,7 @@ def predict_memory_jax(
     # not in both: the backward's buffers are freed first
     apart = min(logits, working) if layout.pipe == 1 else 0.0
     backward = st["params"] - st["stored"] + st["grads"] - st["sums"] + acts + logits + working - apart
+    backward += st["update_out"]
     freed = apart + min(st["opt"] - st["moments"], backward)
     return _jax_memory_parts(st, acts, host_acts, logits, host_state, nvme, freed, working)
 
@@ -101,9 +103,8 @@ def backward_working_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
     dot reads, and the two zero-padded cotangents of its halves; ZeRO-2 per microbatch (each layer's
     weights fetched whole) the cotangents; ZeRO-3 per layer, which gathers each weight where it is
     used, the gathered pair, its transposed copy and three cotangents (the halves' and their join),
-    in place of a whole gathered layer and its fresh gradient. offload.params: none counted."""
-    if lay.offload_params:
-        return 0.0
+    in place of a whole gathered layer and its fresh gradient; offload.params, the same fetch from
+    host memory, as ZeRO-3 per layer."""
     pb, ab = precision_of(model).param, precision_of(model).act
     ff = (2 if model.mlp == "swiglu" else 1) * model.d_ff / lay.tensor  # the pair's width on the device
     sl = s / lay.context if lay.context > 1 else s
@@ -115,10 +116,11 @@ def backward_working_bytes(model: ModelConfig, lay: Layout, s: int) -> float:
 
 
 def _offloaded_state(
-    model: ModelConfig, st: dict, offload_optimizer: bool | str, streamed: bool | None
+    model: ModelConfig, st: dict, offload_optimizer: bool | str, streamed: bool | None, params: bool = False
 ) -> tuple[float, float]:
     """(host, nvme) bytes of `_state_bytes`' state that rest off the device between steps
-    (`predict_memory_jax`'s offload_optimizer and streamed)."""
+    (`predict_memory_jax`'s offload_optimizer and streamed; `params`: offload.params, the stored
+    parameters in host memory)."""
     tier = ("host" if offload_optimizer else "none") if isinstance(offload_optimizer, bool) else offload_optimizer
     streamed = tier == "nvme" if streamed is None else streamed
     host_state = nvme = 0.0
@@ -126,6 +128,8 @@ def _offloaded_state(
         host_state = st["moments"] + (st["stored"] if model.param_dtype != model.dtype and not streamed else 0.0)
     elif tier == "nvme":
         nvme = st["moments"]
+    if params and not (tier == "host" and model.param_dtype != model.dtype and not streamed):
+        host_state += st["stored"]
     return host_state, nvme
 
 
@@ -135,7 +139,7 @@ def _jax_memory_parts(
 ) -> dict:  # fmt: skip
     """`predict_memory_jax`'s dict from its parts: the total (less `freed`, bytes never live beside the
     rest), the step's arguments and temporaries, and where the total rests between steps."""
-    total = st["params"] + st["grads"] + st["opt"] + acts + logits + working + host_acts - freed
+    total = st["params"] + st["grads"] + st["opt"] + st["update_out"] + acts + logits + working + host_acts - freed
     state = st["stored"] + st["moments"]  # the step's arguments
     host = host_state + host_acts
     return {
@@ -144,7 +148,7 @@ def _jax_memory_parts(
         "nvme": nvme,
         "params": st["params"],
         "grads": st["grads"],
-        "optimizer": st["opt"],
+        "optimizer": st["opt"] + st["update_out"],
         "activations": acts,
         "logits": logits,
         "working": working,
@@ -253,7 +257,22 @@ def _state_bytes_of(model: ModelConfig, lay: Layout, frac: float, in_flight: int
     opt_elems = (dense - nrm) / shard[2] + nrm + experts / eshard[2]
     grads_update = (max(pb, 4) if lay.microbatches > 1 else pb) * opt_elems
     return {"params": params, "stored": stored, "grads": grads, "sums": sums, "opt": opt, "moments": moments,
-            "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update}  # fmt: skip
+            "dense": dense, "experts": experts, "opt_elems": opt_elems, "grads_update": grads_update,
+            "update_out": _update_out_bytes(model, lay, counts, shard, eshard)}  # fmt: skip
+
+
+def _update_out_bytes(model: ModelConfig, lay: Layout, counts: dict, shard, eshard) -> float:
+    """offload.params: the stacked outputs of the streamed update's scan over the layers
+    (`offload/layer_update.py`), each layer's new params and optimizer moments, ZeRO shards of every
+    layer of the model (whole over the layer axis, under a pipeline too). XLA allocates them before
+    the step's loops, so they are live through the backward; 0 for the in-memory update."""
+    if not lay.offload_params:
+        return 0.0
+    prec, pb = precision_of(model, layout=lay), precision_of(model).param
+    norms = 2 * model.d_model * model.n_layers
+    experts = counts["experts"] / (lay.tensor * lay.expert) / eshard[2]
+    matrices = (counts["layers"] - norms) / lay.tensor / shard[2] + experts
+    return (pb + prec.opt) * matrices + (pb + prec.opt_rest) * norms
 
 
 def _grad_bytes(
