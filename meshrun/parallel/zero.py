@@ -46,6 +46,16 @@ def accum_zeros(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def zeros_like_shapes(tree: Any) -> Any:
+    """Zeros of each leaf's own shape and dtype (`tree`: arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def without_layers(tree: dict) -> dict:
+    """The entries of a params-shaped dict other than 'layers' (embedding, head, final norm)."""
+    return {k: v for k, v in tree.items() if k != "layers"}
+
+
 @dataclass(frozen=True)
 class ZeroShardings:
     """PartitionSpec trees (plain nested dicts) of one model's parameters at one ZeRO stage."""
@@ -159,8 +169,8 @@ class ZeroShardings:
         None when the layers are not fetched per layer."""
         if not self.per_layer:
             return None
-        rest = lambda t: {k: v for k, v in t.items() if k != "layers"}  # noqa: E731
-        return layer_fetch.reduce_rest(self.mesh, rest(self.compute), rest(self.grads), self.reduce_dtype)
+        compute, grads = without_layers(self.compute), without_layers(self.grads)
+        return layer_fetch.reduce_rest(self.mesh, compute, grads, self.reduce_dtype)
 
     def layer_sums(self, layers: Any) -> Any:
         """Float32 zeros for the layers' gradient sums inside the loop's shard_map, shaped like their
@@ -173,8 +183,8 @@ class ZeroShardings:
         """Float32 zeros for the gradient sums of the entries other than the layers inside the loop's
         shard_map, shaped like their local block of the grad layout (`params`: the local compute-layout
         params, arrays or shapes); with `rest_reduced` the loop reduces into them."""
-        rest = lambda t: {k: v for k, v in t.items() if k != "layers"}  # noqa: E731
-        return accum_zeros(jax.tree.map(self._grad_block, rest(params), rest(self.compute), rest(self.grads)))
+        rest = (without_layers(t) for t in (params, self.compute, self.grads))
+        return accum_zeros(jax.tree.map(self._grad_block, *rest))
 
     def _grad_block(self, a: Any, base: P, target: P) -> jax.ShapeDtypeStruct:
         """The shape of a local block `a` (laid out by `base`) once cut to the grad layout `target`: each
@@ -191,7 +201,7 @@ class ZeroShardings:
             return fn(self, tree)
         if self.root:
             return tree
-        rest = fn(self.without("layers"), {k: v for k, v in tree.items() if k != "layers"})
+        rest = fn(self.without("layers"), without_layers(tree))
         return {**rest, "layers": tree["layers"]}
 
     # ------------------------------------------------------------ what the loop's shard_map sees

@@ -15,7 +15,7 @@ from jax import lax
 from meshrun.family import contract
 from meshrun.parallel.layer_fetch import host_zeros, on_host, shadowed
 from meshrun.parallel.sharding import GRAD_AXES
-from meshrun.parallel.zero import accum_zeros
+from meshrun.parallel.zero import accum_zeros, zeros_like_shapes
 from meshrun.pipeline import bw_split, schedules
 from meshrun.pipeline.residuals import activation_residuals
 from meshrun.pipeline.spec import PipelineSpec
@@ -413,10 +413,6 @@ def stage_fn(split: LayerSplit, apply, c, stage):
         return apply
     n = split.count(c, stage)
     return functools.partial(uneven_apply, apply, split.lmin, n)
-
-
-def zeros_like_shapes(tree):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
 def put(buf, i, x):

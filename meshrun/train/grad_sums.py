@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshrun.parallel.layer_fetch import add_to, grad_sink, host_zeros, on_host, shadowed, sink_index
 from meshrun.parallel.sharding import is_spec
-from meshrun.parallel.zero import ZeroShardings, accum_zeros
+from meshrun.parallel.zero import ZeroShardings, accum_zeros, without_layers
 
 PLACES = ("whole", "device", "host", "sink")
 
@@ -39,10 +38,6 @@ def sums_at(zl: ZeroShardings) -> str:
     if zl.from_host:
         return "sink" if grad_sink() is not None else "host"
     return "device"
-
-
-def _without_layers(tree: dict) -> dict:
-    return {k: v for k, v in tree.items() if k != "layers"}
 
 
 def _add(acc: jax.Array, g: jax.Array) -> jax.Array:
@@ -90,19 +85,19 @@ class GradSums:
         """`share` (params, *microbatch -> (loss, aux)) of the differentiated tree `d`."""
         if not self.per_layer:
             return share(d, *mb)
-        rest = d[0] if self.fetch_rest is None else self.fetch_rest(_without_layers(self.params), d[0])
+        rest = d[0] if self.fetch_rest is None else self.fetch_rest(without_layers(self.params), d[0])
         return share({**rest, "layers": shadowed(self.params["layers"], d[1])}, *mb)
 
     def primal(self, sums: Any) -> Any:
         """The differentiated tree, given the gradient sums (per layer: the layers' arrays are the sums)."""
         if not self.per_layer:
             return self.params
-        rest = _without_layers(self.params if self.fetch_rest is None else sums)
+        rest = without_layers(self.params if self.fetch_rest is None else sums)
         return rest, sums["layers"]
 
     def diff(self, sums: Any) -> Any:
         """The sums shaped as the differentiated tree (`bw_split.vjp_into` adds into them)."""
-        return (_without_layers(sums), sums["layers"]) if self.per_layer else sums
+        return (without_layers(sums), sums["layers"]) if self.per_layer else sums
 
     def grads(self, g: Any) -> Any:
         """A gradient of the differentiated tree as a tree of the params."""
@@ -125,7 +120,3 @@ class GradSums:
         if self.at == "sink":  # the layers' gradient went to the sink; their squared sums came back
             out[0]["layers"] = g["layers"]
         return out
-
-
-def zeros_like_shapes(tree: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)

@@ -36,10 +36,10 @@ from meshrun.optim.optimizer import MasterState, apply_optimizer, make_optimizer
 from meshrun.parallel import fp8
 from meshrun.parallel.layer_fetch import rest_like, use_layer_fetch
 from meshrun.parallel.sharding import MANUAL, batch_spec, compute_rules, is_spec, manual_axes, use_rules
-from meshrun.parallel.zero import ZeroShardings
+from meshrun.parallel.zero import ZeroShardings, zeros_like_shapes
 from meshrun.pipeline import bw_split
 from meshrun.pipeline.executor import Pipeline
-from meshrun.train.grad_sums import GradSums, zeros_like_shapes
+from meshrun.train.grad_sums import GradSums
 from meshrun.train.plan import StepPlan, build_plan, dp_degree
 
 
