@@ -70,9 +70,6 @@ def fine_cases(d_model: int = 128, tokens: int = 1, one: bool = False) -> tuple[
     )
 
 
-FINE_CASES = fine_cases()
-
-
 def stepper(path: str, overrides: list[str]):
     """A compiled train step on one fixed batch: a callable that runs one step and returns its seconds."""
     import jax  # after bench/train.py has set up the simulated devices
