@@ -1,7 +1,7 @@
 """MoE dispatch: capacity routing vs dropless, step time and memory per layout (a script, not a test).
 
     python bench/moe.py [--steps 5] [--warmup 2] [--only dispatch|fine] [--rounds 5] [--size D[xN] ...]
-                        [--one-device]
+                        [--one-device] [--granularity G ...]
 
 tiny_moe_cpu.yaml (4 experts, top-2, every other layer MoE, global batch 16 x 64 tokens) on
 data2 x expert2 x tensor2 and on one device, each with `model.moe_dispatch=capacity`
@@ -16,7 +16,9 @@ Fine-grained MoE vs dense: tiny_deepseek_cpu.yaml reshaped to 2 MoE layers on da
 64 experts of width d_ff/8, top-8, and 1 shared expert, beside the dense model of equal active FFN width
 (9 d_ff/8; the router's d_model * 64 per token is extra), at d_model 128 (d_ff 512) and the 16 x 64 tokens
 of a step, or with --size D[xN] at d_model D (d_ff 4D) and N x the tokens; --one-device: one device's
-share of the step (1/8 of the batch, routed among the 16 experts of one expert rank) on one device.
+share of the step (1/8 of the batch, routed among the 16 experts of one expert rank) on one device;
+--granularity G: 8G experts of width d_ff/G, top-G, 1 shared of that width, beside the dense width
+(G + 1) d_ff/G (8: the fine-grained MoE; 2: 16 experts of width d_ff/2, top-2).
 Median ms/step and CPU ms/step over --rounds alternated rounds of --steps steps each (one untimed step
 per round first). At the default size an expert GEMM is a few KFLOP: the step measures per-op and
 collective overhead; the larger sizes show the trend (a real MoE step has thousands of tokens per
@@ -26,6 +28,7 @@ expert group: 2048 at N = 4).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -51,20 +54,21 @@ FINE_MESH = ["mesh.data=2", "mesh.expert=4", "mesh.tensor=1", "model.n_layers=2"
 FINE_TOKENS = 16 * 64  # tiny_deepseek_cpu.yaml's global batch x seq_len: --size's token factor 1
 
 
-def fine_cases(d_model: int = 128, tokens: int = 1, one: bool = False) -> tuple[tuple[str, list[str]], ...]:
-    """The fine-grained MoE at d_model (d_ff = 4 d_model, 64 experts of width d_ff/8, top-8, 1 shared)
-    and its dense twin of equal active FFN width (9 d_ff/8), `tokens` x the global batch of 16 x 64.
-    `one`: one device's share on one device (1/8 of the batch; the MoE with the 16 experts of one
+def fine_cases(d_model: int = 128, tokens: int = 1, one: bool = False, gran: int = 8) -> tuple[tuple[str, list], ...]:
+    """The MoE of granularity `gran` at d_model (d_ff = 4 d_model; 8 gran experts of width d_ff/gran,
+    top-gran, 1 shared of that width: 8 is the fine-grained 64 x d_ff/8, top-8) and its dense twin of
+    equal active FFN width ((gran + 1) d_ff/gran), `tokens` x the global batch of 16 x 64.
+    `one`: one device's share on one device (1/8 of the batch; the MoE with the 2 gran experts of one
     expert rank, so its buffers and expert GEMMs have the shapes of one device of data2 x expert4)."""
-    f, batch = 4 * d_model, (2 if one else 16) * tokens
+    f, batch, w = 4 * d_model, (2 if one else 16) * tokens, 4 * d_model // gran
     base = [*FINE_MESH, f"model.d_model={d_model}", f"model.d_ff={f}", f"train.global_batch={batch}"]
     base += ["mesh.data=1", "mesh.expert=1"] if one else []
-    moe = [*base, f"model.n_experts={16 if one else 64}", f"model.moe_d_ff={f // 8}", "model.top_k=8",
+    moe = [*base, f"model.n_experts={(2 if one else 8) * gran}", f"model.moe_d_ff={w}", f"model.top_k={gran}",
            "model.n_shared_experts=1"]  # fmt: skip
-    dense = [*base, "model.n_experts=0", "model.moe_d_ff=0", "model.n_shared_experts=0", f"model.d_ff={9 * f // 8}",
+    dense = [*base, "model.n_experts=0", "model.moe_d_ff=0", "model.n_shared_experts=0", f"model.d_ff={(gran + 1) * w}",
              "model.balance=aux_loss", "model.router_score=softmax"]  # fmt: skip
     return (
-        (f"dense d_ff={9 * f // 8}", dense),
+        (f"dense d_ff={(gran + 1) * w}", dense),
         ("MoE dropless", [*moe, "model.moe_dispatch=dropless"]),
         ("MoE capacity cf=1.25", [*moe, "model.moe_dispatch=capacity", "model.capacity_factor=1.25"]),
     )
@@ -113,19 +117,21 @@ def alternate(cases, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in times.items()}
 
 
-def fine_vs_dense(rounds: int, steps: int, sizes=((128, 1),), one: bool = False) -> None:
-    """Fine-grained MoE against the dense model of equal active FLOPs per (d_model, token factor) of
-    `sizes`, the cases of one size alternated in rounds; one table (`one`: one device's share)."""
+def fine_vs_dense(rounds: int, steps: int, sizes=((128, 1),), one: bool = False, grans=(8,)) -> None:
+    """The MoE of each granularity in `grans` against the dense model of equal active FLOPs per
+    (d_model, token factor) of `sizes`, the cases of one size and granularity alternated in rounds;
+    one table (`one`: one device's share)."""
     layout = "1 device, 1/8 step" if one else "data2 x expert4"
-    head = f"{'d_model tokens':<16}{layout:<22}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
+    head = f"{'d_model tokens':<16}{'gran':<6}{layout:<22}{'ms/step':>9}{'vs dense':>10}{'CPU ms':>9}{'vs dense':>10}"
     print(f"\n{head}\n{'-' * len(head)}", flush=True)
     for d_model, factor in sizes:
-        cases = fine_cases(d_model, factor, one)
-        med = alternate(cases, rounds, steps)
-        dense, dense_cpu = med[cases[0][0]]
-        for name, (wall, c) in med.items():
-            row = f"{d_model:<8}{factor * FINE_TOKENS:<8}{name:<22}{1e3 * wall:>9.1f}{wall / dense:>10.2f}"
-            print(f"{row}{1e3 * c:>9.1f}{c / dense_cpu:>10.2f}", flush=True)
+        for gran in grans:
+            cases = fine_cases(d_model, factor, one, gran)
+            med = alternate(cases, rounds, steps)
+            dense, dense_cpu = med[cases[0][0]]
+            for name, (wall, c) in med.items():
+                row = f"{d_model:<8}{factor * FINE_TOKENS:<8}{gran:<6}{name:<22}{1e3 * wall:>9.1f}{wall / dense:>10.2f}"
+                print(f"{row}{1e3 * c:>9.1f}{c / dense_cpu:>10.2f}", flush=True)
     print("CPU ms = this process's CPU time per step (all simulated devices), steadier on shared cores.")
 
 
@@ -147,12 +153,17 @@ def main() -> None:
                     help="fine-grained vs dense at d_model D and N x the tokens a step (default 128x1)")  # fmt: skip
     ap.add_argument("--one-device", action="store_true",
                     help="fine-grained vs dense: one device's share of a step on one device")  # fmt: skip
+    ap.add_argument("--granularity", type=int, nargs="+", default=[8], metavar="G",
+                    help="MoE vs dense: 8G experts of width d_ff/G, top-G, 1 shared (default 8)")  # fmt: skip
     args = ap.parse_args()
+    for g, (d, _) in itertools.product(args.granularity, args.size):
+        if g < 1 or 4 * d % g:
+            ap.error(f"--granularity {g}: give G >= 1 that divides d_ff = {4 * d} (d_model {d}), e.g. 2, 4 or 8")
     if args.only != "fine":
         dispatch_table(args)
     if args.only != "dispatch":
         print(" ".join(__doc__.split("\n\n")[3].split()))
-        fine_vs_dense(args.rounds, args.steps, args.size, args.one_device)
+        fine_vs_dense(args.rounds, args.steps, args.size, args.one_device, args.granularity)
 
 
 def dispatch_table(args) -> None:

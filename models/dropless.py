@@ -1,7 +1,7 @@
 """Dropless MoE dispatch (`model.moe_dispatch=dropless`): every (token, choice) assignment is computed.
 
 Tokens are sorted by expert and the local experts run as one grouped matmul (gmm.py: `ragged_dot`
-on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU batched slots of twice an expert's
+on GPU/TPU, MegaBlocks-style, Gale et al. 2022; on XLA:CPU batched slots of 1.25 times an expert's
 expected rows plus a tile loop for any rows past them); no capacity, no drops.
 
 Expert parallelism over `axis` (ep devices, E/ep experts each): every device all-gathers its
@@ -16,6 +16,7 @@ Shape letters as in layers.py; A = T*k assignments (ep*T*k gathered), R = ep*T*m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
@@ -29,7 +30,10 @@ from meshrun.parallel import fp8
 from meshrun.parallel.context import sequence_split
 from meshrun.parallel.sharding import constrain, splits
 
-SLACK = 2  # CPU: batched slots per expert, as a multiple of its expected rows; rows past them run in a loop
+# CPU: batched slots per expert, as a multiple of its expected rows; rows past them run in the tile loop.
+# The slots run whether filled or not: 1.25 (1.0 alike) cut the fine-grained bench's dropless step by
+# 18% (data2 x expert4, d_model 512, 4096 tokens) against 2.0; 1.5 costs 3% more than 1.25.
+SLACK = 1.25
 
 
 def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array, cfg: ModelConfig, f8=None, mean=1):
@@ -41,10 +45,11 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     dt = dtype_of(cfg.dtype)
     sizes_E = sizes_E.astype(jnp.int32)
     cpu = cfg.fp8 == "none" and jax.default_backend() == "cpu"  # one fused tile loop: only the tiles the rows fill
+    slots = math.ceil(SLACK * mean)
     if cpu and splits("mlp") == 1:
         # gate and up as two matmuls: no stacked weight copy, no interleaved output to split
         w_in, act_in = ((p["gate"], p["up"]), _silu_mul) if cfg.mlp == "swiglu" else ((p["up"],), jax.nn.gelu)
-        return ffn(x_RxD, tuple(w.astype(dt) for w in w_in), p["down"].astype(dt), sizes_E, act_in, cap=SLACK * mean)
+        return ffn(x_RxD, tuple(w.astype(dt) for w in w_in), p["down"].astype(dt), sizes_E, act_in, cap=slots)
     if cfg.mlp == "swiglu":
         # gate and up in one grouped matmul (one input-gradient all-reduce over tensor in backward, not
         # two): [E, D, F, 2] -> [E, D, 2F] keeps each tensor shard's F slice contiguous.
@@ -54,7 +59,7 @@ def grouped_ffn(p: Mapping[str, jax.Array], x_RxD: jax.Array, sizes_E: jax.Array
     else:
         w_up, act, spec = p["up"], jax.nn.gelu, (None, "mlp")
     if cpu:
-        return ffn(x_RxD, (w_up.astype(dt),), p["down"].astype(dt), sizes_E, act, cap=SLACK * mean)
+        return ffn(x_RxD, (w_up.astype(dt),), p["down"].astype(dt), sizes_E, act, cap=slots)
     if cfg.fp8 != "none":  # the grouped matmuls in fp8
 
         def mm(x, w, slot):
