@@ -29,6 +29,7 @@ from meshrun.offload.optimizer_tier import clip
 from meshrun.optim import optimizer, registry
 from meshrun.parallel.layer_fetch import rest_like, spec_axes, sq_sum, to_device
 from meshrun.parallel.sharding import is_spec
+from meshrun.parallel.zero import without_layers
 
 LAYER, OTHER, SCALAR = "layer", "other", "scalar"
 
@@ -64,9 +65,8 @@ def _dtype(g, p, cast: bool):
 def other_sq(grads: Any, params: Any, cast: bool) -> jax.Array:
     """The squared sum of the other entries' gradients (embedding, head, final norm), on the device."""
     sq = lambda g, p: jnp.sum(jnp.square(_dtype(to_device(g), p, cast).astype(jnp.float32)))
-    other = {k: v for k, v in params.items() if k != "layers"}
-    other_g = {k: v for k, v in grads.items() if k != "layers"}
-    return sum(jax.tree.leaves(jax.tree.map(sq, other_g, other)), jnp.zeros((), jnp.float32))
+    sums = jax.tree.map(sq, without_layers(grads), without_layers(params))
+    return sum(jax.tree.leaves(sums), jnp.zeros((), jnp.float32))
 
 
 def layer_sq(g: Any, p: Any, cast: bool, zl: Any) -> Any:
@@ -139,7 +139,7 @@ class Update:
         it, sc = iter(slots), iter(scalars)
         opt = [next(it) if k == LAYER else (next(sc) if k == SCALAR else jnp.zeros((0,), dt))
                for k, dt in zip(self.kinds, self.dtypes, strict=True)]  # fmt: skip
-        empty = lambda t: {k: jax.tree.map(_empty, v) for k, v in t.items() if k != "layers"}
+        empty = lambda t: jax.tree.map(_empty, without_layers(t))
         new_p, new_opt = self.run({**empty(like_g), "layers": g}, {**empty(like), "layers": p}, opt, g_norm)
         return new_p["layers"], [n for n, k in zip(jax.tree.leaves(new_opt), self.kinds, strict=True) if k == LAYER]
 
@@ -149,10 +149,10 @@ class Update:
         opt = [jnp.zeros((0,), dt) if k == LAYER else next(it) for k, dt in zip(self.kinds, self.dtypes, strict=True)]
         empty = jax.tree.map(_empty, params["layers"])
         empty_g = jax.tree.map(_empty, grads["layers"])
-        other_g = {k: v for k, v in grads.items() if k != "layers"}
-        other = {k: v for k, v in params.items() if k != "layers"}
-        new_p, new_opt = self.run({**other_g, "layers": empty_g}, {**other, "layers": empty}, opt, g_norm)
-        return {k: v for k, v in new_p.items() if k != "layers"}, \
+        new_p, new_opt = self.run(
+            {**without_layers(grads), "layers": empty_g}, {**without_layers(params), "layers": empty}, opt, g_norm
+        )
+        return without_layers(new_p), \
             [n for n, k in zip(jax.tree.leaves(new_opt), self.kinds, strict=True) if k != LAYER]  # fmt: skip
 
     def split(self, opt_state: Any) -> tuple[list, list]:

@@ -32,6 +32,7 @@ from meshrun.offload.layer_update import LAYER, SCALAR
 from meshrun.optim.optimizer import MasterState
 from meshrun.parallel.layer_fetch import rest_like, to_device, use_grad_sink
 from meshrun.parallel.sharding import is_spec
+from meshrun.parallel.zero import without_layers
 
 
 class ParamTier:
@@ -86,7 +87,7 @@ class ParamTier:
             return g_layers, new_other, tuple(new_kept), g_norm, {"loss": loss, "grad_norm": g_norm, **aux}
 
         n_batch = 3 if cfg.data.pack_documents else 2
-        other_sh = {k: v for k, v in sh.params.items() if k != "layers"}
+        other_sh = without_layers(sh.params)
         self.device_part = jax.jit(
             device_part, in_shardings=(sh.params, tuple(self.kept_sh), *(ts.batch_sharding,) * n_batch),
             out_shardings=(() if self.grads_nvme else sh.params["layers"], other_sh, tuple(self.kept_sh),
@@ -121,7 +122,7 @@ class ParamTier:
         def layer_chunk(p_layers, g_layers, slots, scalars, g_norm, l0, k_):
             p = self._take(jax.tree.leaves(p_layers), self.store_sp, l0, k_)
             g, state = self._chunk_grad_and_state(g_layers, slots, l0, k_)
-            like = {kk: v for kk, v in abstract.params.items() if kk != "layers"}
+            like = without_layers(abstract.params)
             like_g = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), like)
             layers = lambda leaves: jax.tree.unflatten(self.layers_def, leaves)
             new_p, new_slots = up.layers(layers(g), layers(p), list(state), scalars, like, like_g, g_norm)

@@ -30,7 +30,7 @@ from meshrun.errors import ConfigError
 from meshrun.family import contract
 from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import CONTEXT, MANUAL, batch_axes, compute_rules, manual_axes, use_rules
-from meshrun.parallel.zero import ZeroShardings
+from meshrun.parallel.zero import ZeroShardings, without_layers
 from meshrun.pipeline.per_op import OpRun
 from meshrun.pipeline.spec import PipelineSpec, pure
 from meshrun.pipeline.tick_loop import StageRun
@@ -106,7 +106,7 @@ class Pipeline:
         `segment_ids` (packed documents) reach every stage's layers with the microbatch's tokens."""
         mesh, lsplit, zl = self.mesh, self.split, self.zero
         params, batch, bspec = self.placed(params, tokens, labels, segment_ids)
-        layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
+        layers, other = params["layers"], without_layers(params)
         zl_l, zl_o = zl.sub("layers"), zl.without("layers")
         if zl.per_layer:  # the embedding's and head's gradient left the ticks reduced, as the layers'
             zl_o = dataclasses.replace(zl_o, rest_reduced=True)

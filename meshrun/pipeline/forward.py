@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from meshrun.family import contract
 from meshrun.parallel.layer_fetch import use_layer_fetch
 from meshrun.parallel.sharding import GRAD_AXES, MANUAL, compute_rules, manual_axes, use_rules
+from meshrun.parallel.zero import without_layers
 from meshrun.pipeline.spec import PipelineSpec
 from meshrun.pipeline.tick_loop import stage_fn, take
 
@@ -30,7 +31,7 @@ def forward_sums(pl, params, tokens, labels, segment_ids=None):
     """(loss_sum, n_tokens) over the global batch, through `Pipeline` `pl`'s stages (traceable)."""
     zl = pl.zero
     params, batch, bspec = pl.placed(params, tokens, labels, segment_ids)
-    layers, other = params["layers"], {k: a for k, a in params.items() if k != "layers"}
+    layers, other = params["layers"], without_layers(params)
     f = jax.shard_map(
         lambda lay, oth, *b: _body(pl.spec, lay, oth, *b, fetch=zl.sub("layers").layer_fetch()),
         mesh=pl.mesh,
