@@ -489,17 +489,30 @@ def test_cli_blockwise_block_that_does_not_divide_exits_2(tmp_path):
 # step by at most lr dg / eps, then the parameter rounds). Mutations that fail it: weight-gradient tiles
 # over the batch rows instead of the sequence (spanning the data split; the fp8 GEMMs' weights move
 # 139..4e4 such ulps), one weight scale over all the experts (spanning the expert split; the loss).
+# It also needs a token's float32 values to come out the same whatever the local token count, which
+# XLA:CPU (jaxlib 0.10) breaks: a reduction over >= 4096 elements (a norm's sum of squares over the tokens)
+# runs in its YNNPACK library, smaller ones in XLA's own loops, which sum in another order. A one-ulp
+# difference moves a tile's scale and flips fp8 values. Rows here hold 4096+ elements on both sides
+# (d_model 64 x 64 local tokens); MLA's latent norms (16 and 24 wide) need 256 local tokens, so its
+# row runs 64-token sequences. At 16-token ones it is 1.7e4 ulps apart on data2 x expert2 and on data2
+# (tiny_cpu on data8: 2.2e4). With YNNPACK fusions off (XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=),
+# one device at 16, 8, 4 or 2 sequences gives the same per-token outputs and input gradients, data2 and
+# expert2 are 1 ulp apart, but data2 x expert2 is still 6.6e3 apart (tiny_cpu on data4: 215, 1 with
+# YNNPACK on): some other size-dependent path of the sharded step, not located.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config, over, layout, n",
     [
         ("tiny_cpu.yaml", ["model.fp8_block=32"], ["mesh.data=2", "mesh.pipe=1", "mesh.tensor=1"], 2),
         ("tiny_moe_cpu.yaml", ["model.fp8_block=16", "model.n_shared_experts=1"], ["mesh.tensor=1"], 4),
+        ("tiny_deepseek_cpu.yaml", ["model.fp8_block=16", "model.moe_dispatch=capacity", "train.seq_len=64",
+         "model.max_seq_len=64"], ["mesh.tensor=1"], 4),  # partial tiles: q_lora 24, kv_down 24, kv_up 20
     ],
-)
+)  # fmt: skip
 def test_blockwise_step_is_exact_but_for_reduction_order_across_data_and_expert(config, over, layout, n):
-    """Two blockwise steps on data2 (dense) and data2 x expert2 (capacity experts, a shared expert)
-    give one device's losses and parameters to float32 reduction order: no tile spans a split."""
+    """Two blockwise steps on data2 (dense) and data2 x expert2 (capacity experts, a shared expert;
+    MLA with fine-grained experts) give one device's losses and parameters to float32 reduction
+    order: no tile spans a split."""
     over = [*PARITY, "model.fp8=blockwise", "pipeline.microbatches=1", *over]
     ref = run_steps(_cfg(config, [*over, *ONE_DEVICE]), n_devices=1, steps=2)
     got = run_steps(_cfg(config, [*over, *layout]), n_devices=n, steps=2)
@@ -558,10 +571,10 @@ def drift(got, ref):
 # context2 x expert2 x tensor2 1.55e-4 / 2.8e-3 (nudged 7.5e-5 / 2.4e-3: its loss just past the bound).
 # Blockwise MLA (tiny_deepseek_cpu: dropless, a shared expert, partial tiles), loss / parameters: block 16
 # on data2 x expert2 x tensor2 1.5e-5 / 2.8e-3 (nudged 1.9e-6 / 3.1e-3), block 8 on context2 x expert2 x
-# tensor2 2.0e-6 / 3.0e-3 (nudged 2.0e-5 / 3.2e-3); kv_down and kv_up the farthest in every run. Unlike
-# GQA's, its step is not exact to reduction order on data2 x expert2 (capacity, 2 steps: the losses 3 ulps
-# apart, parameters 1.7e4 ulps), while fp8=none MLA and blockwise GQA are (1 ulp). Not located: with the
-# down projections, the up projections or the output in plain float32 instead, still 5.4e3, 4.1e4, 1.6e3.
+# tensor2 2.0e-6 / 3.0e-3 (nudged 2.0e-5 / 3.2e-3); kv_down and kv_up the farthest in every run. At these
+# 16-token rows its step is not exact to reduction order on data2 x expert2 (capacity, 2 steps: parameters
+# 1.7e4 ulps; fp8=none 1 ulp): its 16- and 24-wide latent norms round by the local token count on XLA:CPU
+# (the comment above the exact test, which holds MLA at 64-token rows to 1 ulp).
 # The bound is loose for it (block 16, data2 x expert2 x tensor2): every tile scaled by its shard's whole
 # operand fails it just (1.3e-2 against twice 6.5e-3), dW tiles over batch rows pass (5.6e-3, 6.4e-3).
 CONTEXT2 = ["mesh.pipe=1", "mesh.data=2", "mesh.context=2"]  # data2 x context2 x tensor2
