@@ -32,7 +32,7 @@ from meshrun.parallel.sharding import constrain, splits
 
 # CPU: batched slots per expert, as a multiple of its expected rows; rows past them run in the tile loop.
 # The slots run whether filled or not: 1.25 (1.0 alike) cut the fine-grained bench's dropless step by
-# 18% (data2 x expert4, d_model 512, 4096 tokens) against 2.0; 1.5 costs 3% more than 1.25.
+# 15% (data2 x expert4, d_model 512, 4096 tokens; 20% at d_model 128) against 2.0; 1.5 costs 3% more.
 SLACK = 1.25
 
 
